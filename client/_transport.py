@@ -1,0 +1,124 @@
+"""One DEALER socket to the daemon: requests, replies, timeouts, reconnection.
+
+Theory of operation
+-------------------
+Requests are serialized by a lock (one in flight per Transport), tagged with
+an increasing id, and their reply is the next message carrying that id;
+stale replies (to a request that already timed out) are discarded.
+
+The socket is created with ZMQ_IMMEDIATE, so a message is only queued once a
+connection to the daemon exists. That gives a cheap "is the daemon there?"
+test -- POLLOUT -- and a down daemon costs a caller at most `connect_wait`,
+then nothing at all until `retry_interval` has passed (ZeroMQ keeps
+reconnecting in the background; the first call after the daemon is back
+finds POLLOUT ready). A request that timed out after being sent leaves the
+socket in an unknown state, so the socket is closed and a fresh one made:
+that also makes a restarted daemon reachable again without the caller
+doing anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kvd.protocol import codec
+from kvd.protocol.codec import Message
+from kvd.protocol.errors import KvdError, ProtocolError, from_code
+from kvd.protocol.limits import Limits
+from kvd_client._errors import BadReply, DaemonUnavailable
+
+# Replies are decoded with generous limits: the daemon is trusted to respect
+# its own advertised limits, and we must accept a full page of chunks.
+_REPLY_LIMITS = Limits(max_message_bytes=1 << 40, max_header_bytes=1 << 30, max_frames=1 << 20)
+
+
+class Transport:
+    """A thread-safe request/reply channel to one endpoint."""
+
+    def __init__(self, endpoint: str, *, connect_wait: float = 0.25, retry_interval: float = 1.0):
+        self.endpoint = endpoint
+        self.connect_wait = connect_wait
+        self.retry_interval = retry_interval
+        self._ctx = zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._sock: zmq.Socket | None = None
+        self._fresh = True  # socket never connected yet: allow connect_wait
+        self._down_until = 0.0
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+            sock.connect(self.endpoint)
+            self._sock, self._fresh = sock, True
+        return self._sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
+        """Send a request and return its decoded reply.
+
+        Raises DaemonUnavailable (no connection or no reply within `timeout`),
+        the KvdError subclass of an ERROR reply, or BadReply.
+        """
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout=timeout):
+            raise DaemonUnavailable(f"client busy for {timeout:.1f}s (another call in flight)")
+        try:
+            sock = self._socket()
+            now = time.monotonic()
+            if not self._fresh and now < self._down_until:
+                wait = 0.0
+            else:
+                wait = min(self.connect_wait if self._fresh else 0.0, max(0.0, deadline - now))
+            if not sock.poll(int(wait * 1000), zmq.POLLOUT):
+                self._down_until = time.monotonic() + self.retry_interval
+                self._fresh = False
+                raise DaemonUnavailable(f"no daemon at {self.endpoint}")
+            self._fresh = False
+            rid = next(self._ids)
+            frames = codec.encode(mtype, fields, id=rid)
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise DaemonUnavailable(f"daemon at {self.endpoint} is not accepting messages") from None
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                    self._reset()
+                    raise DaemonUnavailable(f"no reply from {self.endpoint} within {timeout:.1f}s")
+                raw = sock.recv_multipart(copy=False)
+                try:
+                    reply = codec.decode_reply([f.buffer for f in raw], _REPLY_LIMITS)
+                except ProtocolError as err:
+                    self._reset()
+                    raise BadReply(f"undecodable reply: {err}") from None
+                if reply.id != rid:
+                    continue  # a late reply to a request that timed out
+                break
+        finally:
+            self._lock.release()
+        if reply.type == "ERROR":
+            raise from_code(reply["code"], reply["message"])
+        if reply.type != mtype:
+            raise BadReply(f"asked {mtype}, got a {reply.type} reply")
+        return reply
+
+
+__all__ = ["Transport", "KvdError"]

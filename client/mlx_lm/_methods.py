@@ -1,0 +1,204 @@
+"""`store` / `fetch` / `lookup`: the mlx-lm calls of `kvd_client.Client`.
+
+Theory of operation
+-------------------
+`MlxMethods` is mixed into `Client`, which provides the numpy-level `put`,
+`get`, `probe`, `namespace`, `strict` and `counters`. This module imports
+no mlx at import time; the mlx work lives in `_snapshot` and `_rebuild` and
+always runs on the thread that calls `store` / `fetch` (the generation
+thread, inside its `mx.stream` if it has one):
+
+    store:  caller thread   take(): slice, eval, copy to numpy  -> Snapshot
+            writer thread   put(tokens, Snapshot)                (numpy only)
+    fetch:  caller thread   get() -> Hit (numpy) -> rebuild(): mx.array, eval
+
+Does the model need boundary state? A model with any recurrent or
+sliding-window layer (ArraysCache, RotatingKVCache, ChunkedKVCache) can only
+resume where such state was stored; an attention-only model can resume at
+any stored prefix. The client learns the model's layer layout, per
+namespace, from (first wins until something newer is seen):
+
+1. `namespace_for(model, ...)`, which builds the model's own
+   `make_prompt_cache` and records its layout under the id it returns;
+2. the snapshot of any `store` in this process;
+3. the meta of any hit (every chunk carries the layout).
+
+Until one of these has been seen, `fetch` and `lookup` assume boundary state
+is needed: always correct, at worst less reuse on the first call.
+
+A namespace has one layout: a `store` whose layout differs from the one
+recorded (e.g. a KVCache snapshot in a namespace made for a quantized KV
+cache) is refused and counted `store_layout_mismatch`, because chunks of two
+layouts under one prefix would not join.
+
+Failures never raise into the caller unless `strict`: they are counted in
+`counters` (`store_dropped`, `store_failed`, `store_unsupported`,
+`store_invalid`, `store_layout_mismatch`, `fetch_miss`, `fetch_invalid`) and
+the call degrades to "not stored" / a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+from kvd_client.mlx_lm import _format as F
+from kvd_client.mlx_lm._writer import DEFAULT_MAX_PENDING_BYTES, Writer
+
+_init_lock = threading.Lock()
+
+
+class MlxMethods:
+    """mlx-lm prompt caches in and out of kvd (see module docstring)."""
+
+    #: Bytes of snapshots that may wait for the writer thread before `store`
+    #: starts dropping new ones (at least one is always admitted).
+    store_queue_bytes: int = DEFAULT_MAX_PENDING_BYTES
+
+    # -- public --------------------------------------------------------------
+    def store(self, tokens: Sequence[int], prompt_cache: Sequence[Any], *, wait: bool = False) -> bool:
+        """Store `prompt_cache`, the cache of `tokens` (fed from position 0).
+
+        The snapshot (mlx slicing, evaluation and the copy to host memory) is
+        taken on the calling thread before this returns, so the caller may
+        keep decoding into the cache at once. The upload then runs on a
+        background writer thread, unless `wait=True` or the client is strict.
+
+        Returns True if the snapshot was queued (or, when waiting, stored);
+        False if there was nothing to store or it was refused or dropped
+        (counted). Raises only when the client is strict.
+        """
+        from kvd_client.mlx_lm._snapshot import take
+
+        try:
+            taken = take(tokens, prompt_cache)
+        except F.UnsupportedCache:
+            self._mlx_count("store_unsupported")
+            if self._mlx_strict():
+                raise
+            return False
+        except F.SnapshotMismatch:
+            self._mlx_count("store_invalid")
+            if self._mlx_strict():
+                raise
+            return False
+        if taken is None:
+            return False
+        toks, snap = taken
+        layers = snap.meta["layers"]
+        known = F.layout_for(self.namespace)
+        if known is None:
+            F.remember(self.namespace, layers)
+        elif known != layers:
+            self._mlx_count("store_layout_mismatch")
+            if self._mlx_strict():
+                raise F.SnapshotMismatch(f"cache layout differs from the one recorded for namespace {self.namespace!r}")
+            return False
+        if wait or self._mlx_strict():
+            ok = bool(self.put(toks, snap))
+            self._mlx_count("stored" if ok else "store_failed")
+            return ok
+        return self._mlx_writer().submit(toks, snap)
+
+    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+        """The longest reusable stored prefix of `tokens`, as mlx-lm cache objects.
+
+        Returns (prompt_cache, n): a fresh cache list covering `tokens[:n]`
+        (built on the calling thread, inside its active stream), with
+        1 <= n <= len(tokens) - 1 so at least one token is left to feed;
+        or (None, 0) on a miss. For models with recurrent/windowed layers n
+        is a position where that state was stored.
+        """
+        from kvd_client.mlx_lm._rebuild import rebuild
+        from kvd_client.mlx_lm._snapshot import _host_tokens
+
+        toks = _host_tokens(tokens)
+        cap = len(toks) - 1
+        if cap < 1:
+            return None, 0
+        known = self._mlx_boundary_need()
+        need = True if known is None else known
+        hit = self.get(toks, max_tokens=cap, need_boundary=need)
+        if hit is not None and not need and hit.boundary is None and self._mlx_learn(hit):
+            # The recorded layout said attention-only but the data says otherwise
+            # (namespace_for called with other options?): ask again, properly.
+            hit = self.get(toks, max_tokens=cap, need_boundary=True)
+        if hit is None or hit.n < 1:
+            self._mlx_count("fetch_miss")
+            return None, 0
+        self._mlx_learn(hit)
+        try:
+            if hit.n > cap:
+                raise F.SnapshotMismatch(f"served {hit.n} tokens, asked for at most {cap}")
+            cache = rebuild(hit)
+        except F.SnapshotMismatch:
+            self._mlx_count("fetch_invalid")
+            if self._mlx_strict():
+                raise
+            return None, 0
+        self._mlx_count("fetch_hit")
+        self._mlx_count("tokens_reused", hit.n)
+        return cache, hit.n
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """The n that `fetch(tokens)` would return now, without moving tensors (0 on a miss)."""
+        from kvd_client.mlx_lm._snapshot import _host_tokens
+
+        toks = _host_tokens(tokens)
+        cap = len(toks) - 1
+        if cap < 1:
+            return 0
+        probe = self.probe(toks)
+        limit = min(cap, probe.n)
+        if self._mlx_boundary_need() is False:
+            return max(limit, 0)
+        return max((b for b in probe.boundaries if b <= limit), default=0)
+
+    def flush_stores(self, timeout: float | None = None) -> bool:
+        """Wait until every queued store has been put (or failed). False on timeout."""
+        writer = getattr(self, "_mlx_writer_obj", None)
+        return True if writer is None else writer.flush(timeout)
+
+    def close(self) -> None:
+        """Finish queued stores (up to the client timeout), then close the client."""
+        writer = getattr(self, "_mlx_writer_obj", None)
+        if writer is not None:
+            writer.close(getattr(self, "timeout", 5.0))
+        parent = getattr(super(), "close", None)
+        if parent is not None:
+            parent()
+
+    # -- plumbing ----------------------------------------------------------------
+    def _mlx_writer(self) -> Writer:
+        writer = getattr(self, "_mlx_writer_obj", None)
+        if writer is None:
+            with _init_lock:
+                writer = getattr(self, "_mlx_writer_obj", None)
+                if writer is None:
+                    writer = Writer(self.put, self._mlx_count, self.store_queue_bytes)
+                    self._mlx_writer_obj = writer
+        return writer
+
+    def _mlx_count(self, key: str, n: int = 1) -> None:
+        with _init_lock:
+            counters = getattr(self, "counters", None)
+            if counters is None:
+                counters = self.counters = {}
+            counters[key] = counters.get(key, 0) + n
+
+    def _mlx_strict(self) -> bool:
+        return bool(getattr(self, "strict", False))
+
+    def _mlx_boundary_need(self) -> bool | None:
+        layers = F.layout_for(self.namespace)
+        return None if layers is None else F.needs_boundary(layers)
+
+    def _mlx_learn(self, hit: Any) -> bool:
+        """Record the layout a hit describes; return whether it needs boundary state."""
+        meta = hit.meta if isinstance(hit.meta, dict) else {}
+        layers = meta.get("layers")
+        if meta.get("fmt") != F.FORMAT or not isinstance(layers, list) or not layers:
+            return False
+        if F.layout_for(self.namespace) != layers:
+            F.remember(self.namespace, layers)
+        return F.needs_boundary(layers)

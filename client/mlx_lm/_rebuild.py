@@ -1,0 +1,136 @@
+"""`Hit` -> mlx-lm prompt cache, on the caller's thread.
+
+Theory of operation
+-------------------
+`rebuild(hit)` reads the layer specs from `hit.meta` (see `_format`), makes
+one fresh mlx-lm cache object per layer with its constructor, and fills in
+explicit attributes. Every array is created here, from the hit's numpy bytes
+(`mx.array` copies on the CPU build, so the hit's buffers -- possibly
+received ZeroMQ frames -- can be dropped right after), bfloat16 by viewing
+uint16 bits, and the lot is evaluated with one `mx.eval` on the caller's
+stream, so the first forward pass does not pay for it and nothing lazy
+escapes to another thread.
+
+Sliced layers get `offset = hit.n` (the RoPE position of the next token);
+boundary layers get the scalars stored with their state, and must agree that
+they describe exactly `hit.n` tokens. Buffers are exactly `n` rows long: the
+cache classes grow them on the next update as they would any buffer.
+
+Anything that does not fit -- unknown format, a missing tensor, a token axis
+of the wrong length -- raises SnapshotMismatch; the caller treats it as a miss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvd_client._tensors import Hit, HostTensor
+from kvd_client.mlx_lm import _format as F
+
+
+def rebuild(hit: Hit) -> list[Any]:
+    """A list of mlx-lm cache objects covering `hit.n` tokens; SnapshotMismatch if unusable."""
+    import mlx.core as mx
+
+    layers = _layers(hit.meta)
+    if F.needs_boundary(layers) and hit.boundary is None:
+        raise F.SnapshotMismatch("the model has recurrent/windowed layers but the hit carries no boundary state")
+    b = _Builder(hit)
+    caches = [b.layer(str(i), spec) for i, spec in enumerate(layers)]
+    mx.eval(*b.arrays)
+    return caches
+
+
+def _layers(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    if not isinstance(meta, dict) or meta.get("fmt") != F.FORMAT:
+        raise F.SnapshotMismatch(f"not a kvd mlx snapshot of format {F.FORMAT}: fmt={meta.get('fmt') if isinstance(meta, dict) else None!r}")
+    layers = meta.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise F.SnapshotMismatch("snapshot meta has no layer list")
+    return layers
+
+
+class _Builder:
+    def __init__(self, hit: Hit):
+        self.hit = hit
+        self.n = int(hit.n)
+        self.arrays: list[Any] = []
+
+    def _mx(self, host: HostTensor) -> Any:
+        import mlx.core as mx
+
+        if host.dtype == "bfloat16":
+            x = mx.array(host.array.view("<u2")).view(mx.bfloat16)
+        else:
+            x = mx.array(host.array)
+            if str(x.dtype).rsplit(".", 1)[-1] != host.dtype:
+                raise F.SnapshotMismatch(f"dtype {host.dtype} did not survive the trip into mlx ({x.dtype})")
+        self.arrays.append(x)
+        return x
+
+    def sliced(self, name: str) -> Any:
+        host = self.hit.sliced.get(name)
+        if host is None:
+            raise F.SnapshotMismatch(f"hit lacks sliced tensor {name}")
+        if host.array.ndim != 4 or host.shape[F.TOKEN_AXIS] != self.n:
+            raise F.SnapshotMismatch(f"{name} has shape {host.shape}, expected {self.n} tokens on axis 2")
+        return self._mx(host)
+
+    def boundary(self, name: str) -> Any:
+        host = (self.hit.boundary or {}).get(name)
+        if host is None:
+            raise F.SnapshotMismatch(f"hit lacks boundary tensor {name}")
+        return self._mx(host)
+
+    def scalars(self, p: str) -> dict[str, Any]:
+        m = (self.hit.boundary_meta or {}).get(p)
+        if not isinstance(m, dict):
+            raise F.SnapshotMismatch(f"hit lacks boundary meta for layer {p}")
+        return m
+
+    def offset_at_boundary(self, p: str, m: dict[str, Any]) -> int:
+        offset = int(m["offset"])
+        if offset != self.n:
+            raise F.SnapshotMismatch(f"layer {p} state is for {offset} tokens, the hit serves {self.n}")
+        return offset
+
+    def layer(self, p: str, spec: dict[str, Any]) -> Any:
+        from mlx_lm.models import cache as C
+
+        kind = spec.get("k")
+        if kind == "kv":
+            c = C.ConcatenateKVCache() if spec.get("c") == "concat" else C.KVCache()
+            c.keys, c.values = self.sliced(f"{p}.k"), self.sliced(f"{p}.v")
+            c.offset = self.n
+            return c
+        if kind == "qkv":
+            c = C.QuantizedKVCache(group_size=int(spec["gs"]), bits=int(spec["bits"]))
+            c.keys = tuple(self.sliced(f"{p}.k.{part}") for part in "qsb")
+            c.values = tuple(self.sliced(f"{p}.v.{part}") for part in "qsb")
+            c.offset = self.n
+            return c
+        if kind == "rot":
+            m = self.scalars(p)
+            c = C.RotatingKVCache(max_size=int(spec["max"]), keep=int(spec["keep"]))
+            c.keys, c.values = self.boundary(f"{p}.k"), self.boundary(f"{p}.v")
+            c.offset = self.offset_at_boundary(p, m)
+            c._idx = int(m["idx"])
+            return c
+        if kind == "chunked":
+            m = self.scalars(p)
+            c = C.ChunkedKVCache(int(spec["cs"]))
+            c.keys, c.values = self.boundary(f"{p}.k"), self.boundary(f"{p}.v")
+            c.offset = self.offset_at_boundary(p, m)
+            c.start_position = int(m["start"])
+            return c
+        if kind == "arrays":
+            m = self.scalars(p)
+            nones = set(m.get("none", ()))
+            c = C.ArraysCache(int(spec["n"]))
+            c.cache = [None if i in nones else self.boundary(f"{p}.a{i}") for i in range(int(spec["n"]))]
+            c.left_padding = self.boundary(f"{p}.lp") if m.get("lp") else None
+            c.lengths = self.boundary(f"{p}.len") if m.get("len") else None
+            return c
+        if kind == "list":
+            return C.CacheList(*(self.layer(f"{p}.{j}", s) for j, s in enumerate(spec["sub"])))
+        raise F.SnapshotMismatch(f"unknown layer kind {kind!r} at layer {p}")

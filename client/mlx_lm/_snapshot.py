@@ -1,0 +1,177 @@
+"""mlx-lm prompt cache -> `Snapshot` of host bytes, on the caller's thread.
+
+Theory of operation
+-------------------
+`take(tokens, prompt_cache)` runs entirely on the thread that owns the cache
+(the generation thread, inside its `mx.stream`, if any). It
+
+1. describes every layer (`_format.spec_of`) and reads its tensors and
+   scalars from explicit attributes (`keys`, `values`, `offset`, `_idx`,
+   ...), never from `state`: in mlx-lm 0.32 `state` is the whole
+   pre-allocated buffer (padding and rows left over after `trim` included),
+   in 0.31 it was already sliced; the attributes mean the same in both;
+2. decides how many tokens the cache covers (`T`, the layers' common
+   `offset`) and slices every token-axis tensor to `T` rows -- a lazy view;
+3. reinterprets bfloat16 as uint16 (numpy's buffer protocol cannot carry
+   bf16, and casting through float16/float32 is lossy or doubles the bytes);
+4. evaluates all of it with one `mx.eval` on the caller's stream, then copies
+   each array into memory numpy owns (`np.array`, a real copy: a numpy view of
+   a live `KVCache.keys` buffer would see later decode writes, and an array
+   still backed by mlx memory would be freed by mlx on whichever thread drops
+   it last).
+
+The result holds numpy arrays and plain Python values only. Whatever thread
+handles it afterwards cannot reach an mlx object through it.
+
+Rules kept: every tensor carries its own dtype name; scalars are Python ints;
+nothing is dequantized, cast, or re-laid out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvd.protocol import dtypes
+from kvd_client._tensors import HostTensor, Snapshot
+from kvd_client.mlx_lm import _format as F
+
+
+def take(tokens: Sequence[int], prompt_cache: Sequence[Any]) -> tuple[np.ndarray, Snapshot] | None:
+    """Snapshot `prompt_cache`, which was built by feeding `tokens` from position 0.
+
+    Returns (the tokens the snapshot covers, the Snapshot), or None when the
+    cache holds no tokens. The covered tokens are `tokens[:T]` where T is
+    the cache's offset; a cache longer than `tokens` is cut to `len(tokens)`
+    if every layer is sliceable.
+
+    Raises UnsupportedCache for cache classes kvd does not know, and
+    SnapshotMismatch when layers disagree on their offset or a boundary
+    layer holds more tokens than `tokens` names.
+    """
+    import mlx.core as mx
+
+    toks = _host_tokens(tokens)
+    layers = [F.spec_of(c) for c in prompt_cache]
+
+    offsets: set[int] = set()
+    for spec, c in zip(layers, prompt_cache):
+        _collect_offsets(spec, c, offsets)
+    if len(offsets) > 1:
+        raise F.SnapshotMismatch(f"cache layers disagree on offset: {sorted(offsets)}")
+    t_cache = offsets.pop() if offsets else len(toks)  # pure-recurrent models have no offset
+    bnd = F.needs_boundary(layers)
+    if t_cache > len(toks):
+        if bnd:
+            raise F.SnapshotMismatch(
+                f"cache holds {t_cache} tokens but only {len(toks)} were given; "
+                "its recurrent/windowed state cannot be cut back"
+            )
+        t_cache = len(toks)
+    if t_cache == 0:
+        return None
+    toks = toks[:t_cache]
+
+    plan = _Plan(t_cache)
+    for i, (spec, c) in enumerate(zip(layers, prompt_cache)):
+        plan.layer(str(i), spec, c)
+
+    # One eval for everything: slices, bf16 views, and whatever lazy work the
+    # model left on the cache buffers, all on the caller's stream.
+    mx.eval(*(x for _, x, _, _ in plan.items))
+    snap = Snapshot(meta=F.make_meta(layers), boundary_meta=plan.boundary_meta)
+    for name, x, wire, axis in plan.items:
+        host = HostTensor(wire, np.array(x, copy=True, order="C"))
+        if axis is None:
+            snap.boundary[name] = host
+        else:
+            snap.sliced[name] = (host, axis)
+    return toks, snap
+
+
+def _host_tokens(tokens: Sequence[int]) -> np.ndarray:
+    # A numpy copy made here, so an mx.array of tokens never reaches the writer.
+    if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray):
+        tokens = tokens.tolist()  # mx.array: read on the owning thread
+    return np.array(tokens, dtype=np.int64).reshape(-1)
+
+
+def _collect_offsets(spec: dict[str, Any], c: Any, out: set[int]) -> None:
+    if spec["k"] == "list":
+        for s, sub in zip(spec["sub"], c.caches):
+            _collect_offsets(s, sub, out)
+    elif spec["k"] != "arrays":
+        out.add(int(c.offset) if c.keys is not None else 0)
+
+
+def wire_dtype(x: Any) -> str:
+    """The kvd dtype name of an mlx array's dtype; UnsupportedCache if none."""
+    name = str(x.dtype).rsplit(".", 1)[-1]
+    if name not in dtypes.DTYPES:
+        raise F.UnsupportedCache(f"mlx dtype {x.dtype} has no kvd wire name")
+    return name
+
+
+class _Plan:
+    """Lazy mlx views to copy, with their wire names; built on the caller's thread."""
+
+    def __init__(self, n_tokens: int):
+        self.t = n_tokens
+        self.items: list[tuple[str, Any, str, int | None]] = []  # name, mx view, dtype, axis
+        self.boundary_meta: dict[str, Any] = {}
+
+    def add(self, name: str, x: Any, axis: int | None) -> None:
+        import mlx.core as mx
+
+        wire = wire_dtype(x)
+        if wire == "bfloat16":
+            x = x.view(mx.uint16)  # same bits, a dtype numpy can hold
+        self.items.append((name, x, wire, axis))
+
+    def rows(self, x: Any, n: int) -> Any:
+        return x if x.shape[F.TOKEN_AXIS] == n else x[..., :n, :]
+
+    def layer(self, p: str, spec: dict[str, Any], c: Any) -> None:
+        kind, t = spec["k"], self.t
+        if kind == "kv":
+            self.add(f"{p}.k", self.rows(c.keys, t), F.TOKEN_AXIS)
+            self.add(f"{p}.v", self.rows(c.values, t), F.TOKEN_AXIS)
+        elif kind == "qkv":
+            for side, triple in (("k", c.keys), ("v", c.values)):
+                packed, scales, biases = triple
+                self.add(f"{p}.{side}.q", self.rows(packed, t), F.TOKEN_AXIS)
+                self.add(f"{p}.{side}.s", self.rows(scales, t), F.TOKEN_AXIS)
+                self.add(f"{p}.{side}.b", self.rows(biases, t), F.TOKEN_AXIS)
+        elif kind == "rot":
+            # Rows past min(offset, buffer) are padding from in-place growth;
+            # once the ring has wrapped (offset >= buffer) every row is live.
+            valid = min(int(c.offset), c.keys.shape[F.TOKEN_AXIS])
+            self.add(f"{p}.k", self.rows(c.keys, valid), None)
+            self.add(f"{p}.v", self.rows(c.values, valid), None)
+            self.boundary_meta[p] = {"offset": int(c.offset), "idx": int(c._idx)}
+        elif kind == "chunked":
+            start = int(c.start_position)
+            valid = int(c.offset) - start
+            self.add(f"{p}.k", self.rows(c.keys, valid), None)
+            self.add(f"{p}.v", self.rows(c.values, valid), None)
+            self.boundary_meta[p] = {"offset": int(c.offset), "start": start}
+        elif kind == "arrays":
+            nones = []
+            for i, a in enumerate(c.cache):
+                if a is None:
+                    nones.append(i)
+                else:
+                    self.add(f"{p}.a{i}", a, None)
+            extra = {}
+            for attr, tag in (("left_padding", "lp"), ("lengths", "len")):
+                a = getattr(c, attr, None)
+                if a is not None:
+                    self.add(f"{p}.{tag}", a, None)
+                    extra[tag] = True
+            self.boundary_meta[p] = {"none": nones, **extra}
+        elif kind == "list":
+            for j, (s, sub) in enumerate(zip(spec["sub"], c.caches)):
+                self.layer(f"{p}.{j}", s, sub)
+        else:  # pragma: no cover - spec_of only makes the kinds above
+            raise F.UnsupportedCache(f"unknown layer kind {kind!r}")

@@ -1,0 +1,3 @@
+from kvd.cli import main
+
+main()

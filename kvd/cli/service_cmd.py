@@ -1,0 +1,97 @@
+"""`kvd service install|uninstall|status`: run kvd as a per-user service.
+
+launchd on macOS (~/Library/LaunchAgents/io.kvd.daemon.plist), a systemd user
+unit on Linux (~/.config/systemd/user/kvd.service). Exit codes: 0 done (status:
+the daemon answers), 1 a launchctl/systemctl command failed or this OS is not
+supported, 2 bad usage, 3 (status) no daemon answers, 78 bad configuration.
+"""
+
+from __future__ import annotations
+
+import click
+
+from kvd.cli import main
+from kvd.config import EXIT_CONFIG, ConfigError, resolve
+from kvd.service import install as svc
+
+_init_option = click.option(
+    "--init", type=click.Choice(svc.INIT_SYSTEMS), default=None,
+    help="Init system to target [default: launchd on macOS, systemd on Linux].",
+)
+_dry_run_option = click.option(
+    "--dry-run", is_flag=True, help="Print the file and the commands instead of changing anything.",
+)
+
+
+def _target(init: str | None) -> svc.Target:
+    try:
+        return svc.Target.current(init)
+    except svc.ServiceError as exc:
+        click.echo(f"kvd service: {exc}", err=True)
+        raise SystemExit(exc.exit_code)
+
+
+def _carry_out(plan: svc.Plan, dry_run: bool) -> None:
+    if dry_run:
+        click.echo(plan.describe(), nl=False)
+        return
+    try:
+        svc.apply(plan)
+    except svc.ServiceError as exc:
+        click.echo(f"kvd service {plan.action}: {exc}", err=True)
+        raise SystemExit(exc.exit_code)
+    except OSError as exc:
+        click.echo(f"kvd service {plan.action}: {exc}", err=True)
+        raise SystemExit(svc.EXIT_FAILED)
+    verb = "installed and started" if plan.action == "install" else "stopped and removed"
+    click.echo(f"kvd service {verb}: {plan.path}")
+
+
+@main.group()
+def service() -> None:
+    """Run kvd as a per-user service (launchd on macOS, systemd on Linux)."""
+
+
+@service.command("install")
+@_dry_run_option
+@_init_option
+@click.argument("serve_args", nargs=-1, type=click.UNPROCESSED)
+def install_cmd(dry_run: bool, init: str | None, serve_args: tuple[str, ...]) -> None:
+    """Install and start the service for this user and this Python.
+
+    SERVE_ARGS after `--` are added to `kvd serve`, e.g.
+    `kvd service install -- --ram-mb 8192`. Re-installing replaces the file
+    and restarts a running daemon.
+    """
+    _carry_out(svc.install_plan(_target(init), serve_args), dry_run)
+
+
+@service.command("uninstall")
+@_dry_run_option
+@_init_option
+def uninstall_cmd(dry_run: bool, init: str | None) -> None:
+    """Stop the service and remove its file (succeeds if it is not installed)."""
+    _carry_out(svc.uninstall_plan(_target(init)), dry_run)
+
+
+@service.command("status")
+@_init_option
+@click.option("--endpoint", default=None, help="Endpoint to ping [default: the service's].")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts).")
+def status_cmd(init: str | None, endpoint: str | None, as_json: bool) -> None:
+    """Say whether the service is installed, loaded, and answering a ping.
+
+    Exits 0 if a daemon answers, 3 if none does.
+    """
+    t = _target(init)
+    if endpoint is None:
+        endpoint = svc.service_endpoint(t)
+    if endpoint is None:
+        try:
+            endpoint = resolve().endpoint
+        except ConfigError as exc:
+            click.echo(f"kvd service status: {exc}", err=True)
+            raise SystemExit(EXIT_CONFIG)
+    st = svc.status(t, endpoint)
+    click.echo(st.to_json() if as_json else st.describe(), nl=as_json)
+    raise SystemExit(st.exit_code)

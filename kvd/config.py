@@ -1,0 +1,428 @@
+"""kvd's settings: one table, four sources, one resolution rule.
+
+Theory of operation
+-------------------
+Every setting is a row of `SETTINGS`: its name, how to parse it, its default,
+and the documentation that `--help`, `kvd config` and the tests all read. The
+environment variable (`KVD_<NAME>`) and the command-line flag (`--<name>`) are
+derived from the name, never spelled twice.
+
+`resolve()` looks at four sources and the last one that sets a value wins:
+
+    default  <  config file (TOML)  <  environment  <  command-line flag
+
+Rules it keeps:
+1. A flag whose value is None is unset (click passes None for flags not given).
+2. Every value, whatever its source, goes through the row's parser; a bad one
+   raises `ConfigError` naming the setting and the source it came from.
+3. The config file is `--config`, else `$KVD_CONFIG`, else the per-user
+   default path. A file named explicitly must exist; the default one need not.
+4. Unknown keys in the file are errors (a typo must not silently do nothing).
+5. Defaults that depend on the machine (endpoint, data_dir) are computed only
+   when no source sets the value, so a broken default never hides a good value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+# Exit code for a bad configuration (sysexits EX_CONFIG). Units and plists can
+# tell it apart from a crash and stop restarting a daemon that cannot start.
+EXIT_CONFIG = 78
+
+_NONE_WORDS = ("", "none", "off", "null")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value, or the config file cannot be used."""
+
+
+# --- parsers: each takes a raw value (str from env/flag, typed from TOML) and
+# returns the typed value or raises ValueError with a short reason. -------------
+
+
+def _int(minimum: int = 0, maximum: int | None = None) -> Callable[[Any], int]:
+    def parse(raw: Any) -> int:
+        if isinstance(raw, bool):
+            raise ValueError("expected an integer, got a boolean")
+        if isinstance(raw, float):
+            if not raw.is_integer():
+                raise ValueError(f"expected an integer, got {raw!r}")
+            raw = int(raw)
+        if not isinstance(raw, int):
+            try:
+                raw = int(str(raw).strip())
+            except ValueError:
+                raise ValueError(f"expected an integer, got {raw!r}") from None
+        value = raw
+        if value < minimum or (maximum is not None and value > maximum):
+            hi = "" if maximum is None else f" and <= {maximum}"
+            raise ValueError(f"must be >= {minimum}{hi}, got {value}")
+        return value
+
+    parse.kind = "int"  # type: ignore[attr-defined]
+    return parse
+
+
+def _float(minimum: float = 0.0, *, exclusive: bool = False) -> Callable[[Any], float]:
+    def parse(raw: Any) -> float:
+        if isinstance(raw, bool):
+            raise ValueError("expected a number, got a boolean")
+        try:
+            value = float(str(raw).strip()) if isinstance(raw, str) else float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {raw!r}")
+        if value < minimum or (exclusive and value == minimum):
+            op = ">" if exclusive else ">="
+            raise ValueError(f"must be {op} {minimum:g}, got {value:g}")
+        return value
+
+    parse.kind = "float"  # type: ignore[attr-defined]
+    return parse
+
+
+def _bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ValueError(f"expected true/false (1/0, yes/no, on/off), got {raw!r}")
+
+
+_bool.kind = "bool"  # type: ignore[attr-defined]
+
+
+def _str(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError(f"expected a non-empty string, got {raw!r}")
+    return raw.strip()
+
+
+_str.kind = "str"  # type: ignore[attr-defined]
+
+
+def _endpoint(raw: Any) -> str:
+    value = _str(raw)
+    if "://" not in value:
+        raise ValueError(f"expected a ZeroMQ endpoint like ipc:///path or tcp://host:port, got {value!r}")
+    return value
+
+
+_endpoint.kind = "str"  # type: ignore[attr-defined]
+
+
+def _log_level(raw: Any) -> str:
+    value = _str(raw).lower()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {raw!r}")
+    return value
+
+
+_log_level.kind = "choice"  # type: ignore[attr-defined]
+
+
+def _optional_path(raw: Any) -> str | None:
+    """A path, or None for "" / "none" / "off". `~` is expanded; relative
+    paths are made absolute by `resolve` (against the file's folder for values
+    from the config file, else against the working directory)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, (str, os.PathLike)):
+        raise ValueError(f"expected a path or \"none\", got {raw!r}")
+    text = os.fspath(raw).strip()
+    if text.lower() in _NONE_WORDS:
+        return None
+    return os.path.expanduser(text)
+
+
+_optional_path.kind = "path"  # type: ignore[attr-defined]
+
+
+# --- per-user default locations ------------------------------------------------
+
+
+def _home(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("HOME") or Path.home())
+
+
+def default_config_path(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
+    """Return the per-user config file path (which may not exist).
+
+    macOS: ~/Library/Application Support/kvd/kvd.toml;
+    elsewhere: $XDG_CONFIG_HOME/kvd/kvd.toml, else ~/.config/kvd/kvd.toml.
+    """
+    environ = os.environ if environ is None else environ
+    platform = sys.platform if platform is None else platform
+    home = _home(environ)
+    if platform == "darwin":
+        return home / "Library" / "Application Support" / "kvd" / "kvd.toml"
+    base = environ.get("XDG_CONFIG_HOME") or ""
+    return (Path(base) if os.path.isabs(base) else home / ".config") / "kvd" / "kvd.toml"
+
+
+def default_data_dir(environ: Mapping[str, str] | None = None, platform: str | None = None) -> str:
+    """Return the per-user SSD-tier folder as a string (which may not exist).
+
+    macOS: ~/Library/Caches/kvd; elsewhere $XDG_CACHE_HOME/kvd, else ~/.cache/kvd.
+    """
+    environ = os.environ if environ is None else environ
+    platform = sys.platform if platform is None else platform
+    home = _home(environ)
+    if platform == "darwin":
+        return str(home / "Library" / "Caches" / "kvd")
+    base = environ.get("XDG_CACHE_HOME") or ""
+    return str((Path(base) if os.path.isabs(base) else home / ".cache") / "kvd")
+
+
+def _default_endpoint(environ: Mapping[str, str]) -> str:
+    # Imported lazily: the server package is heavy and owns the endpoint rules.
+    from kvd.server.endpoint import default_endpoint
+
+    return default_endpoint(dict(environ))
+
+
+# --- the table -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the settings table."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any  # a value, or a callable(environ) -> value computed lazily
+    doc: str
+    default_doc: str = ""  # how --help describes a computed default
+
+    @property
+    def env(self) -> str:
+        return "KVD_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def kind(self) -> str:
+        return getattr(self.parse, "kind", "str")
+
+    def default_value(self, environ: Mapping[str, str]) -> Any:
+        return self.default(environ) if callable(self.default) else self.default
+
+    def describe_default(self) -> str:
+        if self.default_doc:
+            return self.default_doc
+        if self.default is None:
+            return "none"
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("endpoint", _endpoint, _default_endpoint,
+            "ZeroMQ endpoint the daemon binds and clients connect to.",
+            default_doc="per-user ipc socket"),
+    Setting("ram_mb", _int(1), 1024,
+            "Size of the RAM tier in MiB."),
+    Setting("data_dir", _optional_path, lambda env: default_data_dir(env),
+            "Folder of the SSD tier; \"none\" keeps chunks in RAM only.",
+            default_doc="~/Library/Caches/kvd on macOS, $XDG_CACHE_HOME/kvd or ~/.cache/kvd elsewhere"),
+    Setting("ssd_gb", _float(0.0), 16.0,
+            "Size cap of the SSD tier in GiB."),
+    Setting("min_free_gb", _float(0.0), 2.0,
+            "Stop writing to the SSD tier when its disk has less free space than this, in GiB."),
+    Setting("write_through", _bool, False,
+            "Write every chunk to the SSD tier when it is stored, not only when evicted from RAM."),
+    Setting("spill_queue", _int(1), 256,
+            "Most chunks waiting to be written to the SSD tier."),
+    Setting("max_message_mb", _int(1), 512,
+            "Largest message the daemon accepts, in MiB (advertised to clients)."),
+    Setting("log_level", _log_level, "info",
+            "Log level: " + ", ".join(LOG_LEVELS) + "."),
+    Setting("log_file", _optional_path, None,
+            "Log to this file instead of stderr (\"none\" = stderr).",
+            default_doc="none (stderr)"),
+    Setting("metrics_port", _int(0, 65535), 0,
+            "TCP port for Prometheus metrics (0 = off)."),
+    Setting("timeout", _float(0.0, exclusive=True), 5.0,
+            "Default client timeout for one request, in seconds."),
+    Setting("chunk_tokens", _int(1), 256,
+            "Tokens per cached chunk (prefixes are matched chunk by chunk)."),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+CONFIG_ENV = "KVD_CONFIG"
+
+
+class Config:
+    """The resolved settings: one attribute per setting, plus
+
+    - `sources`: setting name -> "default" | "file:<path>" | "env:KVD_X" | "flag:--x"
+    - `config_path`: the config file that was read, or None.
+    """
+
+    __slots__ = ("_values", "sources", "config_path")
+
+    def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path | None):
+        self._values = dict(values)
+        self.sources = dict(sources)
+        self.config_path = config_path
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no setting named {name!r}") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return {setting name: value} in table order."""
+        return dict(self._values)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        return f"Config({inner})"
+
+
+def _parse(setting: Setting, raw: Any, source: str, base_dir: Path | None = None) -> Any:
+    try:
+        value = setting.parse(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{setting.name} (from {source}): {exc}") from None
+    if setting.kind == "path" and value is not None and not os.path.isabs(value):
+        value = os.path.abspath(os.path.join(base_dir or os.getcwd(), value))
+    return value
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
+    unknown = sorted(set(data) - set(BY_NAME))
+    if unknown:
+        raise ConfigError(
+            f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
+            f"known: {', '.join(BY_NAME)}"
+        )
+    return data
+
+
+def find_config_file(
+    config_path: str | os.PathLike | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Path | None, str]:
+    """Return (path to read or None, how it was chosen: "flag"|"env"|"default").
+
+    Raises ConfigError when a file named by flag or env does not exist.
+    """
+    environ = os.environ if environ is None else environ
+    if config_path is not None and os.fspath(config_path) != "":
+        path, how = Path(os.path.expanduser(os.fspath(config_path))), "flag"
+    elif environ.get(CONFIG_ENV):
+        path, how = Path(os.path.expanduser(environ[CONFIG_ENV])), "env"
+    else:
+        path = default_config_path(environ)
+        return (path if path.is_file() else None), "default"
+    if not path.is_file():
+        where = "--config" if how == "flag" else f"${CONFIG_ENV}"
+        raise ConfigError(f"config file {path} (from {where}) does not exist")
+    return path, how
+
+
+def resolve(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    config_path: str | os.PathLike | None = None,
+) -> Config:
+    """Resolve every setting from default < file < env < flag.
+
+    `flags` maps setting names to values (e.g. a click command's kwargs); None
+    values and names that are not settings are ignored, except "config", which
+    is used as `config_path` when that is not given.
+
+    Returns a `Config`. Raises `ConfigError` for a bad value (naming the
+    setting and its source), an unreadable or invalid config file, or an
+    explicitly named config file that does not exist.
+    """
+    environ = os.environ if environ is None else environ
+    flags = dict(flags or {})
+    if config_path is None:
+        config_path = flags.get("config")
+    path, _ = find_config_file(config_path, environ)
+    file_values = _read_file(path) if path is not None else {}
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for s in SETTINGS:
+        if flags.get(s.name) is not None:
+            values[s.name] = _parse(s, flags[s.name], f"flag:{s.flag}")
+            sources[s.name] = f"flag:{s.flag}"
+        elif s.env in environ:
+            values[s.name] = _parse(s, environ[s.env], f"env:{s.env}")
+            sources[s.name] = f"env:{s.env}"
+        elif s.name in file_values:
+            src = f"file:{path}"
+            values[s.name] = _parse(s, file_values[s.name], src, base_dir=path.parent)
+            sources[s.name] = src
+        else:
+            try:
+                raw = s.default_value(environ)
+            except Exception as exc:  # a machine-dependent default could not be computed
+                raise ConfigError(f"{s.name} (from default): cannot compute the default: {exc}") from exc
+            values[s.name] = _parse(s, raw, "default") if raw is not None else None
+            sources[s.name] = "default"
+    return Config(values, sources, path)
+
+
+def config_options(command: Callable) -> Callable:
+    """Decorator adding `--config` and one click option per setting.
+
+    Every option defaults to None (unset), so `resolve(kwargs)` can tell a flag
+    given on the command line from one left out. Help text comes from the table.
+    """
+    import click  # the CLI's dependency; the daemon core need not import it
+
+    for s in reversed(SETTINGS):
+        help_text = f"{s.doc} [env: {s.env}; default: {s.describe_default()}]"
+        if s.kind == "bool":
+            decl = f"{s.flag}/--no-{s.flag[2:]}"
+            command = click.option(decl, s.name, default=None, help=help_text)(command)
+            continue
+        click_type = {
+            "int": click.INT,
+            "float": click.FLOAT,
+            "choice": click.Choice(LOG_LEVELS, case_sensitive=False),
+        }.get(s.kind, click.STRING)
+        metavar = {"path": "PATH|none"}.get(s.kind)
+        command = click.option(
+            s.flag, s.name, type=click_type, default=None, metavar=metavar, help=help_text
+        )(command)
+    return click.option(
+        "--config",
+        "config",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help=f"TOML config file [env: {CONFIG_ENV}; default: {default_config_path()}]",
+    )(command)
+
+
+click_options = config_options

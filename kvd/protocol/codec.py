@@ -1,0 +1,383 @@
+"""Encode, decode and validate kvd/1 messages. Sans I/O.
+
+A message is a list of frames: frame 0 is a msgpack map (the header), frames
+1..N-1 are raw tensor bytes that the header refers to by index. This module
+turns frames into a `Message` (checking every rule in proto/PROTOCOL.md) and
+a `Message` into frames. It never touches a socket, so it is tested byte for
+byte against proto/vectors/ and fuzzed.
+
+Rules the decoder enforces, in order (the first broken rule is the error):
+ 1. frame count <= max_frames; total bytes <= max_message_bytes
+ 2. frame 0 is msgpack, <= max_header_bytes, and decodes to a map
+ 3. "v" is a supported version (HELLO is accepted at any "v")
+ 4. "type" names a message of kvd/1 (for requests or for replies)
+ 5. "id", if present, is an unsigned 64-bit int
+ 6. every field of the type's schema has the right type and range;
+    unknown fields are ignored
+ 7. every tensor: known dtype, rank <= max_rank, frame index in 1..N-1,
+    used once, and byte length == prod(shape) * itemsize
+ 8. every data frame is referenced by exactly one tensor
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+
+from kvd.protocol import dtypes
+from kvd.protocol import errors as E
+from kvd.protocol.limits import DEFAULT_LIMITS, Limits
+
+VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+U64 = 2**64
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """One named tensor: wire dtype name, shape, and its raw bytes.
+
+    `data` is any object exposing a contiguous buffer of exactly
+    prod(shape) * itemsize(dtype) bytes (bytes, memoryview, numpy array,
+    a received ZeroMQ frame's buffer).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: Any
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self.data).nbytes
+
+
+@dataclass(slots=True)
+class Message:
+    """A decoded (or to-be-encoded) message: its type, id and fields.
+
+    Tensor descriptors inside `fields` hold `Tensor` objects, not frame indices.
+    """
+
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    id: int = 0
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+# -- field validators --------------------------------------------------------
+# Each takes (value, ctx) and returns the value to keep, or raises BadField.
+# `ctx` carries the limits and the frames for tensor descriptors.
+
+
+class _Ctx:
+    __slots__ = ("limits", "frames", "used", "path")
+
+    def __init__(self, limits: Limits, frames: list[Any]):
+        self.limits, self.frames, self.used, self.path = limits, frames, set(), ""
+
+
+def _bad(ctx: _Ctx, what: str) -> E.BadField:
+    return E.BadField(f"field {ctx.path!r}: {what}")
+
+
+def _uint(v, ctx):
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < U64:
+        raise _bad(ctx, f"expected an unsigned integer, got {type(v).__name__}")
+    return v
+
+
+def _bool(v, ctx):
+    if not isinstance(v, bool):
+        raise _bad(ctx, f"expected a boolean, got {type(v).__name__}")
+    return v
+
+
+def _number(v, ctx):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _bad(ctx, "expected a finite non-negative number")
+    return float(v)
+
+
+def _str(v, ctx):
+    if not isinstance(v, str):
+        raise _bad(ctx, f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _map(v, ctx):
+    if not isinstance(v, dict):
+        raise _bad(ctx, f"expected a map, got {type(v).__name__}")
+    return v
+
+
+def _uints(v, ctx):
+    if not isinstance(v, list):
+        raise _bad(ctx, f"expected an array, got {type(v).__name__}")
+    return [_uint(x, ctx) for x in v]
+
+
+def _ns(v, ctx):
+    _str(v, ctx)
+    if not v or len(v.encode("utf-8")) > ctx.limits.max_namespace_bytes:
+        raise _bad(ctx, f"namespace must be 1..{ctx.limits.max_namespace_bytes} UTF-8 bytes")
+    return v
+
+
+def _chunk_tokens(v, ctx):
+    _uint(v, ctx)
+    if not 1 <= v <= ctx.limits.max_chunk_tokens:
+        raise _bad(ctx, f"chunk_tokens must be 1..{ctx.limits.max_chunk_tokens}")
+    return v
+
+
+def _tokens(v, ctx):
+    if not isinstance(v, (bytes, bytearray)):
+        raise _bad(ctx, f"expected bin (little-endian uint32 token ids), got {type(v).__name__}")
+    if len(v) % 4:
+        raise _bad(ctx, "token bytes must be a multiple of 4")
+    if len(v) // 4 > ctx.limits.max_tokens:
+        raise E.TooManyTokens(f"{len(v) // 4} tokens; the limit is {ctx.limits.max_tokens}")
+    return bytes(v)
+
+
+def _meta(v, ctx):
+    if not isinstance(v, (bytes, bytearray)):
+        raise _bad(ctx, f"expected bin, got {type(v).__name__}")
+    if len(v) > ctx.limits.max_meta_bytes:
+        raise _bad(ctx, f"meta is {len(v)} bytes; the limit is {ctx.limits.max_meta_bytes}")
+    return bytes(v)
+
+
+def _tensor(v, ctx) -> Tensor:
+    _map(v, ctx)
+    name, dtype, shape, idx = v.get("name"), v.get("dtype"), v.get("shape"), v.get("frame")
+    if not isinstance(name, str):
+        raise _bad(ctx, "tensor needs a string 'name'")
+    if not isinstance(dtype, str):
+        raise _bad(ctx, f"tensor {name!r} needs a string 'dtype'")
+    if dtype not in dtypes.DTYPES:
+        raise E.BadDtype(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise E.BadShape(f"tensor {name!r}: shape must be an array of non-negative integers")
+    if len(shape) > ctx.limits.max_rank:
+        raise E.BadShape(f"tensor {name!r}: rank {len(shape)} exceeds {ctx.limits.max_rank}")
+    if isinstance(idx, bool) or not isinstance(idx, int) or not 1 <= idx < len(ctx.frames):
+        raise E.BadFrameIndex(f"tensor {name!r}: frame {idx!r} not in 1..{len(ctx.frames) - 1}")
+    if idx in ctx.used:
+        raise E.BadFrameIndex(f"tensor {name!r}: frame {idx} already used by another tensor")
+    ctx.used.add(idx)
+    data = ctx.frames[idx]
+    want = math.prod(shape) * dtypes.itemsize(dtype)
+    have = memoryview(data).nbytes
+    if have != want:
+        raise E.BadShape(f"tensor {name!r}: {have} bytes for {dtype}{shape}, expected {want}")
+    return Tensor(name, dtype, tuple(shape), data)
+
+
+def _tensors(v, ctx):
+    if not isinstance(v, list):
+        raise _bad(ctx, "expected an array of tensors")
+    return [_tensor(t, ctx) for t in v]
+
+
+def _record(schema: dict[str, tuple[Callable, bool, Any]]) -> Callable:
+    """A validator for a map with its own field schema (a chunk, a boundary)."""
+
+    def check(v, ctx):
+        _map(v, ctx)
+        return _apply(schema, v, ctx)
+
+    return check
+
+
+def _array_of(item: Callable) -> Callable:
+    def check(v, ctx):
+        if not isinstance(v, list):
+            raise _bad(ctx, "expected an array")
+        return [item(x, ctx) for x in v]
+
+    return check
+
+
+def _req(check):
+    return (check, True, None)
+
+
+def _opt(check, default=None):
+    return (check, False, default)
+
+
+_PUT_CHUNK = {"index": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
+_GET_CHUNK = {"start": _req(_uint), "length": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
+_BOUNDARY = {"tensors": _req(_tensors), "meta": _opt(_meta, b"")}
+_BOUNDARY_AT = {"at": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
+_SEQ = {"ns": _req(_ns), "tokens": _req(_tokens), "chunk_tokens": _opt(_chunk_tokens, 256)}
+
+# The message table: type -> field schema, for requests and for replies.
+REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
+    "HELLO": {"versions": _req(_uints), "client": _opt(_str, "")},
+    "PING": {},
+    "LOOKUP": {**_SEQ},
+    "GET": {**_SEQ, "max_tokens": _opt(_uint), "need_boundary": _opt(_bool, False), "start": _opt(_uint, 0)},
+    "PUT": {**_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY))},
+    "STATS": {"ns": _opt(_ns)},
+    "GC": {
+        "ram_bytes": _opt(_uint),
+        "ssd_bytes": _opt(_uint),
+        "ns": _opt(_ns),
+        "older_than": _opt(_number),
+        "orphans": _opt(_bool, False),
+        "dry_run": _opt(_bool, False),
+    },
+    "SHUTDOWN": {},
+}
+REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
+    "HELLO": {"version": _req(_uint), "server": _req(_str), "limits": _req(_map), "chunk_tokens": _req(_uint)},
+    "PING": {},
+    "LOOKUP": {"n": _req(_uint), "boundaries": _req(_uints)},
+    "GET": {
+        "n": _req(_uint),
+        "end": _req(_uint),
+        "chunks": _req(_array_of(_record(_GET_CHUNK))),
+        "boundary": _opt(_record(_BOUNDARY_AT)),
+    },
+    "PUT": {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_uint)},
+    "STATS": {"stats": _req(_map)},
+    "GC": {"entries": _req(_uint), "bytes": _req(_uint), "dry_run": _req(_bool), "details": _opt(_map)},
+    "SHUTDOWN": {},
+    "ERROR": {"code": _req(_uint), "name": _req(_str), "message": _opt(_str, "")},
+}
+
+
+def _apply(schema, raw: dict, ctx: _Ctx) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    base = ctx.path
+    for name, (check, required, default) in schema.items():
+        ctx.path = f"{base}.{name}" if base else name
+        if name not in raw or raw[name] is None:
+            if required:
+                raise E.BadField(f"missing required field {ctx.path!r}")
+            if default is not None:
+                out[name] = default
+            continue
+        out[name] = check(raw[name], ctx)
+    ctx.path = base
+    return out
+
+
+# -- decoding ------------------------------------------------------------------
+
+
+def _unpack_header(frames: list[Any], limits: Limits) -> dict:
+    if not frames:
+        raise E.MalformedMessage("empty message")
+    if len(frames) > limits.max_frames:
+        raise E.TooManyFrames(f"{len(frames)} frames; the limit is {limits.max_frames}")
+    total = sum(memoryview(f).nbytes for f in frames)
+    if total > limits.max_message_bytes:
+        raise E.MessageTooLarge(f"{total} bytes; the limit is {limits.max_message_bytes}")
+    head = memoryview(frames[0])
+    if head.nbytes > limits.max_header_bytes:
+        raise E.MessageTooLarge(f"header of {head.nbytes} bytes; the limit is {limits.max_header_bytes}")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises a zoo of types for garbage
+        raise E.MalformedMessage(f"header is not valid msgpack: {exc.__class__.__name__}") from None
+    if not isinstance(header, dict):
+        raise E.MalformedMessage(f"header must be a map, got {type(header).__name__}")
+    return header
+
+
+def peek_id(frames: list[Any]) -> int | None:
+    """The request id of a message, if its header can be read at all (for error replies)."""
+    try:
+        header = msgpack.unpackb(memoryview(frames[0]), raw=False, strict_map_key=True)
+        mid = header.get("id") if isinstance(header, dict) else None
+        return mid if isinstance(mid, int) and not isinstance(mid, bool) and 0 <= mid < U64 else None
+    except Exception:
+        return None
+
+
+def _decode(frames: list[Any], table, limits: Limits) -> Message:
+    header = _unpack_header(frames, limits)
+    mtype = header.get("type")
+    version = header.get("v")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise E.BadField("field 'v' must be an integer protocol version")
+    if version not in SUPPORTED_VERSIONS and mtype != "HELLO":
+        raise E.UnsupportedVersion(f"protocol version {version} not supported; this peer speaks {list(SUPPORTED_VERSIONS)}")
+    if not isinstance(mtype, str):
+        raise E.BadField("field 'type' must be a string")
+    if mtype not in table:
+        raise E.UnknownMessageType(f"unknown message type {mtype!r}")
+    mid = header.get("id", 0)
+    if isinstance(mid, bool) or not isinstance(mid, int) or not 0 <= mid < U64:
+        raise E.BadField("field 'id' must be an unsigned 64-bit integer")
+    ctx = _Ctx(limits, frames)
+    fields = _apply(table[mtype], header, ctx)
+    unused = set(range(1, len(frames))) - ctx.used
+    if unused:
+        raise E.BadFrameIndex(f"frame(s) {sorted(unused)[:8]} not referenced by any tensor")
+    return Message(mtype, fields, mid)
+
+
+def decode_request(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Validate and decode a request. Raises the ProtocolError of the first broken rule."""
+    return _decode(frames, REQUESTS, limits)
+
+
+def decode_reply(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Validate and decode a reply (an ERROR reply decodes to type "ERROR")."""
+    return _decode(frames, REPLIES, limits)
+
+
+# -- encoding ------------------------------------------------------------------
+
+
+def _wire_tensors(tensors, frames: list[Any]) -> list[dict]:
+    out = []
+    for t in tensors:
+        frames.append(t.data)
+        out.append({"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "frame": len(frames) - 1})
+    return out
+
+
+def _wire_fields(fields: dict[str, Any], frames: list[Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name == "chunks":
+            value = [{**c, "tensors": _wire_tensors(c["tensors"], frames)} for c in value]
+        elif name == "boundary":
+            value = {**value, "tensors": _wire_tensors(value["tensors"], frames)}
+        out[name] = value
+    return out
+
+
+def encode(mtype: str, fields: dict[str, Any] | None = None, *, id: int = 0, version: int = VERSION) -> list[Any]:
+    """Frames for a message: [msgpack header, tensor data ...].
+
+    Tensor data buffers are passed through untouched (no copy); the caller
+    must keep them alive and unmodified until the frames are sent.
+    The header's keys are written in a fixed order -- "v", "type", "id", then
+    the fields in the order given -- so encodings are reproducible.
+    """
+    frames: list[Any] = [b""]
+    header = {"v": version, "type": mtype, "id": id, **_wire_fields(fields or {}, frames)}
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def encode_error(err: E.KvdError, *, id: int | None = 0) -> list[Any]:
+    """Frames for an ERROR reply describing `err`."""
+    return encode("ERROR", {"code": err.code, "name": err.name, "message": err.message}, id=id or 0)

@@ -1,0 +1,137 @@
+"""Errors of the kvd/1 protocol, each bound to one stable wire code.
+
+    KvdError
+     +-- ProtocolError              a message broke the protocol (codes 1xx)
+     |    +-- MalformedMessage      100  not msgpack, header not a map, truncated
+     |    +-- UnsupportedVersion    101  "v" is a version this peer does not speak
+     |    +-- UnknownMessageType    102  "type" names no message of kvd/1
+     |    +-- BadField              103  a field missing, of the wrong type or range
+     |    +-- BadDtype              104  a tensor's dtype is not in the dtype table
+     |    +-- BadShape              105  rank too high, or bytes != prod(shape) * itemsize
+     |    +-- BadFrameIndex         106  a frame index out of range or used twice
+     |    +-- MessageTooLarge       107  total bytes over the advertised limit
+     |    +-- TooManyFrames         108  frame count over the advertised limit
+     |    +-- TooManyTokens         109  token count over the advertised limit
+     +-- ServerError                the daemon could not serve a valid request (2xx, 5xx)
+          +-- Busy                  200  the daemon is shedding load; retry later
+          +-- Internal              500  a bug in the daemon; the request is lost, not the daemon
+
+A decoder raises the ProtocolError subclass for the first rule a message
+breaks; the daemon replies with an ERROR message carrying `code` and `name`,
+and the client maps the code straight back to the same class (`from_code`).
+"""
+
+from __future__ import annotations
+
+
+class KvdError(Exception):
+    """Base of every error kvd raises on purpose."""
+
+    code: int = 0
+    name: str = "KVD_ERROR"
+
+    def __init__(self, message: str = ""):
+        super().__init__(message or self.__class__.__doc__ or self.name)
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ProtocolError(KvdError):
+    """A message broke the kvd/1 protocol."""
+
+
+class MalformedMessage(ProtocolError):
+    """The message could not be parsed: not msgpack, not a map, or truncated."""
+
+    code, name = 100, "MALFORMED"
+
+
+class UnsupportedVersion(ProtocolError):
+    """The message's protocol version is not one this peer speaks."""
+
+    code, name = 101, "UNSUPPORTED_VERSION"
+
+
+class UnknownMessageType(ProtocolError):
+    """The message type is not part of kvd/1."""
+
+    code, name = 102, "UNKNOWN_TYPE"
+
+
+class BadField(ProtocolError):
+    """A field is missing, of the wrong type, or out of range."""
+
+    code, name = 103, "BAD_FIELD"
+
+
+class BadDtype(ProtocolError):
+    """A tensor names a dtype that is not in the kvd/1 dtype table."""
+
+    code, name = 104, "BAD_DTYPE"
+
+
+class BadShape(ProtocolError):
+    """A tensor's shape is invalid or disagrees with its byte length."""
+
+    code, name = 105, "BAD_SHAPE"
+
+
+class BadFrameIndex(ProtocolError):
+    """A tensor refers to a frame that does not exist or is already used."""
+
+    code, name = 106, "BAD_FRAME_INDEX"
+
+
+class MessageTooLarge(ProtocolError):
+    """The message is larger than the peer's advertised max_message_bytes."""
+
+    code, name = 107, "TOO_LARGE"
+
+
+class TooManyFrames(ProtocolError):
+    """The message has more frames than the peer's advertised max_frames."""
+
+    code, name = 108, "TOO_MANY_FRAMES"
+
+
+class TooManyTokens(ProtocolError):
+    """The token sequence is longer than the peer's advertised max_tokens."""
+
+    code, name = 109, "TOO_MANY_TOKENS"
+
+
+class ServerError(KvdError):
+    """The daemon could not serve a well-formed request."""
+
+
+class Busy(ServerError):
+    """The daemon is overloaded; the request was not served. Retry later."""
+
+    code, name = 200, "BUSY"
+
+
+class Internal(ServerError):
+    """The daemon failed while serving the request (a bug: see its log)."""
+
+    code, name = 500, "INTERNAL"
+
+
+ERRORS: dict[int, type[KvdError]] = {
+    cls.code: cls
+    for cls in (
+        MalformedMessage, UnsupportedVersion, UnknownMessageType, BadField, BadDtype,
+        BadShape, BadFrameIndex, MessageTooLarge, TooManyFrames, TooManyTokens, Busy, Internal,
+    )
+}
+
+
+def from_code(code: int, message: str = "") -> KvdError:
+    """The exception for a wire error code (an unknown code gives a plain ServerError)."""
+    cls = ERRORS.get(code)
+    if cls is None:
+        err = ServerError(message or f"daemon error code {code}")
+        err.code, err.name = code, "UNKNOWN"
+        return err
+    return cls(message)

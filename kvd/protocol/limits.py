@@ -1,0 +1,31 @@
+"""Protocol limits: what a daemon accepts, advertised to clients in HELLO."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_bytes: int = 512 * MiB  # all frames of one message together
+    max_header_bytes: int = 16 * MiB  # frame 0 alone
+    max_frames: int = 65536  # header included
+    max_tokens: int = 1 << 20  # token ids in one sequence
+    max_rank: int = 8  # dimensions of one tensor
+    max_namespace_bytes: int = 256  # UTF-8 bytes of a namespace id
+    max_meta_bytes: int = 64 * 1024  # one chunk's or boundary's meta
+    max_chunk_tokens: int = 65536  # largest chunk size a namespace may use
+
+    def to_wire(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, fields: dict) -> "Limits":
+        """Known keys from a HELLO reply's `limits` map; unknown keys ignored."""
+        known = {k: int(v) for k, v in fields.items() if k in cls.__dataclass_fields__ and isinstance(v, int)}
+        return cls(**known)
+
+
+DEFAULT_LIMITS = Limits()

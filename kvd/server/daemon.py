@@ -1,0 +1,188 @@
+"""The daemon: one ROUTER socket, one thread, one Handler over one Store.
+
+Theory of operation
+-------------------
+Clients are DEALER sockets. A request arrives as [identity, header, data...];
+the daemon decodes it (kvd.protocol.codec), hands it to the Handler, encodes
+the reply and sends [identity, reply frames...]. Requests are served one at a
+time, in arrival order, like redis: the work per request is a hash chain and
+a few dict lookups, and tensor bytes are never copied in the RAM tier -- large
+frames are kept as the received ZeroMQ frames and sent back as they are.
+
+Rules the loop keeps:
+1. No byte sequence from a client can stop it: decoding errors become ERROR
+   replies with the protocol's code; any other exception in a handler becomes
+   INTERNAL, is logged with its traceback, and the loop goes on.
+2. A reply to a client that went away, or whose queue is full, is dropped
+   and counted (ROUTER_MANDATORY + NOBLOCK), never blocks the loop.
+3. The loop wakes at least every `tick` seconds to run housekeeping hooks
+   (the systemd watchdog, store maintenance) and to notice SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from kvd.protocol import codec
+from kvd.protocol import errors as E
+from kvd.protocol.limits import Limits
+from kvd.server.endpoint import EndpointLock
+from kvd.server.handler import Handler, ShutdownRequested
+from kvd.store.base import Store
+
+log = logging.getLogger("kvd.server")
+
+# Frames below this size are copied out of ZeroMQ's receive buffers so a small
+# tensor never pins a larger shared buffer; above it the frame itself is kept.
+_KEEP_FRAME_BYTES = 64 * 1024
+
+
+class Daemon:
+    """Serve `store` on `endpoint` until stopped. See the module docstring."""
+
+    def __init__(
+        self,
+        store: Store,
+        endpoint: str,
+        *,
+        limits: Limits | None = None,
+        chunk_tokens: int = 256,
+        tick: float = 0.1,
+        on_ready: Callable[[], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
+    ):
+        self.store = store
+        self.endpoint = endpoint
+        self.limits = limits or Limits()
+        self.handler = Handler(store, self.limits, endpoint=endpoint, chunk_tokens=chunk_tokens)
+        self.tick = tick
+        self.on_ready = on_ready
+        self.on_tick = on_tick
+        self.dropped_replies = 0
+        self._stop = threading.Event()
+        self._lock = EndpointLock(endpoint)
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+    def bind(self) -> None:
+        """Take the endpoint lock and bind. Raises EndpointError or zmq.ZMQError."""
+        self._lock.acquire()
+        try:
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.LINGER, 0)
+            # A single frame over the limit makes libzmq drop that peer's
+            # connection: the last line of defence (clients learn the limit in
+            # HELLO and split their messages; totals are checked when decoding).
+            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+            sock.setsockopt(zmq.SNDHWM, 64)
+            sock.setsockopt(zmq.RCVHWM, 64)
+            sock.bind(self.endpoint)
+        except Exception:
+            self._lock.release()
+            raise
+        self._ctx, self._sock = ctx, sock
+        path = self._lock.path
+        if path is not None:
+            path.chmod(0o600)
+
+    def stop(self) -> None:
+        """Ask the loop to finish (thread- and signal-safe)."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: self.stop())
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        self._lock.release()
+
+    # -- the loop ------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Bind if needed, then serve until stop() or SHUTDOWN. Always closes."""
+        if self._sock is None:
+            self.bind()
+        assert self._sock is not None
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        log.info("serving endpoint=%s", self.endpoint)
+        if self.on_ready is not None:
+            self.on_ready()
+        next_tick = time.monotonic() + self.tick
+        try:
+            while not self._stop.is_set():
+                timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+                if poller.poll(timeout_ms):
+                    # Drain what is queued, but keep ticking under load.
+                    for _ in range(64):
+                        try:
+                            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        if self._serve_one(frames):
+                            self._stop.set()
+                            break
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self.tick
+                    if self.on_tick is not None:
+                        self.on_tick()
+        finally:
+            log.info("stopping endpoint=%s", self.endpoint)
+            self.close()
+
+    def _serve_one(self, raw: list[zmq.Frame]) -> bool:
+        """Serve one request; True if it asked the daemon to shut down."""
+        identity, payload = raw[0].bytes, raw[1:]
+        frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
+        shutdown = False
+        started = time.perf_counter()
+        try:
+            msg = codec.decode_request(frames, self.limits)
+        except E.ProtocolError as err:
+            self.handler.errors[err.name] += 1
+            log.warning("rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
+            self._send(identity, codec.encode_error(err, id=codec.peek_id(frames) if frames else 0))
+            return False
+        try:
+            rtype, fields = self.handler.handle(msg)
+            reply = codec.encode(rtype, fields, id=msg.id)
+        except ShutdownRequested:
+            reply, shutdown = codec.encode("SHUTDOWN", {}, id=msg.id), True
+            log.info("shutdown requested by a client")
+        except E.KvdError as err:
+            self.handler.errors[err.name] += 1
+            log.warning("failed type=%s error=%s detail=%r", msg.type, err.name, err.message)
+            reply = codec.encode_error(err, id=msg.id)
+        except Exception:
+            err = E.Internal(f"internal error serving {msg.type}; see the daemon log")
+            self.handler.errors[err.name] += 1
+            log.exception("internal error type=%s id=%d", msg.type, msg.id)
+            reply = codec.encode_error(err, id=msg.id)
+        self._send(identity, reply)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("served type=%s id=%d ms=%.3f", msg.type, msg.id, 1000 * (time.perf_counter() - started))
+        return shutdown
+
+    def _send(self, identity: bytes, frames: list) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except (zmq.Again, zmq.ZMQError) as exc:
+            # EHOSTUNREACH: the peer is gone; EAGAIN: its queue is full.
+            self.dropped_replies += 1
+            log.warning("reply dropped reason=%s", exc.__class__.__name__ if isinstance(exc, zmq.Again) else exc.strerror)

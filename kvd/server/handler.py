@@ -1,0 +1,243 @@
+"""What the daemon does with each request: decoded message in, reply out.
+
+No sockets here: `Handler.handle` takes a decoded `Message` and returns
+(reply type, reply fields), so it is tested without ZeroMQ. The daemon owns
+exactly one Handler and calls it from one thread, which is why nothing here
+locks.
+
+GET is served in pages: a reply carries whole chunks up to the message byte
+limit and says where it stopped (`end`); the client asks again from there.
+Every page re-matches the chain, so a page can only shrink `n`, never
+serve a byte of a chunk the store no longer holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+from kvd import __version__
+from kvd.protocol import keys
+from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
+from kvd.protocol.errors import BadField
+from kvd.protocol.limits import Limits
+from kvd.server.prefix import Link, match
+from kvd.store.base import BOUNDARY, CHUNK, Entry, PutOutcome, Store, entry_id
+
+log = logging.getLogger("kvd.server")
+
+# Room left in a GET page for the header and framing overhead.
+_PAGE_SLACK = 1 << 20
+
+
+class ShutdownRequested(Exception):
+    """Raised after a SHUTDOWN reply is ready; the daemon stops its loop."""
+
+
+class Handler:
+    """Serves decoded requests against a Store; keeps per-namespace counters."""
+
+    def __init__(self, store: Store, limits: Limits, *, endpoint: str = "", chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS):
+        self.store = store
+        self.limits = limits
+        self.endpoint = endpoint
+        self.chunk_tokens = chunk_tokens
+        self.started = time.time()
+        self.requests: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.ns_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
+
+    def handle(self, msg: Message) -> tuple[str, dict[str, Any]]:
+        self.requests[msg.type] += 1
+        return getattr(self, "on_" + msg.type.lower())(msg)
+
+    # -- session -----------------------------------------------------------
+    def on_hello(self, msg: Message):
+        common = sorted(set(msg["versions"]) & set(SUPPORTED_VERSIONS))
+        if not common:
+            from kvd.protocol.errors import UnsupportedVersion
+
+            raise UnsupportedVersion(f"client speaks {msg['versions']}; this daemon speaks {list(SUPPORTED_VERSIONS)}")
+        return "HELLO", {
+            "version": common[-1],
+            "server": f"kvd/{__version__}",
+            "limits": self.limits.to_wire(),
+            "chunk_tokens": self.chunk_tokens,
+        }
+
+    def on_ping(self, msg: Message):
+        return "PING", {}
+
+    def on_shutdown(self, msg: Message):
+        raise ShutdownRequested()
+
+    # -- data ----------------------------------------------------------------
+    def on_lookup(self, msg: Message):
+        ns = msg["ns"]
+        links = match(self.store, ns, msg["chunk_tokens"], msg["tokens"])
+        n = links[-1].end if links else 0
+        c = self.ns_counters[ns]
+        c["lookups"] += 1
+        c["lookup_hits" if n else "lookup_misses"] += 1
+        return "LOOKUP", {"n": n, "boundaries": [link.end for link in links if link.boundary]}
+
+    def on_get(self, msg: Message):
+        ns, tokens_le = msg["ns"], msg["tokens"]
+        links = match(self.store, ns, msg["chunk_tokens"], tokens_le)
+        cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
+        need_boundary, start = msg["need_boundary"], msg["start"]
+        c = self.ns_counters[ns]
+        if start == 0:
+            c["gets"] += 1
+
+        chunks, n, boundary = self._collect(links, cap, need_boundary, start)
+        if start == 0:
+            c["hits" if n else "misses"] += 1
+            c["tokens_served"] += n
+        if not n:
+            return "GET", {"n": 0, "end": 0, "chunks": []}
+        end = chunks[-1].end if chunks else start
+        reply: dict[str, Any] = {
+            "n": n,
+            "end": end,
+            "chunks": [{"start": e.start, "length": e.length, "tensors": list(e.tensors), "meta": e.meta} for e in chunks],
+        }
+        if boundary is not None and end >= n:
+            reply["boundary"] = {"at": n, "tensors": list(boundary.tensors), "meta": boundary.meta}
+        return "GET", reply
+
+    def _collect(self, links: list[Link], cap: int, need_boundary: bool, start: int):
+        """Entries for one GET page: (chunks, n, boundary entry or None).
+
+        `n` is the prefix the client may use; chunks cover [start, n) or stop
+        early at the page budget. Boundary state rides only on the page that
+        reaches `n`, and with `need_boundary` n is always a boundary position.
+        """
+        usable = [link for link in links if link.start < cap]
+        if not usable:
+            return [], 0, None
+        n = min(usable[-1].end, cap)
+        if need_boundary:
+            ends = [link.end for link in usable if link.boundary and link.end <= n]
+            if not ends:
+                return [], 0, None
+            n = ends[-1]
+        budget = self.limits.max_message_bytes - _PAGE_SLACK
+        chunks: list[Entry] = []
+        size = 0
+        for link in usable:
+            if link.start >= n:
+                break
+            if link.start < start:
+                continue
+            entry = self.store.get(entry_id(link.key, CHUNK))
+            if entry is None:  # lost since matching (e.g. a failed checksum): serve less
+                n = link.start
+                break
+            if chunks and size + entry.nbytes > budget:
+                break  # page full: the client continues from chunks[-1].end
+            chunks.append(entry)
+            size += entry.nbytes
+
+        def reaches(pos: int) -> bool:
+            return bool(chunks) and chunks[-1].end >= pos
+
+        if not need_boundary:
+            boundary = None
+            if n and reaches(n):
+                at_n = next((link for link in usable if link.end == n and link.boundary), None)
+                if at_n is not None:
+                    boundary = self.store.get(entry_id(at_n.key, BOUNDARY))
+            return [e for e in chunks if e.start < n], n, boundary
+        for link in reversed(usable):
+            if not (link.boundary and link.end <= n):
+                continue
+            if link.end <= start:
+                break  # the client is already past it: it must start over
+            if not reaches(link.end):
+                return chunks, link.end, None  # boundary comes with a later page
+            boundary = self.store.get(entry_id(link.key, BOUNDARY))
+            if boundary is not None:
+                return [e for e in chunks if e.start < link.end], link.end, boundary
+        return [], 0, None
+
+    def on_put(self, msg: Message):
+        ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
+        n_tokens = len(tokens_le) // 4
+        chain = keys.chain(ns, ct, tokens_le)
+        root = keys.root_key(ns, ct)
+        counts = {"stored": 0, "duplicate": 0, "too_big": 0}
+        for chunk in msg["chunks"]:
+            i = chunk["index"]
+            if i >= len(chain):
+                raise BadField(f"chunk index {i} is past the last chunk ({len(chain) - 1}) of {n_tokens} tokens")
+            start = i * ct
+            length = min(ct, n_tokens - start)
+            entry = Entry(
+                namespace=ns, key=chain[i], kind=CHUNK, parent=chain[i - 1] if i else root,
+                start=start, length=length, tensors=tuple(chunk["tensors"]), meta=chunk["meta"],
+                tail=length < ct,
+            )
+            counts[self.store.put(entry).value] += 1
+        boundary = msg.get("boundary")
+        if boundary is not None:
+            if not chain:
+                raise BadField("boundary state needs at least one token")
+            i = len(chain) - 1
+            entry = Entry(
+                namespace=ns, key=chain[i], kind=BOUNDARY, parent=chain[i - 1] if i else root,
+                start=i * ct, length=n_tokens - i * ct, tensors=tuple(boundary["tensors"]), meta=boundary["meta"],
+            )
+            counts[self.store.put(entry).value] += 1
+        c = self.ns_counters[ns]
+        c["puts"] += 1
+        c["chunks_stored"] += counts["stored"]
+        c["chunks_duplicate"] += counts["duplicate"]
+        c["chunks_too_big"] += counts["too_big"]
+        return "PUT", counts
+
+    # -- admin -----------------------------------------------------------------
+    def on_stats(self, msg: Message):
+        stats = self.store.stats()
+        namespaces = stats.setdefault("namespaces", {})
+        for ns, counters in self.ns_counters.items():
+            namespaces.setdefault(ns, {"entries": 0, "bytes": 0}).update(counters)
+        if msg.get("ns") is not None:
+            stats["namespaces"] = {k: v for k, v in namespaces.items() if k == msg["ns"]}
+        stats["server"] = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "endpoint": self.endpoint,
+            "uptime": time.time() - self.started,
+            "requests": dict(self.requests),
+            "errors": dict(self.errors),
+            "limits": self.limits.to_wire(),
+        }
+        return "STATS", {"stats": stats}
+
+    def on_gc(self, msg: Message):
+        dry = msg["dry_run"]
+        entries = nbytes = 0
+        details: dict[str, Any] = {}
+        if msg.get("ns") is not None or msg.get("older_than") is not None:
+            n, b = self.store.drop(namespace=msg.get("ns"), older_than=msg.get("older_than"), dry_run=dry)
+            details["dropped"] = {"entries": n, "bytes": b}
+            entries, nbytes = entries + n, nbytes + b
+            if msg.get("ns") is not None and not dry:
+                self.ns_counters.pop(msg["ns"], None)
+        for tier in ("ram", "ssd"):
+            budget = msg.get(f"{tier}_bytes")
+            if budget is None:
+                continue
+            n, b = self.store.evict(budget, dry_run=dry, **({} if tier == "ram" else {"tier": "ssd"}))
+            details[f"evicted_{tier}"] = {"entries": n, "bytes": b}
+            entries, nbytes = entries + n, nbytes + b
+        if msg["orphans"] and hasattr(self.store, "remove_orphans"):
+            n, b = self.store.remove_orphans(dry_run=dry)
+            details["orphans"] = {"entries": n, "bytes": b}
+            entries, nbytes = entries + n, nbytes + b
+        log.info("gc dry_run=%s entries=%d bytes=%d %s", dry, entries, nbytes, details)
+        return "GC", {"entries": entries, "bytes": nbytes, "dry_run": dry, "details": details}

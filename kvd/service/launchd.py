@@ -1,0 +1,94 @@
+"""The launchd agent that runs `kvd serve` for one macOS user.
+
+The plist is built as data and written by plistlib, so it is always well
+formed. What each key is for:
+
+- `ProgramArguments`: the interpreter kvd was installed into, `-m kvd serve`.
+  No shell, so no quoting and no login-profile surprises.
+- `KeepAlive` {"SuccessfulExit": false}: restart after a crash or a non-zero
+  exit, but not after a clean stop (exit 0).
+- `ProcessType` "Interactive": without it launchd treats the agent as
+  background work and throttles its CPU and I/O, which a cache serving an
+  inference server cannot afford.
+- `Umask` 0o077: the socket, logs and data are for this user only.
+- Logs go to ~/Library/Logs/kvd/, where Console.app looks.
+"""
+
+from __future__ import annotations
+
+import os
+import plistlib
+from pathlib import PurePosixPath
+from typing import Sequence
+
+LABEL = "io.kvd.daemon"
+# launchd starts agents with a minimal PATH; this is the macOS default.
+DEFAULT_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+# Seconds between SIGTERM and SIGKILL on stop: room to finish queued SSD writes.
+EXIT_TIMEOUT = 30
+# The paths launchd/io.kvd.daemon.plist in the repository is rendered for.
+EXAMPLE_HOME = "/Users/you"
+EXAMPLE_PYTHON = "/Users/you/.venvs/kvd/bin/python"
+
+
+def plist_path(home: str | os.PathLike, label: str = LABEL) -> PurePosixPath:
+    """Return where the agent's plist is installed: ~/Library/LaunchAgents/<label>.plist."""
+    return PurePosixPath(os.fspath(home)) / "Library" / "LaunchAgents" / f"{label}.plist"
+
+
+def log_dir(home: str | os.PathLike) -> PurePosixPath:
+    """Return the agent's log folder, ~/Library/Logs/kvd."""
+    return PurePosixPath(os.fspath(home)) / "Library" / "Logs" / "kvd"
+
+
+def plist_dict(
+    *, home: str | os.PathLike, python: str | os.PathLike, label: str = LABEL, extra_args: Sequence[str] = ()
+) -> dict:
+    """Return the agent definition as a dict (what `render_plist` serializes).
+
+    Raises ValueError if `home` or `python` is not an absolute path.
+    """
+    home, python = os.fspath(home), os.fspath(python)
+    for what, path in (("home", home), ("python", python)):
+        if not path.startswith("/"):
+            raise ValueError(f"{what} must be an absolute path, got {path!r}")
+    logs = log_dir(home)
+    bin_dir = str(PurePosixPath(python).parent)
+    return {
+        "Label": label,
+        "ProgramArguments": [python, "-m", "kvd", "serve", *map(str, extra_args)],
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ProcessType": "Interactive",
+        "Umask": 0o077,
+        "ExitTimeOut": EXIT_TIMEOUT,
+        "WorkingDirectory": home,
+        "StandardOutPath": str(logs / "kvd.out.log"),
+        "StandardErrorPath": str(logs / "kvd.err.log"),
+        "EnvironmentVariables": {
+            # The interpreter's folder first, so tools of the same install win.
+            "PATH": f"{bin_dir}:{DEFAULT_PATH}",
+            # Log lines reach the files as they happen, not when a buffer fills.
+            "PYTHONUNBUFFERED": "1",
+        },
+    }
+
+
+def render_plist(
+    *, home: str | os.PathLike, python: str | os.PathLike, label: str = LABEL, extra_args: Sequence[str] = ()
+) -> bytes:
+    """Return the agent's plist (XML) for this home folder and interpreter.
+
+    Raises ValueError if `home` or `python` is not an absolute path.
+    """
+    return plistlib.dumps(
+        plist_dict(home=home, python=python, label=label, extra_args=extra_args),
+        fmt=plistlib.FMT_XML,
+        sort_keys=False,
+    )
+
+
+if __name__ == "__main__":  # python -m kvd.service.launchd > launchd/io.kvd.daemon.plist
+    import sys
+
+    sys.stdout.buffer.write(render_plist(home=EXAMPLE_HOME, python=EXAMPLE_PYTHON))

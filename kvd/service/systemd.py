@@ -1,0 +1,141 @@
+"""The systemd user unit that runs `kvd serve`.
+
+The unit text lives here (not only in systemd/kvd.service) so an installed
+wheel can render it; systemd/kvd.service in the repository is this template
+rendered for EXAMPLE_PYTHON, and a test keeps the two identical.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import PurePosixPath
+from typing import Mapping, Sequence
+
+UNIT_NAME = "kvd.service"
+EXAMPLE_PYTHON = "/usr/bin/python3"
+
+UNIT_TEMPLATE = """\
+# kvd.service: a systemd *user* unit for the kvd KV-cache daemon.
+#
+# `kvd service install` writes this file to ~/.config/systemd/user/kvd.service
+# with ExecStart= set to the Python that kvd is installed into, then runs
+# `systemctl --user daemon-reload` and `systemctl --user enable --now kvd`.
+#
+# To install it by hand instead, _at the very least_ adapt:
+#   - ExecStart=: the absolute path of the Python whose environment has kvd
+#     (a virtualenv's bin/python; %h stands for your home folder);
+#   - the tier sizes: add --ram-mb / --ssd-gb to ExecStart=, or set them in
+#     ~/.config/kvd/kvd.toml (`kvd config` shows what is in effect and why).
+# then run: systemctl --user daemon-reload && systemctl --user enable --now kvd
+# To keep kvd running while you are logged out: loginctl enable-linger $USER
+#
+# The socket is $XDG_RUNTIME_DIR/kvd/kvd.sock (%t) and the SSD tier lives in
+# ~/.cache/kvd (%C): systemd creates both folders for the daemon. Flags on
+# ExecStart= take precedence over the config file and the environment.
+#
+# Hardening is on, limited to what a user manager can enforce without user
+# namespaces; the rest is commented out below with the reason. See
+# systemd.service(5), systemd.exec(5) and systemd/README.md for more.
+
+[Unit]
+Description=kvd KV-cache daemon for MLX inference servers
+#Before=your-inference-server.service
+
+[Service]
+Type=notify
+ExecStart=@PYTHON@ -m kvd serve --endpoint ipc://%t/kvd/kvd.sock --data-dir %C/kvd@EXTRA@
+## Alternatively, take everything but the socket from a config file:
+#ExecStart=@PYTHON@ -m kvd serve --endpoint ipc://%t/kvd/kvd.sock --config %E/kvd/kvd.toml
+Restart=on-failure
+RestartSec=2
+# Exit status 78 (EX_CONFIG) is a bad configuration: restarting cannot fix it.
+RestartPreventExitStatus=78
+# kvd sends WATCHDOG=1 from its main loop; if the loop wedges, systemd kills
+# and restarts it after this long.
+WatchdogSec=30
+TimeoutStartSec=90
+# Room to finish queued SSD-tier writes after SIGTERM.
+TimeoutStopSec=30
+RuntimeDirectory=kvd
+RuntimeDirectoryMode=0700
+CacheDirectory=kvd
+CacheDirectoryMode=0700
+UMask=0077
+Environment=PYTHONUNBUFFERED=1
+# Huge pages for big buffers: ipc throughput went from ~1 to ~3 GiB/s on x86-64.
+#Environment=GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+# Memory cap for the whole daemon (RAM tier plus buffers in flight).
+#MemoryMax=8G
+#LimitNOFILE=65536
+
+# Hardening enforced by seccomp and prctl: works in any user manager.
+NoNewPrivileges=yes
+LockPersonality=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+RestrictNamespaces=yes
+# Safe: numpy, pyzmq, lmdb and xxhash never map memory writable and executable
+# (tests/test_service_systemd.py checks), and the daemon never imports mlx.
+MemoryDenyWriteExecute=yes
+SystemCallArchitectures=native
+SystemCallFilter=@system-service
+SystemCallErrorNumber=EPERM
+# ipc endpoints need AF_UNIX; tcp endpoints and the metrics port need
+# AF_INET/AF_INET6 (add AF_NETLINK to bind tcp endpoints by interface name).
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
+
+# These need mount or user namespaces: a user manager turns on PrivateUsers=
+# for them, and where unprivileged user namespaces are off or restricted
+# (hardened kernels, Ubuntu 24.04's AppArmor default, containers) the unit then
+# fails with status 226/NAMESPACE. Check first, then uncomment:
+#   systemd-run --user --wait -p PrivateTmp=yes true
+#PrivateTmp=yes
+#PrivateDevices=yes
+#ProtectSystem=strict
+#ProtectHome=read-only
+#ProtectKernelTunables=yes
+#ProtectKernelModules=yes
+#ProtectKernelLogs=yes
+#ProtectControlGroups=yes
+#ProtectHostname=yes
+#ProtectClock=yes
+# Only with an ipc endpoint and no metrics port:
+#PrivateNetwork=yes
+
+[Install]
+WantedBy=default.target
+"""
+
+
+def _exec_arg(arg: str) -> str:
+    """Quote one ExecStart= word: `%` is a specifier, spaces split words."""
+    arg = arg.replace("%", "%%")
+    if any(c in arg for c in " \t\"'\\;$"):
+        arg = '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return arg
+
+
+def render_unit(python: str | os.PathLike = EXAMPLE_PYTHON, extra_args: Sequence[str] = ()) -> str:
+    """Return the unit file text whose ExecStart= runs `python -m kvd serve`,
+    with `extra_args` appended to the serve command.
+
+    Raises ValueError if `python` is not an absolute path.
+    """
+    python = os.fspath(python)
+    if not python.startswith("/"):
+        raise ValueError(f"python must be an absolute path, got {python!r}")
+    extra = "".join(" " + _exec_arg(str(a)) for a in extra_args)
+    return UNIT_TEMPLATE.replace("@PYTHON@", _exec_arg(python)).replace("@EXTRA@", extra)
+
+
+def unit_path(home: str | os.PathLike, environ: Mapping[str, str] | None = None) -> PurePosixPath:
+    """Return where the user unit is installed: $XDG_CONFIG_HOME/systemd/user/kvd.service
+    (default ~/.config/systemd/user/kvd.service)."""
+    environ = {} if environ is None else environ
+    base = environ.get("XDG_CONFIG_HOME") or ""
+    root = PurePosixPath(base) if base.startswith("/") else PurePosixPath(os.fspath(home)) / ".config"
+    return root / "systemd" / "user" / UNIT_NAME
+
+
+if __name__ == "__main__":  # python -m kvd.service.systemd > systemd/kvd.service
+    print(render_unit(EXAMPLE_PYTHON), end="")

@@ -1,0 +1,117 @@
+"""The store contract: what a tier holds and what it promises.
+
+Theory of operation
+-------------------
+A tier maps an *entry id* to an `Entry`. There are two kinds of entry, both
+keyed by the 32-byte chain key of a chunk (see `kvd.protocol.keys`):
+
+* CHUNK: the tensors of one chunk of a token sequence, already cut along their
+  token axis by the client, plus the client's opaque msgpack `meta`.
+* BOUNDARY: state that is only valid exactly at the end of that chunk
+  (recurrent/SSM state, a rotated sliding window), stored apart so that a chunk
+  can exist without it and a later PUT can add it.
+
+Tiers never look inside tensors: dtype, shape and bytes are carried as given.
+The daemon is single-threaded over a store, so a store need not lock against
+concurrent requests; a tier with background work (the SSD spill writer) locks
+its own internals.
+
+Rules every tier keeps:
+1. `put` never replaces an existing entry (same key means same tokens and the
+   same namespace, hence the same bytes); it refreshes its recency instead.
+2. `get` and `contains` never return an entry of another namespace: keys are
+   seeded by the namespace, and the entry records it for stats and GC.
+3. Byte accounting counts tensor bytes plus meta, and the budget is enforced
+   before `put` returns.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from kvd.protocol.codec import Tensor  # noqa: F401  (re-exported: entries hold wire tensors)
+
+CHUNK = 0
+BOUNDARY = 1
+
+
+def entry_id(key: bytes, kind: int = CHUNK) -> bytes:
+    """The 33-byte id of an entry: the chunk key, then one byte of kind."""
+    return key + bytes((kind,))
+
+
+@dataclass(slots=True)
+class Entry:
+    """A chunk (or the boundary state at a chunk's end) as a tier holds it."""
+
+    namespace: str
+    key: bytes  # 32-byte chain key of the chunk
+    kind: int  # CHUNK or BOUNDARY
+    parent: bytes  # chain key of the previous chunk (the root for the first)
+    start: int  # token position where the chunk starts
+    length: int  # tokens in the chunk (< chunk_tokens only for a tail chunk)
+    tensors: tuple[Tensor, ...]
+    meta: bytes = b""  # client msgpack, opaque to the daemon
+    tail: bool = False  # a CHUNK shorter than its namespace's chunk size
+    nbytes: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if not self.nbytes:
+            self.nbytes = sum(t.nbytes for t in self.tensors) + len(self.meta)
+
+    @property
+    def id(self) -> bytes:
+        return entry_id(self.key, self.kind)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class PutOutcome(enum.Enum):
+    STORED = "stored"  # new entry kept
+    DUPLICATE = "duplicate"  # already held; recency refreshed
+    TOO_BIG = "too_big"  # larger than the tier's whole budget; not kept
+
+
+class Store(abc.ABC):
+    """What the server needs from a tier (or a stack of tiers)."""
+
+    @abc.abstractmethod
+    def get(self, eid: bytes) -> Entry | None:
+        """The entry, refreshing its recency; None if absent (counted as a miss)."""
+
+    @abc.abstractmethod
+    def contains(self, eid: bytes) -> bool:
+        """Whether `get(eid)` would currently return an entry. No recency change."""
+
+    @abc.abstractmethod
+    def put(self, entry: Entry) -> PutOutcome:
+        """Keep `entry`, evicting least-recently-used entries to stay in budget."""
+
+    @abc.abstractmethod
+    def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
+        """(length, key) of every held tail chunk (shorter than a full chunk)
+        whose parent is `parent`."""
+
+    @abc.abstractmethod
+    def evict(self, budget_bytes: int, *, dry_run: bool = False) -> tuple[int, int]:
+        """Evict LRU entries until at most `budget_bytes` remain.
+        Returns (entries, bytes) evicted (or that would be, with dry_run)."""
+
+    @abc.abstractmethod
+    def drop(
+        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
+    ) -> tuple[int, int]:
+        """Remove every entry of `namespace` and/or last used more than
+        `older_than` seconds ago. Returns (entries, bytes) removed."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes: {"tiers": {name: {...}}, "namespaces": {ns: {...}}}."""
+
+    def close(self) -> None:
+        """Release resources (flush a write-back queue, close files)."""

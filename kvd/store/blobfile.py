@@ -1,0 +1,302 @@
+"""One entry as one safetensors file: encoding, crash-safe writing, checked reading.
+
+This module is the SSD tier's serializer, and only that: it knows the file
+format and the write protocol, nothing about budgets, the index or threads.
+
+Format
+------
+A blob is a plain safetensors file, written directly (8-byte little-endian
+header length, a JSON header padded with spaces to a multiple of 8, then the
+tensor bytes back to back). Tensors keep their true dtype ("bfloat16" is
+stored as BF16, never widened), so `mx.load` or any safetensors reader opens
+a blob as it is. The `__metadata__` map (strings only, as the format demands)
+carries what kvd needs to rebuild the `Entry` without its index row:
+
+    kvd_format   FORMAT_VERSION; a reader refuses any other value
+    kvd_namespace, kvd_key (hex), kvd_kind, kvd_parent (hex), kvd_start,
+    kvd_length, kvd_tail ("0"/"1"), kvd_meta (base64 of the client's msgpack),
+    kvd_order    JSON list of tensor names in entry order (JSON maps need not
+                 keep order in other readers)
+
+The encoding is deterministic: the same entry always gives the same bytes,
+so a blob rewritten after an eviction has the checksum it had before.
+
+Write protocol (`write_blob`)
+-----------------------------
+temp name in the target's directory -> write -> fsync (F_FULLFSYNC on macOS,
+where fsync does not flush the drive cache) -> rename over the final name ->
+fsync the directory. Only then may the caller commit an index row. A crash at
+any step leaves either nothing, a temp file, or a complete blob without a
+row -- never a row pointing at a partial file. On error the temp file is
+removed and the OSError propagates (the caller decides about ENOSPC/EIO).
+
+Reading (`read_blob`) checks the size and the xxh3-64 of the whole file
+against what the index recorded, then parses; any disagreement raises
+`BlobCorrupt`, which the tier turns into a quarantine and a miss.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvd.protocol import dtypes
+from kvd.store.base import Entry, Tensor
+from kvd.store.datadir import DIR_MODE, FILE_MODE, TMP_SUFFIX
+
+FORMAT_VERSION = 1
+
+# wire dtype name -> safetensors dtype code. Bijective, so a blob's dtypes
+# come back under the very names they were stored with.
+ST_DTYPE = {
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
+    "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
+    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64", "bool": "BOOL",
+}
+WIRE_DTYPE = {code: name for name, code in ST_DTYPE.items()}
+
+# A header bigger than this is garbage, not a blob (a real one is a few KiB).
+MAX_HEADER = 64 << 20
+
+
+class BlobCorrupt(Exception):
+    """The blob on disk is not the one the index describes (checksum, size or parse failure)."""
+
+
+class Unencodable(ValueError):
+    """The entry cannot be written as a safetensors file (duplicate or reserved tensor names)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlobInfo:
+    file_size: int  # bytes in the file
+    disk_bytes: int  # bytes the filesystem allocated for it (what the budget counts)
+    checksum: int  # xxh3_64 of the whole file
+
+
+def _buffer(data) -> memoryview:
+    mv = memoryview(data)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def encode_header(entry: Entry) -> bytes:
+    """The 8-byte length prefix plus padded JSON header for `entry`."""
+    names = [t.name for t in entry.tensors]
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        raise Unencodable(f"tensor names must be unique and not '__metadata__': {names}")
+    header: dict = {
+        "__metadata__": {
+            "kvd_format": str(FORMAT_VERSION),
+            "kvd_namespace": entry.namespace,
+            "kvd_key": entry.key.hex(),
+            "kvd_kind": str(entry.kind),
+            "kvd_parent": entry.parent.hex(),
+            "kvd_start": str(entry.start),
+            "kvd_length": str(entry.length),
+            "kvd_tail": "1" if entry.tail else "0",
+            "kvd_meta": base64.b64encode(entry.meta).decode("ascii"),
+            "kvd_order": json.dumps(names),
+        }
+    }
+    offset = 0
+    for t in entry.tensors:
+        n = _buffer(t.data).nbytes
+        want = dtypes.itemsize(t.dtype)
+        for dim in t.shape:
+            want *= dim
+        if n != want:
+            raise Unencodable(f"tensor {t.name!r}: {n} bytes for {t.dtype}{list(t.shape)}")
+        header[t.name] = {"dtype": ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    # Pad so the data section starts 8-byte aligned (the safetensors
+    # convention, and what lets a reader map tensors without copying).
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def full_fsync(fd: int) -> None:
+    """Flush `fd` to stable storage: F_FULLFSYNC on macOS, fsync elsewhere."""
+    if sys.platform == "darwin":
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:
+            pass  # some filesystems (network, FAT) refuse it; fsync is the best left
+    os.fsync(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, mv: memoryview, hasher) -> None:
+    hasher.update(mv)
+    while mv:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def temp_path(path: Path) -> Path:
+    return path.parent / f".{path.stem}.{os.getpid()}{TMP_SUFFIX}"
+
+
+def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
+    """Write `entry` to `path` crash-safely (see module docstring).
+
+    Returns the file's size, allocated bytes and checksum. Raises Unencodable
+    for an entry safetensors cannot express, OSError for I/O errors (the temp
+    file is removed first; nothing at `path` is touched unless the rename ran).
+    """
+    head = encode_header(entry)
+    parent = path.parent
+    if not parent.is_dir():
+        parent.mkdir(mode=DIR_MODE, exist_ok=True)
+        if durable:
+            fsync_dir(parent.parent)
+    tmp = temp_path(path)
+    hasher = xxhash.xxh3_64()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    try:
+        try:
+            _write_all(fd, memoryview(head), hasher)
+            for t in entry.tensors:
+                _write_all(fd, _buffer(t.data), hasher)
+            if durable:
+                full_fsync(fd)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        fsync_dir(parent)
+    # st_blocks is in 512-byte units whatever the filesystem's block size.
+    disk = st.st_blocks * 512 if st.st_blocks else st.st_size
+    return BlobInfo(file_size=st.st_size, disk_bytes=max(disk, st.st_size), checksum=hasher.intdigest())
+
+
+def estimate_disk_bytes(entry: Entry, block: int = 4096) -> int:
+    """Bytes a blob of `entry` will take on disk, for budgeting before it is written."""
+    size = 8 + 1024 + len(entry.meta) * 2 + 128 * len(entry.tensors) + entry.nbytes
+    return -(-size // block) * block
+
+
+def read_all(fd: int, size: int) -> bytearray:
+    """Read exactly `size` bytes from `fd` (from offset 0). Short file -> BlobCorrupt."""
+    buf = bytearray(size)
+    mv = memoryview(buf)
+    pos = 0
+    while pos < size:
+        n = os.preadv(fd, [mv[pos:]], pos) if hasattr(os, "preadv") else _pread_into(fd, mv, pos)
+        if n == 0:
+            raise BlobCorrupt(f"file shorter than recorded ({pos} < {size} bytes)")
+        pos += n
+    if os.pread(fd, 1, size):
+        raise BlobCorrupt(f"file longer than recorded ({size} bytes)")
+    return buf
+
+
+def _pread_into(fd: int, mv: memoryview, pos: int) -> int:
+    chunk = os.pread(fd, min(len(mv) - pos, 64 << 20), pos)
+    mv[pos : pos + len(chunk)] = chunk
+    return len(chunk)
+
+
+def read_blob(fd: int, size: int, checksum: int) -> Entry:
+    """The entry stored in the open blob `fd`, after checking its size and checksum.
+
+    Raises BlobCorrupt on any disagreement; OSError for I/O errors.
+    """
+    buf = read_all(fd, size)
+    got = xxhash.xxh3_64_intdigest(buf)
+    if got != checksum:
+        raise BlobCorrupt(f"checksum {got:016x} != recorded {checksum:016x}")
+    return parse_blob(buf)
+
+
+def parse_blob(buf: bytearray | bytes) -> Entry:
+    """Decode a whole blob held in memory. Tensors are read-only views into `buf`.
+
+    Raises BlobCorrupt if it is not a kvd blob of FORMAT_VERSION.
+    """
+    try:
+        return _parse(memoryview(buf).toreadonly())
+    except BlobCorrupt:
+        raise
+    except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as exc:
+        raise BlobCorrupt(f"unparsable blob: {exc!r}") from None
+
+
+def _parse(mv: memoryview) -> Entry:
+    (hlen,) = struct.unpack_from("<Q", mv, 0)
+    if hlen > min(MAX_HEADER, len(mv) - 8):
+        raise BlobCorrupt(f"header length {hlen} out of range")
+    header = json.loads(bytes(mv[8 : 8 + hlen]))
+    if not isinstance(header, dict):
+        raise BlobCorrupt("header is not a JSON object")
+    md = header.pop("__metadata__")
+    if md.get("kvd_format") != str(FORMAT_VERSION):
+        raise BlobCorrupt(f"blob format {md.get('kvd_format')!r}, this kvd reads {FORMAT_VERSION}")
+    data = mv[8 + hlen :]
+    order = json.loads(md["kvd_order"])
+    if sorted(order) != sorted(header):
+        raise BlobCorrupt("tensor list disagrees with kvd_order")
+    tensors = []
+    end = 0
+    for name in order:
+        spec = header[name]
+        dtype = WIRE_DTYPE[spec["dtype"]]
+        shape = tuple(int(d) for d in spec["shape"])
+        lo, hi = (int(x) for x in spec["data_offsets"])
+        want = dtypes.itemsize(dtype)
+        for dim in shape:
+            if dim < 0:
+                raise BlobCorrupt(f"negative dimension in {name!r}")
+            want *= dim
+        if not 0 <= lo <= hi <= len(data) or hi - lo != want:
+            raise BlobCorrupt(f"tensor {name!r} offsets {lo}..{hi} do not fit {dtype}{list(shape)}")
+        end = max(end, hi)
+        tensors.append(Tensor(name, dtype, shape, data[lo:hi]))
+    if end != len(data):
+        raise BlobCorrupt(f"{len(data) - end} stray bytes after the tensors")
+    key, parent = bytes.fromhex(md["kvd_key"]), bytes.fromhex(md["kvd_parent"])
+    if len(key) != 32:
+        raise BlobCorrupt("bad key")
+    return Entry(
+        namespace=md["kvd_namespace"],
+        key=key,
+        kind=int(md["kvd_kind"]),
+        parent=parent,
+        start=int(md["kvd_start"]),
+        length=int(md["kvd_length"]),
+        tensors=tuple(tensors),
+        meta=base64.b64decode(md["kvd_meta"], validate=True),
+        tail=md["kvd_tail"] == "1",
+    )
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` says the filesystem is out of space or quota."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)

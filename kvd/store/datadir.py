@@ -1,0 +1,149 @@
+"""Where the SSD tier lives on disk, and who may use it.
+
+Layout of a data dir (every directory 0700, every file 0600: KV blocks are
+as sensitive as the prompts they were computed from)::
+
+    <data dir>/
+      kvd.lock                 flock()ed by the one process that writes here
+      index/                   the LMDB environment (data.mdb, lock.mdb)
+      blobs/<2 hex>/           blobs sharded by the first byte of the key
+        <66 hex>.safetensors   one entry: hex(entry id) = chunk key + kind
+        .<66 hex>.<pid>.tmp    a blob being written (or left by a crash)
+      quarantine/              blobs that failed their checksum, kept for a post-mortem
+
+256 shards keep directories at a few thousand files for a million entries,
+which every filesystem kvd runs on handles well, while staying one level
+deep so reconcile walks few directories.
+
+The lock is an flock on `kvd.lock`: the kernel drops it when the holder dies
+(even by SIGKILL), so a stale lock never needs a human. The daemon holds it
+for its whole life; `kvd gc --offline` takes it too, and so refuses to run
+beside a live daemon. Read-only stats do not take it (LMDB readers coexist
+with the writer).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import sys
+from pathlib import Path
+
+INDEX_DIR = "index"
+BLOB_DIR = "blobs"
+QUARANTINE_DIR = "quarantine"
+LOCK_FILE = "kvd.lock"
+BLOB_SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+class DataDirBusy(RuntimeError):
+    """Another process (a running daemon, or an offline gc) holds the data dir's lock."""
+
+
+def default_data_dir() -> Path:
+    """The per-user cache directory kvd uses when none is given.
+
+    macOS: ~/Library/Caches/kvd. Elsewhere: $XDG_CACHE_HOME/kvd, else ~/.cache/kvd.
+    """
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "kvd"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    # The XDG spec says a relative value is invalid and must be ignored.
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "kvd"
+
+
+def ensure_dirs(root: str | os.PathLike) -> Path:
+    """Create the data dir and its fixed subdirectories (0700). Returns the root."""
+    root = Path(root)
+    for sub in ("", INDEX_DIR, BLOB_DIR, QUARANTINE_DIR):
+        path = root / sub if sub else root
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        # mkdir's mode is masked by the umask and ignored for existing dirs:
+        # tighten explicitly (a dir made by hand with 0755 gets fixed too).
+        if (path.stat().st_mode & 0o777) != DIR_MODE:
+            os.chmod(path, DIR_MODE)
+    return root
+
+
+def blob_name(eid: bytes) -> str:
+    return eid.hex() + BLOB_SUFFIX
+
+
+def shard_of(eid: bytes) -> str:
+    return eid[:1].hex()
+
+
+def blob_path(root: Path, eid: bytes) -> Path:
+    """Where the blob of entry `eid` lives (whether or not it exists)."""
+    return root / BLOB_DIR / shard_of(eid) / blob_name(eid)
+
+
+def eid_of_blob(name: str) -> bytes | None:
+    """The entry id a blob file name encodes, or None if it is not a blob name."""
+    if not name.endswith(BLOB_SUFFIX) or name.startswith("."):
+        return None
+    try:
+        eid = bytes.fromhex(name[: -len(BLOB_SUFFIX)])
+    except ValueError:
+        return None
+    return eid if len(eid) == 33 else None
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+class DataDirLock:
+    """An exclusive, non-blocking flock on <data dir>/kvd.lock.
+
+    Raises DataDirBusy from `acquire` if another process holds it. The file
+    records the holder's pid for humans; the flock, not the pid, is the truth.
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.path = Path(root) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> "DataDirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                holder = self.holder()
+                raise DataDirBusy(
+                    f"{self.path.parent} is in use by another kvd process"
+                    + (f" (pid {holder})" if holder else "")
+                    + "; stop it first, or use another --data-dir"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def holder(self) -> int | None:
+        try:
+            return int(self.path.read_text().strip() or 0) or None
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            # Closing drops the flock; the file stays (unlinking it would race
+            # a process that has opened but not yet locked it).
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "DataDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

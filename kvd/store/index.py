@@ -1,0 +1,285 @@
+"""The SSD tier's index: an LMDB environment describing every committed blob.
+
+Theory of operation
+-------------------
+LMDB gives one writer and any number of lock-free MVCC readers, in this
+process and others. kvd uses exactly one writer: the SSD tier's writer
+thread (inside the daemon, or `kvd gc --offline` under the data-dir lock).
+The daemon thread only ever opens read transactions, so a read never waits
+for a write. A `readonly` Index in another process (`kvd stats`) reads while
+the daemon writes.
+
+Named databases (all keys and values are bytes):
+
+    rows    entry id (33 B)           -> msgpack Row: where/what the blob is
+    lru     atime_us (8 B BE) + eid   -> b""    recency order, oldest first
+    tails   parent (32 B) + length (4 B BE) + key (32 B) -> b""
+                                                  the tail index, by prefix scan
+    ns      namespace (utf-8)         -> msgpack [entries, disk bytes]
+    meta    b"format" -> b"1";  b"totals" -> msgpack [entries, disk bytes]
+
+Rules kept by every write (`put_row`, `delete_row`, `touch`):
+1. rows, lru, tails, ns and totals change in the same transaction, so the
+   totals read at start-up are exact without scanning anything.
+2. A row is committed only after its blob is durable (see blobfile), and a
+   row is deleted (committed) before its blob is unlinked. So a row always
+   names a blob that existed; the converse (blob without row) is an orphan
+   that reconcile removes.
+3. Transactions are re-runnable: `write(fn)` may run `fn` again after growing
+   the map on MapFullError, so `fn` must not touch state outside the txn.
+
+Growing the map needs no open transaction in this process: `_grow` closes a
+gate that new readers see (they miss rather than wait), waits for readers in
+flight, resizes, and reopens it.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import lmdb
+import msgpack
+
+INDEX_FORMAT = 1
+DEFAULT_MAP_SIZE = 1 << 30  # virtual; data.mdb grows only as pages are used
+T = TypeVar("T")
+
+
+class IndexBusy(Exception):
+    """The index is being resized; the caller should treat its lookup as a miss."""
+
+
+class IncompatibleIndex(RuntimeError):
+    """The data dir was written by a kvd whose index format this one cannot read."""
+
+
+@dataclass(slots=True)
+class Row:
+    """What the index knows about one blob (and enough to rebuild the tail index)."""
+
+    ns: str
+    kind: int
+    parent: bytes
+    start: int
+    length: int
+    tail: bool
+    nbytes: int  # Entry.nbytes (tensor bytes + meta)
+    file_size: int
+    disk_bytes: int  # allocated on disk; what the budget counts
+    checksum: int  # xxh3_64 of the whole file
+    fmt: int  # blob FORMAT_VERSION
+    tensors: list = field(default_factory=list)  # [[name, dtype, shape], ...] summary
+    atime: float = 0.0
+    state: str = "ssd"  # reserved for future tier states (e.g. "archived")
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "Row":
+        d = msgpack.unpackb(raw, raw=False)
+        # Tolerate fields a newer kvd added: keep only the ones we know.
+        return cls(**{k: d[k] for k in cls.__slots__ if k in d})
+
+
+def _lru_key(atime: float, eid: bytes) -> bytes:
+    return struct.pack(">Q", max(0, int(atime * 1e6))) + eid
+
+
+def _tail_key(parent: bytes, length: int, key: bytes) -> bytes:
+    return parent + struct.pack(">I", length) + key
+
+
+class Index:
+    """The LMDB environment at `path` (a directory). See the module docstring."""
+
+    def __init__(self, path: str | Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE):
+        self.path = Path(path)
+        self.readonly = readonly
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            max_dbs=8,
+            subdir=True,
+            readonly=readonly,
+            create=not readonly,
+            lock=True,
+            sync=True,
+            metasync=True,
+            readahead=False,  # random 4 KiB reads; readahead only pollutes the page cache
+            mode=0o600,
+        )
+        try:
+            if not readonly:
+                self.env.reader_check()  # clear reader slots left by a killed process
+            create = not readonly
+            self.rows = self.env.open_db(b"rows", create=create)
+            self.lru = self.env.open_db(b"lru", create=create)
+            self.tails_db = self.env.open_db(b"tails", create=create)
+            self.ns_db = self.env.open_db(b"ns", create=create)
+            self.meta = self.env.open_db(b"meta", create=create)
+            self._check_format()
+        except BaseException:
+            self.env.close()
+            raise
+        self._gate = threading.Condition()
+        self._readers = 0
+        self._resizing = False
+
+    def _check_format(self) -> None:
+        with self.env.begin(db=self.meta, write=not self.readonly) as txn:
+            raw = txn.get(b"format")
+            if raw is None:
+                if self.readonly:
+                    return  # a fresh dir nobody has written yet: it is simply empty
+                txn.put(b"format", str(INDEX_FORMAT).encode())
+                txn.put(b"created", str(time.time()).encode())
+            elif int(raw) != INDEX_FORMAT:
+                raise IncompatibleIndex(
+                    f"{self.path} has index format {int(raw)}; this kvd reads {INDEX_FORMAT}. "
+                    "Use a matching kvd, or delete the data dir to start empty."
+                )
+
+    def close(self) -> None:
+        self.env.close()
+
+    # -- transactions ----------------------------------------------------
+    @contextmanager
+    def reading(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction. Raises IndexBusy (never blocks) while the map grows."""
+        with self._gate:
+            if self._resizing:
+                raise IndexBusy("index map is being resized")
+            self._readers += 1
+        try:
+            try:
+                txn = self.env.begin()
+            except lmdb.MapResizedError:
+                # Another process (the daemon) grew the map since we opened it.
+                self.env.set_mapsize(0)
+                txn = self.env.begin()
+            with txn:
+                yield txn
+        finally:
+            with self._gate:
+                self._readers -= 1
+                self._gate.notify_all()
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn(txn)` in a write transaction and commit; grow the map and
+        re-run on MapFullError. Returns what `fn` returned."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+
+    def _grow(self) -> None:
+        with self._gate:
+            self._resizing = True
+            try:
+                if not self._gate.wait_for(lambda: self._readers == 0, timeout=10.0):
+                    raise RuntimeError("index resize: readers did not finish within 10 s")
+                new = self.env.info()["map_size"] * 2
+                self.env.set_mapsize(new)
+            finally:
+                self._resizing = False
+
+    @property
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    # -- reads (any thread, inside `reading()` or a write txn) -------------
+    def get(self, txn, eid: bytes) -> Row | None:
+        raw = txn.get(eid, db=self.rows)
+        return None if raw is None else Row.unpack(raw)
+
+    def has(self, txn, eid: bytes) -> bool:
+        return txn.get(eid, db=self.rows) is not None
+
+    def oldest(self, txn) -> Iterator[tuple[float, bytes]]:
+        """(atime, eid) from least to most recently used."""
+        for k in txn.cursor(db=self.lru).iternext(keys=True, values=False):
+            yield struct.unpack_from(">Q", k)[0] / 1e6, bytes(k[8:])
+
+    def tails(self, txn, parent: bytes) -> list[tuple[int, bytes]]:
+        out = []
+        cur = txn.cursor(db=self.tails_db)
+        if cur.set_range(parent):
+            for k in cur.iternext(keys=True, values=False):
+                if k[:32] != parent:
+                    break
+                out.append((struct.unpack_from(">I", k, 32)[0], bytes(k[36:])))
+        return out
+
+    def totals(self, txn) -> tuple[int, int]:
+        raw = txn.get(b"totals", db=self.meta)
+        return tuple(msgpack.unpackb(raw)) if raw else (0, 0)
+
+    def namespaces(self, txn) -> dict[str, tuple[int, int]]:
+        return {
+            k.decode(): tuple(msgpack.unpackb(v))
+            for k, v in txn.cursor(db=self.ns_db).iternext(keys=True, values=True)
+        }
+
+    def iter_rows(self, txn) -> Iterator[tuple[bytes, Row]]:
+        for k, v in txn.cursor(db=self.rows).iternext(keys=True, values=True):
+            yield bytes(k), Row.unpack(v)
+
+    def info(self) -> dict[str, Any]:
+        info = self.env.info()
+        stat = self.env.stat()
+        return {"map_size": info["map_size"], "used_bytes": (info["last_pgno"] + 1) * stat["psize"]}
+
+    # -- writes (the writer thread only, inside `write()`) -----------------
+    def _bump(self, txn, ns: str, entries: int, nbytes: int) -> None:
+        e, b = self.totals(txn)
+        txn.put(b"totals", msgpack.packb([e + entries, b + nbytes]), db=self.meta)
+        key = ns.encode()
+        raw = txn.get(key, db=self.ns_db)
+        e, b = msgpack.unpackb(raw) if raw else (0, 0)
+        e, b = e + entries, b + nbytes
+        if e <= 0:
+            txn.delete(key, db=self.ns_db)
+        else:
+            txn.put(key, msgpack.packb([e, b]), db=self.ns_db)
+
+    def put_row(self, txn, eid: bytes, row: Row) -> bool:
+        """Insert `row`; False (nothing changed) if `eid` already has one."""
+        if not txn.put(eid, row.pack(), db=self.rows, overwrite=False):
+            return False
+        txn.put(_lru_key(row.atime, eid), b"", db=self.lru)
+        if row.tail and row.kind == 0:
+            txn.put(_tail_key(row.parent, row.length, eid[:32]), b"", db=self.tails_db)
+        self._bump(txn, row.ns, 1, row.disk_bytes)
+        return True
+
+    def delete_row(self, txn, eid: bytes) -> Row | None:
+        """Remove the row of `eid` (and its lru/tail/ns/totals traces). Returns it, or None."""
+        row = self.get(txn, eid)
+        if row is None:
+            return None
+        txn.delete(eid, db=self.rows)
+        txn.delete(_lru_key(row.atime, eid), db=self.lru)
+        if row.tail and row.kind == 0:
+            txn.delete(_tail_key(row.parent, row.length, eid[:32]), db=self.tails_db)
+        self._bump(txn, row.ns, -1, -row.disk_bytes)
+        return row
+
+    def touch(self, txn, eid: bytes, atime: float) -> bool:
+        """Move `eid` to `atime` in the recency order (never backwards)."""
+        row = self.get(txn, eid)
+        if row is None or atime <= row.atime:
+            return False
+        txn.delete(_lru_key(row.atime, eid), db=self.lru)
+        row.atime = atime
+        txn.put(eid, row.pack(), db=self.rows)
+        txn.put(_lru_key(atime, eid), b"", db=self.lru)
+        return True

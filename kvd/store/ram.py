@@ -1,0 +1,169 @@
+"""The RAM tier: a byte-budgeted LRU map of entries.
+
+Theory of operation
+-------------------
+Entries sit in an OrderedDict in recency order (oldest first). `put` adds at
+the young end and then evicts from the old end until the tier is back within
+`budget_bytes`; `get` moves an entry to the young end. Tensor bytes are kept
+exactly as they arrived (for large tensors, the received ZeroMQ frame itself),
+so a RAM hit is served without copying.
+
+Eviction hands each evicted entry to `on_evict`, if set: that is the seam a
+colder tier (SSD) uses to receive spills. The callback runs on the daemon's
+thread and must not block for long (the SSD tier queues the write).
+
+A tail index (parent key -> {tail length: key}) answers `tails()` without a
+scan; it is kept in step with the map on every put, evict and drop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, defaultdict
+from typing import Any, Callable, Iterable
+
+from kvd.store.base import CHUNK, Entry, PutOutcome, Store
+
+
+class RamStore(Store):
+    """LRU over `budget_bytes`; see the module docstring."""
+
+    name = "ram"
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        on_evict: Callable[[Entry], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.budget_bytes = int(budget_bytes)
+        self.on_evict = on_evict
+        self._clock = clock
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._used: dict[bytes, float] = {}
+        self._tails: defaultdict[bytes, dict[int, bytes]] = defaultdict(dict)
+        self.bytes = 0
+        self.ns_entries: defaultdict[str, int] = defaultdict(int)
+        self.ns_bytes: defaultdict[str, int] = defaultdict(int)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "stored", "duplicates", "too_big", "evictions", "evicted_bytes", "dropped"), 0
+        )
+
+    # -- lookups ---------------------------------------------------------
+    def get(self, eid: bytes) -> Entry | None:
+        entry = self._entries.get(eid)
+        if entry is None:
+            self.counters["misses"] += 1
+            return None
+        self._entries.move_to_end(eid)
+        self._used[eid] = self._clock()
+        self.counters["hits"] += 1
+        return entry
+
+    def contains(self, eid: bytes) -> bool:
+        return eid in self._entries
+
+    def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
+        return sorted(self._tails.get(parent, {}).items(), reverse=True)
+
+    # -- writes ----------------------------------------------------------
+    def put(self, entry: Entry) -> PutOutcome:
+        eid = entry.id
+        if eid in self._entries:
+            self._entries.move_to_end(eid)
+            self._used[eid] = self._clock()
+            self.counters["duplicates"] += 1
+            return PutOutcome.DUPLICATE
+        if entry.nbytes > self.budget_bytes:
+            self.counters["too_big"] += 1
+            return PutOutcome.TOO_BIG
+        self._entries[eid] = entry
+        self._used[eid] = self._clock()
+        if entry.tail and entry.kind == CHUNK:
+            self._tails[entry.parent][entry.length] = entry.key
+        self.bytes += entry.nbytes
+        self.ns_entries[entry.namespace] += 1
+        self.ns_bytes[entry.namespace] += entry.nbytes
+        self.counters["stored"] += 1
+        self._evict_to(self.budget_bytes)
+        return PutOutcome.STORED
+
+    def _remove(self, eid: bytes) -> Entry:
+        entry = self._entries.pop(eid)
+        del self._used[eid]
+        if entry.kind == CHUNK:
+            tails = self._tails.get(entry.parent)
+            if tails and tails.get(entry.length) == entry.key:
+                del tails[entry.length]
+                if not tails:
+                    del self._tails[entry.parent]
+        self.bytes -= entry.nbytes
+        ns = entry.namespace
+        self.ns_entries[ns] -= 1
+        self.ns_bytes[ns] -= entry.nbytes
+        if not self.ns_entries[ns]:
+            del self.ns_entries[ns], self.ns_bytes[ns]
+        return entry
+
+    def _evict_to(self, budget: int) -> tuple[int, int]:
+        n = nbytes = 0
+        while self.bytes > budget and self._entries:
+            eid = next(iter(self._entries))
+            entry = self._remove(eid)
+            n += 1
+            nbytes += entry.nbytes
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += entry.nbytes
+            if self.on_evict is not None:
+                self.on_evict(entry)
+        return n, nbytes
+
+    def evict(self, budget_bytes: int, *, dry_run: bool = False) -> tuple[int, int]:
+        if not dry_run:
+            return self._evict_to(max(0, int(budget_bytes)))
+        n = nbytes = 0
+        remaining = self.bytes
+        for entry in self._entries.values():
+            if remaining <= budget_bytes:
+                break
+            remaining -= entry.nbytes
+            n += 1
+            nbytes += entry.nbytes
+        return n, nbytes
+
+    def drop(
+        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
+    ) -> tuple[int, int]:
+        cutoff = None if older_than is None else self._clock() - older_than
+        victims = [
+            eid
+            for eid, entry in self._entries.items()
+            if (namespace is None or entry.namespace == namespace)
+            and (cutoff is None or self._used[eid] < cutoff)
+        ]
+        nbytes = sum(self._entries[eid].nbytes for eid in victims)
+        if not dry_run:
+            for eid in victims:
+                self._remove(eid)
+            self.counters["dropped"] += len(victims)
+        return len(victims), nbytes
+
+    # -- reporting -------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "tiers": {
+                self.name: {
+                    "entries": len(self._entries),
+                    "bytes": self.bytes,
+                    "budget_bytes": self.budget_bytes,
+                    **self.counters,
+                }
+            },
+            "namespaces": {
+                ns: {"entries": self.ns_entries[ns], "bytes": self.ns_bytes[ns]} for ns in sorted(self.ns_entries)
+            },
+        }
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,238 @@
+"""The SSD tier's write-back queue and the one thread that writes.
+
+Theory of operation
+-------------------
+RAM eviction runs on the daemon thread and must not wait for a disk, so an
+evicted entry is only *offered* to `SpillQueue`: a bounded (by bytes)
+ordered map of entries waiting to be written. Until its index row is
+committed, an entry stays in the queue and is served from there: `get` and
+`contains` look in the queue first, so there is no moment at which an entry
+is neither in the queue nor in the index.
+
+When the queue is full, `offer` waits up to `wait` seconds for the writer to
+make room (back-pressure on the caller) and then refuses; the caller counts
+the refusal as a drop. `force=True` admits an entry beyond the bound: the
+tier uses it for entries a LOOKUP has just reported, which must not vanish.
+
+`Writer` is the single thread that mutates the SSD tier: it writes batches
+of queued entries, runs jobs submitted by other threads (quarantine, admin
+evict/drop, reconcile) strictly between batches, and calls the tier's
+`idle()` for periodic work. Because every mutation runs on this one thread,
+the LMDB index has exactly one writer and the data dir never sees two
+writers of the same blob.
+
+Ordering rule: the writer *peeks* a batch (entries stay queued and
+servable), writes and commits it, and only then calls `done()` to remove it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import Callable, Iterable, Protocol
+
+from kvd.store.base import CHUNK, Entry
+
+log = logging.getLogger("kvd.store.spill")
+
+
+class SpillQueue:
+    """Entries waiting for the writer, bounded by `max_bytes`. Thread-safe."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.cond = threading.Condition()
+        self._pending: OrderedDict[bytes, Entry] = OrderedDict()
+        self._inflight: set[bytes] = set()
+        self.bytes = 0
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, eid: bytes) -> bool:
+        return eid in self._pending
+
+    def get(self, eid: bytes) -> Entry | None:
+        return self._pending.get(eid)
+
+    def offer(self, entry: Entry, *, wait: float = 0.0, force: bool = False) -> bool:
+        """Queue `entry` for writing. True if queued (or already queued);
+        False if the queue stayed full for `wait` seconds or is closed."""
+        eid = entry.id
+        with self.cond:
+            if eid in self._pending:
+                return True
+            if not force:
+                # An entry bigger than the whole queue is admitted alone, into
+                # an empty queue, rather than never.
+                def room() -> bool:
+                    return self.closed or not self._pending or self.bytes + entry.nbytes <= self.max_bytes
+
+                if not room() and (wait <= 0 or not self.cond.wait_for(room, timeout=wait)):
+                    return False
+            if self.closed:
+                return False
+            self._pending[eid] = entry
+            self.bytes += entry.nbytes
+            self.cond.notify_all()
+            return True
+
+    def take_batch(self, max_entries: int, max_bytes: int) -> list[Entry]:
+        """Up to `max_entries`/`max_bytes` oldest entries not yet in flight
+        (at least one if any). They stay queued until `done`."""
+        batch, nbytes = [], 0
+        with self.cond:
+            for eid, entry in self._pending.items():
+                if eid in self._inflight:
+                    continue
+                if batch and (len(batch) >= max_entries or nbytes + entry.nbytes > max_bytes):
+                    break
+                batch.append(entry)
+                nbytes += entry.nbytes
+                self._inflight.add(eid)
+        return batch
+
+    def done(self, entries: Iterable[Entry]) -> None:
+        """Forget `entries` (committed to the index, or dropped)."""
+        with self.cond:
+            for entry in entries:
+                eid = entry.id
+                self._inflight.discard(eid)
+                if self._pending.pop(eid, None) is not None:
+                    self.bytes -= entry.nbytes
+            self.cond.notify_all()
+
+    def remove_where(self, pred: Callable[[Entry], bool]) -> list[Entry]:
+        """Remove queued entries (not in flight) for which `pred` holds."""
+        with self.cond:
+            gone = [e for eid, e in self._pending.items() if eid not in self._inflight and pred(e)]
+            for e in gone:
+                del self._pending[e.id]
+                self.bytes -= e.nbytes
+            self.cond.notify_all()
+        return gone
+
+    def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
+        with self.cond:
+            return [
+                (e.length, e.key)
+                for e in self._pending.values()
+                if e.tail and e.kind == CHUNK and e.parent == parent
+            ]
+
+    def idle(self) -> bool:
+        return not self._pending
+
+
+class Sink(Protocol):
+    """What the writer drives: the SSD tier."""
+
+    def write_batch(self, batch: list[Entry]) -> None: ...
+
+    def idle(self, busy: bool) -> bool:
+        """Periodic work; return True if more background work is waiting."""
+        ...
+
+
+class Writer:
+    """The SSD tier's only mutating thread. See the module docstring."""
+
+    def __init__(
+        self,
+        queue: SpillQueue,
+        sink: Sink,
+        *,
+        batch_entries: int = 64,
+        batch_bytes: int = 256 << 20,
+        tick: float = 0.1,
+        name: str = "kvd-spill",
+    ):
+        self.queue = queue
+        self.sink = sink
+        self.batch_entries = batch_entries
+        self.batch_bytes = batch_bytes
+        self.tick = tick
+        self._jobs: list[tuple[Callable[[], object], Future]] = []
+        self._stop = False
+        self._busy = False  # a batch or job is being worked on
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the writer thread between batches; its Future carries the result."""
+        fut: Future = Future()
+        with self.queue.cond:
+            if not self.alive:
+                # No thread (offline use, or after close): run inline.
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+                return fut
+            self._jobs.append((fn, fut))
+            self.queue.cond.notify_all()
+        return fut
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the queue is empty and the writer is between batches."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.queue.cond:
+            while self.queue._pending or self._jobs or self._busy:
+                if not self.alive:
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.queue.cond.wait(timeout=min(left, 0.5) if left is not None else 0.5)
+        return True
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self.queue.cond:
+            self._stop = True
+            self.queue.cond.notify_all()
+        if self.alive:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        more = True  # background work (e.g. reconcile) may be waiting
+        while True:
+            with self.queue.cond:
+                if not self._stop and not self._jobs and not self._pending_unclaimed():
+                    self.queue.cond.wait(timeout=0 if more else self.tick)
+                if self._stop:
+                    return
+                jobs, self._jobs = self._jobs, []
+                self._busy = True
+            try:
+                for fn, fut in jobs:
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - handed to the submitter
+                        fut.set_exception(exc)
+                batch = self.queue.take_batch(self.batch_entries, self.batch_bytes)
+                if batch:
+                    try:
+                        self.sink.write_batch(batch)
+                    finally:
+                        self.queue.done(batch)
+                more = self.sink.idle(busy=bool(batch))
+            except Exception:  # a bug; the thread must outlive it or the tier silently stops
+                log.exception("spill writer: unexpected error (continuing)")
+                time.sleep(self.tick)
+            finally:
+                with self.queue.cond:
+                    self._busy = False
+                    self.queue.cond.notify_all()
+
+    def _pending_unclaimed(self) -> bool:
+        return len(self.queue._pending) > len(self.queue._inflight)

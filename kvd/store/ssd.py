@@ -1,0 +1,695 @@
+"""The SSD tier: entries as safetensors blobs under a data dir, indexed by LMDB.
+
+Theory of operation
+-------------------
+Three parts, each in its own module: `blobfile` (one entry <-> one file,
+crash-safe write, checked read), `index` (LMDB rows: what is on disk, in
+what recency order), `spill` (the bounded queue and the single writer
+thread). This module is the policy that ties them: budgets, eviction,
+degradation, quarantine, reconcile, and the read path.
+
+Threads. The daemon thread calls get/contains/put/spill/tails/stats; it
+only reads LMDB and files, and enqueues. The writer thread does every
+mutation: writing blobs, committing and deleting rows, unlinking,
+quarantining, flushing recency updates, reconciling. Admin calls (evict,
+drop, reconcile) are submitted to the writer and waited for.
+
+Why `contains` does not lie. An entry leaves this tier only by (a) LRU
+eviction, (b) an explicit admin evict/drop, or (c) failing its checksum.
+  * The queue serves entries until their row is committed (see spill).
+  * Rows are deleted and committed *before* their blob is unlinked, and a
+    reader looks the row up and opens the file under `_unlink_lock`, which
+    the writer holds around each unlink. A reader that saw the row holds an
+    open descriptor before the file can be unlinked, and POSIX keeps
+    unlinked-but-open files readable: a race ends as a hit, never as a
+    "row said yes, file said no".
+  * LOOKUP and the GET that follows are separate requests. `lease(eid)`
+    (called by the tiered store when `contains` answers yes) protects the
+    entry for `lease_s` seconds: LRU eviction skips leased entries (if only
+    leased ones remain, the incoming spill is dropped instead, counted), and
+    a leased entry evicted from RAM enters the queue even when it is full.
+  * What remains is (b), which is explicit, and (c), which no design can
+    hide: both are counted.
+
+Budget. `budget_bytes` counts blocks actually allocated to blobs
+(st_blocks), estimated before a write and corrected after it; LRU rows are
+evicted before a write would exceed it. `min_free_bytes` keeps space free
+on the filesystem for everyone else: below it the tier writes nothing.
+
+Degraded mode. ENOSPC/EDQUOT/EIO/EROFS while writing, or free space below
+`min_free_bytes`, puts the tier in degraded mode (logged once, flagged in
+stats): queued spills are dropped, counted, while reads from disk and the
+RAM tier go on. Every `retry_s` one write is attempted; success clears it.
+A failed write removes its temp file, so nothing on disk is harmed.
+
+Recency. A disk hit records (eid, time) in memory; the writer flushes these
+into the LRU order every `touch_flush_s` and before choosing victims, so the
+daemon thread never waits for an LMDB write.
+
+Start-up. Open LMDB (clearing stale reader slots), read the totals row, and
+serve. Reconcile -- removing leftover temp files, blobs without rows (a
+crash between rename and commit) and rows without blobs -- runs on the
+writer thread in small steps, interleaved with spills.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import lmdb
+
+from kvd.store import blobfile
+from kvd.store.base import Entry, PutOutcome, Store
+from kvd.store.blobfile import BlobCorrupt, Unencodable
+from kvd.store.datadir import (
+    BLOB_DIR, INDEX_DIR, QUARANTINE_DIR, DataDirLock, blob_path, ensure_dirs, eid_of_blob, is_temp_name,
+)
+from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row
+from kvd.store.spill import SpillQueue, Writer
+
+log = logging.getLogger("kvd.store.ssd")
+
+DEFAULT_MIN_FREE = 2 << 30
+# Errors that mean "the disk cannot take writes now", as opposed to a bug.
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
+# The one outcome a put can have that base.PutOutcome lacks (proposed upstream).
+_DROPPED = getattr(PutOutcome, "DROPPED", PutOutcome.TOO_BIG)
+
+_COUNTERS = (
+    "hits", "misses", "queue_hits", "spills", "spill_bytes", "spills_clean", "duplicates",
+    "evictions", "evicted_bytes", "dropped", "drops", "checksum_failures", "read_errors",
+    "write_errors", "quarantined", "busy_misses", "orphans_removed", "temps_removed", "rows_repaired",
+)
+
+
+class SsdStore(Store):
+    """A `Store` on a data dir. See the module docstring.
+
+    `background=False` runs no writer thread: mutations then run inline in
+    the caller (used by offline gc; `put` is not available that way).
+    """
+
+    name = "ssd"
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        budget_bytes: int,
+        *,
+        min_free_bytes: int = DEFAULT_MIN_FREE,
+        queue_bytes: int = 256 << 20,
+        queue_wait_s: float = 0.5,
+        lease_s: float = 30.0,
+        retry_s: float = 5.0,
+        touch_flush_s: float = 1.0,
+        map_size: int = DEFAULT_MAP_SIZE,
+        durable: bool = True,
+        background: bool = True,
+        reconcile: bool = True,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.root = ensure_dirs(root)
+        self.budget_bytes = int(budget_bytes)
+        self.min_free_bytes = int(min_free_bytes)
+        self.queue_wait_s = queue_wait_s
+        self.lease_s = lease_s
+        self.retry_s = retry_s
+        self.touch_flush_s = touch_flush_s
+        self.durable = durable
+        self._clock = clock
+        self._lock_file = DataDirLock(self.root).acquire()
+        try:
+            self.index = Index(self.root / INDEX_DIR, map_size=map_size)
+        except BaseException:
+            self._lock_file.release()
+            raise
+        with self.index.reading() as txn:
+            self.entries, self.bytes = self.index.totals(txn)
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.drop_reasons: dict[str, int] = {}
+        self._mu = threading.Lock()  # counters, _touched, _bad, _leases
+        self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
+        self._touched: dict[bytes, float] = {}
+        self._bad: dict[bytes, str] = {}  # eid -> reason, awaiting quarantine
+        self._leases: dict[bytes, float] = {}
+        self._lease_sweep_at = 4096
+        self._next_touch_flush = 0.0
+        self.degraded: str | None = None
+        self.degraded_since: float | None = None
+        self._retry_at = 0.0
+        self.queue = SpillQueue(queue_bytes)
+        self.reconciled = threading.Event()
+        self._reconcile: Iterator[None] | None = self._reconcile_steps({}) if reconcile else None
+        if not reconcile:
+            self.reconciled.set()
+        self.writer = Writer(self.queue, self)
+        if background:
+            self.writer.start()
+
+    # -- small helpers -----------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._mu:
+            self.counters[name] += n
+
+    def _drop(self, entry: Entry, reason: str) -> None:
+        with self._mu:
+            self.counters["drops"] += 1
+            self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+    def path(self, eid: bytes) -> Path:
+        return blob_path(self.root, eid)
+
+    def lease(self, eid: bytes) -> None:
+        """Protect `eid` from LRU eviction for `lease_s` seconds (a LOOKUP reported it)."""
+        now = self._clock()
+        with self._mu:
+            self._leases[eid] = now + self.lease_s
+            if len(self._leases) > self._lease_sweep_at:
+                # Amortized sweep of expired leases: O(1) per call on average.
+                self._leases = {k: t for k, t in self._leases.items() if t > now}
+                self._lease_sweep_at = max(4096, 2 * len(self._leases))
+
+    def leased(self, eid: bytes) -> bool:
+        t = self._leases.get(eid)
+        return t is not None and t > self._clock()
+
+    # -- lookups (daemon thread) -----------------------------------------
+    def contains(self, eid: bytes) -> bool:
+        if eid in self.queue:
+            return True
+        if eid in self._bad:
+            return False
+        try:
+            with self.index.reading() as txn:
+                return self.index.has(txn, eid)
+        except IndexBusy:
+            return False
+
+    def has_row(self, eid: bytes) -> bool:
+        """Whether a committed blob exists for `eid` (ignores the queue)."""
+        try:
+            with self.index.reading() as txn:
+                return self.index.has(txn, eid)
+        except IndexBusy:
+            return False
+
+    def get(self, eid: bytes) -> Entry | None:
+        entry = self.queue.get(eid)
+        if entry is not None:
+            self._count("hits")
+            self._count("queue_hits")
+            return entry
+        entry = self._read(eid)
+        if entry is None:
+            self._count("misses")
+            return None
+        self._count("hits")
+        with self._mu:
+            self._touched[eid] = self._clock()
+        return entry
+
+    def _read(self, eid: bytes) -> Entry | None:
+        if eid in self._bad:
+            return None
+        # A short timeout: under contention we miss rather than stall a GET.
+        if not self._unlink_lock.acquire(timeout=0.05):
+            self._count("busy_misses")
+            return None
+        try:
+            with self.index.reading() as txn:
+                row = self.index.get(txn, eid)
+            if row is None:
+                return None
+            try:
+                fd = os.open(self.path(eid), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                self._mark_bad(eid, "missing")
+                return None
+        except IndexBusy:
+            self._count("busy_misses")
+            return None
+        finally:
+            self._unlink_lock.release()
+        try:
+            entry = blobfile.read_blob(fd, row.file_size, row.checksum)
+            if entry.id != eid or entry.namespace != row.ns:
+                raise BlobCorrupt("blob holds another entry than its name says")
+        except BlobCorrupt as exc:
+            self._mark_bad(eid, f"corrupt: {exc}")
+            return None
+        except OSError as exc:
+            self._count("read_errors")
+            self._mark_bad(eid, f"read error: {exc}")
+            return None
+        finally:
+            os.close(fd)
+        entry.nbytes = row.nbytes
+        return entry
+
+    def _mark_bad(self, eid: bytes, reason: str) -> None:
+        """Hide `eid` at once and have the writer quarantine its blob."""
+        with self._mu:
+            if eid in self._bad:
+                return
+            self._bad[eid] = reason
+            if reason != "missing":
+                self.counters["checksum_failures"] += 1
+        log.warning("ssd: blob %s is bad (%s); quarantining, serving a miss", eid.hex(), reason)
+        self.writer.submit(lambda: self._quarantine(eid))
+
+    def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
+        found = dict(self.queue.tails(parent))
+        try:
+            with self.index.reading() as txn:
+                found.update(self.index.tails(txn, parent))
+        except IndexBusy:
+            pass
+        return sorted(found.items(), reverse=True)
+
+    # -- writes (daemon thread: enqueue only) ------------------------------
+    def put(self, entry: Entry) -> PutOutcome:
+        """Queue `entry` for writing. DUPLICATE if held (recency refreshed);
+        TOO_BIG if over the whole budget; DROPPED (counted) if the queue
+        stayed full for `queue_wait_s`."""
+        eid = entry.id
+        if self.contains(eid):
+            with self._mu:
+                self._touched[eid] = self._clock()
+                self.counters["duplicates"] += 1
+            return PutOutcome.DUPLICATE
+        if blobfile.estimate_disk_bytes(entry) > self.budget_bytes:
+            self._drop(entry, "too_big")
+            return PutOutcome.TOO_BIG
+        if not self.spill(entry):
+            return _DROPPED
+        return PutOutcome.STORED
+
+    def spill(self, entry: Entry, *, force: bool = False) -> bool:
+        """Hand an entry evicted from RAM to this tier. True if it is (or
+        will be) held; False if dropped (counted)."""
+        eid = entry.id
+        if self.has_row(eid) and eid not in self._bad:
+            # Already on disk (promoted earlier, or written through): a clean
+            # eviction costs one recency update, no write.
+            with self._mu:
+                self._touched[eid] = self._clock()
+                self.counters["spills_clean"] += 1
+            return True
+        if self.queue.offer(entry, wait=self.queue_wait_s, force=force or self.leased(eid)):
+            return True
+        self._drop(entry, "queue_full")
+        return False
+
+    # -- the writer thread -----------------------------------------------
+    def write_batch(self, batch: list[Entry]) -> None:
+        self._flush_touches()
+        written: list[tuple[bytes, Row]] = []
+        planned = 0
+        for entry in batch:
+            eid = entry.id
+            now = self._clock()
+            if self.degraded and now < self._retry_at:
+                self._drop(entry, "degraded")
+                continue
+            est = blobfile.estimate_disk_bytes(entry)
+            if est > self.budget_bytes:
+                self._drop(entry, "too_big")
+                continue
+            if not self._space_ok(est):
+                self._drop(entry, "low_space")
+                continue
+            if not self._make_room(est + planned, protect={e for e, _ in written}):
+                self._drop(entry, "budget_leased")
+                continue
+            try:
+                info = blobfile.write_blob(self.path(eid), entry, durable=self.durable)
+            except Unencodable as exc:
+                log.error("ssd: cannot store %s: %s", eid.hex(), exc)
+                self._drop(entry, "unencodable")
+                continue
+            except OSError as exc:
+                self._count("write_errors")
+                self._drop(entry, "write_error")
+                self._degrade(f"write failed: {exc}")
+                continue
+            planned += info.disk_bytes
+            written.append((eid, Row(
+                ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start,
+                length=entry.length, tail=entry.tail, nbytes=entry.nbytes, file_size=info.file_size,
+                disk_bytes=info.disk_bytes, checksum=info.checksum, fmt=blobfile.FORMAT_VERSION,
+                tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=now,
+            )))
+            self._recover()
+        if not written:
+            return
+
+        def commit(txn):
+            added = [(eid, row) for eid, row in written if self.index.put_row(txn, eid, row)]
+            return added, self.index.totals(txn)
+
+        try:
+            added, totals = self.index.write(commit)
+        except lmdb.Error as exc:
+            # The blobs are durable but unindexed: remove them now rather
+            # than leave orphans for reconcile.
+            self._count("write_errors")
+            self._degrade(f"index commit failed: {exc}")
+            for eid, _ in written:
+                self._unlink(self.path(eid))
+            for entry in batch:
+                if entry.id in dict(written):
+                    self._drop(entry, "write_error")
+            return
+        self.entries, self.bytes = totals
+        with self._mu:
+            self.counters["spills"] += len(added)
+            self.counters["spill_bytes"] += sum(r.disk_bytes for _, r in added)
+
+    def _space_ok(self, need: int) -> bool:
+        if self.min_free_bytes <= 0:
+            return True
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return True
+        free = st.f_bavail * st.f_frsize
+        if free - need >= self.min_free_bytes:
+            return True
+        self._degrade(f"low space: {free >> 20} MiB free, keeping {self.min_free_bytes >> 20} MiB")
+        return False
+
+    def _degrade(self, reason: str) -> None:
+        self._retry_at = self._clock() + self.retry_s
+        if self.degraded is None:
+            self.degraded_since = self._clock()
+            log.warning("ssd tier degraded (%s); RAM keeps serving, retrying every %.0fs", reason, self.retry_s)
+        self.degraded = reason
+
+    def _recover(self) -> None:
+        if self.degraded is not None:
+            log.warning("ssd tier recovered after %.1fs (%s)", self._clock() - (self.degraded_since or 0), self.degraded)
+            self.degraded = self.degraded_since = None
+
+    def _make_room(self, need: int, protect: set[bytes]) -> bool:
+        """Evict LRU rows until `need` more bytes fit the budget. False (and
+        nothing evicted) if only leased/protected entries stand in the way."""
+        over = self.bytes + need - self.budget_bytes
+        if over <= 0:
+            return True
+        victims, freed = [], 0
+        with self.index.reading() as txn:
+            for _, eid in self.index.oldest(txn):
+                if eid in protect or self.leased(eid):
+                    continue
+                row = self.index.get(txn, eid)
+                victims.append(eid)
+                freed += row.disk_bytes
+                if freed >= over:
+                    break
+        if freed < over:
+            return False
+        self._remove(victims, "evictions")
+        return True
+
+    def _remove(self, eids: list[bytes], counter: str) -> tuple[int, int]:
+        """Delete rows (committed first), then unlink their blobs."""
+        def delete(txn):
+            rows = [(eid, self.index.delete_row(txn, eid)) for eid in eids]
+            return [(e, r) for e, r in rows if r is not None], self.index.totals(txn)
+
+        rows, totals = self.index.write(delete)
+        self.entries, self.bytes = totals
+        for eid, _ in rows:
+            with self._unlink_lock:
+                self._unlink(self.path(eid))
+        nbytes = sum(r.disk_bytes for _, r in rows)
+        with self._mu:
+            self.counters[counter] += len(rows)
+            if counter == "evictions":
+                self.counters["evicted_bytes"] += nbytes
+        return len(rows), nbytes
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _flush_touches(self) -> None:
+        with self._mu:
+            touched, self._touched = self._touched, {}
+        if touched:
+            self.index.write(lambda txn: [self.index.touch(txn, eid, t) for eid, t in touched.items()])
+
+    def _quarantine(self, eid: bytes) -> None:
+        reason = self._bad.get(eid, "")
+
+        def delete(txn):
+            return self.index.delete_row(txn, eid), self.index.totals(txn)
+
+        _, totals = self.index.write(delete)
+        self.entries, self.bytes = totals
+        src = self.path(eid)
+        if reason != "missing":
+            dst = self.root / QUARANTINE_DIR / f"{eid.hex()}.{int(time.time() * 1000)}.safetensors"
+            try:
+                with self._unlink_lock:
+                    os.replace(src, dst)
+                self._count("quarantined")
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.error("ssd: could not quarantine %s: %s", src, exc)
+                self._unlink(src)
+        else:
+            self._count("rows_repaired")
+        with self._mu:
+            self._bad.pop(eid, None)
+
+    def idle(self, busy: bool) -> bool:
+        """Writer-thread periodic work. True if more is waiting right now."""
+        now = self._clock()
+        if now >= self._next_touch_flush:
+            self._next_touch_flush = now + self.touch_flush_s
+            self._flush_touches()
+        if self._reconcile is not None:
+            try:
+                next(self._reconcile)
+            except StopIteration:
+                self._reconcile = None
+                self.reconciled.set()
+            return self._reconcile is not None and not busy
+        return False
+
+    # -- reconcile -----------------------------------------------------------
+    def _reconcile_steps(
+        self, report: dict[str, int], dry_run: bool = False, progress: Callable[[str, int, int], None] | None = None
+    ) -> Iterator[None]:
+        """Remove temp files, blobs without rows and rows without blobs, a
+        little per step. Must run on the writer thread (or with none running):
+        then no blob is being written while a step looks at the directory."""
+        for key in ("temps_removed", "orphans_removed", "rows_repaired", "temp_bytes", "orphan_bytes"):
+            report.setdefault(key, 0)
+        blob_root = self.root / BLOB_DIR
+        shards = sorted(p for p in blob_root.iterdir() if p.is_dir()) if blob_root.is_dir() else []
+        for i, shard in enumerate(shards):
+            for name in os.listdir(shard):
+                path = shard / name
+                if is_temp_name(name):
+                    kind = "temp"
+                else:
+                    eid = eid_of_blob(name)
+                    if eid is None or eid in self.queue or self.has_row(eid):
+                        continue
+                    kind = "orphan"
+                try:
+                    size = path.stat().st_size
+                    if not dry_run:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                report[f"{kind}s_removed"] += 1
+                report[f"{kind}_bytes"] += size
+                if not dry_run:
+                    self._count(f"{kind}s_removed")
+            if progress:
+                progress("blobs", i + 1, len(shards))
+            yield
+        # Rows whose blob is gone. Our own write order never makes these
+        # (rows die before blobs, blobs are born before rows); they come from
+        # outside interference: a blob deleted by hand, a restored backup.
+        last = b""
+        done = 0
+        total = self.entries
+        while True:
+            missing, seen = [], 0
+            with self.index.reading() as txn:
+                cur = txn.cursor(db=self.index.rows)
+                ok = cur.set_range(last) if last else cur.first()
+                while ok and seen < 512:
+                    eid = bytes(cur.key())
+                    if eid != last:
+                        seen += 1
+                        if not self.path(eid).exists():
+                            missing.append(eid)
+                    last = eid
+                    ok = cur.next()
+            done += seen
+            if missing:
+                report["rows_repaired"] += len(missing)
+                if not dry_run:
+                    self._remove(missing, "rows_repaired")
+            if progress:
+                progress("rows", done, total)
+            if not ok or not seen:
+                return
+            yield
+
+    def reconcile(
+        self, *, dry_run: bool = False, progress: Callable[[str, int, int], None] | None = None
+    ) -> dict[str, int]:
+        """Run a full reconcile now (on the writer). Returns counts removed (or that would be)."""
+        def run():
+            report: dict[str, int] = {}
+            for _ in self._reconcile_steps(report, dry_run, progress):
+                pass
+            return report
+
+        return self.writer.submit(run).result()
+
+    def purge_quarantine(self, *, dry_run: bool = False) -> tuple[int, int]:
+        """Delete quarantined blobs. Returns (files, bytes)."""
+        n = nbytes = 0
+        for path in (self.root / QUARANTINE_DIR).iterdir():
+            try:
+                nbytes += path.stat().st_size
+                if not dry_run:
+                    path.unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n, nbytes
+
+    # -- admin (submitted to the writer) -----------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued entry is written (or dropped)."""
+        return self.writer.flush(timeout)
+
+    def evict(self, budget_bytes: int, *, dry_run: bool = False) -> tuple[int, int]:
+        def run():
+            self._flush_touches()
+            victims, freed = [], 0
+            with self.index.reading() as txn:
+                over = self.bytes - max(0, int(budget_bytes))
+                for _, eid in self.index.oldest(txn):
+                    if freed >= over:
+                        break
+                    victims.append(eid)
+                    freed += self.index.get(txn, eid).disk_bytes
+            if dry_run:
+                return len(victims), freed
+            return self._remove(victims, "evictions")
+
+        return self.writer.submit(run).result()
+
+    def drop(
+        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
+    ) -> tuple[int, int]:
+        cutoff = None if older_than is None else self._clock() - older_than
+
+        def run():
+            self._flush_touches()
+            victims, nbytes = [], 0
+            with self.index.reading() as txn:
+                if namespace is None and cutoff is not None:
+                    source = _take_while_old(self.index, txn, cutoff)  # stops at the first young row
+                else:
+                    source = self.index.iter_rows(txn)
+                for eid, row in source:
+                    if (namespace is None or row.ns == namespace) and (cutoff is None or row.atime < cutoff):
+                        victims.append(eid)
+                        nbytes += row.disk_bytes
+            queued: list[Entry] = []
+            if cutoff is None:
+                # Queued entries were in RAM moments ago, so an age-based
+                # drop never takes them; a namespace drop does.
+                def pick(e: Entry) -> bool:
+                    return namespace is None or e.namespace == namespace
+
+                if dry_run:
+                    with self.queue.cond:
+                        queued = [e for e in self.queue._pending.values() if pick(e)]
+                else:
+                    queued = self.queue.remove_where(pick)
+            qbytes = sum(e.nbytes for e in queued)
+            if dry_run:
+                return len(victims) + len(queued), nbytes + qbytes
+            n, b = self._remove(victims, "dropped")
+            return n + len(queued), b + qbytes
+
+        return self.writer.submit(run).result()
+
+    # -- reporting -------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._mu:
+            counters = dict(self.counters)
+            reasons = dict(self.drop_reasons)
+        try:
+            with self.index.reading() as txn:
+                namespaces = self.index.namespaces(txn)
+        except IndexBusy:
+            namespaces = {}
+        return {
+            "tiers": {
+                self.name: {
+                    "entries": self.entries,
+                    "bytes": self.bytes,
+                    "budget_bytes": self.budget_bytes,
+                    **counters,
+                    "drop_reasons": reasons,
+                    "degraded": self.degraded is not None,
+                    "degraded_reason": self.degraded,
+                    "degraded_since": self.degraded_since,
+                    "queue_entries": len(self.queue),
+                    "queue_bytes": self.queue.bytes,
+                    "queue_max_bytes": self.queue.max_bytes,
+                    "reconciled": self.reconciled.is_set(),
+                    "index_map_size": self.index.map_size,
+                    "data_dir": str(self.root),
+                }
+            },
+            "namespaces": {ns: {"entries": e, "bytes": b} for ns, (e, b) in sorted(namespaces.items())},
+        }
+
+    def close(self) -> None:
+        """Write out the queue, stop the writer, close the index, release the lock."""
+        if self.writer.alive:
+            self.writer.flush()
+            self.writer.stop()
+        try:
+            self._flush_touches()
+        finally:
+            self.index.close()
+            self._lock_file.release()
+
+    def __enter__(self) -> "SsdStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _take_while_old(index: Index, txn, cutoff: float) -> Iterator[tuple[bytes, Row]]:
+    for t, eid in index.oldest(txn):
+        if t >= cutoff:
+            return
+        row = index.get(txn, eid)
+        if row is not None:
+            yield eid, row

@@ -1,0 +1,114 @@
+"""Shared fixtures: a real `kvd serve` process on a throwaway socket.
+
+`kvd_daemon` starts one daemon per test; `daemon_factory` starts several or
+with extra flags. Each daemon gets its own short socket directory under /tmp
+(ipc paths are limited to ~104 bytes, and pytest's tmp_path can be longer)
+and its own data dir. The daemon's log is printed if a test fails to start it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from kvd_client import Client
+
+
+class DaemonProcess:
+    """A `python -m kvd serve` child process and how to reach it."""
+
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None):
+        self.workdir = workdir
+        self.endpoint = f"ipc://{workdir / 'kvd.sock'}"
+        self.data_dir = workdir / "data"
+        self.log_path = workdir / "daemon.log"
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "kvd", "serve", "--endpoint", self.endpoint, *self.args]
+
+    def start(self, wait: bool = True) -> "DaemonProcess":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        with Client(self.endpoint, namespace="probe", timeout=0.5) as c:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+                if c.ping() is not None:
+                    return
+                time.sleep(0.05)
+        raise RuntimeError(f"daemon not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def client(self, namespace: str = "test", **kw) -> Client:
+        kw.setdefault("timeout", 5.0)
+        return Client(self.endpoint, namespace=namespace, **kw)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> "DaemonProcess":
+        self.stop()
+        return self.start()
+
+
+@pytest.fixture
+def daemon_factory():
+    started: list[DaemonProcess] = []
+    dirs: list[str] = []
+
+    def make(*args: str, start: bool = True, workdir: Path | None = None, env: dict | None = None) -> DaemonProcess:
+        if workdir is None:
+            workdir = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
+            dirs.append(str(workdir))
+        d = DaemonProcess(workdir, list(args), env)
+        started.append(d)
+        if start:
+            d.start()
+        return d
+
+    yield make
+    for d in started:
+        d.stop()
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def kvd_daemon(daemon_factory) -> DaemonProcess:
+    return daemon_factory("--ram-mb", "256")

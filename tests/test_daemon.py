@@ -1,0 +1,244 @@
+"""Integration: a real `kvd serve` process, real ZeroMQ sockets, real clients."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from kvd.protocol import codec, dtypes
+from kvd_client import Client, DaemonUnavailable, HostTensor, Snapshot
+
+ALL_DTYPES = ["bfloat16", "float16", "float32", "uint32", "int32", "uint8", "int8"]
+
+
+def random_tensor(dtype: str, shape, seed: int) -> HostTensor:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtypes.itemsize(dtype), dtype=np.uint8)
+    return HostTensor(dtype, raw.view(dtypes.container(dtype)).reshape(shape))
+
+
+def snapshot_for(n_tokens: int, seed: int = 0, boundary: bool = False) -> Snapshot:
+    sliced = {f"t.{dt}": (random_tensor(dt, (1, 2, n_tokens, 8), seed + i), 2) for i, dt in enumerate(ALL_DTYPES)}
+    bound = {"state": random_tensor("float32", (1, 4, 4), seed + 99)} if boundary else {}
+    return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"}, boundary_meta={"at": n_tokens})
+
+
+PUT_IN_CHILD = textwrap.dedent(
+    """
+    import sys, numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_daemon import snapshot_for
+    from kvd_client import Client
+    with Client({endpoint!r}, namespace="xproc", strict=True) as c:
+        ok = c.put(np.arange({n}) * 7 % 50000, snapshot_for({n}, seed=5, boundary=True))
+    sys.exit(0 if ok else 1)
+    """
+)
+
+
+def test_round_trip_every_dtype_between_processes(kvd_daemon):
+    n = 700
+    code = PUT_IN_CHILD.format(tests=str(__import__("pathlib").Path(__file__).parent), endpoint=kvd_daemon.endpoint, n=n)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    expected = snapshot_for(n, seed=5, boundary=True)
+    with kvd_daemon.client("xproc", strict=True) as c:
+        hit = c.get(np.arange(n) * 7 % 50000)
+    assert hit is not None and hit.n == n
+    for name, (t, axis) in expected.sliced.items():
+        got = hit.sliced[name]
+        assert hit.axes[name] == axis
+        assert got.dtype == t.dtype and got.equal(t), name
+    assert hit.sliced["t.bfloat16"].array.dtype == np.uint16  # bf16 bits, never a float container
+    assert hit.boundary["state"].equal(expected.boundary["state"])
+    assert hit.meta == {"layout": "test"} and hit.boundary_meta == {"at": n}
+
+
+def test_shared_prefix_stored_once_and_divergent_lookup(kvd_daemon):
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, 32000, 1000)
+    a = np.concatenate([prefix, rng.integers(0, 32000, 300)])
+    b = np.concatenate([prefix, rng.integers(0, 32000, 300)])
+    with kvd_daemon.client("shared", strict=True) as c:
+        assert c.put(a, snapshot_for(len(a)))
+        entries_a = c.stats()["tiers"]["ram"]["entries"]
+        assert entries_a == 6  # 1300 tokens = 5 full chunks of 256 + a tail of 20
+        assert c.put(b, snapshot_for(len(b), seed=1))
+        stats = c.stats()
+        # b shares 3 full chunks (768 tokens) with a; its other 3 chunks are new.
+        assert stats["tiers"]["ram"]["entries"] == 9
+        assert stats["namespaces"]["shared"]["chunks_stored"] == 9
+        # a third sequence diverging mid-chunk (at 900) gets the last full shared boundary
+        third = np.concatenate([prefix[:900], rng.integers(0, 32000, 200)])
+        assert c.probe(third).n == 768
+        hit = c.get(third)
+        assert hit.n == 768
+        ref = snapshot_for(len(a))
+        for name, (t, _) in ref.sliced.items():
+            assert hit.sliced[name].array.tobytes() == np.ascontiguousarray(t.array[:, :, :768]).tobytes()
+
+
+def test_tail_chunk_serves_a_longer_query(kvd_daemon):
+    toks = np.arange(600)
+    with kvd_daemon.client("tails", strict=True) as c:
+        assert c.put(toks, snapshot_for(600))
+        longer = np.concatenate([toks, [1, 2, 3]])
+        assert c.probe(longer).n == 600  # 2 full chunks + the stored 88-token tail
+        hit = c.get(longer, max_tokens=602)
+        assert hit.n == 600
+        different_tail = np.concatenate([toks[:590], [9] * 20])
+        assert c.probe(different_tail).n == 512
+
+
+def test_namespace_isolation(kvd_daemon):
+    toks = np.arange(300)
+    with kvd_daemon.client("model-a", strict=True) as a, kvd_daemon.client("model-b", strict=True) as b:
+        assert a.put(toks, snapshot_for(300))
+        assert b.probe(toks).n == 0
+        assert b.get(toks) is None
+        assert a.get(toks).n == 300
+        st = a.stats()["namespaces"]
+        assert st["model-a"]["entries"] == 2 and "model-b" not in st or st["model-b"]["entries"] == 0
+
+
+def test_lru_eviction_under_small_budget(daemon_factory):
+    d = daemon_factory("--ram-mb", "1")
+    # each sequence: 256 tokens x 7 tensors x 16 values x itemsize ~ 86 KiB per chunk
+    with d.client("lru", strict=True) as c:
+        seqs = [np.arange(256) + 1000 * i for i in range(20)]
+        for i, s in enumerate(seqs):
+            assert c.put(s, snapshot_for(256, seed=i))
+        c.get(seqs[0])  # a miss (evicted long ago) ...
+        stats = c.stats()["tiers"]["ram"]
+        assert stats["bytes"] <= 1 << 20
+        assert stats["evictions"] == 20 - stats["entries"]
+        assert c.probe(seqs[-1]).n == 256
+        assert c.probe(seqs[0]).n == 0
+        # touching an old survivor makes it outlive a newer one
+        survivors = [i for i, s in enumerate(seqs) if c.probe(s).n]
+        oldest = survivors[0]
+        assert c.get(seqs[oldest]) is not None
+        assert c.put(np.arange(256) + 99999, snapshot_for(256, seed=77))
+        assert c.probe(seqs[oldest]).n == 256
+        assert c.probe(seqs[survivors[1]]).n == 0
+
+
+def test_stats_counters_match_what_happened(kvd_daemon):
+    with kvd_daemon.client("count", strict=True) as c:
+        c.put(np.arange(512), snapshot_for(512))  # LOOKUP + HELLO + PUT
+        c.get(np.arange(512))  # hit
+        c.get(np.arange(512) + 1)  # miss
+        c.probe(np.arange(100))
+        s = c.stats()
+    ns = s["namespaces"]["count"]
+    assert (ns["gets"], ns["hits"], ns["misses"], ns["tokens_served"]) == (2, 1, 1, 512)
+    assert ns["lookups"] == 2 and ns["puts"] == 1 and ns["chunks_stored"] == 2 and ns["entries"] == 2
+    assert s["server"]["requests"] == {"PING": 1, "HELLO": 1, "LOOKUP": 2, "PUT": 1, "GET": 2, "STATS": 1}  # PING: the fixture's readiness probe
+    assert s["tiers"]["ram"]["hits"] == 2 and s["tiers"]["ram"]["stored"] == 2
+
+
+def raw_request(endpoint: str, frames: list[bytes], timeout_ms: int = 3000) -> list[bytes]:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart(frames)
+        assert s.poll(timeout_ms), "daemon did not reply"
+        return s.recv_multipart()
+    finally:
+        s.close()
+
+
+def tensor_put(**over) -> list[bytes]:
+    t = {"name": "k", "dtype": "float32", "shape": [2, 2], "frame": 1}
+    t.update(over.pop("tensor", {}))
+    header = {"v": 1, "type": "PUT", "id": 9, "ns": "x", "tokens": b"\x01\x00\x00\x00", "chunks": [{"index": 0, "tensors": [t]}]}
+    header.update(over.pop("header", {}))
+    frames = over.pop("frames", [b"\x00" * 16])
+    return [__import__("msgpack").packb(header), *frames]
+
+
+BAD_INPUTS = {
+    "truncated msgpack": ([b"\x85\xa1v\x01"], 100),
+    "header not a map": ([__import__("msgpack").packb([1, 2, 3])], 100),
+    "garbage": ([b"\xc1\xff\x00garbage"], 100),
+    "empty header frame": ([b""], 100),
+    "unknown version": ([__import__("msgpack").packb({"v": 99, "type": "PING"})], 101),
+    "unknown type": ([__import__("msgpack").packb({"v": 1, "type": "FROB"})], 102),
+    "wrong field type": ([__import__("msgpack").packb({"v": 1, "type": "LOOKUP", "ns": 5, "tokens": b""})], 103),
+    "missing field": ([__import__("msgpack").packb({"v": 1, "type": "LOOKUP", "ns": "x"})], 103),
+    "unknown dtype": (tensor_put(tensor={"dtype": "float8"}), 104),
+    "byte length mismatch": (tensor_put(frames=[b"\x00" * 15]), 105),
+    "rank too high": (tensor_put(tensor={"shape": [1] * 9}, frames=[b"\x00" * 4]), 105),
+    "frame index out of range": (tensor_put(tensor={"frame": 2}), 106),
+    "unreferenced frame": (tensor_put(frames=[b"\x00" * 16, b"extra"]), 106),
+    "too many tokens": ([__import__("msgpack").packb({"v": 1, "type": "LOOKUP", "ns": "x", "tokens": b"\x00" * 4 * ((1 << 20) + 1)})], 109),
+    "chunk index past the end": (tensor_put(header={"chunks": [{"index": 5, "tensors": [{"name": "k", "dtype": "float32", "shape": [2, 2], "frame": 1}]}]}), 103),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gets_typed_error_and_daemon_keeps_serving(kvd_daemon, case):
+    frames, code = BAD_INPUTS[case]
+    with kvd_daemon.client("good", strict=True) as good:
+        assert good.put(np.arange(300), snapshot_for(300))
+        reply = codec.decode_reply(raw_request(kvd_daemon.endpoint, frames))
+        assert reply.type == "ERROR" and reply["code"] == code, reply
+        assert good.get(np.arange(300)).n == 300  # nothing lost, still serving
+        assert good.stats()["server"]["errors"][reply["name"]] == 1
+
+
+def test_oversize_message_rejected(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--max-message-mb", "1")
+    big = [*tensor_put(tensor={"shape": [512, 512]}, frames=[b"\x00" * (1 << 20)])]
+    reply = codec.decode_reply(raw_request(d.endpoint, big))
+    assert reply["code"] == 107
+    # and the client splits a large put into messages under the advertised limit
+    with d.client("split", strict=True) as c:
+        big_snap = Snapshot(sliced={"k": (random_tensor("float32", (1, 8, 2048, 64), 3), 2)})
+        assert c.put(np.arange(2048), big_snap)  # 4 MiB over 8 chunks of 512 KiB
+        hit = c.get(np.arange(2048))  # served in pages under 1 MiB
+        assert hit.n == 2048 and hit.sliced["k"].equal(big_snap.sliced["k"][0])
+
+
+def test_second_daemon_on_same_endpoint_refused(kvd_daemon, daemon_factory):
+    second = daemon_factory("--ram-mb", "16", start=False, workdir=kvd_daemon.workdir)
+    second.log_path = kvd_daemon.workdir / "second.log"
+    second.start(wait=False)
+    assert second.proc.wait(20) == 4
+    assert "already serving" in second.log()
+    with kvd_daemon.client(strict=True) as c:
+        assert c.ping() is not None
+
+
+def test_daemon_killed_then_restarted_same_client(kvd_daemon):
+    toks = np.arange(300)
+    c = kvd_daemon.client("restart", timeout=1.0)
+    assert c.put(toks, snapshot_for(300))
+    kvd_daemon.kill()
+    for call in (lambda: c.probe(toks).n, lambda: c.get(toks), lambda: c.put(toks, snapshot_for(300))):
+        t0 = time.monotonic()
+        assert call() in (0, None, False)
+        assert time.monotonic() - t0 < 1.5
+    assert c.counters["lookup_failed"] >= 1
+    with pytest.raises(DaemonUnavailable):
+        Client(kvd_daemon.endpoint, namespace="s", timeout=0.5, strict=True).ping()
+    kvd_daemon.start()
+    deadline = time.monotonic() + 5
+    while c.ping() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.put(toks, snapshot_for(300))  # RAM tier: empty after restart, refilled
+    assert c.get(toks).n == 300
+    c.close()
+
+
+def test_sigterm_shuts_down_cleanly(kvd_daemon):
+    assert kvd_daemon.stop() == 0
+    assert "stopped" in kvd_daemon.log()
+    assert not (kvd_daemon.workdir / "kvd.sock").exists()
