@@ -1,0 +1,118 @@
+"""Regenerate the golden vectors in this folder from kvd's codec.
+
+    python proto/vectors/generate.py
+
+Run it only when the protocol changes on purpose (and say so in
+proto/CHANGELOG.md): tests/test_vectors.py checks the codec against the
+committed files byte for byte, so a silent change of encoding fails CI.
+
+Each message vector is two files: NAME.hex (one frame per line, lowercase
+hex; frame 0 is the msgpack header) and NAME.json (the readable twin: the
+header as JSON, with msgpack bin values written as {"bin": "<hex>"}).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgpack
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))
+
+from kvd.protocol import codec, keys  # noqa: E402
+from kvd.protocol.codec import Tensor  # noqa: E402
+
+
+def _readable(value):
+    if isinstance(value, bytes):
+        return {"bin": value.hex()}
+    if isinstance(value, dict):
+        return {k: _readable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_readable(v) for v in value]
+    return value
+
+
+TOKENS = keys.token_bytes([1, 2, 3, 4, 5])
+BF16 = bytes.fromhex("803f0040c0bf")  # bfloat16 [1.0, 2.0, -1.5] little-endian
+U32 = (0xDEADBEEF).to_bytes(4, "little") + (7).to_bytes(4, "little")
+
+MESSAGES = {
+    "hello_request": ("request", "HELLO", {"versions": [1], "client": "example/1.0"}, 1),
+    "hello_reply": ("reply", "HELLO", {"version": 1, "server": "kvd/0.1.0", "limits": {"max_message_bytes": 536870912, "max_frames": 65536}, "chunk_tokens": 256}, 1),
+    "ping_request": ("request", "PING", {}, 2),
+    "ping_reply": ("reply", "PING", {}, 2),
+    "lookup_request": ("request", "LOOKUP", {"ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4}, 3),
+    "lookup_reply": ("reply", "LOOKUP", {"n": 4, "boundaries": [4]}, 3),
+    "put_request": (
+        "request", "PUT",
+        {
+            "ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4,
+            "chunks": [{"index": 1, "tensors": [Tensor("L0.k", "bfloat16", (1, 1, 3), BF16)], "meta": b"\x80"}],
+            "boundary": {"tensors": [Tensor("L1.state", "uint32", (2,), U32)], "meta": b""},
+        },
+        4,
+    ),
+    "put_reply": ("reply", "PUT", {"stored": 2, "duplicate": 0, "too_big": 0}, 4),
+    "get_request": ("request", "GET", {"ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4, "max_tokens": 4, "need_boundary": False, "start": 0}, 5),
+    "get_reply": (
+        "reply", "GET",
+        {"n": 4, "end": 4, "chunks": [{"start": 0, "length": 4, "tensors": [Tensor("L0.k", "uint32", (2,), U32)], "meta": b""}]},
+        5,
+    ),
+    "stats_request": ("request", "STATS", {}, 6),
+    "gc_request": ("request", "GC", {"ram_bytes": 0, "ns": "llama-3b", "dry_run": True}, 7),
+    "gc_reply": ("reply", "GC", {"entries": 3, "bytes": 1024, "dry_run": True, "details": {}}, 7),
+    "shutdown_request": ("request", "SHUTDOWN", {}, 8),
+    "error_reply": ("reply", "ERROR", {"code": 105, "name": "BAD_SHAPE", "message": "tensor 'k': 15 bytes for float32[2, 2], expected 16"}, 9),
+}
+
+# Inputs a decoder must reject, with the error code it must give.
+INVALID = {
+    "truncated_msgpack": ([b"\x85\xa1v\x01"], 100),
+    "header_not_a_map": ([msgpack.packb([1, 2])], 100),
+    "unsupported_version": ([msgpack.packb({"v": 2, "type": "PING", "id": 1})], 101),
+    "unknown_type": ([msgpack.packb({"v": 1, "type": "FROB", "id": 1})], 102),
+    "namespace_not_a_string": ([msgpack.packb({"v": 1, "type": "LOOKUP", "id": 1, "ns": 7, "tokens": b""}, use_bin_type=True)], 103),
+    "tokens_not_multiple_of_4": ([msgpack.packb({"v": 1, "type": "LOOKUP", "id": 1, "ns": "x", "tokens": b"\x01\x02\x03"}, use_bin_type=True)], 103),
+    "unknown_dtype": ([msgpack.packb({"v": 1, "type": "PUT", "id": 1, "ns": "x", "tokens": b"\x01\x00\x00\x00", "chunks": [{"index": 0, "tensors": [{"name": "k", "dtype": "float8", "shape": [1], "frame": 1}]}]}, use_bin_type=True), b"\x00"], 104),
+    "byte_length_mismatch": ([msgpack.packb({"v": 1, "type": "PUT", "id": 1, "ns": "x", "tokens": b"\x01\x00\x00\x00", "chunks": [{"index": 0, "tensors": [{"name": "k", "dtype": "float32", "shape": [2], "frame": 1}]}]}, use_bin_type=True), b"\x00" * 7], 105),
+    "frame_out_of_range": ([msgpack.packb({"v": 1, "type": "PUT", "id": 1, "ns": "x", "tokens": b"\x01\x00\x00\x00", "chunks": [{"index": 0, "tensors": [{"name": "k", "dtype": "uint8", "shape": [1], "frame": 2}]}]}, use_bin_type=True), b"\x00"], 106),
+}
+
+KEY_CASES = [
+    ("llama-3b", 4, list(range(1, 11))),  # 2 full chunks and a tail of 2
+    ("llama-3b", 256, [1, 2, 3]),  # a single tail chunk
+    ("ns/with unicode \u00e9", 2, [0, 4294967295, 42, 7]),
+]
+
+
+def main() -> None:
+    out = HERE / "messages"
+    out.mkdir(exist_ok=True)
+    for name, (direction, mtype, fields, mid) in MESSAGES.items():
+        frames = codec.encode(mtype, fields, id=mid)
+        (out / f"{name}.hex").write_text("\n".join(bytes(memoryview(f)).hex() for f in frames) + "\n")
+        header = msgpack.unpackb(frames[0], raw=False)
+        (out / f"{name}.json").write_text(json.dumps({"direction": direction, "header": _readable(header)}, indent=2) + "\n")
+    bad = HERE / "invalid"
+    bad.mkdir(exist_ok=True)
+    for name, (frames, code) in INVALID.items():
+        (bad / f"{name}.hex").write_text("\n".join(f.hex() for f in frames) + "\n")
+        (bad / f"{name}.json").write_text(json.dumps({"direction": "request", "error_code": code}, indent=2) + "\n")
+    cases = []
+    for ns, ct, toks in KEY_CASES:
+        tb = keys.token_bytes(toks)
+        cases.append({
+            "namespace": ns, "chunk_tokens": ct, "tokens": toks,
+            "root": keys.root_key(ns, ct).hex(),
+            "chunks": [{"start": s, "end": e, "key": k.hex()} for (s, e), k in zip(keys.chunk_spans(len(toks), ct), keys.chain(ns, ct, tb))],
+        })
+    (HERE / "keys.json").write_text(json.dumps(cases, indent=2, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()

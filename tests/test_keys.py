@@ -1,0 +1,53 @@
+"""The key chain: chunk spans, determinism, tails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvd.protocol import keys
+
+
+def test_spans_keep_a_short_tail():
+    assert keys.chunk_spans(600, 256) == [(0, 256), (256, 512), (512, 600)]
+    assert keys.chunk_spans(512, 256) == [(0, 256), (256, 512)]
+    assert keys.chunk_spans(0, 256) == []
+
+
+def test_shared_prefix_shares_keys_and_divergence_changes_every_later_key():
+    a = keys.chain("ns", 4, keys.token_bytes(range(12)))
+    b = keys.chain("ns", 4, keys.token_bytes([*range(8), 99, 9, 10, 11]))
+    assert a[:2] == b[:2] and a[2] != b[2]
+
+
+def test_namespace_and_chunk_size_seed_the_chain():
+    t = keys.token_bytes(range(8))
+    assert keys.chain("a", 4, t)[0] != keys.chain("b", 4, t)[0]
+    assert keys.chain("a", 4, t)[0] != keys.chain("a", 8, t)[0]
+
+
+def test_keys_are_stable_across_processes_and_hash_seeds():
+    code = "from kvd.protocol import keys; print(keys.chain('ns', 4, keys.token_bytes(range(10)))[-1].hex())"
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONHASHSEED": seed, "PATH": ""}, check=True).stdout
+        for seed in ("0", "1", "12345")
+    }
+    assert outs == {keys.chain("ns", 4, keys.token_bytes(range(10)))[-1].hex() + "\n"}
+
+
+def test_tail_keys_equal_direct_hashes():
+    parent = keys.root_key("ns", 8)
+    chunk = keys.token_bytes(range(100, 108))
+    tails = dict(keys.tail_keys(parent, chunk))
+    assert sorted(tails) == list(range(1, 8))
+    for n, key in tails.items():
+        assert key == keys.chunk_key(parent, chunk[: 4 * n])
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], np.array([1.5])])
+def test_token_ids_must_be_u32(bad):
+    with pytest.raises(ValueError):
+        keys.token_bytes(bad)

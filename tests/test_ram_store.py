@@ -1,0 +1,66 @@
+"""The RAM tier on its own: LRU order, byte budget, tails, drop, accounting."""
+
+from __future__ import annotations
+
+from kvd.store import BOUNDARY, CHUNK, Entry, PutOutcome, RamStore, Tensor
+
+
+def entry(i: int, nbytes: int = 100, ns: str = "a", kind: int = CHUNK, tail: bool = False, parent: bytes = b"p" * 32) -> Entry:
+    key = i.to_bytes(32, "big")
+    return Entry(ns, key, kind, parent, 0, 10, (Tensor("t", "uint8", (nbytes,), b"\x00" * nbytes),), tail=tail)
+
+
+def test_lru_evicts_oldest_and_get_refreshes():
+    evicted = []
+    s = RamStore(300, on_evict=evicted.append, clock=lambda: 0.0)
+    for i in range(3):
+        assert s.put(entry(i)) is PutOutcome.STORED
+    assert s.get(entry(0).id) is not None  # 0 is now the youngest
+    s.put(entry(3))
+    assert [e.key for e in evicted] == [entry(1).key]
+    assert s.bytes == 300 and len(s) == 3
+    assert s.stats()["tiers"]["ram"]["evictions"] == 1
+
+
+def test_duplicate_put_keeps_the_first_and_counts():
+    s = RamStore(1000)
+    assert s.put(entry(1)) is PutOutcome.STORED
+    assert s.put(entry(1)) is PutOutcome.DUPLICATE
+    assert s.bytes == 100 and s.counters["duplicates"] == 1
+
+
+def test_too_big_is_refused_without_evicting_anything():
+    s = RamStore(150)
+    s.put(entry(1))
+    assert s.put(entry(2, nbytes=200)) is PutOutcome.TOO_BIG
+    assert s.contains(entry(1).id)
+
+
+def test_tail_index_follows_puts_and_evictions():
+    s = RamStore(250)
+    s.put(entry(1, tail=True))
+    assert list(s.tails(b"p" * 32)) == [(10, entry(1).key)]
+    s.put(entry(2))
+    s.put(entry(3))  # evicts 1
+    assert list(s.tails(b"p" * 32)) == []
+
+
+def test_drop_by_namespace_and_age():
+    now = [100.0]
+    s = RamStore(10_000, clock=lambda: now[0])
+    s.put(entry(1, ns="a"))
+    s.put(entry(2, ns="b"))
+    now[0] = 200.0
+    s.put(entry(3, ns="b"))
+    assert s.drop(namespace="b", dry_run=True) == (2, 200) and len(s) == 3
+    assert s.drop(older_than=50) == (2, 200)
+    assert [e.key for e in (s.get(entry(3).id),)] == [entry(3).key]
+    assert s.stats()["namespaces"] == {"b": {"entries": 1, "bytes": 100}}
+
+
+def test_chunk_and_boundary_are_distinct_entries():
+    s = RamStore(1000)
+    s.put(entry(1))
+    assert not s.contains(entry(1, kind=BOUNDARY).id)
+    s.put(entry(1, kind=BOUNDARY))
+    assert s.contains(entry(1, kind=BOUNDARY).id) and len(s) == 2
