@@ -29,6 +29,22 @@ def snapshot_for(n_tokens: int, seed: int = 0, boundary: bool = False) -> Snapsh
     return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"}, boundary_meta={"at": n_tokens})
 
 
+def prefix_snapshot(tokens, boundary: bool = False) -> Snapshot:
+    """Like a real model's cache: position t's data depends only on tokens[:t+1],
+    so two sequences sharing a prefix have identical data over it."""
+    toks = np.asarray(tokens, dtype=np.uint64)
+    sig = np.cumsum((toks + np.uint64(1)) * (np.arange(len(toks), dtype=np.uint64) + np.uint64(7919)), dtype=np.uint64)
+    sliced = {}
+    for i, dt in enumerate(ALL_DTYPES):
+        width = 8 * dtypes.itemsize(dt)
+        mult = (np.arange(2 * width, dtype=np.uint64) * np.uint64(2654435761) + np.uint64(i + 1)).reshape(2, width)
+        raw = ((sig[None, :, None] * mult[:, None, :]) >> np.uint64(17)).astype(np.uint8)  # (2, T, width)
+        arr = np.ascontiguousarray(raw[None]).view(dtypes.container(dt))  # (1, 2, T, 8)
+        sliced[f"t.{dt}"] = (HostTensor(dt, arr), 2)
+    bound = {"state": HostTensor.from_numpy(np.array([int(sig[-1] % 1000)], dtype=np.int32))} if boundary else {}
+    return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"})
+
+
 PUT_IN_CHILD = textwrap.dedent(
     """
     import sys, numpy as np

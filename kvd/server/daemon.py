@@ -65,6 +65,8 @@ class Daemon:
         self.on_ready = on_ready
         self.on_tick = on_tick
         self.dropped_replies = 0
+        self.summary_every = 60.0  # seconds between activity lines in the log
+        self._last_summary = (time.monotonic(), 0)
         self._stop = threading.Event()
         self._lock = EndpointLock(endpoint)
         self._ctx: zmq.Context | None = None
@@ -141,9 +143,26 @@ class Daemon:
                     next_tick = time.monotonic() + self.tick
                     if self.on_tick is not None:
                         self.on_tick()
+                    self._maybe_log_summary()
         finally:
             log.info("stopping endpoint=%s", self.endpoint)
             self.close()
+
+    def _maybe_log_summary(self) -> None:
+        """One info line per `summary_every` seconds with activity, for operators."""
+        now = time.monotonic()
+        since, seen = self._last_summary
+        total = sum(self.handler.requests.values())
+        if now - since < self.summary_every or total == seen:
+            return
+        self._last_summary = (now, total)
+        tiers = self.store.stats().get("tiers", {})
+        parts = [f"requests={total - seen}"]
+        for name, t in tiers.items():
+            parts.append(f"{name}_entries={t.get('entries', 0)} {name}_bytes={t.get('bytes', 0)} {name}_hits={t.get('hits', 0)} {name}_misses={t.get('misses', 0)} {name}_evictions={t.get('evictions', 0)}")
+        if self.dropped_replies:
+            parts.append(f"dropped_replies={self.dropped_replies}")
+        log.info("activity %s", " ".join(parts))
 
     def _serve_one(self, raw: list[zmq.Frame]) -> bool:
         """Serve one request; True if it asked the daemon to shut down."""

@@ -1,0 +1,142 @@
+"""Put and get 16, 64 and 256 MiB snapshots through a real daemon.
+
+    python bench/bench_wire.py [--reps 5] [--sizes 16,64,256]
+
+Prints, per size, the throughput of Client.put and Client.get and their ratio
+to two baselines measured in the same run on the same machine:
+  * raw pyzmq: the same bytes over the same ipc transport between the same two
+    processes' worth of sockets, zero-copy both ways, no kvd code at all;
+  * memcpy: numpy copying the same bytes into an already-touched buffer.
+The snapshot is a realistic layout: 32 layers x (keys, values) of
+(1, 8 KV heads, T tokens, 128) bfloat16, T chosen to hit the size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import GiB, MiB, daemon, machine, median_time  # noqa: E402
+
+from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
+
+LAYERS, HEADS, DIM = 32, 8, 128
+BYTES_PER_TOKEN = LAYERS * 2 * HEADS * DIM * 2
+
+RAW_SERVER = textwrap.dedent(
+    """
+    import sys, zmq, numpy as np
+    ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.bind(sys.argv[1])
+    blobs = {}
+    while True:
+        ident, op, *rest = s.recv_multipart(copy=False)
+        op = op.bytes
+        if op == b"put":
+            blobs["last"] = rest  # keep the frames, as the daemon does
+            s.send_multipart([ident, b"ok"])
+        elif op == b"get":
+            s.send_multipart([ident, *blobs["last"]], copy=False)
+        else:
+            s.send_multipart([ident, b"bye"]); break
+    """
+)
+
+
+def snapshot(n_tokens: int, seed: int) -> Snapshot:
+    rng = np.random.default_rng(seed)
+    sliced = {}
+    for layer in range(LAYERS):
+        for kind in ("k", "v"):
+            bits = rng.integers(0, 1 << 16, size=(1, HEADS, n_tokens, DIM), dtype=np.uint16)
+            sliced[f"{layer}.{kind}"] = (HostTensor.bfloat16(bits), 2)
+    return Snapshot(sliced=sliced)
+
+
+def raw_zmq(frames: list[np.ndarray], reps: int) -> tuple[float, float]:
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-raw-", dir="/tmp"))
+    endpoint = f"ipc://{workdir / 'raw.sock'}"
+    proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER, endpoint])
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(endpoint)
+    time.sleep(0.3)
+
+    def put():
+        s.send_multipart([b"put", *frames], copy=False)
+        s.recv_multipart()
+
+    def get():
+        s.send_multipart([b"get"])
+        got = s.recv_multipart(copy=False)
+        assert sum(len(f) for f in got) == sum(f.nbytes for f in frames)
+
+    put()
+    t_put = median_time(put, reps)
+    t_get = median_time(get, reps)
+    s.send_multipart([b"stop"])
+    s.recv_multipart()
+    s.close()
+    proc.wait(10)
+    return t_put, t_get
+
+
+def memcpy(nbytes: int, reps: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)
+    return median_time(lambda: np.copyto(dst, src), reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sizes", default="16,64,256", help="snapshot sizes in MiB")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    print(f"# bench_wire  {machine()}  reps={args.reps} (medians)")
+    print(f"{'MiB':>5} {'op':>4} {'kvd GiB/s':>10} {'raw zmq GiB/s':>14} {'memcpy GiB/s':>13} {'kvd/raw':>8} {'kvd/memcpy':>11}")
+    with daemon("--ram-mb", str(4 * max(sizes) + 256)) as (endpoint, _):
+        for mib in sizes:
+            n_tokens = mib * MiB // BYTES_PER_TOKEN
+            snap = snapshot(n_tokens, seed=mib)
+            nbytes = snap.nbytes
+            frames = [t.array for t, _ in snap.sliced.values()]
+            with Client(endpoint, namespace=f"bench-{mib}", timeout=60, strict=True) as c:
+                counter = iter(range(10**9))
+                tokens = {"t": None}
+
+                def fresh():  # new token ids each rep, so nothing dedups
+                    tokens["t"] = np.arange(n_tokens) + next(counter) * 1_000_000
+
+                def put():
+                    assert c.put(tokens["t"], snap)
+
+                t_put = median_time(put, args.reps, setup=fresh)
+                hit_tokens = tokens["t"]
+
+                def get():
+                    hit = c.get(hit_tokens)
+                    assert hit is not None and hit.n == n_tokens
+
+                get()
+                t_get = median_time(get, args.reps)
+            raw_put, raw_get = raw_zmq(frames, args.reps)
+            t_mem = memcpy(nbytes, args.reps)
+            for op, t, raw in (("put", t_put, raw_put), ("get", t_get, raw_get)):
+                print(
+                    f"{mib:>5} {op:>4} {nbytes / t / GiB:>10.2f} {nbytes / raw / GiB:>14.2f} {nbytes / t_mem / GiB:>13.2f}"
+                    f" {raw / t:>8.2f} {t_mem / t:>11.3f}"
+                )
+
+
+if __name__ == "__main__":
+    main()
