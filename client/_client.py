@@ -34,6 +34,7 @@ from kvd.protocol.limits import Limits
 from kvd_client import _chunking
 from kvd_client._tensors import Hit, Snapshot
 from kvd_client._transport import Transport
+from kvd_client.mlx_lm._methods import MlxMethods  # imports no mlx until store/fetch are called
 
 log = logging.getLogger("kvd_client")
 
@@ -263,7 +264,7 @@ class _Core:
         self.close()
 
 
-class Client(_Core):
+class Client(MlxMethods, _Core):
     """The kvd client: numpy-level calls, plus mlx-lm calls (store/fetch/lookup).
 
     `Client(endpoint=None, namespace="default", timeout=5.0, chunk_tokens=256,
