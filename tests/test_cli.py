@@ -1,0 +1,55 @@
+"""The admin CLI against a real daemon: output, exit codes, gc, stop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from test_daemon import prefix_snapshot
+
+
+def kvd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_no_daemon_exits_3_with_a_clear_message(tmp_path):
+    endpoint = f"ipc://{tmp_path}/none.sock"
+    for cmd in (["stats"], ["gc", "--namespace", "x"], ["stop"]):
+        r = kvd(*cmd, "--endpoint", endpoint, "--timeout", "0.5")
+        assert r.returncode == 3, (cmd, r.stderr)
+        assert "kvd serve" in r.stderr and r.stdout == ""
+
+
+def test_stats_table_and_json(kvd_daemon):
+    with kvd_daemon.client("cli-ns", strict=True) as c:
+        assert c.put(np.arange(300), prefix_snapshot(np.arange(300)))
+        c.get(np.arange(300))
+    r = kvd("stats", "--endpoint", kvd_daemon.endpoint)
+    assert r.returncode == 0, r.stderr
+    assert "ram" in r.stdout and "cli-ns" in r.stdout and "100.0%" in r.stdout
+    j = json.loads(kvd("stats", "--json", "--endpoint", kvd_daemon.endpoint).stdout)
+    assert j["namespaces"]["cli-ns"]["entries"] == 2 and j["tiers"]["ram"]["entries"] == 2
+
+
+def test_gc_dry_run_then_namespace_drop_then_budget(kvd_daemon):
+    with kvd_daemon.client("a", strict=True) as a, kvd_daemon.client("b", strict=True) as b:
+        assert a.put(np.arange(600), prefix_snapshot(np.arange(600)))  # 3 entries
+        assert b.put(np.arange(300), prefix_snapshot(np.arange(300)))  # 2 entries
+        r = kvd("gc", "--namespace", "a", "--dry-run", "--json", "--endpoint", kvd_daemon.endpoint)
+        assert r.returncode == 0 and json.loads(r.stdout)["entries"] == 3
+        assert a.probe(np.arange(600)).n == 600  # dry run removed nothing
+        r = kvd("gc", "--namespace", "a", "--endpoint", kvd_daemon.endpoint)
+        assert r.returncode == 0 and "removed 3 entries" in r.stdout
+        assert a.probe(np.arange(600)).n == 0 and b.probe(np.arange(300)).n == 300
+        r = kvd("gc", "--ram-mb", "0", "--json", "--endpoint", kvd_daemon.endpoint)
+        assert json.loads(r.stdout)["details"]["evicted_ram"]["entries"] == 2
+        assert b.probe(np.arange(300)).n == 0
+
+
+def test_stop_stops_the_daemon_and_it_exits_0(kvd_daemon):
+    r = kvd("stop", "--endpoint", kvd_daemon.endpoint)
+    assert r.returncode == 0, (r.stdout, r.stderr, kvd_daemon.log())
+    assert kvd_daemon.proc.wait(10) == 0, kvd_daemon.log()
