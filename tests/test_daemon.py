@@ -195,6 +195,7 @@ BAD_INPUTS = {
     "frame index out of range": (tensor_put(tensor={"frame": 2}), 106),
     "unreferenced frame": (tensor_put(frames=[b"\x00" * 16, b"extra"]), 106),
     "too many tokens": ([__import__("msgpack").packb({"v": 1, "type": "LOOKUP", "ns": "x", "tokens": b"\x00" * 4 * ((1 << 20) + 1)})], 109),
+    "too many frames": ([__import__("msgpack").packb({"v": 1, "type": "PING"}), *[b""] * 65536], 108),
     "chunk index past the end": (tensor_put(header={"chunks": [{"index": 5, "tensors": [{"name": "k", "dtype": "float32", "shape": [2, 2], "frame": 1}]}]}), 103),
 }
 
@@ -258,3 +259,25 @@ def test_sigterm_shuts_down_cleanly(kvd_daemon):
     assert kvd_daemon.stop() == 0
     assert "stopped" in kvd_daemon.log()
     assert not (kvd_daemon.workdir / "kvd.sock").exists()
+
+
+def test_slow_daemon_is_a_miss_not_a_hang(kvd_daemon):
+    import signal
+
+    toks = np.arange(300)
+    c = kvd_daemon.client("slow", timeout=0.5)
+    assert c.put(toks, prefix_snapshot(toks))
+    kvd_daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert c.get(toks) is None
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        kvd_daemon.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while c.ping() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hit = c.get(toks)  # the late reply to the timed-out GET is never mistaken for this one
+    assert hit is not None and hit.n == 300
+    assert c.counters["error_unavailable"] >= 1
+    c.close()
