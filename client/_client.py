@@ -10,6 +10,10 @@ says 0, `get` says miss, `put` says not stored -- and is counted in
 Caller mistakes (a tensor that does not span the tokens) still raise
 ValueError: those are bugs to fix, not weather to ride out.
 
+`timeout` bounds every call except a PUT, whose deadline grows with its size
+(the caller knows it is sending that much). Pick it to cover the largest GET
+page you expect: the default 5 s covers a 512 MiB page at 100 MiB/s.
+
 `put` first asks how much of the sequence the daemon already holds and sends
 only the chunks after that, so a shared prefix crosses the wire once. Chunks
 are batched into PUT messages under the daemon's advertised byte limit.
