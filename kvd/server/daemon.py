@@ -85,8 +85,10 @@ class Daemon:
             # connection: the last line of defence (clients learn the limit in
             # HELLO and split their messages; totals are checked when decoding).
             sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
-            sock.setsockopt(zmq.SNDHWM, 64)
-            sock.setsockopt(zmq.RCVHWM, 64)
+            # Per-peer queues, in messages: a message may be max_message_bytes,
+            # so a client pipelining PUTs must not park gigabytes here.
+            sock.setsockopt(zmq.SNDHWM, 16)
+            sock.setsockopt(zmq.RCVHWM, 4)
             sock.bind(self.endpoint)
         except Exception:
             self._lock.release()
