@@ -190,7 +190,7 @@ class _Core:
             return False
         self.counters["chunks_sent"] += len(chunks)
         self.counters["bytes_sent"] += nbytes
-        return reply["too_big"] == 0
+        return reply["too_big"] == 0 and reply["dropped"] == 0
 
     def get(
         self, tokens: Sequence[int] | np.ndarray, *, max_tokens: int | None = None, need_boundary: bool = False

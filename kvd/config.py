@@ -298,7 +298,16 @@ class Config:
         return f"Config({inner})"
 
 
+# TOML has types: a file value must already be of its setting's type.
+_TOML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "choice": (str,), "path": (str,)}
+
+
 def _parse(setting: Setting, raw: Any, source: str, base_dir: Path | None = None) -> Any:
+    if source.startswith("file:"):
+        want = _TOML_TYPES.get(setting.kind, (str,))
+        if not isinstance(raw, want) or (isinstance(raw, bool) and bool not in want):
+            names = " or ".join({int: "integer", float: "float", bool: "boolean", str: "string"}[t] for t in want)
+            raise ConfigError(f"{setting.name} (from {source}): expected a TOML {names}, got {raw!r}")
     try:
         value = setting.parse(raw)
     except (TypeError, ValueError) as exc:

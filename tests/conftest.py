@@ -30,12 +30,18 @@ class DaemonProcess:
         self.endpoint = f"ipc://{workdir / 'kvd.sock'}"
         self.data_dir = workdir / "data"
         self.log_path = workdir / "daemon.log"
+        self.config = workdir / "kvd.toml"  # empty: tests never read the user's config file
+        self.config.touch()
         self.args = args
-        self.env = {**os.environ, **(env or {})}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+        self.env.update(env or {})
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "kvd", "serve", "--endpoint", self.endpoint, *self.args]
+        args = list(self.args)
+        if "--data-dir" not in args:  # never touch the user's real cache dir
+            args += ["--data-dir", str(self.data_dir)]
+        return [sys.executable, "-m", "kvd", "serve", "--endpoint", self.endpoint, "--config", str(self.config), *args]
 
     def start(self, wait: bool = True) -> "DaemonProcess":
         log = open(self.log_path, "ab")

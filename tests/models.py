@@ -13,6 +13,7 @@ while still exercising every cache class mlx-lm 0.32 has:
     qwen3_next    ArraysCache(2) x 3 (fp32 conv + recurrent), KVCache
     baichuan_m1   CacheList(ArraysCache, RotatingKVCache | KVCache) x 2
     llama4        ChunkedKVCache(chunk 32) x 3, KVCache
+    mamba         ArraysCache(2) x 2 (pure recurrent: nothing sliced at all)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def llama():
         m.ModelArgs(
             model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
-            head_dim=32,
+            head_dim=64,  # so KV quantization with group size 64 applies
         )
     )
 
@@ -118,13 +119,25 @@ def llama4():
 
     text = dict(
         attention_bias=False, attention_chunk_size=32, head_dim=16, hidden_size=64,
-        interleave_moe_layer_step=0, intermediate_size=128, intermediate_size_mlp=128,
+        interleave_moe_layer_step=1000, intermediate_size=128, intermediate_size_mlp=128,
         max_position_embeddings=4096, model_type="llama4_text", num_attention_heads=4,
         num_experts_per_tok=1, num_hidden_layers=4, num_key_value_heads=2,
         num_local_experts=1, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000.0,
         use_qk_norm=True, vocab_size=VOCAB,
     )
     return m.Model(m.ModelArgs(model_type="llama4", text_config=text))
+
+
+@builder
+def mamba():
+    from mlx_lm.models import mamba as m
+
+    return m.Model(
+        m.ModelArgs(
+            model_type="mamba", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, state_size=8,
+            num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8,
+        )
+    )
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:

@@ -46,7 +46,9 @@ def test_gc_dry_run_then_namespace_drop_then_budget(kvd_daemon):
         assert a.probe(np.arange(600)).n == 0 and b.probe(np.arange(300)).n == 300
         r = kvd("gc", "--ram-mb", "0", "--json", "--endpoint", kvd_daemon.endpoint)
         assert json.loads(r.stdout)["details"]["evicted_ram"]["entries"] == 2
-        assert b.probe(np.arange(300)).n == 0
+        tiers = b.stats()["tiers"]
+        assert tiers["ram"]["entries"] == 0
+        assert b.probe(np.arange(300)).n == 300  # evicted from RAM = spilled to SSD, still served
 
 
 def test_stop_stops_the_daemon_and_it_exits_0(kvd_daemon):

@@ -123,7 +123,7 @@ def test_namespace_isolation(kvd_daemon):
 
 
 def test_lru_eviction_under_small_budget(daemon_factory):
-    d = daemon_factory("--ram-mb", "1")
+    d = daemon_factory("--ram-mb", "1", "--data-dir", "none")  # the RAM tier alone
     # each sequence: 256 tokens x 7 tensors x 16 values x itemsize ~ 86 KiB per chunk
     with d.client("lru", strict=True) as c:
         seqs = [np.arange(256) + 1000 * i for i in range(20)]
@@ -212,7 +212,7 @@ def test_bad_input_gets_typed_error_and_daemon_keeps_serving(kvd_daemon, case):
 
 
 def test_oversize_message_rejected(daemon_factory):
-    d = daemon_factory("--ram-mb", "64", "--max-message-mb", "1")
+    d = daemon_factory("--ram-mb", "64", "--max-message-mb", "1", "--data-dir", "none")
     big = [*tensor_put(tensor={"shape": [512, 512]}, frames=[b"\x00" * (1 << 20)])]
     reply = codec.decode_reply(raw_request(d.endpoint, big))
     assert reply["code"] == 107
@@ -225,7 +225,8 @@ def test_oversize_message_rejected(daemon_factory):
 
 
 def test_second_daemon_on_same_endpoint_refused(kvd_daemon, daemon_factory):
-    second = daemon_factory("--ram-mb", "16", start=False, workdir=kvd_daemon.workdir)
+    other_data = kvd_daemon.workdir / "other-data"
+    second = daemon_factory("--ram-mb", "16", "--data-dir", str(other_data), start=False, workdir=kvd_daemon.workdir)
     second.log_path = kvd_daemon.workdir / "second.log"
     second.start(wait=False)
     assert second.proc.wait(20) == 4
@@ -281,3 +282,10 @@ def test_slow_daemon_is_a_miss_not_a_hang(kvd_daemon):
     assert hit is not None and hit.n == 300
     assert c.counters["error_unavailable"] >= 1
     c.close()
+
+
+def test_second_daemon_on_same_data_dir_refused(kvd_daemon, daemon_factory):
+    second = daemon_factory("--data-dir", str(kvd_daemon.data_dir), start=False)
+    second.start(wait=False)
+    assert second.proc.wait(20) == 4
+    assert "in use by another kvd process" in second.log()

@@ -15,16 +15,21 @@ thread, inside its `mx.stream` if it has one):
 Does the model need boundary state? A model with any recurrent or
 sliding-window layer (ArraysCache, RotatingKVCache, ChunkedKVCache) can only
 resume where such state was stored; an attention-only model can resume at
-any stored prefix. The client learns the model's layer layout, per
-namespace, from (first wins until something newer is seen):
+any stored prefix. The client records the model's layer layout per
+namespace (process-wide, in `_format`) from:
 
 1. `namespace_for(model, ...)`, which builds the model's own
    `make_prompt_cache` and records its layout under the id it returns;
-2. the snapshot of any `store` in this process;
-3. the meta of any hit (every chunk carries the layout).
+2. the first `store` in a namespace with nothing recorded yet;
+3. the meta of every hit (each chunk carries the layout); it overrides what
+   was recorded, since it describes the data actually stored.
 
-Until one of these has been seen, `fetch` and `lookup` assume boundary state
-is needed: always correct, at worst less reuse on the first call.
+Until one of these has been seen, `fetch` asks for any prefix and, if the
+hit's meta says the model needs boundary state the hit lacks, asks once more
+for a boundary (one wasted transfer, once per process and namespace); and
+`lookup` takes stored boundaries as the sign of a model that needs them
+(attention-only snapshots carry none). With `namespace_for` both are exact
+from the first call.
 
 A namespace has one layout: a `store` whose layout differs from the one
 recorded (e.g. a KVCache snapshot in a namespace made for a quantized KV
@@ -40,6 +45,7 @@ the call degrades to "not stored" / a miss.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Sequence
 
 from kvd_client.mlx_lm import _format as F
@@ -95,7 +101,13 @@ class MlxMethods:
                 raise F.SnapshotMismatch(f"cache layout differs from the one recorded for namespace {self.namespace!r}")
             return False
         if wait or self._mlx_strict():
-            ok = bool(self.put(toks, snap))
+            try:
+                ok = bool(self.put(toks, snap))
+            except Exception:
+                self._mlx_count("store_failed")
+                if self._mlx_strict():
+                    raise
+                return False
             self._mlx_count("stored" if ok else "store_failed")
             return ok
         return self._mlx_writer().submit(toks, snap)
@@ -116,12 +128,11 @@ class MlxMethods:
         cap = len(toks) - 1
         if cap < 1:
             return None, 0
-        known = self._mlx_boundary_need()
-        need = True if known is None else known
+        need = self._mlx_boundary_need() is True
         hit = self.get(toks, max_tokens=cap, need_boundary=need)
         if hit is not None and not need and hit.boundary is None and self._mlx_learn(hit):
-            # The recorded layout said attention-only but the data says otherwise
-            # (namespace_for called with other options?): ask again, properly.
+            # Layout unknown (or recorded wrong) and the data says this model
+            # resumes only at a boundary: ask again for one.
             hit = self.get(toks, max_tokens=cap, need_boundary=True)
         if hit is None or hit.n < 1:
             self._mlx_count("fetch_miss")
@@ -150,7 +161,10 @@ class MlxMethods:
             return 0
         probe = self.probe(toks)
         limit = min(cap, probe.n)
-        if self._mlx_boundary_need() is False:
+        need = self._mlx_boundary_need()
+        if need is None:  # unknown layout: only snapshots of boundary models store boundaries
+            need = bool(probe.boundaries)
+        if not need:
             return max(limit, 0)
         return max((b for b in probe.boundaries if b <= limit), default=0)
 
@@ -175,7 +189,9 @@ class MlxMethods:
             with _init_lock:
                 writer = getattr(self, "_mlx_writer_obj", None)
                 if writer is None:
-                    writer = Writer(self.put, self._mlx_count, self.store_queue_bytes)
+                    writer = Writer(*_weak_calls(self), self.store_queue_bytes)
+                    # A client dropped without close() must not keep a thread alive.
+                    weakref.finalize(self, writer.close, 0)
                     self._mlx_writer_obj = writer
         return writer
 
@@ -202,3 +218,19 @@ class MlxMethods:
         if F.layout_for(self.namespace) != layers:
             F.remember(self.namespace, layers)
         return F.needs_boundary(layers)
+
+
+def _weak_calls(client: Any):
+    """put/count callables for the writer that do not keep `client` alive."""
+    ref = weakref.ref(client)
+
+    def put(tokens: Any, snapshot: Any) -> bool:
+        me = ref()
+        return False if me is None else bool(me.put(tokens, snapshot))
+
+    def count(key: str, n: int) -> None:
+        me = ref()
+        if me is not None:
+            me._mlx_count(key, n)
+
+    return put, count

@@ -17,7 +17,9 @@ Rules kept:
   and never raised: nobody is waiting to catch them.
 * `flush(timeout)` waits until everything submitted before it has been
   put (or failed); tests and demos use it to order a store before a fetch
-  in another process.
+  in another process. The thread is a daemon: whatever is still queued when
+  the interpreter exits is lost (it is a cache), so flush or close first if
+  it matters.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class Writer:
             self._cv.notify_all()
         if dropped:
             self._count("store_dropped", dropped)
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:  # close() may run on it, from a finalizer
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:

@@ -134,17 +134,26 @@ def gc(endpoint, timeout, ram_mb, namespace, older_than, dry_run, as_json) -> No
 def stop(endpoint, timeout) -> None:
     """Ask the daemon to shut down cleanly and wait until it is gone.
 
-    Exits 3 if no daemon answers, 1 if it is still running after --timeout.
+    Exits 3 if no daemon is running, 1 if it is still running after --timeout.
     """
     from kvd.server.endpoint import default_endpoint, endpoint_in_use
+    from kvd_client import DaemonUnavailable
 
     endpoint = endpoint or default_endpoint()
+    if not endpoint_in_use(endpoint, probe_timeout=min(timeout, 1.0)):
+        click.echo(f"kvd: no daemon at {endpoint} (is `kvd serve` running?)", err=True)
+        raise SystemExit(exits.UNAVAILABLE)
     with _client(endpoint, timeout) as client:
-        _call(client.shutdown)
+        try:
+            client.shutdown()
+        except DaemonUnavailable:
+            pass  # the acknowledgement can be lost as the daemon exits: the lock decides below
+        except Exception:
+            _call(client.shutdown)  # maps a refusal to its exit code
     deadline = time.monotonic() + timeout
     while endpoint_in_use(endpoint, probe_timeout=0.2):
         if time.monotonic() > deadline:
-            click.echo(f"kvd: daemon at {endpoint} acknowledged but is still running", err=True)
+            click.echo(f"kvd: daemon at {endpoint} is still running after {timeout:g}s", err=True)
             raise SystemExit(exits.FAILED)
         time.sleep(0.05)
     click.echo("kvd: stopped")

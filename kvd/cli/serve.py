@@ -8,9 +8,10 @@ import sys
 import click
 
 from kvd.cli import exits, main
+from kvd.config import EXIT_CONFIG, ConfigError, config_options, resolve
 from kvd.protocol.limits import MiB, Limits
-from kvd.server.endpoint import EndpointError, default_endpoint
 
+GiB = 1 << 30
 LOG_FORMAT = "%(asctime)s kvd[%(process)d] %(levelname)s %(name)s: %(message)s"
 
 
@@ -23,37 +24,76 @@ def setup_logging(level: str, log_file: str | None = None) -> None:
 
 
 @main.command()
-@click.option("--endpoint", envvar="KVD_ENDPOINT", default=None, help="ZeroMQ endpoint to bind [default: per-user ipc socket].")
-@click.option("--ram-mb", envvar="KVD_RAM_MB", type=click.IntRange(min=1), default=1024, show_default=True, help="RAM tier budget in MiB.")
-@click.option("--max-message-mb", envvar="KVD_MAX_MESSAGE_MB", type=click.IntRange(min=1), default=512, show_default=True, help="Largest message accepted, in MiB.")
-@click.option("--chunk-tokens", envvar="KVD_CHUNK_TOKENS", type=click.IntRange(min=1), default=256, show_default=True, help="Chunk size advertised to clients.")
-@click.option("--log-level", envvar="KVD_LOG_LEVEL", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-def serve(endpoint, ram_mb, max_message_mb, chunk_tokens, log_level) -> None:
+@config_options
+def serve(**flags) -> None:
     """Run the daemon in the foreground until SIGINT/SIGTERM or `kvd stop`.
 
-    Exits 4 if another daemon already serves the endpoint.
+    Every setting comes from (lowest first) its default, the config file,
+    a KVD_* environment variable, or the flag; `kvd config` shows the result.
+    Exits 4 if another daemon holds the endpoint or the data dir, 78 for a
+    bad configuration.
     """
     from kvd.server.daemon import Daemon
-    from kvd.store.ram import RamStore
+    from kvd.server.endpoint import EndpointError
+    from kvd.service.notify import Notifier
+    from kvd.store import DataDirBusy, IncompatibleIndex, open_store
 
-    setup_logging(log_level)
+    try:
+        cfg = resolve(flags)
+    except ConfigError as err:
+        click.echo(f"kvd: {err}", err=True)
+        raise SystemExit(EXIT_CONFIG)
+    setup_logging(cfg.log_level, cfg.log_file)
     log = logging.getLogger("kvd.server")
-    endpoint = endpoint or default_endpoint()
-    store = RamStore(ram_mb * MiB)
-    limits = Limits(max_message_bytes=max_message_mb * MiB)
-    daemon = Daemon(store, endpoint, limits=limits, chunk_tokens=chunk_tokens)
+    notifier = Notifier.from_env()
+    notifier.status("starting: opening the store")
+    try:
+        store = open_store(
+            cfg.ram_mb * MiB,
+            data_dir=cfg.data_dir,
+            ssd_bytes=int(cfg.ssd_gb * GiB),
+            write_through=cfg.write_through,
+            min_free_bytes=int(cfg.min_free_gb * GiB),
+            queue_entries=cfg.spill_queue,
+        )
+    except (DataDirBusy, IncompatibleIndex) as err:
+        log.error("cannot open data dir %s: %s", cfg.data_dir, err)
+        raise SystemExit(exits.REFUSED)
+    except (ValueError, OSError) as err:
+        log.error("cannot open the store: %s", err)
+        raise SystemExit(EXIT_CONFIG if isinstance(err, ValueError) else exits.FAILED)
+
+    metrics = None
+    daemon = Daemon(
+        store,
+        cfg.endpoint,
+        limits=Limits(max_message_bytes=cfg.max_message_mb * MiB),
+        chunk_tokens=cfg.chunk_tokens,
+        on_ready=lambda: notifier.ready(f"serving {cfg.endpoint}"),
+        on_tick=notifier.tick,
+    )
     try:
         daemon.bind()
-    except EndpointError as err:
-        log.error("%s", err)
+    except (EndpointError, Exception) as err:  # zmq.ZMQError: address in use, permission, ...
+        log.error("cannot serve %s: %s", cfg.endpoint, err)
+        store.close()
         raise SystemExit(exits.REFUSED)
-    except Exception as err:  # zmq.ZMQError: address in use, permission, ...
-        log.error("cannot bind %s: %s", endpoint, err)
-        raise SystemExit(exits.REFUSED)
+    if cfg.metrics_port:
+        from kvd.server.metrics import serve_metrics
+
+        metrics = serve_metrics(daemon, cfg.metrics_port)
     daemon.install_signal_handlers()
-    log.info("ready endpoint=%s ram_mb=%d max_message_mb=%d chunk_tokens=%d", endpoint, ram_mb, max_message_mb, chunk_tokens)
+    log.info(
+        "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d metrics_port=%d",
+        cfg.endpoint, cfg.ram_mb, cfg.data_dir or "none", cfg.ssd_gb, cfg.write_through,
+        cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port,
+    )
     try:
         daemon.serve_forever()
     finally:
+        notifier.stopping("flushing the store")
+        if metrics is not None:
+            metrics.shutdown()
         store.close()
+        notifier.close()
     log.info("stopped")

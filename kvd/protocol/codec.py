@@ -250,7 +250,7 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "chunks": _req(_array_of(_record(_GET_CHUNK))),
         "boundary": _opt(_record(_BOUNDARY_AT)),
     },
-    "PUT": {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_uint)},
+    "PUT": {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_uint), "dropped": _opt(_uint, 0)},
     "STATS": {"stats": _req(_map)},
     "GC": {"entries": _req(_uint), "bytes": _req(_uint), "dry_run": _req(_bool), "details": _opt(_map)},
     "SHUTDOWN": {},

@@ -66,6 +66,7 @@ class Daemon:
         self.on_tick = on_tick
         self.dropped_replies = 0
         self.summary_every = 60.0  # seconds between activity lines in the log
+        self.shutdown_grace = 0.3  # seconds served after a SHUTDOWN request
         self._last_summary = (time.monotonic(), 0)
         self._stop = threading.Event()
         self._lock = EndpointLock(endpoint)
@@ -108,7 +109,9 @@ class Daemon:
 
     def close(self) -> None:
         if self._sock is not None:
-            self._sock.close(linger=0)
+            # Let replies already queued (the SHUTDOWN acknowledgement above
+            # all) reach their peers; a peer that is gone cannot hold us long.
+            self._sock.close(linger=500)
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
@@ -128,9 +131,11 @@ class Daemon:
         if self.on_ready is not None:
             self.on_ready()
         next_tick = time.monotonic() + self.tick
+        stop_at: float | None = None
         try:
             while not self._stop.is_set():
-                timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+                wake = next_tick if stop_at is None else min(next_tick, stop_at)
+                timeout_ms = max(0, int((wake - time.monotonic()) * 1000))
                 if poller.poll(timeout_ms):
                     # Drain what is queued, but keep ticking under load.
                     for _ in range(64):
@@ -138,9 +143,12 @@ class Daemon:
                             frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        if self._serve_one(frames):
-                            self._stop.set()
-                            break
+                        if self._serve_one(frames) and stop_at is None:
+                            # Keep serving briefly: a peer's unread reply is
+                            # discarded when our end of the pipe goes away.
+                            stop_at = time.monotonic() + self.shutdown_grace
+                if stop_at is not None and time.monotonic() >= stop_at:
+                    break
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.tick
                     if self.on_tick is not None:

@@ -169,7 +169,7 @@ class Handler:
         n_tokens = len(tokens_le) // 4
         chain = keys.chain(ns, ct, tokens_le)
         root = keys.root_key(ns, ct)
-        counts = {"stored": 0, "duplicate": 0, "too_big": 0}
+        counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
         for chunk in msg["chunks"]:
             i = chunk["index"]
             if i >= len(chain):
@@ -197,6 +197,7 @@ class Handler:
         c["chunks_stored"] += counts["stored"]
         c["chunks_duplicate"] += counts["duplicate"]
         c["chunks_too_big"] += counts["too_big"]
+        c["chunks_dropped"] += counts["dropped"]
         return "PUT", counts
 
     # -- admin -----------------------------------------------------------------
@@ -232,10 +233,10 @@ class Handler:
             budget = msg.get(f"{tier}_bytes")
             if budget is None:
                 continue
-            n, b = self.store.evict(budget, dry_run=dry, **({} if tier == "ram" else {"tier": "ssd"}))
+            n, b = self.store.evict(budget, dry_run=dry, tier=tier)
             details[f"evicted_{tier}"] = {"entries": n, "bytes": b}
             entries, nbytes = entries + n, nbytes + b
-        if msg["orphans"] and hasattr(self.store, "remove_orphans"):
+        if msg["orphans"]:
             n, b = self.store.remove_orphans(dry_run=dry)
             details["orphans"] = {"entries": n, "bytes": b}
             entries, nbytes = entries + n, nbytes + b

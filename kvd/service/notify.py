@@ -14,9 +14,10 @@ Rules this module keeps:
    methods do nothing, so the daemon calls them unconditionally.
 2. A watchdog whose WATCHDOG_PID names another process is not ours: ignored.
 3. `tick()` pings when a third of the watchdog period has passed since the last
-   ping. Called every <=100 ms from the daemon's main loop, a ping thus goes
-   out well under half the period, as systemd advises. Otherwise `tick()` is
-   one clock read and one comparison.
+   ping, so the longest gap is a third of the period plus one main-loop tick:
+   with ticks every <=100 ms and WatchdogSec= of a second or more, that is
+   under half the period, as systemd advises. Otherwise `tick()` is one clock
+   read and one comparison.
 4. Pings come from the main loop on purpose: a wedged loop stops pinging and
    systemd restarts the daemon. Never ping from a helper thread.
 5. Socket errors never reach the daemon: the first is logged as a warning,

@@ -75,6 +75,7 @@ class PutOutcome(enum.Enum):
     STORED = "stored"  # new entry kept
     DUPLICATE = "duplicate"  # already held; recency refreshed
     TOO_BIG = "too_big"  # larger than the tier's whole budget; not kept
+    DROPPED = "dropped"  # not kept this time (spill queue full, tier degraded); counted
 
 
 class Store(abc.ABC):
@@ -98,9 +99,10 @@ class Store(abc.ABC):
         whose parent is `parent`."""
 
     @abc.abstractmethod
-    def evict(self, budget_bytes: int, *, dry_run: bool = False) -> tuple[int, int]:
-        """Evict LRU entries until at most `budget_bytes` remain.
-        Returns (entries, bytes) evicted (or that would be, with dry_run)."""
+    def evict(self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ram") -> tuple[int, int]:
+        """Evict LRU entries of `tier` ("ram" or "ssd") until at most
+        `budget_bytes` remain there. Returns (entries, bytes) evicted (or that
+        would be, with dry_run); (0, 0) for a tier this store does not have."""
 
     @abc.abstractmethod
     def drop(
@@ -112,6 +114,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: {"tiers": {name: {...}}, "namespaces": {ns: {...}}}."""
+
+    def remove_orphans(self, *, dry_run: bool = False) -> tuple[int, int]:
+        """Remove storage no entry accounts for (orphaned and quarantined blobs).
+        Returns (files, bytes). A tier with nothing on disk has none."""
+        return 0, 0
 
     def close(self) -> None:
         """Release resources (flush a write-back queue, close files)."""

@@ -137,8 +137,14 @@ class DataDirLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            # Closing drops the flock; the file stays (unlinking it would race
-            # a process that has opened but not yet locked it).
+            # Clear our pid while still holding the lock, so nobody reads a
+            # live-but-former holder. Closing drops the flock; the file stays
+            # (unlinking it would race a process that opened but has not yet
+            # locked it).
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
             os.close(self._fd)
             self._fd = None
 

@@ -119,7 +119,9 @@ class RamStore(Store):
                 self.on_evict(entry)
         return n, nbytes
 
-    def evict(self, budget_bytes: int, *, dry_run: bool = False) -> tuple[int, int]:
+    def evict(self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ram") -> tuple[int, int]:
+        if tier != "ram":
+            return 0, 0
         if not dry_run:
             return self._evict_to(max(0, int(budget_bytes)))
         n = nbytes = 0

@@ -40,10 +40,12 @@ log = logging.getLogger("kvd.store.spill")
 
 
 class SpillQueue:
-    """Entries waiting for the writer, bounded by `max_bytes`. Thread-safe."""
+    """Entries waiting for the writer, bounded by `max_bytes` and
+    `max_entries` (None: no count bound). Thread-safe."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, max_entries: int | None = None):
         self.max_bytes = int(max_bytes)
+        self.max_entries = max_entries
         self.cond = threading.Condition()
         self._pending: OrderedDict[bytes, Entry] = OrderedDict()
         self._inflight: set[bytes] = set()
@@ -70,7 +72,10 @@ class SpillQueue:
                 # An entry bigger than the whole queue is admitted alone, into
                 # an empty queue, rather than never.
                 def room() -> bool:
-                    return self.closed or not self._pending or self.bytes + entry.nbytes <= self.max_bytes
+                    return self.closed or not self._pending or (
+                        self.bytes + entry.nbytes <= self.max_bytes
+                        and (self.max_entries is None or len(self._pending) < self.max_entries)
+                    )
 
                 if not room() and (wait <= 0 or not self.cond.wait_for(room, timeout=wait)):
                     return False

@@ -78,8 +78,6 @@ log = logging.getLogger("kvd.store.ssd")
 DEFAULT_MIN_FREE = 2 << 30
 # Errors that mean "the disk cannot take writes now", as opposed to a bug.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
-# The one outcome a put can have that base.PutOutcome lacks (proposed upstream).
-_DROPPED = getattr(PutOutcome, "DROPPED", PutOutcome.TOO_BIG)
 
 _COUNTERS = (
     "hits", "misses", "queue_hits", "spills", "spill_bytes", "spills_clean", "duplicates",
@@ -104,6 +102,7 @@ class SsdStore(Store):
         *,
         min_free_bytes: int = DEFAULT_MIN_FREE,
         queue_bytes: int = 256 << 20,
+        queue_entries: int | None = None,
         queue_wait_s: float = 0.5,
         lease_s: float = 30.0,
         retry_s: float = 5.0,
@@ -143,7 +142,7 @@ class SsdStore(Store):
         self.degraded: str | None = None
         self.degraded_since: float | None = None
         self._retry_at = 0.0
-        self.queue = SpillQueue(queue_bytes)
+        self.queue = SpillQueue(queue_bytes, queue_entries)
         self.reconciled = threading.Event()
         self._reconcile: Iterator[None] | None = self._reconcile_steps({}) if reconcile else None
         if not reconcile:
@@ -229,13 +228,15 @@ class SsdStore(Store):
             try:
                 fd = os.open(self.path(eid), os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                self._mark_bad(eid, "missing")
-                return None
+                fd = -1
         except IndexBusy:
             self._count("busy_misses")
             return None
         finally:
             self._unlink_lock.release()
+        if fd < 0:
+            self._mark_bad(eid, "missing")
+            return None
         try:
             entry = blobfile.read_blob(fd, row.file_size, row.checksum)
             if entry.id != eid or entry.namespace != row.ns:
@@ -287,7 +288,7 @@ class SsdStore(Store):
             self._drop(entry, "too_big")
             return PutOutcome.TOO_BIG
         if not self.spill(entry):
-            return _DROPPED
+            return PutOutcome.DROPPED
         return PutOutcome.STORED
 
     def spill(self, entry: Entry, *, force: bool = False) -> bool:
@@ -325,8 +326,15 @@ class SsdStore(Store):
                 self._drop(entry, "low_space")
                 continue
             if not self._make_room(est + planned, protect={e for e, _ in written}):
-                self._drop(entry, "budget_leased")
-                continue
+                # Perhaps only this batch's own uncommitted blobs stand in the
+                # way (a batch bigger than the budget): commit them, so they
+                # become evictable like any other, and try once more.
+                if written:
+                    self._commit(written)
+                    written, planned = [], 0
+                if not self._make_room(est, set()):
+                    self._drop(entry, "budget_leased")
+                    continue
             try:
                 info = blobfile.write_blob(self.path(eid), entry, durable=self.durable)
             except Unencodable as exc:
@@ -346,9 +354,11 @@ class SsdStore(Store):
                 tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=now,
             )))
             self._recover()
-        if not written:
-            return
+        if written:
+            self._commit(written)
 
+    def _commit(self, written: list[tuple[bytes, Row]]) -> None:
+        """Commit rows for durable blobs; on failure remove the blobs (counted)."""
         def commit(txn):
             added = [(eid, row) for eid, row in written if self.index.put_row(txn, eid, row)]
             return added, self.index.totals(txn)
@@ -360,11 +370,11 @@ class SsdStore(Store):
             # than leave orphans for reconcile.
             self._count("write_errors")
             self._degrade(f"index commit failed: {exc}")
-            for eid, _ in written:
+            for eid, row in written:
                 self._unlink(self.path(eid))
-            for entry in batch:
-                if entry.id in dict(written):
-                    self._drop(entry, "write_error")
+                with self._mu:
+                    self.counters["drops"] += 1
+                    self.drop_reasons["write_error"] = self.drop_reasons.get("write_error", 0) + 1
             return
         self.entries, self.bytes = totals
         with self._mu:
@@ -388,7 +398,7 @@ class SsdStore(Store):
         self._retry_at = self._clock() + self.retry_s
         if self.degraded is None:
             self.degraded_since = self._clock()
-            log.warning("ssd tier degraded (%s); RAM keeps serving, retrying every %.0fs", reason, self.retry_s)
+            log.warning("ssd tier degraded (%s); RAM keeps serving, retrying every %.1fs", reason, self.retry_s)
         self.degraded = reason
 
     def _recover(self) -> None:
@@ -582,7 +592,10 @@ class SsdStore(Store):
         """Wait until every queued entry is written (or dropped)."""
         return self.writer.flush(timeout)
 
-    def evict(self, budget_bytes: int, *, dry_run: bool = False) -> tuple[int, int]:
+    def evict(self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ssd") -> tuple[int, int]:
+        if tier != "ssd":
+            return 0, 0
+
         def run():
             self._flush_touches()
             victims, freed = [], 0
@@ -660,6 +673,7 @@ class SsdStore(Store):
                     "queue_entries": len(self.queue),
                     "queue_bytes": self.queue.bytes,
                     "queue_max_bytes": self.queue.max_bytes,
+                    "queue_max_entries": self.queue.max_entries,
                     "reconciled": self.reconciled.is_set(),
                     "index_map_size": self.index.map_size,
                     "data_dir": str(self.root),

@@ -22,6 +22,8 @@ Policy table (data, not code paths):
     EVICT    `evict(budget)` shrinks the SSD tier (the persistent one; RAM
              keeps its own budget): `tier="ram"` shrinks RAM instead, spilling.
     DROP     both tiers and the spill queue.
+    CLOSE    RAM is spilled (persist=True), the queue is written out, then
+             the index is closed: a clean restart serves everything.
 """
 
 from __future__ import annotations
@@ -110,6 +112,13 @@ class TieredStore(Store):
     def flush(self, timeout: float | None = None) -> bool:
         return self.ssd.flush(timeout)
 
+    def remove_orphans(self, *, dry_run: bool = False) -> tuple[int, int]:
+        report = self.ssd.reconcile(dry_run=dry_run)
+        files = sum(v for k, v in report.items() if k.endswith("s_removed"))
+        nbytes = sum(v for k, v in report.items() if k.endswith("_bytes"))
+        qn, qb = self.ssd.purge_quarantine(dry_run=dry_run)
+        return files + qn, nbytes + qb
+
     def stats(self) -> dict[str, Any]:
         r, s = self.ram.stats(), self.ssd.stats()
         namespaces: dict[str, dict[str, int]] = {}
@@ -125,7 +134,13 @@ class TieredStore(Store):
             "namespaces": dict(sorted(namespaces.items())),
         }
 
-    def close(self) -> None:
+    def close(self, *, persist: bool = True) -> None:
+        """Stop. With `persist`, RAM is first written down to the SSD tier
+        (oldest first, so the hottest entries end youngest in its LRU order;
+        already-written entries cost nothing), so a restart is warm with the
+        whole cache, not only what had spilled."""
+        if persist:
+            self.ram.evict(0)
         self.ssd.close()
 
 

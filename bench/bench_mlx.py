@@ -1,0 +1,139 @@
+"""What kvd costs the generation thread, for a realistic mlx-lm cache.
+
+    python bench/bench_mlx.py [--reps 5] [--tokens 2048]
+
+Cache: 32 layers of KVCache, 8 KV heads, head dim 128, bfloat16, 2,048
+tokens (256 MiB) -- a 7-8B model's prompt cache. Prints, with ratios to
+baselines measured in the same run:
+
+  store  time `Client.store` holds the caller's thread (slice, eval, copy to
+         host; the upload runs on the writer thread), vs a plain in-process
+         copy of the same arrays to fresh numpy memory, and vs memcpy into an
+         already-touched buffer;
+  fetch  time `Client.fetch` holds the caller's thread (GET over ipc, join,
+         mlx arrays rebuilt and evaluated), split into wire and rebuild;
+  demo   fetch vs cold prefill of the same prefix with the demo model
+         (examples/demo_shared_prefix.py), i.e. what a hit saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent / "examples"))
+from _util import GiB, daemon, machine, median_time  # noqa: E402
+
+LAYERS, HEADS, DIM = 32, 8, 128
+
+
+def mlx_client(endpoint, namespace, **kw):
+    from kvd_client import Client
+
+    return Client(endpoint, namespace=namespace, timeout=60.0, **kw)
+
+
+def big_cache(tokens: int):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for i in range(LAYERS):
+        c = KVCache()
+        k = mx.random.normal((1, HEADS, tokens, DIM), key=mx.random.key(i)).astype(mx.bfloat16)
+        c.update_and_fetch(k, k + 1)
+        caches.append(c)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def main() -> None:
+    import mlx.core as mx
+
+    from demo_shared_prefix import build_model
+    from demo_shared_prefix import tokens as demo_tokens
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvd_client.mlx_lm import namespace_for, rebuild, snapshot
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=2048)
+    args = p.parse_args()
+    T, reps = args.tokens, args.reps
+    toks = list(range(T))
+    caches = big_cache(T)
+    nbytes = sum(c.keys[..., :T, :].nbytes * 2 for c in caches)
+    print(f"kvd mlx bench: {LAYERS} layers x {HEADS} KV heads x dim {DIM}, {T} tokens bf16 = "
+          f"{nbytes / 2**20:.0f} MiB; {machine()}; median of {reps}")
+
+    # Baselines: the same bytes copied in-process.
+    views = [x.view(mx.uint16) for c in caches for x in (c.keys[..., :T, :], c.values[..., :T, :])]
+    mx.eval(views)
+    fresh = median_time(lambda: [np.array(v) for v in views], reps)
+    touched = [np.array(v) for v in views]
+    memcpy = median_time(lambda: [np.copyto(d, np.asarray(v)) for d, v in zip(touched, views)], reps)
+
+    take = median_time(lambda: snapshot(toks, caches), reps)
+
+    with daemon("--ram-mb", "2048") as (endpoint, _):
+        with mlx_client(endpoint, "bench-mlx") as kv:
+            assert kv.store(toks, caches, wait=True), kv.counters
+
+            def store_async():
+                kv.store(toks, caches)
+
+            store = median_time(store_async, reps, setup=lambda: kv.flush_stores(120))
+            kv.flush_stores(120)
+            query = toks + [1]
+            hit_holder = {}
+
+            def get():
+                hit_holder["hit"] = kv.get(query, max_tokens=T)
+
+            get()  # warm-up: the daemon's first read of fresh chunks is not what we measure
+            fetch = median_time(lambda: kv.fetch(query), reps)
+            wire = median_time(get, reps)
+            rebuild_s = median_time(lambda: rebuild(hit_holder["hit"]), reps)
+            cache, n = kv.fetch(query)
+            assert n == T, n
+
+            # What a hit saves: the demo model, its own cold prefill vs a fetch.
+            model = build_model()
+            prompt = demo_tokens(1024, seed=1)
+
+            def cold():
+                c = make_prompt_cache(model)
+                for s in range(0, len(prompt), 512):
+                    model(mx.array(prompt[s : s + 512])[None], cache=c)
+                mx.eval([x.state for x in c])
+                return c
+
+            cold()  # warm-up
+            demo_cache = cold()
+            cold_s = median_time(cold, max(1, reps // 2))
+
+        with mlx_client(endpoint, namespace_for(model)) as dkv:
+            dkv.store(prompt, demo_cache, wait=True)
+            demo_fetch = median_time(lambda: dkv.fetch(prompt + [1]), reps)
+
+    gibs = lambda s: nbytes / GiB / s  # noqa: E731
+    print(f"baseline copy to fresh numpy   {fresh * 1e3:8.1f} ms  {gibs(fresh):5.2f} GiB/s")
+    print(f"baseline memcpy, touched dest  {memcpy * 1e3:8.1f} ms  {gibs(memcpy):5.2f} GiB/s")
+    print(f"snapshot (take) on caller      {take * 1e3:8.1f} ms  {gibs(take):5.2f} GiB/s  "
+          f"{take / fresh:4.2f}x fresh copy  {take / memcpy:4.2f}x memcpy")
+    print(f"store() on caller              {store * 1e3:8.1f} ms  {gibs(store):5.2f} GiB/s  "
+          f"{store / fresh:4.2f}x fresh copy  {store / memcpy:4.2f}x memcpy")
+    print(f"fetch() on caller              {fetch * 1e3:8.1f} ms  {gibs(fetch):5.2f} GiB/s  "
+          f"{fetch / fresh:4.2f}x fresh copy  (get over ipc {wire * 1e3:.1f} ms + rebuild {rebuild_s * 1e3:.1f} ms)")
+    print(f"demo model, 1024-token prefix: cold prefill {cold_s * 1e3:.1f} ms, fetch {demo_fetch * 1e3:.1f} ms "
+          f"-> {cold_s / demo_fetch:.1f}x faster")
+
+
+if __name__ == "__main__":
+    main()

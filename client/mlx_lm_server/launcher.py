@@ -1,0 +1,106 @@
+"""`python -m kvd_client.mlx_lm_server`: the stock mlx-lm server, kvd as its prompt cache.
+
+Every argument that is not a kvd flag goes to `mlx_lm.server` untouched, so
+its whole command line works as documented upstream. The kvd flags:
+
+    --kvd-endpoint EP   the daemon (default: $KVD_ENDPOINT or the per-user socket)
+    --kvd-timeout S     seconds per daemon call (default 1.0)
+    --no-kvd            run the stock server, untouched (a baseline)
+
+How it hooks in: `mlx_lm/server.py` binds `LRUPromptCache` by name at import
+and calls `LRUPromptCache(cli_args.prompt_cache_size)` inside `run(host,
+port, model_provider)`. `install` wraps `run` so that, before the original
+runs, the module's `LRUPromptCache` name is a factory for `KvdPromptCache`
+that knows the `ModelProvider` (to map a model_key to the loaded model and
+the server's --kv-bits options). Nothing else in mlx-lm is touched.
+
+SIGTERM is turned into KeyboardInterrupt, which mlx-lm's server already
+handles by shutting down and joining its generation thread; queued uploads
+are then finished (bounded by the kvd timeout) before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import logging
+import os
+import signal
+import sys
+from typing import Any, Sequence
+
+from kvd_client.mlx_lm_server.prompt_cache import KvdPromptCache, ModelRef
+
+log = logging.getLogger("kvd_client.mlx_lm_server")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvd_client.mlx_lm_server",
+        description="mlx_lm.server with kvd as its prompt cache. Every other flag is mlx_lm.server's.",
+        add_help=False,
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("kvd")
+    g.add_argument("--kvd-endpoint", default=os.environ.get("KVD_ENDPOINT"),
+                   help="kvd daemon endpoint (default: $KVD_ENDPOINT or the per-user socket)")
+    g.add_argument("--kvd-timeout", type=float, default=1.0, help="seconds per daemon call (default: 1.0)")
+    g.add_argument("--no-kvd", action="store_true", help="run the stock mlx-lm server without kvd")
+    return p
+
+
+def install(server: Any, *, endpoint: str | None = None, timeout: float = 1.0) -> list[KvdPromptCache]:
+    """Make `server` (the `mlx_lm.server` module) use `KvdPromptCache`.
+
+    Returns the list that will hold the cache objects the server creates
+    (one per `run`), for shutdown and inspection.
+    """
+    original_run = server.run
+    made: list[KvdPromptCache] = []
+
+    def run(host, port, model_provider, *args, **kwargs):
+        def resolve(model_key: Any) -> ModelRef | None:
+            p = model_provider
+            if p.model is None or p.model_key != model_key or p.draft_model is not None:
+                return None  # a draft model's cache rides in the same list: keep local
+            cli = p.cli_args
+            return ModelRef(
+                p.model,
+                kv_bits=getattr(cli, "kv_bits", None),
+                kv_group_size=getattr(cli, "kv_group_size", 64),
+                quantized_kv_start=getattr(cli, "quantized_kv_start", 0),
+            )
+
+        def factory(max_size: int = 10, max_bytes: int = 1 << 63) -> KvdPromptCache:
+            cache = KvdPromptCache(max_size, max_bytes, resolve=resolve, endpoint=endpoint, timeout=timeout)
+            made.append(cache)
+            return cache
+
+        server.LRUPromptCache = factory
+        return original_run(host, port, model_provider, *args, **kwargs)
+
+    server.run = run
+    return made
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse kvd flags, hand the rest to `mlx_lm.server.main`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts, rest = _parser().parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        _parser().print_help()
+        print("\nmlx_lm.server flags follow.\n")
+
+    from mlx_lm import server
+
+    made: list[KvdPromptCache] = []
+    if not opts.no_kvd:
+        made = install(server, endpoint=opts.kvd_endpoint, timeout=opts.kvd_timeout)
+    atexit.register(lambda: [c.close() for c in made])
+    signal.signal(signal.SIGTERM, lambda *_: _interrupt())
+    sys.argv = ["mlx_lm.server", *rest]
+    server.main()
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt

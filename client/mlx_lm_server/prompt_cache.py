@@ -1,0 +1,323 @@
+"""`KvdPromptCache`: mlx-lm's server prompt cache, backed by kvd.
+
+Theory of operation
+-------------------
+`mlx_lm.server` keeps one prompt cache object and calls, all on its
+generation thread: `fetch_nearest_cache(model_key, tokens)`,
+`insert_cache(model_key, tokens, cache, cache_type=...)`,
+`trim_to(n_sequences=..., n_bytes=...)`, `len()`, `nbytes` and
+`stats_by_type()`. This class answers all of them with two tiers:
+
+    local   mlx-lm's own LRUPromptCache (the hottest entries, in process,
+            sized by the server's --prompt-cache-size / --prompt-cache-bytes;
+            `len`, `nbytes`, `stats_by_type` and `trim_to` are about it alone)
+    kvd     every inserted cache is also stored in the daemon (snapshot now,
+            upload on the client's writer thread), so a second server with
+            the same model, or this one after a restart, finds it there
+
+`fetch_nearest_cache` asks the local tier first (exactly what mlx-lm would
+return) and then asks kvd how long a prefix it holds (LOOKUP, no tensors
+move). Only if kvd's prefix is longer is it fetched and rebuilt, on this
+thread. kvd keeps mlx-lm's rules where they overlap: at least one token is
+always left to process; caches whose layers are all sliceable (KVCache,
+QuantizedKVCache) are served at any stored prefix that ends on a kvd chunk
+boundary (256 tokens) or where a stored sequence ended -- what trimming a
+longer entry gives mlx-lm, at chunk granularity; caches with windowed or recurrent layers only at a
+position where their state was stored, the way mlx-lm uses "shorter" entries
+of caches it cannot trim.
+
+Which namespace? `resolve(model_key)` returns the loaded model (a
+`ModelRef`) or None. Each model gets `namespace_for(model)` for plain caches
+and, when the server quantizes its KV cache (--kv-bits), a second one for
+quantized caches: mlx-lm keeps a plain KVCache below --quantized-kv-start and
+quantizes it above, and one namespace holds one layout. A fetch asks both
+and takes the longer. Keys with a draft model (its cache rides along in the
+same list) or with image placeholders (negative ids) stay local only.
+
+kvd trouble never breaks a request. The client itself degrades to misses;
+on top of that a breaker stops calling the daemon after a failure (1 s,
+doubling up to 30 s), and then pings it before using it again. A daemon
+that is not there at start is said once in the log; an outage and the
+recovery once each.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger("kvd_client.mlx_lm_server")
+
+_BACKOFF_FIRST = 1.0
+_BACKOFF_MAX = 30.0
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """The model behind a `model_key`, and the KV options the server generates with."""
+
+    model: Any
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+
+
+class _Target:
+    """The kvd clients of one model_key: 'plain' always, 'quantized' with --kv-bits."""
+
+    def __init__(self, clients: dict[str, Any]):
+        self.clients = clients
+
+    def for_cache(self, prompt_cache: Sequence[Any]) -> Any:
+        from mlx_lm.models.cache import QuantizedKVCache
+
+        quantized = any(type(c) is QuantizedKVCache for c in prompt_cache)
+        return self.clients.get("quantized" if quantized else "plain")
+
+
+class KvdPromptCache:
+    """A drop-in for `mlx_lm.models.cache.LRUPromptCache` that also uses kvd.
+
+    `KvdPromptCache(max_size=10, max_bytes=1 << 63, *, resolve=None,
+    endpoint=None, timeout=1.0, enabled=True)`: `max_size` / `max_bytes` size
+    the local LRU (mlx-lm's meaning); `resolve(model_key) -> ModelRef | None`
+    names the model a key stands for (None keeps that key local); `endpoint`
+    and `timeout` configure the kvd `Client`s; `enabled=False` is a plain
+    LRUPromptCache. Call every method on the generation thread.
+    """
+
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        resolve: Callable[[Any], ModelRef | None] | None = None,
+        endpoint: str | None = None,
+        timeout: float = 1.0,
+        enabled: bool = True,
+    ):
+        from mlx_lm.models.cache import LRUPromptCache
+
+        from kvd_client._client import _endpoint
+
+        self.local = LRUPromptCache(max_size, max_bytes)
+        self.resolve = resolve
+        self.endpoint = _endpoint(endpoint)
+        self.timeout = float(timeout)
+        self.enabled = bool(enabled) and resolve is not None
+        self.counters: dict[str, int] = {}
+        self._targets: dict[Any, _Target | None] = {}
+        self._failures_seen = 0
+        self._down_until = 0.0
+        self._backoff = 0.0
+        self._down = False
+        self._lock = threading.Lock()  # close() may come from another thread
+        if self.enabled and not self._ping():
+            self._trip("no daemon answering", first=True)
+
+    # -- the LRUPromptCache surface ---------------------------------------------
+    def __len__(self) -> int:
+        return len(self.local)
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.nbytes
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        return self.local.stats_by_type()
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        self.local.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def fetch_nearest_cache(self, model_key: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        """(cache, tokens still to process): the local answer, or kvd's if it covers more.
+
+        Never raises because of kvd; a kvd hit leaves at least one token.
+        """
+        cache, rest = self.local.fetch_nearest_cache(model_key, tokens)
+        have = len(tokens) - len(rest)
+        if have >= len(tokens) - 1:
+            return cache, rest  # nothing kvd could add
+        target = self._target(model_key, tokens)
+        if target is None:
+            return cache, rest
+        try:
+            best, best_n = None, have
+            for client in target.clients.values():
+                n = client.lookup(tokens)
+                if n > best_n:
+                    best, best_n = client, n
+            if best is not None:
+                got, n = best.fetch(tokens)
+                if got is not None and have < n < len(tokens):
+                    self._count("kvd_hits")
+                    self._count("kvd_tokens", n)
+                    return got, tokens[n:]
+            self._count("kvd_misses")
+        except Exception:  # a bug or an mlx error must not cost the request
+            self._count("kvd_errors")
+            log.exception("kvd fetch failed; serving without it")
+        finally:
+            self._check_health()
+        return cache, rest
+
+    def insert_cache(self, model_key: Any, tokens: list[int], prompt_cache: list[Any], *, cache_type: str = "assistant") -> None:
+        """Insert into the local LRU (mlx-lm's rules) and store in kvd in the background."""
+        self.local.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
+        target = self._target(model_key, tokens)
+        if target is None:
+            return
+        try:
+            client = target.for_cache(prompt_cache)
+            if client is None:
+                return
+            if self._held(client, tokens, prompt_cache):
+                self._count("kvd_store_skipped")
+                return
+            if client.store(tokens, prompt_cache):
+                self._count("kvd_stores")
+        except Exception:
+            self._count("kvd_errors")
+            log.exception("kvd store failed; continuing without it")
+        finally:
+            self._check_health()
+
+    # -- extras ------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued uploads are done (or failed). False on timeout."""
+        ok = True
+        for target in list(self._targets.values()):
+            for client in (target.clients.values() if target else ()):
+                ok &= client.flush_stores(timeout)
+        return ok
+
+    def kvd_stats(self) -> dict[str, Any]:
+        """This cache's counters, the clients' counters, and whether kvd is in use."""
+        clients = {}
+        for key, target in list(self._targets.items()):
+            for kind, client in (target.clients.items() if target else ()):
+                clients[f"{client.namespace}"] = dict(client.counters)
+        return {"enabled": self.enabled, "down": self._down, "cache": dict(self.counters), "clients": clients}
+
+    def close(self) -> None:
+        """Finish queued uploads (bounded by the client timeout) and close the clients."""
+        with self._lock:
+            targets, self._targets = list(self._targets.values()), {}
+        for target in targets:
+            for client in (target.clients.values() if target else ()):
+                try:
+                    client.close()
+                except Exception:  # closing must not raise at exit
+                    pass
+
+    # -- plumbing ----------------------------------------------------------------
+    def _target(self, model_key: Any, tokens: Sequence[int]) -> _Target | None:
+        if not self.enabled or not tokens or min(tokens) < 0 or not self._usable():
+            return None
+        if model_key not in self._targets:
+            self._targets[model_key] = self._make_target(model_key)
+        return self._targets[model_key]
+
+    def _make_target(self, model_key: Any) -> _Target | None:
+        from kvd_client import Client
+        from kvd_client.mlx_lm import UnsupportedCache, namespace_for
+
+        try:
+            ref = self.resolve(model_key)
+            if ref is None:
+                return None
+            spaces = {"plain": namespace_for(ref.model)}
+            if ref.kv_bits is not None:
+                spaces["quantized"] = namespace_for(
+                    ref.model, kv_bits=ref.kv_bits, kv_group_size=ref.kv_group_size,
+                    quantized_kv_start=ref.quantized_kv_start,
+                )
+        except UnsupportedCache as err:
+            log.warning("kvd: model %s has a cache kvd cannot hold (%s); local prompt cache only", model_key, err)
+            return None
+        except Exception:
+            log.exception("kvd: cannot derive a namespace for %s; local prompt cache only", model_key)
+            return None
+        log.info("kvd: model %s uses namespace %s", model_key, ", ".join(spaces.values()))
+        return _Target({kind: Client(self.endpoint, namespace=ns, timeout=self.timeout) for kind, ns in spaces.items()})
+
+    def _held(self, client: Any, tokens: Sequence[int], prompt_cache: Sequence[Any]) -> bool:
+        """Does kvd already hold all of `tokens` (and the boundary, if needed)?
+
+        One LOOKUP saves the snapshot copy when the same sequence is inserted again.
+        """
+        from kvd_client.mlx_lm import _format as F
+
+        offset = _cache_tokens(prompt_cache)
+        n = min(len(tokens), offset) if offset is not None else len(tokens)
+        probe = client.probe(tokens[:n])
+        if probe.n < n:
+            return False
+        layers = F.layout_for(client.namespace)
+        return not (layers and F.needs_boundary(layers)) or n in probe.boundaries
+
+    def _usable(self) -> bool:
+        if not self._down:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        if self._ping():
+            self._down, self._backoff = False, 0.0
+            self._failures_seen = self._failures()
+            log.warning("kvd: daemon at %s is answering again; using it", self.endpoint)
+            return True
+        self._trip("still not answering")
+        return False
+
+    def _ping(self) -> bool:
+        from kvd_client import Client
+
+        # A strict throwaway client: the failure is ours to report, once.
+        try:
+            with Client(self.endpoint, namespace="mlx-lm-server", timeout=min(self.timeout, 0.5), strict=True) as c:
+                return c.ping() is not None
+        except Exception:
+            return False
+
+    def _failures(self) -> int:
+        total = 0
+        for target in list(self._targets.values()):
+            for client in (target.clients.values() if target else ()):
+                total += sum(v for k, v in list(client.counters.items()) if k.endswith("_failed"))
+        return total
+
+    def _check_health(self) -> None:
+        failures = self._failures()
+        if failures > self._failures_seen:
+            self._failures_seen = failures
+            self._trip("a call failed")
+
+    def _trip(self, why: str, first: bool = False) -> None:
+        self._backoff = min(_BACKOFF_MAX, self._backoff * 2 or _BACKOFF_FIRST)
+        self._down_until = time.monotonic() + self._backoff
+        if not self._down:
+            self._count("kvd_outages")
+            if first:
+                log.warning("kvd: %s at %s; serving from the local prompt cache only until it does", why, self.endpoint)
+            else:
+                log.warning("kvd: daemon at %s stopped answering (%s); local prompt cache only until it is back", self.endpoint, why)
+        self._down = True
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+
+def _cache_tokens(prompt_cache: Sequence[Any]) -> int | None:
+    """The token count the cache's first positional layer holds (None if it has none)."""
+    for c in prompt_cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+        for sub in getattr(c, "caches", ()) or ():
+            offset = getattr(sub, "offset", None)
+            if isinstance(offset, int):
+                return offset
+    return None

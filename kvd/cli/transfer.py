@@ -1,0 +1,218 @@
+"""`kvd import FILE` and `kvd export`: mlx-lm prompt-cache files in and out of kvd.
+
+Both commands import the client's mlx adapter (`kvd_client.mlx_lm_files`)
+inside the command, so loading the CLI -- and `kvd serve` -- never imports mlx.
+
+Namespace: `--namespace NS` as is, or `--model PATH` (a local mlx-lm model
+directory) to derive it with `namespace_for`, with KV quantization options
+taken from the file's caches on import (`--kv-bits` etc. to override).
+Import falls back on the file's own metadata: `kvd_namespace` (files written
+by `kvd export`), then `model` (files written by `mlx_lm.cache_prompt`).
+
+Tokens: the file's `kvd_tokens` metadata if present, else `--tokens-file`
+(a JSON list or whitespace-separated ids), or `--prompt-file` (text,
+tokenized the way `mlx_lm.cache_prompt` does; needs the model).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvd.cli import exits, main
+
+_endpoint = click.option(
+    "--endpoint", envvar="KVD_ENDPOINT", default=None, help="Daemon endpoint [default: per-user ipc socket; env KVD_ENDPOINT]."
+)
+_timeout = click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon per call.")
+_namespace = click.option("--namespace", default=None, help="kvd namespace to use as is.")
+_model = click.option("--model", "model_path", default=None, help="Local mlx-lm model directory; the namespace is derived from it.")
+_tokens_file = click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
+                            help="Token ids (JSON list or whitespace separated).")
+_prompt_file = click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+                            help="Prompt text, tokenized like mlx_lm.cache_prompt (needs the model).")
+_kv = [
+    click.option("--kv-bits", type=int, default=None, help="KV quantization bits the model's server uses [import: from the file]."),
+    click.option("--kv-group-size", type=int, default=None, help="KV quantization group size [import: from the file; else 64]."),
+    click.option("--quantized-kv-start", type=int, default=None, help="mlx-lm's --quantized-kv-start [default: mlx-lm's default]."),
+    click.option("--max-kv-size", type=int, default=None, help="mlx-lm's --max-kv-size, if the cache was made with one."),
+]
+_json = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+
+
+def _options(fn):
+    for opt in reversed([_endpoint, _timeout, _namespace, _model, _tokens_file, _prompt_file, *_kv, _json]):
+        fn = opt(fn)
+    return fn
+
+
+def _fail(code: int, message: str) -> None:
+    click.echo(f"kvd: {message}", err=True)
+    raise SystemExit(code)
+
+
+def _daemon(fn):
+    from kvd_client import DaemonUnavailable, KvdError
+    from kvd_client.mlx_lm import SnapshotMismatch, UnsupportedCache
+
+    try:
+        return fn()
+    except (UnsupportedCache, SnapshotMismatch) as err:  # ours, not the daemon's
+        _fail(exits.FAILED, f"the cache does not fit this namespace: {err}")
+    except DaemonUnavailable as err:
+        _fail(exits.UNAVAILABLE, f"{err} (is `kvd serve` running?)")
+    except KvdError as err:
+        _fail(exits.REFUSED, f"daemon refused: {err.name}: {err}")
+
+
+class _Model:
+    """The model named by --model (or the file's metadata), loaded once, lazily."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self._loaded: tuple[Any, Any] | None = None
+
+    def load(self) -> tuple[Any, Any]:
+        if self._loaded is None:
+            from mlx_lm.utils import load
+
+            try:
+                self._loaded = load(self.path)
+            except Exception as err:
+                _fail(exits.FAILED, f"cannot load model {self.path}: {err}")
+        return self._loaded
+
+
+def _namespace_of(model: _Model, cache: list[Any] | None, kv: dict[str, Any]) -> str:
+    from kvd_client.mlx_lm import namespace_for
+    from kvd_client.mlx_lm_files import kv_options
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
+    opts = kv_options(cache) if cache is not None else {}
+    if kv["kv_bits"] is not None:
+        opts["kv_bits"] = kv["kv_bits"]
+    if kv["kv_group_size"] is not None:
+        opts["kv_group_size"] = kv["kv_group_size"]
+    if opts.get("kv_bits") is not None:
+        start = kv["quantized_kv_start"]
+        opts["quantized_kv_start"] = DEFAULT_QUANTIZED_KV_START if start is None else start
+    m, _ = model.load()
+    max_kv = kv["max_kv_size"]
+    if max_kv is None and cache is not None and not hasattr(m, "make_cache"):
+        from mlx_lm.models.cache import RotatingKVCache
+
+        sizes = {c.max_size for c in cache if type(c) is RotatingKVCache}
+        max_kv = sizes.pop() if len(sizes) == 1 else None
+    return namespace_for(m, max_kv_size=max_kv, **opts)
+
+
+def _tokens(tokens_file: str | None, prompt_file: str | None, model: _Model) -> list[int] | None:
+    from kvd_client.mlx_lm_files import parse_tokens
+
+    if tokens_file:
+        try:
+            return parse_tokens(Path(tokens_file).read_text())
+        except ValueError as err:
+            raise click.UsageError(f"--tokens-file {tokens_file}: {err}")
+    if prompt_file:
+        if model.path is None:
+            raise click.UsageError("--prompt-file needs --model (to tokenize)")
+        _, tokenizer = model.load()
+        text = Path(prompt_file).read_text()
+        if tokenizer.has_chat_template:  # as mlx_lm.cache_prompt does
+            return list(tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=False, continue_final_message=True
+            ))
+        return list(tokenizer.encode(text))
+    return None
+
+
+def _report(as_json: bool, result: dict[str, Any], line: str) -> None:
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else line)
+
+
+@main.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@_options
+def import_(file, endpoint, timeout, namespace, model_path, tokens_file, prompt_file,
+            kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json) -> None:
+    """Load an mlx-lm prompt-cache FILE (save_prompt_cache, mlx-lm 0.31 or 0.32) into kvd.
+
+    Exits 1 if the file cannot be read or does not match the model, 2 on bad
+    flags (no namespace or no tokens to be found), 3 if no daemon answers.
+    """
+    from kvd_client import Client
+    from kvd_client.mlx_lm_files import MODEL_KEY, NAMESPACE_KEY, CacheFileError, read
+
+    try:
+        cf = read(file)
+    except CacheFileError as err:
+        _fail(exits.FAILED, str(err))
+    model = _Model(model_path or cf.metadata.get(MODEL_KEY))
+    tokens = cf.tokens if not (tokens_file or prompt_file) else _tokens(tokens_file, prompt_file, model)
+    if tokens is None:
+        raise click.UsageError("the file holds no token ids: give --tokens-file (or --prompt-file)")
+    held = cf.n_tokens
+    if held is not None and held != len(tokens):
+        _fail(exits.FAILED, f"the cache holds {held} tokens but {len(tokens)} token ids were given")
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+    if namespace is None:
+        if model_path is None and NAMESPACE_KEY in cf.metadata:
+            namespace = cf.metadata[NAMESPACE_KEY]  # written by `kvd export`
+        elif model.path is not None:
+            namespace = _namespace_of(model, cf.cache, kv)
+        else:
+            raise click.UsageError("no namespace: give --namespace or --model (the file names no model)")
+    with Client(endpoint, namespace=namespace, timeout=timeout, strict=True) as client:
+        ok = _daemon(lambda: client.store(tokens, cf.cache, wait=True))
+        held_now = _daemon(lambda: client.probe(tokens)).n
+    if not ok or held_now < len(tokens):
+        _fail(exits.FAILED, f"the daemon holds {held_now} of {len(tokens)} tokens (too big for its tiers?)")
+    result = {"file": str(file), "layout": cf.layout, "layers": len(cf.cache), "tokens": len(tokens), "namespace": namespace}
+    _report(as_json, result, f"imported {len(tokens)} tokens ({cf.layout} file, {len(cf.cache)} layers) into {namespace}")
+
+
+@main.command("export")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="File to write (safetensors).")
+@_options
+def export(output, endpoint, timeout, namespace, model_path, tokens_file, prompt_file,
+           kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json) -> None:
+    """Write the cache kvd holds for some tokens as an mlx-lm prompt-cache file.
+
+    The file is written by the installed mlx-lm's save_prompt_cache, so its
+    load_prompt_cache reads it back bit-exact; the token ids go in its
+    metadata (`kvd_tokens`). If kvd holds only a prefix of the tokens, that
+    prefix is exported (and said). Exits 1 if kvd holds none of it, 3 if
+    no daemon answers.
+    """
+    from kvd_client import Client
+    from kvd_client.mlx_lm import SnapshotMismatch, rebuild
+    from kvd_client.mlx_lm_files import export_metadata, write
+
+    model = _Model(model_path)
+    if namespace is None and model_path is None:
+        raise click.UsageError("give --model or --namespace")
+    tokens = _tokens(tokens_file, prompt_file, model)
+    if not tokens:
+        raise click.UsageError("give --tokens-file (or --prompt-file with --model)")
+    if namespace is None:
+        kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+        namespace = _namespace_of(model, None, kv)
+    with Client(endpoint, namespace=namespace, timeout=timeout, strict=True) as client:
+        hit = _daemon(lambda: client.get(tokens))
+        if hit is not None and (hit.meta or {}).get("bnd") and hit.boundary is None:
+            # Recurrent/windowed layers: only a prefix ending at stored state is a cache.
+            hit = _daemon(lambda: client.get(tokens, need_boundary=True))
+    if hit is None:
+        _fail(exits.FAILED, f"kvd holds none of these {len(tokens)} tokens in {namespace}")
+    try:
+        cache = rebuild(hit)
+    except SnapshotMismatch as err:
+        _fail(exits.FAILED, f"kvd's entry cannot be rebuilt: {err}")
+    write(output, cache, export_metadata(tokens[: hit.n], namespace, model_path))
+    result = {"output": str(output), "tokens": hit.n, "requested": len(tokens), "layers": len(cache), "namespace": namespace}
+    partial = "" if hit.n == len(tokens) else f" (kvd holds only {hit.n} of the {len(tokens)} tokens)"
+    _report(as_json, result, f"exported {hit.n} tokens ({len(cache)} layers) from {namespace} to {output}{partial}")

@@ -1,0 +1,151 @@
+"""Stats and GC on a data dir while no daemon runs (`kvd stats/gc --offline`).
+
+`stats` opens the LMDB index read-only and takes no lock, so it also works
+beside a running daemon (LMDB readers never block the writer). `gc` mutates,
+so it takes the data-dir lock exactly as the daemon does -- and therefore
+refuses (DataDirBusy) while a daemon runs; use the online `kvd gc` then.
+Both run the very code the daemon runs (`SsdStore` with no writer thread),
+so offline and online GC cannot disagree about what is garbage.
+
+`progress(phase, done, total)` is called as work advances; phases are
+"blobs" (shards walked), "rows" (rows checked), "verify" (blobs read).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from kvd.store.datadir import INDEX_DIR, QUARANTINE_DIR, DataDirLock
+from kvd.store.index import Index
+
+Progress = Callable[[str, int, int], None]
+
+
+def _quarantine_usage(root: Path) -> tuple[int, int]:
+    n = nbytes = 0
+    qdir = root / QUARANTINE_DIR
+    if qdir.is_dir():
+        for entry in os.scandir(qdir):
+            n += 1
+            nbytes += entry.stat().st_size
+    return n, nbytes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stats(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """Entries, bytes and per-namespace usage of the data dir, read-only.
+
+    Returns {"entries", "bytes", "namespaces": {ns: {entries, bytes}},
+    "quarantine": {files, bytes}, "index": {map_size, used_bytes}, "locked_by": pid of a live holder (likely the daemon) or None}.
+    Raises FileNotFoundError if `data_dir` holds no kvd index.
+    """
+    root = Path(data_dir)
+    if not (root / INDEX_DIR / "data.mdb").exists():
+        raise FileNotFoundError(f"{root} holds no kvd index")
+    index = Index(root / INDEX_DIR, readonly=True, map_size=0)
+    try:
+        with index.reading() as txn:
+            entries, nbytes = index.totals(txn)
+            namespaces = index.namespaces(txn)
+        info = index.info()
+    finally:
+        index.close()
+    qn, qb = _quarantine_usage(root)
+    # Report the lock holder without touching the lock: even a brief probe
+    # could make a daemon starting at that instant fail with DataDirBusy.
+    holder = DataDirLock(root).holder()
+    if holder is not None and not _alive(holder):
+        holder = None
+    return {
+        "data_dir": str(root),
+        "entries": entries,
+        "bytes": nbytes,
+        "namespaces": {ns: {"entries": e, "bytes": b} for ns, (e, b) in sorted(namespaces.items())},
+        "quarantine": {"files": qn, "bytes": qb},
+        "index": info,
+        "locked_by": holder,
+    }
+
+
+def gc(
+    data_dir: str | os.PathLike,
+    *,
+    namespace: str | None = None,
+    older_than: float | None = None,
+    budget_bytes: int | None = None,
+    orphans: bool = True,
+    verify: bool = False,
+    quarantine: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Collect garbage in a stopped daemon's data dir. Each step is optional:
+
+    orphans      remove temp files, blobs without rows, rows without blobs
+    verify       read every blob, quarantining those failing their checksum
+    namespace / older_than   drop matching entries (as `Store.drop`)
+    budget_bytes evict LRU entries down to this many bytes on disk
+    quarantine   delete the quarantined blobs
+
+    Returns a report of what was (with dry_run: would be) removed. Raises
+    DataDirBusy if a daemon holds the data dir.
+    """
+    from kvd.store.ssd import SsdStore  # deferred: stats() stays import-light
+
+    report: dict[str, Any] = {"dry_run": dry_run}
+    store = SsdStore(data_dir, 1 << 62, min_free_bytes=0, background=False, reconcile=False)
+    try:
+        if orphans:
+            report["reconcile"] = store.reconcile(dry_run=dry_run, progress=progress)
+        if verify:
+            report["verify"] = _verify(store, dry_run, progress)
+        if namespace is not None or older_than is not None:
+            n, b = store.drop(namespace=namespace, older_than=older_than, dry_run=dry_run)
+            report["dropped"] = {"entries": n, "bytes": b}
+        if budget_bytes is not None:
+            n, b = store.evict(budget_bytes, dry_run=dry_run)
+            report["evicted"] = {"entries": n, "bytes": b}
+        if quarantine:
+            n, b = store.purge_quarantine(dry_run=dry_run)
+            report["quarantine_purged"] = {"files": n, "bytes": b}
+        report["entries"], report["bytes"] = store.entries, store.bytes
+    finally:
+        store.close()
+    return report
+
+
+def _verify(store, dry_run: bool, progress: Progress | None) -> dict[str, int]:
+    with store.index.reading() as txn:
+        eids = [eid for eid, _ in store.index.iter_rows(txn)]
+    bad = 0
+    for i, eid in enumerate(eids):
+        if dry_run:
+            # Read without quarantining: check the bytes by hand.
+            from kvd.store import blobfile
+
+            try:
+                with store.index.reading() as txn:
+                    row = store.index.get(txn, eid)
+                fd = os.open(store.path(eid), os.O_RDONLY)
+                try:
+                    blobfile.read_blob(fd, row.file_size, row.checksum)
+                finally:
+                    os.close(fd)
+            except (OSError, blobfile.BlobCorrupt):
+                bad += 1
+        elif store._read(eid) is None:
+            bad += 1
+        if progress and (i % 256 == 255 or i == len(eids) - 1):
+            progress("verify", i + 1, len(eids))
+    return {"checked": len(eids), "bad": bad}

@@ -1,0 +1,118 @@
+"""Process to process through a real `kvd serve`: store in one process, fetch in another.
+
+Each child process builds the same tiny random-weight models (seeded, so
+bit-identical), computes its namespace with `namespace_for`, and talks to
+the daemon started by the `kvd_daemon` fixture. The fetching child compares,
+bit for bit, continuing from the fetched cache against its own cold prefill
+of the same prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CHUNK = 64  # small chunks, so chunk granularity shows with tiny prompts
+
+# name, KV bits (None: plain), stored prompt length, shared prefix of the
+# second prompt, new tokens after it, n expected from fetch/lookup
+CASES = [
+    ("llama", None, 300, 270, 20, 256),  # diverges inside a chunk: whole chunks are reused
+    ("llama", None, 300, 256, 0, 255),  # a stored prefix as the whole prompt: trimmed by one token to feed
+    ("llama", 4, 300, 200, 20, 192),  # quantized triples, trimmed on the way out
+    ("gemma3", None, 120, 120, 20, 120),  # sliding window: resumes at the stored end
+    ("qwen3_next", None, 90, 90, 20, 90),  # recurrent state (ArraysCache) + KV
+    ("mamba", None, 70, 70, 20, 70),  # recurrent only: chunks carry no tensors, the boundary all
+]
+
+CHILD = r"""
+import json, sys, time
+sys.path.insert(0, {here!r})
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from models import build, prefill, prompt, greedy
+from test_mlx_roundtrip import raw
+from kvd_client import Client
+from kvd_client.mlx_lm import namespace_for
+
+role, endpoint, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = []
+with mx.stream(mx.new_thread_local_stream(mx.cpu)):
+    for name, bits, stored, shared, extra, _ in cases:
+        model = build(name)
+        kv = Client(endpoint, namespace=namespace_for(model, kv_bits=bits, kv_group_size=32), chunk_tokens={chunk}, strict=True)
+        first = prompt(stored)
+        second = first[:shared] + prompt(extra, seed=5)
+
+        def cold(tokens):
+            c = make_prompt_cache(model)
+            prefill(model, tokens, c)
+            return [x.to_quantized(group_size=32, bits=bits) for x in c] if bits else c
+
+        def cont(cache, block):
+            logits = model(mx.array(block)[None], cache=cache)
+            toks, rows = greedy(model, int(mx.argmax(logits[0, -1]).item()), cache, 5)
+            return [raw(logits)[2].hex()] + [raw(r)[2].hex() for r in rows], toks
+
+        if role == "store":
+            cache = cold(first)
+            ok = kv.store(first, cache)
+            kv.flush_stores(30)
+            out.append(dict(queued=ok, stored=kv.counters.get("stored", 0)))
+        else:
+            n_lookup = kv.lookup(second)
+            t0 = time.perf_counter()
+            cache, n = kv.fetch(second)
+            ok = cache is not None
+            got = cont(cache, second[n:]) if ok else None
+            want = cont(cold(second[:n]) if n else None, second[n:]) if ok else None
+            out.append(dict(n=n, lookup=n_lookup, equal=got == want, types=[type(c).__name__ for c in cache or []]))
+        kv.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_child(role, endpoint, cases):
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD.format(here=HERE, chunk=CHUNK), role, endpoint, json.dumps(cases)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_store_in_one_process_fetch_in_another(kvd_daemon):
+    stored = run_child("store", kvd_daemon.endpoint, CASES)
+    assert all(r["queued"] and r["stored"] == 1 for r in stored), stored
+    fetched = run_child("fetch", kvd_daemon.endpoint, CASES)
+    for (name, bits, _, _, _, expected), r in zip(CASES, fetched):
+        assert r["n"] == expected, (name, bits, r)
+        assert r["lookup"] == expected, (name, bits, r)
+        assert r["equal"], f"{name} (kv_bits={bits}): fetched cache diverges from a cold prefill"
+    assert fetched[2]["types"] == ["QuantizedKVCache"] * 2
+    assert fetched[4]["types"] == ["ArraysCache"] * 3 + ["KVCache"]
+    assert fetched[5]["types"] == ["ArraysCache"] * 2
+
+
+def test_daemon_down_degrades_to_misses_and_counted_failures(daemon_factory):
+    from mlx_lm.models.cache import make_prompt_cache
+    from models import build, prefill, prompt
+
+    from kvd_client import Client
+
+    d = daemon_factory(start=False)  # never started: nobody listens on the socket
+    kv = Client(d.endpoint, namespace="down", timeout=0.3)
+    model = build("llama")
+    cache = make_prompt_cache(model)
+    prefill(model, prompt(20), cache)
+    assert kv.fetch(prompt(30)) == (None, 0)
+    assert kv.lookup(prompt(30)) == 0
+    assert kv.store(prompt(20), cache) is True  # queued; the writer finds nobody
+    assert kv.flush_stores(10)
+    assert kv.counters["store_failed"] == 1 and kv.counters["fetch_miss"] == 1
+    kv.close()

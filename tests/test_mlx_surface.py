@@ -1,0 +1,52 @@
+"""The public surface of kvd_client.mlx_lm, and what importing it costs."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import kvd_client.mlx_lm as mlx_lm
+from test_mlx_fakes import FakeClient
+
+CLIENT = Path(mlx_lm.__file__).resolve().parent
+
+
+def test_public_surface_is_pinned():
+    assert sorted(mlx_lm.__all__) == [
+        "FORMAT", "MlxMethods", "SnapshotMismatch", "UnsupportedCache", "namespace_for", "rebuild", "snapshot",
+    ]
+
+
+def test_importing_the_client_does_not_import_mlx():
+    code = "import sys, kvd_client, kvd_client.mlx_lm; print('mlx' in sys.modules or 'mlx.core' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
+def test_writer_module_cannot_reach_mlx():
+    src = (CLIENT / "_writer.py").read_text()
+    assert "import mlx" not in src and "from mlx" not in src
+
+
+def test_dropped_client_stops_its_writer_thread():
+    kv = FakeClient("drop")
+    kv._mlx_writer()  # start it
+    name = "kvd-writer"
+    before = sum(t.name == name and t.is_alive() for t in threading.enumerate())
+    del kv
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sum(t.name == name and t.is_alive() for t in threading.enumerate()) >= before:
+        time.sleep(0.01)
+    assert sum(t.name == name and t.is_alive() for t in threading.enumerate()) == before - 1
+
+
+def test_client_has_the_mlx_methods():
+    from kvd_client import Client
+
+    assert issubclass(Client, mlx_lm.MlxMethods)
+    assert Client.close is mlx_lm.MlxMethods.close  # so close() drains the writer, then the socket

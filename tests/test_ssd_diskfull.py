@@ -1,0 +1,152 @@
+"""A full disk, for real: a small tmpfs. The SSD tier degrades, RAM keeps
+serving, nothing on disk is harmed, and it recovers when space returns.
+
+Mounting needs root (CAP_SYS_ADMIN); elsewhere the same test runs with the
+one fault injected at the blob writer (ENOSPC from write(2)); set
+KVD_TEST_NO_MOUNT=1 to run that variant as root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import time
+
+import pytest
+
+from kvd.store import blobfile
+from kvd.store.datadir import TMP_SUFFIX, eid_of_blob
+from kvd.store.tiered import open_store
+
+from test_ssd_support import assert_same, make_entry
+
+FS_BYTES = 6 << 20
+
+
+class TmpfsDisk:
+    real = True
+
+    def __init__(self, mnt):
+        self.mnt = mnt
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES},mode=0700", "tmpfs", str(mnt)],
+                       check=True, capture_output=True)
+
+    def fill(self):
+        """Leave ~nothing free: another process ate the disk."""
+        with open(self.mnt / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (64 << 10))
+                    f.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+
+    def free(self):
+        os.unlink(self.mnt / "filler")
+
+    def close(self):
+        subprocess.run(["umount", "-l", str(self.mnt)], check=False)
+
+
+class InjectedDisk:
+    real = False
+
+    def __init__(self, mnt, monkeypatch):
+        self.mnt = mnt
+        self._mp = monkeypatch
+        self._orig = blobfile._write_all
+
+    def fill(self):
+        def enospc(fd, mv, hasher):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        self._mp.setattr(blobfile, "_write_all", enospc)
+
+    def free(self):
+        self._mp.setattr(blobfile, "_write_all", self._orig)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def disk(tmp_path, monkeypatch):
+    try:
+        if os.environ.get("KVD_TEST_NO_MOUNT"):
+            raise PermissionError("KVD_TEST_NO_MOUNT set")
+        d = TmpfsDisk(tmp_path / "mnt")
+    except (subprocess.CalledProcessError, FileNotFoundError, PermissionError):
+        d = InjectedDisk(tmp_path / "mnt", monkeypatch)
+    yield d
+    d.close()
+
+
+def _consistent(store):
+    root = store.ssd.root
+    names = [p.name for p in (root / "blobs").rglob("*") if p.is_file()]
+    assert not [n for n in names if n.endswith(TMP_SUFFIX)], "temp file left behind"
+    with store.ssd.index.reading() as txn:
+        rows = {eid for eid, _ in store.ssd.index.iter_rows(txn)}
+    assert rows == {eid_of_blob(n) for n in names}
+
+
+def test_enospc_degrades_ram_serves_and_recovers(disk):
+    entries = [make_entry(i, width=1024) for i in range(60)]  # 128 KiB each
+    n = entries[0].nbytes
+    store = open_store(4 * n, disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2)
+    try:
+        for e in entries[:10]:
+            store.put(e)
+        assert store.flush(10)
+        assert store.ssd.entries == 6 and store.ssd.degraded is None
+
+        disk.fill()
+        for e in entries[10:30]:
+            store.put(e)
+        assert store.flush(10)
+        ssd = store.stats()["tiers"]["ssd"]
+        assert ssd["degraded"] and ssd["write_errors"] >= 1
+        assert ssd["drop_reasons"].get("write_error", 0) + ssd["drop_reasons"].get("degraded", 0) >= 1
+        assert ssd["drops"] == sum(ssd["drop_reasons"].values())
+        # RAM keeps serving, and so do the blobs committed before the disk filled.
+        for e in entries[26:30] + entries[:6]:
+            assert_same(store.get(e.id), e)
+        _consistent(store)
+        # A GET never lies even now: what contains reports is served.
+        for e in entries[:30]:
+            if store.contains(e.id):
+                assert_same(store.get(e.id), e)
+
+        disk.free()
+        time.sleep(0.35)  # past retry_s: the next spill is a probe
+        for e in entries[30:40]:
+            store.put(e)
+        assert store.flush(10)
+        ssd = store.stats()["tiers"]["ssd"]
+        assert not ssd["degraded"], ssd["degraded_reason"]
+        assert store.ssd.contains(entries[35].id)
+        assert_same(store.get(entries[35].id), entries[35])
+        _consistent(store)
+    finally:
+        store.close(persist=False)
+
+
+def test_min_free_guard_keeps_space_for_others(disk):
+    if not disk.real:
+        pytest.skip("the free-space guard needs a real small filesystem")
+    entries = [make_entry(i, width=1024) for i in range(12)]
+    store = open_store(1, disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=FS_BYTES - (1 << 20), retry_s=0.2)
+    try:
+        for e in entries:
+            store.put(e)
+        assert store.flush(10)
+        st = os.statvfs(disk.mnt)
+        ssd = store.stats()["tiers"]["ssd"]
+        assert ssd["degraded"] and "low space" in ssd["degraded_reason"]
+        assert ssd["drop_reasons"]["low_space"] >= 1
+        assert st.f_bavail * st.f_frsize >= store.ssd.min_free_bytes - (256 << 10)  # never ate into the reserve
+        assert ssd["write_errors"] == 0  # the guard stopped writes before the disk refused them
+    finally:
+        store.close(persist=False)

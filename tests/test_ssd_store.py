@@ -1,0 +1,337 @@
+"""The SSD tier and RAM-over-SSD at the store level: real LMDB, real files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvd.store.ssd import SsdStore
+from kvd.store.tiered import open_store
+from kvd.store import blobfile
+from kvd.store.base import BOUNDARY, PutOutcome
+from kvd.store.datadir import DataDirBusy, blob_path
+from kvd.store.index import IncompatibleIndex
+from kvd.store.ram import RamStore
+
+from test_ssd_support import ALL_DTYPES, assert_same, make_entry
+
+FAST = dict(min_free_bytes=0, retry_s=0.2, touch_flush_s=0.05)
+
+
+@pytest.fixture
+def stores():
+    opened = []
+
+    def make(ram_bytes, path, ssd_bytes=64 << 20, **kw):
+        s = open_store(ram_bytes, path, ssd_bytes=ssd_bytes, **{**FAST, **kw})
+        opened.append(s)
+        return s
+
+    yield make
+    for s in opened:
+        try:
+            s.close(persist=False)
+        except Exception:
+            pass
+
+
+def _block_writer(ssd):
+    """Park the writer thread inside a job until the returned Event is set."""
+    gate, parked = threading.Event(), threading.Event()
+    ssd.writer.submit(lambda: (parked.set(), gate.wait(10)))
+    assert parked.wait(5)
+    return gate
+
+
+def _disk_blobs(root):
+    return [p for p in (root / "blobs").rglob("*.safetensors")]
+
+
+def test_spill_and_restore_every_dtype_bit_exact(tmp_path, stores):
+    # Entry 0 leaves out float64, which mlx's safetensors loader refuses.
+    no_f64 = [d for d in ALL_DTYPES if d != "float64"]
+    entries = [make_entry(i, dtype_list=ALL_DTYPES if i else no_f64, tokens=4, width=16) for i in range(30)]
+    store = stores(5 * entries[1].nbytes, tmp_path)
+    for e in entries:
+        assert store.put(e) is PutOutcome.STORED
+    assert store.flush(10)
+    st = store.stats()["tiers"]
+    assert st["ram"]["entries"] == 5 and st["ssd"]["spills"] == 25 and st["ssd"]["drops"] == 0
+    for e in entries:
+        assert store.contains(e.id)
+        assert_same(store.get(e.id), e)
+    assert store.stats()["store"]["promotions"] > 0
+
+    # A spilled blob is a real safetensors file: mx.load sees BF16 as BF16.
+    path = blob_path(tmp_path, entries[0].id)
+    loaded = mx.load(str(path))
+    bf = next(t for t in entries[0].tensors if t.dtype == "bfloat16")
+    assert loaded[bf.name].dtype == mx.bfloat16
+    assert np.array(loaded[bf.name].view(mx.uint16)).tobytes() == bytes(bf.data)
+
+
+def test_restart_warm_serves_every_entry(tmp_path, stores):
+    entries = [make_entry(i, dtype_list=["bfloat16", "float32"]) for i in range(40)]
+    boundary = make_entry(39, kind=BOUNDARY, dtype_list=["float32"])
+    store = stores(5 * entries[0].nbytes, tmp_path)
+    for e in entries + [boundary]:
+        store.put(e)
+    store.close()  # persist=True: RAM is written down too
+    store = stores(5 * entries[0].nbytes, tmp_path)
+    assert store.stats()["tiers"]["ssd"]["entries"] == 41
+    for e in entries + [boundary]:
+        assert store.contains(e.id)
+        assert_same(store.get(e.id), e)
+    assert store.ssd.counters["checksum_failures"] == 0
+    assert store.ssd.reconciled.wait(10)
+    assert store.ssd.counters["orphans_removed"] == store.ssd.counters["temps_removed"] == 0
+
+
+def test_queued_entries_are_served_before_they_reach_disk(tmp_path, stores):
+    entries = [make_entry(i) for i in range(10)]
+    store = stores(entries[0].nbytes, tmp_path)
+    gate = _block_writer(store.ssd)
+    for e in entries:
+        store.put(e)
+    assert len(store.ssd.queue) == 9 and not _disk_blobs(tmp_path)
+    for e in entries[:9]:
+        assert store.ssd.contains(e.id)
+        assert_same(store.ssd.get(e.id), e)
+    assert store.ssd.counters["queue_hits"] == 9
+    gate.set()
+    assert store.flush(10)
+    assert len(_disk_blobs(tmp_path)) == 9 and len(store.ssd.queue) == 0
+    for e in entries[:9]:
+        assert_same(store.ssd.get(e.id), e)
+
+
+def test_full_queue_back_pressure_then_counted_drop_but_leased_enter(tmp_path, stores):
+    entries = [make_entry(i) for i in range(8)]
+    n = entries[0].nbytes
+    store = stores(n, tmp_path, queue_bytes=2 * n, queue_wait_s=0.05)
+    gate = _block_writer(store.ssd)
+    store.put(entries[0])
+    assert store.contains(entries[1].id) is False
+    store.put(entries[1])
+    assert store.contains(entries[1].id)  # LOOKUP said yes: a lease now protects it
+    t0 = time.monotonic()
+    for e in entries[2:]:
+        store.put(e)
+    waited = time.monotonic() - t0
+    ssd = store.ssd.stats()["tiers"]["ssd"]
+    # entries 0..6 were evicted from RAM: 0 and 1 fit the queue (1 is leased
+    # anyway), 2..6 did not and each waited 50 ms, then was dropped -- counted.
+    assert ssd["drops"] == ssd["drop_reasons"]["queue_full"] == 5
+    assert waited >= 5 * 0.05
+    assert store.contains(entries[1].id)
+    gate.set()
+    assert store.flush(10)
+    assert_same(store.get(entries[1].id), entries[1])
+    assert_same(store.get(entries[0].id), entries[0])
+
+
+def test_queue_bounded_by_entry_count_too(tmp_path, stores):
+    entries = [make_entry(i) for i in range(6)]
+    store = stores(entries[0].nbytes, tmp_path, queue_entries=2, queue_wait_s=0.01)
+    gate = _block_writer(store.ssd)
+    for e in entries:
+        store.put(e)
+    assert len(store.ssd.queue) == 2 and store.ssd.drop_reasons == {"queue_full": 3}
+    gate.set()
+    assert store.flush(10)
+
+
+def test_budget_counts_blocks_on_disk_and_evicts_lru(tmp_path, stores):
+    entries = [make_entry(i) for i in range(30)]
+    blob = blobfile.estimate_disk_bytes(entries[0])
+    store = stores(entries[0].nbytes, tmp_path, ssd_bytes=10 * blob)
+    for e in entries[:11]:
+        store.put(e)
+    assert store.flush(10)  # entries 0..9 on SSD, 10 in RAM
+    store.get(entries[0].id)  # a disk hit: entries[0] becomes the youngest on SSD
+    for e in entries[11:16]:
+        store.put(e)  # 5 more spills: 4 must be evicted, oldest first
+    assert store.flush(10)
+    ssd = store.ssd
+    on_disk = sum(p.stat().st_blocks * 512 for p in _disk_blobs(tmp_path))
+    assert ssd.bytes == on_disk <= ssd.budget_bytes
+    assert ssd.counters["evictions"] == 5
+    assert ssd.contains(entries[0].id), "recently read entry was evicted before older ones"
+    assert [ssd.contains(e.id) for e in entries[1:7]] == [False] * 5 + [True]
+    assert ssd.entries == len(_disk_blobs(tmp_path))
+
+
+def test_lookup_lease_keeps_entry_until_get(tmp_path, stores):
+    entries = [make_entry(i) for i in range(40)]
+    store = stores(entries[0].nbytes, tmp_path, ssd_bytes=6 * blobfile.estimate_disk_bytes(entries[0]))
+    for e in entries[:5]:
+        store.put(e)
+    assert store.flush(10)
+    assert store.contains(entries[0].id)  # LOOKUP
+    for e in entries[5:]:  # heavy traffic between LOOKUP and GET
+        store.put(e)
+    assert store.flush(10)
+    assert store.ssd.counters["evictions"] > 25 and store.ssd.counters["drops"] == 0
+    assert_same(store.get(entries[0].id), entries[0])  # the GET that follows
+
+
+def test_contains_never_lies_while_writer_evicts(tmp_path, stores):
+    """Reads race spills and evictions: every yes from contains is then served."""
+    entries = [make_entry(i, tokens=4) for i in range(300)]
+    # Leases are short here: the GET follows its LOOKUP within microseconds,
+    # and long leases on so many lookups would pin the whole (tiny) tier.
+    store = stores(entries[0].nbytes * 2, tmp_path, ssd_bytes=20 * 4096, durable=False, lease_s=0.005)
+    rng = np.random.default_rng(0)
+    served = 0
+    for i, e in enumerate(entries):
+        store.put(e)
+        time.sleep(0.001)  # let the writer keep up, so reads hit the disk while it evicts
+        for j in rng.integers(max(0, i - 24), i + 1, size=3):
+            if store.contains(entries[j].id):
+                assert_same(store.get(entries[j].id), entries[j])
+                served += 1
+    assert store.flush(10)
+    c = store.ssd.counters
+    assert served > 600 and c["evictions"] > 200
+    assert c["hits"] - c["queue_hits"] > 100, "reads never raced the evicting writer on disk"
+
+
+def test_tails_from_every_tier_and_after_restart(tmp_path, stores):
+    parent = make_entry(0).key
+    tails = [make_entry(100 + n, tokens=n, tail=True, parent=parent) for n in (3, 5, 7)]
+    store = stores(tails[0].nbytes + 16, tmp_path)
+    for t in tails:
+        store.put(t)
+    want = sorted(((t.length, t.key) for t in tails), reverse=True)
+    assert list(store.tails(parent)) == want
+    assert store.flush(10)
+    assert list(store.tails(parent)) == want
+    store.close()
+    store = stores(1 << 20, tmp_path)
+    assert list(store.tails(parent)) == want
+    store.drop(namespace="ns")
+    assert list(store.tails(parent)) == []
+
+
+def test_drop_and_evict_with_dry_run(tmp_path, stores):
+    a = [make_entry(i, "a") for i in range(6)]
+    b = [make_entry(i, "b") for i in range(6)]
+    store = stores(1, tmp_path)  # RAM holds nothing: every entry is on SSD
+    for e in a + b:
+        store.put(e)
+    assert store.flush(10)
+    ns = store.stats()["namespaces"]
+    assert ns["a"]["ssd_entries"] == ns["b"]["ssd_entries"] == 6
+    n, nbytes = store.drop(namespace="a", dry_run=True)
+    assert n == 6 and nbytes > 0 and store.contains(a[0].id)
+    assert store.drop(namespace="a") == (n, nbytes)
+    assert not any(store.contains(e.id) for e in a) and all(store.contains(e.id) for e in b)
+    assert "a" not in store.stats()["namespaces"]
+    assert store.drop(older_than=3600) == (0, 0)
+    time.sleep(0.05)
+    assert store.drop(older_than=0.01, dry_run=True)[0] == 6
+    before = store.ssd.bytes
+    n, freed = store.evict(before // 2, dry_run=True)
+    assert store.ssd.bytes == before
+    assert store.evict(before // 2) == (n, freed) and store.ssd.bytes <= before // 2
+
+
+def test_write_through_and_entries_too_big_for_ram(tmp_path, stores):
+    entries = [make_entry(i) for i in range(4)]
+    big = make_entry(99, width=1024)
+    store = stores(big.nbytes - 1, tmp_path, write_through=True)
+    for e in entries:
+        assert store.put(e) is PutOutcome.STORED
+    assert store.put(big) is PutOutcome.STORED  # straight to SSD
+    assert store.flush(10)
+    assert store.ssd.entries == 5 and store.ram.stats()["tiers"]["ram"]["entries"] == 4
+    assert_same(store.get(big.id), big)
+    assert store.stats()["store"]["promotions_skipped"] == 1
+    # Evicting a written-through entry from RAM writes nothing more.
+    store.evict(0, tier="ram")
+    assert store.ssd.counters["spills_clean"] == 4 and store.ssd.counters["spills"] == 5
+
+
+def test_index_map_grows_on_map_full(tmp_path, stores):
+    entries = [make_entry(i, tokens=1, width=1) for i in range(400)]
+    store = stores(1, tmp_path, map_size=64 << 10, durable=False)
+    for e in entries:
+        store.put(e)
+    assert store.flush(30)
+    assert store.ssd.index.map_size > 64 << 10
+    assert store.ssd.entries == 400
+    for e in entries[::37]:
+        assert_same(store.get(e.id), e)
+
+
+def test_lock_perms_and_format_version(tmp_path, stores):
+    store = stores(1, tmp_path)
+    store.put(make_entry(1))
+    assert store.flush(10)
+    with pytest.raises(DataDirBusy):
+        SsdStore(tmp_path, 1 << 20)
+    for p in [tmp_path, *tmp_path.rglob("*")]:
+        assert p.stat().st_mode & 0o777 == (0o700 if p.is_dir() else 0o600), p
+    store.close()
+    import lmdb
+
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+        txn.put(b"format", b"99")
+    env.close()
+    with pytest.raises(IncompatibleIndex):
+        SsdStore(tmp_path, 1 << 20)
+    with pytest.raises(IncompatibleIndex):  # not DataDirBusy: the failed open let go of the lock
+        SsdStore(tmp_path, 1 << 20)
+
+
+READER = r"""
+import sys, time
+from kvd.store import offline
+seen = {offline.stats(sys.argv[1])["entries"]}
+print("ready", flush=True)
+deadline = time.time() + 20
+while time.time() < deadline:
+    s = offline.stats(sys.argv[1])
+    seen.add(s["entries"])
+    if s["entries"] >= int(sys.argv[2]):
+        break
+    time.sleep(0.01)
+print(len(seen), s["entries"], s["locked_by"], flush=True)
+"""
+
+
+def test_readonly_stats_from_another_process_while_writing(tmp_path, stores):
+    store = stores(1, tmp_path, durable=False)
+    store.put(make_entry(0))
+    assert store.flush(10)
+    n = 200
+    proc = subprocess.Popen(
+        [sys.executable, "-c", READER, str(tmp_path), str(n)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    for i in range(1, n):
+        store.put(make_entry(i, tokens=2))
+        if i % 20 == 0:
+            time.sleep(0.02)
+    assert store.flush(10)
+    out, _ = proc.communicate(timeout=30)
+    distinct, final, holder = out.split()
+    assert proc.returncode == 0 and int(final) == n
+    assert int(distinct) > 1  # it watched the count grow while the daemon wrote
+    assert int(holder) == os.getpid()
+
+
+def test_ram_only_when_no_data_dir():
+    store = open_store(1 << 20)
+    assert isinstance(store, RamStore)
+    with pytest.raises(ValueError):
+        open_store(1 << 20, "/tmp/x", ssd_bytes=0)
