@@ -17,7 +17,7 @@ def kvd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
 
 def test_no_daemon_exits_3_with_a_clear_message(tmp_path):
     endpoint = f"ipc://{tmp_path}/none.sock"
-    for cmd in (["stats"], ["gc", "--namespace", "x"], ["stop"]):
+    for cmd in (["stats"], ["gc", "--namespace", "x", "--data-dir", str(tmp_path / "empty")], ["stop"]):
         r = kvd(*cmd, "--endpoint", endpoint, "--timeout", "0.5")
         assert r.returncode == 3, (cmd, r.stderr)
         assert "kvd serve" in r.stderr and r.stdout == ""

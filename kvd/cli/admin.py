@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import click
@@ -81,16 +82,60 @@ def render_stats(stats: dict) -> str:
     return "\n".join(lines)
 
 
+data_dir_option = click.option(
+    "--data-dir", default=None, help="SSD tier folder, for offline use [default: from kvd config]."
+)
+
+
+def _data_dir(flag: str | None) -> str | None:
+    from kvd.config import ConfigError, resolve
+
+    try:
+        return resolve({"data_dir": flag}).data_dir
+    except ConfigError as err:
+        click.echo(f"kvd: {err}", err=True)
+        raise SystemExit(exits.USAGE)
+
+
+def render_offline_stats(st: dict) -> str:
+    holder = st.get("locked_by")
+    lines = [
+        f"data dir {st['data_dir']} (read directly; {'daemon pid ' + str(holder) + ' is running' if holder else 'no daemon running'})",
+        f"ssd: {st['entries']} entries, {_size(st['bytes'])} on disk; quarantine: {st['quarantine']['files']} files, "
+        f"{_size(st['quarantine']['bytes'])}",
+        "",
+        f"{'namespace':<66}{'entries':>9}{'bytes':>12}",
+    ]
+    for ns, c in st["namespaces"].items():
+        lines.append(f"{ns[:64]:<66}{c['entries']:>9}{_size(c['bytes']):>12}")
+    return "\n".join(lines)
+
+
 @main.command()
 @endpoint_option
 @timeout_option
+@data_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print the raw STATS map as JSON.")
 @click.option("--namespace", default=None, help="Only this namespace.")
-def stats(endpoint, timeout, as_json, namespace) -> None:
+@click.option("--offline", is_flag=True, help="Read the data dir's index directly (works with or without a daemon).")
+def stats(endpoint, timeout, data_dir, as_json, namespace, offline) -> None:
     """Show tiers, namespaces and counters of the running daemon.
 
-    Exits 3 if no daemon answers.
+    Exits 3 if no daemon answers (use --offline to read the data dir then).
     """
+    if offline:
+        from kvd.store import offline as off
+
+        path = _data_dir(data_dir)
+        try:
+            result = off.stats(path)
+        except (FileNotFoundError, TypeError):
+            click.echo(f"kvd: {path} holds no kvd index", err=True)
+            raise SystemExit(exits.FAILED)
+        if namespace is not None:
+            result["namespaces"] = {k: v for k, v in result["namespaces"].items() if k == namespace}
+        click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_offline_stats(result))
+        return
     with _client(endpoint, timeout) as client:
         result = _call(lambda: client.stats(namespace))
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_stats(result))
@@ -99,33 +144,115 @@ def stats(endpoint, timeout, as_json, namespace) -> None:
 @main.command()
 @endpoint_option
 @timeout_option
+@data_dir_option
 @click.option("--ram-mb", type=click.IntRange(min=0), default=None, help="Evict the RAM tier down to this many MiB.")
+@click.option("--ssd-gb", type=click.FloatRange(min=0), default=None, help="Evict the SSD tier down to this many GiB.")
 @click.option("--namespace", default=None, help="Drop every entry of this namespace.")
-@click.option("--older-than", type=float, default=None, help="Drop entries last used more than this many seconds ago.")
+@click.option("--older-than", type=click.FloatRange(min=0), default=None, help="Drop entries last used more than this many seconds ago.")
+@click.option("--orphans/--no-orphans", default=None, help="Remove orphaned and quarantined blobs and stray temp files.")
+@click.option("--verify", is_flag=True, help="Offline only: re-read every blob and quarantine those failing their checksum.")
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the GC reply as JSON.")
-def gc(endpoint, timeout, ram_mb, namespace, older_than, dry_run, as_json) -> None:
-    """Evict down to a budget, drop a namespace or old entries.
+@click.option("--json", "as_json", is_flag=True, help="Print the GC report as JSON.")
+def gc(endpoint, timeout, data_dir, ram_mb, ssd_gb, namespace, older_than, orphans, verify, dry_run, as_json) -> None:
+    """Evict down to budgets, drop a namespace or old entries, remove orphans.
 
-    With no selector, evicts down to the configured budgets (nothing to do
-    for the RAM tier, which is always within budget). Exits 3 if no daemon answers.
+    Works through the running daemon; when no daemon answers, works directly
+    on the data dir, taking the daemon's lock so the two never race. With no
+    selector it removes orphans (and, offline, evicts the SSD tier down to the
+    configured ssd_gb). Exits 4 if the data dir is locked by a daemon that
+    does not answer.
     """
-    fields = {"dry_run": dry_run}
+    from kvd_client import DaemonUnavailable
+
+    GiB = 1 << 30
+    fields: dict = {"dry_run": dry_run}
     if ram_mb is not None:
         fields["ram_bytes"] = ram_mb * MiB
+    if ssd_gb is not None:
+        fields["ssd_bytes"] = int(ssd_gb * GiB)
     if namespace is not None:
         fields["ns"] = namespace
     if older_than is not None:
         fields["older_than"] = older_than
+    selected = len(fields) > 1
+    fields["orphans"] = orphans if orphans is not None else not selected
     with _client(endpoint, timeout) as client:
-        result = _call(lambda: client.gc(**fields))
+        try:
+            result = client.gc(**fields)
+            where = "daemon"
+        except DaemonUnavailable:
+            result, where = _offline_gc(data_dir, fields, verify, selected, as_json), "data dir"
+        except Exception:
+            result, where = _call(lambda: client.gc(**fields)), "daemon"
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
         return
     verb = "would remove" if dry_run else "removed"
-    click.echo(f"{verb} {result['entries']} entries, {result['bytes']} bytes")
+    click.echo(f"{verb} {result['entries']} entries, {_size(result['bytes'])} (via the {where})")
     for what, d in (result.get("details") or {}).items():
-        click.echo(f"  {what}: {d['entries']} entries, {d['bytes']} bytes")
+        click.echo(f"  {what}: " + ", ".join(f"{k} {v}" for k, v in d.items()))
+
+
+def _offline_gc(data_dir, fields: dict, verify: bool, selected: bool, quiet: bool) -> dict:
+    """GC straight on the data dir; the daemon's report shape."""
+    from kvd.config import resolve
+    from kvd.store import DataDirBusy
+    from kvd.store import offline as off
+
+    from pathlib import Path
+
+    from kvd.store.datadir import INDEX_DIR
+
+    path = _data_dir(data_dir)
+    if path is None or not (Path(path) / INDEX_DIR / "data.mdb").exists():
+        where = "no data dir is configured" if path is None else f"{path} holds no kvd index"
+        click.echo(f"kvd: no daemon answers (is `kvd serve` running?) and {where}: nothing to collect", err=True)
+        raise SystemExit(exits.UNAVAILABLE)
+    budget = fields.get("ssd_bytes")
+    if budget is None and not selected:
+        budget = int(resolve({}).ssd_gb * (1 << 30))
+    if not quiet:
+        click.echo(f"kvd: no daemon answers; collecting directly in {path}", err=True)
+    bar = None
+
+    def progress(phase: str, done: int, total: int) -> None:
+        nonlocal bar
+        if quiet or total < 2:
+            return
+        if bar is None or bar.label != phase:
+            if bar is not None:
+                bar.render_finish()
+            bar = click.progressbar(length=total, label=phase, file=sys.stderr)
+        bar.update(done - bar.pos)
+
+    try:
+        report = off.gc(
+            path, namespace=fields.get("ns"), older_than=fields.get("older_than"), budget_bytes=budget,
+            orphans=fields["orphans"], verify=verify, quarantine=fields["orphans"], dry_run=fields["dry_run"],
+            progress=progress,
+        )
+    except DataDirBusy as err:
+        click.echo(f"kvd: {err}", err=True)
+        raise SystemExit(exits.REFUSED)
+    finally:
+        if bar is not None:
+            bar.render_finish()
+    details, entries, nbytes = {}, 0, 0
+    for key in ("dropped", "evicted"):
+        if key in report:
+            details[key] = report[key]
+            entries += report[key]["entries"]
+            nbytes += report[key]["bytes"]
+    if "reconcile" in report:
+        details["orphans"] = report["reconcile"]
+        nbytes += sum(v for k, v in report["reconcile"].items() if k.endswith("_bytes"))
+    if "quarantine_purged" in report:
+        details["quarantine_purged"] = report["quarantine_purged"]
+        nbytes += report["quarantine_purged"]["bytes"]
+    if "verify" in report:
+        details["verify"] = report["verify"]
+    return {"entries": entries, "bytes": nbytes, "dry_run": fields["dry_run"], "details": details,
+            "remaining": {"entries": report["entries"], "bytes": report["bytes"]}}
 
 
 @main.command()
