@@ -34,6 +34,7 @@ from kvd.protocol import errors as E
 from kvd.protocol.limits import Limits
 from kvd.server.endpoint import EndpointLock
 from kvd.server.handler import Handler, ShutdownRequested
+from kvd.server.latency import Latency
 from kvd.store.base import Store
 
 log = logging.getLogger("kvd.server")
@@ -65,6 +66,10 @@ class Daemon:
         self.on_ready = on_ready
         self.on_tick = on_tick
         self.dropped_replies = 0
+        self.latency = Latency()
+        # Held while a request is served; readers on other threads (the
+        # metrics exporter) take it to see the handler and store at rest.
+        self.lock = threading.Lock()
         self.summary_every = 60.0  # seconds between activity lines in the log
         self.shutdown_grace = 0.3  # seconds served after a SHUTDOWN request
         self._last_summary = (time.monotonic(), 0)
@@ -178,15 +183,25 @@ class Daemon:
         """Serve one request; True if it asked the daemon to shut down."""
         identity, payload = raw[0].bytes, raw[1:]
         frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
-        shutdown = False
         started = time.perf_counter()
+        with self.lock:
+            reply, shutdown, mtype = self._handle(frames)
+        self._send(identity, reply)
+        elapsed = time.perf_counter() - started
+        self.latency.observe(mtype, elapsed)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)
+        return shutdown
+
+    def _handle(self, frames: list) -> tuple[list, bool, str]:
+        """(reply frames, shutdown?, message type for metrics) for one request."""
+        shutdown = False
         try:
             msg = codec.decode_request(frames, self.limits)
         except E.ProtocolError as err:
             self.handler.errors[err.name] += 1
             log.warning("rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
-            self._send(identity, codec.encode_error(err, id=codec.peek_id(frames) if frames else 0))
-            return False
+            return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
             rtype, fields = self.handler.handle(msg)
             reply = codec.encode(rtype, fields, id=msg.id)
@@ -202,10 +217,7 @@ class Daemon:
             self.handler.errors[err.name] += 1
             log.exception("internal error type=%s id=%d", msg.type, msg.id)
             reply = codec.encode_error(err, id=msg.id)
-        self._send(identity, reply)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("served type=%s id=%d ms=%.3f", msg.type, msg.id, 1000 * (time.perf_counter() - started))
-        return shutdown
+        return reply, shutdown, msg.type
 
     def _send(self, identity: bytes, frames: list) -> None:
         assert self._sock is not None
