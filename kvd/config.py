@@ -179,13 +179,9 @@ def default_data_dir(environ: Mapping[str, str] | None = None, platform: str | N
 
     macOS: ~/Library/Caches/kvd; elsewhere $XDG_CACHE_HOME/kvd, else ~/.cache/kvd.
     """
-    environ = os.environ if environ is None else environ
-    platform = sys.platform if platform is None else platform
-    home = _home(environ)
-    if platform == "darwin":
-        return str(home / "Library" / "Caches" / "kvd")
-    base = environ.get("XDG_CACHE_HOME") or ""
-    return str((Path(base) if os.path.isabs(base) else home / ".cache") / "kvd")
+    from kvd.store.datadir import default_data_dir as rule  # the store owns the layout
+
+    return str(rule(environ, platform))
 
 
 def _default_endpoint(environ: Mapping[str, str]) -> str:

@@ -289,3 +289,12 @@ def test_second_daemon_on_same_data_dir_refused(kvd_daemon, daemon_factory):
     second.start(wait=False)
     assert second.proc.wait(20) == 4
     assert "in use by another kvd process" in second.log()
+
+
+def test_fast_round_trips_never_lose_a_reply(kvd_daemon):
+    # libzmq throttles command processing in non-blocking calls; replies must
+    # still never be dropped for a client that reads every one of them.
+    with kvd_daemon.client("burst", strict=True) as c:
+        for _ in range(3000):
+            c.ping()
+        assert c.stats()["server"]["requests"]["PING"] >= 3000

@@ -91,10 +91,13 @@ class Daemon:
             # connection: the last line of defence (clients learn the limit in
             # HELLO and split their messages; totals are checked when decoding).
             sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
-            # Per-peer queues, in messages: a message may be max_message_bytes,
-            # so a client pipelining PUTs must not park gigabytes here.
-            sock.setsockopt(zmq.SNDHWM, 16)
+            # Per-peer queues, in messages. Inbound, a message may be
+            # max_message_bytes, so a client pipelining PUTs must not park
+            # gigabytes here. Outbound replies mostly reference stored
+            # buffers; a generous queue avoids needless drops (see _send).
+            sock.setsockopt(zmq.SNDHWM, 1024)
             sock.setsockopt(zmq.RCVHWM, 4)
+            sock.setsockopt(zmq.SNDTIMEO, 100)
             sock.bind(self.endpoint)
         except Exception:
             self._lock.release()
@@ -221,8 +224,16 @@ class Daemon:
 
     def _send(self, identity: bytes, frames: list) -> None:
         assert self._sock is not None
+        msg = [identity, *frames]
         try:
-            self._sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            try:
+                self._sock.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                # libzmq only processes the reader's "I have read up to N"
+                # commands in non-blocking calls once per ~1 ms, so a peer
+                # doing fast round trips can look full when it is not. A
+                # blocking send processes them; SNDTIMEO bounds the wait.
+                self._sock.send_multipart(msg, copy=False)
         except (zmq.Again, zmq.ZMQError) as exc:
             # EHOSTUNREACH: the peer is gone; EAGAIN: its queue is full.
             self.dropped_replies += 1

@@ -45,16 +45,20 @@ class DataDirBusy(RuntimeError):
     """Another process (a running daemon, or an offline gc) holds the data dir's lock."""
 
 
-def default_data_dir() -> Path:
+def default_data_dir(environ=None, platform: str | None = None) -> Path:
     """The per-user cache directory kvd uses when none is given.
 
     macOS: ~/Library/Caches/kvd. Elsewhere: $XDG_CACHE_HOME/kvd, else ~/.cache/kvd.
+    `environ` and `platform` default to this process's.
     """
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "kvd"
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    environ = os.environ if environ is None else environ
+    platform = sys.platform if platform is None else platform
+    home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()
+    if platform == "darwin":
+        return home / "Library" / "Caches" / "kvd"
+    xdg = environ.get("XDG_CACHE_HOME")
     # The XDG spec says a relative value is invalid and must be ignored.
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".cache"
     return base / "kvd"
 
 
