@@ -36,6 +36,8 @@ def daemon(*args: str):
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
     endpoint = f"ipc://{workdir / 'kvd.sock'}"
     log = open(workdir / "daemon.log", "wb")
+    if "--data-dir" not in args:  # never the user's real cache
+        args = (*args, "--data-dir", str(workdir / "data"))
     proc = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--endpoint", endpoint, *args], stdout=log, stderr=subprocess.STDOUT)
     try:
         with Client(endpoint, namespace="bench", timeout=0.5) as c:

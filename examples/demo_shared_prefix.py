@@ -133,7 +133,8 @@ def start_daemon():
     workdir = Path(tempfile.mkdtemp(prefix="kvd-demo-", dir="/tmp"))
     endpoint = f"ipc://{workdir / 'kvd.sock'}"
     log = open(workdir / "daemon.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--endpoint", endpoint, "--ram-mb", "512"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--endpoint", endpoint, "--ram-mb", "512",
+                             "--data-dir", str(workdir / "data")],
                             stdout=log, stderr=subprocess.STDOUT)
     with Client(endpoint, namespace="demo", timeout=0.5) as c:
         deadline = time.monotonic() + 20

@@ -21,6 +21,18 @@ import pytest
 
 from kvd_client import Client
 
+# Nothing a test starts may read or write the user's real cache, config or
+# runtime dirs: point the per-user defaults at a throwaway folder for the
+# whole session (child processes inherit it).
+_SANDBOX = Path(tempfile.mkdtemp(prefix="kvd-test-home-", dir="/tmp"))
+for _var in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME"):
+    os.environ[_var] = str(_SANDBOX / _var.lower())
+os.environ.pop("KVD_CONFIG", None)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SANDBOX, ignore_errors=True)
+
 
 class DaemonProcess:
     """A `python -m kvd serve` child process and how to reach it."""

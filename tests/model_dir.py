@@ -11,7 +11,8 @@ needs, with nothing downloaded:
 The same arguments give bit-identical files in every process (mlx RNG is
 seeded), so two servers started on two copies share a kvd namespace.
 Text for prompts is made of WORDS joined by spaces (`words(n, seed)`), so
-one word is one token.
+one word is one token. `MlxServer` runs `python -m kvd_client.mlx_lm_server`
+on such a directory on a free loopback port (tests and bench/bench_server.py).
 """
 
 from __future__ import annotations

@@ -139,3 +139,21 @@ def test_server_without_daemon_serves_and_says_so_once(daemon_factory, model_pat
         assert ns_entries > 0, s.log()
     finally:
         s.stop()
+
+
+def test_quantized_kv_servers_share_through_kvd(kvd_daemon, model_path, tmp_path):
+    """--kv-bits servers (served one request at a time, quantized caches) share too."""
+    flags = ["--kvd-endpoint", kvd_daemon.endpoint, "--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    a = MlxServer(model_path, tmp_path / "qa.log", flags)
+    b = MlxServer(model_path, tmp_path / "qb.log", flags)
+    try:
+        a.start(wait=False), b.start(wait=False)
+        a.wait_ready(), b.wait_ready()
+        assert _cached(a.chat(SYSTEM, words(12, seed=1))) == 0
+        _wait_stored(kvd_daemon.endpoint, min_entries=3)
+        reply = b.chat(SYSTEM, words(12, seed=2))
+        # No system segment on this path: the full chunks of A's prompt are shared.
+        assert _cached(reply) >= 512, reply["usage"]
+        assert reply["usage"]["completion_tokens"] > 0
+    finally:
+        a.stop(), b.stop()

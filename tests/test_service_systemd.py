@@ -146,7 +146,7 @@ def test_daemon_runs_under_memory_deny_write_execute():
     endpoint = f"ipc://{d}/k.sock"
     log = open(os.path.join(d, "log"), "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-c", _MDWE_BOOT, "serve", "--endpoint", endpoint, "--ram-mb", "64"],
+        [sys.executable, "-c", _MDWE_BOOT, "serve", "--endpoint", endpoint, "--ram-mb", "64", "--data-dir", f"{d}/data"],
         stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
         env={**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")},
     )
