@@ -55,7 +55,7 @@ def test_drop_by_namespace_and_age():
     assert s.drop(namespace="b", dry_run=True) == (2, 200) and len(s) == 3
     assert s.drop(older_than=50) == (2, 200)
     assert [e.key for e in (s.get(entry(3).id),)] == [entry(3).key]
-    assert s.stats()["namespaces"] == {"b": {"entries": 1, "bytes": 100}}
+    assert s.stats()["namespaces"] == {"b": {"entries": 1, "bytes": 100, "tokens": 10, "last_used": 200.0}}
 
 
 def test_chunk_and_boundary_are_distinct_entries():

@@ -80,7 +80,10 @@ def test_unit_under_a_real_user_manager():
                             f"Environment=PYTHONUNBUFFERED=1 PYTHONPATH={REPO}")
         (units / "kvd.service").write_text(text)
         env = {**os.environ, "WORK": str(work), "MANAGER": MANAGER, "PYTHON": sys.executable,
-               "PYTHONPATH": str(REPO)}
+               "PYTHONPATH": str(REPO),
+               # the manager finds user units under XDG_CONFIG_HOME: the throwaway HOME's
+               "XDG_CONFIG_HOME": str(work / "home" / ".config"),
+               "XDG_CACHE_HOME": str(work / "home" / ".cache")}
         r = subprocess.run(["unshare", "-m", "sh", "-c", SCRIPT], capture_output=True, text=True,
                            env=env, timeout=240)
         out = r.stdout

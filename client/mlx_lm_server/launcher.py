@@ -96,10 +96,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     made: list[KvdPromptCache] = []
     if not opts.no_kvd:
         made = install(server, endpoint=opts.kvd_endpoint, timeout=opts.kvd_timeout)
-    atexit.register(lambda: [c.close() for c in made])
+    atexit.register(_close, made)
     signal.signal(signal.SIGTERM, lambda *_: _interrupt())
     sys.argv = ["mlx_lm.server", *rest]
     server.main()
+    # mlx-lm's server returns here after a clean shutdown (its generation
+    # thread joined). The interpreter's teardown then aborts inside mlx's C++
+    # destructors ("terminate called without an active exception", exit -6,
+    # the stock server too), which a service manager reports as a crash: finish
+    # our uploads, flush the logs, and leave without that teardown.
+    _close(made)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _close(made: list[KvdPromptCache]) -> None:
+    for cache in made:
+        cache.close()
 
 
 def _interrupt() -> None:

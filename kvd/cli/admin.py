@@ -118,11 +118,17 @@ def render_offline_stats(st: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the raw STATS map as JSON.")
 @click.option("--namespace", default=None, help="Only this namespace.")
 @click.option("--offline", is_flag=True, help="Read the data dir's index directly (works with or without a daemon).")
-def stats(endpoint, timeout, data_dir, as_json, namespace, offline) -> None:
+@click.option("--watch", "watch", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+              help="Refresh in place every SECONDS until interrupted.")
+@click.option("--count", type=click.IntRange(min=1), default=None, help="With --watch: stop after this many refreshes.")
+def stats(endpoint, timeout, data_dir, as_json, namespace, offline, watch, count) -> None:
     """Show tiers, namespaces and counters of the running daemon.
 
     Exits 3 if no daemon answers (use --offline to read the data dir then).
     """
+    if watch is not None:
+        _watch(endpoint, timeout, namespace, watch, count)
+        return
     if offline:
         from kvd.store import offline as off
 
@@ -139,6 +145,22 @@ def stats(endpoint, timeout, data_dir, as_json, namespace, offline) -> None:
     with _client(endpoint, timeout) as client:
         result = _call(lambda: client.stats(namespace))
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_stats(result))
+
+
+def _watch(endpoint, timeout, namespace, every: float, count: int | None) -> None:
+    """Redraw the stats table in place (ANSI home + clear) until Ctrl-C."""
+    n = 0
+    with _client(endpoint, timeout) as client:
+        try:
+            while count is None or n < count:
+                table = render_stats(_call(lambda: client.stats(namespace)))
+                stamp = time.strftime("%H:%M:%S")
+                click.echo(f"\x1b[H\x1b[2J{table}\n\n(every {every:g}s, {stamp}; Ctrl-C to stop)")
+                n += 1
+                if count is None or n < count:
+                    time.sleep(every)
+        except KeyboardInterrupt:
+            pass
 
 
 @main.command()

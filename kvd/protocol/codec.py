@@ -157,6 +157,15 @@ def _meta(v, ctx):
     return bytes(v)
 
 
+def _entry_ids(v, ctx):
+    if not isinstance(v, list) or len(v) > 65536:
+        raise _bad(ctx, "expected an array of at most 65536 entry ids")
+    for x in v:
+        if not isinstance(x, (bytes, bytearray)) or len(x) != 33:
+            raise _bad(ctx, "an entry id is 33 bytes of bin (chunk key + kind)")
+    return [bytes(x) for x in v]
+
+
 def _tensor(v, ctx) -> Tensor:
     _map(v, ctx)
     name, dtype, shape, idx = v.get("name"), v.get("dtype"), v.get("shape"), v.get("frame")
@@ -236,6 +245,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "ns": _opt(_ns),
         "older_than": _opt(_number),
         "orphans": _opt(_bool, False),
+        "recheck": _opt(_entry_ids),
         "dry_run": _opt(_bool, False),
     },
     "SHUTDOWN": {},

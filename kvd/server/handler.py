@@ -236,6 +236,9 @@ class Handler:
             n, b = self.store.evict(budget, dry_run=dry, tier=tier)
             details[f"evicted_{tier}"] = {"entries": n, "bytes": b}
             entries, nbytes = entries + n, nbytes + b
+        if msg.get("recheck"):
+            checked, failed = self.store.recheck(msg["recheck"])
+            details["recheck"] = {"checked": checked, "failed": failed}
         if msg["orphans"]:
             n, b = self.store.remove_orphans(dry_run=dry)
             details["orphans"] = {"entries": n, "bytes": b}

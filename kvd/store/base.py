@@ -115,6 +115,12 @@ class Store(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: {"tiers": {name: {...}}, "namespaces": {ns: {...}}}."""
 
+    def recheck(self, eids: list[bytes]) -> tuple[int, int]:
+        """Re-verify the stored bytes of these entries now, quarantining any
+        that fail. Returns (checked, failed). A tier without checksums has
+        nothing to recheck."""
+        return 0, 0
+
     def remove_orphans(self, *, dry_run: bool = False) -> tuple[int, int]:
         """Remove storage no entry accounts for (orphaned and quarantined blobs).
         Returns (files, bytes). A tier with nothing on disk has none."""

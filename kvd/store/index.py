@@ -15,7 +15,9 @@ Named databases (all keys and values are bytes):
     lru     atime_us (8 B BE) + eid   -> b""    recency order, oldest first
     tails   parent (32 B) + length (4 B BE) + key (32 B) -> b""
                                                   the tail index, by prefix scan
-    ns      namespace (utf-8)         -> msgpack [entries, disk bytes]
+    ns      namespace (utf-8)         -> msgpack [entries, disk bytes, tokens, last used]
+                                         (tokens: summed chunk lengths; older
+                                         records of two fields read as 0, 0)
     meta    b"format" -> b"1";  b"totals" -> msgpack [entries, disk bytes]
 
 Rules kept by every write (`put_row`, `delete_row`, `touch`):
@@ -223,11 +225,13 @@ class Index:
         raw = txn.get(b"totals", db=self.meta)
         return tuple(msgpack.unpackb(raw)) if raw else (0, 0)
 
-    def namespaces(self, txn) -> dict[str, tuple[int, int]]:
-        return {
-            k.decode(): tuple(msgpack.unpackb(v))
-            for k, v in txn.cursor(db=self.ns_db).iternext(keys=True, values=True)
-        }
+    def namespaces(self, txn) -> dict[str, dict[str, float]]:
+        """{namespace: {entries, bytes (on disk), tokens, last_used}}."""
+        out = {}
+        for k, v in txn.cursor(db=self.ns_db).iternext(keys=True, values=True):
+            e, b, t, used = (list(msgpack.unpackb(v)) + [0, 0])[:4]
+            out[k.decode()] = {"entries": e, "bytes": b, "tokens": t, "last_used": used}
+        return out
 
     def iter_rows(self, txn) -> Iterator[tuple[bytes, Row]]:
         for k, v in txn.cursor(db=self.rows).iternext(keys=True, values=True):
@@ -239,17 +243,17 @@ class Index:
         return {"map_size": info["map_size"], "used_bytes": (info["last_pgno"] + 1) * stat["psize"]}
 
     # -- writes (the writer thread only, inside `write()`) -----------------
-    def _bump(self, txn, ns: str, entries: int, nbytes: int) -> None:
+    def _bump(self, txn, ns: str, entries: int, nbytes: int, tokens: int = 0, used: float = 0.0) -> None:
         e, b = self.totals(txn)
         txn.put(b"totals", msgpack.packb([e + entries, b + nbytes]), db=self.meta)
         key = ns.encode()
         raw = txn.get(key, db=self.ns_db)
-        e, b = msgpack.unpackb(raw) if raw else (0, 0)
-        e, b = e + entries, b + nbytes
+        e, b, t, u = (list(msgpack.unpackb(raw)) + [0, 0])[:4] if raw else (0, 0, 0, 0.0)
+        e, b, t, u = e + entries, b + nbytes, t + tokens, max(u, used)
         if e <= 0:
             txn.delete(key, db=self.ns_db)
         else:
-            txn.put(key, msgpack.packb([e, b]), db=self.ns_db)
+            txn.put(key, msgpack.packb([e, b, t, u]), db=self.ns_db)
 
     def put_row(self, txn, eid: bytes, row: Row) -> bool:
         """Insert `row`; False (nothing changed) if `eid` already has one."""
@@ -258,7 +262,7 @@ class Index:
         txn.put(_lru_key(row.atime, eid), b"", db=self.lru)
         if row.tail and row.kind == 0:
             txn.put(_tail_key(row.parent, row.length, eid[:32]), b"", db=self.tails_db)
-        self._bump(txn, row.ns, 1, row.disk_bytes)
+        self._bump(txn, row.ns, 1, row.disk_bytes, row.length if row.kind == 0 else 0, row.atime)
         return True
 
     def delete_row(self, txn, eid: bytes) -> Row | None:
@@ -270,7 +274,7 @@ class Index:
         txn.delete(_lru_key(row.atime, eid), db=self.lru)
         if row.tail and row.kind == 0:
             txn.delete(_tail_key(row.parent, row.length, eid[:32]), db=self.tails_db)
-        self._bump(txn, row.ns, -1, -row.disk_bytes)
+        self._bump(txn, row.ns, -1, -row.disk_bytes, -row.length if row.kind == 0 else 0)
         return row
 
     def touch(self, txn, eid: bytes, atime: float) -> bool:
@@ -282,4 +286,5 @@ class Index:
         row.atime = atime
         txn.put(eid, row.pack(), db=self.rows)
         txn.put(_lru_key(atime, eid), b"", db=self.lru)
+        self._bump(txn, row.ns, 0, 0, 0, atime)
         return True

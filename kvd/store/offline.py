@@ -71,7 +71,7 @@ def stats(data_dir: str | os.PathLike) -> dict[str, Any]:
         "data_dir": str(root),
         "entries": entries,
         "bytes": nbytes,
-        "namespaces": {ns: {"entries": e, "bytes": b} for ns, (e, b) in sorted(namespaces.items())},
+        "namespaces": dict(sorted(namespaces.items())),
         "quarantine": {"files": qn, "bytes": qb},
         "index": info,
         "locked_by": holder,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
 
@@ -46,6 +46,8 @@ class RamStore(Store):
         self.bytes = 0
         self.ns_entries: defaultdict[str, int] = defaultdict(int)
         self.ns_bytes: defaultdict[str, int] = defaultdict(int)
+        self.ns_tokens: defaultdict[str, int] = defaultdict(int)  # summed chunk lengths
+        self.ns_used: dict[str, float] = {}  # latest access, by namespace
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "stored", "duplicates", "too_big", "evictions", "evicted_bytes", "dropped"), 0
         )
@@ -57,7 +59,7 @@ class RamStore(Store):
             self.counters["misses"] += 1
             return None
         self._entries.move_to_end(eid)
-        self._used[eid] = self._clock()
+        self._used[eid] = self.ns_used[entry.namespace] = self._clock()
         self.counters["hits"] += 1
         return entry
 
@@ -79,12 +81,14 @@ class RamStore(Store):
             self.counters["too_big"] += 1
             return PutOutcome.TOO_BIG
         self._entries[eid] = entry
-        self._used[eid] = self._clock()
+        self._used[eid] = self.ns_used[entry.namespace] = self._clock()
         if entry.tail and entry.kind == CHUNK:
             self._tails[entry.parent][entry.length] = entry.key
         self.bytes += entry.nbytes
         self.ns_entries[entry.namespace] += 1
         self.ns_bytes[entry.namespace] += entry.nbytes
+        if entry.kind == CHUNK:
+            self.ns_tokens[entry.namespace] += entry.length
         self.counters["stored"] += 1
         self._evict_to(self.budget_bytes)
         return PutOutcome.STORED
@@ -102,8 +106,12 @@ class RamStore(Store):
         ns = entry.namespace
         self.ns_entries[ns] -= 1
         self.ns_bytes[ns] -= entry.nbytes
+        if entry.kind == CHUNK:
+            self.ns_tokens[ns] -= entry.length
         if not self.ns_entries[ns]:
             del self.ns_entries[ns], self.ns_bytes[ns]
+            self.ns_tokens.pop(ns, None)
+            self.ns_used.pop(ns, None)
         return entry
 
     def _evict_to(self, budget: int) -> tuple[int, int]:
@@ -163,9 +171,19 @@ class RamStore(Store):
                 }
             },
             "namespaces": {
-                ns: {"entries": self.ns_entries[ns], "bytes": self.ns_bytes[ns]} for ns in sorted(self.ns_entries)
+                ns: {
+                    "entries": self.ns_entries[ns],
+                    "bytes": self.ns_bytes[ns],
+                    "tokens": self.ns_tokens[ns],
+                    "last_used": self.ns_used.get(ns, 0.0),
+                }
+                for ns in sorted(self.ns_entries)
             },
         }
+
+    def entries(self) -> Iterator[Entry]:
+        """Every held entry, oldest first (do not put or get while iterating)."""
+        return iter(self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)

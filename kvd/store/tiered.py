@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-from kvd.store.base import Entry, PutOutcome, Store
+from kvd.store.base import CHUNK, Entry, PutOutcome, Store
 from kvd.store.ram import RamStore
 from kvd.store.ssd import DEFAULT_MIN_FREE, SsdStore
 
@@ -112,6 +112,9 @@ class TieredStore(Store):
     def flush(self, timeout: float | None = None) -> bool:
         return self.ssd.flush(timeout)
 
+    def recheck(self, eids: list[bytes]) -> tuple[int, int]:
+        return self.ssd.recheck(eids)
+
     def remove_orphans(self, *, dry_run: bool = False) -> tuple[int, int]:
         report = self.ssd.reconcile(dry_run=dry_run)
         files = sum(v for k, v in report.items() if k.endswith("s_removed"))
@@ -124,10 +127,20 @@ class TieredStore(Store):
         namespaces: dict[str, dict[str, int]] = {}
         for tier, st in (("ram", r), ("ssd", s)):
             for ns, v in st["namespaces"].items():
-                d = namespaces.setdefault(ns, {"entries": 0, "bytes": 0})
+                d = namespaces.setdefault(ns, {"entries": 0, "bytes": 0, "tokens": 0, "last_used": 0.0})
                 d[f"{tier}_entries"], d[f"{tier}_bytes"] = v["entries"], v["bytes"]
+                d[f"{tier}_tokens"] = v.get("tokens", 0)
                 d["entries"] += v["entries"]  # copies in both tiers count twice
                 d["bytes"] += v["bytes"]
+                d["last_used"] = max(d["last_used"], v.get("last_used", 0.0))
+        # A chunk can be in both tiers (promoted, or written through): tokens
+        # covered are the SSD's plus those of chunks only RAM holds.
+        ram_only: dict[str, int] = {}
+        for entry in self.ram.entries():
+            if entry.kind == CHUNK and not self.ssd.has_row(entry.id):
+                ram_only[entry.namespace] = ram_only.get(entry.namespace, 0) + entry.length
+        for ns, d in namespaces.items():
+            d["tokens"] = d.get("ssd_tokens", 0) + ram_only.get(ns, 0)
         return {
             "tiers": {**r["tiers"], **s["tiers"]},
             "store": dict(self.counters, write_through=self.write_through),

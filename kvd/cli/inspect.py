@@ -1,0 +1,177 @@
+"""`kvd ls` and `kvd verify`: what is cached, and is it intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from kvd.cli import exits, main
+from kvd.cli.admin import _call, _client, _data_dir, _size, data_dir_option, endpoint_option, timeout_option
+
+
+def _ago(ts: float) -> str:
+    if not ts:
+        return "-"
+    s = max(0.0, time.time() - ts)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+@main.command("ls")
+@endpoint_option
+@timeout_option
+@data_dir_option
+@click.option("--offline", is_flag=True, help="Read the data dir's index instead of asking the daemon (SSD tier only).")
+@click.option("--json", "as_json", is_flag=True, help="Print {namespace: {entries, bytes, tokens, last_used}} as JSON.")
+def ls(endpoint, timeout, data_dir, offline, as_json) -> None:
+    """List namespaces: entries, bytes, tokens covered and last use.
+
+    Tokens covered counts each stored chunk once (a prefix shared by many
+    sequences is stored, and counted, once). Exits 3 if no daemon answers.
+    """
+    if offline:
+        from kvd.store import offline as off
+
+        path = _data_dir(data_dir)
+        try:
+            namespaces = off.stats(path)["namespaces"]
+        except (FileNotFoundError, TypeError):
+            click.echo(f"kvd: {path} holds no kvd index", err=True)
+            raise SystemExit(exits.FAILED)
+    else:
+        with _client(endpoint, timeout) as client:
+            namespaces = _call(client.stats)["namespaces"]
+    rows = {
+        ns: {k: v.get(k, 0) for k in ("entries", "bytes", "tokens", "last_used")}
+        for ns, v in namespaces.items()
+        if v.get("entries", 0)
+    }
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    click.echo(f"{'namespace':<66}{'entries':>9}{'bytes':>12}{'tokens':>10}  last used")
+    for ns, r in sorted(rows.items(), key=lambda kv: -kv[1]["last_used"]):
+        label = ns if len(ns) <= 64 else ns[:61] + "..."
+        click.echo(f"{label:<66}{r['entries']:>9}{_size(r['bytes']):>12}{r['tokens']:>10}  {_ago(r['last_used'])}")
+
+
+def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
+    """Re-check every blob of the index against its checksum, read-only.
+
+    Safe beside a running daemon (an LMDB reader, plain file reads). A blob
+    that vanished because its row was deleted meanwhile is not a failure.
+    Returns (checked, [(entry id, reason)]).
+    """
+    from kvd.store import blobfile
+    from kvd.store.datadir import INDEX_DIR, blob_path
+    from kvd.store.index import Index
+
+    index = Index(root / INDEX_DIR, readonly=True, map_size=0)
+    try:
+        with index.reading() as txn:
+            rows = list(index.iter_rows(txn))
+        bad: list[tuple[bytes, str]] = []
+        for i, (eid, row) in enumerate(rows):
+            reason = None
+            try:
+                fd = os.open(blob_path(root, eid), os.O_RDONLY)
+            except FileNotFoundError:
+                reason = "missing"
+            else:
+                try:
+                    blobfile.read_blob(fd, row.file_size, row.checksum)
+                except (blobfile.BlobCorrupt, OSError) as exc:
+                    reason = f"corrupt: {exc}"
+                finally:
+                    os.close(fd)
+            if reason is not None:
+                with index.reading() as txn:
+                    if index.has(txn, eid):  # still indexed: a real failure
+                        bad.append((eid, reason))
+            if progress is not None:
+                progress(i + 1, len(rows))
+        return len(rows), bad
+    finally:
+        index.close()
+
+
+@main.command()
+@endpoint_option
+@timeout_option
+@data_dir_option
+@click.option("--dry-run", is_flag=True, help="Report failures; quarantine nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(endpoint, timeout, data_dir, dry_run, as_json) -> None:
+    """Re-check every SSD blob's checksum against the index.
+
+    Reads the data dir directly (beside a running daemon, or without one),
+    with a progress bar. Blobs that fail are quarantined -- by the daemon
+    when it runs (it re-checks them itself first), else directly under the
+    data-dir lock -- unless --dry-run. Exits 0 if every blob is intact,
+    1 if any failed.
+    """
+    from kvd.store.datadir import INDEX_DIR
+
+    root = Path(_data_dir(data_dir) or "")
+    if not (root / INDEX_DIR / "data.mdb").exists():
+        click.echo(f"kvd: {root} holds no kvd index", err=True)
+        raise SystemExit(exits.FAILED)
+    bar = None if as_json else click.progressbar(length=1, label="verifying", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.length = total
+            bar.update(done - bar.pos)
+
+    try:
+        checked, bad = scan(root, progress)
+    finally:
+        if bar is not None:
+            bar.render_finish()
+    quarantined = 0
+    how = "not quarantined (dry run)" if dry_run else ""
+    if bad and not dry_run:
+        from kvd_client import DaemonUnavailable
+
+        ids = [eid for eid, _ in bad]
+        with _client(endpoint, timeout) as client:
+            try:
+                reply = client.gc(recheck=ids)
+                quarantined, how = reply["details"]["recheck"]["failed"], "quarantined by the daemon"
+            except DaemonUnavailable:
+                quarantined, how = _quarantine_offline(root, ids), "quarantined in the data dir"
+    report = {
+        "checked": checked,
+        "failed": len(bad),
+        "quarantined": quarantined,
+        "failures": [{"entry": eid.hex(), "reason": reason} for eid, reason in bad],
+    }
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(f"checked {checked} blobs: {len(bad)} failed" + (f", {quarantined} {how}" if bad and not dry_run else f" {how}" if bad else ""))
+        for f in report["failures"]:
+            click.echo(f"  {f['entry']}  {f['reason']}")
+    raise SystemExit(exits.FAILED if bad else exits.OK)
+
+
+def _quarantine_offline(root: Path, ids: list[bytes]) -> int:
+    from kvd.store import DataDirBusy
+    from kvd.store.ssd import SsdStore
+
+    try:
+        store = SsdStore(root, 1 << 62, min_free_bytes=0, background=False, reconcile=False)
+    except DataDirBusy as err:
+        click.echo(f"kvd: {err}", err=True)
+        raise SystemExit(exits.REFUSED)
+    try:
+        return store.recheck(ids)[1]
+    finally:
+        store.close()
