@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten, tree_map
@@ -212,6 +211,17 @@ def test_model_dir_file_from_cache_prompt_style_metadata(kvd_daemon, tmp_path):
     assert r.exit_code == 0, r.output
     with kvd_daemon.client(namespace) as c:
         assert c.probe(ids).n == len(ids)
+
+
+def test_cache_of_another_model_is_refused(kvd_daemon, tmp_path):
+    _, cache, toks, _ = _cache("kv")
+    src = tmp_path / "kv.safetensors"
+    C.save_prompt_cache(str(src), cache)
+    tokens_file = tmp_path / "t.json"
+    tokens_file.write_text(json.dumps(toks))
+    other = namespace_for(build("llama_swa"))  # records a windowed layout for that namespace
+    r = _run("import", src, "--endpoint", kvd_daemon.endpoint, "--namespace", other, "--tokens-file", tokens_file)
+    assert r.exit_code == 1 and "does not fit" in r.output, r.output
 
 
 def test_export_miss_and_no_daemon(kvd_daemon, daemon_factory, tmp_path):

@@ -12,7 +12,9 @@ and calls `LRUPromptCache(cli_args.prompt_cache_size)` inside `run(host,
 port, model_provider)`. `install` wraps `run` so that, before the original
 runs, the module's `LRUPromptCache` name is a factory for `KvdPromptCache`
 that knows the `ModelProvider` (to map a model_key to the loaded model and
-the server's --kv-bits options). Nothing else in mlx-lm is touched.
+the server's --kv-bits options). Nothing else in mlx-lm is touched. Keys
+with a draft model, and distributed servers (ranks must agree on every
+reuse), keep mlx-lm's local cache only.
 
 SIGTERM is turned into KeyboardInterrupt, which mlx-lm's server already
 handles by shutting down and joining its generation thread; queued uploads
@@ -63,6 +65,10 @@ def install(server: Any, *, endpoint: str | None = None, timeout: float = 1.0) -
             p = model_provider
             if p.model is None or p.model_key != model_key or p.draft_model is not None:
                 return None  # a draft model's cache rides in the same list: keep local
+            if getattr(p, "is_distributed", False):
+                # Every rank must reuse exactly the same prefix; a kvd hit on
+                # one rank and a miss on another would desynchronize them.
+                return None
             cli = p.cli_args
             return ModelRef(
                 p.model,

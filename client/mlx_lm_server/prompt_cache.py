@@ -101,11 +101,11 @@ class KvdPromptCache:
     ):
         from mlx_lm.models.cache import LRUPromptCache
 
-        from kvd_client._client import _endpoint
+        from kvd.server.endpoint import default_endpoint
 
         self.local = LRUPromptCache(max_size, max_bytes)
         self.resolve = resolve
-        self.endpoint = _endpoint(endpoint)
+        self.endpoint = endpoint or default_endpoint()
         self.timeout = float(timeout)
         self.enabled = bool(enabled) and resolve is not None
         self.counters: dict[str, int] = {}
@@ -197,9 +197,9 @@ class KvdPromptCache:
     def kvd_stats(self) -> dict[str, Any]:
         """This cache's counters, the clients' counters, and whether kvd is in use."""
         clients = {}
-        for key, target in list(self._targets.items()):
-            for kind, client in (target.clients.items() if target else ()):
-                clients[f"{client.namespace}"] = dict(client.counters)
+        for target in list(self._targets.values()):
+            for client in (target.clients.values() if target else ()):
+                clients[client.namespace] = dict(client.counters)
         return {"enabled": self.enabled, "down": self._down, "cache": dict(self.counters), "clients": clients}
 
     def close(self) -> None:

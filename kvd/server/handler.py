@@ -25,7 +25,7 @@ from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
 from kvd.protocol.errors import BadField
 from kvd.protocol.limits import Limits
 from kvd.server.prefix import Link, match
-from kvd.store.base import BOUNDARY, CHUNK, Entry, PutOutcome, Store, entry_id
+from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, entry_id
 
 log = logging.getLogger("kvd.server")
 

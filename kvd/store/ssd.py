@@ -68,9 +68,14 @@ from kvd.store import blobfile
 from kvd.store.base import Entry, PutOutcome, Store
 from kvd.store.blobfile import BlobCorrupt, Unencodable
 from kvd.store.datadir import (
-    BLOB_DIR, INDEX_DIR, QUARANTINE_DIR, DataDirLock, blob_path, ensure_dirs, eid_of_blob, is_temp_name,
+    INDEX_DIR,
+    QUARANTINE_DIR,
+    DataDirLock,
+    blob_path,
+    ensure_dirs,
 )
 from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row
+from kvd.store.reconcile import reconcile_steps
 from kvd.store.spill import SpillQueue, Writer
 
 log = logging.getLogger("kvd.store.ssd")
@@ -498,69 +503,11 @@ class SsdStore(Store):
             return self._reconcile is not None and not busy
         return False
 
-    # -- reconcile -----------------------------------------------------------
+    # -- reconcile (kvd/store/reconcile.py) ----------------------------------
     def _reconcile_steps(
         self, report: dict[str, int], dry_run: bool = False, progress: Callable[[str, int, int], None] | None = None
     ) -> Iterator[None]:
-        """Remove temp files, blobs without rows and rows without blobs, a
-        little per step. Must run on the writer thread (or with none running):
-        then no blob is being written while a step looks at the directory."""
-        for key in ("temps_removed", "orphans_removed", "rows_repaired", "temp_bytes", "orphan_bytes"):
-            report.setdefault(key, 0)
-        blob_root = self.root / BLOB_DIR
-        shards = sorted(p for p in blob_root.iterdir() if p.is_dir()) if blob_root.is_dir() else []
-        for i, shard in enumerate(shards):
-            for name in os.listdir(shard):
-                path = shard / name
-                if is_temp_name(name):
-                    kind = "temp"
-                else:
-                    eid = eid_of_blob(name)
-                    if eid is None or eid in self.queue or self.has_row(eid):
-                        continue
-                    kind = "orphan"
-                try:
-                    size = path.stat().st_size
-                    if not dry_run:
-                        os.unlink(path)
-                except FileNotFoundError:
-                    continue
-                report[f"{kind}s_removed"] += 1
-                report[f"{kind}_bytes"] += size
-                if not dry_run:
-                    self._count(f"{kind}s_removed")
-            if progress:
-                progress("blobs", i + 1, len(shards))
-            yield
-        # Rows whose blob is gone. Our own write order never makes these
-        # (rows die before blobs, blobs are born before rows); they come from
-        # outside interference: a blob deleted by hand, a restored backup.
-        last = b""
-        done = 0
-        total = self.entries
-        while True:
-            missing, seen = [], 0
-            with self.index.reading() as txn:
-                cur = txn.cursor(db=self.index.rows)
-                ok = cur.set_range(last) if last else cur.first()
-                while ok and seen < 512:
-                    eid = bytes(cur.key())
-                    if eid != last:
-                        seen += 1
-                        if not self.path(eid).exists():
-                            missing.append(eid)
-                    last = eid
-                    ok = cur.next()
-            done += seen
-            if missing:
-                report["rows_repaired"] += len(missing)
-                if not dry_run:
-                    self._remove(missing, "rows_repaired")
-            if progress:
-                progress("rows", done, total)
-            if not ok or not seen:
-                return
-            yield
+        return reconcile_steps(self, report, dry_run, progress)
 
     def reconcile(
         self, *, dry_run: bool = False, progress: Callable[[str, int, int], None] | None = None
