@@ -185,17 +185,28 @@ def test_lookup_lease_keeps_entry_until_get(tmp_path, stores):
 def test_contains_never_lies_while_writer_evicts(tmp_path, stores):
     """Reads race spills and evictions: every yes from contains is then served."""
     entries = [make_entry(i, tokens=4) for i in range(300)]
-    # Leases are short here: the GET follows its LOOKUP within microseconds,
-    # and long leases on so many lookups would pin the whole (tiny) tier.
-    store = stores(entries[0].nbytes * 2, tmp_path, ssd_bytes=20 * 4096, durable=False, lease_s=0.005)
+    # Leases are short here (long leases on so many lookups would pin the
+    # whole tiny tier), so time is the test's: one put = 1 ms, and a lease
+    # of 5 ms outlives the GET that follows its LOOKUP however slow the
+    # machine is. (The daemon's leases are 30 s of wall time.)
+    now = [1_000_000.0]
+    store = stores(
+        entries[0].nbytes * 2, tmp_path, ssd_bytes=20 * 4096, durable=False, lease_s=0.005, clock=lambda: now[0]
+    )
     rng = np.random.default_rng(0)
     served = 0
     for i, e in enumerate(entries):
+        now[0] += 0.001
         store.put(e)
-        time.sleep(0.001)  # let the writer keep up, so reads hit the disk while it evicts
+        if i % 8 == 7:
+            # Let the writer catch up now and then (however loaded the machine),
+            # so reads hit the disk while the next puts make it evict.
+            assert store.flush(10)
         for j in rng.integers(max(0, i - 24), i + 1, size=3):
             if store.contains(entries[j].id):
-                assert_same(store.get(entries[j].id), entries[j])
+                got = store.get(entries[j].id)
+                assert got is not None, (dict(store.ssd.counters), dict(store.ssd.drop_reasons))
+                assert_same(got, entries[j])
                 served += 1
     assert store.flush(10)
     c = store.ssd.counters

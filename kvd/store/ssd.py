@@ -24,10 +24,15 @@ eviction, (b) an explicit admin evict/drop, or (c) failing its checksum.
     unlinked-but-open files readable: a race ends as a hit, never as a
     "row said yes, file said no".
   * LOOKUP and the GET that follows are separate requests. `lease(eid)`
-    (called by the tiered store when `contains` answers yes) protects the
+    (taken by the tiered store *before* `contains` looks) protects the
     entry for `lease_s` seconds: LRU eviction skips leased entries (if only
     leased ones remain, the incoming spill is dropped instead, counted), and
     a leased entry evicted from RAM enters the queue even when it is full.
+    The writer picks victims, then -- under `_mu`, the lock `lease` takes --
+    drops any leased since and marks the rest `_evicting` until their rows
+    are gone; `lease` refuses an entry being evicted. So a lease and an
+    eviction are ordered: either the lease came first and the entry stays,
+    or the eviction did and `contains` answers no.
   * What remains is (b), which is explicit, and (c), which no design can
     hide: both are counted.
 
@@ -142,6 +147,7 @@ class SsdStore(Store):
         self._touched: dict[bytes, float] = {}
         self._bad: dict[bytes, str] = {}  # eid -> reason, awaiting quarantine
         self._leases: dict[bytes, float] = {}
+        self._evicting: set[bytes] = set()  # victims whose rows are being deleted
         self._lease_sweep_at = 4096
         self._next_touch_flush = 0.0
         self.degraded: str | None = None
@@ -169,15 +175,20 @@ class SsdStore(Store):
     def path(self, eid: bytes) -> Path:
         return blob_path(self.root, eid)
 
-    def lease(self, eid: bytes) -> None:
-        """Protect `eid` from LRU eviction for `lease_s` seconds (a LOOKUP reported it)."""
+    def lease(self, eid: bytes) -> bool:
+        """Protect `eid` from LRU eviction for `lease_s` seconds (a LOOKUP is
+        about to report it). False if it is being evicted right now: then it
+        must be reported absent."""
         now = self._clock()
         with self._mu:
+            if eid in self._evicting:
+                return False
             self._leases[eid] = now + self.lease_s
             if len(self._leases) > self._lease_sweep_at:
                 # Amortized sweep of expired leases: O(1) per call on average.
                 self._leases = {k: t for k, t in self._leases.items() if t > now}
                 self._lease_sweep_at = max(4096, 2 * len(self._leases))
+        return True
 
     def leased(self, eid: bytes) -> bool:
         t = self._leases.get(eid)
@@ -429,7 +440,15 @@ class SsdStore(Store):
                     break
         if freed < over:
             return False
-        self._remove(victims, "evictions")
+        with self._mu:  # ordered against lease(): see the module docstring
+            if any(self.leased(eid) for eid in victims):
+                return False  # a LOOKUP just reported one: leave them all this time
+            self._evicting.update(victims)
+        try:
+            self._remove(victims, "evictions")
+        finally:
+            with self._mu:
+                self._evicting.difference_update(victims)
         return True
 
     def _remove(self, eids: list[bytes], counter: str) -> tuple[int, int]:

@@ -54,10 +54,11 @@ class TieredStore(Store):
 
     # -- lookups -------------------------------------------------------------
     def contains(self, eid: bytes) -> bool:
-        if self.ram.contains(eid) or self.ssd.contains(eid):
-            self.ssd.lease(eid)
-            return True
-        return False
+        # Lease first, then look (ssd.py explains why the order matters): a
+        # yes is then safe from eviction until the GET that follows.
+        if not self.ssd.lease(eid):
+            return False  # being evicted from the SSD tier this instant
+        return self.ram.contains(eid) or self.ssd.contains(eid)
 
     def get(self, eid: bytes) -> Entry | None:
         entry = self.ram.get(eid)
