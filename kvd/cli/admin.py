@@ -66,6 +66,9 @@ def render_stats(stats: dict) -> str:
         extra = {k: v for k, v in t.items() if k not in {"entries", "bytes", "budget_bytes", "hits", "misses", "evictions"}}
         if extra:
             lines.append("      " + "  ".join(f"{k}={v}" for k, v in extra.items()))
+    store = stats.get("store", {})
+    if store:
+        lines.append("store: " + "  ".join(f"{k}={v}" for k, v in store.items()))
     lines += ["", f"{'namespace':<34}{'entries':>9}{'bytes':>12}{'gets':>8}{'hit rate':>10}{'tokens served':>15}"]
     for ns, c in stats.get("namespaces", {}).items():
         label = ns if len(ns) <= 32 else ns[:29] + "..."
