@@ -142,6 +142,52 @@ def kv_options(cache: Sequence[Any]) -> dict[str, Any]:
     return {}
 
 
+def load_model(path: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of a local mlx-lm model directory (mlx_lm.utils.load)."""
+    from mlx_lm.utils import load
+
+    return load(path)
+
+
+def namespace_of(
+    model: Any,
+    cache: Sequence[Any] | None,
+    *,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    quantized_kv_start: int | None = None,
+    max_kv_size: int | None = None,
+) -> str:
+    """The namespace a cache of `model` belongs in: KV options read from the
+    cache itself (quantization, a single rotating window size), overridden by
+    the arguments given, then `namespace_for`."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from kvd_client.mlx_lm import namespace_for
+
+    opts = kv_options(cache) if cache is not None else {}
+    if kv_bits is not None:
+        opts["kv_bits"] = kv_bits
+    if kv_group_size is not None:
+        opts["kv_group_size"] = kv_group_size
+    if opts.get("kv_bits") is not None:
+        opts["quantized_kv_start"] = DEFAULT_QUANTIZED_KV_START if quantized_kv_start is None else quantized_kv_start
+    if max_kv_size is None and cache is not None and not hasattr(model, "make_cache"):
+        sizes = {c.max_size for c in cache if type(c) is RotatingKVCache}
+        max_kv_size = sizes.pop() if len(sizes) == 1 else None
+    return namespace_for(model, max_kv_size=max_kv_size, **opts)
+
+
+def tokenize_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a prompt, tokenized the way `mlx_lm.cache_prompt` does."""
+    if tokenizer.has_chat_template:
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=False, continue_final_message=True
+        ))
+    return list(tokenizer.encode(text))
+
+
 def cache_tokens(cache: Sequence[Any]) -> int | None:
     """The token count of the first layer that has an offset (None if none has)."""
     for c in cache:

@@ -77,36 +77,23 @@ class _Model:
 
     def load(self) -> tuple[Any, Any]:
         if self._loaded is None:
-            from mlx_lm.utils import load
+            from kvd_client.mlx_lm_files import load_model
 
             try:
-                self._loaded = load(self.path)
+                self._loaded = load_model(self.path)
             except Exception as err:
                 _fail(exits.FAILED, f"cannot load model {self.path}: {err}")
         return self._loaded
 
 
 def _namespace_of(model: _Model, cache: list[Any] | None, kv: dict[str, Any]) -> str:
-    from kvd_client.mlx_lm import namespace_for
-    from kvd_client.mlx_lm_files import kv_options
-    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+    from kvd_client.mlx_lm_files import namespace_of
 
-    opts = kv_options(cache) if cache is not None else {}
-    if kv["kv_bits"] is not None:
-        opts["kv_bits"] = kv["kv_bits"]
-    if kv["kv_group_size"] is not None:
-        opts["kv_group_size"] = kv["kv_group_size"]
-    if opts.get("kv_bits") is not None:
-        start = kv["quantized_kv_start"]
-        opts["quantized_kv_start"] = DEFAULT_QUANTIZED_KV_START if start is None else start
     m, _ = model.load()
-    max_kv = kv["max_kv_size"]
-    if max_kv is None and cache is not None and not hasattr(m, "make_cache"):
-        from mlx_lm.models.cache import RotatingKVCache
-
-        sizes = {c.max_size for c in cache if type(c) is RotatingKVCache}
-        max_kv = sizes.pop() if len(sizes) == 1 else None
-    return namespace_for(m, max_kv_size=max_kv, **opts)
+    return namespace_of(
+        m, cache, kv_bits=kv["kv_bits"], kv_group_size=kv["kv_group_size"],
+        quantized_kv_start=kv["quantized_kv_start"], max_kv_size=kv["max_kv_size"],
+    )
 
 
 def _tokens(tokens_file: str | None, prompt_file: str | None, model: _Model) -> list[int] | None:
@@ -120,13 +107,10 @@ def _tokens(tokens_file: str | None, prompt_file: str | None, model: _Model) -> 
     if prompt_file:
         if model.path is None:
             raise click.UsageError("--prompt-file needs --model (to tokenize)")
+        from kvd_client.mlx_lm_files import tokenize_prompt
+
         _, tokenizer = model.load()
-        text = Path(prompt_file).read_text()
-        if tokenizer.has_chat_template:  # as mlx_lm.cache_prompt does
-            return list(tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=False, continue_final_message=True
-            ))
-        return list(tokenizer.encode(text))
+        return tokenize_prompt(tokenizer, Path(prompt_file).read_text())
     return None
 
 
