@@ -9,7 +9,9 @@ baselines measured in the same run:
   store  time `Client.store` holds the caller's thread (slice, eval, copy to
          host; the upload runs on the writer thread), vs a plain in-process
          copy of the same arrays to fresh numpy memory, and vs memcpy into an
-         already-touched buffer;
+         already-touched buffer: cold (nothing held), and for a conversation
+         going on (the daemon holds all but the last 256 tokens: one chunk is
+         copied);
   fetch  time `Client.fetch` holds the caller's thread (GET over ipc, join,
          mlx arrays rebuilt and evaluated), split into wire and rebuild;
   demo   fetch vs cold prefill of the same prefix with the demo model
@@ -84,11 +86,27 @@ def main() -> None:
     with daemon("--ram-mb", "2048") as (endpoint, _):
         with mlx_client(endpoint, "bench-mlx") as kv:
             assert kv.store(toks, caches, wait=True), kv.counters
+            rounds = iter(range(1, 10**6))
+            state = {}
 
-            def store_async():
-                kv.store(toks, caches)
+            # Cold: token ids the daemon has never seen, so every chunk is copied.
+            def fresh_ids():
+                kv.flush_stores(120)
+                r = next(rounds)
+                state["t"] = [(t + 1_000_003 * r) % 2**31 for t in toks]
 
-            store = median_time(store_async, reps, setup=lambda: kv.flush_stores(120))
+            store = median_time(lambda: kv.store(state["t"], caches), reps, setup=fresh_ids)
+
+            # A conversation going on: the daemon holds all but the last 256
+            # tokens, so store copies one chunk (plus a probe round trip).
+            def held_but_last_chunk():
+                kv.flush_stores(120)
+                r = next(rounds)
+                base = [(t + 1_000_003 * r) % 2**31 for t in toks]
+                assert kv.store(base, caches, wait=True)
+                state["t"] = base[: T - 256] + [(t + 7) % 2**31 for t in base[T - 256 :]]
+
+            store_inc = median_time(lambda: kv.store(state["t"], caches), reps, setup=held_but_last_chunk)
             kv.flush_stores(120)
             query = toks + [1]
             hit_holder = {}
@@ -127,8 +145,10 @@ def main() -> None:
     print(f"baseline memcpy, touched dest  {memcpy * 1e3:8.1f} ms  {gibs(memcpy):5.2f} GiB/s")
     print(f"snapshot (take) on caller      {take * 1e3:8.1f} ms  {gibs(take):5.2f} GiB/s  "
           f"{take / fresh:4.2f}x fresh copy  {take / memcpy:4.2f}x memcpy")
-    print(f"store() on caller              {store * 1e3:8.1f} ms  {gibs(store):5.2f} GiB/s  "
+    print(f"store() on caller, nothing held {store * 1e3:7.1f} ms  {gibs(store):5.2f} GiB/s  "
           f"{store / fresh:4.2f}x fresh copy  {store / memcpy:4.2f}x memcpy")
+    print(f"store() on caller, all but 256 held {store_inc * 1e3:5.1f} ms  "
+          f"({store_inc / fresh:4.2f}x a fresh copy of the whole cache)")
     print(f"fetch() on caller              {fetch * 1e3:8.1f} ms  {gibs(fetch):5.2f} GiB/s  "
           f"{fetch / fresh:4.2f}x fresh copy  (get over ipc {wire * 1e3:.1f} ms + rebuild {rebuild_s * 1e3:.1f} ms)")
     print(f"demo model, 1024-token prefix: cold prefill {cold_s * 1e3:.1f} ms, fetch {demo_fetch * 1e3:.1f} ms "

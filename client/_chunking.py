@@ -31,20 +31,27 @@ def boundary_meta(snapshot: Snapshot) -> bytes:
     return msgpack.packb({"v": CHUNK_META_VERSION, "meta": snapshot.boundary_meta}, use_bin_type=True)
 
 
-def check_snapshot(snapshot: Snapshot, n_tokens: int) -> None:
-    """Raise ValueError unless every sliced tensor spans exactly n_tokens."""
+def check_snapshot(snapshot: Snapshot, n_tokens: int, chunk_tokens: int) -> None:
+    """Raise ValueError unless every sliced tensor spans tokens[start:n_tokens]
+    and `start` is a chunk boundary within the sequence."""
+    start = snapshot.start
+    if start % chunk_tokens or not 0 <= start <= n_tokens:
+        raise ValueError(f"snapshot start {start} is not a chunk boundary (every {chunk_tokens}) within {n_tokens} tokens")
     for name, (t, axis) in snapshot.sliced.items():
         if not 0 <= axis < t.array.ndim:
             raise ValueError(f"tensor {name!r}: token axis {axis} out of range for shape {t.shape}")
-        if t.shape[axis] != n_tokens:
-            raise ValueError(f"tensor {name!r}: {t.shape[axis]} positions on axis {axis}, but {n_tokens} tokens")
+        if t.shape[axis] != n_tokens - start:
+            raise ValueError(
+                f"tensor {name!r}: {t.shape[axis]} positions on axis {axis}, but tokens {start}..{n_tokens}"
+            )
 
 
 def cut(snapshot: Snapshot, start: int, end: int) -> list[Tensor]:
-    """The wire tensors of one chunk: every sliced tensor's [start, end) along its axis."""
+    """The wire tensors of one chunk: tokens [start, end) of every sliced tensor
+    (whose position 0 is token `snapshot.start`)."""
     out = []
     for name, (t, axis) in snapshot.sliced.items():
-        index = (slice(None),) * axis + (slice(start, end),)
+        index = (slice(None),) * axis + (slice(start - snapshot.start, end - snapshot.start),)
         piece = np.ascontiguousarray(t.array[index])
         out.append(Tensor(name, t.dtype, piece.shape, piece))
     return out

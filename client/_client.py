@@ -83,14 +83,28 @@ class _Core:
         self.strict = strict
         self.counters: Counter[str] = Counter()
         self._transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout))
+        # Uploads from a background thread (mlx `store`) use a socket of their
+        # own: a request waits for the one before it on the same socket, and
+        # the caller's fetch must not wait behind a 256 MiB upload.
+        self._bg_transport: Transport | None = None
+        self._bg_lock = threading.Lock()
         self._limits: Limits | None = None
         self._warned = threading.Event()
 
     # -- plumbing ----------------------------------------------------------
-    def _call(self, mtype: str, fields: dict[str, Any] | None = None, timeout: float | None = None):
+    def _background_transport(self) -> Transport:
+        with self._bg_lock:
+            if self._bg_transport is None:
+                self._bg_transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout))
+            return self._bg_transport
+
+    def _call(
+        self, mtype: str, fields: dict[str, Any] | None = None, timeout: float | None = None, *, background: bool = False
+    ):
         """One request; in non-strict mode a failure returns None (and is counted)."""
+        transport = self._background_transport() if background else self._transport
         try:
-            return self._transport.request(mtype, fields, self.timeout if timeout is None else timeout)
+            return transport.request(mtype, fields, self.timeout if timeout is None else timeout)
         except KvdError as err:
             self.counters[f"{mtype.lower()}_failed"] += 1
             self.counters[f"error_{err.name.lower()}"] += 1
@@ -104,10 +118,10 @@ class _Core:
     def _seq(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
         return {"ns": self.namespace, "tokens": keys.token_bytes(tokens), "chunk_tokens": self.chunk_tokens}
 
-    def limits(self) -> Limits:
+    def limits(self, *, background: bool = False) -> Limits:
         """The daemon's advertised limits (from HELLO; defaults if it is unreachable)."""
         if self._limits is None:
-            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
+            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
             if reply is None:
                 return Limits()
             self._limits = Limits.from_wire(reply["limits"])
@@ -135,18 +149,22 @@ class _Core:
             return Probe(0)
         return Probe(reply["n"], tuple(reply["boundaries"]))
 
-    def put(self, tokens: Sequence[int] | np.ndarray, snapshot: Snapshot) -> bool:
+    def put(self, tokens: Sequence[int] | np.ndarray, snapshot: Snapshot, *, background: bool = False) -> bool:
         """Store `snapshot` as the cache of `tokens`. True if the daemon now holds
         all of it; False if it could not (counted in `counters`).
 
-        Raises ValueError if a sliced tensor does not span len(tokens) positions.
+        `background=True` (for an upload thread) sends over a socket of its own,
+        so calls from other threads never wait behind it.
+
+        Raises ValueError if a sliced tensor does not span the positions from
+        `snapshot.start` to len(tokens), or `start` is not a chunk boundary.
         """
         n_tokens = len(tokens)
-        _chunking.check_snapshot(snapshot, n_tokens)
+        _chunking.check_snapshot(snapshot, n_tokens, self.chunk_tokens)
         if n_tokens == 0:
             return False
         seq = self._seq(tokens)
-        have = self._call("LOOKUP", seq)
+        have = self._call("LOOKUP", seq, background=background)
         if have is None:
             self.counters["put_not_stored"] += 1
             return False
@@ -154,10 +172,16 @@ class _Core:
         held = len(spans) if have["n"] == n_tokens else have["n"] // self.chunk_tokens
         want_boundary = bool(snapshot.boundary) and n_tokens not in have["boundaries"]
         todo = list(enumerate(spans))[held:]
+        # Chunks before `snapshot.start` were held when the snapshot was taken;
+        # if the daemon lost any since, this snapshot cannot restore them.
+        gap = any(start < snapshot.start for _, (start, _) in todo)
+        todo = [(i, span) for i, span in todo if span[0] >= snapshot.start]
+        if gap:
+            self.counters["put_gap"] += 1
         if not todo and not want_boundary:
             self.counters["put_deduplicated"] += 1
-            return True
-        limits = self.limits()
+            return not gap
+        limits = self.limits(background=background)
         budget = max(1, limits.max_message_bytes - _HEADER_SLACK)
         meta = _chunking.chunk_meta(snapshot)
         batch: list[dict[str, Any]] = []
@@ -167,7 +191,7 @@ class _Core:
             tensors = _chunking.cut(snapshot, start, end)
             nbytes = sum(t.nbytes for t in tensors)
             if batch and (size + nbytes > budget or frames + len(tensors) >= limits.max_frames - 1):
-                ok &= self._send_put(seq, batch, None)
+                ok &= self._send_put(seq, batch, None, background)
                 batch, size, frames = [], 0, 0
             batch.append({"index": i, "tensors": tensors, "meta": meta})
             size += nbytes
@@ -175,17 +199,20 @@ class _Core:
         boundary = None
         if want_boundary:
             boundary = {"tensors": _chunking.boundary_tensors(snapshot), "meta": _chunking.boundary_meta(snapshot)}
-        ok &= self._send_put(seq, batch, boundary)
+        ok &= self._send_put(seq, batch, boundary, background)
+        ok &= not gap
         self.counters["put_ok" if ok else "put_not_stored"] += 1
         return ok
 
-    def _send_put(self, seq: dict[str, Any], chunks: list[dict[str, Any]], boundary) -> bool:
+    def _send_put(self, seq: dict[str, Any], chunks: list[dict[str, Any]], boundary, background: bool) -> bool:
         if not chunks and boundary is None:
             return True
         nbytes = sum(t.nbytes for c in chunks for t in c["tensors"])
         # A PUT's size is known, so its deadline grows with it (at 256 MiB/s,
         # a quarter of the slowest transport measured); GET keeps `timeout`.
-        reply = self._call("PUT", {**seq, "chunks": chunks, "boundary": boundary}, self.timeout + nbytes / 2**28)
+        reply = self._call(
+            "PUT", {**seq, "chunks": chunks, "boundary": boundary}, self.timeout + nbytes / 2**28, background=background
+        )
         if reply is None:
             return False
         self.counters["chunks_sent"] += len(chunks)
@@ -262,6 +289,8 @@ class _Core:
     # -- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
         self._transport.close()
+        if self._bg_transport is not None:
+            self._bg_transport.close()
 
     def __enter__(self):
         return self

@@ -14,7 +14,9 @@ cuts it into chunks:
                 sliding window): valid only at the end of the sequence, so it
                 is attached to the chunk where the sequence ends;
 * `meta` / `boundary_meta` -- small msgpack-able maps (layout, scalars) that
-                travel with every chunk / with the boundary state.
+                travel with every chunk / with the boundary state;
+* `start`    -- the token position of the sliced tensors' first row (0, or
+                a chunk boundary when leading chunks are already stored).
 
 A `Hit` is what comes back: the sliced tensors re-joined and trimmed to the
 `n` tokens served, plus the boundary state if the hit ends on a boundary.
@@ -80,6 +82,9 @@ class Snapshot:
     boundary: dict[str, HostTensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     boundary_meta: dict[str, Any] = field(default_factory=dict)
+    # Token position of the sliced tensors' first row: a snapshot may leave
+    # out leading chunks the daemon already holds (a chunk boundary).
+    start: int = 0
 
     @property
     def nbytes(self) -> int:

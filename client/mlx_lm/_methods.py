@@ -74,10 +74,11 @@ class MlxMethods:
         False if there was nothing to store or it was refused or dropped
         (counted). Raises only when the client is strict.
         """
-        from kvd_client.mlx_lm._snapshot import take
+        from kvd_client.mlx_lm._snapshot import _host_tokens, take
 
+        toks_in = _host_tokens(tokens)
         try:
-            taken = take(tokens, prompt_cache)
+            taken = take(toks_in, prompt_cache, start=self._mlx_held(toks_in))
         except F.UnsupportedCache:
             self._mlx_count("store_unsupported")
             if self._mlx_strict():
@@ -195,6 +196,11 @@ class MlxMethods:
                     self._mlx_writer_obj = writer
         return writer
 
+    def _mlx_held(self, tokens: Any) -> int:
+        """Where the snapshot may start: one LOOKUP (no tensors move), so a
+        long conversation copies only its new chunks on the caller's thread."""
+        return _held_start(self, tokens)
+
     def _mlx_count(self, key: str, n: int = 1) -> None:
         with _init_lock:
             counters = getattr(self, "counters", None)
@@ -220,13 +226,26 @@ class MlxMethods:
         return F.needs_boundary(layers)
 
 
+def _held_start(client: Any, tokens: Any) -> int:
+    """Tokens before the first chunk the daemon lacks (a chunk boundary): the
+    snapshot need not copy them. 0 for clients without chunked storage."""
+    chunk = getattr(client, "chunk_tokens", None)
+    if not chunk or len(tokens) < chunk:
+        return 0
+    return (client.probe(tokens).n // chunk) * chunk
+
+
 def _weak_calls(client: Any):
     """put/count callables for the writer that do not keep `client` alive."""
     ref = weakref.ref(client)
 
     def put(tokens: Any, snapshot: Any) -> bool:
         me = ref()
-        return False if me is None else bool(me.put(tokens, snapshot))
+        if me is None:
+            return False
+        if getattr(me, "chunk_tokens", None):  # a real client: upload on its own socket
+            return bool(me.put(tokens, snapshot, background=True))
+        return bool(me.put(tokens, snapshot))
 
     def count(key: str, n: int) -> None:
         me = ref()

@@ -38,13 +38,16 @@ from kvd_client._tensors import HostTensor, Snapshot
 from kvd_client.mlx_lm import _format as F
 
 
-def take(tokens: Sequence[int], prompt_cache: Sequence[Any]) -> tuple[np.ndarray, Snapshot] | None:
+def take(tokens: Sequence[int], prompt_cache: Sequence[Any], *, start: int = 0) -> tuple[np.ndarray, Snapshot] | None:
     """Snapshot `prompt_cache`, which was built by feeding `tokens` from position 0.
 
     Returns (the tokens the snapshot covers, the Snapshot), or None when the
     cache holds no tokens. The covered tokens are `tokens[:T]` where T is
     the cache's offset; a cache longer than `tokens` is cut to `len(tokens)`
-    if every layer is sliceable.
+    if every layer is sliceable. Token-axis tensors are copied from position
+    `start` on (a chunk boundary the daemon already holds everything before);
+    a `start` past T is ignored (everything is copied). Boundary state is
+    always copied whole.
 
     Raises UnsupportedCache for cache classes kvd does not know, and
     SnapshotMismatch when layers disagree on their offset or a boundary
@@ -73,14 +76,14 @@ def take(tokens: Sequence[int], prompt_cache: Sequence[Any]) -> tuple[np.ndarray
         return None
     toks = toks[:t_cache]
 
-    plan = _Plan(t_cache)
+    plan = _Plan(t_cache, start if start <= t_cache else 0)
     for i, (spec, c) in enumerate(zip(layers, prompt_cache)):
         plan.layer(str(i), spec, c)
 
     # One eval for everything: slices, bf16 views, and whatever lazy work the
     # model left on the cache buffers, all on the caller's stream.
     mx.eval(*(x for _, x, _, _ in plan.items))
-    snap = Snapshot(meta=F.make_meta(layers), boundary_meta=plan.boundary_meta)
+    snap = Snapshot(meta=F.make_meta(layers), boundary_meta=plan.boundary_meta, start=plan.start)
     for name, x, wire, axis in plan.items:
         host = HostTensor(wire, np.array(x, copy=True, order="C"))
         if axis is None:
@@ -116,8 +119,9 @@ def wire_dtype(x: Any) -> str:
 class _Plan:
     """Lazy mlx views to copy, with their wire names; built on the caller's thread."""
 
-    def __init__(self, n_tokens: int):
+    def __init__(self, n_tokens: int, start: int = 0):
         self.t = n_tokens
+        self.start = start
         self.items: list[tuple[str, Any, str, int | None]] = []  # name, mx view, dtype, axis
         self.boundary_meta: dict[str, Any] = {}
 
@@ -132,17 +136,21 @@ class _Plan:
     def rows(self, x: Any, n: int) -> Any:
         return x if x.shape[F.TOKEN_AXIS] == n else x[..., :n, :]
 
+    def token_rows(self, x: Any) -> Any:
+        """Rows [start, T) of a token-axis tensor (all T rows when start is 0)."""
+        return self.rows(x, self.t) if not self.start else x[..., self.start : self.t, :]
+
     def layer(self, p: str, spec: dict[str, Any], c: Any) -> None:
         kind, t = spec["k"], self.t
         if kind == "kv":
-            self.add(f"{p}.k", self.rows(c.keys, t), F.TOKEN_AXIS)
-            self.add(f"{p}.v", self.rows(c.values, t), F.TOKEN_AXIS)
+            self.add(f"{p}.k", self.token_rows(c.keys), F.TOKEN_AXIS)
+            self.add(f"{p}.v", self.token_rows(c.values), F.TOKEN_AXIS)
         elif kind == "qkv":
             for side, triple in (("k", c.keys), ("v", c.values)):
                 packed, scales, biases = triple
-                self.add(f"{p}.{side}.q", self.rows(packed, t), F.TOKEN_AXIS)
-                self.add(f"{p}.{side}.s", self.rows(scales, t), F.TOKEN_AXIS)
-                self.add(f"{p}.{side}.b", self.rows(biases, t), F.TOKEN_AXIS)
+                self.add(f"{p}.{side}.q", self.token_rows(packed), F.TOKEN_AXIS)
+                self.add(f"{p}.{side}.s", self.token_rows(scales), F.TOKEN_AXIS)
+                self.add(f"{p}.{side}.b", self.token_rows(biases), F.TOKEN_AXIS)
         elif kind == "rot":
             # Rows past min(offset, buffer) are padding from in-place growth;
             # once the ring has wrapped (offset >= buffer) every row is live.
