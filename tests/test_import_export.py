@@ -1,9 +1,11 @@
 """`kvd import` / `kvd export` against a real daemon, for every cache class.
 
 Files are written by the installed mlx-lm's own `save_prompt_cache` (0.32
-layout) and by `save_031` below, which writes what mlx-lm 0.31's
+layout), by `save_031` below, which writes what mlx-lm 0.31's
 `save_prompt_cache` wrote (sliced `state`, string `meta_state`, metadata
-`[cache_info, metadata, cache_classes]`). Everything is compared bit for bit
+`[cache_info, metadata, cache_classes]`), and by mlx-lm 0.31.3 itself
+(installed into the repo's .cache by the test), which must agree with
+`save_031` to the byte. Everything is compared bit for bit
 through `snapshot` (host bytes of every valid row and scalar).
 """
 
@@ -244,3 +246,55 @@ def test_not_a_prompt_cache_file(kvd_daemon, tmp_path):
     text.write_text("hello")
     r = _run("import", text, "--endpoint", kvd_daemon.endpoint, "--namespace", "x")
     assert r.exit_code == 1, r.output
+
+
+# -- files written by mlx-lm 0.31 itself ---------------------------------------------
+RESAVE_031 = """
+import sys
+from mlx_lm.models import cache as C
+import mlx_lm
+assert mlx_lm.__version__.startswith("0.31"), mlx_lm.__version__
+cache, meta = C.load_prompt_cache(sys.argv[1], return_metadata=True)
+C.save_prompt_cache(sys.argv[2], cache, meta)
+print("RESAVED", mlx_lm.__version__)
+"""
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_file_written_by_mlx_lm_031_itself(kvd_daemon, tmp_path, case):
+    """mlx-lm 0.31.3 loads our 0.31-layout file and saves it again with its own
+    save_prompt_cache: the two files must agree (so `save_031` is faithful),
+    and the genuine one imports bit-exact."""
+    import os
+    import subprocess
+    import sys
+
+    from test_mlx_xproc import mlx_lm_031
+
+    target = mlx_lm_031()
+    model, cache, toks, opts = _cache(case)
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    save_031(ours, cache, {"note": "031"})
+    env = {**os.environ, "PYTHONPATH": str(target) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", RESAVE_031, str(ours), str(theirs)], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0 and "RESAVED 0.31" in r.stdout, r.stderr[-2000:]
+
+    a_arrays, a_meta = mx.load(str(ours), return_metadata=True)
+    b_arrays, b_meta = mx.load(str(theirs), return_metadata=True)
+    assert a_meta == b_meta
+    assert sorted(a_arrays) == sorted(b_arrays)
+    for k in a_arrays:
+        assert a_arrays[k].dtype == b_arrays[k].dtype and a_arrays[k].shape == b_arrays[k].shape, k
+        x, y = a_arrays[k], b_arrays[k]
+        if x.dtype == mx.bfloat16:
+            x, y = x.view(mx.uint16), y.view(mx.uint16)
+        assert bytes(memoryview(x)) == bytes(memoryview(y)), k
+
+    namespace = namespace_for(model, **opts) if case != "concat" else "test-concat-real031"
+    tokens_file = tmp_path / "tokens.json"
+    tokens_file.write_text(json.dumps(toks))
+    r = _run("import", theirs, "--endpoint", kvd_daemon.endpoint, "--namespace", namespace, "--tokens-file", tokens_file, "--json")
+    assert r.exit_code == 0, r.output
+    layers = [F.spec_of(c) for c in cache]
+    assert_same_cache(toks, _fetch_all(kvd_daemon, namespace, toks, layers), cache)
