@@ -76,7 +76,8 @@ def uninstall_cmd(dry_run: bool, init: str | None) -> None:
 
 @service.command("status")
 @_init_option
-@click.option("--endpoint", default=None, help="Endpoint to ping [default: the service's].")
+@click.option("--endpoint", envvar="KVD_ENDPOINT", default=None,
+              help="Endpoint to ping [env KVD_ENDPOINT; default: the installed service's].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts).")
 def status_cmd(init: str | None, endpoint: str | None, as_json: bool) -> None:
     """Say whether the service is installed, loaded, and answering a ping.
