@@ -6,7 +6,10 @@ exactly one Handler and calls it from one thread, which is why nothing here
 locks.
 
 GET is served in pages: a reply carries whole chunks up to the message byte
-limit and says where it stopped (`end`); the client asks again from there.
+limit -- or until `page_seconds` of reading has passed -- and says where it
+stopped (`end`); the client asks again from there. RAM chunks cost nothing
+to gather, so the time bound only cuts pages read from disk: other clients'
+requests are served between them instead of waiting for a whole SSD fetch.
 Every page re-matches the chain, so a page can only shrink `n`, never
 serve a byte of a chunk the store no longer holds.
 """
@@ -46,6 +49,7 @@ class Handler:
         self.endpoint = endpoint
         self.chunk_tokens = chunk_tokens
         self.started = time.time()
+        self.page_seconds = 0.02  # reading time after which a GET page is cut (>= 1 chunk)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ns_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
@@ -126,6 +130,7 @@ class Handler:
                 return [], 0, None
             n = ends[-1]
         budget = self.limits.max_message_bytes - _PAGE_SLACK
+        deadline = time.perf_counter() + self.page_seconds
         chunks: list[Entry] = []
         size = 0
         for link in usable:
@@ -133,6 +138,8 @@ class Handler:
                 break
             if link.start < start:
                 continue
+            if chunks and time.perf_counter() > deadline:
+                break  # slow reads (disk): let other requests in; the client continues
             entry = self.store.get(entry_id(link.key, CHUNK))
             if entry is None:  # lost since matching (e.g. a failed checksum): serve less
                 n = link.start
