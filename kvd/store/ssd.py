@@ -65,7 +65,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import lmdb
 
@@ -213,6 +213,14 @@ class SsdStore(Store):
                 return self.index.has(txn, eid)
         except IndexBusy:
             return False
+
+    def with_rows(self, eids: Iterable[bytes]) -> set[bytes]:
+        """Those of `eids` with a committed blob, in one read transaction."""
+        try:
+            with self.index.reading() as txn:
+                return {eid for eid in eids if self.index.has(txn, eid)}
+        except IndexBusy:
+            return set()
 
     def get(self, eid: bytes) -> Entry | None:
         entry = self.queue.get(eid)

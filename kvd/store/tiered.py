@@ -136,9 +136,11 @@ class TieredStore(Store):
                 d["last_used"] = max(d["last_used"], v.get("last_used", 0.0))
         # A chunk can be in both tiers (promoted, or written through): tokens
         # covered are the SSD's plus those of chunks only RAM holds.
+        chunks = [e for e in self.ram.entries() if e.kind == CHUNK]
+        on_disk = self.ssd.with_rows(e.id for e in chunks)
         ram_only: dict[str, int] = {}
-        for entry in self.ram.entries():
-            if entry.kind == CHUNK and not self.ssd.has_row(entry.id):
+        for entry in chunks:
+            if entry.id not in on_disk:
                 ram_only[entry.namespace] = ram_only.get(entry.namespace, 0) + entry.length
         for ns, d in namespaces.items():
             d["tokens"] = d.get("ssd_tokens", 0) + ram_only.get(ns, 0)
