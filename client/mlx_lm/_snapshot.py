@@ -141,7 +141,7 @@ class _Plan:
         return self.rows(x, self.t) if not self.start else x[..., self.start : self.t, :]
 
     def layer(self, p: str, spec: dict[str, Any], c: Any) -> None:
-        kind, t = spec["k"], self.t
+        kind = spec["k"]
         if kind == "kv":
             self.add(f"{p}.k", self.token_rows(c.keys), F.TOKEN_AXIS)
             self.add(f"{p}.v", self.token_rows(c.values), F.TOKEN_AXIS)
