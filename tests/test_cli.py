@@ -30,7 +30,7 @@ def test_stats_table_and_json(kvd_daemon):
     r = kvd("stats", "--endpoint", kvd_daemon.endpoint)
     assert r.returncode == 0, r.stderr
     assert "ram" in r.stdout and "cli-ns" in r.stdout and "100.0%" in r.stdout
-    for field in ("ssd", "spills=", "checksum_failures=", "promotions=", "evictions"):
+    for field in ("ssd", "spills=", "drops=", "checksum_failures=", "quarantined=", "promotions=", "evictions"):
         assert field in r.stdout, field
     j = json.loads(kvd("stats", "--json", "--endpoint", kvd_daemon.endpoint).stdout)
     assert j["namespaces"]["cli-ns"]["entries"] == 2 and j["tiers"]["ram"]["entries"] == 2

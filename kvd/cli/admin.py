@@ -49,6 +49,10 @@ def _rate(hits: int, misses: int) -> str:
     return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
 
 
+# What an operator looks at per tier, beyond the columns (`--json` has everything).
+_TIER_EXTRAS = ("stored", "too_big", "spills", "drops", "checksum_failures", "quarantined", "queue_entries", "queue_bytes")
+
+
 def render_stats(stats: dict) -> str:
     """The human table of a STATS map."""
     server = stats.get("server", {})
@@ -63,12 +67,14 @@ def render_stats(stats: dict) -> str:
             f"{t.get('hits', 0):>10}{t.get('misses', 0):>10}{_rate(t.get('hits', 0), t.get('misses', 0)):>10}"
             f"{t.get('evictions', 0):>11}"
         )
-        extra = {k: v for k, v in t.items() if k not in {"entries", "bytes", "budget_bytes", "hits", "misses", "evictions"}}
+        extra = [f"{k}={t[k]}" for k in _TIER_EXTRAS if k in t]
+        if t.get("degraded"):
+            extra.append(f"DEGRADED since {time.strftime('%H:%M:%S', time.localtime(t.get('degraded_since') or 0))}: {t.get('degraded_reason')}")
         if extra:
-            lines.append("      " + "  ".join(f"{k}={v}" for k, v in extra.items()))
+            lines.append("      " + "  ".join(extra))
     store = stats.get("store", {})
     if store:
-        lines.append("store: " + "  ".join(f"{k}={v}" for k, v in store.items()))
+        lines.append("      promotions=" + str(store.get("promotions", 0)) + f"  write_through={store.get('write_through')}")
     lines += ["", f"{'namespace':<34}{'entries':>9}{'bytes':>12}{'gets':>8}{'hit rate':>10}{'tokens served':>15}"]
     for ns, c in stats.get("namespaces", {}).items():
         label = ns if len(ns) <= 32 else ns[:29] + "..."
