@@ -25,7 +25,7 @@ from typing import Any
 from kvd import __version__
 from kvd.protocol import keys
 from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
-from kvd.protocol.errors import BadField
+from kvd.protocol.errors import BadField, UnsupportedVersion
 from kvd.protocol.limits import Limits
 from kvd.server.prefix import Link, match
 from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, entry_id
@@ -62,8 +62,6 @@ class Handler:
     def on_hello(self, msg: Message):
         common = sorted(set(msg["versions"]) & set(SUPPORTED_VERSIONS))
         if not common:
-            from kvd.protocol.errors import UnsupportedVersion
-
             raise UnsupportedVersion(f"client speaks {msg['versions']}; this daemon speaks {list(SUPPORTED_VERSIONS)}")
         return "HELLO", {
             "version": common[-1],

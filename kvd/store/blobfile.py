@@ -38,7 +38,6 @@ against what the index recorded, then parses; any disagreement raises
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import os
 import struct
@@ -295,8 +294,3 @@ def _parse(mv: memoryview) -> Entry:
         meta=base64.b64decode(md["kvd_meta"], validate=True),
         tail=md["kvd_tail"] == "1",
     )
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc` says the filesystem is out of space or quota."""
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
