@@ -6,11 +6,33 @@
         hit = kv.get(tokens)
 
 The mlx-lm level (`store`, `fetch`, `lookup`, `kvd_client.mlx_lm`) turns live
-mlx-lm prompt caches into snapshots and back on the caller's thread.
+mlx-lm prompt caches into snapshots and back on the caller's thread; it is
+imported the first time one of those is called, never by this package.
+
+In strict mode (`Client(..., strict=True)`) calls raise the errors exported
+here, all under `KvdError` (the tree is drawn in kvd/protocol/errors.py).
 """
 
-from kvd.protocol.errors import KvdError, ProtocolError, ServerError
-from kvd_client._client import Client, Probe
+from kvd.endpoint import EndpointError
+from kvd.protocol.errors import (
+    BadDtype,
+    BadField,
+    BadFrameIndex,
+    BadShape,
+    Busy,
+    Internal,
+    KvdError,
+    MalformedMessage,
+    MessageTooLarge,
+    ProtocolError,
+    ServerError,
+    TooManyFrames,
+    TooManyTokens,
+    UnknownMessageType,
+    UnsupportedVersion,
+)
+from kvd_client._client import Client
+from kvd_client._core import Probe
 from kvd_client._errors import BadReply, DaemonUnavailable
 from kvd_client._tensors import Hit, HostTensor, Snapshot
 
@@ -22,7 +44,20 @@ __all__ = [
     "HostTensor",
     "KvdError",
     "ProtocolError",
+    "MalformedMessage",
+    "UnsupportedVersion",
+    "UnknownMessageType",
+    "BadField",
+    "BadDtype",
+    "BadShape",
+    "BadFrameIndex",
+    "MessageTooLarge",
+    "TooManyFrames",
+    "TooManyTokens",
     "ServerError",
+    "Busy",
+    "Internal",
     "DaemonUnavailable",
     "BadReply",
+    "EndpointError",
 ]

@@ -1,307 +1,69 @@
-"""The numpy-level client: put, probe and get snapshots over kvd/1.
+"""`Client`: the numpy-level core plus the mlx-lm calls, by composition.
 
-Theory of operation
--------------------
-A `Client` is bound to one endpoint and one namespace (one model). It never
-raises into its caller because the daemon is down, slow, restarting or
-unhappy: every call has a timeout, and a failed call degrades -- `probe`
-says 0, `get` says miss, `put` says not stored -- and is counted in
-`counters`. Pass `strict=True` to get the exception instead (tests, CLIs).
-Caller mistakes (a tensor that does not span the tokens) still raise
-ValueError: those are bugs to fix, not weather to ride out.
-
-`timeout` bounds every call except a PUT, whose deadline grows with its size
-(the caller knows it is sending that much). Pick it to cover the largest GET
-page you expect: the default 5 s covers a 512 MiB page at 100 MiB/s.
-
-`put` first asks how much of the sequence the daemon already holds and sends
-only the chunks after that, so a shared prefix crosses the wire once. Chunks
-are batched into PUT messages under the daemon's advertised byte limit.
-`get` fetches pages until the served prefix is covered and joins the pieces
-with one copy per tensor.
+`Core` (in `_core`) speaks kvd/1 with numpy snapshots and knows nothing of
+mlx. `Client` adds `store` / `fetch` / `lookup`, which delegate to an
+`MlxAdapter` (kvd_client.mlx_lm) created the first time one of them is
+called. Importing kvd_client therefore imports neither mlx nor the adapter;
+the adapter itself imports mlx only inside `store` / `fetch`.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
-from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
+from kvd_client._core import Core
 
-from kvd.protocol import keys
-from kvd.protocol.errors import KvdError
-from kvd.protocol.limits import Limits
-from kvd_client import _chunking
-from kvd_client._tensors import Hit, Snapshot
-from kvd_client._transport import Transport
-from kvd_client.mlx_lm._methods import MlxMethods  # imports no mlx until store/fetch are called
-
-log = logging.getLogger("kvd_client")
-
-_HEADER_SLACK = 1 << 20  # bytes kept free in each PUT for header and framing
+if TYPE_CHECKING:
+    from kvd_client.mlx_lm import MlxAdapter
 
 
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """How much of a sequence the daemon holds: `n` leading tokens, and the
-    positions (<= n) where boundary state is stored."""
-
-    n: int
-    boundaries: tuple[int, ...] = ()
-
-
-def _endpoint(endpoint: str | None) -> str:
-    if endpoint:
-        return endpoint
-    from kvd.server.endpoint import default_endpoint
-
-    return default_endpoint()
-
-
-class _Core:
-    """Wire-level calls shared by every Client (see module docstring)."""
-
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        namespace: str = "default",
-        *,
-        timeout: float = 5.0,
-        chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS,
-        strict: bool = False,
-    ):
-        if not namespace:
-            raise ValueError("namespace must be a non-empty string")
-        self.endpoint = _endpoint(endpoint)
-        self.namespace = namespace
-        self.timeout = float(timeout)
-        self.chunk_tokens = int(chunk_tokens)
-        self.strict = strict
-        self.counters: Counter[str] = Counter()
-        self._transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout))
-        # Uploads from a background thread (mlx `store`) use a socket of their
-        # own: a request waits for the one before it on the same socket, and
-        # the caller's fetch must not wait behind a 256 MiB upload.
-        self._bg_transport: Transport | None = None
-        self._bg_lock = threading.Lock()
-        self._limits: Limits | None = None
-        self._warned = threading.Event()
-
-    # -- plumbing ----------------------------------------------------------
-    def _background_transport(self) -> Transport:
-        with self._bg_lock:
-            if self._bg_transport is None:
-                self._bg_transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout))
-            return self._bg_transport
-
-    def _call(
-        self, mtype: str, fields: dict[str, Any] | None = None, timeout: float | None = None, *, background: bool = False
-    ):
-        """One request; in non-strict mode a failure returns None (and is counted)."""
-        transport = self._background_transport() if background else self._transport
-        try:
-            return transport.request(mtype, fields, self.timeout if timeout is None else timeout)
-        except KvdError as err:
-            self.counters[f"{mtype.lower()}_failed"] += 1
-            self.counters[f"error_{err.name.lower()}"] += 1
-            if self.strict:
-                raise
-            if not self._warned.is_set():
-                self._warned.set()  # say it once; counters keep the tally
-                log.warning("kvd call failed (%s: %s); continuing without the cache", err.name, err)
-            return None
-
-    def _seq(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
-        return {"ns": self.namespace, "tokens": keys.token_bytes(tokens), "chunk_tokens": self.chunk_tokens}
-
-    def limits(self, *, background: bool = False) -> Limits:
-        """The daemon's advertised limits (from HELLO; defaults if it is unreachable)."""
-        if self._limits is None:
-            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
-            if reply is None:
-                return Limits()
-            self._limits = Limits.from_wire(reply["limits"])
-        return self._limits
-
-    # -- public calls ----------------------------------------------------------
-    def hello(self) -> dict[str, Any] | None:
-        """The daemon's HELLO reply fields (version, server, limits), or None."""
-        reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
-        if reply is not None:
-            self._limits = Limits.from_wire(reply["limits"])
-        return None if reply is None else dict(reply.fields)
-
-    def ping(self) -> float | None:
-        """Round-trip time in seconds, or None if the daemon did not answer."""
-        t0 = time.perf_counter()
-        return None if self._call("PING") is None else time.perf_counter() - t0
-
-    def probe(self, tokens: Sequence[int] | np.ndarray) -> Probe:
-        """How many leading tokens of `tokens` are stored (0 if unreachable)."""
-        if len(tokens) == 0:
-            return Probe(0)
-        reply = self._call("LOOKUP", self._seq(tokens))
-        if reply is None:
-            return Probe(0)
-        return Probe(reply["n"], tuple(reply["boundaries"]))
-
-    def put(self, tokens: Sequence[int] | np.ndarray, snapshot: Snapshot, *, background: bool = False) -> bool:
-        """Store `snapshot` as the cache of `tokens`. True if the daemon now holds
-        all of it; False if it could not (counted in `counters`).
-
-        `background=True` (for an upload thread) sends over a socket of its own,
-        so calls from other threads never wait behind it.
-
-        Raises ValueError if a sliced tensor does not span the positions from
-        `snapshot.start` to len(tokens), or `start` is not a chunk boundary.
-        """
-        n_tokens = len(tokens)
-        _chunking.check_snapshot(snapshot, n_tokens, self.chunk_tokens)
-        if n_tokens == 0:
-            return False
-        seq = self._seq(tokens)
-        have = self._call("LOOKUP", seq, background=background)
-        if have is None:
-            self.counters["put_not_stored"] += 1
-            return False
-        spans = keys.chunk_spans(n_tokens, self.chunk_tokens)
-        held = len(spans) if have["n"] == n_tokens else have["n"] // self.chunk_tokens
-        want_boundary = bool(snapshot.boundary) and n_tokens not in have["boundaries"]
-        todo = list(enumerate(spans))[held:]
-        # Chunks before `snapshot.start` were held when the snapshot was taken;
-        # if the daemon lost any since, this snapshot cannot restore them.
-        gap = any(start < snapshot.start for _, (start, _) in todo)
-        todo = [(i, span) for i, span in todo if span[0] >= snapshot.start]
-        if gap:
-            self.counters["put_gap"] += 1
-        if not todo and not want_boundary:
-            self.counters["put_deduplicated"] += 1
-            return not gap
-        limits = self.limits(background=background)
-        budget = max(1, limits.max_message_bytes - _HEADER_SLACK)
-        meta = _chunking.chunk_meta(snapshot)
-        batch: list[dict[str, Any]] = []
-        size = frames = 0
-        ok = True
-        for i, (start, end) in todo:
-            tensors = _chunking.cut(snapshot, start, end)
-            nbytes = sum(t.nbytes for t in tensors)
-            if batch and (size + nbytes > budget or frames + len(tensors) >= limits.max_frames - 1):
-                ok &= self._send_put(seq, batch, None, background)
-                batch, size, frames = [], 0, 0
-            batch.append({"index": i, "tensors": tensors, "meta": meta})
-            size += nbytes
-            frames += len(tensors)
-        boundary = None
-        if want_boundary:
-            boundary = {"tensors": _chunking.boundary_tensors(snapshot), "meta": _chunking.boundary_meta(snapshot)}
-        ok &= self._send_put(seq, batch, boundary, background)
-        ok &= not gap
-        self.counters["put_ok" if ok else "put_not_stored"] += 1
-        return ok
-
-    def _send_put(self, seq: dict[str, Any], chunks: list[dict[str, Any]], boundary, background: bool) -> bool:
-        if not chunks and boundary is None:
-            return True
-        nbytes = sum(t.nbytes for c in chunks for t in c["tensors"])
-        # A PUT's size is known, so its deadline grows with it (at 256 MiB/s,
-        # a quarter of the slowest transport measured); GET keeps `timeout`.
-        reply = self._call(
-            "PUT", {**seq, "chunks": chunks, "boundary": boundary}, self.timeout + nbytes / 2**28, background=background
-        )
-        if reply is None:
-            return False
-        self.counters["chunks_sent"] += len(chunks)
-        self.counters["bytes_sent"] += nbytes
-        return reply["too_big"] == 0 and reply["dropped"] == 0
-
-    def get(
-        self, tokens: Sequence[int] | np.ndarray, *, max_tokens: int | None = None, need_boundary: bool = False
-    ) -> Hit | None:
-        """The longest stored prefix of `tokens` (at most `max_tokens`), or None.
-
-        With `need_boundary`, only a prefix that ends where boundary state was
-        stored is served, and `hit.boundary` holds that state.
-        """
-        if len(tokens) == 0 or max_tokens == 0:
-            return None
-        seq = self._seq(tokens)
-        cap = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        chunks: list[dict[str, Any]] = []
-        n, start, boundary = cap, 0, None
-        while True:
-            fields = {**seq, "max_tokens": n, "need_boundary": need_boundary, "start": start}
-            reply = self._call("GET", fields)
-            if reply is None or reply["n"] == 0 or (start and reply["n"] < start):
-                self.counters["get_miss"] += 1
-                return None
-            n = min(n, reply["n"])
-            chunks.extend(reply["chunks"])
-            boundary = reply.get("boundary")
-            if reply["end"] >= n or not reply["chunks"]:
-                break
-            start = reply["end"]
-        if not chunks or chunks[-1]["start"] + chunks[-1]["length"] < n:
-            self.counters["get_miss"] += 1
-            return None
-        if need_boundary and (boundary is None or boundary["at"] != n):
-            self.counters["get_miss"] += 1
-            return None
-        try:
-            sliced, axes, meta = _chunking.join(chunks, n)
-        except ValueError as err:
-            self.counters["get_inconsistent"] += 1
-            if self.strict:
-                raise
-            log.warning("kvd served inconsistent chunks: %s", err)
-            return None
-        hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
-        if boundary is not None and boundary["at"] == n:
-            import msgpack
-
-            hit.boundary = {t.name: _chunking.to_host(t) for t in boundary["tensors"]}
-            bmeta = msgpack.unpackb(boundary["meta"], raw=False) if boundary["meta"] else {}
-            hit.boundary_meta = bmeta.get("meta", {})
-        self.counters["get_hit"] += 1
-        self.counters["tokens_fetched"] += n
-        return hit
-
-    # -- admin -------------------------------------------------------------------
-    def stats(self, namespace: str | None = None) -> dict[str, Any] | None:
-        """The daemon's STATS map, or None if it did not answer."""
-        reply = self._call("STATS", {"ns": namespace})
-        return None if reply is None else reply["stats"]
-
-    def gc(self, **fields: Any) -> dict[str, Any] | None:
-        """Run GC (fields as in the GC message: ram_bytes, ssd_bytes, ns, older_than,
-        orphans, dry_run). Returns the reply fields, or None."""
-        reply = self._call("GC", fields, timeout=max(self.timeout, 60.0))
-        return None if reply is None else dict(reply.fields)
-
-    def shutdown(self) -> bool:
-        """Ask the daemon to stop cleanly. True if it acknowledged."""
-        return self._call("SHUTDOWN") is not None
-
-    # -- lifecycle -------------------------------------------------------------------
-    def close(self) -> None:
-        self._transport.close()
-        if self._bg_transport is not None:
-            self._bg_transport.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class Client(MlxMethods, _Core):
-    """The kvd client: numpy-level calls, plus mlx-lm calls (store/fetch/lookup).
+class Client(Core):
+    """The kvd client: numpy-level calls (`put`, `get`, `probe`, ...) plus the
+    mlx-lm calls (`store`, `fetch`, `lookup`).
 
     `Client(endpoint=None, namespace="default", timeout=5.0, chunk_tokens=256,
     strict=False)`; usable as a context manager; safe to share between threads.
+    Set `store_queue_bytes` to bound the snapshots waiting for the upload thread.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._mlx: MlxAdapter | None = None
+        self._mlx_lock = threading.Lock()
+
+    @property
+    def mlx(self) -> MlxAdapter:
+        """The mlx-lm adapter this client delegates `store`/`fetch`/`lookup` to."""
+        if self._mlx is None:
+            with self._mlx_lock:
+                if self._mlx is None:
+                    from kvd_client.mlx_lm import MlxAdapter
+
+                    self._mlx = MlxAdapter(self)
+        return self._mlx
+
+    def store(self, tokens: Sequence[int], prompt_cache: Sequence[Any], *, wait: bool = False) -> bool:
+        """Snapshot `prompt_cache` (the mlx-lm cache of `tokens`) on this thread and
+        upload it in the background (now, with `wait=True` or a strict client).
+        True if queued (or stored); False if refused or dropped. See MlxMethods.store."""
+        return self.mlx.store(tokens, prompt_cache, wait=wait)
+
+    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+        """(mlx-lm cache objects covering tokens[:n], n) with 1 <= n <= len(tokens) - 1,
+        built on this thread; (None, 0) on a miss. See MlxMethods.fetch."""
+        return self.mlx.fetch(tokens)
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """The n that `fetch(tokens)` would return now, without moving tensors (0 on a miss)."""
+        return self.mlx.lookup(tokens)
+
+    def flush_stores(self, timeout: float | None = None) -> bool:
+        """Wait until every queued store has been put (or failed). False on timeout."""
+        return True if self._mlx is None else self._mlx.flush_stores(timeout)
+
+    def close(self) -> None:
+        """Finish queued stores (up to the client timeout), then close the sockets."""
+        if self._mlx is not None:
+            self._mlx.close()
+        super().close()

@@ -1,12 +1,9 @@
-"""Errors the client raises (only in strict mode; otherwise calls degrade).
+"""The client's own errors (raised only in strict mode; otherwise calls degrade).
 
-    KvdError                      (kvd.protocol.errors)
-     +-- ProtocolError ...        the daemon said our message broke kvd/1
-     +-- ServerError ...          the daemon could not serve it (BUSY, INTERNAL)
-     +-- DaemonUnavailable        no answer in time: down, slow or restarting
-     +-- BadReply                 the daemon's reply broke kvd/1
-
-Wire error codes map to the same classes on both sides (`errors.from_code`).
+They hang off the one tree drawn in kvd/protocol/errors.py, beside the wire
+errors the daemon can answer with (ProtocolError, ServerError and their
+subclasses, mapped from their codes by `errors.from_code`). These two never
+cross the wire, so they have no code.
 """
 
 from __future__ import annotations
@@ -17,10 +14,10 @@ from kvd.protocol.errors import KvdError
 class DaemonUnavailable(KvdError):
     """The daemon did not answer within the timeout (down, slow or restarting)."""
 
-    code, name = 0, "UNAVAILABLE"
+    name = "UNAVAILABLE"
 
 
 class BadReply(KvdError):
     """The daemon's reply could not be decoded or did not match the request."""
 
-    code, name = 0, "BAD_REPLY"
+    name = "BAD_REPLY"

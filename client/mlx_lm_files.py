@@ -45,12 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvd.protocol.errors import KvdError
+
 TOKENS_KEY = "kvd_tokens"
 NAMESPACE_KEY = "kvd_namespace"
 MODEL_KEY = "model"  # what mlx_lm.cache_prompt writes
 
 
-class CacheFileError(ValueError):
+class CacheFileError(KvdError, ValueError):
     """The file is not an mlx-lm prompt-cache file this module can read."""
 
 

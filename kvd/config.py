@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from kvd.endpoint import EndpointError, check_endpoint, default_endpoint
+from kvd.protocol.errors import KvdError
+
 # Exit code for a bad configuration (sysexits EX_CONFIG). Units and plists can
 # tell it apart from a crash and stop restarting a daemon that cannot start.
 EXIT_CONFIG = 78
@@ -42,8 +45,10 @@ _FALSE_WORDS = ("0", "false", "no", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-class ConfigError(ValueError):
+class ConfigError(KvdError, ValueError):
     """A setting has a bad value, or the config file cannot be used."""
+
+    name = "CONFIG"
 
 
 # --- parsers: each takes a raw value (str from env/flag, typed from TOML) and
@@ -116,10 +121,10 @@ _str.kind = "str"  # type: ignore[attr-defined]
 
 
 def _endpoint(raw: Any) -> str:
-    value = _str(raw)
-    if "://" not in value:
-        raise ValueError(f"expected a ZeroMQ endpoint like ipc:///path or tcp://host:port, got {value!r}")
-    return value
+    try:
+        return check_endpoint(_str(raw))
+    except EndpointError as exc:
+        raise ValueError(exc.message) from None
 
 
 _endpoint.kind = "str"  # type: ignore[attr-defined]
@@ -185,10 +190,7 @@ def default_data_dir(environ: Mapping[str, str] | None = None, platform: str | N
 
 
 def _default_endpoint(environ: Mapping[str, str]) -> str:
-    # Imported lazily: the server package is heavy and owns the endpoint rules.
-    from kvd.server.endpoint import default_endpoint
-
-    return default_endpoint(dict(environ))
+    return default_endpoint(dict(environ))  # kvd.endpoint owns the per-user rule
 
 
 # --- the table -----------------------------------------------------------------
@@ -398,15 +400,22 @@ def resolve(
     return Config(values, sources, path)
 
 
-def config_options(command: Callable) -> Callable:
-    """Decorator adding `--config` and one click option per setting.
+def config_options(command: Callable | None = None, *, names: tuple[str, ...] | None = None) -> Callable:
+    """Decorator adding `--config` and one click option per setting (only the
+    settings in `names`, if given: `@config_options(names=("endpoint", "timeout"))`).
 
     Every option defaults to None (unset), so `resolve(kwargs)` can tell a flag
     given on the command line from one left out. Help text comes from the table.
     """
+    if command is None:
+        return lambda fn: config_options(fn, names=names)
     import click  # the CLI's dependency; the daemon core need not import it
 
-    for s in reversed(SETTINGS):
+    unknown = set(names or ()) - set(BY_NAME)
+    if unknown:
+        raise ValueError(f"no such setting(s): {', '.join(sorted(unknown))}")
+    rows = SETTINGS if names is None else tuple(s for s in SETTINGS if s.name in names)
+    for s in reversed(rows):
         help_text = f"{s.doc} [env: {s.env}; default: {s.describe_default()}]"
         if s.kind == "bool":
             decl = f"{s.flag}/--no-{s.flag[2:]}"

@@ -17,7 +17,7 @@ CLIENT = Path(mlx_lm.__file__).resolve().parent
 
 def test_public_surface_is_pinned():
     assert sorted(mlx_lm.__all__) == [
-        "FORMAT", "MlxMethods", "SnapshotMismatch", "UnsupportedCache", "namespace_for", "rebuild", "snapshot",
+        "FORMAT", "MlxAdapter", "MlxMethods", "SnapshotMismatch", "UnsupportedCache", "namespace_for", "rebuild", "snapshot",
     ]
 
 
@@ -45,8 +45,14 @@ def test_dropped_client_stops_its_writer_thread():
     assert sum(t.name == name and t.is_alive() for t in threading.enumerate()) == before - 1
 
 
-def test_client_has_the_mlx_methods():
+def test_client_composes_the_mlx_adapter_instead_of_inheriting_it():
+    # The numpy core never depends on the mlx layer: Client holds an adapter,
+    # made on first use, and close() drains its writer before the sockets.
     from kvd_client import Client
 
-    assert issubclass(Client, mlx_lm.MlxMethods)
-    assert Client.close is mlx_lm.MlxMethods.close  # so close() drains the writer, then the socket
+    assert not issubclass(Client, mlx_lm.MlxMethods)
+    kv = Client("ipc:///tmp/kvd-surface-none.sock", namespace="surface", timeout=0.2)
+    assert kv._mlx is None
+    assert isinstance(kv.mlx, mlx_lm.MlxAdapter) and kv.mlx is kv.mlx
+    assert kv.mlx.namespace == "surface" and kv.mlx.counters is kv.counters
+    kv.close()

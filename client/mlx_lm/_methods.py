@@ -2,8 +2,14 @@
 
 Theory of operation
 -------------------
-`MlxMethods` is mixed into `Client`, which provides the numpy-level `put`,
-`get`, `probe`, `namespace`, `strict` and `counters`. This module imports
+`MlxMethods` holds the logic over any object with the numpy-level `put`,
+`get`, `probe`, `namespace`, `strict` and `counters` (a test's in-memory
+fake mixes it in). `MlxAdapter` binds it to one numpy-level client by
+composition: `kvd_client.Client` creates one the first time `store`,
+`fetch` or `lookup` is called and delegates to it, so the numpy core never
+imports this package, and importing `kvd_client` imports no part of it.
+The adapter refers to its client weakly (the client owns the adapter, not
+the reverse), so a dropped client still stops its writer thread. This module imports
 no mlx at import time; the mlx work lives in `_snapshot` and `_rebuild` and
 always runs on the thread that calls `store` / `fetch` (the generation
 thread, inside its `mx.stream` if it has one):
@@ -74,9 +80,9 @@ class MlxMethods:
         False if there was nothing to store or it was refused or dropped
         (counted). Raises only when the client is strict.
         """
-        from kvd_client.mlx_lm._snapshot import _host_tokens, take
+        from kvd_client.mlx_lm._snapshot import host_tokens, take
 
-        toks_in = _host_tokens(tokens)
+        toks_in = host_tokens(tokens)
         try:
             taken = take(toks_in, prompt_cache, start=self._mlx_held(toks_in))
         except F.UnsupportedCache:
@@ -123,9 +129,9 @@ class MlxMethods:
         is a position where that state was stored.
         """
         from kvd_client.mlx_lm._rebuild import rebuild
-        from kvd_client.mlx_lm._snapshot import _host_tokens
+        from kvd_client.mlx_lm._snapshot import host_tokens
 
-        toks = _host_tokens(tokens)
+        toks = host_tokens(tokens)
         cap = len(toks) - 1
         if cap < 1:
             return None, 0
@@ -154,9 +160,9 @@ class MlxMethods:
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """The n that `fetch(tokens)` would return now, without moving tensors (0 on a miss)."""
-        from kvd_client.mlx_lm._snapshot import _host_tokens
+        from kvd_client.mlx_lm._snapshot import host_tokens
 
-        toks = _host_tokens(tokens)
+        toks = host_tokens(tokens)
         cap = len(toks) - 1
         if cap < 1:
             return 0
@@ -168,6 +174,17 @@ class MlxMethods:
         if not need:
             return max(limit, 0)
         return max((b for b in probe.boundaries if b <= limit), default=0)
+
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether the daemon holds all of `tokens`, and the boundary state at
+        their end if this namespace's model needs it (one LOOKUP, no tensors)."""
+        from kvd_client.mlx_lm._snapshot import host_tokens
+
+        toks = host_tokens(tokens)
+        probe = self.probe(toks)
+        if probe.n < len(toks):
+            return False
+        return not self._mlx_boundary_need() or len(toks) in probe.boundaries
 
     def flush_stores(self, timeout: float | None = None) -> bool:
         """Wait until every queued store has been put (or failed). False on timeout."""
@@ -253,3 +270,40 @@ def _weak_calls(client: Any):
             me._mlx_count(key, n)
 
     return put, count
+
+
+class MlxAdapter(MlxMethods):
+    """`MlxMethods` bound to one numpy-level client (see module docstring).
+
+    Forwards `put`/`get`/`probe` and reads `namespace`, `strict`, `timeout`,
+    `chunk_tokens`, `counters` and (if set) `store_queue_bytes` from it.
+    `close()` drains queued stores only; the client closes its own sockets.
+    """
+
+    def __init__(self, client: Any):
+        self._client = weakref.ref(client)
+
+    def _target(self) -> Any:
+        client = self._client()
+        if client is None:
+            raise ReferenceError("the kvd client of this adapter is gone")
+        return client
+
+    namespace = property(lambda self: self._target().namespace)
+    strict = property(lambda self: self._target().strict)
+    timeout = property(lambda self: self._target().timeout)
+    chunk_tokens = property(lambda self: self._target().chunk_tokens)
+    counters = property(lambda self: self._target().counters)
+
+    @property
+    def store_queue_bytes(self) -> int:  # type: ignore[override]
+        return getattr(self._target(), "store_queue_bytes", DEFAULT_MAX_PENDING_BYTES)
+
+    def put(self, tokens: Any, snapshot: Any, *, background: bool = False) -> bool:
+        return self._target().put(tokens, snapshot, background=background)
+
+    def get(self, tokens: Any, **kw: Any) -> Any:
+        return self._target().get(tokens, **kw)
+
+    def probe(self, tokens: Any) -> Any:
+        return self._target().probe(tokens)

@@ -55,7 +55,7 @@ def take(tokens: Sequence[int], prompt_cache: Sequence[Any], *, start: int = 0) 
     """
     import mlx.core as mx
 
-    toks = _host_tokens(tokens)
+    toks = host_tokens(tokens)
     layers = [F.spec_of(c) for c in prompt_cache]
 
     offsets: set[int] = set()
@@ -93,7 +93,7 @@ def take(tokens: Sequence[int], prompt_cache: Sequence[Any], *, start: int = 0) 
     return toks, snap
 
 
-def _host_tokens(tokens: Sequence[int]) -> np.ndarray:
+def host_tokens(tokens: Sequence[int]) -> np.ndarray:
     # A numpy copy made here, so an mx.array of tokens never reaches the writer.
     if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray):
         tokens = tokens.tolist()  # mx.array: read on the owning thread

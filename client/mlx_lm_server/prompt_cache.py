@@ -101,7 +101,7 @@ class KvdPromptCache:
     ):
         from mlx_lm.models.cache import LRUPromptCache
 
-        from kvd.server.endpoint import default_endpoint
+        from kvd.endpoint import default_endpoint
 
         self.local = LRUPromptCache(max_size, max_bytes)
         self.resolve = resolve
@@ -249,15 +249,9 @@ class KvdPromptCache:
 
         One LOOKUP saves the snapshot copy when the same sequence is inserted again.
         """
-        from kvd_client.mlx_lm import _format as F
-
         offset = _cache_tokens(prompt_cache)
         n = min(len(tokens), offset) if offset is not None else len(tokens)
-        probe = client.probe(tokens[:n])
-        if probe.n < n:
-            return False
-        layers = F.layout_for(client.namespace)
-        return not (layers and F.needs_boundary(layers)) or n in probe.boundaries
+        return client.mlx.holds(tokens[:n])
 
     def _usable(self) -> bool:
         if not self._down:

@@ -1,4 +1,8 @@
-"""`kvd stats`, `kvd gc`, `kvd stop`: look after a running daemon."""
+"""`kvd stats`, `kvd gc`, `kvd stop`: look after a running daemon.
+
+Each sends its request once; errors become one line and an exit code
+(kvd.cli.exits), so a command never re-sends to learn how it failed.
+"""
 
 from __future__ import annotations
 
@@ -9,40 +13,16 @@ import time
 import click
 
 from kvd.cli import exits, main
-from kvd.protocol.limits import MiB
-
-endpoint_option = click.option(
-    "--endpoint", envvar="KVD_ENDPOINT", default=None, help="Daemon endpoint [default: per-user ipc socket; env KVD_ENDPOINT]."
+from kvd.cli.common import (
+    admin_client,
+    daemon_options,
+    data_dir_options,
+    data_dir_to_read,
+    fail,
+    settings,
+    size,
 )
-timeout_option = click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the daemon.")
-
-
-def _client(endpoint, timeout):
-    from kvd_client import Client
-
-    return Client(endpoint, namespace="kvd-admin", timeout=timeout, strict=True)
-
-
-def _call(fn):
-    """Run a daemon call; map failures to the documented exit codes."""
-    from kvd_client import DaemonUnavailable, KvdError
-
-    try:
-        return fn()
-    except DaemonUnavailable as err:
-        click.echo(f"kvd: {err} (is `kvd serve` running?)", err=True)
-        raise SystemExit(exits.UNAVAILABLE)
-    except KvdError as err:
-        click.echo(f"kvd: daemon refused: {err.name}: {err}", err=True)
-        raise SystemExit(exits.REFUSED)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from kvd.protocol.limits import MiB
 
 
 def _rate(hits: int, misses: int) -> str:
@@ -63,7 +43,7 @@ def render_stats(stats: dict) -> str:
     ]
     for name, t in stats.get("tiers", {}).items():
         lines.append(
-            f"{name:<6}{t.get('entries', 0):>10}{_size(t.get('bytes', 0)):>12}{_size(t.get('budget_bytes', 0)):>12}"
+            f"{name:<6}{t.get('entries', 0):>10}{size(t.get('bytes', 0)):>12}{size(t.get('budget_bytes', 0)):>12}"
             f"{t.get('hits', 0):>10}{t.get('misses', 0):>10}{_rate(t.get('hits', 0), t.get('misses', 0)):>10}"
             f"{t.get('evictions', 0):>11}"
         )
@@ -79,7 +59,7 @@ def render_stats(stats: dict) -> str:
     for ns, c in stats.get("namespaces", {}).items():
         label = ns if len(ns) <= 32 else ns[:29] + "..."
         lines.append(
-            f"{label:<34}{c.get('entries', 0):>9}{_size(c.get('bytes', 0)):>12}{c.get('gets', 0):>8}"
+            f"{label:<34}{c.get('entries', 0):>9}{size(c.get('bytes', 0)):>12}{c.get('gets', 0):>8}"
             f"{_rate(c.get('hits', 0), c.get('misses', 0)):>10}{c.get('tokens_served', 0):>15}"
         )
     reqs = server.get("requests", {})
@@ -91,78 +71,62 @@ def render_stats(stats: dict) -> str:
     return "\n".join(lines)
 
 
-data_dir_option = click.option(
-    "--data-dir", default=None, help="SSD tier folder, for offline use [default: from kvd config]."
-)
-
-
-def _data_dir(flag: str | None) -> str | None:
-    from kvd.config import ConfigError, resolve
-
-    try:
-        return resolve({"data_dir": flag}).data_dir
-    except ConfigError as err:
-        click.echo(f"kvd: {err}", err=True)
-        raise SystemExit(exits.USAGE)
-
-
 def render_offline_stats(st: dict) -> str:
     holder = st.get("locked_by")
     lines = [
         f"data dir {st['data_dir']} (read directly; {'daemon pid ' + str(holder) + ' is running' if holder else 'no daemon running'})",
-        f"ssd: {st['entries']} entries, {_size(st['bytes'])} on disk; quarantine: {st['quarantine']['files']} files, "
-        f"{_size(st['quarantine']['bytes'])}",
+        f"ssd: {st['entries']} entries, {size(st['bytes'])} on disk; quarantine: {st['quarantine']['files']} files, "
+        f"{size(st['quarantine']['bytes'])}",
         "",
         f"{'namespace':<66}{'entries':>9}{'bytes':>12}",
     ]
     for ns, c in st["namespaces"].items():
-        lines.append(f"{ns[:64]:<66}{c['entries']:>9}{_size(c['bytes']):>12}")
+        lines.append(f"{ns[:64]:<66}{c['entries']:>9}{size(c['bytes']):>12}")
     return "\n".join(lines)
 
 
 @main.command()
-@endpoint_option
-@timeout_option
-@data_dir_option
+@data_dir_options
 @click.option("--json", "as_json", is_flag=True, help="Print the raw STATS map as JSON.")
 @click.option("--namespace", default=None, help="Only this namespace.")
-@click.option("--offline", is_flag=True, help="Read the data dir's index directly (works with or without a daemon).")
+@click.option("--offline", is_flag=True,
+              help="Read a data dir's index directly (the running daemon's, else --data-dir or the configured one).")
 @click.option("--watch", "watch", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
               help="Refresh in place every SECONDS until interrupted.")
 @click.option("--count", type=click.IntRange(min=1), default=None, help="With --watch: stop after this many refreshes.")
-def stats(endpoint, timeout, data_dir, as_json, namespace, offline, watch, count) -> None:
+def stats(as_json, namespace, offline, watch, count, **flags) -> None:
     """Show tiers, namespaces and counters of the running daemon.
 
     Exits 3 if no daemon answers (use --offline to read the data dir then).
     """
+    cfg = settings(flags)
     if watch is not None:
-        _watch(endpoint, timeout, namespace, watch, count)
+        _watch(cfg, namespace, watch, count)
         return
     if offline:
         from kvd.store import offline as off
 
-        path = _data_dir(data_dir)
+        path = data_dir_to_read(cfg)
         try:
             result = off.stats(path)
         except (FileNotFoundError, TypeError):
-            click.echo(f"kvd: {path} holds no kvd index", err=True)
-            raise SystemExit(exits.FAILED)
+            fail(exits.FAILED, f"{path} holds no kvd index")
         if namespace is not None:
             result["namespaces"] = {k: v for k, v in result["namespaces"].items() if k == namespace}
         click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_offline_stats(result))
         return
-    with _client(endpoint, timeout) as client:
-        result = _call(lambda: client.stats(namespace))
+    with admin_client(cfg) as client:
+        result = client.stats(namespace)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_stats(result))
 
 
-def _watch(endpoint, timeout, namespace, every: float, count: int | None) -> None:
+def _watch(cfg, namespace, every: float, count: int | None) -> None:
     """Redraw the stats table in place (ANSI home + clear) until Ctrl-C."""
     n = 0
-    with _client(endpoint, timeout) as client:
+    with admin_client(cfg) as client:
         try:
             while count is None or n < count:
-                table = render_stats(_call(lambda: client.stats(namespace)))
+                table = render_stats(client.stats(namespace))
                 stamp = time.strftime("%H:%M:%S")
                 click.echo(f"\x1b[H\x1b[2J{table}\n\n(every {every:g}s, {stamp}; Ctrl-C to stop)")
                 n += 1
@@ -173,9 +137,7 @@ def _watch(endpoint, timeout, namespace, every: float, count: int | None) -> Non
 
 
 @main.command()
-@endpoint_option
-@timeout_option
-@data_dir_option
+@data_dir_options
 @click.option("--ram-mb", type=click.IntRange(min=0), default=None, help="Evict the RAM tier down to this many MiB.")
 @click.option("--ssd-gb", type=click.FloatRange(min=0), default=None, help="Evict the SSD tier down to this many GiB.")
 @click.option("--namespace", default=None, help="Drop every entry of this namespace.")
@@ -184,17 +146,19 @@ def _watch(endpoint, timeout, namespace, every: float, count: int | None) -> Non
 @click.option("--verify", is_flag=True, help="Offline only: re-read every blob and quarantine those failing their checksum.")
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the GC report as JSON.")
-def gc(endpoint, timeout, data_dir, ram_mb, ssd_gb, namespace, older_than, orphans, verify, dry_run, as_json) -> None:
+def gc(ram_mb, ssd_gb, namespace, older_than, orphans, verify, dry_run, as_json, **flags) -> None:
     """Evict down to budgets, drop a namespace or old entries, remove orphans.
 
     Works through the running daemon; when no daemon answers, works directly
-    on the data dir, taking the daemon's lock so the two never race. With no
-    selector it removes orphans (and, offline, evicts the SSD tier down to the
-    configured ssd_gb). Exits 4 if the data dir is locked by a daemon that
-    does not answer.
+    on the data dir (--data-dir, else the configured one), taking the
+    daemon's lock so the two never race. With no selector it removes orphans
+    (and, offline, evicts the SSD tier down to the configured ssd_gb). Exits
+    3 if no daemon answers and there is no data dir to collect in, 4 if the
+    data dir is locked by a daemon that does not answer.
     """
     from kvd_client import DaemonUnavailable
 
+    cfg = settings(flags)
     GiB = 1 << 30
     fields: dict = {"dry_run": dry_run}
     if ram_mb is not None:
@@ -207,43 +171,36 @@ def gc(endpoint, timeout, data_dir, ram_mb, ssd_gb, namespace, older_than, orpha
         fields["older_than"] = older_than
     selected = len(fields) > 1
     fields["orphans"] = orphans if orphans is not None else not selected
-    with _client(endpoint, timeout) as client:
+    with admin_client(cfg) as client:
         try:
-            result = client.gc(**fields)
-            where = "daemon"
-        except DaemonUnavailable:
-            result, where = _offline_gc(data_dir, fields, verify, selected, as_json), "data dir"
-        except Exception:
-            result, where = _call(lambda: client.gc(**fields)), "daemon"
+            result, where = client.gc(**fields), "daemon"
+        except DaemonUnavailable:  # any other error is the daemon's answer: exit 4
+            result, where = _offline_gc(cfg, fields, verify, selected, as_json), "data dir"
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
         return
     verb = "would remove" if dry_run else "removed"
-    click.echo(f"{verb} {result['entries']} entries, {_size(result['bytes'])} (via the {where})")
+    click.echo(f"{verb} {result['entries']} entries, {size(result['bytes'])} (via the {where})")
     for what, d in (result.get("details") or {}).items():
         click.echo(f"  {what}: " + ", ".join(f"{k} {v}" for k, v in d.items()))
 
 
-def _offline_gc(data_dir, fields: dict, verify: bool, selected: bool, quiet: bool) -> dict:
+def _offline_gc(cfg, fields: dict, verify: bool, selected: bool, quiet: bool) -> dict:
     """GC straight on the data dir; the daemon's report shape."""
-    from kvd.config import resolve
-    from kvd.store import DataDirBusy
-    from kvd.store import offline as off
-
     from pathlib import Path
 
+    from kvd.store import offline as off
     from kvd.store.datadir import INDEX_DIR
 
-    path = _data_dir(data_dir)
+    path = cfg.data_dir
     if path is None or not (Path(path) / INDEX_DIR / "data.mdb").exists():
         where = "no data dir is configured" if path is None else f"{path} holds no kvd index"
-        click.echo(f"kvd: no daemon answers (is `kvd serve` running?) and {where}: nothing to collect", err=True)
-        raise SystemExit(exits.UNAVAILABLE)
+        fail(exits.UNAVAILABLE, f"no daemon answers at {cfg.endpoint} (is `kvd serve` running?) and {where}: nothing to collect")
     budget = fields.get("ssd_bytes")
     if budget is None and not selected:
-        budget = int(resolve({}).ssd_gb * (1 << 30))
-    if not quiet:
-        click.echo(f"kvd: no daemon answers; collecting directly in {path}", err=True)
+        budget = int(cfg.ssd_gb * (1 << 30))
+    # Said even with --json (on stderr): which folder was changed must never be a guess.
+    click.echo(f"kvd: no daemon answers at {cfg.endpoint}; collecting directly in {path} ({cfg.sources['data_dir']})", err=True)
     bar = None
 
     def progress(phase: str, done: int, total: int) -> None:
@@ -262,9 +219,8 @@ def _offline_gc(data_dir, fields: dict, verify: bool, selected: bool, quiet: boo
             orphans=fields["orphans"], verify=verify, quarantine=fields["orphans"], dry_run=fields["dry_run"],
             progress=progress,
         )
-    except DataDirBusy as err:
-        click.echo(f"kvd: {err}", err=True)
-        raise SystemExit(exits.REFUSED)
+    except OSError as err:  # a read-only or vanished data dir: say where
+        fail(exits.FAILED, f"cannot collect in {path}: {err.strerror or err}" + (f": {err.filename}" if err.filename else ""))
     finally:
         if bar is not None:
             bar.render_finish()
@@ -287,31 +243,41 @@ def _offline_gc(data_dir, fields: dict, verify: bool, selected: bool, quiet: boo
 
 
 @main.command()
-@endpoint_option
-@timeout_option
-def stop(endpoint, timeout) -> None:
+@daemon_options
+def stop(**flags) -> None:
     """Ask the daemon to shut down cleanly and wait until it is gone.
 
-    Exits 3 if no daemon is running, 1 if it is still running after --timeout.
+    Exits 3 if no daemon is running, 4 if it refused, 1 if it is still
+    running after --timeout.
     """
-    from kvd.server.endpoint import default_endpoint, endpoint_in_use
+    from kvd.endpoint import endpoint_locked
     from kvd_client import DaemonUnavailable
 
-    endpoint = endpoint or default_endpoint()
-    if not endpoint_in_use(endpoint, probe_timeout=min(timeout, 1.0)):
-        click.echo(f"kvd: no daemon at {endpoint} (is `kvd serve` running?)", err=True)
-        raise SystemExit(exits.UNAVAILABLE)
-    with _client(endpoint, timeout) as client:
+    cfg = settings(flags)
+    endpoint = cfg.endpoint
+    locked = endpoint_locked(endpoint)  # None: a tcp endpoint, which has no lock to ask
+    if locked is False:
+        fail(exits.UNAVAILABLE, f"no daemon at {endpoint} (is `kvd serve` running?)")
+    with admin_client(cfg) as client:
         try:
             client.shutdown()
         except DaemonUnavailable:
-            pass  # the acknowledgement can be lost as the daemon exits: the lock decides below
-        except Exception:
-            _call(client.shutdown)  # maps a refusal to its exit code
-    deadline = time.monotonic() + timeout
-    while endpoint_in_use(endpoint, probe_timeout=0.2):
-        if time.monotonic() > deadline:
-            click.echo(f"kvd: daemon at {endpoint} is still running after {timeout:g}s", err=True)
-            raise SystemExit(exits.FAILED)
-        time.sleep(0.05)
+            if locked is None:
+                raise  # nothing else says a daemon is there
+            # ipc: the acknowledgement can be lost as the daemon exits; the lock decides below.
+
+        def running() -> bool:
+            if locked is not None:
+                return bool(endpoint_locked(endpoint))
+            try:
+                client.ping()
+                return True
+            except DaemonUnavailable:
+                return False
+
+        deadline = time.monotonic() + cfg.timeout
+        while running():
+            if time.monotonic() > deadline:
+                fail(exits.FAILED, f"daemon at {endpoint} is still running after {cfg.timeout:g}s")
+            time.sleep(0.05)
     click.echo("kvd: stopped")

@@ -1,8 +1,51 @@
-"""Exit codes of every kvd command (documented in `kvd --help` and the README)."""
+"""Exit codes of every kvd command, and the one table mapping errors to them.
+
+Every command runs under `kvd.cli.main`, which catches what `describe`
+knows -- kvd's own errors (the KvdError tree, kvd/protocol/errors.py) and
+environment faults (OSError, LMDB's errors) -- and prints one line, `kvd:
+<what went wrong>`, then exits with the code below. Anything else is a bug
+in kvd and keeps its traceback.
+"""
+
+from __future__ import annotations
 
 OK = 0  # done
-FAILED = 1  # the command ran and failed (see its message)
+FAILED = 1  # the command ran and failed (see its message), or the environment refused (a file, a disk)
 USAGE = 2  # bad flags or arguments (click's own code)
 UNAVAILABLE = 3  # no daemon answered at the endpoint
-REFUSED = 4  # the daemon answered with an error, or is already running (serve)
-CONFIG = 78  # bad configuration (sysexits EX_CONFIG): service managers stop restarting
+REFUSED = 4  # the daemon answered with an error, or holds what was asked for (endpoint, data dir)
+CONFIG = 78  # bad configuration (sysexits EX_CONFIG), from any source: service managers stop restarting
+
+
+def describe(err: BaseException) -> tuple[int, str] | None:
+    """(exit code, one-line message) for an error a command may meet; None for a bug."""
+    # Imported here: this runs only on the way out, and `kvd serve` must not
+    # pay for the client, LMDB or the service modules to start.
+    import lmdb
+
+    from kvd.config import ConfigError
+    from kvd.endpoint import EndpointBusy, EndpointError
+    from kvd.protocol.errors import KvdError, ProtocolError, ServerError
+    from kvd.service.install import ServiceError
+    from kvd.store.datadir import DataDirBusy
+    from kvd.store.index import IncompatibleIndex
+    from kvd_client import DaemonUnavailable
+
+    if isinstance(err, DaemonUnavailable):
+        return UNAVAILABLE, f"{err} (is `kvd serve` running?)"
+    if isinstance(err, (ConfigError, EndpointError)) and not isinstance(err, EndpointBusy):
+        return CONFIG, str(err)
+    if isinstance(err, (ProtocolError, ServerError)):
+        return REFUSED, f"daemon refused: {err.name}: {err}"
+    if isinstance(err, (EndpointBusy, DataDirBusy, IncompatibleIndex)):
+        return REFUSED, str(err)
+    if isinstance(err, ServiceError):
+        return err.exit_code, str(err)
+    if isinstance(err, KvdError):
+        return FAILED, str(err)
+    if isinstance(err, OSError):
+        what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        return FAILED, what
+    if isinstance(err, lmdb.Error):  # the index cannot be opened (permissions, a full or read-only disk)
+        return FAILED, f"cannot use the index: {err}"
+    return None

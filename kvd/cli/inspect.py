@@ -5,49 +5,46 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from kvd.cli import exits, main
-from kvd.cli.admin import _call, _client, _data_dir, _size, data_dir_option, endpoint_option, timeout_option
-
-
-def _ago(ts: float) -> str:
-    if not ts:
-        return "-"
-    s = max(0.0, time.time() - ts)
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n:
-            return f"{s / n:.0f}{unit} ago"
-    return f"{s:.0f}s ago"
+from kvd.cli.common import (
+    admin_client,
+    ago,
+    daemon_data_dir,
+    data_dir_options,
+    data_dir_to_read,
+    fail,
+    settings,
+    size,
+)
 
 
 @main.command("ls")
-@endpoint_option
-@timeout_option
-@data_dir_option
-@click.option("--offline", is_flag=True, help="Read the data dir's index instead of asking the daemon (SSD tier only).")
+@data_dir_options
+@click.option("--offline", is_flag=True,
+              help="Read a data dir's index instead of asking the daemon (SSD tier only; the running daemon's data dir if one answers).")
 @click.option("--json", "as_json", is_flag=True, help="Print {namespace: {entries, bytes, tokens, last_used}} as JSON.")
-def ls(endpoint, timeout, data_dir, offline, as_json) -> None:
+def ls(offline, as_json, **flags) -> None:
     """List namespaces: entries, bytes, tokens covered and last use.
 
     Tokens covered counts each stored chunk once (a prefix shared by many
     sequences is stored, and counted, once). Exits 3 if no daemon answers.
     """
+    cfg = settings(flags)
     if offline:
         from kvd.store import offline as off
 
-        path = _data_dir(data_dir)
+        path = data_dir_to_read(cfg)
         try:
             namespaces = off.stats(path)["namespaces"]
         except (FileNotFoundError, TypeError):
-            click.echo(f"kvd: {path} holds no kvd index", err=True)
-            raise SystemExit(exits.FAILED)
+            fail(exits.FAILED, f"{path} holds no kvd index")
     else:
-        with _client(endpoint, timeout) as client:
-            namespaces = _call(client.stats)["namespaces"]
+        with admin_client(cfg) as client:
+            namespaces = client.stats()["namespaces"]
     rows = {
         ns: {k: v.get(k, 0) for k in ("entries", "bytes", "tokens", "last_used")}
         for ns, v in namespaces.items()
@@ -59,7 +56,7 @@ def ls(endpoint, timeout, data_dir, offline, as_json) -> None:
     click.echo(f"{'namespace':<66}{'entries':>9}{'bytes':>12}{'tokens':>10}  last used")
     for ns, r in sorted(rows.items(), key=lambda kv: -kv[1]["last_used"]):
         label = ns if len(ns) <= 64 else ns[:61] + "..."
-        click.echo(f"{label:<66}{r['entries']:>9}{_size(r['bytes']):>12}{r['tokens']:>10}  {_ago(r['last_used'])}")
+        click.echo(f"{label:<66}{r['entries']:>9}{size(r['bytes']):>12}{r['tokens']:>10}  {ago(r['last_used'])}")
 
 
 def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
@@ -103,26 +100,26 @@ def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
 
 
 @main.command()
-@endpoint_option
-@timeout_option
-@data_dir_option
+@data_dir_options
 @click.option("--dry-run", is_flag=True, help="Report failures; quarantine nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(endpoint, timeout, data_dir, dry_run, as_json) -> None:
+def verify(dry_run, as_json, **flags) -> None:
     """Re-check every SSD blob's checksum against the index.
 
     Reads the data dir directly (beside a running daemon, or without one),
-    with a progress bar. Blobs that fail are quarantined -- by the daemon
-    when it runs (it re-checks them itself first), else directly under the
-    data-dir lock -- unless --dry-run. Exits 0 if every blob is intact,
-    1 if any failed.
+    with a progress bar: the running daemon's data dir when one answers,
+    unless --data-dir is given; else the configured one. Blobs that fail
+    are quarantined -- by the daemon when it runs (it re-checks them itself
+    first), else directly under the data-dir lock -- unless --dry-run.
+    Exits 0 if every blob is intact, 1 if any failed or there is no index.
     """
     from kvd.store.datadir import INDEX_DIR
 
-    root = Path(_data_dir(data_dir) or "")
-    if not (root / INDEX_DIR / "data.mdb").exists():
-        click.echo(f"kvd: {root} holds no kvd index", err=True)
-        raise SystemExit(exits.FAILED)
+    cfg = settings(flags)
+    path = data_dir_to_read(cfg)
+    if path is None or not (Path(path) / INDEX_DIR / "data.mdb").exists():
+        fail(exits.FAILED, f"{path or 'no data dir is configured'}: holds no kvd index")
+    root = Path(path)
     bar = None if as_json else click.progressbar(length=1, label="verifying", file=sys.stderr)
 
     def progress(done: int, total: int) -> None:
@@ -138,15 +135,14 @@ def verify(endpoint, timeout, data_dir, dry_run, as_json) -> None:
     quarantined = 0
     how = "not quarantined (dry run)" if dry_run else ""
     if bad and not dry_run:
-        from kvd_client import DaemonUnavailable
-
         ids = [eid for eid, _ in bad]
-        with _client(endpoint, timeout) as client:
-            try:
+        answered, theirs = daemon_data_dir(cfg)
+        if answered and theirs is not None and Path(theirs).resolve() == root.resolve():
+            with admin_client(cfg) as client:  # the daemon owns these blobs: it re-checks, then quarantines
                 reply = client.gc(recheck=ids)
-                quarantined, how = reply["details"]["recheck"]["failed"], "quarantined by the daemon"
-            except DaemonUnavailable:
-                quarantined, how = _quarantine_offline(root, ids), "quarantined in the data dir"
+            quarantined, how = reply["details"]["recheck"]["failed"], "quarantined by the daemon"
+        else:  # no daemon serves this folder (one that does holds its lock: DataDirBusy, exit 4)
+            quarantined, how = _quarantine_offline(root, ids), "quarantined in the data dir"
     report = {
         "checked": checked,
         "failed": len(bad),
@@ -163,14 +159,9 @@ def verify(endpoint, timeout, data_dir, dry_run, as_json) -> None:
 
 
 def _quarantine_offline(root: Path, ids: list[bytes]) -> int:
-    from kvd.store import DataDirBusy
     from kvd.store.ssd import SsdStore
 
-    try:
-        store = SsdStore(root, 1 << 62, min_free_bytes=0, background=False, reconcile=False)
-    except DataDirBusy as err:
-        click.echo(f"kvd: {err}", err=True)
-        raise SystemExit(exits.REFUSED)
+    store = SsdStore(root, 1 << 62, min_free_bytes=0, background=False, reconcile=False)  # DataDirBusy: exit 4
     try:
         return store.recheck(ids)[1]
     finally:

@@ -34,7 +34,7 @@ def serve(**flags) -> None:
     bad configuration.
     """
     from kvd.server.daemon import Daemon
-    from kvd.server.endpoint import EndpointError
+    from kvd.endpoint import EndpointError
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import click
 
 from kvd.cli import main
-from kvd.config import EXIT_CONFIG, ConfigError, resolve
+from kvd.cli.common import settings
+from kvd.config import config_options
 from kvd.service import install as svc
 
 _init_option = click.option(
@@ -76,23 +77,20 @@ def uninstall_cmd(dry_run: bool, init: str | None) -> None:
 
 @service.command("status")
 @_init_option
-@click.option("--endpoint", envvar="KVD_ENDPOINT", default=None,
-              help="Endpoint to ping [env KVD_ENDPOINT; default: the installed service's].")
+@config_options(names=("endpoint",))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts).")
-def status_cmd(init: str | None, endpoint: str | None, as_json: bool) -> None:
+def status_cmd(init: str | None, as_json: bool, **flags) -> None:
     """Say whether the service is installed, loaded, and answering a ping.
 
-    Exits 0 if a daemon answers, 3 if none does.
+    The endpoint pinged is the one set by --endpoint, KVD_ENDPOINT or the
+    config file; with none set, the installed service's. Exits 0 if a
+    daemon answers, 3 if none does.
     """
     t = _target(init)
-    if endpoint is None:
-        endpoint = svc.service_endpoint(t)
-    if endpoint is None:
-        try:
-            endpoint = resolve().endpoint
-        except ConfigError as exc:
-            click.echo(f"kvd service status: {exc}", err=True)
-            raise SystemExit(EXIT_CONFIG)
+    cfg = settings(flags)
+    endpoint = cfg.endpoint
+    if cfg.sources["endpoint"] == "default":
+        endpoint = svc.service_endpoint(t) or endpoint
     st = svc.status(t, endpoint)
     click.echo(st.to_json() if as_json else st.describe(), nl=as_json)
     raise SystemExit(st.exit_code)

@@ -23,11 +23,8 @@ from typing import Any
 import click
 
 from kvd.cli import exits, main
+from kvd.cli.common import daemon_options, fail, settings
 
-_endpoint = click.option(
-    "--endpoint", envvar="KVD_ENDPOINT", default=None, help="Daemon endpoint [default: per-user ipc socket; env KVD_ENDPOINT]."
-)
-_timeout = click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds to wait for the daemon per call.")
 _namespace = click.option("--namespace", default=None, help="kvd namespace to use as is.")
 _model = click.option("--model", "model_path", default=None, help="Local mlx-lm model directory; the namespace is derived from it.")
 _tokens_file = click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -44,28 +41,20 @@ _json = click.option("--json", "as_json", is_flag=True, help="Print the result a
 
 
 def _options(fn):
-    for opt in reversed([_endpoint, _timeout, _namespace, _model, _tokens_file, _prompt_file, *_kv, _json]):
+    for opt in reversed([daemon_options, _namespace, _model, _tokens_file, _prompt_file, *_kv, _json]):
         fn = opt(fn)
     return fn
 
 
-def _fail(code: int, message: str) -> None:
-    click.echo(f"kvd: {message}", err=True)
-    raise SystemExit(code)
-
-
 def _daemon(fn):
-    from kvd_client import DaemonUnavailable, KvdError
+    """Run a client call; the adapter's refusals get this command's words (the
+    daemon's errors and its absence map to exit codes in kvd.cli.exits)."""
     from kvd_client.mlx_lm import SnapshotMismatch, UnsupportedCache
 
     try:
         return fn()
     except (UnsupportedCache, SnapshotMismatch) as err:  # ours, not the daemon's
-        _fail(exits.FAILED, f"the cache does not fit this namespace: {err}")
-    except DaemonUnavailable as err:
-        _fail(exits.UNAVAILABLE, f"{err} (is `kvd serve` running?)")
-    except KvdError as err:
-        _fail(exits.REFUSED, f"daemon refused: {err.name}: {err}")
+        fail(exits.FAILED, f"the cache does not fit this namespace: {err}")
 
 
 class _Model:
@@ -82,7 +71,7 @@ class _Model:
             try:
                 self._loaded = load_model(self.path)
             except Exception as err:
-                _fail(exits.FAILED, f"cannot load model {self.path}: {err}")
+                fail(exits.FAILED, f"cannot load model {self.path}: {err}")
         return self._loaded
 
 
@@ -121,8 +110,8 @@ def _report(as_json: bool, result: dict[str, Any], line: str) -> None:
 @main.command("import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @_options
-def import_(file, endpoint, timeout, namespace, model_path, tokens_file, prompt_file,
-            kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json) -> None:
+def import_(file, namespace, model_path, tokens_file, prompt_file,
+            kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json, **flags) -> None:
     """Load an mlx-lm prompt-cache FILE (save_prompt_cache, mlx-lm 0.31 or 0.32) into kvd.
 
     Exits 1 if the file cannot be read or does not match the model, 2 on bad
@@ -131,17 +120,18 @@ def import_(file, endpoint, timeout, namespace, model_path, tokens_file, prompt_
     from kvd_client import Client
     from kvd_client.mlx_lm_files import MODEL_KEY, NAMESPACE_KEY, CacheFileError, read
 
+    cfg = settings(flags)
     try:
         cf = read(file)
     except CacheFileError as err:
-        _fail(exits.FAILED, str(err))
+        fail(exits.FAILED, str(err))
     model = _Model(model_path or cf.metadata.get(MODEL_KEY))
     tokens = cf.tokens if not (tokens_file or prompt_file) else _tokens(tokens_file, prompt_file, model)
     if tokens is None:
         raise click.UsageError("the file holds no token ids: give --tokens-file (or --prompt-file)")
     held = cf.n_tokens
     if held is not None and held != len(tokens):
-        _fail(exits.FAILED, f"the cache holds {held} tokens but {len(tokens)} token ids were given")
+        fail(exits.FAILED, f"the cache holds {held} tokens but {len(tokens)} token ids were given")
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
     if namespace is None:
         if model_path is None and NAMESPACE_KEY in cf.metadata:
@@ -150,11 +140,11 @@ def import_(file, endpoint, timeout, namespace, model_path, tokens_file, prompt_
             namespace = _namespace_of(model, cf.cache, kv)
         else:
             raise click.UsageError("no namespace: give --namespace or --model (the file names no model)")
-    with Client(endpoint, namespace=namespace, timeout=timeout, strict=True) as client:
+    with Client(cfg.endpoint, namespace=namespace, timeout=cfg.timeout, strict=True) as client:
         ok = _daemon(lambda: client.store(tokens, cf.cache, wait=True))
         held_now = _daemon(lambda: client.probe(tokens)).n
     if not ok or held_now < len(tokens):
-        _fail(exits.FAILED, f"the daemon holds {held_now} of {len(tokens)} tokens (too big for its tiers?)")
+        fail(exits.FAILED, f"the daemon holds {held_now} of {len(tokens)} tokens (too big for its tiers?)")
     result = {"file": str(file), "layout": cf.layout, "layers": len(cf.cache), "tokens": len(tokens), "namespace": namespace}
     _report(as_json, result, f"imported {len(tokens)} tokens ({cf.layout} file, {len(cf.cache)} layers) into {namespace}")
 
@@ -162,8 +152,8 @@ def import_(file, endpoint, timeout, namespace, model_path, tokens_file, prompt_
 @main.command("export")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="File to write (safetensors).")
 @_options
-def export(output, endpoint, timeout, namespace, model_path, tokens_file, prompt_file,
-           kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json) -> None:
+def export(output, namespace, model_path, tokens_file, prompt_file,
+           kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json, **flags) -> None:
     """Write the cache kvd holds for some tokens as an mlx-lm prompt-cache file.
 
     The file is written by the installed mlx-lm's save_prompt_cache, so its
@@ -176,6 +166,7 @@ def export(output, endpoint, timeout, namespace, model_path, tokens_file, prompt
     from kvd_client.mlx_lm import SnapshotMismatch, rebuild
     from kvd_client.mlx_lm_files import export_metadata, write
 
+    cfg = settings(flags)
     model = _Model(model_path)
     if namespace is None and model_path is None:
         raise click.UsageError("give --model or --namespace")
@@ -185,18 +176,21 @@ def export(output, endpoint, timeout, namespace, model_path, tokens_file, prompt
     if namespace is None:
         kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
         namespace = _namespace_of(model, None, kv)
-    with Client(endpoint, namespace=namespace, timeout=timeout, strict=True) as client:
+    with Client(cfg.endpoint, namespace=namespace, timeout=cfg.timeout, strict=True) as client:
         hit = _daemon(lambda: client.get(tokens))
         if hit is not None and (hit.meta or {}).get("bnd") and hit.boundary is None:
             # Recurrent/windowed layers: only a prefix ending at stored state is a cache.
             hit = _daemon(lambda: client.get(tokens, need_boundary=True))
     if hit is None:
-        _fail(exits.FAILED, f"kvd holds none of these {len(tokens)} tokens in {namespace}")
+        fail(exits.FAILED, f"kvd holds none of these {len(tokens)} tokens in {namespace}")
     try:
         cache = rebuild(hit)
     except SnapshotMismatch as err:
-        _fail(exits.FAILED, f"kvd's entry cannot be rebuilt: {err}")
-    write(output, cache, export_metadata(tokens[: hit.n], namespace, model_path))
+        fail(exits.FAILED, f"kvd's entry cannot be rebuilt: {err}")
+    try:
+        write(output, cache, export_metadata(tokens[: hit.n], namespace, model_path))
+    except OSError as err:
+        fail(exits.FAILED, f"cannot write {output}: {err.strerror or err}")
     result = {"output": str(output), "tokens": hit.n, "requested": len(tokens), "layers": len(cache), "namespace": namespace}
     partial = "" if hit.n == len(tokens) else f" (kvd holds only {hit.n} of the {len(tokens)} tokens)"
     _report(as_json, result, f"exported {hit.n} tokens ({len(cache)} layers) from {namespace} to {output}{partial}")

@@ -1,4 +1,11 @@
-"""Errors of the kvd/1 protocol, each bound to one stable wire code.
+"""kvd's errors: one tree, and the wire codes of the ones that travel.
+
+Every error kvd raises on purpose is a KvdError. Those under ProtocolError
+and ServerError cross the wire, each bound to one stable code (proto/
+PROTOCOL.md section 6); the others stay in the process that raised them and
+have no code (`code is None`). Local errors are defined beside the code that
+raises them, in the module named on their line; tests/test_errors.py checks
+this drawing against the classes themselves.
 
     KvdError
      +-- ProtocolError              a message broke the protocol (codes 1xx)
@@ -13,12 +20,32 @@
      |    +-- TooManyFrames         108  frame count over the advertised limit
      |    +-- TooManyTokens         109  token count over the advertised limit
      +-- ServerError                the daemon could not serve a valid request (2xx, 5xx)
-          +-- Busy                  200  the daemon is shedding load; retry later
-          +-- Internal              500  a bug in the daemon; the request is lost, not the daemon
+     |    +-- Busy                  200  the daemon is shedding load; retry later
+     |    +-- Internal              500  a bug in the daemon; the request is lost, not the daemon
+     +-- DaemonUnavailable          kvd_client: no answer in time (down, slow or restarting)
+     +-- BadReply                   kvd_client: the daemon's reply broke kvd/1
+     +-- UnsupportedCache           kvd_client.mlx_lm: a cache object the adapter cannot snapshot
+     +-- SnapshotMismatch           kvd_client.mlx_lm: a hit that does not rebuild into a cache
+     +-- CacheFileError             kvd_client.mlx_lm_files: not a prompt-cache file it can read
+     +-- ConfigError                kvd.config: a setting's value, or the config file, is bad
+     +-- EndpointError              kvd.endpoint: not an endpoint kvd can use
+     |    +-- EndpointBusy          kvd.endpoint: another daemon serves it
+     +-- DataDirBusy                kvd.store.datadir: another process holds the data dir's lock
+     +-- IncompatibleIndex          kvd.store.index: written by a kvd this one cannot read
+     +-- IndexBusy                  kvd.store.index: the map is being resized (served as a miss)
+     +-- BlobCorrupt                kvd.store.blobfile: a blob is not the one the index describes
+     +-- Unencodable                kvd.store.blobfile: an entry cannot be written as safetensors
+     +-- ServiceError               kvd.service.install: installing or removing the service failed
+          +-- UnsupportedPlatform   kvd.service.install: no init system kvd knows
+          +-- CommandFailed         kvd.service.install: launchctl/systemctl exited non-zero
 
 A decoder raises the ProtocolError subclass for the first rule a message
 breaks; the daemon replies with an ERROR message carrying `code` and `name`,
 and the client maps the code straight back to the same class (`from_code`).
+Only wire errors are ever put in an ERROR reply: a local error reaching the
+daemon's loop is a bug there and is answered INTERNAL. The command line maps
+each branch to one exit code (kvd/cli/exits.py). Not an error, and so not
+drawn: kvd.server.handler.ShutdownRequested, which unwinds a SHUTDOWN request.
 """
 
 from __future__ import annotations
@@ -27,8 +54,8 @@ from __future__ import annotations
 class KvdError(Exception):
     """Base of every error kvd raises on purpose."""
 
-    code: int = 0
-    name: str = "KVD_ERROR"
+    code: int | None = None  # the wire code; None for errors that never leave their process
+    name: str = "KVD_ERROR"  # the wire name, or a short tag (client counters: error_<name>)
 
     def __init__(self, message: str = ""):
         super().__init__(message or self.__class__.__doc__ or self.name)

@@ -32,7 +32,7 @@ import zmq
 from kvd.protocol import codec
 from kvd.protocol import errors as E
 from kvd.protocol.limits import Limits
-from kvd.server.endpoint import EndpointLock
+from kvd.endpoint import EndpointLock
 from kvd.server.handler import Handler, ShutdownRequested
 from kvd.server.latency import Latency
 from kvd.store.base import Store
@@ -80,7 +80,7 @@ class Daemon:
 
     # -- lifecycle ---------------------------------------------------------
     def bind(self) -> None:
-        """Take the endpoint lock and bind. Raises EndpointError or zmq.ZMQError."""
+        """Take the endpoint lock and bind. Raises EndpointError (EndpointBusy) or zmq.ZMQError."""
         self._lock.acquire()
         try:
             ctx = zmq.Context()
@@ -211,7 +211,7 @@ class Daemon:
         except ShutdownRequested:
             reply, shutdown = codec.encode("SHUTDOWN", {}, id=msg.id), True
             log.info("shutdown requested by a client")
-        except E.KvdError as err:
+        except (E.ProtocolError, E.ServerError) as err:  # wire errors; local ones are bugs here
             self.handler.errors[err.name] += 1
             log.warning("failed type=%s error=%s detail=%r", msg.type, err.name, err.message)
             reply = codec.encode_error(err, id=msg.id)

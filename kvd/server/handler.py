@@ -217,6 +217,8 @@ class Handler:
             "version": __version__,
             "pid": os.getpid(),
             "endpoint": self.endpoint,
+            # Offline commands (kvd verify, stats/ls --offline) read this folder.
+            "data_dir": stats.get("tiers", {}).get("ssd", {}).get("data_dir"),
             "uptime": time.time() - self.started,
             "requests": dict(self.requests),
             "errors": dict(self.errors),

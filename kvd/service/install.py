@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from kvd.protocol.errors import KvdError
 from kvd.service import launchd, systemd
 
 # CLI exit codes, the same numbers as kvd.cli.exits (this layer does not import the CLI).
@@ -38,7 +39,7 @@ EXIT_NOT_ANSWERING = 3  # status: no daemon answered at the endpoint
 INIT_SYSTEMS = ("launchd", "systemd")
 
 
-class ServiceError(Exception):
+class ServiceError(KvdError):
     """An install/uninstall step failed; `exit_code` is what the CLI exits with."""
 
     exit_code = EXIT_FAILED
@@ -271,8 +272,9 @@ class Status:
 def service_endpoint(t: Target) -> str | None:
     """Return the endpoint the installed unit binds (systemd), or None to use the config's."""
     if t.init == "systemd":
-        runtime = t.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{t.uid}"
-        return f"ipc://{runtime}/kvd/kvd.sock"
+        from kvd.endpoint import runtime_endpoint
+
+        return runtime_endpoint(t.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{t.uid}")
     return None
 
 

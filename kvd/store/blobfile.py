@@ -48,6 +48,7 @@ from pathlib import Path
 import xxhash
 
 from kvd.protocol import dtypes
+from kvd.protocol.errors import KvdError
 from kvd.store.base import Entry, Tensor
 from kvd.store.datadir import DIR_MODE, FILE_MODE, TMP_SUFFIX
 
@@ -66,11 +67,11 @@ WIRE_DTYPE = {code: name for name, code in ST_DTYPE.items()}
 MAX_HEADER = 64 << 20
 
 
-class BlobCorrupt(Exception):
+class BlobCorrupt(KvdError):
     """The blob on disk is not the one the index describes (checksum, size or parse failure)."""
 
 
-class Unencodable(ValueError):
+class Unencodable(KvdError, ValueError):
     """The entry cannot be written as a safetensors file (duplicate or reserved tensor names)."""
 
 

@@ -30,6 +30,8 @@ import os
 import sys
 from pathlib import Path
 
+from kvd.protocol.errors import KvdError
+
 INDEX_DIR = "index"
 BLOB_DIR = "blobs"
 QUARANTINE_DIR = "quarantine"
@@ -41,7 +43,7 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
-class DataDirBusy(RuntimeError):
+class DataDirBusy(KvdError, RuntimeError):
     """Another process (a running daemon, or an offline gc) holds the data dir's lock."""
 
 

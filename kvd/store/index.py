@@ -48,16 +48,18 @@ from typing import Any, Callable, Iterator, TypeVar
 import lmdb
 import msgpack
 
+from kvd.protocol.errors import KvdError
+
 INDEX_FORMAT = 1
 DEFAULT_MAP_SIZE = 1 << 30  # virtual; data.mdb grows only as pages are used
 T = TypeVar("T")
 
 
-class IndexBusy(Exception):
+class IndexBusy(KvdError):
     """The index is being resized; the caller should treat its lookup as a miss."""
 
 
-class IncompatibleIndex(RuntimeError):
+class IncompatibleIndex(KvdError, RuntimeError):
     """The data dir was written by a kvd whose index format this one cannot read."""
 
 
