@@ -103,3 +103,27 @@ def test_stats_watch_refreshes_in_place(kvd_daemon):
         out += chunk
     assert proc.wait(30) == 0
     assert out.count(b"\x1b[H\x1b[2J") == 2, out[:200]
+
+
+def test_offline_commands_read_the_running_daemons_data_dir_and_say_so(daemon_factory, tmp_path):
+    # The configured data dir (the sandbox's default) is not the daemon's:
+    # without --data-dir, the offline commands must read the daemon's.
+    d = daemon_factory("--ram-mb", "16")
+    said = f"kvd: reading {d.data_dir} (the data dir of the daemon at {d.endpoint})"
+    r = kvd("stats", "--offline", "--json", "--endpoint", d.endpoint)
+    assert r.returncode == 0 and json.loads(r.stdout)["data_dir"] == str(d.data_dir), r.stderr
+    assert said in r.stderr.splitlines()
+    r = kvd("ls", "--offline", "--endpoint", d.endpoint)
+    assert r.returncode == 0 and said in r.stderr.splitlines(), r.stderr
+    r = kvd("verify", "--endpoint", d.endpoint)
+    assert r.returncode == 0 and "checked 0 blobs: 0 failed" in r.stdout and said in r.stderr.splitlines(), r.stderr
+    # --data-dir still wins, and is named as the reason
+    other = tmp_path / "other"
+    r = kvd("verify", "--endpoint", d.endpoint, "--data-dir", str(other))
+    assert r.returncode == 1 and f"kvd: reading {other} (flag:--data-dir)" in r.stderr, r.stderr
+    # no daemon: the configured folder, and why
+    d.stop()
+    r = kvd("stats", "--offline", "--endpoint", d.endpoint, "--timeout", "0.5", "--data-dir", str(d.data_dir))
+    assert r.returncode == 0 and f"kvd: reading {d.data_dir} (flag:--data-dir)" in r.stderr, r.stderr
+    r = kvd("ls", "--offline", "--endpoint", d.endpoint, "--timeout", "0.5")
+    assert f"no daemon answers at {d.endpoint}" in r.stderr, r.stderr
