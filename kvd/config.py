@@ -258,7 +258,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_port", _int(0, 65535), 0,
             "TCP port for Prometheus metrics (0 = off)."),
     Setting("timeout", _float(0.0, exclusive=True), 5.0,
-            "Default client timeout for one request, in seconds."),
+            "Seconds a client, or a kvd command, waits for one request's answer."),
     Setting("chunk_tokens", _int(1), 256,
             "Tokens per cached chunk (prefixes are matched chunk by chunk)."),
 )
