@@ -1,6 +1,6 @@
 """Shared-memory data plane, the sans-I/O rules (DRAFT: no daemon offers it yet).
 
-Theory of operation (the design issue 13 settles on; see proto/SHM-DESIGN.md):
+Theory of operation (the design drafted in proto/SHM-DESIGN.md for issue 13):
 control stays on kvd/1 over ZeroMQ, and bulk bytes move through segments the
 daemon owns -- files mapped from a `shm/` folder of its private 0700 run
 directory, which works the same on macOS and Linux and needs no 31-character
