@@ -27,6 +27,7 @@ from kvd.protocol import keys
 from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
 from kvd.protocol.errors import BadField, UnsupportedVersion
 from kvd.protocol.limits import Limits
+from kvd.server.evictions import EvictionRecord
 from kvd.server.prefix import Link, match
 from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, entry_id
 
@@ -53,6 +54,11 @@ class Handler:
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ns_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.evictions = EvictionRecord()
+        self.evictions.attach(store)
+        # Sections other parts of the daemon add to STATS (memory pressure,
+        # quotas): name -> callable returning a map, run under the daemon's lock.
+        self.stats_sections: dict[str, Any] = {}
 
     def handle(self, msg: Message) -> tuple[str, dict[str, Any]]:
         self.requests[msg.type] += 1
@@ -213,6 +219,9 @@ class Handler:
             namespaces.setdefault(ns, {"entries": 0, "bytes": 0}).update(counters)
         if msg.get("ns") is not None:
             stats["namespaces"] = {k: v for k, v in namespaces.items() if k == msg["ns"]}
+        stats["evictions"] = self.evictions.stats()
+        for name, section in self.stats_sections.items():
+            stats[name] = section(stats)
         stats["server"] = {
             "version": __version__,
             "pid": os.getpid(),
