@@ -20,6 +20,9 @@ Rules it keeps:
 4. Unknown keys in the file are errors (a typo must not silently do nothing).
 5. Defaults that depend on the machine (endpoint, data_dir) are computed only
    when no source sets the value, so a broken default never hides a good value.
+6. A few settings are TOML tables, read from the config file only (`TABLES`):
+   `[quota."pattern"]` rows (kvd/store/quota.py). `Config.<table>` is their
+   parsed value; `kvd config` prints them back.
 """
 
 from __future__ import annotations
@@ -262,6 +265,16 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def _quota_table(raw: Any) -> Any:
+    from kvd.store.quota import Quotas  # light: no store machinery is imported
+
+    return Quotas.from_table(raw)
+
+
+# File-only settings that are TOML tables: name -> parser (raw table or {} -> value).
+TABLES: dict[str, Callable[[Any], Any]] = {"quota": _quota_table}
 CONFIG_ENV = "KVD_CONFIG"
 
 
@@ -272,16 +285,23 @@ class Config:
     - `config_path`: the config file that was read, or None.
     """
 
-    __slots__ = ("_values", "sources", "config_path")
+    __slots__ = ("_values", "sources", "config_path", "tables")
 
-    def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path | None):
+    def __init__(
+        self, values: dict[str, Any], sources: dict[str, str], config_path: Path | None, tables: dict[str, Any] | None = None
+    ):
         self._values = dict(values)
         self.sources = dict(sources)
         self.config_path = config_path
+        self.tables = {name: parse({}) for name, parse in TABLES.items()} if tables is None else dict(tables)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return self._values[name]
+        except KeyError:
+            pass
+        try:
+            return self.tables[name]
         except KeyError:
             raise AttributeError(f"no setting named {name!r}") from None
 
@@ -321,11 +341,11 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
-    unknown = sorted(set(data) - set(BY_NAME))
+    unknown = sorted(set(data) - set(BY_NAME) - set(TABLES))
     if unknown:
         raise ConfigError(
             f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
-            f"known: {', '.join(BY_NAME)}"
+            f"known: {', '.join([*BY_NAME, *TABLES])}"
         )
     return data
 
@@ -395,7 +415,13 @@ def resolve(
                 raise ConfigError(f"{s.name} (from default): cannot compute the default: {exc}") from exc
             values[s.name] = _parse(s, raw, "default") if raw is not None else None
             sources[s.name] = "default"
-    return Config(values, sources, path)
+    tables = {}
+    for name, parse in TABLES.items():
+        try:
+            tables[name] = parse(file_values.get(name, {}))
+        except ValueError as exc:
+            raise ConfigError(f"{name} (from file:{path}): {exc}") from None
+    return Config(values, sources, path, tables)
 
 
 def config_options(command: Callable) -> Callable:

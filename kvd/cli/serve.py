@@ -63,6 +63,8 @@ def serve(**flags) -> None:
         log.error("cannot open the store: %s", err)
         raise SystemExit(EXIT_CONFIG if isinstance(err, ValueError) else exits.FAILED)
 
+    if cfg.quota:
+        cfg.quota.attach(store)
     metrics = None
     daemon = Daemon(
         store,
@@ -72,6 +74,8 @@ def serve(**flags) -> None:
         on_ready=lambda: notifier.ready(f"serving {cfg.endpoint}"),
         on_tick=notifier.tick,
     )
+    if cfg.quota:
+        daemon.handler.stats_sections["quotas"] = cfg.quota.report
     try:
         daemon.bind()
     except (EndpointError, Exception) as err:  # zmq.ZMQError: address in use, permission, ...

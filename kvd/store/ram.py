@@ -44,6 +44,7 @@ class RamStore(Store):
         self.budget_bytes = int(budget_bytes)
         self.on_evict = on_evict
         self.observer: Callable[[Entry, str], None] | None = None
+        self.quotas: Any = None  # kvd.store.quota.Quotas: a group over quota evicts its own first
         self._clock = clock
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         self._used: dict[bytes, float] = {}
@@ -83,7 +84,7 @@ class RamStore(Store):
             self._used[eid] = self._clock()
             self.counters["duplicates"] += 1
             return PutOutcome.DUPLICATE
-        if entry.nbytes > self.budget_bytes:
+        if entry.nbytes > self.budget_bytes or (self.quotas is not None and not self.quotas.admit_ram(entry)):
             self.counters["too_big"] += 1
             return PutOutcome.TOO_BIG
         self._entries[eid] = entry
@@ -96,6 +97,8 @@ class RamStore(Store):
         if entry.kind == CHUNK:
             self.ns_tokens[entry.namespace] += entry.length
         self.counters["stored"] += 1
+        if self.quotas is not None:
+            self.quotas.enforce_ram(self, entry)
         self._evict_to(self.budget_bytes)
         return PutOutcome.STORED
 
@@ -123,11 +126,12 @@ class RamStore(Store):
     def _evict_to(self, budget: int, why: str = "lru") -> tuple[int, int]:
         n = nbytes = 0
         while self.bytes > budget and self._entries:
-            nbytes += self._evict_one(next(iter(self._entries)), why)
+            nbytes += self.evict_entry(next(iter(self._entries)), why)
             n += 1
         return n, nbytes
 
-    def _evict_one(self, eid: bytes, why: str) -> int:
+    def evict_entry(self, eid: bytes, why: str) -> int:
+        """Evict one held entry (spilling it, via `on_evict`). Returns its bytes."""
         entry = self._remove(eid)
         self.counters["evictions"] += 1
         self.counters["evicted_bytes"] += entry.nbytes

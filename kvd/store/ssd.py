@@ -358,8 +358,14 @@ class SsdStore(Store):
             if not self._space_ok(est):
                 self._drop(entry, "low_space")
                 continue
-            if self.quotas is not None:
-                self.quotas.make_room_ssd(self, entry, est, protect={e for e, _ in written})
+            if self.quotas is not None and not self.quotas.make_room_ssd(self, entry, est, written):
+                # As below: this batch's own uncommitted blobs may be what stands in the way.
+                if written:
+                    self._commit(written)
+                    written, planned = [], 0
+                if not self.quotas.make_room_ssd(self, entry, est, written):
+                    self._drop(entry, "quota")
+                    continue
             if not self._make_room(est + planned, protect={e for e, _ in written}):
                 # Perhaps only this batch's own uncommitted blobs stand in the
                 # way (a batch bigger than the budget): commit them, so they
@@ -469,6 +475,18 @@ class SsdStore(Store):
             with self._mu:
                 self._evicting.difference_update(victims)
         return True
+
+    def evict_rows(self, victims: list[bytes], why: str) -> tuple[int, int]:
+        """Writer thread: evict these rows, except any leased meanwhile
+        (ordered against `lease` as in `_make_room`). Returns (entries, bytes)."""
+        with self._mu:
+            victims = [eid for eid in victims if not self.leased(eid)]
+            self._evicting.update(victims)
+        try:
+            return self._remove(victims, "evictions", why)
+        finally:
+            with self._mu:
+                self._evicting.difference_update(victims)
 
     def _remove(self, eids: list[bytes], counter: str, why: str = "gc") -> tuple[int, int]:
         """Delete rows (committed first), then unlink their blobs."""
