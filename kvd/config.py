@@ -155,6 +155,32 @@ def _optional_path(raw: Any) -> str | None:
 _optional_path.kind = "path"  # type: ignore[attr-defined]
 
 
+def _ram_mb(raw: Any) -> int | str:
+    """MiB as an integer >= 1, or "auto" (sized from the machine when the
+    daemon starts: kvd.server.pressure.auto_ram_mb)."""
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _int(1)(raw)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or \"auto\")") from None
+
+
+_ram_mb.kind = "int_auto"  # type: ignore[attr-defined]
+
+
+def _pressure_source(raw: Any) -> str:
+    value = _str(raw)
+    if value.lower() in ("auto", "off"):
+        return value.lower()
+    if value.startswith("file:") and len(value) > 5:
+        return "file:" + os.path.abspath(os.path.expanduser(value[5:]))
+    raise ValueError(f"expected auto, off or file:PATH, got {raw!r}")
+
+
+_pressure_source.kind = "source"  # type: ignore[attr-defined]
+
+
 # --- per-user default locations ------------------------------------------------
 
 
@@ -236,8 +262,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("endpoint", _endpoint, _default_endpoint,
             "ZeroMQ endpoint the daemon binds and clients connect to.",
             default_doc="per-user ipc socket"),
-    Setting("ram_mb", _int(1), 1024,
-            "Size of the RAM tier in MiB."),
+    Setting("ram_mb", _ram_mb, 1024,
+            "Size of the RAM tier in MiB, or \"auto\": an eighth of the memory the daemon may use "
+            "(physical, or its cgroup's limit if lower), 256 MiB to 32 GiB."),
+    Setting("ram_floor_mb", _int(0), 64,
+            "Least the RAM tier keeps, in MiB, when it yields to memory pressure."),
+    Setting("pressure_source", _pressure_source, "auto",
+            "What the RAM tier yields to: \"auto\" (this machine: PSI, MemAvailable, cgroup limits; "
+            "macOS: the kernel's pressure level), \"off\", or \"file:PATH\" (a file whose first word "
+            "is normal, warn or critical)."),
+    Setting("pressure_poll_s", _float(0.0, exclusive=True), 1.0,
+            "Seconds between memory-pressure samples."),
+    Setting("pressure_calm_s", _float(0.0), 30.0,
+            "Seconds without memory pressure before the RAM tier grows back, a quarter at a time."),
     Setting("data_dir", _optional_path, lambda env: default_data_dir(env),
             "Folder of the SSD tier; \"none\" keeps chunks in RAM only.",
             default_doc="~/Library/Caches/kvd on macOS, $XDG_CACHE_HOME/kvd or ~/.cache/kvd elsewhere"),
@@ -315,7 +352,10 @@ class Config:
 
 
 # TOML has types: a file value must already be of its setting's type.
-_TOML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "choice": (str,), "path": (str,)}
+_TOML_TYPES = {
+    "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "choice": (str,), "path": (str,),
+    "int_auto": (int, str), "source": (str,),
+}
 
 
 def _parse(setting: Setting, raw: Any, source: str, base_dir: Path | None = None) -> Any:
@@ -324,6 +364,8 @@ def _parse(setting: Setting, raw: Any, source: str, base_dir: Path | None = None
         if not isinstance(raw, want) or (isinstance(raw, bool) and bool not in want):
             names = " or ".join({int: "integer", float: "float", bool: "boolean", str: "string"}[t] for t in want)
             raise ConfigError(f"{setting.name} (from {source}): expected a TOML {names}, got {raw!r}")
+        if setting.kind == "int_auto" and isinstance(raw, str) and raw.strip().lower() != "auto":
+            raise ConfigError(f"{setting.name} (from {source}): expected a TOML integer or \"auto\", got {raw!r}")
     try:
         value = setting.parse(raw)
     except (TypeError, ValueError) as exc:
@@ -443,7 +485,7 @@ def config_options(command: Callable) -> Callable:
             "float": click.FLOAT,
             "choice": click.Choice(LOG_LEVELS, case_sensitive=False),
         }.get(s.kind, click.STRING)
-        metavar = {"path": "PATH|none"}.get(s.kind)
+        metavar = {"path": "PATH|none", "int_auto": "MIB|auto", "source": "auto|off|file:PATH"}.get(s.kind)
         command = click.option(
             s.flag, s.name, type=click_type, default=None, metavar=metavar, help=help_text
         )(command)
