@@ -12,11 +12,13 @@ mlx-lm prompt caches into snapshots and back on the caller's thread.
 from kvd.protocol.errors import KvdError, ProtocolError, ServerError
 from kvd_client._client import Client, Probe
 from kvd_client._errors import BadReply, DaemonUnavailable
+from kvd_client._explain import Explanation
 from kvd_client._tensors import Hit, HostTensor, Snapshot
 
 __all__ = [
     "Client",
     "Probe",
+    "Explanation",
     "Snapshot",
     "Hit",
     "HostTensor",

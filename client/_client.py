@@ -35,7 +35,7 @@ import numpy as np
 from kvd.protocol import keys
 from kvd.protocol.errors import KvdError
 from kvd.protocol.limits import Limits
-from kvd_client import _chunking
+from kvd_client import _chunking, _explain
 from kvd_client._tensors import Hit, Snapshot
 from kvd_client._transport import Transport
 from kvd_client.mlx_lm._methods import MlxMethods  # imports no mlx until store/fetch are called
@@ -210,9 +210,8 @@ class _Core:
         nbytes = sum(t.nbytes for c in chunks for t in c["tensors"])
         # A PUT's size is known, so its deadline grows with it (at 256 MiB/s,
         # a quarter of the slowest transport measured); GET keeps `timeout`.
-        reply = self._call(
-            "PUT", {**seq, "chunks": chunks, "boundary": boundary}, self.timeout + nbytes / 2**28, background=background
-        )
+        fields = {**seq, "chunks": chunks, "boundary": boundary, "ns_meta": _explain.components_for(self.namespace)}
+        reply = self._call("PUT", fields, self.timeout + nbytes / 2**28, background=background)
         if reply is None:
             return False
         self.counters["chunks_sent"] += len(chunks)
@@ -269,6 +268,12 @@ class _Core:
         self.counters["get_hit"] += 1
         self.counters["tokens_fetched"] += n
         return hit
+
+    def explain(self, tokens: Sequence[int] | np.ndarray, *, need_boundary: bool | None = None) -> _explain.Explanation | None:
+        """Why the daemon holds only so much of `tokens`: an `Explanation`
+        (n, reason, message, detail), or None if it did not answer.
+        `need_boundary` defaults to what the model's layout says, if known."""
+        return _explain.explain(self, tokens, need_boundary)
 
     # -- admin -------------------------------------------------------------------
     def stats(self, namespace: str | None = None) -> dict[str, Any] | None:

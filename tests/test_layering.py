@@ -53,7 +53,7 @@ def test_protocol_layer_does_no_io():
 
 def test_client_public_surface_is_pinned():
     assert sorted(kvd_client.__all__) == sorted([
-        "Client", "Probe", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "ServerError",
+        "Client", "Probe", "Explanation", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "ServerError",
         "DaemonUnavailable", "BadReply",
     ])
     public = {n for n in dir(kvd_client.Client) if not n.startswith("_")}
