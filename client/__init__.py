@@ -34,11 +34,13 @@ from kvd.protocol.errors import (
 from kvd_client._client import Client
 from kvd_client._core import Probe
 from kvd_client._errors import BadReply, DaemonUnavailable
+from kvd_client._explain import Explanation
 from kvd_client._tensors import Hit, HostTensor, Snapshot
 
 __all__ = [
     "Client",
     "Probe",
+    "Explanation",
     "Snapshot",
     "Hit",
     "HostTensor",

@@ -54,6 +54,14 @@ class Client(Core):
         built on this thread; (None, 0) on a miss. See MlxMethods.fetch."""
         return self.mlx.fetch(tokens)
 
+    def explain(self, tokens: Sequence[int], *, need_boundary: bool | None = None):
+        """Why the daemon holds only so much of `tokens` (an `Explanation`, or None
+        if it did not answer). `need_boundary` defaults to what the model's layout
+        says, once `namespace_for` or a store/fetch has seen the model."""
+        if need_boundary is None:
+            need_boundary = self.mlx.needs_boundary()
+        return super().explain(tokens, need_boundary=need_boundary)
+
     def lookup(self, tokens: Sequence[int]) -> int:
         """The n that `fetch(tokens)` would return now, without moving tensors (0 on a miss)."""
         return self.mlx.lookup(tokens)

@@ -40,7 +40,7 @@ from kvd.endpoint import check_endpoint, default_endpoint
 from kvd.protocol import keys
 from kvd.protocol.errors import KvdError
 from kvd.protocol.limits import Limits
-from kvd_client import _chunking
+from kvd_client import _chunking, _explain
 from kvd_client._tensors import Hit, Snapshot
 from kvd_client._transport import Transport
 
@@ -210,9 +210,8 @@ class Core:
         nbytes = sum(t.nbytes for c in chunks for t in c["tensors"])
         # A PUT's size is known, so its deadline grows with it (at 256 MiB/s,
         # a quarter of the slowest transport measured); GET keeps `timeout`.
-        reply = self._call(
-            "PUT", {**seq, "chunks": chunks, "boundary": boundary}, self.timeout + nbytes / 2**28, background=background
-        )
+        fields = {**seq, "chunks": chunks, "boundary": boundary, "ns_meta": _explain.components_for(self.namespace)}
+        reply = self._call("PUT", fields, self.timeout + nbytes / 2**28, background=background)
         if reply is None:
             return False
         self.counters["chunks_sent"] += len(chunks)
@@ -270,6 +269,11 @@ class Core:
         self.counters["tokens_fetched"] += n
         return hit
 
+    def explain(self, tokens: Sequence[int] | np.ndarray, *, need_boundary: bool = False) -> _explain.Explanation | None:
+        """Why the daemon holds only so much of `tokens`: an `Explanation`
+        (n, reason, message, detail), or None if it did not answer."""
+        return _explain.explain(self, tokens, need_boundary)
+
     # -- admin -------------------------------------------------------------------
     def stats(self, namespace: str | None = None) -> dict[str, Any] | None:
         """The daemon's STATS map, or None if it did not answer."""
@@ -287,6 +291,13 @@ class Core:
         return self._call("SHUTDOWN") is not None
 
     # -- lifecycle -------------------------------------------------------------------
+    def retry_now(self) -> None:
+        """Forget that the daemon was down: the next call connects afresh.
+        For a caller that has just seen the daemon answer again."""
+        self._transport.retry_now()
+        if self._bg_transport is not None:
+            self._bg_transport.retry_now()
+
     def close(self) -> None:
         self._transport.close()
         if self._bg_transport is not None:

@@ -67,6 +67,14 @@ class Transport:
             self._sock.close(linger=0)
             self._sock = None
 
+    def retry_now(self) -> None:
+        """The daemon is known to be back (someone else reached it): drop the
+        socket, so the next request connects afresh (allowing `connect_wait`)
+        instead of failing fast or waiting out ZeroMQ's reconnect back-off."""
+        with self._lock:
+            self._reset()
+            self._down_until = 0.0
+
     def close(self) -> None:
         with self._lock:
             self._reset()

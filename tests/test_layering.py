@@ -43,7 +43,7 @@ LAYERS = {
     "kvd.service": ("kvd.service",),
     "kvd.cli": ("kvd.cli", "kvd.__main__"),
     "kvd_client._core": ("kvd_client._core", "kvd_client._transport", "kvd_client._tensors",
-                         "kvd_client._chunking", "kvd_client._errors"),
+                         "kvd_client._chunking", "kvd_client._errors", "kvd_client._explain"),
     "kvd_client.mlx_lm": ("kvd_client.mlx_lm",),
     "kvd_client": ("kvd_client",),
     "kvd_client.mlx_lm_files": ("kvd_client.mlx_lm_files",),
@@ -253,7 +253,7 @@ def test_a_serving_daemon_never_loads_mlx(daemon_factory):
 
 def test_client_public_surface_is_pinned():
     assert sorted(kvd_client.__all__) == sorted([
-        "Client", "Probe", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "MalformedMessage",
+        "Client", "Probe", "Explanation", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "MalformedMessage",
         "UnsupportedVersion", "UnknownMessageType", "BadField", "BadDtype", "BadShape", "BadFrameIndex",
         "MessageTooLarge", "TooManyFrames", "TooManyTokens", "ServerError", "Busy", "Internal",
         "DaemonUnavailable", "BadReply", "EndpointError",

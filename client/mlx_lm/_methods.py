@@ -186,6 +186,11 @@ class MlxMethods:
             return False
         return not self._mlx_boundary_need() or len(toks) in probe.boundaries
 
+    def needs_boundary(self) -> bool:
+        """Whether this namespace's model resumes only at boundary state (a
+        hybrid or sliding-window model), as far as its layout is known yet."""
+        return bool(self._mlx_boundary_need())
+
     def flush_stores(self, timeout: float | None = None) -> bool:
         """Wait until every queued store has been put (or failed). False on timeout."""
         writer = getattr(self, "_mlx_writer_obj", None)

@@ -93,3 +93,7 @@ def ago(ts: float) -> str:
         if s >= n:
             return f"{s / n:.0f}{unit} ago"
     return f"{s:.0f}s ago"
+
+
+def rate(hits: int, misses: int) -> str:
+    return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"

@@ -35,6 +35,8 @@ def serve(**flags) -> None:
     """
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
+    from kvd.server.governor import from_config as governor_for
+    from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
 
@@ -47,9 +49,12 @@ def serve(**flags) -> None:
     log = logging.getLogger("kvd.server")
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
+    ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
+    if cfg.ram_mb == "auto":
+        log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
     try:
         store = open_store(
-            cfg.ram_mb * MiB,
+            ram_mb * MiB,
             data_dir=cfg.data_dir,
             ssd_bytes=int(cfg.ssd_gb * GiB),
             write_through=cfg.write_through,
@@ -63,6 +68,16 @@ def serve(**flags) -> None:
         log.error("cannot open the store: %s", err)
         raise SystemExit(EXIT_CONFIG if isinstance(err, ValueError) else exits.FAILED)
 
+    if cfg.quota:
+        cfg.quota.attach(store)
+    governor = governor_for(cfg, store, ram_mb * MiB)
+
+    def on_tick() -> None:
+        notifier.tick()
+        if governor is not None:
+            with daemon.lock:  # the metrics thread reads the RAM tier under it
+                governor.tick()
+
     metrics = None
     daemon = Daemon(
         store,
@@ -70,8 +85,12 @@ def serve(**flags) -> None:
         limits=Limits(max_message_bytes=cfg.max_message_mb * MiB),
         chunk_tokens=cfg.chunk_tokens,
         on_ready=lambda: notifier.ready(f"serving {cfg.endpoint}"),
-        on_tick=notifier.tick,
+        on_tick=on_tick,
     )
+    if cfg.quota:
+        daemon.handler.stats_sections["quotas"] = cfg.quota.report
+    if governor is not None:
+        daemon.handler.stats_sections["pressure"] = governor.stats
     try:
         daemon.bind()
     except (EndpointError, Exception) as err:  # zmq.ZMQError: address in use, permission, ...
@@ -84,9 +103,10 @@ def serve(**flags) -> None:
         metrics = serve_metrics(daemon, cfg.metrics_port)
     daemon.install_signal_handlers()
     log.info(
-        "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d metrics_port=%d",
-        cfg.endpoint, cfg.ram_mb, cfg.data_dir or "none", cfg.ssd_gb, cfg.write_through,
-        cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port,
+        "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d "
+        "metrics_port=%d pressure_source=%s",
+        cfg.endpoint, ram_mb, cfg.data_dir or "none", cfg.ssd_gb, cfg.write_through,
+        cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port, cfg.pressure_source,
     )
     try:
         daemon.serve_forever()

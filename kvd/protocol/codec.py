@@ -237,7 +237,10 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "PING": {},
     "LOOKUP": {**_SEQ},
     "GET": {**_SEQ, "max_tokens": _opt(_uint), "need_boundary": _opt(_bool, False), "start": _opt(_uint, 0)},
-    "PUT": {**_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY))},
+    "PUT": {
+        **_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_map),
+    },
+    "EXPLAIN": {**_SEQ, "need_boundary": _opt(_bool, False), "ns_meta": _opt(_map)},
     "STATS": {"ns": _opt(_ns)},
     "GC": {
         "ram_bytes": _opt(_uint),
@@ -261,6 +264,10 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "boundary": _opt(_record(_BOUNDARY_AT)),
     },
     "PUT": {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_uint), "dropped": _opt(_uint, 0)},
+    "EXPLAIN": {
+        "n": _req(_uint), "tokens": _req(_uint), "reason": _req(_str), "message": _req(_str),
+        "boundaries": _req(_uints), "detail": _opt(_map),
+    },
     "STATS": {"stats": _req(_map)},
     "GC": {"entries": _req(_uint), "bytes": _req(_uint), "dry_run": _req(_bool), "details": _opt(_map)},
     "SHUTDOWN": {},

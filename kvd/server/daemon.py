@@ -35,6 +35,7 @@ from kvd.protocol.limits import Limits
 from kvd.endpoint import EndpointLock
 from kvd.server.handler import Handler, ShutdownRequested
 from kvd.server.latency import Latency
+from kvd.server.ratelog import RateLimitedLog
 from kvd.store.base import Store
 
 log = logging.getLogger("kvd.server")
@@ -67,6 +68,7 @@ class Daemon:
         self.on_tick = on_tick
         self.dropped_replies = 0
         self.latency = Latency()
+        self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
         # metrics exporter) take it to see the handler and store at rest.
         self.lock = threading.Lock()
@@ -162,7 +164,9 @@ class Daemon:
                     if self.on_tick is not None:
                         self.on_tick()
                     self._maybe_log_summary()
+                    self.ratelog.flush()
         finally:
+            self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
             self.close()
 
@@ -203,7 +207,7 @@ class Daemon:
             msg = codec.decode_request(frames, self.limits)
         except E.ProtocolError as err:
             self.handler.errors[err.name] += 1
-            log.warning("rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
+            self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
             return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
             rtype, fields = self.handler.handle(msg)
@@ -213,7 +217,9 @@ class Daemon:
             log.info("shutdown requested by a client")
         except (E.ProtocolError, E.ServerError) as err:  # wire errors; local ones are bugs here
             self.handler.errors[err.name] += 1
-            log.warning("failed type=%s error=%s detail=%r", msg.type, err.name, err.message)
+            self.ratelog.warning(
+                f"failed type={msg.type} error={err.name}", "failed type=%s error=%s detail=%r", msg.type, err.name, err.message
+            )
             reply = codec.encode_error(err, id=msg.id)
         except Exception:
             err = E.Internal(f"internal error serving {msg.type}; see the daemon log")
@@ -237,4 +243,5 @@ class Daemon:
         except (zmq.Again, zmq.ZMQError) as exc:
             # EHOSTUNREACH: the peer is gone; EAGAIN: its queue is full.
             self.dropped_replies += 1
-            log.warning("reply dropped reason=%s", exc.__class__.__name__ if isinstance(exc, zmq.Again) else exc.strerror)
+            reason = exc.__class__.__name__ if isinstance(exc, zmq.Again) else exc.strerror
+            self.ratelog.warning(f"reply dropped reason={reason}", "reply dropped reason=%s", reason)

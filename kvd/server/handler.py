@@ -27,6 +27,8 @@ from kvd.protocol import keys
 from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
 from kvd.protocol.errors import BadField, UnsupportedVersion
 from kvd.protocol.limits import Limits
+from kvd.server.evictions import EvictionRecord
+from kvd.server.explain import SequenceRecord, explain
 from kvd.server.prefix import Link, match
 from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, entry_id
 
@@ -53,6 +55,12 @@ class Handler:
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ns_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.evictions = EvictionRecord()
+        self.evictions.attach(store)
+        self.sequences = SequenceRecord()  # for EXPLAIN: recent token ids and namespace metadata
+        # Sections other parts of the daemon add to STATS (memory pressure,
+        # quotas): name -> callable returning a map, run under the daemon's lock.
+        self.stats_sections: dict[str, Any] = {}
 
     def handle(self, msg: Message) -> tuple[str, dict[str, Any]]:
         self.requests[msg.type] += 1
@@ -197,6 +205,7 @@ class Handler:
                 start=i * ct, length=n_tokens - i * ct, tensors=tuple(boundary["tensors"]), meta=boundary["meta"],
             )
             counts[self.store.put(entry).value] += 1
+        self.sequences.saw_put(ns, ct, tokens_le, chain, msg.get("ns_meta"))
         c = self.ns_counters[ns]
         c["puts"] += 1
         c["chunks_stored"] += counts["stored"]
@@ -204,6 +213,10 @@ class Handler:
         c["chunks_too_big"] += counts["too_big"]
         c["chunks_dropped"] += counts["dropped"]
         return "PUT", counts
+
+    def on_explain(self, msg: Message):
+        self.ns_counters[msg["ns"]]["explains"] += 1
+        return "EXPLAIN", explain(self.store, self.evictions, self.sequences, msg.fields)
 
     # -- admin -----------------------------------------------------------------
     def on_stats(self, msg: Message):
@@ -213,6 +226,10 @@ class Handler:
             namespaces.setdefault(ns, {"entries": 0, "bytes": 0}).update(counters)
         if msg.get("ns") is not None:
             stats["namespaces"] = {k: v for k, v in namespaces.items() if k == msg["ns"]}
+        stats["evictions"] = self.evictions.stats()
+        stats["explain"] = self.sequences.stats()
+        for name, section in self.stats_sections.items():
+            stats[name] = section(stats)
         stats["server"] = {
             "version": __version__,
             "pid": os.getpid(),

@@ -142,6 +142,11 @@ class SsdStore(Store):
             self.entries, self.bytes = self.index.totals(txn)
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self.drop_reasons: dict[str, int] = {}
+        # Told of every entry leaving the tier: (eid, namespace or None, what, why);
+        # see kvd/server/evictions.py. Called on the writer or daemon thread.
+        self.observer: Callable[[bytes, str | None, str, str], None] | None = None
+        # Per-namespace SSD quotas (kvd/store/quota.py), checked before a write.
+        self.quotas: Any = None
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
@@ -171,6 +176,8 @@ class SsdStore(Store):
         with self._mu:
             self.counters["drops"] += 1
             self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+        if self.observer is not None:
+            self.observer(entry.id, entry.namespace, "dropped", reason)
 
     def path(self, eid: bytes) -> Path:
         return blob_path(self.root, eid)
@@ -285,6 +292,8 @@ class SsdStore(Store):
             self._bad[eid] = reason
             if reason != "missing":
                 self.counters["checksum_failures"] += 1
+        if self.observer is not None:
+            self.observer(eid, None, "quarantined", reason.split(":")[0])
         log.warning("ssd: blob %s is bad (%s); quarantining, serving a miss", eid.hex(), reason)
         self.writer.submit(lambda: self._quarantine(eid))
 
@@ -349,6 +358,14 @@ class SsdStore(Store):
             if not self._space_ok(est):
                 self._drop(entry, "low_space")
                 continue
+            if self.quotas is not None and not self.quotas.make_room_ssd(self, entry, est, written):
+                # As below: this batch's own uncommitted blobs may be what stands in the way.
+                if written:
+                    self._commit(written)
+                    written, planned = [], 0
+                if not self.quotas.make_room_ssd(self, entry, est, written):
+                    self._drop(entry, "quota")
+                    continue
             if not self._make_room(est + planned, protect={e for e, _ in written}):
                 # Perhaps only this batch's own uncommitted blobs stand in the
                 # way (a batch bigger than the budget): commit them, so they
@@ -453,13 +470,25 @@ class SsdStore(Store):
                 return False  # a LOOKUP just reported one: leave them all this time
             self._evicting.update(victims)
         try:
-            self._remove(victims, "evictions")
+            self._remove(victims, "evictions", "budget")
         finally:
             with self._mu:
                 self._evicting.difference_update(victims)
         return True
 
-    def _remove(self, eids: list[bytes], counter: str) -> tuple[int, int]:
+    def evict_rows(self, victims: list[bytes], why: str) -> tuple[int, int]:
+        """Writer thread: evict these rows, except any leased meanwhile
+        (ordered against `lease` as in `_make_room`). Returns (entries, bytes)."""
+        with self._mu:
+            victims = [eid for eid in victims if not self.leased(eid)]
+            self._evicting.update(victims)
+        try:
+            return self._remove(victims, "evictions", why)
+        finally:
+            with self._mu:
+                self._evicting.difference_update(victims)
+
+    def _remove(self, eids: list[bytes], counter: str, why: str = "gc") -> tuple[int, int]:
         """Delete rows (committed first), then unlink their blobs."""
         def delete(txn):
             rows = [(eid, self.index.delete_row(txn, eid)) for eid in eids]
@@ -475,6 +504,9 @@ class SsdStore(Store):
             self.counters[counter] += len(rows)
             if counter == "evictions":
                 self.counters["evicted_bytes"] += nbytes
+        if self.observer is not None:
+            for eid, row in rows:
+                self.observer(eid, row.ns, "evicted" if counter == "evictions" else "dropped", why)
         return len(rows), nbytes
 
     @staticmethod
@@ -558,6 +590,10 @@ class SsdStore(Store):
             checked += 1
             if self._read(eid) is None:
                 failed += 1
+        if failed:
+            # Quarantines run on the writer thread in submission order: wait for
+            # ours, so whoever asked (kvd verify) finds the blobs moved.
+            self.writer.submit(lambda: None).result()
         return checked, failed
 
     def purge_quarantine(self, *, dry_run: bool = False) -> tuple[int, int]:

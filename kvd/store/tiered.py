@@ -46,7 +46,7 @@ class TieredStore(Store):
         self.ssd = ssd
         self.write_through = write_through
         self.promote_max_bytes = int(ram.budget_bytes * promote_max_fraction)
-        self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0}
+        self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0, "ssd_served_bytes": 0}
         ram.on_evict = self._on_ram_evict
 
     def _on_ram_evict(self, entry: Entry) -> None:
@@ -70,6 +70,7 @@ class TieredStore(Store):
             self.counters["misses"] += 1
             return None
         self.counters["hits"] += 1
+        self.counters["ssd_served_bytes"] += entry.nbytes
         if entry.nbytes <= self.promote_max_bytes:
             if self.ram.put(entry) is PutOutcome.STORED:
                 self.counters["promotions"] += 1
@@ -156,7 +157,7 @@ class TieredStore(Store):
         already-written entries cost nothing), so a restart is warm with the
         whole cache, not only what had spilled."""
         if persist:
-            self.ram.evict(0)
+            self.ram.evict(0, why="shutdown")
         self.ssd.close()
 
 

@@ -67,6 +67,19 @@ MESSAGES = {
     "gc_request": ("request", "GC", {"ram_bytes": 0, "ns": "llama-3b", "dry_run": True}, 7),
     "gc_reply": ("reply", "GC", {"entries": 3, "bytes": 1024, "dry_run": True, "details": {}}, 7),
     "shutdown_request": ("request", "SHUTDOWN", {}, 8),
+    "explain_request": (
+        "request", "EXPLAIN",
+        {"ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4, "need_boundary": False,
+         "ns_meta": {"class": "mlx_lm.models.llama.Model", "kv": {"bits": 8, "group_size": 64}}},
+        10,
+    ),
+    "explain_reply": (
+        "reply", "EXPLAIN",
+        {"n": 4, "tokens": 5, "reason": "tokens_differ",
+         "message": "held up to token 4; a sequence stored in this namespace 3s ago agrees up to token 4 and differs there",
+         "boundaries": [], "detail": {"at": 4, "query_token": 5, "stored_token": 9}},
+        10,
+    ),
     "error_reply": ("reply", "ERROR", {"code": 105, "name": "BAD_SHAPE", "message": "tensor 'k': 15 bytes for float32[2, 2], expected 16"}, 9),
 }
 
