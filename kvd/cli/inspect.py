@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -92,43 +91,20 @@ def render_ls(rows: dict, quotas: dict) -> str:
 
 
 def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
-    """Re-check every blob of the index against its checksum, read-only.
-
-    Safe beside a running daemon (an LMDB reader, plain file reads). A blob
-    that vanished because its row was deleted meanwhile is not a failure.
-    Returns (checked, [(entry id, reason)]).
-    """
-    from kvd.store import blobfile
-    from kvd.store.datadir import INDEX_DIR, blob_path
+    """Re-check every blob of the index against its checksum, read-only
+    (`kvd.store.check` with `live=True`: safe beside a running daemon, and a
+    blob whose row was deleted meanwhile is not a failure).
+    Returns (checked, [(entry id, reason)])."""
+    from kvd.store.check import check
+    from kvd.store.datadir import INDEX_DIR
     from kvd.store.index import Index
 
     index = Index(root / INDEX_DIR, readonly=True, map_size=0)
     try:
-        with index.reading() as txn:
-            rows = list(index.iter_rows(txn))
-        bad: list[tuple[bytes, str]] = []
-        for i, (eid, row) in enumerate(rows):
-            reason = None
-            try:
-                fd = os.open(blob_path(root, eid), os.O_RDONLY)
-            except FileNotFoundError:
-                reason = "missing"
-            else:
-                try:
-                    blobfile.read_blob(fd, row.file_size, row.checksum)
-                except (blobfile.BlobCorrupt, OSError) as exc:
-                    reason = f"corrupt: {exc}"
-                finally:
-                    os.close(fd)
-            if reason is not None:
-                with index.reading() as txn:
-                    if index.has(txn, eid):  # still indexed: a real failure
-                        bad.append((eid, reason))
-            if progress is not None:
-                progress(i + 1, len(rows))
-        return len(rows), bad
+        report = check(root, index, verify=True, live=True, progress=progress)
     finally:
         index.close()
+    return report.rows, report.bad
 
 
 @main.command()
