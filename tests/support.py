@@ -1,6 +1,6 @@
 """The test kit: every helper more than one test file uses (no tests here).
 
-- Store level: `make_entry(i, ns)` builds entries that are a pure function
+- Store level: `FakeClock` for the stores' injectable clocks; `make_entry(i, ns)` builds entries that are a pure function
   of (namespace, i), so a test -- or a parent process checking a killed
   child's data dir -- can rebuild exactly what any stored entry must
   contain; `assert_same` compares two entries byte for byte; `filled_store`
@@ -26,11 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from kvd.protocol import dtypes, keys
-from kvd.store.base import BOUNDARY, CHUNK, Entry, Tensor
+from kvd.store.base import CHUNK, Entry, Tensor
 from kvd.store.datadir import BLOB_DIR
 from kvd_client import HostTensor, Snapshot
 
 ALL_DTYPES = list(dtypes.DTYPES)
+# Last axis of the client-level snapshots: one tensor per dtype of the whole
+# table, about 280 bytes per token in all (the daemon tests' budgets assume it).
+WIDTH = 3
 ROOT = b"\0" * 32
 
 
@@ -100,6 +103,20 @@ def filled_store(root, entries: list[Entry]) -> list[Entry]:
     return entries
 
 
+class FakeClock:
+    """An injectable clock (`SsdStore(clock=...)`, `open_store(..., clock=...)`):
+    time moves only when a test says so."""
+
+    def __init__(self, start: float | None = None):
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 # -- client level --------------------------------------------------------------
 
 
@@ -109,7 +126,7 @@ def random_tensor(dtype: str, shape, seed: int) -> HostTensor:
 
 
 def snapshot_for(n_tokens: int, seed: int = 0, boundary: bool = False) -> Snapshot:
-    sliced = {f"t.{dt}": (random_tensor(dt, (1, 2, n_tokens, 8), seed + i), 2) for i, dt in enumerate(ALL_DTYPES)}
+    sliced = {f"t.{dt}": (random_tensor(dt, (1, 2, n_tokens, WIDTH), seed + i), 2) for i, dt in enumerate(ALL_DTYPES)}
     bound = {"state": random_tensor("float32", (1, 4, 4), seed + 99)} if boundary else {}
     return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"}, boundary_meta={"at": n_tokens})
 
@@ -121,12 +138,12 @@ def prefix_snapshot(tokens, boundary: bool = False) -> Snapshot:
     sig = np.cumsum((toks + np.uint64(1)) * (np.arange(len(toks), dtype=np.uint64) + np.uint64(7919)), dtype=np.uint64)
     sliced = {}
     for i, dt in enumerate(ALL_DTYPES):
-        width = 8 * dtypes.itemsize(dt)
+        width = WIDTH * dtypes.itemsize(dt)
         mult = (np.arange(2 * width, dtype=np.uint64) * np.uint64(2654435761) + np.uint64(i + 1)).reshape(2, width)
         raw = ((sig[None, :, None] * mult[:, None, :]) >> np.uint64(17)).astype(np.uint8)  # (2, T, width)
         if dt == "bool":
             raw &= 1  # a bool byte is 0 or 1
-        arr = np.ascontiguousarray(raw[None]).view(dtypes.container(dt))  # (1, 2, T, 8)
+        arr = np.ascontiguousarray(raw[None]).view(dtypes.container(dt))  # (1, 2, T, WIDTH)
         sliced[f"t.{dt}"] = (HostTensor(dt, arr), 2)
     bound = {"state": HostTensor.from_numpy(np.array([int(sig[-1] % 1000)], dtype=np.int32))} if boundary else {}
     return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"})

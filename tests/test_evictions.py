@@ -13,7 +13,7 @@ from kvd.store import RamStore
 from kvd.store.tiered import open_store
 
 from test_ram_store import entry
-from test_ssd_support import make_entry
+from support import make_entry
 
 
 class Clock:

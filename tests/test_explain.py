@@ -12,9 +12,7 @@ from kvd.server.evictions import EvictionRecord
 from kvd.server.explain import SequenceRecord, diff_fields, explain
 from kvd.store import RamStore
 
-from test_cli import kvd
-from test_daemon import prefix_snapshot
-from test_ssd_daemon import chunk_blob
+from support import chunk_blob, kvd, prefix_snapshot
 
 
 def explain_cli(d, ns: str, tokens, tmp_path, *extra: str) -> dict:

@@ -26,7 +26,7 @@ import pytest
 
 import kvd_client
 from kvd.protocol import errors as E
-from test_daemon import prefix_snapshot
+from support import prefix_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"kvd": ROOT / "kvd", "kvd_client": ROOT / "client"}  # pyproject.toml's package-dir

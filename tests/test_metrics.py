@@ -8,7 +8,7 @@ import urllib.request
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_daemon import prefix_snapshot
+from support import prefix_snapshot
 
 
 def free_port() -> int:

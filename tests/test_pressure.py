@@ -17,10 +17,9 @@ from kvd.server.governor import RamGovernor
 from kvd.store import RamStore
 from kvd.store.spill import SpillQueue
 
-from test_daemon import prefix_snapshot
+from support import assert_prefix_hit, prefix_snapshot
 from test_metrics import free_port, scrape
 from test_ram_store import entry
-from test_ssd_daemon import assert_prefix_hit
 
 MiB = 1 << 20
 

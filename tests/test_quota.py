@@ -13,10 +13,7 @@ from kvd.store import RamStore
 from kvd.store.quota import Quotas, Rule
 from kvd.store.tiered import open_store
 
-from test_cli import kvd
-from test_daemon import prefix_snapshot
-from test_ssd_daemon import assert_prefix_hit
-from test_ssd_support import assert_same, make_entry
+from support import assert_prefix_hit, assert_same, kvd, make_entry, prefix_snapshot
 
 ENTRY = make_entry(0).nbytes  # 8 KiB of tensors + meta
 

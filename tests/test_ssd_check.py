@@ -8,7 +8,7 @@ import os
 from kvd.store.datadir import blob_path
 from kvd.store.ssd import SsdStore
 
-from test_ssd_support import make_entry
+from support import make_entry
 
 FAST = dict(min_free_bytes=0, retry_s=0.2, touch_flush_s=0.05)
 

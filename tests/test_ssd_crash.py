@@ -23,7 +23,7 @@ from kvd.store.ssd import SsdStore
 
 from kvd.store.base import entry_id
 
-from test_ssd_support import assert_same, key_of, make_entry
+from support import assert_same, key_of, make_entry
 
 PER_RUN = 3000
 WIDTH = 256  # 2 bf16 tensors of 2x16x256: 32 KiB per entry
@@ -31,7 +31,7 @@ WIDTH = 256  # 2 bf16 tensors of 2x16x256: 32 KiB per entry
 CHILD = r"""
 import random, sys
 from kvd.store.tiered import open_store
-from test_ssd_support import make_entry
+from support import make_entry
 root, run, per_run, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 one = make_entry(0, width=width)
 store = open_store(2 * one.nbytes, root, ssd_bytes=300 * 40960, min_free_bytes=0,

@@ -11,14 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import time
 
 import pytest
 
 from kvd.store import blobfile
 from kvd.store.tiered import open_store
 
-from test_ssd_support import assert_same, make_entry
+from support import FakeClock, assert_same, make_entry
 
 FS_BYTES = 6 << 20
 
@@ -90,7 +89,9 @@ def _consistent(store):
 def test_enospc_degrades_ram_serves_and_recovers(disk):
     entries = [make_entry(i, width=1024) for i in range(60)]  # 128 KiB each
     n = entries[0].nbytes
-    store = open_store(4 * n, disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2)
+    clock = FakeClock()
+    store = open_store(4 * n, disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2,
+                       clock=clock)
     try:
         for e in entries[:10]:
             store.put(e)
@@ -115,7 +116,7 @@ def test_enospc_degrades_ram_serves_and_recovers(disk):
                 assert_same(store.get(e.id), e)
 
         disk.free()
-        time.sleep(0.35)  # past retry_s: the next spill is a probe
+        clock.advance(0.35)  # past retry_s: the next spill is a probe
         for e in entries[30:40]:
             store.put(e)
         assert store.flush(10)

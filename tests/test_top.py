@@ -13,8 +13,7 @@ import pytest
 
 from kvd.cli.top import render
 
-from test_cli import kvd
-from test_daemon import prefix_snapshot
+from support import kvd, prefix_snapshot
 
 MiB = 1 << 20
 
