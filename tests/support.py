@@ -3,13 +3,13 @@
 - Store level: `FakeClock` for the stores' injectable clocks; `make_entry(i, ns)` builds entries that are a pure function
   of (namespace, i), so a test -- or a parent process checking a killed
   child's data dir -- can rebuild exactly what any stored entry must
-  contain; `assert_same` compares two entries byte for byte; `filled_store`
+  contain; `entry(i, nbytes)` is a small RAM-tier entry; `assert_same` compares two entries byte for byte; `filled_store`
   writes a few entries to a data dir and closes it.
 - Client level: `prefix_snapshot(tokens)` is like a real model's cache
   (position t depends only on tokens[:t+1]), `snapshot_for(n)` is random;
   both carry one tensor of every dtype in `ALL_DTYPES` (the whole dtype
   table). `assert_prefix_hit` checks a hit against `prefix_snapshot`.
-- Daemon level: `kvd(...)` runs the real CLI; `blobs`, `chunk_blob` find a
+- Daemon level: `kvd(...)` runs the real CLI; `free_port`, `scrape` (its /metrics); `blobs`, `chunk_blob` find a
   daemon's files; `wait_spilled` waits for its SSD tier to hold n entries.
 
 The daemon processes themselves are fixtures in conftest.py.
@@ -18,9 +18,11 @@ The daemon processes themselves are fixtures in conftest.py.
 from __future__ import annotations
 
 import hashlib
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +119,12 @@ class FakeClock:
         self.now += seconds
 
 
+def entry(i: int, nbytes: int = 100, ns: str = "a", kind: int = CHUNK, tail: bool = False, parent: bytes = b"p" * 32) -> Entry:
+    """A small entry of `nbytes` zero bytes, keyed by `i` (the RAM tier's tests)."""
+    key = i.to_bytes(32, "big")
+    return Entry(ns, key, kind, parent, 0, 10, (Tensor("t", "uint8", (nbytes,), b"\x00" * nbytes),), tail=tail)
+
+
 # -- client level --------------------------------------------------------------
 
 
@@ -184,3 +192,21 @@ def wait_spilled(client, n: int, timeout: float = 10.0) -> dict:
         if ssd["entries"] >= n or time.monotonic() > deadline:
             return ssd
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """A daemon's /metrics: {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for sample in fam.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out

@@ -12,8 +12,7 @@ from kvd.server.ratelog import RateLimitedLog
 from kvd.store import RamStore
 from kvd.store.tiered import open_store
 
-from test_ram_store import entry
-from support import make_entry
+from support import entry, make_entry
 
 
 class Clock:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import kvd_client.mlx_lm as mlx_lm
-from test_mlx_fakes import FakeClient
+from fakes import FakeClient
 
 CLIENT = Path(mlx_lm.__file__).resolve().parent
 

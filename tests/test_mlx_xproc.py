@@ -23,7 +23,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as C
 
-from test_mlx_roundtrip import same
+from models import same
 
 HERE = Path(__file__).resolve().parent
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}

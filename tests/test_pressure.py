@@ -17,9 +17,7 @@ from kvd.server.governor import RamGovernor
 from kvd.store import RamStore
 from kvd.store.spill import SpillQueue
 
-from support import assert_prefix_hit, prefix_snapshot
-from test_metrics import free_port, scrape
-from test_ram_store import entry
+from support import assert_prefix_hit, entry, free_port, prefix_snapshot, scrape
 
 MiB = 1 << 20
 

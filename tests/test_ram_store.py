@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from kvd.store import BOUNDARY, CHUNK, Entry, PutOutcome, RamStore, Tensor
+from kvd.store import BOUNDARY, PutOutcome, RamStore
 
-
-def entry(i: int, nbytes: int = 100, ns: str = "a", kind: int = CHUNK, tail: bool = False, parent: bytes = b"p" * 32) -> Entry:
-    key = i.to_bytes(32, "big")
-    return Entry(ns, key, kind, parent, 0, 10, (Tensor("t", "uint8", (nbytes,), b"\x00" * nbytes),), tail=tail)
+from support import entry
 
 
 def test_lru_evicts_oldest_and_get_refreshes():
