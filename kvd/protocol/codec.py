@@ -306,7 +306,9 @@ def _unpack_header(frames: list[Any], limits: Limits) -> dict:
     if head.nbytes > limits.max_header_bytes:
         raise E.MessageTooLarge(f"header of {head.nbytes} bytes; the limit is {limits.max_header_bytes}")
     try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True)
+        header = _unpackb(head, limits)
+    except E.ProtocolError:
+        raise
     except Exception as exc:  # msgpack raises a zoo of types for garbage
         raise E.MalformedMessage(f"header is not valid msgpack: {exc.__class__.__name__}") from None
     if not isinstance(header, dict):
@@ -314,10 +316,35 @@ def _unpack_header(frames: list[Any], limits: Limits) -> dict:
     return header
 
 
-def peek_id(frames: list[Any]) -> int | None:
+def _unpackb(buf: Any, limits: Limits) -> Any:
+    """msgpack.unpackb with the memory a header may cost bounded *while* it
+    is decoded, not after: a hostile 16 MiB header of empty maps would
+    otherwise become 16 M Python objects (GBs) before any rule could reject
+    it. Every container counts against `limits.max_header_objects` (msgpack
+    calls the hooks as each one completes, so decoding stops within that
+    many), strings and byte strings against the header size."""
+    budget = [limits.max_header_objects]
+
+    def count(obj):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise E.MalformedMessage(f"header has more than {limits.max_header_objects} maps and arrays")
+        return obj
+
+    n = memoryview(buf).nbytes
+    return msgpack.unpackb(
+        buf, raw=False, strict_map_key=True, use_list=True, object_hook=count, list_hook=count,
+        max_bin_len=n, max_str_len=n, max_array_len=limits.max_header_objects,
+        max_map_len=limits.max_header_objects, max_ext_len=0,
+    )
+
+
+def peek_id(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> int | None:
     """The request id of a message, if its header can be read at all (for error replies)."""
     try:
-        header = msgpack.unpackb(memoryview(frames[0]), raw=False, strict_map_key=True)
+        if memoryview(frames[0]).nbytes > limits.max_header_bytes:
+            return None
+        header = _unpackb(memoryview(frames[0]), limits)
         mid = header.get("id") if isinstance(header, dict) else None
         return mid if isinstance(mid, int) and not isinstance(mid, bool) and 0 <= mid < U64 else None
     except Exception:

@@ -150,7 +150,7 @@ class Daemon:
                     # Drain what is queued, but keep ticking under load.
                     for _ in range(64):
                         try:
-                            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                            frames = self._recv(sock)
                         except zmq.Again:
                             break
                         if self._serve_one(frames) and stop_at is None:
@@ -169,6 +169,22 @@ class Daemon:
             self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
             self.close()
+
+    def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
+        """One message, part by part (ZeroMQ delivers a message whole, so once
+        its first part is here the rest is too). Parts past what the decoder
+        needs to say TOO_MANY_FRAMES are read and dropped at once: a message of
+        millions of empty frames costs no memory (recv_multipart would keep a
+        Frame object for each, ~280 bytes apiece)."""
+        frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+        parts, more = [frame], frame.more
+        keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
+        while more:
+            frame = sock.recv(copy=False)
+            more = frame.more
+            if len(parts) < keep:
+                parts.append(frame)
+        return parts
 
     def _maybe_log_summary(self) -> None:
         """One info line per `summary_every` seconds with activity, for operators."""
