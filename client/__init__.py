@@ -13,7 +13,7 @@ In strict mode (`Client(..., strict=True)`) calls raise the errors exported
 here, all under `KvdError` (the tree is drawn in kvd/protocol/errors.py).
 """
 
-from kvd.endpoint import EndpointError
+from kvd.endpoint import EndpointError, UnsafeEndpoint
 from kvd.protocol.errors import (
     BadDtype,
     BadField,
@@ -62,4 +62,5 @@ __all__ = [
     "DaemonUnavailable",
     "BadReply",
     "EndpointError",
+    "UnsafeEndpoint",
 ]

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from kvd.endpoint import UnsafeEndpoint, check_run_dir, check_socket, ipc_path, is_default_run_dir
 from kvd.protocol import codec
 from kvd.protocol.codec import Message
 from kvd.protocol.errors import KvdError, ProtocolError, from_code
@@ -50,6 +51,23 @@ class Transport:
         self._sock: zmq.Socket | None = None
         self._fresh = True  # socket never connected yet: allow connect_wait
         self._down_until = 0.0
+        self._ipc = ipc_path(endpoint)
+        # The run dir is checked only if it is a default one (kvd.endpoint rule 5).
+        self._run_dir = self._ipc.parent if self._ipc is not None and is_default_run_dir(self._ipc.parent) else None
+
+    def _check_safe(self) -> None:
+        """Refuse (UnsafeEndpoint) a run dir or socket file another user may
+        own, before every request: ZeroMQ reconnects on its own, so a check
+        made once at connect time would not cover a socket swapped later."""
+        if self._ipc is None:
+            return
+        try:
+            if self._run_dir is not None:
+                check_run_dir(self._run_dir)
+            check_socket(self._ipc)
+        except UnsafeEndpoint:
+            self._reset()  # never keep a connection to what we now refuse
+            raise
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -82,13 +100,15 @@ class Transport:
     def request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
         """Send a request and return its decoded reply.
 
-        Raises DaemonUnavailable (no connection or no reply within `timeout`),
-        the KvdError subclass of an ERROR reply, or BadReply.
+        Raises UnsafeEndpoint (the run dir or socket may be another user's:
+        no connection is made), DaemonUnavailable (no connection or no reply
+        within `timeout`), the KvdError subclass of an ERROR reply, or BadReply.
         """
         deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             raise DaemonUnavailable(f"client busy for {timeout:.1f}s (another call in flight)")
         try:
+            self._check_safe()
             sock = self._socket()
             now = time.monotonic()
             if not self._fresh and now < self._down_until:

@@ -11,9 +11,23 @@ Rules it keeps:
    ZMQError, or in the client's case fail on first use).
 2. An ipc socket path fits in sun_path (108 bytes on Linux, 104 on macOS,
    NUL included); a longer one is refused up front, not truncated.
-3. The per-user default is an ipc socket in a 0700 directory of the user:
-   `$XDG_RUNTIME_DIR/kvd/kvd.sock` (Linux; `/tmp/kvd-<uid>/` without it),
-   `~/Library/Caches/kvd/run/kvd.sock` (macOS: `$TMPDIR` is too long).
+3. The per-user default is an ipc socket in a 0700 run directory of the
+   user: `$XDG_RUNTIME_DIR/kvd/kvd.sock` (Linux, when it is set); else
+   `$XDG_CACHE_HOME/kvd/run/kvd.sock` or `~/.cache/kvd/run/kvd.sock` (Linux),
+   `~/Library/Caches/kvd/run/kvd.sock` (macOS: `$TMPDIR` is too long). Only
+   when that path does not fit in sun_path, `/tmp/kvd-<uid>/kvd.sock`: a
+   shared /tmp is the last resort, because another user can create
+   `/tmp/kvd-<uid>` first (rule 5 is what makes even that safe).
+5. A default run directory is trusted only if `lstat` shows a real directory
+   (not a symlink), owned by this uid, with no group or other permission bits.
+   The daemon, the client and every `kvd` command check it before use
+   (`check_run_dir`) and refuse with UnsafeEndpoint naming the path and the
+   fault; nobody "repairs" a directory another user may own. A socket file is
+   used only if it is a socket owned by this uid (`check_socket`), on every
+   ipc endpoint, default or not. The daemon creates the directory 0700 and
+   binds inside it under umask 077 (`kvd serve` sets it at start), so the
+   socket never exists with a mode another user could use: there is no
+   chmod after bind, and no window.
 4. ZeroMQ lets a second process bind an ipc endpoint another already serves,
    silently stealing it. So before binding, the daemon takes an exclusive
    flock on `<socket path>.lock` (held for its whole life, released by the
@@ -26,6 +40,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -48,18 +63,100 @@ class EndpointBusy(EndpointError):
     name = "ENDPOINT_BUSY"
 
 
+class UnsafeEndpoint(EndpointError):
+    """The endpoint's run directory or socket file may be another user's (rule 5)."""
+
+    name = "UNSAFE_ENDPOINT"
+
+
 def default_endpoint(environ: dict[str, str] | None = None) -> str:
     """The per-user default: KVD_ENDPOINT if set, else an ipc socket in a 0700 dir (rule 3)."""
     env = os.environ if environ is None else environ
     if env.get("KVD_ENDPOINT"):
         return env["KVD_ENDPOINT"]
+    return f"ipc://{default_run_dirs(env)[0] / 'kvd.sock'}"
+
+
+def default_run_dirs(environ: dict[str, str] | None = None) -> list[Path]:
+    """The run directories rule 3 may choose for this user, the chosen one first.
+
+    Every one of them is checked by rule 5 when an endpoint's socket lies in it.
+    """
+    env = os.environ if environ is None else environ
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    dirs: list[Path] = []
     if sys.platform == "darwin":
-        base = Path(env.get("HOME", str(Path.home()))) / "Library" / "Caches" / "kvd" / "run"
-    elif env.get("XDG_RUNTIME_DIR") and os.path.isdir(env["XDG_RUNTIME_DIR"]):
-        return runtime_endpoint(env["XDG_RUNTIME_DIR"])
+        dirs.append(home / "Library" / "Caches" / "kvd" / "run")
     else:
-        base = Path("/tmp") / f"kvd-{os.getuid()}"
-    return f"ipc://{base / 'kvd.sock'}"
+        runtime = env.get("XDG_RUNTIME_DIR")
+        if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+            dirs.append(Path(runtime) / "kvd")
+        xdg = env.get("XDG_CACHE_HOME")
+        cache = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".cache"
+        dirs.append(cache / "kvd" / "run")
+    # sun_path is short: a deep home dir may not fit, and then only /tmp does.
+    usable = [d for d in dirs if len(str(d / "kvd.sock").encode()) <= MAX_IPC_PATH]
+    tmp = Path("/tmp") / f"kvd-{os.getuid()}"
+    return usable + [d for d in dirs if d not in usable] + [tmp] if usable else [tmp, *dirs]
+
+
+def is_default_run_dir(path: Path, environ: dict[str, str] | None = None) -> bool:
+    """Whether `path` is one of this user's default run directories (rule 5 applies)."""
+    return Path(path) in default_run_dirs(environ)
+
+
+def check_run_dir(path: Path) -> None:
+    """Raise UnsafeEndpoint unless `path` is a private directory of ours (rule 5).
+
+    A missing directory is fine here: whoever creates it creates it 0700.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:  # EACCES: a parent we may not search is not ours either
+        raise UnsafeEndpoint(f"refusing the kvd run directory {path}: cannot inspect it ({exc.strerror})") from None
+    uid = os.getuid()
+    if stat.S_ISLNK(st.st_mode):
+        fault = "is a symbolic link, not a directory"
+    elif not stat.S_ISDIR(st.st_mode):
+        fault = "is not a directory"
+    elif st.st_uid != uid:
+        fault = f"is owned by uid {st.st_uid}, not by you (uid {uid})"
+    elif st.st_mode & 0o077:
+        fault = f"has mode {stat.S_IMODE(st.st_mode):04o}: other users may use it (chmod 700 it if it is yours)"
+    else:
+        return
+    raise UnsafeEndpoint(f"refusing the kvd run directory {path}: it {fault}")
+
+
+def check_socket(path: Path) -> None:
+    """Raise UnsafeEndpoint unless `path` is missing or a socket owned by us (rule 5)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UnsafeEndpoint(f"refusing the kvd socket {path}: cannot inspect it ({exc.strerror})") from None
+    uid = os.getuid()
+    if not stat.S_ISSOCK(st.st_mode):
+        fault = "is not a socket"
+    elif st.st_uid != uid:
+        fault = f"is owned by uid {st.st_uid}, not by you (uid {uid})"
+    else:
+        return
+    raise UnsafeEndpoint(f"refusing the kvd socket {path}: it {fault}")
+
+
+def check_safe(endpoint: str, environ: dict[str, str] | None = None) -> None:
+    """Rule 5 for one endpoint: its run dir if it is a default one, then its socket.
+    Raises UnsafeEndpoint; nothing to check for tcp or abstract sockets."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return
+    if is_default_run_dir(path.parent, environ):
+        check_run_dir(path.parent)
+    check_socket(path)
 
 
 def runtime_endpoint(runtime_dir: str | os.PathLike) -> str:
@@ -115,9 +212,21 @@ class EndpointLock:
         check_endpoint(self.endpoint)
         if self.path is None:
             return
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        run_dir = self.path.parent
+        if is_default_run_dir(run_dir):
+            # Check before and after: never create inside a squatted path,
+            # and never trust a directory someone made first (rule 5).
+            check_run_dir(run_dir)
+            run_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                run_dir.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
+            check_run_dir(run_dir)
+        else:
+            run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_path = _lock_path(self.path)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -154,8 +263,10 @@ def endpoint_locked(endpoint: str) -> bool | None:
     path = ipc_path(endpoint)
     if path is None:
         return None
+    if is_default_run_dir(path.parent):
+        check_run_dir(path.parent)
     try:
-        fd = os.open(_lock_path(path), os.O_RDONLY)
+        fd = os.open(_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
     try:

@@ -33,6 +33,8 @@ def describe(err: BaseException) -> tuple[int, str] | None:
 
     if isinstance(err, DaemonUnavailable):
         return UNAVAILABLE, f"{err} (is `kvd serve` running?)"
+    # UnsafeEndpoint (a run dir or socket another user may own) is an
+    # EndpointError: 78, since restarting will not make the directory ours.
     if isinstance(err, (ConfigError, EndpointError)) and not isinstance(err, EndpointBusy):
         return CONFIG, str(err)
     if isinstance(err, (ProtocolError, ServerError)):

@@ -30,6 +30,7 @@ this drawing against the classes themselves.
      +-- ConfigError                kvd.config: a setting's value, or the config file, is bad
      +-- EndpointError              kvd.endpoint: not an endpoint kvd can use
      |    +-- EndpointBusy          kvd.endpoint: another daemon serves it
+     |    +-- UnsafeEndpoint        kvd.endpoint: its run dir or socket may be another user's
      +-- DataDirBusy                kvd.store.datadir: another process holds the data dir's lock
      +-- IncompatibleIndex          kvd.store.index: written by a kvd this one cannot read
      +-- IndexBusy                  kvd.store.index: the map is being resized (served as a miss)

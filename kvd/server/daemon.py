@@ -104,10 +104,10 @@ class Daemon:
         except Exception:
             self._lock.release()
             raise
+        # No chmod after bind (kvd.endpoint rule 5): the socket is made in a
+        # 0700 directory under the umask `kvd serve` set, so it never exists
+        # with a mode another user could use, not even for a moment.
         self._ctx, self._sock = ctx, sock
-        path = self._lock.path
-        if path is not None:
-            path.chmod(0o600)
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
