@@ -251,7 +251,9 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         try:
-            sliced, axes, meta = _chunking.join(chunks, n)
+            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens)
+            if boundary is not None:
+                _chunking.check_boundary(boundary["tensors"])
         except ValueError as err:
             self.counters["get_inconsistent"] += 1
             if self.strict:
