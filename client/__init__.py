@@ -33,7 +33,7 @@ from kvd.protocol.errors import (
 )
 from kvd_client._client import Client
 from kvd_client._core import Probe
-from kvd_client._errors import BadReply, DaemonUnavailable
+from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
 from kvd_client._explain import Explanation
 from kvd_client._tensors import Hit, HostTensor, Snapshot
 
@@ -63,4 +63,5 @@ __all__ = [
     "BadReply",
     "EndpointError",
     "UnsafeEndpoint",
+    "AuthenticationFailed",
 ]

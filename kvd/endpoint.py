@@ -283,3 +283,120 @@ def _read_pid(path: Path) -> int | None:
         return int(path.read_text().strip() or 0) or None
     except (OSError, ValueError):
         return None
+
+
+# -- CURVE keys for tcp endpoints (rule 6) --------------------------------------
+#
+# 6. A tcp:// endpoint is served only with ZeroMQ CURVE: the daemon's key pair
+#    and the public keys of the clients it admits are files in a 0700 keys
+#    directory (`kvd keys`), secrets of mode 0600, checked like run dirs (rule
+#    5) before use. Without a server key pair the daemon refuses tcp unless
+#    the operator sets allow_insecure_tcp. Layout of the keys directory:
+#      server.key_secret       the daemon's pair       server.key    its public key
+#      authorized/NAME.key     client public keys the daemon admits
+#      clients/NAME.key_secret client pairs `kvd keys add-client` made for this user
+#    The files use ZeroMQ's certificate format (zmq.auth.load_certificate).
+
+SERVER_CERT = "server"
+AUTHORIZED_DIR = "authorized"
+CLIENTS_DIR = "clients"
+
+
+class CurveKeys:
+    """The key material of one side: its own pair, and (clients) the server's public key."""
+
+    def __init__(self, public: bytes, secret: bytes, server: bytes | None = None):
+        self.public, self.secret, self.server = public, secret, server
+
+
+def is_tcp(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://")
+
+
+def default_keys_dir(environ: dict[str, str] | None = None) -> Path:
+    """`<config dir>/keys`: ~/.config/kvd/keys ($XDG_CONFIG_HOME), macOS
+    ~/Library/Application Support/kvd/keys (the config file's folder)."""
+    env = os.environ if environ is None else environ
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "kvd" / "keys"
+    xdg = env.get("XDG_CONFIG_HOME") or ""
+    return (Path(xdg) if os.path.isabs(xdg) else home / ".config") / "kvd" / "keys"
+
+
+def check_key_file(path: Path) -> None:
+    """Raise UnsafeEndpoint unless `path` is a regular file of ours, mode 0600 or stricter."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise UnsafeEndpoint(f"cannot read the key file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        fault = "is not a regular file"
+    elif st.st_uid != os.getuid():
+        fault = f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    elif st.st_mode & 0o077:
+        fault = f"has mode {stat.S_IMODE(st.st_mode):04o}: other users may read it (chmod 600 it)"
+    else:
+        return
+    raise UnsafeEndpoint(f"refusing the key file {path}: it {fault}")
+
+
+def read_cert(path: Path) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) from a ZeroMQ certificate file, checked first."""
+    import zmq.auth
+
+    check_key_file(path)
+    public, secret = zmq.auth.load_certificate(str(path))
+    return public, secret
+
+
+def write_cert(path: Path, public: bytes, secret: bytes | None) -> None:
+    """Write a certificate file of mode 0600 (created so; never chmod-ed after)."""
+    lines = ["#   ZeroMQ CURVE certificate written by `kvd keys`", "metadata", "curve",
+             f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def ensure_keys_dir(keys_dir: Path) -> Path:
+    """Create the keys dir and its subfolders 0700, refusing one that is not private."""
+    for d in (keys_dir, keys_dir / AUTHORIZED_DIR, keys_dir / CLIENTS_DIR):
+        check_run_dir(d)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_run_dir(d)
+    return keys_dir
+
+
+def server_keys(keys_dir: Path) -> CurveKeys | None:
+    """The daemon's pair, or None if `kvd keys init` was never run."""
+    path = keys_dir / f"{SERVER_CERT}.key_secret"
+    if not os.path.lexists(path):
+        return None
+    check_run_dir(keys_dir)
+    public, secret = read_cert(path)
+    if secret is None:
+        raise UnsafeEndpoint(f"the key file {path} holds no secret key")
+    return CurveKeys(public, secret)
+
+
+def authorized_dir(keys_dir: Path) -> Path:
+    path = keys_dir / AUTHORIZED_DIR
+    check_run_dir(path)
+    for entry in path.glob("*.key"):
+        check_key_file(entry)
+    return path
+
+
+def client_keys(keys_dir: Path, name: str) -> CurveKeys | None:
+    """A client's pair `name` and the server's public key, or None if either is missing."""
+    pair, server = keys_dir / CLIENTS_DIR / f"{name}.key_secret", keys_dir / f"{SERVER_CERT}.key"
+    if not (os.path.lexists(pair) and os.path.lexists(server)):
+        return None
+    public, secret = read_cert(pair)
+    server_public, _ = read_cert(server)
+    if secret is None:
+        raise UnsafeEndpoint(f"the key file {pair} holds no secret key")
+    return CurveKeys(public, secret, server_public)

@@ -93,6 +93,8 @@ def serve(**flags) -> None:
         chunk_tokens=cfg.chunk_tokens,
         on_ready=lambda: notifier.ready(f"serving {cfg.endpoint}"),
         on_tick=on_tick,
+        keys_dir=cfg.keys_dir,
+        allow_insecure_tcp=cfg.allow_insecure_tcp,
     )
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report
