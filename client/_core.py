@@ -28,6 +28,7 @@ with one copy per tensor.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -64,9 +65,9 @@ class Core:
 
     Raises EndpointError (a caller mistake) for an endpoint kvd cannot use;
     None means $KVD_ENDPOINT, else the per-user socket. On a tcp:// endpoint
-    the client presents the CURVE pair `client_key` from `keys_dir` (default
-    ~/.config/kvd/keys; see `kvd keys`), and UnsafeEndpoint if a key file
-    there may be another user's.
+    the client presents the CURVE pair `client_key` from `keys_dir` (else
+    $KVD_CLIENT_KEY / $KVD_KEYS_DIR, else "default" in ~/.config/kvd/keys;
+    see `kvd keys`); UnsafeEndpoint if a key file there may be another user's.
     """
 
     def __init__(
@@ -78,7 +79,7 @@ class Core:
         chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS,
         strict: bool = False,
         keys_dir: str | None = None,
-        client_key: str = "default",
+        client_key: str | None = None,
     ):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
@@ -90,9 +91,12 @@ class Core:
         self.counters: Counter[str] = Counter()
         # A tcp endpoint is reached with this user's CURVE client pair and the
         # server's public key (kvd.endpoint rule 6; `kvd keys add-client`).
-        self._curve = (
-            client_keys(Path(keys_dir) if keys_dir else default_keys_dir(), client_key) if is_tcp(self.endpoint) else None
-        )
+        # Like the settings table: an argument, else KVD_KEYS_DIR / KVD_CLIENT_KEY, else the default.
+        if is_tcp(self.endpoint):
+            kdir = keys_dir or os.environ.get("KVD_KEYS_DIR") or default_keys_dir()
+            self._curve = client_keys(Path(kdir), client_key or os.environ.get("KVD_CLIENT_KEY") or "default")
+        else:
+            self._curve = None
         self._transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout), curve=self._curve)
         # Uploads from a background thread (mlx `store`) use a socket of their
         # own: a request waits for the one before it on the same socket, and
