@@ -28,15 +28,17 @@ with one copy per tensor.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from kvd.endpoint import check_endpoint, default_endpoint
+from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_keys_dir, is_tcp
 from kvd.protocol import keys
 from kvd.protocol.errors import KvdError
 from kvd.protocol.limits import Limits
@@ -62,7 +64,10 @@ class Core:
     """The numpy-level calls of a kvd client (see module docstring).
 
     Raises EndpointError (a caller mistake) for an endpoint kvd cannot use;
-    None means $KVD_ENDPOINT, else the per-user socket.
+    None means $KVD_ENDPOINT, else the per-user socket. On a tcp:// endpoint
+    the client presents the CURVE pair `client_key` from `keys_dir` (else
+    $KVD_CLIENT_KEY / $KVD_KEYS_DIR, else "default" in ~/.config/kvd/keys;
+    see `kvd keys`); UnsafeEndpoint if a key file there may be another user's.
     """
 
     def __init__(
@@ -73,6 +78,8 @@ class Core:
         timeout: float = 5.0,
         chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS,
         strict: bool = False,
+        keys_dir: str | None = None,
+        client_key: str | None = None,
     ):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
@@ -82,7 +89,15 @@ class Core:
         self.chunk_tokens = int(chunk_tokens)
         self.strict = strict
         self.counters: Counter[str] = Counter()
-        self._transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout))
+        # A tcp endpoint is reached with this user's CURVE client pair and the
+        # server's public key (kvd.endpoint rule 6; `kvd keys add-client`).
+        # Like the settings table: an argument, else KVD_KEYS_DIR / KVD_CLIENT_KEY, else the default.
+        if is_tcp(self.endpoint):
+            kdir = keys_dir or os.environ.get("KVD_KEYS_DIR") or default_keys_dir()
+            self._curve = client_keys(Path(kdir), client_key or os.environ.get("KVD_CLIENT_KEY") or "default")
+        else:
+            self._curve = None
+        self._transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout), curve=self._curve)
         # Uploads from a background thread (mlx `store`) use a socket of their
         # own: a request waits for the one before it on the same socket, and
         # the caller's fetch must not wait behind a 256 MiB upload.
@@ -95,7 +110,7 @@ class Core:
     def _background_transport(self) -> Transport:
         with self._bg_lock:
             if self._bg_transport is None:
-                self._bg_transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout))
+                self._bg_transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout), curve=self._curve)
             return self._bg_transport
 
     def _call(
@@ -251,7 +266,9 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         try:
-            sliced, axes, meta = _chunking.join(chunks, n)
+            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens)
+            if boundary is not None:
+                _chunking.check_boundary(boundary["tensors"])
         except ValueError as err:
             self.counters["get_inconsistent"] += 1
             if self.strict:

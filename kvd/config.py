@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from kvd.endpoint import EndpointError, check_endpoint, default_endpoint
+from kvd.endpoint import EndpointError, check_endpoint, default_endpoint, default_keys_dir
 from kvd.protocol.errors import KvdError
 
 # Exit code for a bad configuration (sysexits EX_CONFIG). Units and plists can
@@ -301,6 +301,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a client, or a kvd command, waits for one request's answer."),
     Setting("chunk_tokens", _int(1), 256,
             "Tokens per cached chunk (prefixes are matched chunk by chunk)."),
+    Setting("keys_dir", _optional_path, lambda env: str(default_keys_dir(dict(env))),
+            "Folder of the CURVE key files a tcp:// endpoint needs (made by `kvd keys`).",
+            default_doc="keys/ beside the config file: ~/.config/kvd/keys, ~/Library/Application Support/kvd/keys"),
+    Setting("client_key", _str, "default",
+            "Name of the client key pair (in keys_dir/clients) a client presents on a tcp:// endpoint."),
+    Setting("allow_insecure_tcp", _bool, False,
+            "Serve a tcp:// endpoint without CURVE keys, unauthenticated (logged as a warning, shown by `kvd stats`)."),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

@@ -256,7 +256,7 @@ def test_client_public_surface_is_pinned():
         "Client", "Probe", "Explanation", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "MalformedMessage",
         "UnsupportedVersion", "UnknownMessageType", "BadField", "BadDtype", "BadShape", "BadFrameIndex",
         "MessageTooLarge", "TooManyFrames", "TooManyTokens", "ServerError", "Busy", "Internal",
-        "DaemonUnavailable", "BadReply", "EndpointError",
+        "DaemonUnavailable", "BadReply", "EndpointError", "UnsafeEndpoint", "AuthenticationFailed",
     ])
     public = {n for n in dir(kvd_client.Client) if not n.startswith("_")}
     assert {"put", "get", "probe", "store", "fetch", "lookup", "stats", "gc", "ping", "close"} <= public

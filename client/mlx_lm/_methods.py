@@ -148,6 +148,11 @@ class MlxMethods:
         try:
             if hit.n > cap:
                 raise F.SnapshotMismatch(f"served {hit.n} tokens, asked for at most {cap}")
+            implied = F.model_layout(self.namespace)
+            if implied is not None and (hit.meta or {}).get("layers") != implied:
+                # Any process of the user may write this namespace: a hit
+                # must match the layout the model itself implies.
+                raise F.SnapshotMismatch(f"served layout differs from the model's for namespace {self.namespace!r}")
             cache = rebuild(hit)
         except F.SnapshotMismatch:
             self._mlx_count("fetch_invalid")

@@ -74,7 +74,7 @@ def namespace_for(
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     model_type = re.sub(r"[^a-z0-9_]+", "_", str(ident["config"].get("model_type", type(model).__name__)).lower())[:40]
     namespace = f"mlx.{model_type}.{digest[:32]}"
-    F.remember(namespace, layers)
+    F.remember(namespace, layers, from_model=True)
     remember_components(namespace, ident)  # sent with PUTs: lets `kvd explain` name a differing field
     return namespace
 

@@ -34,6 +34,7 @@ def render_stats(stats: dict) -> str:
     server = stats.get("server", {})
     lines = [
         f"kvd {server.get('version', '?')}  pid {server.get('pid', '?')}  up {server.get('uptime', 0):.0f}s  {server.get('endpoint', '')}",
+        *([f"WARNING: {stats['security']['warning']}"] if stats.get("security", {}).get("warning") else []),
         "",
         f"{'tier':<6}{'entries':>10}{'bytes':>12}{'budget':>12}{'hits':>10}{'misses':>10}{'hit rate':>10}{'evictions':>11}",
     ]

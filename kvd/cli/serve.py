@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
@@ -40,6 +41,12 @@ def serve(**flags) -> None:
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
 
+    # Everything the daemon creates -- run dir, socket, lock, data dir, blobs
+    # -- is for its own user only (kvd.endpoint rule 5). The umask is
+    # process-wide, so it is set here, first, while this is the only thread
+    # (no store writer, metrics server or ZeroMQ I/O thread exists yet), and
+    # never changed back and forth around a bind while other threads run.
+    os.umask(0o077)
     try:
         cfg = resolve(flags)
     except ConfigError as err:
@@ -86,6 +93,8 @@ def serve(**flags) -> None:
         chunk_tokens=cfg.chunk_tokens,
         on_ready=lambda: notifier.ready(f"serving {cfg.endpoint}"),
         on_tick=on_tick,
+        keys_dir=cfg.keys_dir,
+        allow_insecure_tcp=cfg.allow_insecure_tcp,
     )
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report
@@ -96,7 +105,9 @@ def serve(**flags) -> None:
     except (EndpointError, Exception) as err:  # zmq.ZMQError: address in use, permission, ...
         log.error("cannot serve %s: %s", cfg.endpoint, err)
         store.close()
-        raise SystemExit(exits.REFUSED)
+        # The exit code comes from the one table: busy is 4, an unsafe run dir 78.
+        known = exits.describe(err) if isinstance(err, EndpointError) else None
+        raise SystemExit(known[0] if known else exits.REFUSED)
     if cfg.metrics_port:
         from kvd.server.metrics import serve_metrics
 
