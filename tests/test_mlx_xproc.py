@@ -111,23 +111,6 @@ KINDS_031 = [k for k in KINDS if k != "chunked"]
 RECORDED_031 = HERE / "fixtures" / "mlx_lm_031_puts.msgpack.gz"
 
 
-def mlx_lm_031() -> Path:
-    """mlx-lm 0.31.3 installed (no deps) into the repo's .cache, downloading it once.
-
-    Only tests/test_import_export.py still calls this (its files written by
-    mlx-lm 0.31 itself); this file replays RECORDED_031 instead.
-    """
-    target = HERE.parent / ".cache" / "mlx-lm-0.31.3"
-    if not (target / "mlx_lm" / "__init__.py").exists():
-        r = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), "mlx-lm==0.31.3"],
-            capture_output=True, text=True, timeout=300,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot install mlx-lm 0.31.3 from the package index: {r.stderr.strip()[-300:]}")
-    return target
-
-
 def _store(work: Path, prefix: str):
     """A daemon holding what a child process running this mlx-lm stored."""
     from conftest import DaemonProcess
