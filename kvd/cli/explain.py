@@ -15,7 +15,7 @@ import click
 
 from kvd.cli import main
 from kvd.cli.common import settings
-from kvd.cli.model_args import Model, adapter_call, model_options, namespace_of, read_tokens
+from kvd.cli.model_args import adapter_call, model_options, model_tokens_namespace
 
 
 def render(namespace: str, e) -> str:
@@ -53,15 +53,8 @@ def explain_cmd(namespace, model_path, tokens_file, prompt_file, kv_bits, kv_gro
     from kvd_client import Client
 
     cfg = settings(flags)
-    model = Model(model_path)
-    if namespace is None and model_path is None:
-        raise click.UsageError("give --namespace or --model")
-    tokens = read_tokens(tokens_file, prompt_file, model)
-    if not tokens:
-        raise click.UsageError("give --tokens-file (or --prompt-file with --model)")
-    if namespace is None:
-        kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
-        namespace = namespace_of(model, None, kv)
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+    _, tokens, namespace = model_tokens_namespace(namespace, model_path, tokens_file, prompt_file, kv)
     with Client(cfg.endpoint, namespace=namespace, timeout=cfg.timeout, chunk_tokens=chunk_tokens, strict=True) as client:
         e = adapter_call(lambda: client.explain(tokens, need_boundary=need_boundary))
     if as_json:

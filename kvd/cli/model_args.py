@@ -90,3 +90,19 @@ def read_tokens(tokens_file: str | None, prompt_file: str | None, model: Model) 
         _, tokenizer = model.load()
         return tokenize_prompt(tokenizer, Path(prompt_file).read_text())
     return None
+
+
+def model_tokens_namespace(namespace: str | None, model_path: str | None, tokens_file: str | None,
+                           prompt_file: str | None, kv: dict[str, Any]) -> tuple[Model, list[int], str]:
+    """What `kvd export` and `kvd explain` act on: the model (loaded lazily),
+    the tokens, and the namespace (given, or derived from the model with `kv`).
+    Raises click.UsageError when either cannot be found."""
+    model = Model(model_path)
+    if namespace is None and model_path is None:
+        raise click.UsageError("give --namespace or --model")
+    tokens = read_tokens(tokens_file, prompt_file, model)
+    if not tokens:
+        raise click.UsageError("give --tokens-file (or --prompt-file with --model)")
+    if namespace is None:
+        namespace = namespace_of(model, None, kv)
+    return model, tokens, namespace

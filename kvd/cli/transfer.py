@@ -17,14 +17,13 @@ tokenized the way `mlx_lm.cache_prompt` does; needs the model).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import click
 
 from kvd.cli import exits, main
 from kvd.cli.common import fail, settings
-from kvd.cli.model_args import Model, adapter_call, model_options, namespace_of, read_tokens
+from kvd.cli.model_args import Model, adapter_call, model_options, model_tokens_namespace, namespace_of, read_tokens
 
 def _report(as_json: bool, result: dict[str, Any], line: str) -> None:
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else line)
@@ -90,15 +89,8 @@ def export(output, namespace, model_path, tokens_file, prompt_file,
     from kvd_client.mlx_lm_files import export_metadata, write
 
     cfg = settings(flags)
-    model = Model(model_path)
-    if namespace is None and model_path is None:
-        raise click.UsageError("give --model or --namespace")
-    tokens = read_tokens(tokens_file, prompt_file, model)
-    if not tokens:
-        raise click.UsageError("give --tokens-file (or --prompt-file with --model)")
-    if namespace is None:
-        kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
-        namespace = namespace_of(model, None, kv)
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+    model, tokens, namespace = model_tokens_namespace(namespace, model_path, tokens_file, prompt_file, kv)
     with Client(cfg.endpoint, namespace=namespace, timeout=cfg.timeout, strict=True) as client:
         hit = adapter_call(lambda: client.get(tokens))
         if hit is not None and (hit.meta or {}).get("bnd") and hit.boundary is None:
