@@ -12,6 +12,7 @@ mlx-lm prompt caches into snapshots and back on the caller's thread.
 from kvd.protocol.errors import KvdError, ProtocolError, ServerError
 from kvd_client._client import Client, Probe
 from kvd_client._errors import BadReply, DaemonUnavailable
+from kvd_client._media import MediaSpan, digest as media_digest
 from kvd_client._tensors import Hit, HostTensor, Snapshot
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "Snapshot",
     "Hit",
     "HostTensor",
+    "MediaSpan",
+    "media_digest",
     "KvdError",
     "ProtocolError",
     "ServerError",
