@@ -55,3 +55,110 @@ def run_child(tmp: Path, name: str, spec: dict, timeout: float = 300.0) -> dict:
     report = json.loads(out_path.read_text())
     report["log"] = proc.stderr
     return report
+
+
+class VllmServer:
+    """`python -m kvd_client.vllm_mlx serve DIR ...` (vllm-mlx's HTTP server) on loopback.
+
+    HOME is a private folder: vllm-mlx 0.6 saves its RAM prefix cache under
+    ~/.cache/vllm-mlx on a clean shutdown and loads it at start, and a test
+    of kvd must not be helped by that. `complete(text)` posts a greedy
+    /v1/completions; `stop()` sends SIGTERM (SIGKILL with `kill=True`).
+    """
+
+    def __init__(self, model_dir, workdir: Path, args: list[str] = (), kvd_endpoint: str | None = None):
+        self.model_dir, self.workdir, self.args = str(model_dir), Path(workdir), list(args)
+        self.kvd_endpoint = kvd_endpoint
+        self.port, self.proc = 0, None
+        self.log_path = self.workdir / "server.log"
+
+    def start(self, timeout: float = 120.0) -> "VllmServer":
+        import os
+        import socket
+        import time
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        home = self.workdir / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+        env.update(HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        kvd = ["--kvd-endpoint", self.kvd_endpoint] if self.kvd_endpoint else ["--no-kvd"]
+        cmd = [sys.executable, "-m", "kvd_client.vllm_mlx", "serve", self.model_dir, "--host", "127.0.0.1",
+               "--port", str(self.port), "--continuous-batching", "--offline", *kvd, *self.args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-mlx exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"vllm-mlx not ready after {timeout}s:\n{self.log()[-4000:]}")
+
+    def complete(self, prompt: str, max_tokens: int = 6, timeout: float = 120.0) -> dict:
+        import time
+        import urllib.request
+
+        body = {"model": self.model_dir, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            reply = json.load(r)
+        reply["elapsed"] = time.perf_counter() - t0
+        return reply
+
+    def cached(self) -> list[int]:
+        """`cached=` of every prefix-cache HIT vllm-mlx logged, in order (0 for a MISS)."""
+        import re
+
+        out = []
+        for line in self.log().splitlines():
+            if "[cache_fetch]" in line:
+                m = re.search(r" HIT .*cached=(\d+)", line)
+                out.append(int(m.group(1)) if m else 0)
+        return out
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, kill: bool = False, timeout: float = 30.0) -> None:
+        import signal
+
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+def wait_for_puts(endpoint: str, prefix: str, at_least: int, timeout: float = 60.0) -> None:
+    """Until the daemon has taken `at_least` PUTs in namespaces starting with `prefix`
+    (a write-through upload is asynchronous)."""
+    import time
+
+    from kvd_client import Client
+
+    deadline = time.monotonic() + timeout
+    with Client(endpoint, namespace="probe", timeout=2.0) as c:
+        while time.monotonic() < deadline:
+            stats = c.stats() or {}
+            puts = sum(v.get("puts", 0) for ns, v in stats.get("namespaces", {}).items() if ns.startswith(prefix))
+            if puts >= at_least:
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"the daemon saw fewer than {at_least} PUTs in {prefix}* after {timeout}s")
