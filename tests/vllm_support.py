@@ -114,6 +114,17 @@ class VllmServer:
         reply["elapsed"] = time.perf_counter() - t0
         return reply
 
+    def chat(self, system: str, user: str, max_tokens: int = 6, timeout: float = 120.0) -> dict:
+        """A greedy /v1/chat/completions with a system and a user message."""
+        import urllib.request
+
+        body = {"model": self.model_dir, "max_tokens": max_tokens, "temperature": 0.0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+
     def cached(self) -> list[int]:
         """`cached=` of every prefix-cache HIT vllm-mlx logged, in order (0 for a MISS)."""
         import re
