@@ -54,7 +54,7 @@ def test_protocol_layer_does_no_io():
 def test_client_public_surface_is_pinned():
     assert sorted(kvd_client.__all__) == sorted([
         "Client", "Probe", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "ServerError",
-        "DaemonUnavailable", "BadReply",
+        "DaemonUnavailable", "BadReply", "MediaSpan", "media_digest",
     ])
     public = {n for n in dir(kvd_client.Client) if not n.startswith("_")}
     assert {"put", "get", "probe", "store", "fetch", "lookup", "stats", "gc", "ping", "close"} <= public
