@@ -103,3 +103,52 @@ def test_mlx_fetch_and_store_take_media(kvd_daemon):
         assert kv.lookup(query, media=[MediaSpan(12, 30, image(6))]) == 8
         got, n = kv.fetch(query, media=[MediaSpan(12, 30, img)])
         assert n == 40 and mx.array_equal(got[0].keys[..., :40, :], c.keys[..., :40, :]).item()
+
+
+def test_a_daemon_without_media_keys_is_never_sent_media(tmp_path):
+    """A kvd/1.1 daemon ignores unknown fields: sent `media`, it would match the
+    text alone and serve another image's cache. The client asks HELLO for the
+    feature and, without it, misses and stores nothing. (An old daemon cannot
+    be run here, so a ROUTER socket answers as one would.)"""
+    import threading
+
+    import zmq
+
+    from kvd.protocol import codec
+    from kvd_client import Client
+
+    endpoint = f"ipc://{tmp_path}/old.sock"
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def serve():
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            if not poller.poll(50):
+                continue
+            ident, *frames = sock.recv_multipart()
+            msg = codec.decode_request(frames)
+            seen.append(msg.type)
+            fields = {"LOOKUP": {"n": 40, "boundaries": []}, "PING": {},
+                      "HELLO": {"version": 1, "server": "kvd/0.0.9", "limits": {}, "chunk_tokens": 256}}[msg.type]
+            sock.send_multipart([ident, *codec.encode(msg.type, fields, id=msg.id)])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with Client(endpoint, namespace="vlm", chunk_tokens=CT, timeout=2.0) as kv:
+            span = [MediaSpan(12, 30, image(7))]
+            assert kv.probe(TOKENS, media=span).n == 0
+            assert kv.get(TOKENS, media=span) is None
+            assert kv.put(TOKENS, snap(40, 3), media=span) is False
+            assert kv.probe(TOKENS).n == 40  # text alone still works with it
+            assert kv.counters["media_unsupported"] == 3
+        assert seen == ["HELLO", "LOOKUP"]
+    finally:
+        stop.set()
+        t.join(5)
+        sock.close()
