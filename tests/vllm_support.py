@@ -66,9 +66,12 @@ class VllmServer:
     /v1/completions; `stop()` sends SIGTERM (SIGKILL with `kill=True`).
     """
 
-    def __init__(self, model_dir, workdir: Path, args: list[str] = (), kvd_endpoint: str | None = None):
+    def __init__(self, model_dir, workdir: Path, args: list[str] = (), kvd_endpoint: str | None = None,
+                 tap: bool = False):
         self.model_dir, self.workdir, self.args = str(model_dir), Path(workdir), list(args)
         self.kvd_endpoint = kvd_endpoint
+        # tap: log the language model's logits (tests/vllm_tap.py) to workdir/logits.hex
+        self.tap_path = self.workdir / "logits.hex" if tap else None
         self.port, self.proc = 0, None
         self.log_path = self.workdir / "server.log"
 
@@ -86,7 +89,8 @@ class VllmServer:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         env.update(HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         kvd = ["--kvd-endpoint", self.kvd_endpoint] if self.kvd_endpoint else ["--no-kvd"]
-        cmd = [sys.executable, "-m", "kvd_client.vllm_mlx", "serve", self.model_dir, "--host", "127.0.0.1",
+        entry = [str(HERE / "vllm_tap.py"), str(self.tap_path)] if self.tap_path else ["-m", "kvd_client.vllm_mlx"]
+        cmd = [sys.executable, *entry, "serve", self.model_dir, "--host", "127.0.0.1",
                "--port", str(self.port), "--continuous-batching", "--offline", *kvd, *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -125,6 +129,27 @@ class VllmServer:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
 
+    def chat_image(self, system: str, image_seed: int, text: str, max_tokens: int = 6, timeout: float = 120.0) -> dict:
+        """A greedy chat completion whose user message is a random 80x80 image (PNG) and `text`."""
+        import base64
+        import io
+        import urllib.request
+
+        import numpy as np
+        from PIL import Image
+
+        pixels = np.random.default_rng(image_seed).integers(0, 255, (80, 80, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        user = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+        body = {"model": self.model_dir, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
+                "top_logprobs": 3, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+
     def cached(self) -> list[int]:
         """`cached=` of every prefix-cache HIT vllm-mlx logged, in order (0 for a MISS)."""
         import re
@@ -135,6 +160,10 @@ class VllmServer:
                 m = re.search(r" HIT .*cached=(\d+)", line)
                 out.append(int(m.group(1)) if m else 0)
         return out
+
+    def logits(self) -> list[str]:
+        """The tapped logits so far, one hex line per language-model call."""
+        return self.tap_path.read_text().split() if self.tap_path and self.tap_path.exists() else []
 
     def log(self) -> str:
         try:

@@ -16,6 +16,9 @@ If anything is missing (another vllm-mlx version moved it), `install` logs
 one line naming what, changes nothing, and returns False: the server runs
 exactly as vllm-mlx would without kvd. The version this was written against
 is `TESTED_VERSION`; others are used if the check passes.
+
+On the MLLM route, requests with media are admitted too, keyed by their
+media's content (`_media.install`; see there).
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ def install(endpoint: str | None = None, *, timeout: float = 1.0) -> bool:
         from vllm_mlx import mllm_batch_generator
 
         modules.append(mllm_batch_generator)
+        from kvd_client.vllm_mlx import _media
+
+        _media.install(mllm_batch_generator)
     else:
         log.info("kvd: vllm-mlx's MLLM path is not importable here (%s); standard path only", ", ".join(missing(OPTIONAL)))
     for mod in modules:
@@ -124,6 +130,10 @@ def uninstall() -> None:
             mod.MemoryAwarePrefixCache = original
     _state["original"].clear()
     _state["installed"] = None
+    if "vllm_mlx.mllm_batch_generator" in sys.modules:
+        from kvd_client.vllm_mlx import _media
+
+        _media.uninstall(sys.modules["vllm_mlx.mllm_batch_generator"])
     close_all()
 
 

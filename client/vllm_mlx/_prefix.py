@@ -27,6 +27,10 @@ own matching, trimming, quantizing and eviction) as it is:
                             cache (dequantized, cloned and trimmed by
                             vllm-mlx), and the next request finds it in RAM.
 
+Requests with media on the MLLM route are keyed by their media's content
+(`_media`): their keys here are *salted* token tuples, their keys in kvd the
+protocol's media-aware keys.
+
 So kvd is both the cold tier (every committed entry is already there when
 vllm-mlx's LRU drops it: nothing to spill) and a prefix cache shared by every
 process that serves the same model; a restarted server starts warm.
@@ -42,7 +46,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from kvd_client.vllm_mlx import _entries
+from kvd_client.vllm_mlx import _entries, _media
 from kvd_client.vllm_mlx._link import Link
 
 log = logging.getLogger("kvd_client.vllm_mlx")
@@ -83,52 +87,81 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
 
         # -- read --------------------------------------------------------------
         def fetch(self, tokens: list[int], *args: Any, **kwargs: Any):
+            media = _media.for_tokens(tokens)
+            key = list(media.salted[: len(tokens)]) if media is not None else tokens
             before = _stat_counts(self)
-            cache, remaining = super().fetch(tokens, *args, **kwargs)
-            have = len(tokens) - len(remaining) if cache is not None else 0
+            cache, remaining = super().fetch(key, *args, **kwargs)
+            have = len(key) - len(remaining) if cache is not None else 0
             try:
-                grown = self._kvd_fill(tokens, have)
+                grown = self._kvd_fill(key, have)
             except Exception:  # an mlx or kvd bug must not cost the request
                 self._count("kvd_errors")
                 log.exception("kvd: fetch failed; serving from vllm-mlx's own cache")
                 grown = False
-            if not grown:
+            if grown:
+                _restore_stat_counts(self, before)
+                cache, remaining = super().fetch(key, *args, **kwargs)
+            if media is None or cache is None:
                 return cache, remaining
-            _restore_stat_counts(self, before)
-            return super().fetch(tokens, *args, **kwargs)
+            covered = len(key) - len(remaining)
+            if covered < min(media.end, len(key)):
+                # vllm-mlx resumes a hit with the language model alone: it
+                # cannot encode the media in the rest. Prefill it whole.
+                self._count("media_partial_hits")
+                return None, tokens
+            self._count("media_hits")
+            return cache, list(tokens[covered:])
 
-        def _kvd_fill(self, tokens: Sequence[int], have: int) -> bool:
-            """Put kvd's longer prefix of `tokens` into RAM; True if it did."""
-            if len(tokens) - 1 <= have or len(tokens) < self._config.min_prefix_tokens:
+        def fetch_exact_auxiliary(self, tokens: list[int], *args: Any, **kwargs: Any):
+            media = _media.for_tokens(tokens)
+            key = list(media.salted[: len(tokens)]) if media is not None else tokens
+            return super().fetch_exact_auxiliary(key, *args, **kwargs)
+
+        def _kvd_fill(self, key: Sequence[int], have: int) -> bool:
+            """Put kvd's longer prefix of `key` (a salted key for media) into RAM; True if it did."""
+            if len(key) - 1 <= have or len(key) < self._config.min_prefix_tokens:
                 return False
             clients = self._kvd.get()
             if clients is None:
                 return False
+            tokens, spans = _media.unsalt(key)
+            extra = {"media": spans} if spans else {}
             try:
                 best, best_n = None, have
                 for client in clients.values():
-                    n = client.lookup(tokens)
+                    n = client.lookup(tokens, **extra)
                     if n > best_n:
                         best, best_n = client, n
                 if best is None or best_n < self._config.min_prefix_tokens:
                     self._count("kvd_misses")
                     return False
-                got, n = best.fetch(tokens)
+                if spans and best_n < spans[-1].end:
+                    # Only text before the media is held (another image): vllm-mlx
+                    # could not resume from it (see fetch), so move nothing.
+                    self._count("kvd_media_partial")
+                    return False
+                got, n = best.fetch(tokens, **extra)
                 if got is None or n <= have:
                     self._count("kvd_misses")
                     return False
-                entry = entry_cls.create(list(tokens[:n]), _entries.to_vllm(got, wrapper_cls))
+                entry = entry_cls.create(list(key[:n]), _entries.to_vllm(got, wrapper_cls))
                 # The base class's commit: this entry came from kvd, no write-through.
                 if not base.commit_prepared(self, entry, evict_prefixes=False):
                     self._count("kvd_not_admitted")
                     return False
                 self._count("kvd_hits")
                 self._count("kvd_tokens", n)
+                log.info("kvd: reused %d of %d prompt tokens%s", n, len(key), " (with media)" if spans else "")
                 return True
             finally:
                 self._kvd.check()
 
         # -- write -------------------------------------------------------------
+        def prepare_store(self, tokens: list[int], *args: Any, **kwargs: Any):
+            media = _media.for_tokens(tokens)
+            key = list(media.salted[: len(tokens)]) if media is not None else tokens
+            return super().prepare_store(key, *args, **kwargs)
+
         def commit_prepared(self, entry: Any, *args: Any, **kwargs: Any) -> bool:
             ok = super().commit_prepared(entry, *args, **kwargs)
             if ok:
@@ -150,10 +183,25 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
                     self._count("kvd_store_unsupported")
                     return
                 client = clients.get("quantized" if quantized else "plain")
-                if client is not None and client.store(list(entry.tokens), layers):
+                tokens, spans = _media.unsalt(entry.tokens)
+                extra = {"media": spans} if spans else {}
+                if client is not None and client.store(tokens, layers, **extra):
                     self._count("kvd_stores")
             finally:
                 self._kvd.check()
+
+        def save_to_disk(self, *args: Any, **kwargs: Any):
+            # vllm-mlx's own shutdown save writes keys as 32-bit ids: entries with
+            # media (salted keys) would fail there one by one. kvd holds them.
+            with self._memory_lock:
+                media = {k: e for k, e in self._entries.items() if k and min(k) < 0}
+                for k in media:
+                    del self._entries[k]
+            try:
+                return super().save_to_disk(*args, **kwargs)
+            finally:
+                with self._memory_lock:
+                    self._entries.update(media)
 
         # -- extras ------------------------------------------------------------
         def kvd_flush(self, timeout: float | None = None) -> bool:
