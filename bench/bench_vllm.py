@@ -70,7 +70,7 @@ def main() -> None:
             mem_mb = max(1, int(1.5 * (p + 80) * kv_per_token / 2**20) + 1)
             base = {"model": model, "max_tokens": 1, "warmup": True}
 
-            def one(name, endpoint, prompts, **config):
+            def one(name, endpoint, prompts, p=p, base=base, mem_mb=mem_mb, **config):
                 spec = {**base, "endpoint": endpoint, "prompts": prompts, "config": {"cache_memory_mb": mem_mb, **config}}
                 return run_child(work, f"{name}-{p}", spec, timeout=900)["results"]
 

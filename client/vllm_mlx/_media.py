@@ -117,8 +117,6 @@ def vision_id(model: Any) -> str:
 
 def describe(model: Any, request: Any) -> RequestMedia | None:
     """The media key of a preprocessed MLLM request, or None if it cannot be keyed."""
-    import numpy as np
-
     from kvd_client._media import digest as media_digest
 
     if getattr(request, "audio", None) or getattr(request, "input_ids", None) is None:
