@@ -62,7 +62,7 @@ def test_the_same_image_finds_the_cache_and_another_image_only_the_text_before_i
     with kvd_daemon.client(ns, strict=True) as kv:
         again, n = kv.fetch(ids, media=[span])
         assert n == len(ids) - 1
-        for got, ref in zip(again, cache):
+        for got, ref in zip(again, cache, strict=True):
             assert mx.array_equal(got.keys[..., :n, :], ref.keys[..., :n, :]).item()
             assert mx.array_equal(got.values[..., :n, :], ref.values[..., :n, :]).item()
 
