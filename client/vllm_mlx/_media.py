@@ -73,6 +73,8 @@ def salt(tokens: Sequence[int], runs: Sequence[tuple[int, int]], digest: bytes) 
 
 def unsalt(key: Sequence[int]) -> tuple[list[int], list[MediaSpan]]:
     """(real token ids, media spans) of a key; spans empty for a text key."""
+    if not key or min(key) >= 0:  # a text key: no per-token Python loop
+        return list(key), []
     tokens: list[int] = []
     spans: list[MediaSpan] = []
     last_p, last_j, last_digest = -2, -2, b""
