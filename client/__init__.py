@@ -35,6 +35,7 @@ from kvd_client._client import Client
 from kvd_client._core import Probe
 from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
 from kvd_client._explain import Explanation
+from kvd_client._media import MediaSpan, digest as media_digest
 from kvd_client._tensors import Hit, HostTensor, Snapshot
 
 __all__ = [
@@ -44,6 +45,8 @@ __all__ = [
     "Snapshot",
     "Hit",
     "HostTensor",
+    "MediaSpan",
+    "media_digest",
     "KvdError",
     "ProtocolError",
     "MalformedMessage",

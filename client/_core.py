@@ -42,7 +42,7 @@ from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_
 from kvd.protocol import keys
 from kvd.protocol.errors import KvdError
 from kvd.protocol.limits import Limits
-from kvd_client import _chunking, _explain
+from kvd_client import _chunking, _explain, _media
 from kvd_client._tensors import Hit, Snapshot
 from kvd_client._transport import Transport
 
@@ -104,6 +104,7 @@ class Core:
         self._bg_transport: Transport | None = None
         self._bg_lock = threading.Lock()
         self._limits: Limits | None = None
+        self._features: frozenset[str] | None = None
         self._warned = threading.Event()
 
     # -- plumbing ----------------------------------------------------------
@@ -130,8 +131,29 @@ class Core:
                 log.warning("kvd call failed (%s: %s); continuing without the cache", err.name, err)
             return None
 
-    def _seq(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
-        return {"ns": self.namespace, "tokens": keys.token_bytes(tokens), "chunk_tokens": self.chunk_tokens}
+    def _seq(self, tokens: Sequence[int] | np.ndarray, media: Sequence[Any] = ()) -> dict[str, Any] | None:
+        """The sequence fields; None if `media` is given and the daemon cannot key it."""
+        seq = {"ns": self.namespace, "tokens": keys.token_bytes(tokens), "chunk_tokens": self.chunk_tokens}
+        if media:
+            spans = keys.check_media(_media.spans(media, len(tokens)), len(tokens))  # ValueError: caller's bug
+            if not self._media_ok():
+                return None
+            seq["media"] = [m.to_wire() for m in spans]
+        return seq
+
+    def _media_ok(self) -> bool:
+        """Does the daemon key media (HELLO `features`)? An old one would ignore the
+        field and serve another image's cache: never send it media."""
+        if self._features is None:
+            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
+            if reply is None:
+                return False  # unreachable now: ask again next time
+            self._limits = Limits.from_wire(reply["limits"])
+            self._features = frozenset(reply.get("features") or ())
+        if "media" not in self._features:
+            self.counters["media_unsupported"] += 1
+            return False
+        return True
 
     def limits(self, *, background: bool = False) -> Limits:
         """The daemon's advertised limits (from HELLO; defaults if it is unreachable)."""
@@ -155,21 +177,31 @@ class Core:
         t0 = time.perf_counter()
         return None if self._call("PING") is None else time.perf_counter() - t0
 
-    def probe(self, tokens: Sequence[int] | np.ndarray) -> Probe:
-        """How many leading tokens of `tokens` are stored (0 if unreachable)."""
+    def probe(self, tokens: Sequence[int] | np.ndarray, *, media: Sequence[Any] = ()) -> Probe:
+        """How many leading tokens of `tokens` are stored (0 if unreachable).
+
+        `media`: spans (`MediaSpan` or (start, end, digest)) of media occupying
+        token positions; they are part of the keys (PROTOCOL.md 4.1).
+        """
         if len(tokens) == 0:
             return Probe(0)
-        reply = self._call("LOOKUP", self._seq(tokens))
+        seq = self._seq(tokens, media)
+        if seq is None:
+            return Probe(0)
+        reply = self._call("LOOKUP", seq)
         if reply is None:
             return Probe(0)
         return Probe(reply["n"], tuple(reply["boundaries"]))
 
-    def put(self, tokens: Sequence[int] | np.ndarray, snapshot: Snapshot, *, background: bool = False) -> bool:
+    def put(
+        self, tokens: Sequence[int] | np.ndarray, snapshot: Snapshot, *, background: bool = False, media: Sequence[Any] = ()
+    ) -> bool:
         """Store `snapshot` as the cache of `tokens`. True if the daemon now holds
         all of it; False if it could not (counted in `counters`).
 
         `background=True` (for an upload thread) sends over a socket of its own,
-        so calls from other threads never wait behind it.
+        so calls from other threads never wait behind it. `media` as in `probe`
+        (spans past the tokens are cut at their end).
 
         Raises ValueError if a sliced tensor does not span the positions from
         `snapshot.start` to len(tokens), or `start` is not a chunk boundary.
@@ -178,7 +210,10 @@ class Core:
         _chunking.check_snapshot(snapshot, n_tokens, self.chunk_tokens)
         if n_tokens == 0:
             return False
-        seq = self._seq(tokens)
+        seq = self._seq(tokens, media or snapshot.media)
+        if seq is None:
+            self.counters["put_not_stored"] += 1
+            return False
         have = self._call("LOOKUP", seq, background=background)
         if have is None:
             self.counters["put_not_stored"] += 1
@@ -234,16 +269,20 @@ class Core:
         return reply["too_big"] == 0 and reply["dropped"] == 0
 
     def get(
-        self, tokens: Sequence[int] | np.ndarray, *, max_tokens: int | None = None, need_boundary: bool = False
+        self, tokens: Sequence[int] | np.ndarray, *, max_tokens: int | None = None, need_boundary: bool = False,
+        media: Sequence[Any] = (),
     ) -> Hit | None:
         """The longest stored prefix of `tokens` (at most `max_tokens`), or None.
 
         With `need_boundary`, only a prefix that ends where boundary state was
-        stored is served, and `hit.boundary` holds that state.
+        stored is served, and `hit.boundary` holds that state. `media` as in `probe`.
         """
         if len(tokens) == 0 or max_tokens == 0:
             return None
-        seq = self._seq(tokens)
+        seq = self._seq(tokens, media)
+        if seq is None:
+            self.counters["get_miss"] += 1
+            return None
         cap = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         chunks: list[dict[str, Any]] = []
         n, start, boundary = cap, 0, None
@@ -286,10 +325,12 @@ class Core:
         self.counters["tokens_fetched"] += n
         return hit
 
-    def explain(self, tokens: Sequence[int] | np.ndarray, *, need_boundary: bool = False) -> _explain.Explanation | None:
+    def explain(
+        self, tokens: Sequence[int] | np.ndarray, *, need_boundary: bool = False, media: Sequence[Any] = ()
+    ) -> _explain.Explanation | None:
         """Why the daemon holds only so much of `tokens`: an `Explanation`
-        (n, reason, message, detail), or None if it did not answer."""
-        return _explain.explain(self, tokens, need_boundary)
+        (n, reason, message, detail), or None if it did not answer. `media` as in `probe`."""
+        return _explain.explain(self, tokens, need_boundary, media)
 
     # -- admin -------------------------------------------------------------------
     def stats(self, namespace: str | None = None) -> dict[str, Any] | None:

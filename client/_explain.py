@@ -53,9 +53,13 @@ class Explanation:
         return f"{self.reason}: {self.message}"
 
 
-def explain(client: Any, tokens: Sequence[int], need_boundary: bool) -> Explanation | None:
-    """Ask `client`'s daemon about `tokens` in `client.namespace`; None if it did not answer."""
-    fields = {**client._seq(tokens), "need_boundary": need_boundary, "ns_meta": components_for(client.namespace)}
+def explain(client: Any, tokens: Sequence[int], need_boundary: bool, media: Sequence[Any] = ()) -> Explanation | None:
+    """Ask `client`'s daemon about `tokens` (with their `media` spans) in
+    `client.namespace`; None if it did not answer (or cannot key media)."""
+    seq = client._seq(tokens, media)
+    if seq is None:
+        return None
+    fields = {**seq, "need_boundary": need_boundary, "ns_meta": components_for(client.namespace)}
     reply = client._call("EXPLAIN", fields)
     if reply is None:
         return None

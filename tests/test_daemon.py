@@ -269,3 +269,20 @@ def test_fast_round_trips_never_lose_a_reply(kvd_daemon):
         for _ in range(3000):
             c.ping()
         assert c.stats()["server"]["requests"]["PING"] >= 3000
+
+
+def test_sequences_parting_after_one_chunk_with_equal_length_tails_are_both_served(kvd_daemon):
+    # A system prompt of one chunk, then two questions of the same length: both
+    # tails hang off the same key and must both stay matchable (RAM and tiered
+    # indexes once kept one tail per length).
+    import numpy as np
+
+    from kvd_client import HostTensor, Snapshot
+
+    system = list(range(1, 9))
+    with kvd_daemon.client("tails", chunk_tokens=8, strict=True) as kv:
+        for seed, ask in enumerate(([20, 21, 22], [30, 31, 32], [40, 41, 42])):
+            arr = np.random.default_rng(seed).standard_normal((1, 11, 2)).astype(np.float32)
+            assert kv.put(system + ask, Snapshot(sliced={"k": (HostTensor.from_numpy(arr), 1)}))
+        for ask in ([20, 21, 22], [30, 31, 32], [40, 41, 42]):
+            assert kv.probe(system + ask + [7]).n == 11

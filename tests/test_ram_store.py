@@ -61,3 +61,17 @@ def test_chunk_and_boundary_are_distinct_entries():
     assert not s.contains(entry(1, kind=BOUNDARY).id)
     s.put(entry(1, kind=BOUNDARY))
     assert s.contains(entry(1, kind=BOUNDARY).id) and len(s) == 2
+
+
+def test_two_tails_of_equal_length_under_one_parent_are_both_found():
+    # Two questions of the same length after one system prompt: each tail
+    # must stay matchable (the index once kept one per length).
+    from kvd.store.base import CHUNK, Entry
+    from kvd.store.ram import RamStore
+
+    store = RamStore(1 << 20)
+    parent = b"p" * 32
+    for key in (b"a" * 32, b"b" * 32):
+        store.put(Entry(namespace="ns", key=key, kind=CHUNK, parent=parent, start=256, length=33,
+                        tensors=(), meta=b"", tail=True))
+    assert sorted(store.tails(parent)) == [(33, b"a" * 32), (33, b"b" * 32)]

@@ -137,3 +137,35 @@ def test_key_vectors_match_an_independent_implementation():
         # and the codebase agrees
         got = keys.chain(case["namespace"], ct, keys.token_bytes(toks))
         assert [k.hex() for k in got] == [c["key"] for c in case["chunks"]]
+
+
+def test_media_key_vectors_match_an_independent_implementation():
+    """Media-aware keys (PROTOCOL.md 4.1) recomputed from the spec's prose with hashlib only."""
+    cases = json.loads((VECTORS / "media_keys.json").read_text())
+    plain = {tuple(c["tokens"]): c for c in json.loads((VECTORS / "keys.json").read_text())}
+    for case in cases:
+        ns, ct, toks = case["namespace"].encode(), case["chunk_tokens"], case["tokens"]
+        media = [(m["start"], m["end"], bytes.fromhex(m["hash"])) for m in case["media"]]
+        parent = hashlib.sha256(b"kvd/1 root\x00" + len(ns).to_bytes(4, "little") + ns + ct.to_bytes(4, "little")).digest()
+        for chunk in case["chunks"]:
+            s, e = chunk["start"], chunk["end"]
+            body = b"".join(t.to_bytes(4, "little") for t in toks[s:e])
+            pieces = [(max(a, s) - s, min(b, e) - s, max(a, s) - a, d) for a, b, d in media if a < e and b > s]
+            if pieces:
+                msg = b"kvd/1 media chunk\x00" + parent + len(pieces).to_bytes(4, "little")
+                for a, b, skip, d in pieces:
+                    msg += a.to_bytes(4, "little") + b.to_bytes(4, "little") + skip.to_bytes(4, "little") + d
+                parent = hashlib.sha256(msg + body).digest()
+            else:
+                parent = hashlib.sha256(b"kvd/1 chunk\x00" + parent + body).digest()
+            assert parent.hex() == chunk["key"]
+        spans = keys.check_media([keys.MediaSpan(*m) for m in media], len(toks))
+        got = keys.chain(case["namespace"], ct, keys.token_bytes(toks), spans)
+        assert [k.hex() for k in got] == [c["key"] for c in case["chunks"]]
+    # The same text with another image shares nothing from the image on; an
+    # image in the tail leaves the chunks before it with their text-only keys.
+    one, other, tail = (c["chunks"] for c in cases[:3])
+    assert all(a["key"] != b["key"] for a, b in zip(one, other))
+    text_only = keys.chain("qwen2-vl", 4, keys.token_bytes(cases[2]["tokens"]))
+    assert [c["key"] for c in tail[:2]] == [k.hex() for k in text_only[:2]] and tail[2]["key"] != text_only[2].hex()
+    assert plain  # keys.json still holds the media-free vectors, unchanged

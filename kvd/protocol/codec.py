@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from kvd.protocol import dtypes
+from kvd.protocol import dtypes, keys
 from kvd.protocol import errors as E
 from kvd.protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -149,6 +149,24 @@ def _tokens(v, ctx):
     return bytes(v)
 
 
+def _media(v, ctx):
+    # Shape only; whether the spans fit the tokens is the handler's check
+    # (keys.check_media), which knows the token count.
+    if not isinstance(v, list) or len(v) > keys.MAX_MEDIA_SPANS:
+        raise _bad(ctx, f"expected an array of at most {keys.MAX_MEDIA_SPANS} media spans")
+    spans = []
+    for x in v:
+        _map(x, ctx)
+        start, end, digest = x.get("start"), x.get("end"), x.get("hash")
+        for name, val in (("start", start), ("end", end)):
+            if isinstance(val, bool) or not isinstance(val, int) or not 0 <= val < 2**32:
+                raise _bad(ctx, f"a media span needs an unsigned 32-bit {name!r}")
+        if not isinstance(digest, (bytes, bytearray)) or len(digest) != keys.DIGEST_BYTES:
+            raise _bad(ctx, f"a media span needs a {keys.DIGEST_BYTES}-byte bin 'hash'")
+        spans.append({"start": start, "end": end, "hash": bytes(digest)})
+    return spans
+
+
 def _meta(v, ctx):
     if not isinstance(v, (bytes, bytearray)):
         raise _bad(ctx, f"expected bin, got {type(v).__name__}")
@@ -229,7 +247,7 @@ _PUT_CHUNK = {"index": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_met
 _GET_CHUNK = {"start": _req(_uint), "length": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY = {"tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY_AT = {"at": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
-_SEQ = {"ns": _req(_ns), "tokens": _req(_tokens), "chunk_tokens": _opt(_chunk_tokens, 256)}
+_SEQ = {"ns": _req(_ns), "tokens": _req(_tokens), "chunk_tokens": _opt(_chunk_tokens, 256), "media": _opt(_media)}
 
 # The message table: type -> field schema, for requests and for replies.
 REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
@@ -254,7 +272,10 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "SHUTDOWN": {},
 }
 REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
-    "HELLO": {"version": _req(_uint), "server": _req(_str), "limits": _req(_map), "chunk_tokens": _req(_uint)},
+    "HELLO": {
+        "version": _req(_uint), "server": _req(_str), "limits": _req(_map), "chunk_tokens": _req(_uint),
+        "features": _opt(_array_of(_str), ()),
+    },
     "PING": {},
     "LOOKUP": {"n": _req(_uint), "boundaries": _req(_uints)},
     "GET": {

@@ -28,6 +28,7 @@ this drawing against the classes themselves.
      +-- UnsupportedCache           kvd_client.mlx_lm: a cache object the adapter cannot snapshot
      +-- SnapshotMismatch           kvd_client.mlx_lm: a hit that does not rebuild into a cache
      +-- CacheFileError             kvd_client.mlx_lm_files: not a prompt-cache file it can read
+     +-- NotConvertible             kvd_client.vllm_mlx: a vllm-mlx entry no mlx-lm cache class holds
      +-- ConfigError                kvd.config: a setting's value, or the config file, is bad
      +-- EndpointError              kvd.endpoint: not an endpoint kvd can use
      |    +-- EndpointBusy          kvd.endpoint: another daemon serves it

@@ -164,15 +164,16 @@ def _ago(t: float, now: float) -> str:
 
 
 def explain(store: Store, evictions: EvictionRecord, record: SequenceRecord, fields: dict[str, Any],
-            now: float | None = None) -> dict[str, Any]:
-    """The EXPLAIN reply fields for a decoded EXPLAIN request (module docstring)."""
+            now: float | None = None, media: keys.Media = ()) -> dict[str, Any]:
+    """The EXPLAIN reply fields for a decoded EXPLAIN request (module docstring);
+    `media`: the request's checked media spans, part of its keys."""
     now = time.time() if now is None else now
     ns, ct, tokens_le = fields["ns"], fields["chunk_tokens"], fields["tokens"]
     query = np.frombuffer(tokens_le, dtype="<u4")
     total = len(query)
     if fields.get("ns_meta") is not None:
         record.note_meta(ns, fields["ns_meta"])
-    links = match(store, ns, ct, tokens_le)
+    links = match(store, ns, ct, tokens_le, media)
     n = links[-1].end if links else 0
     boundaries = [link.end for link in links if link.boundary]
 
@@ -195,7 +196,7 @@ def explain(store: Store, evictions: EvictionRecord, record: SequenceRecord, fie
 
     i = n // ct  # the first chunk of the query's chain not held
     start, end = i * ct, min((i + 1) * ct, total)
-    key = keys.chain(ns, ct, tokens_le)[i]
+    key = keys.chain(ns, ct, tokens_le, media)[i]
     ev = evictions.get(entry_id(key, CHUNK))
     if ev is not None:
         reason = "quarantined" if ev.what == "quarantined" else "evicted"

@@ -26,13 +26,14 @@ class Link:
     boundary: bool  # the store holds boundary state at `end`
 
 
-def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes) -> list[Link]:
-    """The chain of stored chunks that prefixes the query (tail included)."""
+def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, media: keys.Media = ()) -> list[Link]:
+    """The chain of stored chunks that prefixes the query (tail included);
+    `media` spans (checked) are part of the keys (keys.span_key)."""
     n_tokens = len(tokens_le) // 4
     parent = keys.root_key(namespace, chunk_tokens)
     links: list[Link] = []
     pos = 0
-    for key in keys.chain(namespace, chunk_tokens, tokens_le):
+    for key in keys.chain(namespace, chunk_tokens, tokens_le, media):
         end = min(pos + chunk_tokens, n_tokens)
         if not store.contains(entry_id(key, CHUNK)):
             break
@@ -42,7 +43,7 @@ def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes) -> 
         remaining = n_tokens - pos
         for length, key in store.tails(parent):
             if length <= remaining and length < chunk_tokens:
-                if keys.chunk_key(parent, tokens_le[4 * pos : 4 * (pos + length)]) == key:
+                if keys.span_key(parent, tokens_le, pos, pos + length, media) == key:
                     if store.contains(entry_id(key, CHUNK)):
                         links.append(Link(pos, pos + length, key, store.contains(entry_id(key, BOUNDARY))))
                         break

@@ -48,7 +48,10 @@ class RamStore(Store):
         self._clock = clock
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         self._used: dict[bytes, float] = {}
-        self._tails: defaultdict[bytes, dict[int, bytes]] = defaultdict(dict)
+        # parent key -> {tail key: length}: sequences that part after the same
+        # chunk may leave tails of equal length (another question of the same
+        # size), and each must stay findable.
+        self._tails: defaultdict[bytes, dict[bytes, int]] = defaultdict(dict)
         self.bytes = 0
         self.ns_entries: defaultdict[str, int] = defaultdict(int)
         self.ns_bytes: defaultdict[str, int] = defaultdict(int)
@@ -74,7 +77,7 @@ class RamStore(Store):
         return eid in self._entries
 
     def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
-        return sorted(self._tails.get(parent, {}).items(), reverse=True)
+        return sorted(((n, k) for k, n in self._tails.get(parent, {}).items()), reverse=True)
 
     # -- writes ----------------------------------------------------------
     def put(self, entry: Entry) -> PutOutcome:
@@ -90,7 +93,7 @@ class RamStore(Store):
         self._entries[eid] = entry
         self._used[eid] = self.ns_used[entry.namespace] = self._clock()
         if entry.tail and entry.kind == CHUNK:
-            self._tails[entry.parent][entry.length] = entry.key
+            self._tails[entry.parent][entry.key] = entry.length
         self.bytes += entry.nbytes
         self.ns_entries[entry.namespace] += 1
         self.ns_bytes[entry.namespace] += entry.nbytes
@@ -107,8 +110,8 @@ class RamStore(Store):
         del self._used[eid]
         if entry.kind == CHUNK:
             tails = self._tails.get(entry.parent)
-            if tails and tails.get(entry.length) == entry.key:
-                del tails[entry.length]
+            if tails and entry.key in tails:
+                del tails[entry.key]
                 if not tails:
                     del self._tails[entry.parent]
         self.bytes -= entry.nbytes

@@ -79,9 +79,11 @@ class TieredStore(Store):
         return entry
 
     def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
-        found = dict(self.ssd.tails(parent))
-        found.update(self.ram.tails(parent))
-        return sorted(found.items(), reverse=True)
+        # Keyed by tail key: two tails of one length (sequences that part after
+        # the same chunk) must both be listed.
+        found = {key: n for n, key in self.ssd.tails(parent)}
+        found.update({key: n for n, key in self.ram.tails(parent)})
+        return sorted(((n, key) for key, n in found.items()), reverse=True)
 
     # -- writes --------------------------------------------------------------
     def put(self, entry: Entry) -> PutOutcome:

@@ -64,6 +64,16 @@ MESSAGES = {
     "ping_reply": ("reply", "PING", {}, 2),
     "lookup_request": ("request", "LOOKUP", {"ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4}, 3),
     "lookup_reply": ("reply", "LOOKUP", {"n": 4, "boundaries": [4]}, 3),
+    "lookup_media_request": (
+        "request", "LOOKUP",
+        {"ns": "qwen2-vl", "tokens": TOKENS, "chunk_tokens": 4, "media": [{"start": 1, "end": 3, "hash": bytes(range(32))}]},
+        10,
+    ),
+    "hello_features_reply": (
+        "reply", "HELLO",
+        {"version": 1, "server": "kvd/0.1.0", "limits": {"max_message_bytes": 536870912}, "chunk_tokens": 256, "features": ["media"]},
+        11,
+    ),
     "put_request": (
         "request", "PUT",
         {
@@ -140,6 +150,8 @@ INVALID = {
     "unknown_dtype": ([_put_one("float8", [1], 1), b"\x00"], 104, "dtype float8 is not in the dtype table"),
     "byte_length_mismatch": ([_put_one("float32", [2], 1), b"\x00" * 7], 105,
                              "float32[2] needs 8 bytes; frame 1 holds 7"),
+    "media_hash_not_32_bytes": ([_pack({**_LOOKUP, "ns": "x", "tokens": b"\x01\x00\x00\x00", "media": [{"start": 0, "end": 1, "hash": b"\x00" * 31}]})], 103,
+                                "the media span's `hash` is 31 bytes; a digest is 32"),
     "frame_out_of_range": ([_put_one("uint8", [1], 2), b"\x00"], 106,
                            "the tensor names frame 2; the message has frames 0 and 1"),
 }
@@ -157,6 +169,16 @@ KEY_CASES = [
     ("llama-3b", 4, list(range(1, 11))),  # 2 full chunks and a tail of 2
     ("llama-3b", 256, [1, 2, 3]),  # a single tail chunk
     ("ns/with unicode \u00e9", 2, [0, 4294967295, 42, 7]),
+]
+
+# Media-aware keys (PROTOCOL.md 4.1): (namespace, chunk_tokens, tokens, [(start, end, digest)]).
+D1 = bytes(range(32))
+D2 = bytes(range(1, 33))
+MEDIA_KEY_CASES = [
+    ("qwen2-vl", 4, list(range(1, 11)), [(2, 7, D1)]),  # one image across chunks 0 and 1
+    ("qwen2-vl", 4, list(range(1, 11)), [(2, 7, D2)]),  # same text, another image: other keys from chunk 0
+    ("qwen2-vl", 4, list(range(1, 11)), [(8, 9, D1)]),  # image in the tail: chunks 0, 1 keep text-only keys
+    ("qwen2-vl", 4, list(range(1, 11)), [(0, 1, D1), (1, 3, D2)]),  # two spans in one chunk
 ]
 
 
@@ -185,6 +207,16 @@ def main() -> None:
             "chunks": [{"start": s, "end": e, "key": k.hex()} for (s, e), k in zip(keys.chunk_spans(len(toks), ct), keys.chain(ns, ct, tb))],
         })
     (HERE / "keys.json").write_text(json.dumps(cases, indent=2, ensure_ascii=False) + "\n")
+    media_cases = []
+    for ns, ct, toks, spans in MEDIA_KEY_CASES:
+        media = [keys.MediaSpan(a, b, d) for a, b, d in spans]
+        chain = keys.chain(ns, ct, keys.token_bytes(toks), keys.check_media(media, len(toks)))
+        media_cases.append({
+            "namespace": ns, "chunk_tokens": ct, "tokens": toks,
+            "media": [{"start": a, "end": b, "hash": d.hex()} for a, b, d in spans],
+            "chunks": [{"start": s, "end": e, "key": k.hex()} for (s, e), k in zip(keys.chunk_spans(len(toks), ct), chain)],
+        })
+    (HERE / "media_keys.json").write_text(json.dumps(media_cases, indent=2) + "\n")
 
 
 if __name__ == "__main__":
