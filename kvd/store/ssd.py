@@ -69,7 +69,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import lmdb
 
@@ -221,6 +221,33 @@ class SsdStore(Store):
                 return self.index.has(txn, eid)
         except IndexBusy:
             return False
+
+    def held(self, eids: Sequence[bytes]) -> list[bool]:
+        """`contains` for each of `eids`, from one read transaction."""
+        out = [eid in self.queue for eid in eids]
+        try:
+            with self.index.reading() as txn:
+                for i, eid in enumerate(eids):
+                    if not out[i] and eid not in self._bad:
+                        out[i] = self.index.has(txn, eid)
+        except IndexBusy:
+            pass
+        return out
+
+    def lease_many(self, eids: Sequence[bytes]) -> list[bool]:
+        """`lease` for each of `eids`, under one lock."""
+        now = self._clock()
+        until = now + self.lease_s
+        with self._mu:
+            evicting = self._evicting
+            out = [eid not in evicting for eid in eids]
+            for eid, ok in zip(eids, out):
+                if ok:
+                    self._leases[eid] = until
+            if len(self._leases) > self._lease_sweep_at:
+                self._leases = {k: t for k, t in self._leases.items() if t > now}
+                self._lease_sweep_at = max(4096, 2 * len(self._leases))
+        return out
 
     def has_row(self, eid: bytes) -> bool:
         """Whether a committed blob exists for `eid` (ignores the queue)."""

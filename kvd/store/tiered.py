@@ -29,7 +29,7 @@ Policy table (data, not code paths):
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
 from kvd.store.ram import RamStore
@@ -59,6 +59,15 @@ class TieredStore(Store):
         if not self.ssd.lease(eid):
             return False  # being evicted from the SSD tier this instant
         return self.ram.contains(eid) or self.ssd.contains(eid)
+
+    def held(self, eids: Sequence[bytes]) -> list[bool]:
+        leased = self.ssd.lease_many(eids)  # lease first, as in `contains`
+        out = [ok and self.ram.contains(eid) for eid, ok in zip(eids, leased)]
+        rest = [i for i, (ok, have) in enumerate(zip(leased, out)) if ok and not have]
+        if rest:
+            for i, have in zip(rest, self.ssd.held([eids[i] for i in rest])):
+                out[i] = have
+        return out
 
     def get(self, eid: bytes) -> Entry | None:
         entry = self.ram.get(eid)
