@@ -13,7 +13,7 @@ In strict mode (`Client(..., strict=True)`) calls raise the errors exported
 here, all under `KvdError` (the tree is drawn in kvd/protocol/errors.py).
 """
 
-from kvd.endpoint import EndpointError
+from kvd.endpoint import EndpointError, UnsafeEndpoint
 from kvd.protocol.errors import (
     BadDtype,
     BadField,
@@ -33,15 +33,20 @@ from kvd.protocol.errors import (
 )
 from kvd_client._client import Client
 from kvd_client._core import Probe
-from kvd_client._errors import BadReply, DaemonUnavailable
+from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
+from kvd_client._explain import Explanation
+from kvd_client._media import MediaSpan, digest as media_digest
 from kvd_client._tensors import Hit, HostTensor, Snapshot
 
 __all__ = [
     "Client",
     "Probe",
+    "Explanation",
     "Snapshot",
     "Hit",
     "HostTensor",
+    "MediaSpan",
+    "media_digest",
     "KvdError",
     "ProtocolError",
     "MalformedMessage",
@@ -60,4 +65,6 @@ __all__ = [
     "DaemonUnavailable",
     "BadReply",
     "EndpointError",
+    "UnsafeEndpoint",
+    "AuthenticationFailed",
 ]

@@ -67,17 +67,69 @@ def to_host(t: Tensor) -> HostTensor:
     return HostTensor(t.dtype, arr)
 
 
-def join(chunks: list[dict[str, Any]], n: int) -> tuple[dict[str, HostTensor], dict[str, int], dict]:
+def check_served(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tuple[dict[str, int], dict]:
+    """Raise ValueError unless the served chunks form one consistent layout.
+
+    The daemon is not trusted to keep a namespace's chunks alike: any
+    process of the user may write any namespace (proto/PROTOCOL.md §11). So
+    before a byte is copied, every chunk is checked against what this
+    client's own request implies: chunks contiguous from token 0, each at
+    most `chunk_tokens` long and covering `n`; the same chunk meta (token
+    axes, caller meta) and tensor names in every chunk; per name one dtype
+    and one rank, the token axis exactly as long as its chunk, and every
+    other axis the same in every chunk. Returns (axes, caller meta).
+    """
+    head = msgpack.unpackb(chunks[0]["meta"], raw=False) if chunks[0]["meta"] else {}
+    if not isinstance(head, dict) or not isinstance(head.get("axes", {}), dict):
+        raise ValueError("chunk meta is not a map of token axes")
+    axes: dict[str, int] = head.get("axes", {})
+    first = {t.name: t for t in chunks[0]["tensors"]}
+    if set(first) != set(axes) or len(first) != len(chunks[0]["tensors"]):
+        raise ValueError("chunk meta does not describe its tensors")
+    for name, t in first.items():
+        if not isinstance(axes[name], int) or not 0 <= axes[name] < len(t.shape):
+            raise ValueError(f"tensor {name!r}: token axis {axes[name]!r} out of range for shape {tuple(t.shape)}")
+    expect = 0
+    for chunk in chunks:
+        start, length = chunk["start"], chunk["length"]
+        if start != expect or not 0 < length <= chunk_tokens:
+            raise ValueError(f"chunk at {start} (length {length}) does not follow token {expect} in chunks of {chunk_tokens}")
+        expect = start + length
+        if chunk["meta"] != chunks[0]["meta"]:
+            raise ValueError(f"chunk at {start} carries another layout than the chunk at 0")
+        tensors = {t.name: t for t in chunk["tensors"]}
+        if set(tensors) != set(axes) or len(tensors) != len(chunk["tensors"]):
+            raise ValueError(f"chunk at {start} has tensors {sorted(tensors)}, expected {sorted(axes)}")
+        for name, t in tensors.items():
+            ref, axis = first[name], axes[name]
+            if t.dtype != ref.dtype:
+                raise ValueError(f"tensor {name!r} changes dtype between chunks ({ref.dtype} -> {t.dtype} at {start})")
+            if len(t.shape) != len(ref.shape):
+                raise ValueError(f"tensor {name!r} changes rank between chunks ({len(ref.shape)} -> {len(t.shape)} at {start})")
+            if t.shape[axis] != length:
+                raise ValueError(f"tensor {name!r} at {start}: {t.shape[axis]} positions on axis {axis}, the chunk has {length}")
+            if any(a != b for i, (a, b) in enumerate(zip(t.shape, ref.shape)) if i != axis):
+                raise ValueError(f"tensor {name!r} changes shape between chunks ({tuple(ref.shape)} -> {tuple(t.shape)} at {start})")
+    if expect < n:
+        raise ValueError(f"chunks cover {expect} tokens, the reply serves {n}")
+    return axes, head.get("meta", {})
+
+
+def check_boundary(tensors: list[Tensor]) -> None:
+    """Raise ValueError unless boundary state names each tensor once."""
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"boundary state names a tensor twice: {sorted(names)}")
+
+
+def join(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tuple[dict[str, HostTensor], dict[str, int], dict]:
     """Re-join served chunks (sorted by start, contiguous from 0) into n tokens.
 
     Returns (tensors, axes, caller meta). Raises ValueError if the chunks
-    disagree on their layout.
+    disagree on their layout (`check_served`): never a wrong-shaped array.
     """
-    head = msgpack.unpackb(chunks[0]["meta"], raw=False) if chunks[0]["meta"] else {}
-    axes: dict[str, int] = head.get("axes", {})
+    axes, meta = check_served(chunks, n, chunk_tokens)
     first = {t.name: t for t in chunks[0]["tensors"]}
-    if set(first) != set(axes):
-        raise ValueError("chunk meta does not describe its tensors")
     out: dict[str, np.ndarray] = {}
     for name, t in first.items():
         shape = list(t.shape)
@@ -88,16 +140,11 @@ def join(chunks: list[dict[str, Any]], n: int) -> tuple[dict[str, HostTensor], d
         stop = min(start + chunk["length"], n)
         if stop <= start:
             continue
-        tensors = {t.name: t for t in chunk["tensors"]}
-        if set(tensors) != set(axes):
-            raise ValueError(f"chunk at {start} has tensors {sorted(tensors)}, expected {sorted(axes)}")
-        for name, t in tensors.items():
-            if t.dtype != first[name].dtype:
-                raise ValueError(f"tensor {name!r} changes dtype between chunks")
+        for t in chunk["tensors"]:
             src = np.frombuffer(t.data, dtype=dtypes.container(t.dtype)).reshape(t.shape)
-            axis = axes[name]
+            axis = axes[t.name]
             take = (slice(None),) * axis + (slice(0, stop - start),)
             put = (slice(None),) * axis + (slice(start, stop),)
-            out[name][put] = src[take]
+            out[t.name][put] = src[take]
     tensors = {name: HostTensor(first[name].dtype, arr) for name, arr in out.items()}
-    return tensors, axes, head.get("meta", {})
+    return tensors, axes, meta

@@ -43,20 +43,31 @@ class Client(Core):
                     self._mlx = MlxAdapter(self)
         return self._mlx
 
-    def store(self, tokens: Sequence[int], prompt_cache: Sequence[Any], *, wait: bool = False) -> bool:
+    def store(
+        self, tokens: Sequence[int], prompt_cache: Sequence[Any], *, wait: bool = False, media: Sequence[Any] = ()
+    ) -> bool:
         """Snapshot `prompt_cache` (the mlx-lm cache of `tokens`) on this thread and
         upload it in the background (now, with `wait=True` or a strict client).
-        True if queued (or stored); False if refused or dropped. See MlxMethods.store."""
-        return self.mlx.store(tokens, prompt_cache, wait=wait)
+        True if queued (or stored); False if refused or dropped. `media`: spans of
+        media at token positions (`MediaSpan`), part of the keys. See MlxMethods.store."""
+        return self.mlx.store(tokens, prompt_cache, wait=wait, media=media)
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+    def fetch(self, tokens: Sequence[int], *, media: Sequence[Any] = ()) -> tuple[list[Any] | None, int]:
         """(mlx-lm cache objects covering tokens[:n], n) with 1 <= n <= len(tokens) - 1,
         built on this thread; (None, 0) on a miss. See MlxMethods.fetch."""
-        return self.mlx.fetch(tokens)
+        return self.mlx.fetch(tokens, media=media)
 
-    def lookup(self, tokens: Sequence[int]) -> int:
-        """The n that `fetch(tokens)` would return now, without moving tensors (0 on a miss)."""
-        return self.mlx.lookup(tokens)
+    def explain(self, tokens: Sequence[int], *, need_boundary: bool | None = None, media: Sequence[Any] = ()):
+        """Why the daemon holds only so much of `tokens` (an `Explanation`, or None
+        if it did not answer). `need_boundary` defaults to what the model's layout
+        says, once `namespace_for` or a store/fetch has seen the model."""
+        if need_boundary is None:
+            need_boundary = self.mlx.needs_boundary()
+        return super().explain(tokens, need_boundary=need_boundary, media=media)
+
+    def lookup(self, tokens: Sequence[int], *, media: Sequence[Any] = ()) -> int:
+        """The n that `fetch(tokens, media=media)` would return now, without moving tensors (0 on a miss)."""
+        return self.mlx.lookup(tokens, media=media)
 
     def flush_stores(self, timeout: float | None = None) -> bool:
         """Wait until every queued store has been put (or failed). False on timeout."""

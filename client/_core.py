@@ -28,19 +28,21 @@ with one copy per tensor.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from kvd.endpoint import check_endpoint, default_endpoint
+from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_keys_dir, is_tcp
 from kvd.protocol import keys
 from kvd.protocol.errors import KvdError
 from kvd.protocol.limits import Limits
-from kvd_client import _chunking
+from kvd_client import _chunking, _explain, _media
 from kvd_client._tensors import Hit, Snapshot
 from kvd_client._transport import Transport
 
@@ -62,7 +64,10 @@ class Core:
     """The numpy-level calls of a kvd client (see module docstring).
 
     Raises EndpointError (a caller mistake) for an endpoint kvd cannot use;
-    None means $KVD_ENDPOINT, else the per-user socket.
+    None means $KVD_ENDPOINT, else the per-user socket. On a tcp:// endpoint
+    the client presents the CURVE pair `client_key` from `keys_dir` (else
+    $KVD_CLIENT_KEY / $KVD_KEYS_DIR, else "default" in ~/.config/kvd/keys;
+    see `kvd keys`); UnsafeEndpoint if a key file there may be another user's.
     """
 
     def __init__(
@@ -73,6 +78,8 @@ class Core:
         timeout: float = 5.0,
         chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS,
         strict: bool = False,
+        keys_dir: str | None = None,
+        client_key: str | None = None,
     ):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
@@ -82,20 +89,29 @@ class Core:
         self.chunk_tokens = int(chunk_tokens)
         self.strict = strict
         self.counters: Counter[str] = Counter()
-        self._transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout))
+        # A tcp endpoint is reached with this user's CURVE client pair and the
+        # server's public key (kvd.endpoint rule 6; `kvd keys add-client`).
+        # Like the settings table: an argument, else KVD_KEYS_DIR / KVD_CLIENT_KEY, else the default.
+        if is_tcp(self.endpoint):
+            kdir = keys_dir or os.environ.get("KVD_KEYS_DIR") or default_keys_dir()
+            self._curve = client_keys(Path(kdir), client_key or os.environ.get("KVD_CLIENT_KEY") or "default")
+        else:
+            self._curve = None
+        self._transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout), curve=self._curve)
         # Uploads from a background thread (mlx `store`) use a socket of their
         # own: a request waits for the one before it on the same socket, and
         # the caller's fetch must not wait behind a 256 MiB upload.
         self._bg_transport: Transport | None = None
         self._bg_lock = threading.Lock()
         self._limits: Limits | None = None
+        self._features: frozenset[str] | None = None
         self._warned = threading.Event()
 
     # -- plumbing ----------------------------------------------------------
     def _background_transport(self) -> Transport:
         with self._bg_lock:
             if self._bg_transport is None:
-                self._bg_transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout))
+                self._bg_transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout), curve=self._curve)
             return self._bg_transport
 
     def _call(
@@ -115,8 +131,29 @@ class Core:
                 log.warning("kvd call failed (%s: %s); continuing without the cache", err.name, err)
             return None
 
-    def _seq(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
-        return {"ns": self.namespace, "tokens": keys.token_bytes(tokens), "chunk_tokens": self.chunk_tokens}
+    def _seq(self, tokens: Sequence[int] | np.ndarray, media: Sequence[Any] = ()) -> dict[str, Any] | None:
+        """The sequence fields; None if `media` is given and the daemon cannot key it."""
+        seq = {"ns": self.namespace, "tokens": keys.token_bytes(tokens), "chunk_tokens": self.chunk_tokens}
+        if media:
+            spans = keys.check_media(_media.spans(media, len(tokens)), len(tokens))  # ValueError: caller's bug
+            if not self._media_ok():
+                return None
+            seq["media"] = [m.to_wire() for m in spans]
+        return seq
+
+    def _media_ok(self) -> bool:
+        """Does the daemon key media (HELLO `features`)? An old one would ignore the
+        field and serve another image's cache: never send it media."""
+        if self._features is None:
+            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
+            if reply is None:
+                return False  # unreachable now: ask again next time
+            self._limits = Limits.from_wire(reply["limits"])
+            self._features = frozenset(reply.get("features") or ())
+        if "media" not in self._features:
+            self.counters["media_unsupported"] += 1
+            return False
+        return True
 
     def limits(self, *, background: bool = False) -> Limits:
         """The daemon's advertised limits (from HELLO; defaults if it is unreachable)."""
@@ -140,21 +177,31 @@ class Core:
         t0 = time.perf_counter()
         return None if self._call("PING") is None else time.perf_counter() - t0
 
-    def probe(self, tokens: Sequence[int] | np.ndarray) -> Probe:
-        """How many leading tokens of `tokens` are stored (0 if unreachable)."""
+    def probe(self, tokens: Sequence[int] | np.ndarray, *, media: Sequence[Any] = ()) -> Probe:
+        """How many leading tokens of `tokens` are stored (0 if unreachable).
+
+        `media`: spans (`MediaSpan` or (start, end, digest)) of media occupying
+        token positions; they are part of the keys (PROTOCOL.md 4.1).
+        """
         if len(tokens) == 0:
             return Probe(0)
-        reply = self._call("LOOKUP", self._seq(tokens))
+        seq = self._seq(tokens, media)
+        if seq is None:
+            return Probe(0)
+        reply = self._call("LOOKUP", seq)
         if reply is None:
             return Probe(0)
         return Probe(reply["n"], tuple(reply["boundaries"]))
 
-    def put(self, tokens: Sequence[int] | np.ndarray, snapshot: Snapshot, *, background: bool = False) -> bool:
+    def put(
+        self, tokens: Sequence[int] | np.ndarray, snapshot: Snapshot, *, background: bool = False, media: Sequence[Any] = ()
+    ) -> bool:
         """Store `snapshot` as the cache of `tokens`. True if the daemon now holds
         all of it; False if it could not (counted in `counters`).
 
         `background=True` (for an upload thread) sends over a socket of its own,
-        so calls from other threads never wait behind it.
+        so calls from other threads never wait behind it. `media` as in `probe`
+        (spans past the tokens are cut at their end).
 
         Raises ValueError if a sliced tensor does not span the positions from
         `snapshot.start` to len(tokens), or `start` is not a chunk boundary.
@@ -163,7 +210,10 @@ class Core:
         _chunking.check_snapshot(snapshot, n_tokens, self.chunk_tokens)
         if n_tokens == 0:
             return False
-        seq = self._seq(tokens)
+        seq = self._seq(tokens, media or snapshot.media)
+        if seq is None:
+            self.counters["put_not_stored"] += 1
+            return False
         have = self._call("LOOKUP", seq, background=background)
         if have is None:
             self.counters["put_not_stored"] += 1
@@ -210,9 +260,8 @@ class Core:
         nbytes = sum(t.nbytes for c in chunks for t in c["tensors"])
         # A PUT's size is known, so its deadline grows with it (at 256 MiB/s,
         # a quarter of the slowest transport measured); GET keeps `timeout`.
-        reply = self._call(
-            "PUT", {**seq, "chunks": chunks, "boundary": boundary}, self.timeout + nbytes / 2**28, background=background
-        )
+        fields = {**seq, "chunks": chunks, "boundary": boundary, "ns_meta": _explain.components_for(self.namespace)}
+        reply = self._call("PUT", fields, self.timeout + nbytes / 2**28, background=background)
         if reply is None:
             return False
         self.counters["chunks_sent"] += len(chunks)
@@ -220,16 +269,20 @@ class Core:
         return reply["too_big"] == 0 and reply["dropped"] == 0
 
     def get(
-        self, tokens: Sequence[int] | np.ndarray, *, max_tokens: int | None = None, need_boundary: bool = False
+        self, tokens: Sequence[int] | np.ndarray, *, max_tokens: int | None = None, need_boundary: bool = False,
+        media: Sequence[Any] = (),
     ) -> Hit | None:
         """The longest stored prefix of `tokens` (at most `max_tokens`), or None.
 
         With `need_boundary`, only a prefix that ends where boundary state was
-        stored is served, and `hit.boundary` holds that state.
+        stored is served, and `hit.boundary` holds that state. `media` as in `probe`.
         """
         if len(tokens) == 0 or max_tokens == 0:
             return None
-        seq = self._seq(tokens)
+        seq = self._seq(tokens, media)
+        if seq is None:
+            self.counters["get_miss"] += 1
+            return None
         cap = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         chunks: list[dict[str, Any]] = []
         n, start, boundary = cap, 0, None
@@ -252,7 +305,9 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         try:
-            sliced, axes, meta = _chunking.join(chunks, n)
+            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens)
+            if boundary is not None:
+                _chunking.check_boundary(boundary["tensors"])
         except ValueError as err:
             self.counters["get_inconsistent"] += 1
             if self.strict:
@@ -269,6 +324,13 @@ class Core:
         self.counters["get_hit"] += 1
         self.counters["tokens_fetched"] += n
         return hit
+
+    def explain(
+        self, tokens: Sequence[int] | np.ndarray, *, need_boundary: bool = False, media: Sequence[Any] = ()
+    ) -> _explain.Explanation | None:
+        """Why the daemon holds only so much of `tokens`: an `Explanation`
+        (n, reason, message, detail), or None if it did not answer. `media` as in `probe`."""
+        return _explain.explain(self, tokens, need_boundary, media)
 
     # -- admin -------------------------------------------------------------------
     def stats(self, namespace: str | None = None) -> dict[str, Any] | None:
@@ -287,6 +349,13 @@ class Core:
         return self._call("SHUTDOWN") is not None
 
     # -- lifecycle -------------------------------------------------------------------
+    def retry_now(self) -> None:
+        """Forget that the daemon was down: the next call connects afresh.
+        For a caller that has just seen the daemon answer again."""
+        self._transport.retry_now()
+        if self._bg_transport is not None:
+            self._bg_transport.retry_now()
+
     def close(self) -> None:
         self._transport.close()
         if self._bg_transport is not None:

@@ -21,3 +21,10 @@ class BadReply(KvdError):
     """The daemon's reply could not be decoded or did not match the request."""
 
     name = "BAD_REPLY"
+
+
+class AuthenticationFailed(KvdError):
+    """The daemon's tcp endpoint refused this client's CURVE handshake (no key, a
+    key it does not admit, or the wrong server key)."""
+
+    name = "AUTH_FAILED"

@@ -85,6 +85,8 @@ class Snapshot:
     # Token position of the sliced tensors' first row: a snapshot may leave
     # out leading chunks the daemon already holds (a chunk boundary).
     start: int = 0
+    # Media spans of the sequence (kvd_client._media), part of its keys.
+    media: tuple = ()
 
     @property
     def nbytes(self) -> int:

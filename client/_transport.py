@@ -25,23 +25,34 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from kvd.endpoint import CurveKeys, UnsafeEndpoint, check_run_dir, check_socket, ipc_path, is_default_run_dir, is_tcp
 from kvd.protocol import codec
 from kvd.protocol.codec import Message
 from kvd.protocol.errors import KvdError, ProtocolError, from_code
 from kvd.protocol.limits import Limits
-from kvd_client._errors import BadReply, DaemonUnavailable
+from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
 
 # Replies are decoded with generous limits: the daemon is trusted to respect
 # its own advertised limits, and we must accept a full page of chunks.
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 _REPLY_LIMITS = Limits(max_message_bytes=1 << 40, max_header_bytes=1 << 30, max_frames=1 << 20)
 
 
 class Transport:
     """A thread-safe request/reply channel to one endpoint."""
 
-    def __init__(self, endpoint: str, *, connect_wait: float = 0.25, retry_interval: float = 1.0):
+    def __init__(
+        self, endpoint: str, *, connect_wait: float = 0.25, retry_interval: float = 1.0, curve: CurveKeys | None = None
+    ):
         self.endpoint = endpoint
+        self.curve = curve
+        self._monitor: zmq.Socket | None = None
+        self._auth_error: str | None = None
         self.connect_wait = connect_wait
         self.retry_interval = retry_interval
         self._ctx = zmq.Context.instance()
@@ -50,6 +61,23 @@ class Transport:
         self._sock: zmq.Socket | None = None
         self._fresh = True  # socket never connected yet: allow connect_wait
         self._down_until = 0.0
+        self._ipc = ipc_path(endpoint)
+        # The run dir is checked only if it is a default one (kvd.endpoint rule 5).
+        self._run_dir = self._ipc.parent if self._ipc is not None and is_default_run_dir(self._ipc.parent) else None
+
+    def _check_safe(self) -> None:
+        """Refuse (UnsafeEndpoint) a run dir or socket file another user may
+        own, before every request: ZeroMQ reconnects on its own, so a check
+        made once at connect time would not cover a socket swapped later."""
+        if self._ipc is None:
+            return
+        try:
+            if self._run_dir is not None:
+                check_run_dir(self._run_dir)
+            check_socket(self._ipc)
+        except UnsafeEndpoint:
+            self._reset()  # never keep a connection to what we now refuse
+            raise
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -58,14 +86,47 @@ class Transport:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+            if self.curve is not None:
+                sock.curve_publickey, sock.curve_secretkey = self.curve.public, self.curve.secret
+                sock.curve_serverkey = self.curve.server
+            if is_tcp(self.endpoint):
+                # A refused CURVE handshake is silent at the socket (it just
+                # never becomes writable); the monitor tells it from a daemon
+                # that is down, so the caller gets AuthenticationFailed.
+                self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
             sock.connect(self.endpoint)
             self._sock, self._fresh = sock, True
         return self._sock
 
+    def _handshake_refused(self) -> str | None:
+        """The last handshake failure the monitor saw since the last success, if any."""
+        if self._monitor is None:
+            return self._auth_error
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._auth_error = None
+            else:
+                self._auth_error = zmq.Event(event).name
+        return self._auth_error
+
     def _reset(self) -> None:
+        if self._monitor is not None:
+            assert self._sock is not None
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+    def retry_now(self) -> None:
+        """The daemon is known to be back (someone else reached it): drop the
+        socket, so the next request connects afresh (allowing `connect_wait`)
+        instead of failing fast or waiting out ZeroMQ's reconnect back-off."""
+        with self._lock:
+            self._reset()
+            self._down_until = 0.0
 
     def close(self) -> None:
         with self._lock:
@@ -74,13 +135,16 @@ class Transport:
     def request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
         """Send a request and return its decoded reply.
 
-        Raises DaemonUnavailable (no connection or no reply within `timeout`),
-        the KvdError subclass of an ERROR reply, or BadReply.
+        Raises UnsafeEndpoint (the run dir or socket may be another user's:
+        no connection is made), AuthenticationFailed (the tcp endpoint refused
+        our CURVE handshake), DaemonUnavailable (no connection or no reply
+        within `timeout`), the KvdError subclass of an ERROR reply, or BadReply.
         """
         deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             raise DaemonUnavailable(f"client busy for {timeout:.1f}s (another call in flight)")
         try:
+            self._check_safe()
             sock = self._socket()
             now = time.monotonic()
             if not self._fresh and now < self._down_until:
@@ -90,6 +154,12 @@ class Transport:
             if not sock.poll(int(wait * 1000), zmq.POLLOUT):
                 self._down_until = time.monotonic() + self.retry_interval
                 self._fresh = False
+                refused = self._handshake_refused()
+                if refused is not None:
+                    raise AuthenticationFailed(
+                        f"the daemon at {self.endpoint} refused the CURVE handshake ({refused}): "
+                        + ("this client has no keys" if self.curve is None else "its key is not authorized there, or the server key is wrong")
+                    )
                 raise DaemonUnavailable(f"no daemon at {self.endpoint}")
             self._fresh = False
             rid = next(self._ids)

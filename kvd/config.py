@@ -20,6 +20,9 @@ Rules it keeps:
 4. Unknown keys in the file are errors (a typo must not silently do nothing).
 5. Defaults that depend on the machine (endpoint, data_dir) are computed only
    when no source sets the value, so a broken default never hides a good value.
+6. A few settings are TOML tables, read from the config file only (`TABLES`):
+   `[quota."pattern"]` rows (kvd/store/quota.py). `Config.<table>` is their
+   parsed value; `kvd config` prints them back.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from kvd.endpoint import EndpointError, check_endpoint, default_endpoint
+from kvd.endpoint import EndpointError, check_endpoint, default_endpoint, default_keys_dir
 from kvd.protocol.errors import KvdError
 
 # Exit code for a bad configuration (sysexits EX_CONFIG). Units and plists can
@@ -157,6 +160,32 @@ def _optional_path(raw: Any) -> str | None:
 _optional_path.kind = "path"  # type: ignore[attr-defined]
 
 
+def _ram_mb(raw: Any) -> int | str:
+    """MiB as an integer >= 1, or "auto" (sized from the machine when the
+    daemon starts: kvd.server.pressure.auto_ram_mb)."""
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _int(1)(raw)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or \"auto\")") from None
+
+
+_ram_mb.kind = "int_auto"  # type: ignore[attr-defined]
+
+
+def _pressure_source(raw: Any) -> str:
+    value = _str(raw)
+    if value.lower() in ("auto", "off"):
+        return value.lower()
+    if value.startswith("file:") and len(value) > 5:
+        return "file:" + os.path.abspath(os.path.expanduser(value[5:]))
+    raise ValueError(f"expected auto, off or file:PATH, got {raw!r}")
+
+
+_pressure_source.kind = "source"  # type: ignore[attr-defined]
+
+
 # --- per-user default locations ------------------------------------------------
 
 
@@ -235,8 +264,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("endpoint", _endpoint, _default_endpoint,
             "ZeroMQ endpoint the daemon binds and clients connect to.",
             default_doc="per-user ipc socket"),
-    Setting("ram_mb", _int(1), 1024,
-            "Size of the RAM tier in MiB."),
+    Setting("ram_mb", _ram_mb, 1024,
+            "Size of the RAM tier in MiB, or \"auto\": an eighth of the memory the daemon may use "
+            "(physical, or its cgroup's limit if lower), 256 MiB to 32 GiB."),
+    Setting("ram_floor_mb", _int(0), 64,
+            "Least the RAM tier keeps, in MiB, when it yields to memory pressure."),
+    Setting("pressure_source", _pressure_source, "auto",
+            "What the RAM tier yields to: \"auto\" (this machine: PSI, MemAvailable, cgroup limits; "
+            "macOS: the kernel's pressure level), \"off\", or \"file:PATH\" (a file whose first word "
+            "is normal, warn or critical)."),
+    Setting("pressure_poll_s", _float(0.0, exclusive=True), 1.0,
+            "Seconds between memory-pressure samples."),
+    Setting("pressure_calm_s", _float(0.0), 30.0,
+            "Seconds without memory pressure before the RAM tier grows back, a quarter at a time."),
     Setting("data_dir", _optional_path, lambda env: default_data_dir(env),
             "Folder of the SSD tier; \"none\" keeps chunks in RAM only.",
             default_doc="~/Library/Caches/kvd on macOS, $XDG_CACHE_HOME/kvd or ~/.cache/kvd elsewhere"),
@@ -261,9 +301,26 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a client, or a kvd command, waits for one request's answer."),
     Setting("chunk_tokens", _int(1), 256,
             "Tokens per cached chunk (prefixes are matched chunk by chunk)."),
+    Setting("keys_dir", _optional_path, lambda env: str(default_keys_dir(dict(env))),
+            "Folder of the CURVE key files a tcp:// endpoint needs (made by `kvd keys`).",
+            default_doc="keys/ beside the config file: ~/.config/kvd/keys, ~/Library/Application Support/kvd/keys"),
+    Setting("client_key", _str, "default",
+            "Name of the client key pair (in keys_dir/clients) a client presents on a tcp:// endpoint."),
+    Setting("allow_insecure_tcp", _bool, False,
+            "Serve a tcp:// endpoint without CURVE keys, unauthenticated (logged as a warning, shown by `kvd stats`)."),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def _quota_table(raw: Any) -> Any:
+    from kvd.store.quota import Quotas  # light: no store machinery is imported
+
+    return Quotas.from_table(raw)
+
+
+# File-only settings that are TOML tables: name -> parser (raw table or {} -> value).
+TABLES: dict[str, Callable[[Any], Any]] = {"quota": _quota_table}
 CONFIG_ENV = "KVD_CONFIG"
 
 
@@ -274,16 +331,23 @@ class Config:
     - `config_path`: the config file that was read, or None.
     """
 
-    __slots__ = ("_values", "sources", "config_path")
+    __slots__ = ("_values", "sources", "config_path", "tables")
 
-    def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path | None):
+    def __init__(
+        self, values: dict[str, Any], sources: dict[str, str], config_path: Path | None, tables: dict[str, Any] | None = None
+    ):
         self._values = dict(values)
         self.sources = dict(sources)
         self.config_path = config_path
+        self.tables = {name: parse({}) for name, parse in TABLES.items()} if tables is None else dict(tables)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return self._values[name]
+        except KeyError:
+            pass
+        try:
+            return self.tables[name]
         except KeyError:
             raise AttributeError(f"no setting named {name!r}") from None
 
@@ -297,7 +361,10 @@ class Config:
 
 
 # TOML has types: a file value must already be of its setting's type.
-_TOML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "choice": (str,), "path": (str,)}
+_TOML_TYPES = {
+    "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "choice": (str,), "path": (str,),
+    "int_auto": (int, str), "source": (str,),
+}
 
 
 def _parse(setting: Setting, raw: Any, source: str, base_dir: Path | None = None) -> Any:
@@ -306,6 +373,8 @@ def _parse(setting: Setting, raw: Any, source: str, base_dir: Path | None = None
         if not isinstance(raw, want) or (isinstance(raw, bool) and bool not in want):
             names = " or ".join({int: "integer", float: "float", bool: "boolean", str: "string"}[t] for t in want)
             raise ConfigError(f"{setting.name} (from {source}): expected a TOML {names}, got {raw!r}")
+        if setting.kind == "int_auto" and isinstance(raw, str) and raw.strip().lower() != "auto":
+            raise ConfigError(f"{setting.name} (from {source}): expected a TOML integer or \"auto\", got {raw!r}")
     try:
         value = setting.parse(raw)
     except (TypeError, ValueError) as exc:
@@ -323,11 +392,11 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
-    unknown = sorted(set(data) - set(BY_NAME))
+    unknown = sorted(set(data) - set(BY_NAME) - set(TABLES))
     if unknown:
         raise ConfigError(
             f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
-            f"known: {', '.join(BY_NAME)}"
+            f"known: {', '.join([*BY_NAME, *TABLES])}"
         )
     return data
 
@@ -397,7 +466,13 @@ def resolve(
                 raise ConfigError(f"{s.name} (from default): cannot compute the default: {exc}") from exc
             values[s.name] = _parse(s, raw, "default") if raw is not None else None
             sources[s.name] = "default"
-    return Config(values, sources, path)
+    tables = {}
+    for name, parse in TABLES.items():
+        try:
+            tables[name] = parse(file_values.get(name, {}))
+        except ValueError as exc:
+            raise ConfigError(f"{name} (from file:{path}): {exc}") from None
+    return Config(values, sources, path, tables)
 
 
 def config_options(command: Callable | None = None, *, names: tuple[str, ...] | None = None) -> Callable:
@@ -426,7 +501,7 @@ def config_options(command: Callable | None = None, *, names: tuple[str, ...] | 
             "float": click.FLOAT,
             "choice": click.Choice(LOG_LEVELS, case_sensitive=False),
         }.get(s.kind, click.STRING)
-        metavar = {"path": "PATH|none"}.get(s.kind)
+        metavar = {"path": "PATH|none", "int_auto": "MIB|auto", "source": "auto|off|file:PATH"}.get(s.kind)
         command = click.option(
             s.flag, s.name, type=click_type, default=None, metavar=metavar, help=help_text
         )(command)

@@ -11,9 +11,23 @@ Rules it keeps:
    ZMQError, or in the client's case fail on first use).
 2. An ipc socket path fits in sun_path (108 bytes on Linux, 104 on macOS,
    NUL included); a longer one is refused up front, not truncated.
-3. The per-user default is an ipc socket in a 0700 directory of the user:
-   `$XDG_RUNTIME_DIR/kvd/kvd.sock` (Linux; `/tmp/kvd-<uid>/` without it),
-   `~/Library/Caches/kvd/run/kvd.sock` (macOS: `$TMPDIR` is too long).
+3. The per-user default is an ipc socket in a 0700 run directory of the
+   user: `$XDG_RUNTIME_DIR/kvd/kvd.sock` (Linux, when it is set); else
+   `$XDG_CACHE_HOME/kvd/run/kvd.sock` or `~/.cache/kvd/run/kvd.sock` (Linux),
+   `~/Library/Caches/kvd/run/kvd.sock` (macOS: `$TMPDIR` is too long). Only
+   when that path does not fit in sun_path, `/tmp/kvd-<uid>/kvd.sock`: a
+   shared /tmp is the last resort, because another user can create
+   `/tmp/kvd-<uid>` first (rule 5 is what makes even that safe).
+5. A default run directory is trusted only if `lstat` shows a real directory
+   (not a symlink), owned by this uid, with no group or other permission bits.
+   The daemon, the client and every `kvd` command check it before use
+   (`check_run_dir`) and refuse with UnsafeEndpoint naming the path and the
+   fault; nobody "repairs" a directory another user may own. A socket file is
+   used only if it is a socket owned by this uid (`check_socket`), on every
+   ipc endpoint, default or not. The daemon creates the directory 0700 and
+   binds inside it under umask 077 (`kvd serve` sets it at start), so the
+   socket never exists with a mode another user could use: there is no
+   chmod after bind, and no window.
 4. ZeroMQ lets a second process bind an ipc endpoint another already serves,
    silently stealing it. So before binding, the daemon takes an exclusive
    flock on `<socket path>.lock` (held for its whole life, released by the
@@ -26,6 +40,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -48,18 +63,100 @@ class EndpointBusy(EndpointError):
     name = "ENDPOINT_BUSY"
 
 
+class UnsafeEndpoint(EndpointError):
+    """The endpoint's run directory or socket file may be another user's (rule 5)."""
+
+    name = "UNSAFE_ENDPOINT"
+
+
 def default_endpoint(environ: dict[str, str] | None = None) -> str:
     """The per-user default: KVD_ENDPOINT if set, else an ipc socket in a 0700 dir (rule 3)."""
     env = os.environ if environ is None else environ
     if env.get("KVD_ENDPOINT"):
         return env["KVD_ENDPOINT"]
+    return f"ipc://{default_run_dirs(env)[0] / 'kvd.sock'}"
+
+
+def default_run_dirs(environ: dict[str, str] | None = None) -> list[Path]:
+    """The run directories rule 3 may choose for this user, the chosen one first.
+
+    Every one of them is checked by rule 5 when an endpoint's socket lies in it.
+    """
+    env = os.environ if environ is None else environ
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    dirs: list[Path] = []
     if sys.platform == "darwin":
-        base = Path(env.get("HOME", str(Path.home()))) / "Library" / "Caches" / "kvd" / "run"
-    elif env.get("XDG_RUNTIME_DIR") and os.path.isdir(env["XDG_RUNTIME_DIR"]):
-        return runtime_endpoint(env["XDG_RUNTIME_DIR"])
+        dirs.append(home / "Library" / "Caches" / "kvd" / "run")
     else:
-        base = Path("/tmp") / f"kvd-{os.getuid()}"
-    return f"ipc://{base / 'kvd.sock'}"
+        runtime = env.get("XDG_RUNTIME_DIR")
+        if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+            dirs.append(Path(runtime) / "kvd")
+        xdg = env.get("XDG_CACHE_HOME")
+        cache = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".cache"
+        dirs.append(cache / "kvd" / "run")
+    # sun_path is short: a deep home dir may not fit, and then only /tmp does.
+    usable = [d for d in dirs if len(str(d / "kvd.sock").encode()) <= MAX_IPC_PATH]
+    tmp = Path("/tmp") / f"kvd-{os.getuid()}"
+    return usable + [d for d in dirs if d not in usable] + [tmp] if usable else [tmp, *dirs]
+
+
+def is_default_run_dir(path: Path, environ: dict[str, str] | None = None) -> bool:
+    """Whether `path` is one of this user's default run directories (rule 5 applies)."""
+    return Path(path) in default_run_dirs(environ)
+
+
+def check_run_dir(path: Path) -> None:
+    """Raise UnsafeEndpoint unless `path` is a private directory of ours (rule 5).
+
+    A missing directory is fine here: whoever creates it creates it 0700.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:  # EACCES: a parent we may not search is not ours either
+        raise UnsafeEndpoint(f"refusing the kvd run directory {path}: cannot inspect it ({exc.strerror})") from None
+    uid = os.getuid()
+    if stat.S_ISLNK(st.st_mode):
+        fault = "is a symbolic link, not a directory"
+    elif not stat.S_ISDIR(st.st_mode):
+        fault = "is not a directory"
+    elif st.st_uid != uid:
+        fault = f"is owned by uid {st.st_uid}, not by you (uid {uid})"
+    elif st.st_mode & 0o077:
+        fault = f"has mode {stat.S_IMODE(st.st_mode):04o}: other users may use it (chmod 700 it if it is yours)"
+    else:
+        return
+    raise UnsafeEndpoint(f"refusing the kvd run directory {path}: it {fault}")
+
+
+def check_socket(path: Path) -> None:
+    """Raise UnsafeEndpoint unless `path` is missing or a socket owned by us (rule 5)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UnsafeEndpoint(f"refusing the kvd socket {path}: cannot inspect it ({exc.strerror})") from None
+    uid = os.getuid()
+    if not stat.S_ISSOCK(st.st_mode):
+        fault = "is not a socket"
+    elif st.st_uid != uid:
+        fault = f"is owned by uid {st.st_uid}, not by you (uid {uid})"
+    else:
+        return
+    raise UnsafeEndpoint(f"refusing the kvd socket {path}: it {fault}")
+
+
+def check_safe(endpoint: str, environ: dict[str, str] | None = None) -> None:
+    """Rule 5 for one endpoint: its run dir if it is a default one, then its socket.
+    Raises UnsafeEndpoint; nothing to check for tcp or abstract sockets."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return
+    if is_default_run_dir(path.parent, environ):
+        check_run_dir(path.parent)
+    check_socket(path)
 
 
 def runtime_endpoint(runtime_dir: str | os.PathLike) -> str:
@@ -115,9 +212,21 @@ class EndpointLock:
         check_endpoint(self.endpoint)
         if self.path is None:
             return
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        run_dir = self.path.parent
+        if is_default_run_dir(run_dir):
+            # Check before and after: never create inside a squatted path,
+            # and never trust a directory someone made first (rule 5).
+            check_run_dir(run_dir)
+            run_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                run_dir.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
+            check_run_dir(run_dir)
+        else:
+            run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_path = _lock_path(self.path)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -154,8 +263,10 @@ def endpoint_locked(endpoint: str) -> bool | None:
     path = ipc_path(endpoint)
     if path is None:
         return None
+    if is_default_run_dir(path.parent):
+        check_run_dir(path.parent)
     try:
-        fd = os.open(_lock_path(path), os.O_RDONLY)
+        fd = os.open(_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
     try:
@@ -172,3 +283,120 @@ def _read_pid(path: Path) -> int | None:
         return int(path.read_text().strip() or 0) or None
     except (OSError, ValueError):
         return None
+
+
+# -- CURVE keys for tcp endpoints (rule 6) --------------------------------------
+#
+# 6. A tcp:// endpoint is served only with ZeroMQ CURVE: the daemon's key pair
+#    and the public keys of the clients it admits are files in a 0700 keys
+#    directory (`kvd keys`), secrets of mode 0600, checked like run dirs (rule
+#    5) before use. Without a server key pair the daemon refuses tcp unless
+#    the operator sets allow_insecure_tcp. Layout of the keys directory:
+#      server.key_secret       the daemon's pair       server.key    its public key
+#      authorized/NAME.key     client public keys the daemon admits
+#      clients/NAME.key_secret client pairs `kvd keys add-client` made for this user
+#    The files use ZeroMQ's certificate format (zmq.auth.load_certificate).
+
+SERVER_CERT = "server"
+AUTHORIZED_DIR = "authorized"
+CLIENTS_DIR = "clients"
+
+
+class CurveKeys:
+    """The key material of one side: its own pair, and (clients) the server's public key."""
+
+    def __init__(self, public: bytes, secret: bytes, server: bytes | None = None):
+        self.public, self.secret, self.server = public, secret, server
+
+
+def is_tcp(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://")
+
+
+def default_keys_dir(environ: dict[str, str] | None = None) -> Path:
+    """`<config dir>/keys`: ~/.config/kvd/keys ($XDG_CONFIG_HOME), macOS
+    ~/Library/Application Support/kvd/keys (the config file's folder)."""
+    env = os.environ if environ is None else environ
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "kvd" / "keys"
+    xdg = env.get("XDG_CONFIG_HOME") or ""
+    return (Path(xdg) if os.path.isabs(xdg) else home / ".config") / "kvd" / "keys"
+
+
+def check_key_file(path: Path) -> None:
+    """Raise UnsafeEndpoint unless `path` is a regular file of ours, mode 0600 or stricter."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise UnsafeEndpoint(f"cannot read the key file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        fault = "is not a regular file"
+    elif st.st_uid != os.getuid():
+        fault = f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    elif st.st_mode & 0o077:
+        fault = f"has mode {stat.S_IMODE(st.st_mode):04o}: other users may read it (chmod 600 it)"
+    else:
+        return
+    raise UnsafeEndpoint(f"refusing the key file {path}: it {fault}")
+
+
+def read_cert(path: Path) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) from a ZeroMQ certificate file, checked first."""
+    import zmq.auth
+
+    check_key_file(path)
+    public, secret = zmq.auth.load_certificate(str(path))
+    return public, secret
+
+
+def write_cert(path: Path, public: bytes, secret: bytes | None) -> None:
+    """Write a certificate file of mode 0600 (created so; never chmod-ed after)."""
+    lines = ["#   ZeroMQ CURVE certificate written by `kvd keys`", "metadata", "curve",
+             f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def ensure_keys_dir(keys_dir: Path) -> Path:
+    """Create the keys dir and its subfolders 0700, refusing one that is not private."""
+    for d in (keys_dir, keys_dir / AUTHORIZED_DIR, keys_dir / CLIENTS_DIR):
+        check_run_dir(d)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_run_dir(d)
+    return keys_dir
+
+
+def server_keys(keys_dir: Path) -> CurveKeys | None:
+    """The daemon's pair, or None if `kvd keys init` was never run."""
+    path = keys_dir / f"{SERVER_CERT}.key_secret"
+    if not os.path.lexists(path):
+        return None
+    check_run_dir(keys_dir)
+    public, secret = read_cert(path)
+    if secret is None:
+        raise UnsafeEndpoint(f"the key file {path} holds no secret key")
+    return CurveKeys(public, secret)
+
+
+def authorized_dir(keys_dir: Path) -> Path:
+    path = keys_dir / AUTHORIZED_DIR
+    check_run_dir(path)
+    for entry in path.glob("*.key"):
+        check_key_file(entry)
+    return path
+
+
+def client_keys(keys_dir: Path, name: str) -> CurveKeys | None:
+    """A client's pair `name` and the server's public key, or None if either is missing."""
+    pair, server = keys_dir / CLIENTS_DIR / f"{name}.key_secret", keys_dir / f"{SERVER_CERT}.key"
+    if not (os.path.lexists(pair) and os.path.lexists(server)):
+        return None
+    public, secret = read_cert(pair)
+    server_public, _ = read_cert(server)
+    if secret is None:
+        raise UnsafeEndpoint(f"the key file {pair} holds no secret key")
+    return CurveKeys(public, secret, server_public)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 VOCAB = 128
 
@@ -167,3 +168,31 @@ def greedy(model: nn.Module, first: int, cache: list, n: int) -> tuple[list[int]
         tok = int(mx.argmax(logits).item())
         out.append(tok)
     return out, rows
+
+
+# -- comparing and continuing ------------------------------------------------
+
+def raw(x):
+    """(dtype, shape, bytes) of an mlx array: bit-exact identity, NaN-safe."""
+    dt = str(x.dtype)
+    if x.dtype == mx.bfloat16:
+        x = x.view(mx.uint16)
+    a = np.array(x)
+    return dt, a.shape, a.tobytes()
+
+
+def same(a, b) -> bool:
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return raw(a) == raw(b)
+
+
+CONTINUE = prompt(9, seed=7)
+
+
+def continue_from(model, cache, first_block=CONTINUE, decode=6):
+    """Feed a multi-token block, then decode greedily: (all logits rows, tokens)."""
+    logits = model(mx.array(first_block)[None], cache=cache)
+    mx.eval(logits)
+    toks, rows = greedy(model, int(mx.argmax(logits[0, -1]).item()), cache, decode)
+    return [raw(logits)] + [raw(r) for r in rows], toks

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 
-from test_daemon import prefix_snapshot
-
-
-def kvd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=timeout)
+from support import kvd, prefix_snapshot
 
 
 def test_no_daemon_exits_3_with_a_clear_message(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 
 from kvd.cli import exits
 from kvd.store import SsdStore
-from test_daemon import prefix_snapshot
+from support import prefix_snapshot
 
 
 def run_kvd(*args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -6,9 +6,7 @@ import json
 
 import numpy as np
 
-from test_cli import kvd
-from test_daemon import prefix_snapshot
-from test_ssd_daemon import chunk_blob
+from support import chunk_blob, kvd, prefix_snapshot
 
 
 def test_ls_lists_namespaces_with_tokens_and_last_use(kvd_daemon):

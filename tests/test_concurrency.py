@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from test_daemon import prefix_snapshot
+from support import prefix_snapshot
 
 WORKER = textwrap.dedent(
     """
     import sys, numpy as np
     sys.path.insert(0, {tests!r})
-    from test_daemon import prefix_snapshot
+    from support import prefix_snapshot
     from kvd_client import Client
     wid = {wid}
     with Client({endpoint!r}, namespace="procs", strict=True) as c:

@@ -20,6 +20,8 @@ SAMPLES = {
     "str": (("ipc:///tmp/f.sock", "ipc:///tmp/e.sock", "tcp://127.0.0.1:5599"),) * 2,
     "choice": (("debug", "WARNING", "error"), ("debug", "warning", "error")),
     "path": (("/tmp/kvd-f", "/tmp/kvd-e", "/tmp/kvd-x"),) * 2,
+    "int_auto": ((11, "auto", "13"), (11, "auto", 13)),
+    "source": (("off", "file:/tmp/p", "AUTO"), ("off", "file:/tmp/p", "auto")),
 }
 
 

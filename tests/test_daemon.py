@@ -11,45 +11,16 @@ import numpy as np
 import pytest
 import zmq
 
-from kvd.protocol import codec, dtypes
-from kvd_client import Client, DaemonUnavailable, HostTensor, Snapshot
+from kvd.protocol import codec
+from kvd_client import Client, DaemonUnavailable, Snapshot
 
-ALL_DTYPES = ["bfloat16", "float16", "float32", "uint32", "int32", "uint8", "int8"]
-
-
-def random_tensor(dtype: str, shape, seed: int) -> HostTensor:
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtypes.itemsize(dtype), dtype=np.uint8)
-    return HostTensor(dtype, raw.view(dtypes.container(dtype)).reshape(shape))
-
-
-def snapshot_for(n_tokens: int, seed: int = 0, boundary: bool = False) -> Snapshot:
-    sliced = {f"t.{dt}": (random_tensor(dt, (1, 2, n_tokens, 8), seed + i), 2) for i, dt in enumerate(ALL_DTYPES)}
-    bound = {"state": random_tensor("float32", (1, 4, 4), seed + 99)} if boundary else {}
-    return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"}, boundary_meta={"at": n_tokens})
-
-
-def prefix_snapshot(tokens, boundary: bool = False) -> Snapshot:
-    """Like a real model's cache: position t's data depends only on tokens[:t+1],
-    so two sequences sharing a prefix have identical data over it."""
-    toks = np.asarray(tokens, dtype=np.uint64)
-    sig = np.cumsum((toks + np.uint64(1)) * (np.arange(len(toks), dtype=np.uint64) + np.uint64(7919)), dtype=np.uint64)
-    sliced = {}
-    for i, dt in enumerate(ALL_DTYPES):
-        width = 8 * dtypes.itemsize(dt)
-        mult = (np.arange(2 * width, dtype=np.uint64) * np.uint64(2654435761) + np.uint64(i + 1)).reshape(2, width)
-        raw = ((sig[None, :, None] * mult[:, None, :]) >> np.uint64(17)).astype(np.uint8)  # (2, T, width)
-        arr = np.ascontiguousarray(raw[None]).view(dtypes.container(dt))  # (1, 2, T, 8)
-        sliced[f"t.{dt}"] = (HostTensor(dt, arr), 2)
-    bound = {"state": HostTensor.from_numpy(np.array([int(sig[-1] % 1000)], dtype=np.int32))} if boundary else {}
-    return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"})
-
+from support import prefix_snapshot, random_tensor, snapshot_for
 
 PUT_IN_CHILD = textwrap.dedent(
     """
     import sys, numpy as np
     sys.path.insert(0, {tests!r})
-    from test_daemon import snapshot_for
+    from support import snapshot_for
     from kvd_client import Client
     with Client({endpoint!r}, namespace="xproc", strict=True) as c:
         ok = c.put(np.arange({n}) * 7 % 50000, snapshot_for({n}, seed=5, boundary=True))
@@ -298,3 +269,20 @@ def test_fast_round_trips_never_lose_a_reply(kvd_daemon):
         for _ in range(3000):
             c.ping()
         assert c.stats()["server"]["requests"]["PING"] >= 3000
+
+
+def test_sequences_parting_after_one_chunk_with_equal_length_tails_are_both_served(kvd_daemon):
+    # A system prompt of one chunk, then two questions of the same length: both
+    # tails hang off the same key and must both stay matchable (RAM and tiered
+    # indexes once kept one tail per length).
+    import numpy as np
+
+    from kvd_client import HostTensor, Snapshot
+
+    system = list(range(1, 9))
+    with kvd_daemon.client("tails", chunk_tokens=8, strict=True) as kv:
+        for seed, ask in enumerate(([20, 21, 22], [30, 31, 32], [40, 41, 42])):
+            arr = np.random.default_rng(seed).standard_normal((1, 11, 2)).astype(np.float32)
+            assert kv.put(system + ask, Snapshot(sliced={"k": (HostTensor.from_numpy(arr), 1)}))
+        for ask in ([20, 21, 22], [30, 31, 32], [40, 41, 42]):
+            assert kv.probe(system + ask + [7]).n == 11

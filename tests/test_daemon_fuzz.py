@@ -11,7 +11,7 @@ import zmq
 
 from kvd.protocol import codec
 from kvd.protocol.errors import ERRORS
-from test_daemon import prefix_snapshot
+from support import prefix_snapshot
 
 FIELDS = ["v", "type", "id", "ns", "tokens", "chunk_tokens", "chunks", "boundary", "max_tokens", "need_boundary",
           "start", "versions", "ram_bytes", "ssd_bytes", "older_than", "orphans", "recheck", "dry_run"]

@@ -12,6 +12,8 @@ through `snapshot` (host bytes of every valid row and scalar).
 from __future__ import annotations
 
 import json
+from functools import cache as memoize
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -260,25 +262,30 @@ print("RESAVED", mlx_lm.__version__)
 """
 
 
+RECORDED_031 = Path(__file__).parent / "fixtures" / "mlx_lm_031_files.msgpack.gz"
+
+
+@memoize
+def _recorded_031() -> dict:
+    import gzip
+
+    import msgpack
+
+    rec = msgpack.unpackb(gzip.decompress(RECORDED_031.read_bytes()))
+    assert rec["mlx_lm"] == "0.31.3"
+    return rec["files"]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_import_file_written_by_mlx_lm_031_itself(kvd_daemon, tmp_path, case):
-    """mlx-lm 0.31.3 loads our 0.31-layout file and saves it again with its own
-    save_prompt_cache: the two files must agree (so `save_031` is faithful),
-    and the genuine one imports bit-exact."""
-    import os
-    import subprocess
-    import sys
-
-    from test_mlx_xproc import mlx_lm_031
-
-    target = mlx_lm_031()
+    """mlx-lm 0.31.3 loaded our 0.31-layout file and saved it again with its own
+    save_prompt_cache (recorded by tests/fixtures/make_mlx_lm_031_files.py, so
+    nothing is downloaded here): the two files must agree (so `save_031` is
+    faithful), and the genuine one imports bit-exact."""
     model, cache, toks, opts = _cache(case)
     ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
     save_031(ours, cache, {"note": "031"})
-    env = {**os.environ, "PYTHONPATH": str(target) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-c", RESAVE_031, str(ours), str(theirs)], capture_output=True, text=True,
-                       timeout=120, env=env)
-    assert r.returncode == 0 and "RESAVED 0.31" in r.stdout, r.stderr[-2000:]
+    theirs.write_bytes(_recorded_031()[case])
 
     a_arrays, a_meta = mx.load(str(ours), return_metadata=True)
     b_arrays, b_meta = mx.load(str(theirs), return_metadata=True)

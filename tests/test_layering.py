@@ -26,7 +26,7 @@ import pytest
 
 import kvd_client
 from kvd.protocol import errors as E
-from test_daemon import prefix_snapshot
+from support import prefix_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"kvd": ROOT / "kvd", "kvd_client": ROOT / "client"}  # pyproject.toml's package-dir
@@ -43,13 +43,15 @@ LAYERS = {
     "kvd.service": ("kvd.service",),
     "kvd.cli": ("kvd.cli", "kvd.__main__"),
     "kvd_client._core": ("kvd_client._core", "kvd_client._transport", "kvd_client._tensors",
-                         "kvd_client._chunking", "kvd_client._errors"),
+                         "kvd_client._chunking", "kvd_client._errors", "kvd_client._explain",
+                         "kvd_client._media"),
     "kvd_client.mlx_lm": ("kvd_client.mlx_lm",),
     "kvd_client": ("kvd_client",),
     "kvd_client.mlx_lm_files": ("kvd_client.mlx_lm_files",),
     "kvd_client.mlx_lm_server": ("kvd_client.mlx_lm_server",),
+    "kvd_client.vllm_mlx": ("kvd_client.vllm_mlx",),
 }
-MLX_LAYERS = {"kvd_client.mlx_lm", "kvd_client.mlx_lm_files", "kvd_client.mlx_lm_server"}
+MLX_LAYERS = {"kvd_client.mlx_lm", "kvd_client.mlx_lm_files", "kvd_client.mlx_lm_server", "kvd_client.vllm_mlx"}
 
 
 @cache
@@ -253,10 +255,10 @@ def test_a_serving_daemon_never_loads_mlx(daemon_factory):
 
 def test_client_public_surface_is_pinned():
     assert sorted(kvd_client.__all__) == sorted([
-        "Client", "Probe", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "MalformedMessage",
+        "Client", "Probe", "Explanation", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "MalformedMessage",
         "UnsupportedVersion", "UnknownMessageType", "BadField", "BadDtype", "BadShape", "BadFrameIndex",
         "MessageTooLarge", "TooManyFrames", "TooManyTokens", "ServerError", "Busy", "Internal",
-        "DaemonUnavailable", "BadReply", "EndpointError",
+        "DaemonUnavailable", "BadReply", "EndpointError", "UnsafeEndpoint", "AuthenticationFailed", "MediaSpan", "media_digest",
     ])
     public = {n for n in dir(kvd_client.Client) if not n.startswith("_")}
     assert {"put", "get", "probe", "store", "fetch", "lookup", "stats", "gc", "ping", "close"} <= public

@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-import urllib.request
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-from test_daemon import prefix_snapshot
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(body):
-        for sample in fam.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
+from support import free_port, prefix_snapshot, scrape
 
 
 def test_metrics_count_exactly_what_happened(daemon_factory):

@@ -34,8 +34,7 @@ import json, sys, time
 sys.path.insert(0, {here!r})
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from models import build, prefill, prompt, greedy
-from test_mlx_roundtrip import raw
+from models import build, greedy, prefill, prompt, raw
 from kvd_client import Client
 from kvd_client.mlx_lm import namespace_for
 

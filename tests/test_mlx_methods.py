@@ -25,10 +25,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 from mlx_lm.models.cache import make_prompt_cache
-from models import build, prompt
-from test_mlx_fakes import FakeClient
-from test_mlx_models import continue_from
-from test_mlx_roundtrip import raw
+from models import build, continue_from, prompt, raw
+from fakes import FakeClient
 
 from kvd_client.mlx_lm import SnapshotMismatch, UnsupportedCache, namespace_for
 from kvd_client.mlx_lm import _format as F

@@ -14,22 +14,12 @@ import copy
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from models import build, greedy, prefill, prompt
-from test_mlx_fakes import hit_from
-from test_mlx_roundtrip import raw
+from fakes import hit_from
+from models import build, continue_from, greedy, prefill, prompt
 
 from kvd_client.mlx_lm import rebuild, snapshot
 
 P = 150
-CONTINUE = prompt(9, seed=7)
-
-
-def continue_from(model, cache, first_block=CONTINUE, decode=6):
-    """Feed a multi-token block, then decode greedily: (all logits rows, tokens)."""
-    logits = model(mx.array(first_block)[None], cache=cache)
-    mx.eval(logits)
-    toks, rows = greedy(model, int(mx.argmax(logits[0, -1]).item()), cache, decode)
-    return [raw(logits)] + [raw(r) for r in rows], toks
 
 
 @pytest.fixture(scope="module")

@@ -14,30 +14,15 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models import cache as C
-from test_mlx_fakes import hit_from
+from fakes import hit_from
+from models import same
 
 from kvd_client.mlx_lm import SnapshotMismatch, UnsupportedCache, rebuild, snapshot
 
 DTYPES = [mx.bfloat16, mx.float16, mx.float32]
 WIRE = {mx.bfloat16: "bfloat16", mx.float16: "float16", mx.float32: "float32"}
-
-
-def raw(x):
-    """(dtype, shape, bytes) of an mlx array: bit-exact identity, NaN-safe."""
-    dt = str(x.dtype)
-    if x.dtype == mx.bfloat16:
-        x = x.view(mx.uint16)
-    a = np.array(x)
-    return dt, a.shape, a.tobytes()
-
-
-def same(a, b) -> bool:
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return raw(a) == raw(b)
 
 
 _key = [0]

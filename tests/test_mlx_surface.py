@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import kvd_client.mlx_lm as mlx_lm
-from test_mlx_fakes import FakeClient
+from fakes import FakeClient
 
 CLIENT = Path(mlx_lm.__file__).resolve().parent
 
@@ -18,6 +18,7 @@ CLIENT = Path(mlx_lm.__file__).resolve().parent
 def test_public_surface_is_pinned():
     assert sorted(mlx_lm.__all__) == [
         "FORMAT", "MlxAdapter", "MlxMethods", "SnapshotMismatch", "UnsupportedCache", "namespace_for", "rebuild", "snapshot",
+        "weights_digest",
     ]
 
 

@@ -6,6 +6,10 @@ The storing child and this process build the same caches from seeded keys
 token more than was stored, so `n` can be the stored length even for
 boundary-state caches; the fetched cache must hold exactly the original's
 state and behave identically under further updates.
+
+The same check runs against caches stored by an mlx-lm 0.31.3 process: its
+PUT messages were recorded once by tests/fixtures/make_mlx_lm_031.py and are
+replayed here, byte for byte, into a real daemon.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as C
 
-from test_mlx_roundtrip import same
+from models import same
 
 HERE = Path(__file__).resolve().parent
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -83,13 +87,13 @@ STORE = textwrap.dedent(
     import sys
     sys.path.insert(0, {here!r})
     import mlx.core as mx
-    from test_mlx_xproc import DTYPES, KINDS, build, tokens_for
+    from test_mlx_xproc import CHUNK_TOKENS, DTYPES, KINDS, build, tokens_for
     from kvd_client import Client
     with mx.stream(mx.new_thread_local_stream(mx.cpu)):
         for kind in {kinds!r}:
             for dt in DTYPES:
                 caches, n = build(kind, dt)
-                with Client({endpoint!r}, namespace=f"{prefix}-{{kind}}-{{dt}}", chunk_tokens=16, strict=True) as kv:
+                with Client({endpoint!r}, namespace=f"{prefix}-{{kind}}-{{dt}}", chunk_tokens=CHUNK_TOKENS, strict=True) as kv:
                     assert kv.store(tokens_for(kind, dt, n), caches, wait=True)
     import mlx_lm
     print("STORED", mlx_lm.__version__)
@@ -97,55 +101,80 @@ STORE = textwrap.dedent(
 )
 
 
-MLX_LM_031 = "0.31.3"  # the last release whose caches still have meta_state and sliced `state`
+CHUNK_TOKENS = 16
+PREFIX_031 = "x031"
 # mlx-lm 0.31's own ChunkedKVCache fails while being filled past a trimmed
 # front (a broadcast error in its update_and_fetch), before kvd is involved.
 KINDS_031 = [k for k in KINDS if k != "chunked"]
+# What a real mlx-lm 0.31.3 process PUT for every kind of KINDS_031 (recorded
+# by tests/fixtures/make_mlx_lm_031.py: nothing is downloaded at test time).
+RECORDED_031 = HERE / "fixtures" / "mlx_lm_031_puts.msgpack.gz"
 
 
-def mlx_lm_031() -> Path:
-    """mlx-lm 0.31.x installed (no deps) into a folder of the repo's .cache, once."""
-    target = HERE.parent / ".cache" / f"mlx-lm-{MLX_LM_031}"
-    if not (target / "mlx_lm" / "__init__.py").exists():
-        r = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), f"mlx-lm=={MLX_LM_031}"],
-            capture_output=True, text=True, timeout=300,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot install mlx-lm {MLX_LM_031} from the package index: {r.stderr.strip()[-300:]}")
-    return target
-
-
-def _store(prefix: str, pythonpath: str | None = None, kinds=tuple(KINDS)):
+def _store(work: Path, prefix: str):
+    """A daemon holding what a child process running this mlx-lm stored."""
     from conftest import DaemonProcess
 
-    import os
-    import tempfile
-
-    work = Path(tempfile.mkdtemp(prefix="kvd-x-", dir="/tmp"))
     d = DaemonProcess(work, ["--ram-mb", "256"]).start()
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", STORE.format(here=str(HERE), endpoint=d.endpoint, prefix=prefix, kinds=list(kinds))],
-                       capture_output=True, text=True, timeout=180, env=env)
+    r = subprocess.run([sys.executable, "-c", STORE.format(here=str(HERE), endpoint=d.endpoint, prefix=prefix, kinds=list(KINDS))],
+                       capture_output=True, text=True, timeout=180)
     if r.returncode != 0 or "STORED" not in r.stdout:
         d.stop()
         raise AssertionError(r.stderr[-3000:])
-    return d, r.stdout.split("STORED", 1)[1].strip()
+    return d
+
+
+def _replay(endpoint: str, record: dict) -> dict[str, int]:
+    """Send the recorded PUTs byte for byte (a raw DEALER: no client code of
+    this process touches them); the daemon's `stored` count per namespace."""
+    import zmq
+
+    from kvd.protocol import codec
+
+    stored: dict[str, int] = {}
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        for put in record["puts"]:
+            sock.send_multipart(put["frames"])
+            assert sock.poll(30_000), "no reply to a recorded PUT"
+            reply = codec.decode_reply(sock.recv_multipart())
+            assert reply.type == "PUT", reply.fields
+            assert reply["too_big"] == 0 and not reply.fields.get("dropped"), reply.fields
+            stored[put["ns"]] = stored.get(put["ns"], 0) + reply["stored"]
+    finally:
+        sock.close()
+    return stored
 
 
 @pytest.fixture(scope="module")
-def stored():
-    d, _ = _store("xproc")
+def stored(tmp_path_factory):
+    d = _store(tmp_path_factory.mktemp("xproc"), "xproc")
     yield d
     d.stop()
 
 
 @pytest.fixture(scope="module")
-def stored_by_031():
-    d, version = _store("x031", str(mlx_lm_031()), KINDS_031)
-    assert version == MLX_LM_031  # the storing process really ran the old mlx-lm
+def stored_by_031(tmp_path_factory):
+    import gzip
+
+    import msgpack
+
+    from conftest import DaemonProcess
+
+    record = msgpack.unpackb(gzip.decompress(RECORDED_031.read_bytes()), raw=False)
+    # the recording really came from the old mlx-lm, with this test's settings
+    assert record["mlx_lm"] == "0.31.3" and record["chunk_tokens"] == CHUNK_TOKENS
+    d = DaemonProcess(tmp_path_factory.mktemp("x031"), ["--ram-mb", "256"]).start()
+    try:
+        stored = _replay(d.endpoint, record)
+        assert sorted(stored) == sorted(f"{PREFIX_031}-{k}-{dt}" for k in KINDS_031 for dt in DTYPES)
+        assert all(n > 0 for n in stored.values()), stored
+    except BaseException:
+        d.stop()
+        raise
     yield d
     d.stop()
 
@@ -179,7 +208,7 @@ def _check_fetch(daemon, prefix: str, kind: str, dtype_name: str) -> None:
     original, n = build(kind, dtype_name)
     from kvd_client import Client
 
-    with Client(daemon.endpoint, namespace=f"{prefix}-{kind}-{dtype_name}", chunk_tokens=16, strict=True) as kv:
+    with Client(daemon.endpoint, namespace=f"{prefix}-{kind}-{dtype_name}", chunk_tokens=CHUNK_TOKENS, strict=True) as kv:
         fetched, got = kv.fetch(tokens_for(kind, dtype_name, n) + [7])
     assert got == n and fetched is not None
     assert [type(c) for c in fetched] == [type(c) for c in original]
@@ -201,9 +230,10 @@ def test_fetched_in_another_process_bit_exact(stored, kind, dtype_name):
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("kind", KINDS_031)
 def test_stored_by_mlx_lm_031_fetched_by_032(stored_by_031, kind, dtype_name):
-    """A 0.31.x process (sliced `state`, `meta_state`) stores; this 0.32 process
-    fetches and gets the state its own 0.32 caches would hold."""
-    _check_fetch(stored_by_031, "x031", kind, dtype_name)
+    """A 0.31.3 process (sliced `state`, `meta_state`) stored (its PUTs replayed
+    from the recording); this 0.32 process fetches and gets the state its own
+    0.32 caches would hold."""
+    _check_fetch(stored_by_031, PREFIX_031, kind, dtype_name)
 
 
 def test_store_1000_query_sharing_600_reuses_512_and_matches_cold_prefill(kvd_daemon):

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from kvd.store import BOUNDARY, CHUNK, Entry, PutOutcome, RamStore, Tensor
+from kvd.store import BOUNDARY, PutOutcome, RamStore
 
-
-def entry(i: int, nbytes: int = 100, ns: str = "a", kind: int = CHUNK, tail: bool = False, parent: bytes = b"p" * 32) -> Entry:
-    key = i.to_bytes(32, "big")
-    return Entry(ns, key, kind, parent, 0, 10, (Tensor("t", "uint8", (nbytes,), b"\x00" * nbytes),), tail=tail)
+from support import entry
 
 
 def test_lru_evicts_oldest_and_get_refreshes():
@@ -64,3 +61,17 @@ def test_chunk_and_boundary_are_distinct_entries():
     assert not s.contains(entry(1, kind=BOUNDARY).id)
     s.put(entry(1, kind=BOUNDARY))
     assert s.contains(entry(1, kind=BOUNDARY).id) and len(s) == 2
+
+
+def test_two_tails_of_equal_length_under_one_parent_are_both_found():
+    # Two questions of the same length after one system prompt: each tail
+    # must stay matchable (the index once kept one per length).
+    from kvd.store.base import CHUNK, Entry
+    from kvd.store.ram import RamStore
+
+    store = RamStore(1 << 20)
+    parent = b"p" * 32
+    for key in (b"a" * 32, b"b" * 32):
+        store.put(Entry(namespace="ns", key=key, kind=CHUNK, parent=parent, start=256, length=33,
+                        tensors=(), meta=b"", tail=True))
+    assert sorted(store.tails(parent)) == [(33, b"a" * 32), (33, b"b" * 32)]

@@ -17,7 +17,7 @@ from kvd.store import blobfile
 from kvd.store.blobfile import BlobCorrupt, Unencodable
 from kvd.store.base import Entry, Tensor
 
-from test_ssd_support import ALL_DTYPES, assert_same, make_entry
+from support import ALL_DTYPES, assert_same, make_entry
 
 # mlx 0.32's safetensors loader refuses F64 (mlx has no float64 on the GPU);
 # the reference `safetensors` reader checks float64 blobs instead.

@@ -7,18 +7,12 @@ import time
 
 from kvd.store.datadir import blob_path
 from kvd.store.ssd import SsdStore
-from kvd.store.tiered import open_store
 
-from test_ssd_support import assert_same, make_entry
+from support import filled_store, assert_same, make_entry
 
 
 def _fill(tmp_path, n=10):
-    entries = [make_entry(i, dtype_list=["bfloat16", "float32"]) for i in range(n)]
-    store = open_store(1, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0)
-    for e in entries:
-        store.put(e)
-    store.close()
-    return entries
+    return filled_store(tmp_path, [make_entry(i, dtype_list=["bfloat16", "float32"]) for i in range(n)])
 
 
 def _wait(pred, timeout=5.0):

@@ -4,49 +4,27 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import safetensors
 
-from kvd.protocol import keys
+from kvd.store import blobfile
 from kvd.store.datadir import BLOB_DIR, QUARANTINE_DIR, TMP_SUFFIX
-from test_daemon import ALL_DTYPES, prefix_snapshot
-
-
-def blobs(data_dir: Path) -> list[Path]:
-    return sorted(p for p in (data_dir / BLOB_DIR).rglob("*.safetensors"))
-
-
-def chunk_blob(data_dir: Path, ns: str, tokens, index: int) -> Path:
-    key = keys.chain(ns, 256, keys.token_bytes(tokens))[index]
-    (path,) = [p for p in blobs(data_dir) if p.name.startswith(key.hex() + "00")]
-    return path
-
-
-def wait_spilled(client, n: int, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        ssd = client.stats()["tiers"]["ssd"]
-        if ssd["entries"] >= n or time.monotonic() > deadline:
-            return ssd
-        time.sleep(0.05)
-
-
-def assert_prefix_hit(hit, tokens) -> None:
-    want = prefix_snapshot(tokens[: hit.n])
-    for name, (t, _) in want.sliced.items():
-        assert hit.sliced[name].dtype == t.dtype
-        assert hit.sliced[name].array.tobytes() == t.array.tobytes(), name
+from kvd_client import Snapshot
+from support import ALL_DTYPES, assert_prefix_hit, chunk_blob, kvd, prefix_snapshot, wait_spilled
 
 
 def test_spill_and_restore_every_dtype_bf16_blob_is_real_bf16(daemon_factory):
     d = daemon_factory("--ram-mb", "1")
     seqs = [np.arange(512) + 10_000 * i for i in range(12)]  # ~2.5 MiB: most must spill
+    # First in, so first out to disk: a chunk of the dtypes mlx has (no float64).
+    mlx_only = prefix_snapshot(seqs[0][:256])
+    mlx_only = Snapshot(sliced={k: v for k, v in mlx_only.sliced.items() if k != "t.float64"}, meta=mlx_only.meta)
+    with d.client("mlx-only", strict=True) as c:
+        assert c.put(seqs[0][:256], mlx_only)
     with d.client("spill", strict=True) as c:
         for s in seqs:
             assert c.put(s, prefix_snapshot(s))
@@ -60,12 +38,22 @@ def test_spill_and_restore_every_dtype_bf16_blob_is_real_bf16(daemon_factory):
         assert st["tiers"]["ssd"]["hits"] > 0
     # the first chunk of the first sequence went to disk: a plain safetensors file
     path = chunk_blob(d.data_dir, "spill", seqs[0], 0)
-    loaded = mx.load(str(path))
     want = prefix_snapshot(seqs[0][:256])
+    # Every dtype of the table, as the safetensors library itself reads it:
+    # BF16 stays BF16, never widened.
+    tensors = dict(safetensors.deserialize(path.read_bytes()))
+    for dt in ALL_DTYPES:
+        t, _ = want.sliced[f"t.{dt}"]
+        got = tensors[f"t.{dt}"]
+        assert (got["dtype"], got["shape"]) == (blobfile.ST_DTYPE[dt], list(t.array.shape)), dt
+        assert bytes(got["data"]) == t.array.tobytes(), dt
+    # And mlx reads such a blob (mlx has no float64: the chunk of the dtypes it has).
+    loaded = mx.load(str(chunk_blob(d.data_dir, "mlx-only", seqs[0][:256], 0)))
     assert loaded["t.bfloat16"].dtype == mx.bfloat16
     assert np.array_equal(np.array(loaded["t.bfloat16"].view(mx.uint16)), want.sliced["t.bfloat16"][0].array)
     for dt in ALL_DTYPES:
-        assert str(loaded[f"t.{dt}"].dtype) == f"mlx.core.{dt}"
+        if dt != "float64":
+            assert str(loaded[f"t.{dt}"].dtype) == f"mlx.core.{dt}"
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert oct((d.data_dir / BLOB_DIR).stat().st_mode & 0o777) == "0o700"
 
@@ -109,8 +97,12 @@ def test_corruption_is_a_miss_quarantined_and_counted(daemon_factory):
         hit = c.get(seqs["fine"])
         assert hit.n == 256
         assert_prefix_hit(hit, seqs["fine"])
+        # Quarantining is the writer thread's job, queued by the failed reads.
+        # An SSD GC runs on that thread after them, in order: once it has
+        # answered, they are done (a barrier, not a wait).
+        c.gc(ssd_bytes=1 << 40, dry_run=True)
         ssd = c.stats()["tiers"]["ssd"]
-        assert ssd["checksum_failures"] >= 2 and ssd["quarantined"] >= 2
+        assert ssd["checksum_failures"] == 2 and ssd["quarantined"] == 2
         # the daemon keeps serving and can store the same chunks again
         assert c.put(seqs["flip"], prefix_snapshot(seqs["flip"]))
         assert_prefix_hit(c.get(seqs["flip"]), seqs["flip"])
@@ -156,10 +148,6 @@ def test_kill_9_during_heavy_spill_then_every_reported_chunk_is_exact(daemon_fac
         report = c.gc(orphans=True, dry_run=True)
         assert report["entries"] == 0 and report["bytes"] == 0, report
     assert not [p for p in d.data_dir.rglob("*") if p.name.endswith(TMP_SUFFIX)]
-
-
-def kvd(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_offline_stats_beside_daemon_and_offline_gc_when_stopped(daemon_factory):

@@ -11,15 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import time
 
 import pytest
 
 from kvd.store import blobfile
-from kvd.store.datadir import TMP_SUFFIX, eid_of_blob
 from kvd.store.tiered import open_store
 
-from test_ssd_support import assert_same, make_entry
+from support import FakeClock, assert_same, make_entry
 
 FS_BYTES = 6 << 20
 
@@ -84,18 +82,16 @@ def disk(tmp_path, monkeypatch):
 
 
 def _consistent(store):
-    root = store.ssd.root
-    names = [p.name for p in (root / "blobs").rglob("*") if p.is_file()]
-    assert not [n for n in names if n.endswith(TMP_SUFFIX)], "temp file left behind"
-    with store.ssd.index.reading() as txn:
-        rows = {eid for eid, _ in store.ssd.index.iter_rows(txn)}
-    assert rows == {eid_of_blob(n) for n in names}
+    report = store.ssd.check()
+    assert report.ok, report.summary()
 
 
 def test_enospc_degrades_ram_serves_and_recovers(disk):
     entries = [make_entry(i, width=1024) for i in range(60)]  # 128 KiB each
     n = entries[0].nbytes
-    store = open_store(4 * n, disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2)
+    clock = FakeClock()
+    store = open_store(4 * n, disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2,
+                       clock=clock)
     try:
         for e in entries[:10]:
             store.put(e)
@@ -120,7 +116,7 @@ def test_enospc_degrades_ram_serves_and_recovers(disk):
                 assert_same(store.get(e.id), e)
 
         disk.free()
-        time.sleep(0.35)  # past retry_s: the next spill is a probe
+        clock.advance(0.35)  # past retry_s: the next spill is a probe
         for e in entries[30:40]:
             store.put(e)
         assert store.flush(10)

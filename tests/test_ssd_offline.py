@@ -13,16 +13,11 @@ from kvd.store import offline
 from kvd.store.datadir import DataDirBusy, blob_path, default_data_dir
 from kvd.store.tiered import open_store
 
-from test_ssd_support import assert_same, make_entry
+from support import filled_store, assert_same, make_entry
 
 
 def _fill(root, n=12):
-    entries = [make_entry(i, "a" if i % 2 else "b") for i in range(n)]
-    store = open_store(1, root, ssd_bytes=64 << 20, min_free_bytes=0)
-    for e in entries:
-        store.put(e)
-    store.close()
-    return entries
+    return filled_store(root, [make_entry(i, "a" if i % 2 else "b") for i in range(n)])
 
 
 def test_stats_read_only_and_gc_refuses_beside_a_daemon(tmp_path):

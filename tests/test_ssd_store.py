@@ -20,7 +20,7 @@ from kvd.store.datadir import DataDirBusy, blob_path
 from kvd.store.index import IncompatibleIndex
 from kvd.store.ram import RamStore
 
-from test_ssd_support import ALL_DTYPES, assert_same, make_entry
+from support import ALL_DTYPES, FakeClock, assert_same, make_entry
 
 FAST = dict(min_free_bytes=0, retry_s=0.2, touch_flush_s=0.05)
 
@@ -234,7 +234,8 @@ def test_tails_from_every_tier_and_after_restart(tmp_path, stores):
 def test_drop_and_evict_with_dry_run(tmp_path, stores):
     a = [make_entry(i, "a") for i in range(6)]
     b = [make_entry(i, "b") for i in range(6)]
-    store = stores(1, tmp_path)  # RAM holds nothing: every entry is on SSD
+    clock = FakeClock()
+    store = stores(1, tmp_path, clock=clock)  # RAM holds nothing: every entry is on SSD
     for e in a + b:
         store.put(e)
     assert store.flush(10)
@@ -246,7 +247,7 @@ def test_drop_and_evict_with_dry_run(tmp_path, stores):
     assert not any(store.contains(e.id) for e in a) and all(store.contains(e.id) for e in b)
     assert "a" not in store.stats()["namespaces"]
     assert store.drop(older_than=3600) == (0, 0)
-    time.sleep(0.05)
+    clock.advance(0.05)
     assert store.drop(older_than=0.01, dry_run=True)[0] == 6
     before = store.ssd.bytes
     n, freed = store.evict(before // 2, dry_run=True)

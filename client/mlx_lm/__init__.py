@@ -20,7 +20,7 @@ ArraysCache (boundary state), and CacheList of those.
 
 from kvd_client.mlx_lm._format import FORMAT, SnapshotMismatch, UnsupportedCache
 from kvd_client.mlx_lm._methods import MlxAdapter, MlxMethods
-from kvd_client.mlx_lm._namespace import namespace_for
+from kvd_client.mlx_lm._namespace import namespace_for, weights_digest
 from kvd_client.mlx_lm._rebuild import rebuild
 from kvd_client.mlx_lm._snapshot import take as snapshot
 
@@ -33,4 +33,5 @@ __all__ = [
     "namespace_for",
     "rebuild",
     "snapshot",
+    "weights_digest",
 ]

@@ -104,12 +104,26 @@ def make_meta(layers: list[dict[str, Any]]) -> dict[str, Any]:
 
 _lock = threading.Lock()
 _layouts: dict[str, list[dict[str, Any]]] = {}
+_from_model: set[str] = set()  # layouts `namespace_for` read off the model itself
 
 
-def remember(namespace: str, layers: list[dict[str, Any]]) -> None:
-    """Record the cache layout a namespace's model has (last writer wins)."""
+def remember(namespace: str, layers: list[dict[str, Any]], *, from_model: bool = False) -> None:
+    """Record the cache layout a namespace's model has (last writer wins),
+    except that a layout read off the model (`from_model`, by namespace_for)
+    is never replaced by one learned from served data: a peer may write
+    anything under a namespace, the model cannot lie about itself."""
     with _lock:
+        if namespace in _from_model and not from_model:
+            return
         _layouts[namespace] = layers
+        if from_model:
+            _from_model.add(namespace)
+
+
+def model_layout(namespace: str) -> list[dict[str, Any]] | None:
+    """The layout `namespace_for` read off the model for `namespace`, or None."""
+    with _lock:
+        return _layouts.get(namespace) if namespace in _from_model else None
 
 
 def layout_for(namespace: str) -> list[dict[str, Any]] | None:

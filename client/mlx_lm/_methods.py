@@ -68,13 +68,19 @@ class MlxMethods:
     store_queue_bytes: int = DEFAULT_MAX_PENDING_BYTES
 
     # -- public --------------------------------------------------------------
-    def store(self, tokens: Sequence[int], prompt_cache: Sequence[Any], *, wait: bool = False) -> bool:
+    def store(
+        self, tokens: Sequence[int], prompt_cache: Sequence[Any], *, wait: bool = False, media: Sequence[Any] = ()
+    ) -> bool:
         """Store `prompt_cache`, the cache of `tokens` (fed from position 0).
 
         The snapshot (mlx slicing, evaluation and the copy to host memory) is
         taken on the calling thread before this returns, so the caller may
         keep decoding into the cache at once. The upload then runs on a
         background writer thread, unless `wait=True` or the client is strict.
+
+        `media`: spans of media at token positions (`kvd_client.MediaSpan`),
+        part of the keys (PROTOCOL.md 4.1); the same text with other media
+        never shares a cache.
 
         Returns True if the snapshot was queued (or, when waiting, stored);
         False if there was nothing to store or it was refused or dropped
@@ -84,7 +90,7 @@ class MlxMethods:
 
         toks_in = host_tokens(tokens)
         try:
-            taken = take(toks_in, prompt_cache, start=self._mlx_held(toks_in))
+            taken = take(toks_in, prompt_cache, start=self._mlx_held(toks_in, media))
         except F.UnsupportedCache:
             self._mlx_count("store_unsupported")
             if self._mlx_strict():
@@ -98,6 +104,7 @@ class MlxMethods:
         if taken is None:
             return False
         toks, snap = taken
+        snap.media = tuple(media)
         layers = snap.meta["layers"]
         known = F.layout_for(self.namespace)
         if known is None:
@@ -119,14 +126,14 @@ class MlxMethods:
             return ok
         return self._mlx_writer().submit(toks, snap)
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+    def fetch(self, tokens: Sequence[int], *, media: Sequence[Any] = ()) -> tuple[list[Any] | None, int]:
         """The longest reusable stored prefix of `tokens`, as mlx-lm cache objects.
 
         Returns (prompt_cache, n): a fresh cache list covering `tokens[:n]`
         (built on the calling thread, inside its active stream), with
         1 <= n <= len(tokens) - 1 so at least one token is left to feed;
         or (None, 0) on a miss. For models with recurrent/windowed layers n
-        is a position where that state was stored.
+        is a position where that state was stored. `media` as in `store`.
         """
         from kvd_client.mlx_lm._rebuild import rebuild
         from kvd_client.mlx_lm._snapshot import host_tokens
@@ -136,11 +143,12 @@ class MlxMethods:
         if cap < 1:
             return None, 0
         need = self._mlx_boundary_need() is True
-        hit = self.get(toks, max_tokens=cap, need_boundary=need)
+        extra = {"media": media} if media else {}  # numpy-level clients without media keep working
+        hit = self.get(toks, max_tokens=cap, need_boundary=need, **extra)
         if hit is not None and not need and hit.boundary is None and self._mlx_learn(hit):
             # Layout unknown (or recorded wrong) and the data says this model
             # resumes only at a boundary: ask again for one.
-            hit = self.get(toks, max_tokens=cap, need_boundary=True)
+            hit = self.get(toks, max_tokens=cap, need_boundary=True, **extra)
         if hit is None or hit.n < 1:
             self._mlx_count("fetch_miss")
             return None, 0
@@ -148,6 +156,11 @@ class MlxMethods:
         try:
             if hit.n > cap:
                 raise F.SnapshotMismatch(f"served {hit.n} tokens, asked for at most {cap}")
+            implied = F.model_layout(self.namespace)
+            if implied is not None and (hit.meta or {}).get("layers") != implied:
+                # Any process of the user may write this namespace: a hit
+                # must match the layout the model itself implies.
+                raise F.SnapshotMismatch(f"served layout differs from the model's for namespace {self.namespace!r}")
             cache = rebuild(hit)
         except F.SnapshotMismatch:
             self._mlx_count("fetch_invalid")
@@ -158,15 +171,15 @@ class MlxMethods:
         self._mlx_count("tokens_reused", hit.n)
         return cache, hit.n
 
-    def lookup(self, tokens: Sequence[int]) -> int:
-        """The n that `fetch(tokens)` would return now, without moving tensors (0 on a miss)."""
+    def lookup(self, tokens: Sequence[int], *, media: Sequence[Any] = ()) -> int:
+        """The n that `fetch(tokens, media=media)` would return now, without moving tensors (0 on a miss)."""
         from kvd_client.mlx_lm._snapshot import host_tokens
 
         toks = host_tokens(tokens)
         cap = len(toks) - 1
         if cap < 1:
             return 0
-        probe = self.probe(toks)
+        probe = self.probe(toks, media=media) if media else self.probe(toks)
         limit = min(cap, probe.n)
         need = self._mlx_boundary_need()
         if need is None:  # unknown layout: only snapshots of boundary models store boundaries
@@ -185,6 +198,11 @@ class MlxMethods:
         if probe.n < len(toks):
             return False
         return not self._mlx_boundary_need() or len(toks) in probe.boundaries
+
+    def needs_boundary(self) -> bool:
+        """Whether this namespace's model resumes only at boundary state (a
+        hybrid or sliding-window model), as far as its layout is known yet."""
+        return bool(self._mlx_boundary_need())
 
     def flush_stores(self, timeout: float | None = None) -> bool:
         """Wait until every queued store has been put (or failed). False on timeout."""
@@ -213,10 +231,10 @@ class MlxMethods:
                     self._mlx_writer_obj = writer
         return writer
 
-    def _mlx_held(self, tokens: Any) -> int:
+    def _mlx_held(self, tokens: Any, media: Sequence[Any] = ()) -> int:
         """Where the snapshot may start: one LOOKUP (no tensors move), so a
         long conversation copies only its new chunks on the caller's thread."""
-        return _held_start(self, tokens)
+        return _held_start(self, tokens, media)
 
     def _mlx_count(self, key: str, n: int = 1) -> None:
         with _init_lock:
@@ -243,13 +261,14 @@ class MlxMethods:
         return F.needs_boundary(layers)
 
 
-def _held_start(client: Any, tokens: Any) -> int:
+def _held_start(client: Any, tokens: Any, media: Sequence[Any] = ()) -> int:
     """Tokens before the first chunk the daemon lacks (a chunk boundary): the
     snapshot need not copy them. 0 for clients without chunked storage."""
     chunk = getattr(client, "chunk_tokens", None)
     if not chunk or len(tokens) < chunk:
         return 0
-    return (client.probe(tokens).n // chunk) * chunk
+    probe = client.probe(tokens, media=media) if media else client.probe(tokens)
+    return (probe.n // chunk) * chunk
 
 
 def _weak_calls(client: Any):
@@ -305,5 +324,5 @@ class MlxAdapter(MlxMethods):
     def get(self, tokens: Any, **kw: Any) -> Any:
         return self._target().get(tokens, **kw)
 
-    def probe(self, tokens: Any) -> Any:
-        return self._target().probe(tokens)
+    def probe(self, tokens: Any, **kw: Any) -> Any:
+        return self._target().probe(tokens, **kw)

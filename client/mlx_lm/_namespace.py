@@ -26,6 +26,7 @@ import json
 import re
 from typing import Any
 
+from kvd_client._explain import remember as remember_components
 from kvd_client.mlx_lm import _format as F
 
 
@@ -73,7 +74,8 @@ def namespace_for(
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     model_type = re.sub(r"[^a-z0-9_]+", "_", str(ident["config"].get("model_type", type(model).__name__)).lower())[:40]
     namespace = f"mlx.{model_type}.{digest[:32]}"
-    F.remember(namespace, layers)
+    F.remember(namespace, layers, from_model=True)
+    remember_components(namespace, ident)  # sent with PUTs: lets `kvd explain` name a differing field
     return namespace
 
 

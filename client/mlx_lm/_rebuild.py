@@ -76,6 +76,12 @@ class _Builder:
             raise F.SnapshotMismatch(f"{name} has shape {host.shape}, expected {self.n} tokens on axis 2")
         return self._mx(host)
 
+    def same_heads(self, p: str, names: list[str]) -> None:
+        """Keys and values of one layer agree on (batch, kv heads, tokens)."""
+        shapes = {tuple(self.hit.sliced[n].shape[:3]) for n in names if n in self.hit.sliced}
+        if len(shapes) > 1:
+            raise F.SnapshotMismatch(f"layer {p}: keys and values disagree on (batch, heads, tokens): {sorted(shapes)}")
+
     def boundary(self, name: str) -> Any:
         host = (self.hit.boundary or {}).get(name)
         if host is None:
@@ -99,11 +105,13 @@ class _Builder:
 
         kind = spec.get("k")
         if kind == "kv":
+            self.same_heads(p, [f"{p}.k", f"{p}.v"])
             c = C.ConcatenateKVCache() if spec.get("c") == "concat" else C.KVCache()
             c.keys, c.values = self.sliced(f"{p}.k"), self.sliced(f"{p}.v")
             c.offset = self.n
             return c
         if kind == "qkv":
+            self.same_heads(p, [f"{p}.{kv}.{part}" for kv in "kv" for part in "qsb"])
             c = C.QuantizedKVCache(group_size=int(spec["gs"]), bits=int(spec["bits"]))
             c.keys = tuple(self.sliced(f"{p}.k.{part}") for part in "qsb")
             c.values = tuple(self.sliced(f"{p}.v.{part}") for part in "qsb")

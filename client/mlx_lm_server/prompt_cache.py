@@ -259,6 +259,9 @@ class KvdPromptCache:
         if time.monotonic() < self._down_until:
             return False
         if self._ping():
+            for target in list(self._targets.values()):
+                for client in (target.clients.values() if target else ()):
+                    client.retry_now()  # their sockets may still be backing off
             self._down, self._backoff = False, 0.0
             self._failures_seen = self._failures()
             log.warning("kvd: daemon at %s is answering again; using it", self.endpoint)

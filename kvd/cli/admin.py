@@ -19,15 +19,11 @@ from kvd.cli.common import (
     data_dir_options,
     data_dir_to_read,
     fail,
+    rate,
     settings,
     size,
 )
 from kvd.protocol.limits import MiB
-
-
-def _rate(hits: int, misses: int) -> str:
-    return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
-
 
 # What an operator looks at per tier, beyond the columns (`--json` has everything).
 _TIER_EXTRAS = ("stored", "too_big", "spills", "drops", "checksum_failures", "quarantined", "queue_entries", "queue_bytes")
@@ -38,13 +34,14 @@ def render_stats(stats: dict) -> str:
     server = stats.get("server", {})
     lines = [
         f"kvd {server.get('version', '?')}  pid {server.get('pid', '?')}  up {server.get('uptime', 0):.0f}s  {server.get('endpoint', '')}",
+        *([f"WARNING: {stats['security']['warning']}"] if stats.get("security", {}).get("warning") else []),
         "",
         f"{'tier':<6}{'entries':>10}{'bytes':>12}{'budget':>12}{'hits':>10}{'misses':>10}{'hit rate':>10}{'evictions':>11}",
     ]
     for name, t in stats.get("tiers", {}).items():
         lines.append(
             f"{name:<6}{t.get('entries', 0):>10}{size(t.get('bytes', 0)):>12}{size(t.get('budget_bytes', 0)):>12}"
-            f"{t.get('hits', 0):>10}{t.get('misses', 0):>10}{_rate(t.get('hits', 0), t.get('misses', 0)):>10}"
+            f"{t.get('hits', 0):>10}{t.get('misses', 0):>10}{rate(t.get('hits', 0), t.get('misses', 0)):>10}"
             f"{t.get('evictions', 0):>11}"
         )
         extra = [f"{k}={t[k]}" for k in _TIER_EXTRAS if k in t]
@@ -60,7 +57,7 @@ def render_stats(stats: dict) -> str:
         label = ns if len(ns) <= 32 else ns[:29] + "..."
         lines.append(
             f"{label:<34}{c.get('entries', 0):>9}{size(c.get('bytes', 0)):>12}{c.get('gets', 0):>8}"
-            f"{_rate(c.get('hits', 0), c.get('misses', 0)):>10}{c.get('tokens_served', 0):>15}"
+            f"{rate(c.get('hits', 0), c.get('misses', 0)):>10}{c.get('tokens_served', 0):>15}"
         )
     reqs = server.get("requests", {})
     if reqs:

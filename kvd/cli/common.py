@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from kvd_client import Client
 
 #: `--config`, `--endpoint`, `--timeout`: for commands that talk to a daemon.
-daemon_options = config_options(names=("endpoint", "timeout"))
+daemon_options = config_options(names=("endpoint", "timeout", "keys_dir", "client_key"))
 #: ... and `--data-dir`: for commands that may read the data dir themselves.
-data_dir_options = config_options(names=("endpoint", "timeout", "data_dir"))
+data_dir_options = config_options(names=("endpoint", "timeout", "data_dir", "keys_dir", "client_key"))
 
 
 def settings(flags: Mapping[str, Any]) -> Config:
@@ -39,7 +39,8 @@ def admin_client(cfg: Config) -> Client:
     """A strict client on the configured endpoint: failures raise (and map to exit codes)."""
     from kvd_client import Client
 
-    return Client(cfg.endpoint, namespace="kvd-admin", timeout=cfg.timeout, strict=True)
+    return Client(cfg.endpoint, namespace="kvd-admin", timeout=cfg.timeout, strict=True,
+                  keys_dir=cfg.keys_dir, client_key=cfg.client_key)
 
 
 def fail(code: int, message: str) -> NoReturn:
@@ -93,3 +94,7 @@ def ago(ts: float) -> str:
         if s >= n:
             return f"{s / n:.0f}{unit} ago"
     return f"{s:.0f}s ago"
+
+
+def rate(hits: int, misses: int) -> str:
+    return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"

@@ -48,6 +48,7 @@ def config_cmd(as_json: bool, **flags: object) -> None:
                 }
                 for s in SETTINGS
             },
+            "quota": cfg.quota.to_table(),
         }
         click.echo(json.dumps(out, indent=2))
         return
@@ -57,3 +58,7 @@ def config_cmd(as_json: bool, **flags: object) -> None:
     width = max(len(text) for text, _ in lines)
     for text, source in lines:
         click.echo(f"{text.ljust(width)}  # {source}")
+    for pattern, limits in cfg.quota.to_table().items():
+        click.echo(f"\n[quota.{json.dumps(pattern)}]")
+        for key, value in limits.items():
+            click.echo(f"{key} = {value!r}")

@@ -29,10 +29,14 @@ def describe(err: BaseException) -> tuple[int, str] | None:
     from kvd.service.install import ServiceError
     from kvd.store.datadir import DataDirBusy
     from kvd.store.index import IncompatibleIndex
-    from kvd_client import DaemonUnavailable
+    from kvd_client import AuthenticationFailed, DaemonUnavailable
 
+    if isinstance(err, AuthenticationFailed):
+        return REFUSED, f"{err} (see `kvd keys`)"
     if isinstance(err, DaemonUnavailable):
         return UNAVAILABLE, f"{err} (is `kvd serve` running?)"
+    # UnsafeEndpoint (a run dir or socket another user may own) is an
+    # EndpointError: 78, since restarting will not make the directory ours.
     if isinstance(err, (ConfigError, EndpointError)) and not isinstance(err, EndpointBusy):
         return CONFIG, str(err)
     if isinstance(err, (ProtocolError, ServerError)):

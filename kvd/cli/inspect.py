@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,14 +25,18 @@ from kvd.cli.common import (
 @data_dir_options
 @click.option("--offline", is_flag=True,
               help="Read a data dir's index instead of asking the daemon (SSD tier only; the running daemon's data dir if one answers).")
-@click.option("--json", "as_json", is_flag=True, help="Print {namespace: {entries, bytes, tokens, last_used}} as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {namespace: {entries, bytes, ram_bytes, ssd_bytes, tokens, last_used, quota}} as JSON.")
 def ls(offline, as_json, **flags) -> None:
-    """List namespaces: entries, bytes, tokens covered and last use.
+    """List namespaces: entries, RAM and SSD bytes, tokens covered, last use,
+    and the quota each counts against (kvd.toml `[quota]`), with use
+    against each quota.
 
     Tokens covered counts each stored chunk once (a prefix shared by many
     sequences is stored, and counted, once). Exits 3 if no daemon answers.
     """
     cfg = settings(flags)
+    quotas: dict = {}
     if offline:
         from kvd.store import offline as off
 
@@ -44,59 +47,64 @@ def ls(offline, as_json, **flags) -> None:
             fail(exits.FAILED, f"{path} holds no kvd index")
     else:
         with admin_client(cfg) as client:
-            namespaces = client.stats()["namespaces"]
-    rows = {
-        ns: {k: v.get(k, 0) for k in ("entries", "bytes", "tokens", "last_used")}
-        for ns, v in namespaces.items()
-        if v.get("entries", 0)
-    }
+            stats = client.stats()
+        namespaces, quotas = stats["namespaces"], stats.get("quotas", {})
+    rows = {}
+    for ns, v in namespaces.items():
+        if not v.get("entries", 0):
+            continue
+        row = rows[ns] = {k: v.get(k, 0) for k in ("entries", "bytes", "tokens", "last_used")}
+        for k in ("ram_bytes", "ssd_bytes"):
+            if k in v:
+                row[k] = v[k]
+        if v.get("quota") in quotas:
+            q = quotas[v["quota"]]
+            row["quota"] = {"pattern": v["quota"], **{k: q[k] for k in ("ram_bytes", "ram_quota_bytes", "ssd_bytes", "ssd_quota_bytes")}}
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
-    click.echo(f"{'namespace':<66}{'entries':>9}{'bytes':>12}{'tokens':>10}  last used")
+    click.echo(render_ls(rows, quotas))
+
+
+def _against(used: int, quota: int | None) -> str:
+    return "-" if quota is None else f"{size(used)} / {size(quota)} ({100 * used / quota:.0f}%)" if quota else f"{size(used)} / 0"
+
+
+def render_ls(rows: dict, quotas: dict) -> str:
+    """The `kvd ls` table: namespaces (most recently used first), then use
+    against each quota (a `prefix*` quota is shared by its namespaces)."""
+    lines = [f"{'namespace':<50}{'entries':>9}{'ram':>11}{'ssd':>11}{'tokens':>10}  {'last used':<10}  quota"]
     for ns, r in sorted(rows.items(), key=lambda kv: -kv[1]["last_used"]):
-        label = ns if len(ns) <= 64 else ns[:61] + "..."
-        click.echo(f"{label:<66}{r['entries']:>9}{size(r['bytes']):>12}{r['tokens']:>10}  {ago(r['last_used'])}")
+        label = ns if len(ns) <= 48 else ns[:45] + "..."
+        ram = r.get("ram_bytes", r["bytes"] if "ssd_bytes" not in r else 0)
+        ssd = size(r["ssd_bytes"]) if "ssd_bytes" in r else "-"
+        quota = r.get("quota", {}).get("pattern", "-")
+        lines.append(f"{label:<50}{r['entries']:>9}{size(ram):>11}{ssd:>11}{r['tokens']:>10}  {ago(r['last_used']):<10}  {quota}")
+    if quotas:
+        lines += ["", f"{'quota':<30}{'namespaces':>11}  {'ram used / quota':<30}{'ssd used / quota':<30}{'evicted ram/ssd':>16}"]
+        for pattern, q in quotas.items():
+            lines.append(
+                f"{pattern[:28]:<30}{q['namespaces']:>11}  {_against(q['ram_bytes'], q['ram_quota_bytes']):<30}"
+                f"{_against(q['ssd_bytes'], q['ssd_quota_bytes']):<30}{q['ram_evictions']:>8}/{q['ssd_evictions']:<7}"
+            )
+    return "\n".join(lines)
 
 
 def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
-    """Re-check every blob of the index against its checksum, read-only.
-
-    Safe beside a running daemon (an LMDB reader, plain file reads). A blob
-    that vanished because its row was deleted meanwhile is not a failure.
-    Returns (checked, [(entry id, reason)]).
-    """
-    from kvd.store import blobfile
-    from kvd.store.datadir import INDEX_DIR, blob_path
+    """Re-check every blob of the index against its checksum, read-only
+    (`kvd.store.check` with `live=True`: safe beside a running daemon, and a
+    blob whose row was deleted meanwhile is not a failure).
+    Returns (checked, [(entry id, reason)])."""
+    from kvd.store.check import check
+    from kvd.store.datadir import INDEX_DIR
     from kvd.store.index import Index
 
     index = Index(root / INDEX_DIR, readonly=True, map_size=0)
     try:
-        with index.reading() as txn:
-            rows = list(index.iter_rows(txn))
-        bad: list[tuple[bytes, str]] = []
-        for i, (eid, row) in enumerate(rows):
-            reason = None
-            try:
-                fd = os.open(blob_path(root, eid), os.O_RDONLY)
-            except FileNotFoundError:
-                reason = "missing"
-            else:
-                try:
-                    blobfile.read_blob(fd, row.file_size, row.checksum)
-                except (blobfile.BlobCorrupt, OSError) as exc:
-                    reason = f"corrupt: {exc}"
-                finally:
-                    os.close(fd)
-            if reason is not None:
-                with index.reading() as txn:
-                    if index.has(txn, eid):  # still indexed: a real failure
-                        bad.append((eid, reason))
-            if progress is not None:
-                progress(i + 1, len(rows))
-        return len(rows), bad
+        report = check(root, index, verify=True, live=True, progress=progress)
     finally:
         index.close()
+    return report.rows, report.bad
 
 
 @main.command()

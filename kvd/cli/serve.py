@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
@@ -35,9 +36,17 @@ def serve(**flags) -> None:
     """
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
+    from kvd.server.governor import from_config as governor_for
+    from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
 
+    # Everything the daemon creates -- run dir, socket, lock, data dir, blobs
+    # -- is for its own user only (kvd.endpoint rule 5). The umask is
+    # process-wide, so it is set here, first, while this is the only thread
+    # (no store writer, metrics server or ZeroMQ I/O thread exists yet), and
+    # never changed back and forth around a bind while other threads run.
+    os.umask(0o077)
     try:
         cfg = resolve(flags)
     except ConfigError as err:
@@ -47,9 +56,12 @@ def serve(**flags) -> None:
     log = logging.getLogger("kvd.server")
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
+    ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
+    if cfg.ram_mb == "auto":
+        log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
     try:
         store = open_store(
-            cfg.ram_mb * MiB,
+            ram_mb * MiB,
             data_dir=cfg.data_dir,
             ssd_bytes=int(cfg.ssd_gb * GiB),
             write_through=cfg.write_through,
@@ -63,6 +75,16 @@ def serve(**flags) -> None:
         log.error("cannot open the store: %s", err)
         raise SystemExit(EXIT_CONFIG if isinstance(err, ValueError) else exits.FAILED)
 
+    if cfg.quota:
+        cfg.quota.attach(store)
+    governor = governor_for(cfg, store, ram_mb * MiB)
+
+    def on_tick() -> None:
+        notifier.tick()
+        if governor is not None:
+            with daemon.lock:  # the metrics thread reads the RAM tier under it
+                governor.tick()
+
     metrics = None
     daemon = Daemon(
         store,
@@ -70,23 +92,32 @@ def serve(**flags) -> None:
         limits=Limits(max_message_bytes=cfg.max_message_mb * MiB),
         chunk_tokens=cfg.chunk_tokens,
         on_ready=lambda: notifier.ready(f"serving {cfg.endpoint}"),
-        on_tick=notifier.tick,
+        on_tick=on_tick,
+        keys_dir=cfg.keys_dir,
+        allow_insecure_tcp=cfg.allow_insecure_tcp,
     )
+    if cfg.quota:
+        daemon.handler.stats_sections["quotas"] = cfg.quota.report
+    if governor is not None:
+        daemon.handler.stats_sections["pressure"] = governor.stats
     try:
         daemon.bind()
     except (EndpointError, Exception) as err:  # zmq.ZMQError: address in use, permission, ...
         log.error("cannot serve %s: %s", cfg.endpoint, err)
         store.close()
-        raise SystemExit(exits.REFUSED)
+        # The exit code comes from the one table: busy is 4, an unsafe run dir 78.
+        known = exits.describe(err) if isinstance(err, EndpointError) else None
+        raise SystemExit(known[0] if known else exits.REFUSED)
     if cfg.metrics_port:
         from kvd.server.metrics import serve_metrics
 
         metrics = serve_metrics(daemon, cfg.metrics_port)
     daemon.install_signal_handlers()
     log.info(
-        "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d metrics_port=%d",
-        cfg.endpoint, cfg.ram_mb, cfg.data_dir or "none", cfg.ssd_gb, cfg.write_through,
-        cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port,
+        "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d "
+        "metrics_port=%d pressure_source=%s",
+        cfg.endpoint, ram_mb, cfg.data_dir or "none", cfg.ssd_gb, cfg.write_through,
+        cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port, cfg.pressure_source,
     )
     try:
         daemon.serve_forever()

@@ -17,91 +17,13 @@ tokenized the way `mlx_lm.cache_prompt` does; needs the model).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import click
 
 from kvd.cli import exits, main
-from kvd.cli.common import daemon_options, fail, settings
-
-_namespace = click.option("--namespace", default=None, help="kvd namespace to use as is.")
-_model = click.option("--model", "model_path", default=None, help="Local mlx-lm model directory; the namespace is derived from it.")
-_tokens_file = click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
-                            help="Token ids (JSON list or whitespace separated).")
-_prompt_file = click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
-                            help="Prompt text, tokenized like mlx_lm.cache_prompt (needs the model).")
-_kv = [
-    click.option("--kv-bits", type=int, default=None, help="KV quantization bits the model's server uses [import: from the file]."),
-    click.option("--kv-group-size", type=int, default=None, help="KV quantization group size [import: from the file; else 64]."),
-    click.option("--quantized-kv-start", type=int, default=None, help="mlx-lm's --quantized-kv-start [default: mlx-lm's default]."),
-    click.option("--max-kv-size", type=int, default=None, help="mlx-lm's --max-kv-size, if the cache was made with one."),
-]
-_json = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-
-
-def _options(fn):
-    for opt in reversed([daemon_options, _namespace, _model, _tokens_file, _prompt_file, *_kv, _json]):
-        fn = opt(fn)
-    return fn
-
-
-def _daemon(fn):
-    """Run a client call; the adapter's refusals get this command's words (the
-    daemon's errors and its absence map to exit codes in kvd.cli.exits)."""
-    from kvd_client.mlx_lm import SnapshotMismatch, UnsupportedCache
-
-    try:
-        return fn()
-    except (UnsupportedCache, SnapshotMismatch) as err:  # ours, not the daemon's
-        fail(exits.FAILED, f"the cache does not fit this namespace: {err}")
-
-
-class _Model:
-    """The model named by --model (or the file's metadata), loaded once, lazily."""
-
-    def __init__(self, path: str | None):
-        self.path = path
-        self._loaded: tuple[Any, Any] | None = None
-
-    def load(self) -> tuple[Any, Any]:
-        if self._loaded is None:
-            from kvd_client.mlx_lm_files import load_model
-
-            try:
-                self._loaded = load_model(self.path)
-            except Exception as err:
-                fail(exits.FAILED, f"cannot load model {self.path}: {err}")
-        return self._loaded
-
-
-def _namespace_of(model: _Model, cache: list[Any] | None, kv: dict[str, Any]) -> str:
-    from kvd_client.mlx_lm_files import namespace_of
-
-    m, _ = model.load()
-    return namespace_of(
-        m, cache, kv_bits=kv["kv_bits"], kv_group_size=kv["kv_group_size"],
-        quantized_kv_start=kv["quantized_kv_start"], max_kv_size=kv["max_kv_size"],
-    )
-
-
-def _tokens(tokens_file: str | None, prompt_file: str | None, model: _Model) -> list[int] | None:
-    from kvd_client.mlx_lm_files import parse_tokens
-
-    if tokens_file:
-        try:
-            return parse_tokens(Path(tokens_file).read_text())
-        except ValueError as err:
-            raise click.UsageError(f"--tokens-file {tokens_file}: {err}")
-    if prompt_file:
-        if model.path is None:
-            raise click.UsageError("--prompt-file needs --model (to tokenize)")
-        from kvd_client.mlx_lm_files import tokenize_prompt
-
-        _, tokenizer = model.load()
-        return tokenize_prompt(tokenizer, Path(prompt_file).read_text())
-    return None
-
+from kvd.cli.common import fail, settings
+from kvd.cli.model_args import Model, adapter_call, model_options, model_tokens_namespace, namespace_of, read_tokens
 
 def _report(as_json: bool, result: dict[str, Any], line: str) -> None:
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else line)
@@ -109,7 +31,7 @@ def _report(as_json: bool, result: dict[str, Any], line: str) -> None:
 
 @main.command("import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@_options
+@model_options
 def import_(file, namespace, model_path, tokens_file, prompt_file,
             kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json, **flags) -> None:
     """Load an mlx-lm prompt-cache FILE (save_prompt_cache, mlx-lm 0.31 or 0.32) into kvd.
@@ -125,8 +47,8 @@ def import_(file, namespace, model_path, tokens_file, prompt_file,
         cf = read(file)
     except CacheFileError as err:
         fail(exits.FAILED, str(err))
-    model = _Model(model_path or cf.metadata.get(MODEL_KEY))
-    tokens = cf.tokens if not (tokens_file or prompt_file) else _tokens(tokens_file, prompt_file, model)
+    model = Model(model_path or cf.metadata.get(MODEL_KEY))
+    tokens = cf.tokens if not (tokens_file or prompt_file) else read_tokens(tokens_file, prompt_file, model)
     if tokens is None:
         raise click.UsageError("the file holds no token ids: give --tokens-file (or --prompt-file)")
     held = cf.n_tokens
@@ -137,12 +59,12 @@ def import_(file, namespace, model_path, tokens_file, prompt_file,
         if model_path is None and NAMESPACE_KEY in cf.metadata:
             namespace = cf.metadata[NAMESPACE_KEY]  # written by `kvd export`
         elif model.path is not None:
-            namespace = _namespace_of(model, cf.cache, kv)
+            namespace = namespace_of(model, cf.cache, kv)
         else:
             raise click.UsageError("no namespace: give --namespace or --model (the file names no model)")
     with Client(cfg.endpoint, namespace=namespace, timeout=cfg.timeout, strict=True) as client:
-        ok = _daemon(lambda: client.store(tokens, cf.cache, wait=True))
-        held_now = _daemon(lambda: client.probe(tokens)).n
+        ok = adapter_call(lambda: client.store(tokens, cf.cache, wait=True))
+        held_now = adapter_call(lambda: client.probe(tokens)).n
     if not ok or held_now < len(tokens):
         fail(exits.FAILED, f"the daemon holds {held_now} of {len(tokens)} tokens (too big for its tiers?)")
     result = {"file": str(file), "layout": cf.layout, "layers": len(cf.cache), "tokens": len(tokens), "namespace": namespace}
@@ -151,7 +73,7 @@ def import_(file, namespace, model_path, tokens_file, prompt_file,
 
 @main.command("export")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="File to write (safetensors).")
-@_options
+@model_options
 def export(output, namespace, model_path, tokens_file, prompt_file,
            kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json, **flags) -> None:
     """Write the cache kvd holds for some tokens as an mlx-lm prompt-cache file.
@@ -167,20 +89,13 @@ def export(output, namespace, model_path, tokens_file, prompt_file,
     from kvd_client.mlx_lm_files import export_metadata, write
 
     cfg = settings(flags)
-    model = _Model(model_path)
-    if namespace is None and model_path is None:
-        raise click.UsageError("give --model or --namespace")
-    tokens = _tokens(tokens_file, prompt_file, model)
-    if not tokens:
-        raise click.UsageError("give --tokens-file (or --prompt-file with --model)")
-    if namespace is None:
-        kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
-        namespace = _namespace_of(model, None, kv)
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+    model, tokens, namespace = model_tokens_namespace(namespace, model_path, tokens_file, prompt_file, kv)
     with Client(cfg.endpoint, namespace=namespace, timeout=cfg.timeout, strict=True) as client:
-        hit = _daemon(lambda: client.get(tokens))
+        hit = adapter_call(lambda: client.get(tokens))
         if hit is not None and (hit.meta or {}).get("bnd") and hit.boundary is None:
             # Recurrent/windowed layers: only a prefix ending at stored state is a cache.
-            hit = _daemon(lambda: client.get(tokens, need_boundary=True))
+            hit = adapter_call(lambda: client.get(tokens, need_boundary=True))
     if hit is None:
         fail(exits.FAILED, f"kvd holds none of these {len(tokens)} tokens in {namespace}")
     try:

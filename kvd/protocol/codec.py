@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from kvd.protocol import dtypes
+from kvd.protocol import dtypes, keys
 from kvd.protocol import errors as E
 from kvd.protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -149,6 +149,24 @@ def _tokens(v, ctx):
     return bytes(v)
 
 
+def _media(v, ctx):
+    # Shape only; whether the spans fit the tokens is the handler's check
+    # (keys.check_media), which knows the token count.
+    if not isinstance(v, list) or len(v) > keys.MAX_MEDIA_SPANS:
+        raise _bad(ctx, f"expected an array of at most {keys.MAX_MEDIA_SPANS} media spans")
+    spans = []
+    for x in v:
+        _map(x, ctx)
+        start, end, digest = x.get("start"), x.get("end"), x.get("hash")
+        for name, val in (("start", start), ("end", end)):
+            if isinstance(val, bool) or not isinstance(val, int) or not 0 <= val < 2**32:
+                raise _bad(ctx, f"a media span needs an unsigned 32-bit {name!r}")
+        if not isinstance(digest, (bytes, bytearray)) or len(digest) != keys.DIGEST_BYTES:
+            raise _bad(ctx, f"a media span needs a {keys.DIGEST_BYTES}-byte bin 'hash'")
+        spans.append({"start": start, "end": end, "hash": bytes(digest)})
+    return spans
+
+
 def _meta(v, ctx):
     if not isinstance(v, (bytes, bytearray)):
         raise _bad(ctx, f"expected bin, got {type(v).__name__}")
@@ -229,7 +247,7 @@ _PUT_CHUNK = {"index": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_met
 _GET_CHUNK = {"start": _req(_uint), "length": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY = {"tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY_AT = {"at": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
-_SEQ = {"ns": _req(_ns), "tokens": _req(_tokens), "chunk_tokens": _opt(_chunk_tokens, 256)}
+_SEQ = {"ns": _req(_ns), "tokens": _req(_tokens), "chunk_tokens": _opt(_chunk_tokens, 256), "media": _opt(_media)}
 
 # The message table: type -> field schema, for requests and for replies.
 REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
@@ -237,7 +255,10 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "PING": {},
     "LOOKUP": {**_SEQ},
     "GET": {**_SEQ, "max_tokens": _opt(_uint), "need_boundary": _opt(_bool, False), "start": _opt(_uint, 0)},
-    "PUT": {**_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY))},
+    "PUT": {
+        **_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_map),
+    },
+    "EXPLAIN": {**_SEQ, "need_boundary": _opt(_bool, False), "ns_meta": _opt(_map)},
     "STATS": {"ns": _opt(_ns)},
     "GC": {
         "ram_bytes": _opt(_uint),
@@ -251,7 +272,10 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "SHUTDOWN": {},
 }
 REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
-    "HELLO": {"version": _req(_uint), "server": _req(_str), "limits": _req(_map), "chunk_tokens": _req(_uint)},
+    "HELLO": {
+        "version": _req(_uint), "server": _req(_str), "limits": _req(_map), "chunk_tokens": _req(_uint),
+        "features": _opt(_array_of(_str), ()),
+    },
     "PING": {},
     "LOOKUP": {"n": _req(_uint), "boundaries": _req(_uints)},
     "GET": {
@@ -261,6 +285,10 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "boundary": _opt(_record(_BOUNDARY_AT)),
     },
     "PUT": {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_uint), "dropped": _opt(_uint, 0)},
+    "EXPLAIN": {
+        "n": _req(_uint), "tokens": _req(_uint), "reason": _req(_str), "message": _req(_str),
+        "boundaries": _req(_uints), "detail": _opt(_map),
+    },
     "STATS": {"stats": _req(_map)},
     "GC": {"entries": _req(_uint), "bytes": _req(_uint), "dry_run": _req(_bool), "details": _opt(_map)},
     "SHUTDOWN": {},
@@ -299,7 +327,9 @@ def _unpack_header(frames: list[Any], limits: Limits) -> dict:
     if head.nbytes > limits.max_header_bytes:
         raise E.MessageTooLarge(f"header of {head.nbytes} bytes; the limit is {limits.max_header_bytes}")
     try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True)
+        header = _unpackb(head, limits)
+    except E.ProtocolError:
+        raise
     except Exception as exc:  # msgpack raises a zoo of types for garbage
         raise E.MalformedMessage(f"header is not valid msgpack: {exc.__class__.__name__}") from None
     if not isinstance(header, dict):
@@ -307,10 +337,35 @@ def _unpack_header(frames: list[Any], limits: Limits) -> dict:
     return header
 
 
-def peek_id(frames: list[Any]) -> int | None:
+def _unpackb(buf: Any, limits: Limits) -> Any:
+    """msgpack.unpackb with the memory a header may cost bounded *while* it
+    is decoded, not after: a hostile 16 MiB header of empty maps would
+    otherwise become 16 M Python objects (GBs) before any rule could reject
+    it. Every container counts against `limits.max_header_objects` (msgpack
+    calls the hooks as each one completes, so decoding stops within that
+    many), strings and byte strings against the header size."""
+    budget = [limits.max_header_objects]
+
+    def count(obj):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise E.MalformedMessage(f"header has more than {limits.max_header_objects} maps and arrays")
+        return obj
+
+    n = memoryview(buf).nbytes
+    return msgpack.unpackb(
+        buf, raw=False, strict_map_key=True, use_list=True, object_hook=count, list_hook=count,
+        max_bin_len=n, max_str_len=n, max_array_len=limits.max_header_objects,
+        max_map_len=limits.max_header_objects, max_ext_len=0,
+    )
+
+
+def peek_id(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> int | None:
     """The request id of a message, if its header can be read at all (for error replies)."""
     try:
-        header = msgpack.unpackb(memoryview(frames[0]), raw=False, strict_map_key=True)
+        if memoryview(frames[0]).nbytes > limits.max_header_bytes:
+            return None
+        header = _unpackb(memoryview(frames[0]), limits)
         mid = header.get("id") if isinstance(header, dict) else None
         return mid if isinstance(mid, int) and not isinstance(mid, bool) and 0 <= mid < U64 else None
     except Exception:

@@ -24,12 +24,15 @@ this drawing against the classes themselves.
      |    +-- Internal              500  a bug in the daemon; the request is lost, not the daemon
      +-- DaemonUnavailable          kvd_client: no answer in time (down, slow or restarting)
      +-- BadReply                   kvd_client: the daemon's reply broke kvd/1
+     +-- AuthenticationFailed       kvd_client: the tcp endpoint refused our CURVE handshake
      +-- UnsupportedCache           kvd_client.mlx_lm: a cache object the adapter cannot snapshot
      +-- SnapshotMismatch           kvd_client.mlx_lm: a hit that does not rebuild into a cache
      +-- CacheFileError             kvd_client.mlx_lm_files: not a prompt-cache file it can read
+     +-- NotConvertible             kvd_client.vllm_mlx: a vllm-mlx entry no mlx-lm cache class holds
      +-- ConfigError                kvd.config: a setting's value, or the config file, is bad
      +-- EndpointError              kvd.endpoint: not an endpoint kvd can use
      |    +-- EndpointBusy          kvd.endpoint: another daemon serves it
+     |    +-- UnsafeEndpoint        kvd.endpoint: its run dir or socket may be another user's
      +-- DataDirBusy                kvd.store.datadir: another process holds the data dir's lock
      +-- IncompatibleIndex          kvd.store.index: written by a kvd this one cannot read
      +-- IndexBusy                  kvd.store.index: the map is being resized (served as a miss)

@@ -14,17 +14,34 @@ token count of a chunk is implied by the length of the hashed message (the
 tag and parent have fixed sizes), which lets a tail's key be computed by
 feeding the tokens one prefix at a time. proto/PROTOCOL.md (section "Keys")
 is the normative text and proto/vectors/keys.json its vectors.
+
+Media-aware keys (section 4.1): a sequence may name *media spans*, token
+positions [start, end) occupied by an image, audio or video, each with a
+32-byte content digest. A chunk that no span touches keeps the key above; a
+chunk [s, e) that spans touch hashes, before its tokens, every touching
+piece (where it starts and ends in the chunk, how far into the media it
+starts, the digest) under its own tag:
+
+    key = SHA-256( "kvd/1 media chunk\\0" || parent || u32(pieces)
+                   || ( u32(a) u32(b) u32(skip) digest ) ... || u32 token ... )
+
+so the same text with another image never shares a key from the image on,
+the same image does, and a sequence without media keeps its old keys.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
 
 ROOT_TAG = b"kvd/1 root\x00"
 CHUNK_TAG = b"kvd/1 chunk\x00"
+MEDIA_TAG = b"kvd/1 media chunk\x00"
+DIGEST_BYTES = 32
+MAX_MEDIA_SPANS = 65536
 KEY_BYTES = 32
 DEFAULT_CHUNK_TOKENS = 256
 MAX_TOKEN_ID = 2**32 - 1
@@ -61,13 +78,66 @@ def chunk_spans(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_tokens, n_tokens)) for s in range(0, n_tokens, chunk_tokens)]
 
 
-def chain(namespace: str, chunk_tokens: int, tokens_le: bytes) -> list[bytes]:
-    """Keys of every chunk of a sequence given as u32 LE bytes (tail included)."""
+@dataclass(frozen=True, slots=True)
+class MediaSpan:
+    """Token positions [start, end) filled by one piece of media, and its content digest."""
+
+    start: int
+    end: int
+    digest: bytes
+
+    def to_wire(self) -> dict:
+        return {"start": self.start, "end": self.end, "hash": self.digest}
+
+
+Media = Sequence[MediaSpan]
+
+
+def check_media(media: Media, n_tokens: int) -> tuple[MediaSpan, ...]:
+    """`media` as a tuple, after checking it describes `n_tokens` tokens: each span
+    non-empty, inside [0, n_tokens), a DIGEST_BYTES digest, spans sorted and
+    not overlapping, at most MAX_MEDIA_SPANS. Raises ValueError otherwise."""
+    spans = tuple(media)
+    if len(spans) > MAX_MEDIA_SPANS:
+        raise ValueError(f"{len(spans)} media spans; at most {MAX_MEDIA_SPANS}")
+    prev_end = 0
+    for m in spans:
+        if not isinstance(m.digest, (bytes, bytearray)) or len(m.digest) != DIGEST_BYTES:
+            raise ValueError(f"a media digest is {DIGEST_BYTES} bytes")
+        if not 0 <= m.start < m.end <= n_tokens:
+            raise ValueError(f"media span [{m.start}, {m.end}) is empty or outside the {n_tokens} tokens")
+        if m.start < prev_end:
+            raise ValueError("media spans must be sorted by start and must not overlap")
+        prev_end = m.end
+    return spans
+
+
+def span_key(parent: bytes, tokens_le: bytes, start: int, end: int, media: Media = ()) -> bytes:
+    """The key of the chunk holding positions [start, end) of a sequence (its u32 LE
+    bytes `tokens_le`) under `parent`: `chunk_key` unless a media span touches it."""
+    chunk = tokens_le[4 * start : 4 * end]
+    pieces = [
+        (max(m.start, start) - start, min(m.end, end) - start, max(m.start, start) - m.start, m.digest)
+        for m in media
+        if m.start < end and m.end > start
+    ]
+    if not pieces:
+        return chunk_key(parent, chunk)
+    h = hashlib.sha256(MEDIA_TAG + parent + len(pieces).to_bytes(4, "little"))
+    for a, b, skip, digest in pieces:
+        h.update(a.to_bytes(4, "little") + b.to_bytes(4, "little") + skip.to_bytes(4, "little") + bytes(digest))
+    h.update(chunk)
+    return h.digest()
+
+
+def chain(namespace: str, chunk_tokens: int, tokens_le: bytes, media: Media = ()) -> list[bytes]:
+    """Keys of every chunk of a sequence given as u32 LE bytes (tail included),
+    with `media` spans (already checked) folded into the chunks they touch."""
     parent = root_key(namespace, chunk_tokens)
-    step = 4 * chunk_tokens
+    n_tokens = len(tokens_le) // 4
     keys = []
-    for off in range(0, len(tokens_le), step):
-        parent = chunk_key(parent, tokens_le[off : off + step])
+    for start in range(0, n_tokens, chunk_tokens):
+        parent = span_key(parent, tokens_le, start, min(start + chunk_tokens, n_tokens), media)
         keys.append(parent)
     return keys
 

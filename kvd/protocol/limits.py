@@ -18,6 +18,13 @@ class Limits:
     max_meta_bytes: int = 64 * 1024  # one chunk's or boundary's meta
     max_chunk_tokens: int = 65536  # largest chunk size a namespace may use
 
+    @property
+    def max_header_objects(self) -> int:
+        """Maps and arrays one header may hold (derived, not advertised): a PUT
+        needs about two per chunk and two per tensor, and tensors are at most
+        `max_frames`. Bounds what decoding a header can cost in memory."""
+        return 4 * self.max_frames + 4096
+
     def to_wire(self) -> dict[str, int]:
         return asdict(self)
 

@@ -25,6 +25,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import zmq
@@ -32,9 +33,10 @@ import zmq
 from kvd.protocol import codec
 from kvd.protocol import errors as E
 from kvd.protocol.limits import Limits
-from kvd.endpoint import EndpointLock
+from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_keys_dir, is_tcp, server_keys
 from kvd.server.handler import Handler, ShutdownRequested
 from kvd.server.latency import Latency
+from kvd.server.ratelog import RateLimitedLog
 from kvd.store.base import Store
 
 log = logging.getLogger("kvd.server")
@@ -57,6 +59,8 @@ class Daemon:
         tick: float = 0.1,
         on_ready: Callable[[], None] | None = None,
         on_tick: Callable[[], None] | None = None,
+        keys_dir: str | None = None,
+        allow_insecure_tcp: bool = False,
     ):
         self.store = store
         self.endpoint = endpoint
@@ -67,6 +71,7 @@ class Daemon:
         self.on_tick = on_tick
         self.dropped_replies = 0
         self.latency = Latency()
+        self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
         # metrics exporter) take it to see the handler and store at rest.
         self.lock = threading.Lock()
@@ -75,6 +80,11 @@ class Daemon:
         self._last_summary = (time.monotonic(), 0)
         self._stop = threading.Event()
         self._lock = EndpointLock(endpoint)
+        self.keys_dir = Path(keys_dir) if keys_dir else default_keys_dir()
+        self.allow_insecure_tcp = allow_insecure_tcp
+        self.security: dict = {"transport": "ipc" if not is_tcp(endpoint) else "tcp"}
+        self.handler.stats_sections["security"] = lambda stats: dict(self.security)
+        self._auth = None  # the ZAP authenticator thread (tcp with CURVE)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
 
@@ -98,14 +108,52 @@ class Daemon:
             sock.setsockopt(zmq.SNDHWM, 1024)
             sock.setsockopt(zmq.RCVHWM, 4)
             sock.setsockopt(zmq.SNDTIMEO, 100)
+            if is_tcp(self.endpoint):
+                self._secure_tcp(ctx, sock)
             sock.bind(self.endpoint)
         except Exception:
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
             self._lock.release()
             raise
+        # No chmod after bind (kvd.endpoint rule 5): the socket is made in a
+        # 0700 directory under the umask `kvd serve` set, so it never exists
+        # with a mode another user could use, not even for a moment.
         self._ctx, self._sock = ctx, sock
-        path = self._lock.path
-        if path is not None:
-            path.chmod(0o600)
+
+    def _secure_tcp(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        """CURVE on a tcp endpoint (kvd.endpoint rule 6), or the operator's explicit opt-out.
+
+        ZAP runs in zmq.auth's ThreadAuthenticator: a thread of its own with a
+        socket on our context, answering libzmq's handshake questions from the
+        public keys in `authorized/` (read at start: restart to admit a new
+        client). It keeps this loop single-threaded and one request at a time,
+        and it is pyzmq's own tested ZAP handler, not one of ours.
+        """
+        keys = server_keys(self.keys_dir)
+        if keys is None:
+            if not self.allow_insecure_tcp:
+                raise EndpointError(
+                    f"refusing to serve {self.endpoint} without CURVE keys: any host that reaches the port could "
+                    f"read and write every cache. Run `kvd keys init` and `kvd keys add-client NAME` (keys dir "
+                    f"{self.keys_dir}), or set allow_insecure_tcp = true to serve it unauthenticated"
+                )
+            warning = f"serving {self.endpoint} WITHOUT authentication (allow_insecure_tcp): any peer that reaches it reads and writes every namespace"
+            log.warning("%s", warning)
+            self.security.update(curve=False, warning=warning)
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+
+        allowed = authorized_dir(self.keys_dir)
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvd.server.zap"))
+        auth.start()
+        auth.configure_curve(domain="*", location=str(allowed))
+        self._auth = auth
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = keys.public, keys.secret
+        self.security.update(curve=True, authorized_clients=len(list(allowed.glob("*.key"))))
+        log.info("tcp with CURVE: %d authorized client keys in %s", self.security["authorized_clients"], allowed)
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
@@ -121,6 +169,9 @@ class Daemon:
             # all) reach their peers; a peer that is gone cannot hold us long.
             self._sock.close(linger=500)
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -148,7 +199,7 @@ class Daemon:
                     # Drain what is queued, but keep ticking under load.
                     for _ in range(64):
                         try:
-                            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                            frames = self._recv(sock)
                         except zmq.Again:
                             break
                         if self._serve_one(frames) and stop_at is None:
@@ -162,9 +213,27 @@ class Daemon:
                     if self.on_tick is not None:
                         self.on_tick()
                     self._maybe_log_summary()
+                    self.ratelog.flush()
         finally:
+            self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
             self.close()
+
+    def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
+        """One message, part by part (ZeroMQ delivers a message whole, so once
+        its first part is here the rest is too). Parts past what the decoder
+        needs to say TOO_MANY_FRAMES are read and dropped at once: a message of
+        millions of empty frames costs no memory (recv_multipart would keep a
+        Frame object for each, ~280 bytes apiece)."""
+        frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+        parts, more = [frame], frame.more
+        keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
+        while more:
+            frame = sock.recv(copy=False)
+            more = frame.more
+            if len(parts) < keep:
+                parts.append(frame)
+        return parts
 
     def _maybe_log_summary(self) -> None:
         """One info line per `summary_every` seconds with activity, for operators."""
@@ -203,7 +272,7 @@ class Daemon:
             msg = codec.decode_request(frames, self.limits)
         except E.ProtocolError as err:
             self.handler.errors[err.name] += 1
-            log.warning("rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
+            self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
             return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
             rtype, fields = self.handler.handle(msg)
@@ -213,7 +282,9 @@ class Daemon:
             log.info("shutdown requested by a client")
         except (E.ProtocolError, E.ServerError) as err:  # wire errors; local ones are bugs here
             self.handler.errors[err.name] += 1
-            log.warning("failed type=%s error=%s detail=%r", msg.type, err.name, err.message)
+            self.ratelog.warning(
+                f"failed type={msg.type} error={err.name}", "failed type=%s error=%s detail=%r", msg.type, err.name, err.message
+            )
             reply = codec.encode_error(err, id=msg.id)
         except Exception:
             err = E.Internal(f"internal error serving {msg.type}; see the daemon log")
@@ -237,4 +308,5 @@ class Daemon:
         except (zmq.Again, zmq.ZMQError) as exc:
             # EHOSTUNREACH: the peer is gone; EAGAIN: its queue is full.
             self.dropped_replies += 1
-            log.warning("reply dropped reason=%s", exc.__class__.__name__ if isinstance(exc, zmq.Again) else exc.strerror)
+            reason = exc.__class__.__name__ if isinstance(exc, zmq.Again) else exc.strerror
+            self.ratelog.warning(f"reply dropped reason={reason}", "reply dropped reason=%s", reason)

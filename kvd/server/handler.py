@@ -27,8 +27,25 @@ from kvd.protocol import keys
 from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
 from kvd.protocol.errors import BadField, UnsupportedVersion
 from kvd.protocol.limits import Limits
+from kvd.server.evictions import EvictionRecord
+from kvd.server.explain import SequenceRecord, explain
 from kvd.server.prefix import Link, match
 from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, entry_id
+
+# Optional protocol features this daemon implements, advertised in HELLO.
+FEATURES = ("media",)  # media-aware keys (PROTOCOL.md section 4.1)
+
+
+def _media(msg: Message) -> tuple[keys.MediaSpan, ...]:
+    """The message's media spans, checked against its token count (BAD_FIELD if unfit)."""
+    media = msg.get("media") or ()
+    if not media:
+        return ()
+    try:
+        spans = [keys.MediaSpan(m["start"], m["end"], m["hash"]) for m in media]
+        return keys.check_media(spans, len(msg["tokens"]) // 4)
+    except ValueError as err:
+        raise BadField(f"media: {err}") from None
 
 log = logging.getLogger("kvd.server")
 
@@ -53,6 +70,12 @@ class Handler:
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ns_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.evictions = EvictionRecord()
+        self.evictions.attach(store)
+        self.sequences = SequenceRecord()  # for EXPLAIN: recent token ids and namespace metadata
+        # Sections other parts of the daemon add to STATS (memory pressure,
+        # quotas): name -> callable returning a map, run under the daemon's lock.
+        self.stats_sections: dict[str, Any] = {}
 
     def handle(self, msg: Message) -> tuple[str, dict[str, Any]]:
         self.requests[msg.type] += 1
@@ -68,6 +91,7 @@ class Handler:
             "server": f"kvd/{__version__}",
             "limits": self.limits.to_wire(),
             "chunk_tokens": self.chunk_tokens,
+            "features": list(FEATURES),
         }
 
     def on_ping(self, msg: Message):
@@ -79,7 +103,7 @@ class Handler:
     # -- data ----------------------------------------------------------------
     def on_lookup(self, msg: Message):
         ns = msg["ns"]
-        links = match(self.store, ns, msg["chunk_tokens"], msg["tokens"])
+        links = match(self.store, ns, msg["chunk_tokens"], msg["tokens"], _media(msg))
         n = links[-1].end if links else 0
         c = self.ns_counters[ns]
         c["lookups"] += 1
@@ -88,7 +112,7 @@ class Handler:
 
     def on_get(self, msg: Message):
         ns, tokens_le = msg["ns"], msg["tokens"]
-        links = match(self.store, ns, msg["chunk_tokens"], tokens_le)
+        links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg))
         cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
         need_boundary, start = msg["need_boundary"], msg["start"]
         c = self.ns_counters[ns]
@@ -172,7 +196,7 @@ class Handler:
     def on_put(self, msg: Message):
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
         n_tokens = len(tokens_le) // 4
-        chain = keys.chain(ns, ct, tokens_le)
+        chain = keys.chain(ns, ct, tokens_le, _media(msg))
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
         for chunk in msg["chunks"]:
@@ -197,6 +221,7 @@ class Handler:
                 start=i * ct, length=n_tokens - i * ct, tensors=tuple(boundary["tensors"]), meta=boundary["meta"],
             )
             counts[self.store.put(entry).value] += 1
+        self.sequences.saw_put(ns, ct, tokens_le, chain, msg.get("ns_meta"))
         c = self.ns_counters[ns]
         c["puts"] += 1
         c["chunks_stored"] += counts["stored"]
@@ -204,6 +229,10 @@ class Handler:
         c["chunks_too_big"] += counts["too_big"]
         c["chunks_dropped"] += counts["dropped"]
         return "PUT", counts
+
+    def on_explain(self, msg: Message):
+        self.ns_counters[msg["ns"]]["explains"] += 1
+        return "EXPLAIN", explain(self.store, self.evictions, self.sequences, msg.fields, media=_media(msg))
 
     # -- admin -----------------------------------------------------------------
     def on_stats(self, msg: Message):
@@ -213,6 +242,10 @@ class Handler:
             namespaces.setdefault(ns, {"entries": 0, "bytes": 0}).update(counters)
         if msg.get("ns") is not None:
             stats["namespaces"] = {k: v for k, v in namespaces.items() if k == msg["ns"]}
+        stats["evictions"] = self.evictions.stats()
+        stats["explain"] = self.sequences.stats()
+        for name, section in self.stats_sections.items():
+            stats[name] = section(stats)
         stats["server"] = {
             "version": __version__,
             "pid": os.getpid(),

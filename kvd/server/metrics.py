@@ -23,8 +23,9 @@ log = logging.getLogger("kvd.server")
 # (entries, bytes, budgets, queue sizes) is a gauge.
 _TIER_COUNTERS = {
     "hits", "misses", "evictions", "evicted_bytes", "spills", "spill_bytes", "promotions", "drops", "dropped",
-    "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "quarantined",
+    "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "quarantined", "served_bytes",
 }
+_PRESSURE_COUNTERS = ("samples", "level_changes", "shrinks", "grows", "evictions", "evicted_bytes")
 _NS_COUNTERS = (
     "gets", "hits", "misses", "tokens_served", "lookups", "lookup_hits", "lookup_misses", "puts",
     "chunks_stored", "chunks_duplicate", "chunks_too_big", "chunks_dropped",
@@ -46,6 +47,8 @@ class DaemonCollector:
             ns_counters = {ns: dict(c) for ns, c in d.handler.ns_counters.items()}
             latency = d.latency.snapshot()
             dropped = d.dropped_replies
+            sections = {name: section(stats) for name, section in d.handler.stats_sections.items()}
+            evictions = d.handler.evictions.stats(recent=0)
 
         info = GaugeMetricFamily("kvd_info", "kvd daemon version", labels=["version"])
         info.add_metric([__version__], 1)
@@ -87,9 +90,10 @@ class DaemonCollector:
                     "degraded", GaugeMetricFamily("kvd_tier_degraded", "1 while the tier refuses writes (disk full, I/O errors)", labels=["tier"])
                 ).add_metric([tier], int(values["degraded"]))
         yield from families.values()
-        for key in ("promotions",):
+        for key, doc in (("promotions", "SSD hits promoted to RAM"), ("ssd_served_bytes", "Bytes served from the SSD tier")):
             if key in stats.get("store", {}):
-                yield CounterMetricFamily(f"kvd_{key}", "SSD hits promoted to RAM", value=stats["store"][key])
+                yield CounterMetricFamily(f"kvd_{key}", doc, value=stats["store"][key])
+        yield from _extra_families(sections, evictions)
 
         namespaces = stats.get("namespaces", {})
         entries = GaugeMetricFamily("kvd_namespace_entries", "Entries held, by namespace", labels=["namespace"])
@@ -129,3 +133,29 @@ def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
     httpd, thread = start_http_server(port, addr=addr, registry=registry)
     log.info("metrics on http://%s:%d/metrics", addr, httpd.server_port)
     return MetricsServer(httpd, thread)
+
+
+def _extra_families(sections: dict[str, Any], evictions: dict[str, Any]) -> Iterator[Any]:
+    """Memory pressure, quotas and the eviction record (see governor.py, quota.py, evictions.py)."""
+    ev = CounterMetricFamily("kvd_evictions", "Entries leaving a tier, by tier, what and why", labels=["tier", "what", "why"])
+    for key, n in evictions["counts"].items():
+        ev.add_metric(key.split(" ", 2), n)
+    yield ev
+    p = sections.get("pressure")
+    if p:
+        yield GaugeMetricFamily("kvd_memory_pressure_level", "Memory pressure: 0 normal, 1 warn, 2 critical", value=p["level_code"])
+        for key in ("ram_budget_bytes", "ram_max_bytes", "ram_floor_bytes"):
+            yield GaugeMetricFamily(f"kvd_pressure_{key}", f"RAM tier {key.split('_')[1]} under memory pressure", value=p[key])
+        for key in _PRESSURE_COUNTERS:
+            yield CounterMetricFamily(f"kvd_pressure_{key}", f"Memory pressure {key.replace('_', ' ')}", value=p[key])
+    q = sections.get("quotas")
+    if q:
+        limit = GaugeMetricFamily("kvd_quota_bytes", "Quota, by pattern and tier", labels=["pattern", "tier"])
+        used = GaugeMetricFamily("kvd_quota_used_bytes", "Bytes held against a quota, by pattern and tier", labels=["pattern", "tier"])
+        for pattern, row in q.items():
+            for tier in ("ram", "ssd"):
+                if row[f"{tier}_quota_bytes"] is not None:
+                    limit.add_metric([pattern, tier], row[f"{tier}_quota_bytes"])
+                    used.add_metric([pattern, tier], row[f"{tier}_bytes"])
+        yield limit
+        yield used

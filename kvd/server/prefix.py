@@ -16,6 +16,9 @@ from kvd.protocol import keys
 from kvd.store.base import BOUNDARY, CHUNK, Store, entry_id
 
 
+_BLOCK = 64  # chunks asked about at once
+
+
 @dataclass(frozen=True, slots=True)
 class Link:
     """One matched chunk: its span in the query and its chain key."""
@@ -26,23 +29,34 @@ class Link:
     boundary: bool  # the store holds boundary state at `end`
 
 
-def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes) -> list[Link]:
-    """The chain of stored chunks that prefixes the query (tail included)."""
+def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, media: keys.Media = ()) -> list[Link]:
+    """The chain of stored chunks that prefixes the query (tail included);
+    `media` spans (checked) are part of the keys (keys.span_key)."""
     n_tokens = len(tokens_le) // 4
     parent = keys.root_key(namespace, chunk_tokens)
     links: list[Link] = []
     pos = 0
-    for key in keys.chain(namespace, chunk_tokens, tokens_le):
-        end = min(pos + chunk_tokens, n_tokens)
-        if not store.contains(entry_id(key, CHUNK)):
-            break
-        links.append(Link(pos, end, key, store.contains(entry_id(key, BOUNDARY))))
-        parent, pos = key, end
+    chain = keys.chain(namespace, chunk_tokens, tokens_le, media)
+    # Ask the store about a block of chunks (and their boundaries) at a time:
+    # one index transaction per block, and a miss early in a long query does
+    # not pay for the chunks after it.
+    for first in range(0, len(chain), _BLOCK):
+        block = chain[first:first + _BLOCK]
+        held = store.held([entry_id(k, CHUNK) for k in block] + [entry_id(k, BOUNDARY) for k in block])
+        for j, key in enumerate(block):
+            if not held[j]:
+                break
+            end = min(pos + chunk_tokens, n_tokens)
+            links.append(Link(pos, end, key, held[len(block) + j]))
+            parent, pos = key, end
+        else:
+            continue
+        break
     if pos < n_tokens:
         remaining = n_tokens - pos
         for length, key in store.tails(parent):
             if length <= remaining and length < chunk_tokens:
-                if keys.chunk_key(parent, tokens_le[4 * pos : 4 * (pos + length)]) == key:
+                if keys.span_key(parent, tokens_le, pos, pos + length, media) == key:
                     if store.contains(entry_id(key, CHUNK)):
                         links.append(Link(pos, pos + length, key, store.contains(entry_id(key, BOUNDARY))))
                         break

@@ -126,26 +126,14 @@ def gc(
 
 
 def _verify(store, dry_run: bool, progress: Progress | None) -> dict[str, int]:
-    with store.index.reading() as txn:
-        eids = [eid for eid, _ in store.index.iter_rows(txn)]
-    bad = 0
-    for i, eid in enumerate(eids):
-        if dry_run:
-            # Read without quarantining: check the bytes by hand.
-            from kvd.store import blobfile
+    """Every blob read back against its checksum (`SsdStore.check`); failures
+    are quarantined unless `dry_run`."""
+    def step(done: int, total: int) -> None:
+        if progress and (done % 256 == 0 or done == total):
+            progress("verify", done, total)
 
-            try:
-                with store.index.reading() as txn:
-                    row = store.index.get(txn, eid)
-                fd = os.open(store.path(eid), os.O_RDONLY)
-                try:
-                    blobfile.read_blob(fd, row.file_size, row.checksum)
-                finally:
-                    os.close(fd)
-            except (OSError, blobfile.BlobCorrupt):
-                bad += 1
-        elif store._read(eid) is None:
-            bad += 1
-        if progress and (i % 256 == 255 or i == len(eids) - 1):
-            progress("verify", i + 1, len(eids))
-    return {"checked": len(eids), "bad": bad}
+    report = store.check(verify=True, progress=step)
+    if not dry_run:
+        for eid, _ in report.bad:
+            store.verify_blob(eid)  # fails again, and is quarantined
+    return {"checked": report.rows, "bad": len(report.bad)}

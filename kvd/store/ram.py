@@ -10,7 +10,11 @@ so a RAM hit is served without copying.
 
 Eviction hands each evicted entry to `on_evict`, if set: that is the seam a
 colder tier (SSD) uses to receive spills. The callback runs on the daemon's
-thread and must not block for long (the SSD tier queues the write).
+thread and must not block for long (the SSD tier queues the write). The
+`observer`, if set, hears of every entry leaving, with why: "lru" (over
+budget), "quota", "pressure", "gc", "shutdown", or "drop" (see
+kvd/server/evictions.py); it is told before `on_evict`, so a spill the SSD
+tier then drops is recorded last.
 
 A tail index (parent key -> {tail length: key}) answers `tails()` without a
 scan; it is kept in step with the map on every put, evict and drop.
@@ -39,17 +43,22 @@ class RamStore(Store):
     ):
         self.budget_bytes = int(budget_bytes)
         self.on_evict = on_evict
+        self.observer: Callable[[Entry, str], None] | None = None
+        self.quotas: Any = None  # kvd.store.quota.Quotas: a group over quota evicts its own first
         self._clock = clock
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         self._used: dict[bytes, float] = {}
-        self._tails: defaultdict[bytes, dict[int, bytes]] = defaultdict(dict)
+        # parent key -> {tail key: length}: sequences that part after the same
+        # chunk may leave tails of equal length (another question of the same
+        # size), and each must stay findable.
+        self._tails: defaultdict[bytes, dict[bytes, int]] = defaultdict(dict)
         self.bytes = 0
         self.ns_entries: defaultdict[str, int] = defaultdict(int)
         self.ns_bytes: defaultdict[str, int] = defaultdict(int)
         self.ns_tokens: defaultdict[str, int] = defaultdict(int)  # summed chunk lengths
         self.ns_used: dict[str, float] = {}  # latest access, by namespace
         self.counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "stored", "duplicates", "too_big", "evictions", "evicted_bytes", "dropped"), 0
+            ("hits", "misses", "stored", "duplicates", "too_big", "evictions", "evicted_bytes", "dropped", "served_bytes"), 0
         )
 
     # -- lookups ---------------------------------------------------------
@@ -61,13 +70,14 @@ class RamStore(Store):
         self._entries.move_to_end(eid)
         self._used[eid] = self.ns_used[entry.namespace] = self._clock()
         self.counters["hits"] += 1
+        self.counters["served_bytes"] += entry.nbytes
         return entry
 
     def contains(self, eid: bytes) -> bool:
         return eid in self._entries
 
     def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
-        return sorted(self._tails.get(parent, {}).items(), reverse=True)
+        return sorted(((n, k) for k, n in self._tails.get(parent, {}).items()), reverse=True)
 
     # -- writes ----------------------------------------------------------
     def put(self, entry: Entry) -> PutOutcome:
@@ -77,19 +87,21 @@ class RamStore(Store):
             self._used[eid] = self._clock()
             self.counters["duplicates"] += 1
             return PutOutcome.DUPLICATE
-        if entry.nbytes > self.budget_bytes:
+        if entry.nbytes > self.budget_bytes or (self.quotas is not None and not self.quotas.admit_ram(entry)):
             self.counters["too_big"] += 1
             return PutOutcome.TOO_BIG
         self._entries[eid] = entry
         self._used[eid] = self.ns_used[entry.namespace] = self._clock()
         if entry.tail and entry.kind == CHUNK:
-            self._tails[entry.parent][entry.length] = entry.key
+            self._tails[entry.parent][entry.key] = entry.length
         self.bytes += entry.nbytes
         self.ns_entries[entry.namespace] += 1
         self.ns_bytes[entry.namespace] += entry.nbytes
         if entry.kind == CHUNK:
             self.ns_tokens[entry.namespace] += entry.length
         self.counters["stored"] += 1
+        if self.quotas is not None:
+            self.quotas.enforce_ram(self, entry)
         self._evict_to(self.budget_bytes)
         return PutOutcome.STORED
 
@@ -98,8 +110,8 @@ class RamStore(Store):
         del self._used[eid]
         if entry.kind == CHUNK:
             tails = self._tails.get(entry.parent)
-            if tails and tails.get(entry.length) == entry.key:
-                del tails[entry.length]
+            if tails and entry.key in tails:
+                del tails[entry.key]
                 if not tails:
                     del self._tails[entry.parent]
         self.bytes -= entry.nbytes
@@ -114,24 +126,31 @@ class RamStore(Store):
             self.ns_used.pop(ns, None)
         return entry
 
-    def _evict_to(self, budget: int) -> tuple[int, int]:
+    def _evict_to(self, budget: int, why: str = "lru") -> tuple[int, int]:
         n = nbytes = 0
         while self.bytes > budget and self._entries:
-            eid = next(iter(self._entries))
-            entry = self._remove(eid)
+            nbytes += self.evict_entry(next(iter(self._entries)), why)
             n += 1
-            nbytes += entry.nbytes
-            self.counters["evictions"] += 1
-            self.counters["evicted_bytes"] += entry.nbytes
-            if self.on_evict is not None:
-                self.on_evict(entry)
         return n, nbytes
 
-    def evict(self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ram") -> tuple[int, int]:
+    def evict_entry(self, eid: bytes, why: str) -> int:
+        """Evict one held entry (spilling it, via `on_evict`). Returns its bytes."""
+        entry = self._remove(eid)
+        self.counters["evictions"] += 1
+        self.counters["evicted_bytes"] += entry.nbytes
+        if self.observer is not None:
+            self.observer(entry, why)
+        if self.on_evict is not None:
+            self.on_evict(entry)
+        return entry.nbytes
+
+    def evict(
+        self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ram", why: str = "gc"
+    ) -> tuple[int, int]:
         if tier != "ram":
             return 0, 0
         if not dry_run:
-            return self._evict_to(max(0, int(budget_bytes)))
+            return self._evict_to(max(0, int(budget_bytes)), why)
         n = nbytes = 0
         remaining = self.bytes
         for entry in self._entries.values():
@@ -155,7 +174,9 @@ class RamStore(Store):
         nbytes = sum(self._entries[eid].nbytes for eid in victims)
         if not dry_run:
             for eid in victims:
-                self._remove(eid)
+                entry = self._remove(eid)
+                if self.observer is not None:
+                    self.observer(entry, "drop")
             self.counters["dropped"] += len(victims)
         return len(victims), nbytes
 

@@ -51,7 +51,7 @@ def reconcile_steps(
             report[f"{kind}s_removed"] += 1
             report[f"{kind}_bytes"] += size
             if not dry_run:
-                store._count(f"{kind}s_removed")
+                store.count(f"{kind}s_removed")
         if progress:
             progress("blobs", i + 1, len(shards))
         yield
@@ -78,7 +78,7 @@ def reconcile_steps(
         if missing:
             report["rows_repaired"] += len(missing)
             if not dry_run:
-                store._remove(missing, "rows_repaired")
+                store.remove_rows(missing, "rows_repaired")
         if progress:
             progress("rows", done, total)
         if not ok or not seen:

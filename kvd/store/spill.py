@@ -111,6 +111,15 @@ class SpillQueue:
                     self.bytes -= entry.nbytes
             self.cond.notify_all()
 
+    def pending_where(self, pred: Callable[[Entry], bool]) -> list[Entry]:
+        """The queued entries `pred` picks (a snapshot; nothing is removed)."""
+        with self.cond:
+            return [e for e in self._pending.values() if pred(e)]
+
+    def unclaimed(self) -> bool:
+        """Whether some queued entry is not yet taken by the writer."""
+        return len(self._pending) > len(self._inflight)
+
     def remove_where(self, pred: Callable[[Entry], bool]) -> list[Entry]:
         """Remove queued entries (not in flight) for which `pred` holds."""
         with self.cond:
@@ -192,7 +201,7 @@ class Writer:
         """Wait until the queue is empty and the writer is between batches."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.queue.cond:
-            while self.queue._pending or self._jobs or self._busy:
+            while not self.queue.idle() or self._jobs or self._busy:
                 if not self.alive:
                     return False
                 left = None if deadline is None else deadline - time.monotonic()
@@ -240,4 +249,4 @@ class Writer:
                     self.queue.cond.notify_all()
 
     def _pending_unclaimed(self) -> bool:
-        return len(self.queue._pending) > len(self.queue._inflight)
+        return self.queue.unclaimed()

@@ -41,11 +41,15 @@ Budget. `budget_bytes` counts blocks actually allocated to blobs
 evicted before a write would exceed it. `min_free_bytes` keeps space free
 on the filesystem for everyone else: below it the tier writes nothing.
 
-Degraded mode. ENOSPC/EDQUOT/EIO/EROFS while writing, or free space below
+Degraded mode. A disk error (`DISK_ERRNOS`: ENOSPC, EDQUOT, EIO, EROFS,
+EFBIG) while writing, or free space below
 `min_free_bytes`, puts the tier in degraded mode (logged once, flagged in
 stats): queued spills are dropped, counted, while reads from disk and the
 RAM tier go on. Every `retry_s` one write is attempted; success clears it.
-A failed write removes its temp file, so nothing on disk is harmed.
+A failed write removes its temp file, so nothing on disk is harmed. Any
+other OSError (a shard directory replaced by a file, a permission changed by
+hand) concerns one path: that entry is dropped and counted, logged once per
+errno, and the tier goes on.
 
 Recency. A disk hit records (eid, time) in memory; the writer flushes these
 into the LRU order every `touch_flush_s` and before choosing victims, so the
@@ -65,7 +69,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import lmdb
 
@@ -142,9 +146,15 @@ class SsdStore(Store):
             self.entries, self.bytes = self.index.totals(txn)
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self.drop_reasons: dict[str, int] = {}
+        # Told of every entry leaving the tier: (eid, namespace or None, what, why);
+        # see kvd/server/evictions.py. Called on the writer or daemon thread.
+        self.observer: Callable[[bytes, str | None, str, str], None] | None = None
+        # Per-namespace SSD quotas (kvd/store/quota.py), checked before a write.
+        self.quotas: Any = None
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
+        self._errnos_logged: set[int | None] = set()
         self._bad: dict[bytes, str] = {}  # eid -> reason, awaiting quarantine
         self._leases: dict[bytes, float] = {}
         self._evicting: set[bytes] = set()  # victims whose rows are being deleted
@@ -163,6 +173,10 @@ class SsdStore(Store):
             self.writer.start()
 
     # -- small helpers -----------------------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to one of this tier's counters (`stats()["counters"]`)."""
+        self._count(name, n)
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._mu:
             self.counters[name] += n
@@ -171,6 +185,8 @@ class SsdStore(Store):
         with self._mu:
             self.counters["drops"] += 1
             self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+        if self.observer is not None:
+            self.observer(entry.id, entry.namespace, "dropped", reason)
 
     def path(self, eid: bytes) -> Path:
         return blob_path(self.root, eid)
@@ -205,6 +221,33 @@ class SsdStore(Store):
                 return self.index.has(txn, eid)
         except IndexBusy:
             return False
+
+    def held(self, eids: Sequence[bytes]) -> list[bool]:
+        """`contains` for each of `eids`, from one read transaction."""
+        out = [eid in self.queue for eid in eids]
+        try:
+            with self.index.reading() as txn:
+                for i, eid in enumerate(eids):
+                    if not out[i] and eid not in self._bad:
+                        out[i] = self.index.has(txn, eid)
+        except IndexBusy:
+            pass
+        return out
+
+    def lease_many(self, eids: Sequence[bytes]) -> list[bool]:
+        """`lease` for each of `eids`, under one lock."""
+        now = self._clock()
+        until = now + self.lease_s
+        with self._mu:
+            evicting = self._evicting
+            out = [eid not in evicting for eid in eids]
+            for eid, ok in zip(eids, out):
+                if ok:
+                    self._leases[eid] = until
+            if len(self._leases) > self._lease_sweep_at:
+                self._leases = {k: t for k, t in self._leases.items() if t > now}
+                self._lease_sweep_at = max(4096, 2 * len(self._leases))
+        return out
 
     def has_row(self, eid: bytes) -> bool:
         """Whether a committed blob exists for `eid` (ignores the queue)."""
@@ -285,6 +328,8 @@ class SsdStore(Store):
             self._bad[eid] = reason
             if reason != "missing":
                 self.counters["checksum_failures"] += 1
+        if self.observer is not None:
+            self.observer(eid, None, "quarantined", reason.split(":")[0])
         log.warning("ssd: blob %s is bad (%s); quarantining, serving a miss", eid.hex(), reason)
         self.writer.submit(lambda: self._quarantine(eid))
 
@@ -333,53 +378,85 @@ class SsdStore(Store):
 
     # -- the writer thread -----------------------------------------------
     def write_batch(self, batch: list[Entry]) -> None:
-        self._flush_touches()
         written: list[tuple[bytes, Row]] = []
-        planned = 0
-        for entry in batch:
-            eid = entry.id
-            now = self._clock()
-            if self.degraded and now < self._retry_at:
-                self._drop(entry, "degraded")
-                continue
-            est = blobfile.estimate_disk_bytes(entry)
-            if est > self.budget_bytes:
-                self._drop(entry, "too_big")
-                continue
-            if not self._space_ok(est):
-                self._drop(entry, "low_space")
-                continue
-            if not self._make_room(est + planned, protect={e for e, _ in written}):
-                # Perhaps only this batch's own uncommitted blobs stand in the
-                # way (a batch bigger than the budget): commit them, so they
-                # become evictable like any other, and try once more.
-                if written:
-                    self._commit(written)
-                    written, planned = [], 0
-                if not self._make_room(est, set()):
-                    self._drop(entry, "budget_leased")
+        i = 0
+        try:
+            self._flush_touches()
+            planned = 0
+            for i, entry in enumerate(batch):
+                eid = entry.id
+                now = self._clock()
+                if self.degraded and now < self._retry_at:
+                    self._drop(entry, "degraded")
                     continue
-            try:
-                info = blobfile.write_blob(self.path(eid), entry, durable=self.durable)
-            except Unencodable as exc:
-                log.error("ssd: cannot store %s: %s", eid.hex(), exc)
-                self._drop(entry, "unencodable")
-                continue
-            except OSError as exc:
-                self._count("write_errors")
+                est = blobfile.estimate_disk_bytes(entry)
+                if est > self.budget_bytes:
+                    self._drop(entry, "too_big")
+                    continue
+                if not self._space_ok(est):
+                    self._drop(entry, "low_space")
+                    continue
+                if self.quotas is not None and not self.quotas.make_room_ssd(self, entry, est, written):
+                    # As below: this batch's own uncommitted blobs may be what stands in the way.
+                    if written:
+                        self._commit(written)
+                        written, planned = [], 0
+                    if not self.quotas.make_room_ssd(self, entry, est, written):
+                        self._drop(entry, "quota")
+                        continue
+                if not self._make_room(est + planned, protect={e for e, _ in written}):
+                    # Perhaps only this batch's own uncommitted blobs stand in the
+                    # way (a batch bigger than the budget): commit them, so they
+                    # become evictable like any other, and try once more.
+                    if written:
+                        self._commit(written)
+                        written, planned = [], 0
+                    if not self._make_room(est, set()):
+                        self._drop(entry, "budget_leased")
+                        continue
+                try:
+                    info = blobfile.write_blob(self.path(eid), entry, durable=self.durable)
+                except Unencodable as exc:
+                    log.error("ssd: cannot store %s: %s", eid.hex(), exc)
+                    self._drop(entry, "unencodable")
+                    continue
+                except OSError as exc:
+                    self._count("write_errors")
+                    self._drop(entry, "write_error")
+                    if exc.errno in DISK_ERRNOS:
+                        self._degrade(f"write failed: {exc}")
+                    else:
+                        # Not the disk: something about this one path (a shard dir
+                        # replaced by a file, a permission changed by hand). The
+                        # tier goes on writing everything else.
+                        if exc.errno not in self._errnos_logged:  # once per kind; counters keep the tally
+                            self._errnos_logged.add(exc.errno)
+                            log.warning("ssd: cannot write %s (%s); dropped, the tier goes on", eid.hex(), exc)
+                    continue
+                planned += info.disk_bytes
+                written.append((eid, Row(
+                    ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start,
+                    length=entry.length, tail=entry.tail, nbytes=entry.nbytes, file_size=info.file_size,
+                    disk_bytes=info.disk_bytes, checksum=info.checksum, fmt=blobfile.FORMAT_VERSION,
+                    tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=now,
+                )))
+                self._recover()
+            if written:
+                self._commit(written)
+        except lmdb.Error as exc:
+            # The index refused a write mid-batch (LMDB on a full disk, most
+            # often). Blobs written but not yet indexed must not stay on disk,
+            # and every entry of the batch not yet stored is dropped, counted.
+            self._count("write_errors")
+            self._degrade(f"index write failed: {exc}")
+            unindexed = {eid for eid, _ in written}
+            for eid in unindexed:
+                self._unlink(self.path(eid))
+            for entry in batch[:i]:
+                if entry.id in unindexed:
+                    self._drop(entry, "write_error")
+            for entry in batch[i:]:
                 self._drop(entry, "write_error")
-                self._degrade(f"write failed: {exc}")
-                continue
-            planned += info.disk_bytes
-            written.append((eid, Row(
-                ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start,
-                length=entry.length, tail=entry.tail, nbytes=entry.nbytes, file_size=info.file_size,
-                disk_bytes=info.disk_bytes, checksum=info.checksum, fmt=blobfile.FORMAT_VERSION,
-                tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=now,
-            )))
-            self._recover()
-        if written:
-            self._commit(written)
 
     def _commit(self, written: list[tuple[bytes, Row]]) -> None:
         """Commit rows for durable blobs; on failure remove the blobs (counted)."""
@@ -453,13 +530,25 @@ class SsdStore(Store):
                 return False  # a LOOKUP just reported one: leave them all this time
             self._evicting.update(victims)
         try:
-            self._remove(victims, "evictions")
+            self._remove(victims, "evictions", "budget")
         finally:
             with self._mu:
                 self._evicting.difference_update(victims)
         return True
 
-    def _remove(self, eids: list[bytes], counter: str) -> tuple[int, int]:
+    def evict_rows(self, victims: list[bytes], why: str) -> tuple[int, int]:
+        """Writer thread: evict these rows, except any leased meanwhile
+        (ordered against `lease` as in `_make_room`). Returns (entries, bytes)."""
+        with self._mu:
+            victims = [eid for eid in victims if not self.leased(eid)]
+            self._evicting.update(victims)
+        try:
+            return self._remove(victims, "evictions", why)
+        finally:
+            with self._mu:
+                self._evicting.difference_update(victims)
+
+    def _remove(self, eids: list[bytes], counter: str, why: str = "gc") -> tuple[int, int]:
         """Delete rows (committed first), then unlink their blobs."""
         def delete(txn):
             rows = [(eid, self.index.delete_row(txn, eid)) for eid in eids]
@@ -475,6 +564,9 @@ class SsdStore(Store):
             self.counters[counter] += len(rows)
             if counter == "evictions":
                 self.counters["evicted_bytes"] += nbytes
+        if self.observer is not None:
+            for eid, row in rows:
+                self.observer(eid, row.ns, "evicted" if counter == "evictions" else "dropped", why)
         return len(rows), nbytes
 
     @staticmethod
@@ -548,6 +640,25 @@ class SsdStore(Store):
 
         return self.writer.submit(run).result()
 
+    def verify_blob(self, eid: bytes) -> bool:
+        """Read `eid`'s blob back against its checksum. False if it has no row
+        or fails; a failure is quarantined, as on any read."""
+        return self._read(eid) is not None
+
+    def remove_rows(self, eids: list[bytes], counter: str) -> tuple[int, int]:
+        """Writer thread (or no writer running): delete these rows, committed
+        first, then unlink their blobs; counted under `counter`. Returns
+        (entries, bytes)."""
+        return self._remove(eids, counter)
+
+    def check(self, *, verify: bool = True, progress=None):
+        """Does the index agree with the blobs? A `kvd.store.check.CheckReport`.
+        Call it with the writer idle (after `flush()`, or on a closed-down
+        store's data dir): a write in flight looks like a temp file."""
+        from kvd.store.check import check
+
+        return check(self.root, self.index, verify=verify, pending=self.queue.__contains__, progress=progress)
+
     def recheck(self, eids: list[bytes]) -> tuple[int, int]:
         """Read these blobs again (checksum verified; a failure is quarantined
         as on any read). Returns (checked, failed); ids without a row are skipped."""
@@ -556,8 +667,12 @@ class SsdStore(Store):
             if not self.has_row(eid):
                 continue
             checked += 1
-            if self._read(eid) is None:
+            if not self.verify_blob(eid):
                 failed += 1
+        if failed:
+            # Quarantines run on the writer thread in submission order: wait for
+            # ours, so whoever asked (kvd verify) finds the blobs moved.
+            self.writer.submit(lambda: None).result()
         return checked, failed
 
     def purge_quarantine(self, *, dry_run: bool = False) -> tuple[int, int]:
@@ -623,8 +738,7 @@ class SsdStore(Store):
                     return namespace is None or e.namespace == namespace
 
                 if dry_run:
-                    with self.queue.cond:
-                        queued = [e for e in self.queue._pending.values() if pick(e)]
+                    queued = self.queue.pending_where(pick)
                 else:
                     queued = self.queue.remove_where(pick)
             qbytes = sum(e.nbytes for e in queued)

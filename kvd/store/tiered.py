@@ -29,7 +29,7 @@ Policy table (data, not code paths):
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
 from kvd.store.ram import RamStore
@@ -46,7 +46,7 @@ class TieredStore(Store):
         self.ssd = ssd
         self.write_through = write_through
         self.promote_max_bytes = int(ram.budget_bytes * promote_max_fraction)
-        self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0}
+        self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0, "ssd_served_bytes": 0}
         ram.on_evict = self._on_ram_evict
 
     def _on_ram_evict(self, entry: Entry) -> None:
@@ -60,6 +60,15 @@ class TieredStore(Store):
             return False  # being evicted from the SSD tier this instant
         return self.ram.contains(eid) or self.ssd.contains(eid)
 
+    def held(self, eids: Sequence[bytes]) -> list[bool]:
+        leased = self.ssd.lease_many(eids)  # lease first, as in `contains`
+        out = [ok and self.ram.contains(eid) for eid, ok in zip(eids, leased)]
+        rest = [i for i, (ok, have) in enumerate(zip(leased, out)) if ok and not have]
+        if rest:
+            for i, have in zip(rest, self.ssd.held([eids[i] for i in rest])):
+                out[i] = have
+        return out
+
     def get(self, eid: bytes) -> Entry | None:
         entry = self.ram.get(eid)
         if entry is not None:
@@ -70,6 +79,7 @@ class TieredStore(Store):
             self.counters["misses"] += 1
             return None
         self.counters["hits"] += 1
+        self.counters["ssd_served_bytes"] += entry.nbytes
         if entry.nbytes <= self.promote_max_bytes:
             if self.ram.put(entry) is PutOutcome.STORED:
                 self.counters["promotions"] += 1
@@ -78,9 +88,11 @@ class TieredStore(Store):
         return entry
 
     def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
-        found = dict(self.ssd.tails(parent))
-        found.update(self.ram.tails(parent))
-        return sorted(found.items(), reverse=True)
+        # Keyed by tail key: two tails of one length (sequences that part after
+        # the same chunk) must both be listed.
+        found = {key: n for n, key in self.ssd.tails(parent)}
+        found.update({key: n for n, key in self.ram.tails(parent)})
+        return sorted(((n, key) for key, n in found.items()), reverse=True)
 
     # -- writes --------------------------------------------------------------
     def put(self, entry: Entry) -> PutOutcome:
@@ -156,7 +168,7 @@ class TieredStore(Store):
         already-written entries cost nothing), so a restart is warm with the
         whole cache, not only what had spilled."""
         if persist:
-            self.ram.evict(0)
+            self.ram.evict(0, why="shutdown")
         self.ssd.close()
 
 

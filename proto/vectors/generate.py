@@ -9,6 +9,16 @@ committed files byte for byte, so a silent change of encoding fails CI.
 Each message vector is two files: NAME.hex (one frame per line, lowercase
 hex; frame 0 is the msgpack header) and NAME.json (the readable twin: the
 header as JSON, with msgpack bin values written as {"bin": "<hex>"}).
+
+`example_put_request` / `example_put_reply` are the worked example of
+PROTOCOL.md section 9 (the test checks the spec's hex dump against them, and
+that a real daemon answers that request with exactly that reply).
+
+Each invalid vector is NAME.hex (as above) and NAME.json, its readable twin:
+the error the decoder must give (`error_code`, `error_name`), `why` in words,
+and `frames`, one per line of the .hex: {"msgpack": value} for a frame that
+is one complete msgpack object (bin values as above), {"bytes": "<hex>"} for
+any other frame (a data frame, or a frame 0 that is not msgpack at all).
 """
 
 from __future__ import annotations
@@ -24,6 +34,11 @@ sys.path.insert(0, str(HERE.parent.parent))
 
 from kvd.protocol import codec, keys  # noqa: E402
 from kvd.protocol.codec import Tensor  # noqa: E402
+from kvd.protocol.errors import ERRORS  # noqa: E402
+
+
+def error_name(code: int) -> str:
+    return ERRORS[code].name
 
 
 def _readable(value):
@@ -38,6 +53,8 @@ def _readable(value):
 
 TOKENS = keys.token_bytes([1, 2, 3, 4, 5])
 BF16 = bytes.fromhex("803f0040c0bf")  # bfloat16 [1.0, 2.0, -1.5] little-endian
+EXAMPLE_CHUNK0 = bytes.fromhex("803f0040c0bf003f")  # bfloat16 [1.0, 2.0, -1.5, 0.5]
+EXAMPLE_TAIL = bytes.fromhex("4040")  # bfloat16 [3.0]
 U32 = (0xDEADBEEF).to_bytes(4, "little") + (7).to_bytes(4, "little")
 
 MESSAGES = {
@@ -47,6 +64,16 @@ MESSAGES = {
     "ping_reply": ("reply", "PING", {}, 2),
     "lookup_request": ("request", "LOOKUP", {"ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4}, 3),
     "lookup_reply": ("reply", "LOOKUP", {"n": 4, "boundaries": [4]}, 3),
+    "lookup_media_request": (
+        "request", "LOOKUP",
+        {"ns": "qwen2-vl", "tokens": TOKENS, "chunk_tokens": 4, "media": [{"start": 1, "end": 3, "hash": bytes(range(32))}]},
+        10,
+    ),
+    "hello_features_reply": (
+        "reply", "HELLO",
+        {"version": 1, "server": "kvd/0.1.0", "limits": {"max_message_bytes": 536870912}, "chunk_tokens": 256, "features": ["media"]},
+        11,
+    ),
     "put_request": (
         "request", "PUT",
         {
@@ -67,26 +94,91 @@ MESSAGES = {
     "gc_request": ("request", "GC", {"ram_bytes": 0, "ns": "llama-3b", "dry_run": True}, 7),
     "gc_reply": ("reply", "GC", {"entries": 3, "bytes": 1024, "dry_run": True, "details": {}}, 7),
     "shutdown_request": ("request", "SHUTDOWN", {}, 8),
+    "explain_request": (
+        "request", "EXPLAIN",
+        {"ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4, "need_boundary": False,
+         "ns_meta": {"class": "mlx_lm.models.llama.Model", "kv": {"bits": 8, "group_size": 64}}},
+        10,
+    ),
+    "explain_reply": (
+        "reply", "EXPLAIN",
+        {"n": 4, "tokens": 5, "reason": "tokens_differ",
+         "message": "held up to token 4; a sequence stored in this namespace 3s ago agrees up to token 4 and differs there",
+         "boundaries": [], "detail": {"at": 4, "query_token": 5, "stored_token": 9}},
+        10,
+    ),
+    # The worked example (PROTOCOL.md section 9): the whole of [1, 2, 3, 4, 5]
+    # at chunk size 4 is chunk 0 = tokens [0, 4) and the tail, chunk 1 = [4, 5);
+    # one layer's keys per chunk (1 head, head dim 1) and empty meta. A real
+    # daemon that held neither answers with the reply below.
+    "example_put_request": (
+        "request", "PUT",
+        {
+            "ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4,
+            "chunks": [
+                {"index": 0, "tensors": [Tensor("0.k", "bfloat16", (1, 1, 4, 1), EXAMPLE_CHUNK0)], "meta": b""},
+                {"index": 1, "tensors": [Tensor("0.k", "bfloat16", (1, 1, 1, 1), EXAMPLE_TAIL)], "meta": b""},
+            ],
+        },
+        1,
+    ),
+    "example_put_reply": ("reply", "PUT", {"stored": 2, "duplicate": 0, "too_big": 0, "dropped": 0}, 1),
     "error_reply": ("reply", "ERROR", {"code": 105, "name": "BAD_SHAPE", "message": "tensor 'k': 15 bytes for float32[2, 2], expected 16"}, 9),
 }
 
-# Inputs a decoder must reject, with the error code it must give.
+# Inputs a decoder must reject: (frames, error code, why).
+_LOOKUP = {"v": 1, "type": "LOOKUP", "id": 1}
+_PUT = {"v": 1, "type": "PUT", "id": 1, "ns": "x", "tokens": b"\x01\x00\x00\x00"}
+
+
+def _pack(header: dict) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def _put_one(dtype: str, shape: list[int], frame: int) -> bytes:
+    return _pack({**_PUT, "chunks": [{"index": 0, "tensors": [{"name": "k", "dtype": dtype, "shape": shape, "frame": frame}]}]})
+
+
 INVALID = {
-    "truncated_msgpack": ([b"\x85\xa1v\x01"], 100),
-    "header_not_a_map": ([msgpack.packb([1, 2])], 100),
-    "unsupported_version": ([msgpack.packb({"v": 2, "type": "PING", "id": 1})], 101),
-    "unknown_type": ([msgpack.packb({"v": 1, "type": "FROB", "id": 1})], 102),
-    "namespace_not_a_string": ([msgpack.packb({"v": 1, "type": "LOOKUP", "id": 1, "ns": 7, "tokens": b""}, use_bin_type=True)], 103),
-    "tokens_not_multiple_of_4": ([msgpack.packb({"v": 1, "type": "LOOKUP", "id": 1, "ns": "x", "tokens": b"\x01\x02\x03"}, use_bin_type=True)], 103),
-    "unknown_dtype": ([msgpack.packb({"v": 1, "type": "PUT", "id": 1, "ns": "x", "tokens": b"\x01\x00\x00\x00", "chunks": [{"index": 0, "tensors": [{"name": "k", "dtype": "float8", "shape": [1], "frame": 1}]}]}, use_bin_type=True), b"\x00"], 104),
-    "byte_length_mismatch": ([msgpack.packb({"v": 1, "type": "PUT", "id": 1, "ns": "x", "tokens": b"\x01\x00\x00\x00", "chunks": [{"index": 0, "tensors": [{"name": "k", "dtype": "float32", "shape": [2], "frame": 1}]}]}, use_bin_type=True), b"\x00" * 7], 105),
-    "frame_out_of_range": ([msgpack.packb({"v": 1, "type": "PUT", "id": 1, "ns": "x", "tokens": b"\x01\x00\x00\x00", "chunks": [{"index": 0, "tensors": [{"name": "k", "dtype": "uint8", "shape": [1], "frame": 2}]}]}, use_bin_type=True), b"\x00"], 106),
+    "truncated_msgpack": ([b"\x85\xa1v\x01"], 100, "frame 0 announces a map of 5 pairs and ends after the first"),
+    "header_not_a_map": ([msgpack.packb([1, 2])], 100, "frame 0 is a msgpack array, not a map"),
+    "unsupported_version": ([_pack({"v": 2, "type": "PING", "id": 1})], 101, "`v` is 2; the decoder speaks only 1"),
+    "unknown_type": ([_pack({"v": 1, "type": "FROB", "id": 1})], 102, "`type` FROB is not a kvd/1 message"),
+    "namespace_not_a_string": ([_pack({**_LOOKUP, "ns": 7, "tokens": b""})], 103, "`ns` is the integer 7, not a string"),
+    "tokens_not_multiple_of_4": ([_pack({**_LOOKUP, "ns": "x", "tokens": b"\x01\x02\x03"})], 103,
+                                 "`tokens` is 3 bytes, not a multiple of 4"),
+    "unknown_dtype": ([_put_one("float8", [1], 1), b"\x00"], 104, "dtype float8 is not in the dtype table"),
+    "byte_length_mismatch": ([_put_one("float32", [2], 1), b"\x00" * 7], 105,
+                             "float32[2] needs 8 bytes; frame 1 holds 7"),
+    "media_hash_not_32_bytes": ([_pack({**_LOOKUP, "ns": "x", "tokens": b"\x01\x00\x00\x00", "media": [{"start": 0, "end": 1, "hash": b"\x00" * 31}]})], 103,
+                                "the media span's `hash` is 31 bytes; a digest is 32"),
+    "frame_out_of_range": ([_put_one("uint8", [1], 2), b"\x00"], 106,
+                           "the tensor names frame 2; the message has frames 0 and 1"),
 }
+
+
+def describe_frame(frame: bytes) -> dict:
+    """{"msgpack": value} if the frame is one complete msgpack object, else {"bytes": hex}."""
+    try:
+        return {"msgpack": _readable(msgpack.unpackb(frame, raw=False))}
+    except (ValueError, msgpack.UnpackException):
+        return {"bytes": frame.hex()}
+
 
 KEY_CASES = [
     ("llama-3b", 4, list(range(1, 11))),  # 2 full chunks and a tail of 2
     ("llama-3b", 256, [1, 2, 3]),  # a single tail chunk
     ("ns/with unicode \u00e9", 2, [0, 4294967295, 42, 7]),
+]
+
+# Media-aware keys (PROTOCOL.md 4.1): (namespace, chunk_tokens, tokens, [(start, end, digest)]).
+D1 = bytes(range(32))
+D2 = bytes(range(1, 33))
+MEDIA_KEY_CASES = [
+    ("qwen2-vl", 4, list(range(1, 11)), [(2, 7, D1)]),  # one image across chunks 0 and 1
+    ("qwen2-vl", 4, list(range(1, 11)), [(2, 7, D2)]),  # same text, another image: other keys from chunk 0
+    ("qwen2-vl", 4, list(range(1, 11)), [(8, 9, D1)]),  # image in the tail: chunks 0, 1 keep text-only keys
+    ("qwen2-vl", 4, list(range(1, 11)), [(0, 1, D1), (1, 3, D2)]),  # two spans in one chunk
 ]
 
 
@@ -100,9 +192,12 @@ def main() -> None:
         (out / f"{name}.json").write_text(json.dumps({"direction": direction, "header": _readable(header)}, indent=2) + "\n")
     bad = HERE / "invalid"
     bad.mkdir(exist_ok=True)
-    for name, (frames, code) in INVALID.items():
+    for name, (frames, code, why) in INVALID.items():
         (bad / f"{name}.hex").write_text("\n".join(f.hex() for f in frames) + "\n")
-        (bad / f"{name}.json").write_text(json.dumps({"direction": "request", "error_code": code}, indent=2) + "\n")
+        frames_described = [describe_frame(frames[0])] + [{"bytes": f.hex()} for f in frames[1:]]
+        twin = {"direction": "request", "error_code": code, "error_name": error_name(code), "why": why,
+                "frames": frames_described}
+        (bad / f"{name}.json").write_text(json.dumps(twin, indent=2) + "\n")
     cases = []
     for ns, ct, toks in KEY_CASES:
         tb = keys.token_bytes(toks)
@@ -112,6 +207,16 @@ def main() -> None:
             "chunks": [{"start": s, "end": e, "key": k.hex()} for (s, e), k in zip(keys.chunk_spans(len(toks), ct), keys.chain(ns, ct, tb))],
         })
     (HERE / "keys.json").write_text(json.dumps(cases, indent=2, ensure_ascii=False) + "\n")
+    media_cases = []
+    for ns, ct, toks, spans in MEDIA_KEY_CASES:
+        media = [keys.MediaSpan(a, b, d) for a, b, d in spans]
+        chain = keys.chain(ns, ct, keys.token_bytes(toks), keys.check_media(media, len(toks)))
+        media_cases.append({
+            "namespace": ns, "chunk_tokens": ct, "tokens": toks,
+            "media": [{"start": a, "end": b, "hash": d.hex()} for a, b, d in spans],
+            "chunks": [{"start": s, "end": e, "key": k.hex()} for (s, e), k in zip(keys.chunk_spans(len(toks), ct), chain)],
+        })
+    (HERE / "media_keys.json").write_text(json.dumps(media_cases, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""`kvd keys`: the CURVE key files a tcp:// endpoint needs (kvd.endpoint rule 6).
+
+    kvd keys init              the daemon's key pair (once per keys dir)
+    kvd keys add-client NAME   a client pair for NAME, its public key authorized
+    kvd keys ls                what the keys dir holds
+
+Files are created 0600 in a 0700 keys dir (the `keys_dir` setting); nothing
+is ever overwritten. To let a client on another machine in, copy
+`clients/NAME.key_secret` and `server.key` into that user's keys dir. The
+daemon reads `authorized/` when it starts: restart it after add-client.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from kvd.cli import exits, main
+from kvd.cli.common import fail, settings
+from kvd.config import config_options
+
+_keys_options = config_options(names=("keys_dir",))
+
+
+def _keys_dir(flags) -> Path:
+    from kvd.endpoint import default_keys_dir, ensure_keys_dir
+
+    cfg = settings(flags)
+    return ensure_keys_dir(Path(cfg.keys_dir) if cfg.keys_dir else default_keys_dir())
+
+
+@main.group()
+def keys() -> None:
+    """CURVE keys for serving and reaching a tcp:// endpoint."""
+
+
+@keys.command("init")
+@_keys_options
+def init(**flags) -> None:
+    """Make the daemon's key pair (server.key_secret, server.key)."""
+    import zmq
+
+    from kvd.endpoint import SERVER_CERT, write_cert
+
+    d = _keys_dir(flags)
+    secret_path, public_path = d / f"{SERVER_CERT}.key_secret", d / f"{SERVER_CERT}.key"
+    if os.path.lexists(secret_path):
+        fail(exits.REFUSED, f"{secret_path} exists: the daemon already has a key pair")
+    public, secret = zmq.curve_keypair()
+    write_cert(secret_path, public, secret)
+    write_cert(public_path, public, None)
+    click.echo(f"server key pair: {secret_path}\nserver public key: {public_path} ({public.decode()})")
+
+
+@keys.command("add-client")
+@click.argument("name")
+@_keys_options
+def add_client(name: str, **flags) -> None:
+    """Make a client pair NAME for this user and authorize its public key."""
+    import zmq
+
+    from kvd.endpoint import AUTHORIZED_DIR, CLIENTS_DIR, write_cert
+
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name.startswith("."):
+        fail(exits.USAGE, f"client name {name!r}: use letters, digits, '-', '_' and '.'")
+    d = _keys_dir(flags)
+    pair, allowed = d / CLIENTS_DIR / f"{name}.key_secret", d / AUTHORIZED_DIR / f"{name}.key"
+    for path in (pair, allowed):
+        if os.path.lexists(path):
+            fail(exits.REFUSED, f"{path} exists: client {name!r} already has keys")
+    public, secret = zmq.curve_keypair()
+    write_cert(pair, public, secret)
+    write_cert(allowed, public, None)
+    click.echo(f"client key pair: {pair}\nauthorized: {allowed} ({public.decode()})\nrestart the daemon to admit it")
+
+
+@keys.command("ls")
+@_keys_options
+def ls(**flags) -> None:
+    """List the server key, the authorized client keys and this user's client pairs."""
+    from kvd.endpoint import AUTHORIZED_DIR, CLIENTS_DIR, SERVER_CERT, read_cert
+
+    d = _keys_dir(flags)
+    server = d / f"{SERVER_CERT}.key"
+    click.echo(f"keys dir {d}")
+    click.echo(f"server: {read_cert(server)[0].decode() if os.path.lexists(server) else 'none (run `kvd keys init`)'}")
+    for title, sub, ext in (("authorized", AUTHORIZED_DIR, ".key"), ("client pairs", CLIENTS_DIR, ".key_secret")):
+        entries = sorted((d / sub).glob(f"*{ext}"))
+        click.echo(f"{title}: {len(entries)}")
+        for path in entries:
+            click.echo(f"  {path.name[: -len(ext)]:<20} {read_cert(path)[0].decode()}")

@@ -1,0 +1,186 @@
+"""The RAM tier's budget follows memory pressure: it yields, then grows back.
+
+Theory of operation
+-------------------
+`RamGovernor.tick()` runs on the daemon thread from its housekeeping tick
+(about every 0.1 s, between requests). Every `poll_s` seconds it takes one
+sample from its pressure source (kvd/server/pressure.py) and moves the RAM
+tier's *target* budget between `floor_bytes` and `max_bytes` (`ram_mb`):
+
+    critical  target = floor at once
+    warn      target = max(floor, min(target, bytes held) - step), once
+              per poll while it lasts: each poll frees another step
+    normal    after `calm_s` seconds without pressure, target += step per
+              poll, up to max_bytes
+
+where step = (max - floor) / 4. Hysteresis is twofold: levels enter and
+leave at different thresholds (pressure.py), and growth waits for a calm
+period and then comes back a step at a time.
+
+The target is the RAM tier's `budget_bytes` at once (new PUTs respect it),
+but getting down to it is paced: each tick evicts the oldest entries, at
+most `step_per_tick` bytes, and in a tiered store no more than the spill
+queue can take without waiting (entries move to the queue, and only the
+SSD writer frees their memory; evicting faster would only move bytes from
+one list to another and then drop them). So a wanted entry is spilled, not
+lost, whenever the disk keeps up; with no SSD tier, the coldest entries are
+dropped. Evictions are recorded with why = "pressure".
+
+Every change of level and every change of budget is logged once, and the
+state is in STATS ("pressure") and /metrics (kvd_pressure_*).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from kvd.server.pressure import LEVELS, Sample, Source
+
+log = logging.getLogger("kvd.server")
+MiB = 1 << 20
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.2f} MiB" if n >= MiB // 100 else f"{n} B"
+
+
+class RamGovernor:
+    """Moves `ram.budget_bytes` with memory pressure; see the module docstring."""
+
+    def __init__(
+        self,
+        ram: Any,
+        source: Source,
+        *,
+        max_bytes: int,
+        floor_bytes: int,
+        source_name: str = "auto",
+        poll_s: float = 1.0,
+        calm_s: float = 30.0,
+        step_per_tick: int = 64 * MiB,
+        spill_queue: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
+        self.ram = ram
+        self.source = source
+        self.source_name = source_name
+        self.max_bytes = int(max_bytes)
+        self.floor_bytes = min(int(floor_bytes), self.max_bytes)
+        self.step = max(1, (self.max_bytes - self.floor_bytes) // 4)
+        self.poll_s = poll_s
+        self.calm_s = calm_s
+        self.step_per_tick = step_per_tick
+        self.queue = spill_queue
+        self._clock = clock
+        self._wall = wall
+        self.level = "normal"
+        self.sample = Sample("normal", "not sampled yet")
+        self.target = self.max_bytes
+        self.since = wall()
+        self._calm_from = clock()
+        self._next_poll = clock()
+        self.counters = dict.fromkeys(("samples", "level_changes", "shrinks", "grows", "evictions", "evicted_bytes"), 0)
+        ram.budget_bytes = self.target
+
+    # -- the tick ------------------------------------------------------------------
+    def tick(self) -> None:
+        now = self._clock()
+        if now >= self._next_poll:
+            self._next_poll = now + self.poll_s
+            self._decide(now)
+        if self.ram.bytes > self.target:
+            self._shrink_step()
+
+    def _decide(self, now: float) -> None:
+        try:
+            sample = self.source(self.level)
+        except Exception as exc:  # a broken source must not stop the daemon
+            sample = Sample("normal", f"pressure source failed: {exc}")
+        self.counters["samples"] += 1
+        self.sample = sample
+        level = sample.level if sample.level in LEVELS else "normal"
+        if level != self.level:
+            self.counters["level_changes"] += 1
+            severity = logging.INFO if level == "normal" else logging.WARNING
+            log.log(severity, "memory pressure %s -> %s (%s)", self.level, level, sample.reason)
+            self.level, self.since = level, self._wall()
+        if level != "normal":
+            self._calm_from = now
+        if level == "critical":
+            self._set(self.floor_bytes, "critical")
+        elif level == "warn":
+            self._set(max(self.floor_bytes, min(self.target, self.ram.bytes) - self.step), "warn")
+        elif self.target < self.max_bytes and now - self._calm_from >= self.calm_s:
+            self._set(min(self.max_bytes, self.target + self.step), f"calm for {now - self._calm_from:.0f}s")
+
+    def _set(self, target: int, why: str) -> None:
+        if target == self.target:
+            return
+        verb = "shrinks" if target < self.target else "grows"
+        self.counters[verb] += 1
+        log.info("ram budget %s -> %s (%s: %s)", _mib(self.target), _mib(target), why, self.sample.reason)
+        self.target = target
+        self.ram.budget_bytes = target
+
+    def _shrink_step(self) -> None:
+        """Evict the coldest entries toward the target, paced (module docstring)."""
+        allowance = self.step_per_tick
+        for entry in list(self._oldest()):
+            if self.ram.bytes <= self.target or allowance <= 0:
+                break
+            if self.queue is not None and not self._queue_room(entry.nbytes):
+                break  # the SSD writer is behind: evict more on a later tick
+            freed = self.ram.evict_entry(entry.id, "pressure")
+            allowance -= freed
+            self.counters["evictions"] += 1
+            self.counters["evicted_bytes"] += freed
+
+    def _oldest(self):
+        # Enough of the oldest entries for one tick; evicting while iterating
+        # the RAM tier's own map is not allowed, hence the copy.
+        need, out = self.ram.bytes - self.target, []
+        for entry in self.ram.entries():
+            out.append(entry)
+            need -= entry.nbytes
+            if need <= 0 or len(out) >= 4096:
+                break
+        return out
+
+    def _queue_room(self, nbytes: int) -> bool:
+        q = self.queue
+        entries_ok = q.max_entries is None or len(q) < q.max_entries
+        return entries_ok and q.bytes + nbytes <= q.max_bytes
+
+    # -- reporting -----------------------------------------------------------------
+    def stats(self, _stats: Any = None) -> dict[str, Any]:
+        return {
+            "source": self.source_name,
+            "level": self.level,
+            "level_code": LEVELS.index(self.level),
+            "reason": self.sample.reason,
+            "since": self.since,
+            "available_bytes": self.sample.available,
+            "total_bytes": self.sample.total,
+            "ram_budget_bytes": self.target,
+            "ram_max_bytes": self.max_bytes,
+            "ram_floor_bytes": self.floor_bytes,
+            **self.counters,
+        }
+
+
+def from_config(cfg: Any, store: Any, ram_bytes: int) -> RamGovernor | None:
+    """The governor `kvd serve` runs for `store`, or None with pressure_source = off."""
+    from kvd.server.pressure import make_source
+
+    source = make_source(cfg.pressure_source)
+    if source is None:
+        return None
+    ssd = getattr(store, "ssd", None)
+    return RamGovernor(
+        getattr(store, "ram", store), source, max_bytes=ram_bytes, floor_bytes=cfg.ram_floor_mb * MiB,
+        source_name=cfg.pressure_source, poll_s=cfg.pressure_poll_s, calm_s=cfg.pressure_calm_s,
+        spill_queue=None if ssd is None else ssd.queue,
+    )

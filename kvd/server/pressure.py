@@ -1,0 +1,323 @@
+"""How much memory pressure the machine is under: the sources the RAM tier yields to.
+
+Theory of operation
+-------------------
+A *source* is a callable returning a `Sample`: a level -- "normal", "warn"
+or "critical" -- with the reason in words and, when known, the bytes still
+available and the total they are out of. `make_source(spec)` builds one from
+the `pressure_source` setting:
+
+    auto        this machine (`read_system`, below)
+    off         none: the RAM tier keeps its budget
+    file:PATH   the first word of PATH ("normal", "warn" or "critical"; a
+                missing file is "normal"): the documented hook for tests and
+                for operators who compute pressure elsewhere
+
+`read_system` is the only OS-specific part:
+
+    Linux   /proc/meminfo MemAvailable against MemTotal; PSI
+            (/proc/pressure/memory, "some" avg10: the share of the last 10 s
+            in which some task waited for memory); and the cgroup the daemon
+            runs in, v2 (memory.max / memory.current) or v1
+            (memory.limit_in_bytes / memory.usage_in_bytes), each level up
+            to the root, counting the working set (usage less inactive file
+            cache, which the kernel reclaims first -- the SSD tier's own
+            reads would otherwise look like pressure).
+    macOS   sysctl kern.memorystatus_vm_pressure_level via ctypes (the
+            kernel's own level: 1 normal, 2 warn, 4 critical) and hw.memsize.
+            Not exercised by the test suite (it runs on Linux).
+
+Levels have hysteresis: each measure enters a level at one threshold and
+leaves it only below a lower one (`THRESHOLDS`), so a value hovering at a
+threshold does not flap. The worst measure decides.
+
+Cost: a sample reads three or four small /proc and /sys files (~50 us); the
+daemon takes one every `pressure_poll_s` seconds from its housekeeping
+tick, between requests, never on a request's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+LEVELS = ("normal", "warn", "critical")
+MiB = 1 << 20
+GiB = 1 << 30
+
+# measure -> (warn enter, warn leave, critical enter, critical leave); higher is worse.
+THRESHOLDS = {
+    "used": (0.90, 0.85, 0.95, 0.92),  # 1 - MemAvailable/MemTotal, or cgroup working set / limit
+    "psi": (10.0, 5.0, 40.0, 20.0),  # PSI memory "some" avg10, percent
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    level: str  # one of LEVELS
+    reason: str  # what decided it, in words
+    available: int | None = None  # bytes the daemon could still get
+    total: int | None = None  # bytes it is out of (physical memory or a cgroup limit)
+
+
+Source = Callable[[str], Sample]  # called with the previous level (for hysteresis)
+
+
+def classify(measure: str, value: float, previous: str) -> str:
+    """The level of one measure, with hysteresis against `previous`."""
+    warn_in, warn_out, crit_in, crit_out = THRESHOLDS[measure]
+    if value >= crit_in or (previous == "critical" and value >= crit_out):
+        return "critical"
+    if value >= warn_in or (previous != "normal" and value >= warn_out):
+        return "warn"
+    return "normal"
+
+
+def _worst(levels: list[str]) -> str:
+    return max(levels, key=LEVELS.index) if levels else "normal"
+
+
+# -- Linux ------------------------------------------------------------------------
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[name] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _psi_some_avg10(path: str = "/proc/pressure/memory") -> float | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("some"):
+                    for field in line.split()[1:]:
+                        k, _, v = field.partition("=")
+                        if k == "avg10":
+                            return float(v)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Cgroup:
+    path: Path
+    v2: bool
+
+    def limit(self) -> int | None:
+        raw = _read_int(self.path / ("memory.max" if self.v2 else "memory.limit_in_bytes"))
+        # cgroup v1 says "no limit" with a huge page-aligned number.
+        return None if raw is None or raw >= 1 << 60 else raw
+
+    def working_set(self) -> int | None:
+        used = _read_int(self.path / ("memory.current" if self.v2 else "memory.usage_in_bytes"))
+        if used is None:
+            return None
+        inactive = 0
+        try:
+            for line in (self.path / "memory.stat").read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == ("inactive_file" if self.v2 else "total_inactive_file"):
+                    inactive = int(v)
+        except (OSError, ValueError):
+            pass
+        return max(0, used - inactive)
+
+
+def _mounts() -> tuple[Path | None, Path | None]:
+    """(cgroup v2 mount, cgroup v1 memory-controller mount)."""
+    v2 = v1 = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fstype, _, opts = (right.split() + ["", "", ""])[:3]
+                mount = Path(left.split()[4])
+                if fstype == "cgroup2" and v2 is None:
+                    v2 = mount
+                elif fstype == "cgroup" and "memory" in opts.split(",") and v1 is None:
+                    v1 = mount
+    except OSError:
+        pass
+    return v2, v1
+
+
+def own_cgroups(proc_cgroup: str = "/proc/self/cgroup", mounts: tuple[Path | None, Path | None] | None = None) -> list[_Cgroup]:
+    """The memory cgroups this process is in, innermost first, up to the root
+    of each hierarchy (a parent's limit binds too). v2 only if it has the
+    memory controller there."""
+    v2_mount, v1_mount = _mounts() if mounts is None else mounts
+    found: list[_Cgroup] = []
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        if hid == "0" and controllers == "" and v2_mount is not None:
+            base, v2 = v2_mount, True
+        elif "memory" in controllers.split(",") and v1_mount is not None:
+            base, v2 = v1_mount, False
+        else:
+            continue
+        path = base / rel.lstrip("/")
+        while True:
+            cg = _Cgroup(path, v2)
+            if (path / ("memory.max" if v2 else "memory.limit_in_bytes")).exists():
+                found.append(cg)
+            if path == base or base not in path.parents:
+                break
+            path = path.parent
+    return found
+
+
+class LinuxSource:
+    """MemAvailable, PSI and the daemon's cgroups (see the module docstring)."""
+
+    def __init__(self, cgroups: list[_Cgroup] | None = None):
+        # A process can be moved to another cgroup while it runs (a service
+        # manager, a test): unless given, they are looked up at each sample
+        # (one small file; the mount points are read once).
+        self._fixed = cgroups
+        self._mounts = _mounts() if cgroups is None else (None, None)
+
+    @property
+    def cgroups(self) -> list[_Cgroup]:
+        return self._fixed if self._fixed is not None else own_cgroups(mounts=self._mounts)
+
+    def __call__(self, previous: str = "normal") -> Sample:
+        levels, reasons = [], []
+        info = _meminfo()
+        total, avail = info.get("MemTotal"), info.get("MemAvailable")
+        if total and avail is not None:
+            used = 1 - avail / total
+            levels.append(classify("used", used, previous))
+            reasons.append(f"MemAvailable {avail / GiB:.1f} of {total / GiB:.1f} GiB")
+        psi = _psi_some_avg10()
+        if psi is not None:
+            levels.append(classify("psi", psi, previous))
+            reasons.append(f"psi some avg10={psi:.1f}")
+        for cg in self.cgroups:
+            limit = cg.limit()
+            ws = cg.working_set() if limit else None
+            if limit and ws is not None:
+                levels.append(classify("used", ws / limit, previous))
+                reasons.append(f"cgroup {cg.path.name or '/'} {ws / MiB:.0f} of {limit / MiB:.0f} MiB")
+                if total is None or limit - ws < (avail or 0):
+                    total, avail = limit, max(0, limit - ws)
+        return Sample(_worst(levels), ", ".join(reasons) or "no measure available", avail, total)
+
+
+# -- macOS ------------------------------------------------------------------------
+
+
+def _sysctl_int(name: str, ctype=ctypes.c_int64) -> int | None:
+    lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    value = ctype(0)
+    size = ctypes.c_size_t(ctypes.sizeof(value))
+    if lib.sysctlbyname(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return None
+    return int(value.value)
+
+
+def darwin_sample(previous: str = "normal") -> Sample:
+    """The kernel's memory-pressure level (the one the dispatch source reports)."""
+    raw = _sysctl_int("kern.memorystatus_vm_pressure_level", ctypes.c_int)
+    total = _sysctl_int("hw.memsize")
+    level = {1: "normal", 2: "warn", 4: "critical"}.get(raw or 1, "normal")
+    return Sample(level, f"kern.memorystatus_vm_pressure_level={raw}", None, total)
+
+
+# -- the one OS switch ------------------------------------------------------------
+
+
+def system_source() -> Source:
+    """This machine's pressure source (module docstring)."""
+    if sys.platform.startswith("linux"):
+        return LinuxSource()
+    if sys.platform == "darwin":
+        return darwin_sample
+    return lambda previous="normal": Sample("normal", f"no pressure source on {sys.platform}")
+
+
+def file_source(path: str | os.PathLike) -> Source:
+    """A source reading its level from a file: the testing and integration hook."""
+    path = Path(path)
+
+    def sample(previous: str = "normal") -> Sample:
+        try:
+            words = path.read_text().split()
+        except FileNotFoundError:
+            return Sample("normal", f"{path}: absent")
+        except OSError as exc:
+            return Sample("normal", f"{path}: unreadable ({exc.strerror})")
+        level = words[0].lower() if words else "normal"
+        if level not in LEVELS:
+            return Sample("normal", f"{path}: unknown level {words[0]!r}")
+        return Sample(level, f"{path}: {' '.join(words)[:80]}")
+
+    return sample
+
+
+def make_source(spec: str) -> Source | None:
+    """The source for a `pressure_source` setting; None for "off"."""
+    if spec == "off":
+        return None
+    if spec == "auto":
+        return system_source()
+    if spec.startswith("file:"):
+        return file_source(spec[5:])
+    raise ValueError(f"expected auto, off or file:PATH, got {spec!r}")
+
+
+def memory_total() -> int | None:
+    """Bytes of memory this process may use: physical memory, or the tightest
+    cgroup limit if lower. None if unknown."""
+    if sys.platform == "darwin":
+        total = _sysctl_int("hw.memsize")
+    else:
+        total = _meminfo().get("MemTotal")
+        for cg in own_cgroups() if sys.platform.startswith("linux") else []:
+            limit = cg.limit()
+            if limit and (total is None or limit < total):
+                total = limit
+    return total
+
+
+def auto_ram_mb(total: int | None = None) -> int:
+    """`ram_mb = "auto"`: an eighth of the memory this process may use (see
+    `memory_total`), at least 256 MiB and at most 32 GiB; 1024 MiB if unknown.
+    An eighth leaves the models the rest, and the RAM tier yields under
+    pressure anyway."""
+    total = memory_total() if total is None else total
+    if not total:
+        return 1024
+    return int(min(32 * 1024, max(256, total // 8 // MiB)))

@@ -1,0 +1,125 @@
+"""The SSD tier's consistency check: do the index and the blobs agree?
+
+One check, used by `SsdStore.check()`, `kvd verify`, and the crash and
+disk-full tests (python-diskcache's `Cache.check` plays the same part). It
+only reads: an LMDB read transaction, a directory walk, and -- with
+`verify` -- every blob read back against its checksum.
+
+What a consistent data dir looks like:
+  1. every row's blob exists and (with `verify`) matches its checksum;
+  2. every blob has a row (no orphans), and no temp file is left behind;
+  3. the LRU order lists exactly the rows, once each;
+  4. the totals row equals the rows' count and summed disk bytes;
+  5. every row is in the current blob format.
+
+`live=True` is for a data dir a running daemon is writing: temp files,
+orphans and totals are then moments of a write in flight, not faults, so
+only (1) is reported, and a blob whose row vanished meanwhile (evicted) is
+not a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvd.store import blobfile
+from kvd.store.datadir import BLOB_DIR, blob_path, eid_of_blob, is_temp_name
+from kvd.store.index import Index
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class CheckReport:
+    """What `check` found. `ok` is True when nothing is wrong."""
+
+    rows: int = 0
+    checked: int = 0  # blobs read back against their checksum
+    bad: list[tuple[bytes, str]] = field(default_factory=list)  # (entry id, "missing" | "corrupt: ...")
+    orphans: list[bytes] = field(default_factory=list)  # blobs without a row
+    temps: list[str] = field(default_factory=list)  # temp files of unfinished writes
+    problems: list[str] = field(default_factory=list)  # index-level disagreements, in words
+
+    @property
+    def ok(self) -> bool:
+        return not (self.bad or self.orphans or self.temps or self.problems)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "rows": self.rows, "checked": self.checked, "bad": len(self.bad), "orphans": len(self.orphans),
+            "temps": len(self.temps), "problems": list(self.problems),
+        }
+
+
+def check(
+    root: Path, index: Index, *, verify: bool = True, live: bool = False,
+    pending: Callable[[bytes], bool] = lambda eid: False, progress: Progress | None = None,
+) -> CheckReport:
+    """Check the data dir at `root` against `index` (see module docstring).
+
+    `pending(eid)` says an entry is queued for writing (its blob may exist
+    before its row). `progress(done, total)` is called as rows are checked.
+    """
+    from kvd.store.blobfile import FORMAT_VERSION
+
+    report = CheckReport()
+    with index.reading() as txn:
+        rows = dict(index.iter_rows(txn))
+        lru = [eid for _, eid in index.oldest(txn)]
+        totals = index.totals(txn)
+    report.rows = len(rows)
+    for i, (eid, row) in enumerate(rows.items()):
+        reason = _check_blob(blob_path(root, eid), row, verify)
+        if verify and reason != "missing":
+            report.checked += 1
+        if reason is not None:
+            if live:
+                with index.reading() as txn:
+                    if not index.has(txn, eid):
+                        reason = None  # evicted while we looked: not a failure
+            if reason is not None:
+                report.bad.append((eid, reason))
+        if progress is not None:
+            progress(i + 1, len(rows))
+    if live:
+        return report
+    blob_root = root / BLOB_DIR
+    for shard in sorted(p for p in blob_root.iterdir() if p.is_dir()) if blob_root.is_dir() else []:
+        for name in os.listdir(shard):
+            if is_temp_name(name):
+                report.temps.append(str(shard / name))
+                continue
+            eid = eid_of_blob(name)
+            if eid is not None and eid not in rows and not pending(eid):
+                report.orphans.append(eid)
+    if report.orphans:
+        # A blob written and indexed after the rows were read is not an orphan.
+        with index.reading() as txn:
+            report.orphans = [eid for eid in report.orphans if not index.has(txn, eid)]
+    if len(lru) != len(rows) or set(lru) != set(rows):
+        report.problems.append(f"the LRU order lists {len(lru)} entries ({len(set(lru))} distinct) for {len(rows)} rows")
+    want = (len(rows), sum(r.disk_bytes for r in rows.values()))
+    if tuple(totals) != want:
+        report.problems.append(f"the totals row says {tuple(totals)} (entries, bytes); the rows add up to {want}")
+    old = sum(1 for r in rows.values() if r.fmt != FORMAT_VERSION)
+    if old:
+        report.problems.append(f"{old} rows are in a blob format other than {FORMAT_VERSION}")
+    return report
+
+
+def _check_blob(path: Path, row, verify: bool) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return "missing"
+    try:
+        if verify:
+            blobfile.read_blob(fd, row.file_size, row.checksum)
+    except (blobfile.BlobCorrupt, OSError) as exc:
+        return f"corrupt: {exc}"
+    finally:
+        os.close(fd)
+    return None

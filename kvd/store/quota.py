@@ -1,0 +1,216 @@
+"""Per-namespace RAM and SSD quotas: a busy model evicts its own cache first.
+
+Theory of operation
+-------------------
+Quotas come from the `[quota]` table of kvd.toml:
+
+    [quota."mlx.llama.*"]        # every namespace starting "mlx.llama.", together
+    ram_mb = 512
+    ssd_gb = 4
+    [quota."my-model-v1"]        # exactly this namespace
+    ram_mb = 128                 # (a missing limit means: no quota in that tier)
+
+A pattern ending in `*` is a prefix and covers every namespace that starts
+with it, as one group (a tenant's models share its quota); any other
+pattern is one namespace. A namespace belongs to the exact rule naming it,
+else to the longest matching prefix, else to no rule (no quota).
+
+Enforcement, per tier, when an entry of a quota'd group arrives:
+
+    RAM  after the entry is added, the group's oldest RAM entries (never the
+         new one) are evicted -- spilled to SSD when there is one -- until
+         the group is within its quota, *before* the global LRU runs. An
+         entry larger than the whole quota is refused (TOO_BIG; a tiered
+         store then offers it to the SSD tier).
+    SSD  on the writer thread, before the global budget check, the group's
+         oldest rows on disk (leased ones excepted, as in `_make_room`) are
+         evicted until the new blob fits; a blob larger than the whole
+         quota is dropped ("quota").
+
+So a namespace flooding the cache pushes out its own entries and leaves
+everyone else's alone, as long as the quotas add up to less than the tier.
+Finding a group's oldest entries walks the tier's LRU order from its old
+end, skipping other groups: cheap when the flooder's entries are the old
+ones (the usual case), O(entries) at worst, on the daemon thread for RAM
+and on the writer thread for SSD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One quota: a namespace or a `prefix*`, and its limits in bytes (None = none)."""
+
+    pattern: str
+    ram_bytes: int | None = None
+    ssd_bytes: int | None = None
+
+    @property
+    def prefix(self) -> bool:
+        return self.pattern.endswith("*")
+
+    def matches(self, ns: str) -> bool:
+        return ns.startswith(self.pattern[:-1]) if self.prefix else ns == self.pattern
+
+
+class Quotas:
+    """The quota rules, and their enforcement on the tiers (module docstring)."""
+
+    def __init__(self, rules: Iterable[Rule] = ()):
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        self._exact = {r.pattern: r for r in self.rules if not r.prefix}
+        self._prefixes = sorted((r for r in self.rules if r.prefix), key=lambda r: -len(r.pattern))
+        self._cache: dict[str, Rule | None] = {}
+        self.evictions: dict[tuple[str, str], int] = {}  # (pattern, tier) -> entries evicted for the quota
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    @classmethod
+    def from_table(cls, table: Any) -> "Quotas":
+        """Rules from the parsed `[quota]` TOML table. Raises ValueError naming the bad key."""
+        if not isinstance(table, dict):
+            raise ValueError("[quota] must be a table of tables, e.g. [quota.\"mlx.llama.*\"] ram_mb = 512")
+        rules = []
+        for pattern, limits in table.items():
+            if not pattern or pattern == "*":
+                raise ValueError(f"quota pattern {pattern!r}: name a namespace or a prefix ending in '*'")
+            if "*" in pattern[:-1]:
+                raise ValueError(f"quota pattern {pattern!r}: '*' may only end a prefix")
+            if not isinstance(limits, dict):
+                raise ValueError(f"quota {pattern!r}: expected a table with ram_mb and/or ssd_gb")
+            unknown = sorted(set(limits) - {"ram_mb", "ssd_gb"})
+            if unknown:
+                raise ValueError(f"quota {pattern!r}: unknown key(s) {', '.join(unknown)}; known: ram_mb, ssd_gb")
+            ram = limits.get("ram_mb")
+            ssd = limits.get("ssd_gb")
+            if ram is not None and (isinstance(ram, bool) or not isinstance(ram, int) or ram < 0):
+                raise ValueError(f"quota {pattern!r}: ram_mb must be an integer >= 0, got {ram!r}")
+            if ssd is not None and (isinstance(ssd, bool) or not isinstance(ssd, (int, float)) or not ssd >= 0):
+                raise ValueError(f"quota {pattern!r}: ssd_gb must be a number >= 0, got {ssd!r}")
+            rules.append(Rule(pattern, None if ram is None else ram * MiB, None if ssd is None else int(ssd * GiB)))
+        return cls(rules)
+
+    def to_table(self) -> dict[str, dict[str, float]]:
+        """The `[quota]` table these rules were read from (for `kvd config`)."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.rules:
+            row = out[r.pattern] = {}
+            if r.ram_bytes is not None:
+                row["ram_mb"] = r.ram_bytes // MiB
+            if r.ssd_bytes is not None:
+                row["ssd_gb"] = r.ssd_bytes / GiB
+        return out
+
+    def rule_for(self, ns: str) -> Rule | None:
+        try:
+            return self._cache[ns]
+        except KeyError:
+            pass
+        rule = self._exact.get(ns) or next((r for r in self._prefixes if r.matches(ns)), None)
+        if len(self._cache) > 65536:
+            self._cache.clear()  # bounded: namespaces are few, but a hostile client can invent many
+        self._cache[ns] = rule
+        return rule
+
+    def _count(self, rule: Rule, tier: str, n: int) -> None:
+        key = (rule.pattern, tier)
+        self.evictions[key] = self.evictions.get(key, 0) + n
+
+    def group_bytes(self, rule: Rule, per_ns: Mapping[str, int]) -> int:
+        return sum(b for ns, b in per_ns.items() if self.rule_for(ns) is rule)
+
+    # -- RAM (daemon thread) -----------------------------------------------------
+    def admit_ram(self, entry: Any) -> bool:
+        """False if `entry` alone is larger than its group's RAM quota."""
+        rule = self.rule_for(entry.namespace)
+        return rule is None or rule.ram_bytes is None or entry.nbytes <= rule.ram_bytes
+
+    def enforce_ram(self, ram: Any, newest: Any) -> None:
+        """Evict the oldest RAM entries of `newest`'s group (not `newest`)
+        until the group is within its RAM quota."""
+        rule = self.rule_for(newest.namespace)
+        if rule is None or rule.ram_bytes is None:
+            return
+        over = self.group_bytes(rule, ram.ns_bytes) - rule.ram_bytes
+        if over <= 0:
+            return
+        victims = []
+        keep = newest.id
+        for entry in ram.entries():  # oldest first
+            if over <= 0:
+                break
+            if entry.id != keep and self.rule_for(entry.namespace) is rule:
+                victims.append(entry.id)
+                over -= entry.nbytes
+        for eid in victims:
+            ram.evict_entry(eid, "quota")
+        self._count(rule, "ram", len(victims))
+
+    # -- SSD (writer thread) -----------------------------------------------------
+    def make_room_ssd(self, ssd: Any, entry: Any, need: int, written: list) -> bool:
+        """Evict the oldest committed rows of `entry`'s group until `need` more
+        bytes fit its SSD quota, counting the batch's `written` (eid, row)s not
+        yet committed. False if that cannot be done (the entry alone is over the
+        quota, or only uncommitted or leased rows stand in the way)."""
+        rule = self.rule_for(entry.namespace)
+        if rule is None or rule.ssd_bytes is None:
+            return True
+        if need > rule.ssd_bytes:
+            return False
+        pending = {eid for eid, _ in written}
+        with ssd.index.reading() as txn:
+            used = sum(v["bytes"] for ns, v in ssd.index.namespaces(txn).items() if self.rule_for(ns) is rule)
+            used += sum(row.disk_bytes for _, row in written if self.rule_for(row.ns) is rule)
+            over = used + need - rule.ssd_bytes
+            if over <= 0:
+                return True
+            victims, freed = [], 0
+            for _, eid in ssd.index.oldest(txn):
+                if freed >= over:
+                    break
+                if eid in pending or ssd.leased(eid):
+                    continue
+                row = ssd.index.get(txn, eid)
+                if row is not None and self.rule_for(row.ns) is rule:
+                    victims.append(eid)
+                    freed += row.disk_bytes
+        if freed < over:
+            return False
+        n, _ = ssd.evict_rows(victims, "quota")
+        self._count(rule, "ssd", n)
+        return n == len(victims)
+
+    # -- reporting ---------------------------------------------------------------
+    def report(self, stats: Mapping[str, Any]) -> dict[str, Any]:
+        """Use against quota per rule, from a STATS map's namespaces; and each
+        namespace's rule pattern is written into its namespace entry."""
+        namespaces = stats.get("namespaces", {})
+        tiered = "ssd" in stats.get("tiers", {})
+        rows = {r.pattern: {"ram_quota_bytes": r.ram_bytes, "ssd_quota_bytes": r.ssd_bytes, "ram_bytes": 0,
+                            "ssd_bytes": 0, "namespaces": 0, "ram_evictions": self.evictions.get((r.pattern, "ram"), 0),
+                            "ssd_evictions": self.evictions.get((r.pattern, "ssd"), 0)}
+                for r in self.rules}
+        for ns, v in namespaces.items():
+            rule = self.rule_for(ns)
+            if rule is None:
+                continue
+            v["quota"] = rule.pattern
+            row = rows[rule.pattern]
+            row["namespaces"] += 1
+            row["ram_bytes"] += v.get("ram_bytes", 0) if tiered else v.get("bytes", 0)
+            row["ssd_bytes"] += v.get("ssd_bytes", 0)
+        return rows
+
+    def attach(self, store: Any) -> None:
+        """Enforce these quotas on `store`'s tiers (RamStore, SsdStore or both)."""
+        for tier in (getattr(store, "ram", None), getattr(store, "ssd", None), store):
+            if tier is not None and hasattr(tier, "quotas"):
+                tier.quotas = self

@@ -1,0 +1,212 @@
+"""The test kit: every helper more than one test file uses (no tests here).
+
+- Store level: `FakeClock` for the stores' injectable clocks; `make_entry(i, ns)` builds entries that are a pure function
+  of (namespace, i), so a test -- or a parent process checking a killed
+  child's data dir -- can rebuild exactly what any stored entry must
+  contain; `entry(i, nbytes)` is a small RAM-tier entry; `assert_same` compares two entries byte for byte; `filled_store`
+  writes a few entries to a data dir and closes it.
+- Client level: `prefix_snapshot(tokens)` is like a real model's cache
+  (position t depends only on tokens[:t+1]), `snapshot_for(n)` is random;
+  both carry one tensor of every dtype in `ALL_DTYPES` (the whole dtype
+  table). `assert_prefix_hit` checks a hit against `prefix_snapshot`.
+- Daemon level: `kvd(...)` runs the real CLI; `free_port`, `scrape` (its /metrics); `blobs`, `chunk_blob` find a
+  daemon's files; `wait_spilled` waits for its SSD tier to hold n entries.
+
+The daemon processes themselves are fixtures in conftest.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from kvd.protocol import dtypes, keys
+from kvd.store.base import CHUNK, Entry, Tensor
+from kvd.store.datadir import BLOB_DIR
+from kvd_client import HostTensor, Snapshot
+
+ALL_DTYPES = list(dtypes.DTYPES)
+# Last axis of the client-level snapshots: one tensor per dtype of the whole
+# table, about 280 bytes per token in all (the daemon tests' budgets assume it).
+WIDTH = 3
+ROOT = b"\0" * 32
+
+
+def key_of(ns: str, i: int) -> bytes:
+    return hashlib.blake2b(f"{ns}:{i}".encode(), digest_size=32).digest()
+
+
+def tensor_bytes(dtype: str, shape: tuple[int, ...], seed: int) -> bytes:
+    n = int(np.prod(shape)) * dtypes.itemsize(dtype)
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.integers(0, 2, size=n, dtype=np.uint8).tobytes()
+    return rng.bytes(n)
+
+
+def make_entry(
+    i: int,
+    ns: str = "ns",
+    *,
+    tokens: int = 16,
+    width: int = 64,
+    dtype_list: list[str] | None = None,
+    kind: int = CHUNK,
+    tail: bool = False,
+    parent: bytes | None = None,
+) -> Entry:
+    """A chunk with one tensor per dtype in `dtype_list` (default bf16 k/v)."""
+    dtype_list = dtype_list or ["bfloat16", "bfloat16"]
+    tensors = []
+    for j, dt in enumerate(dtype_list):
+        shape = (2, tokens, width)
+        tensors.append(Tensor(f"t{j}.{dt}", dt, shape, tensor_bytes(dt, shape, i * 1000 + j)))
+    return Entry(
+        namespace=ns,
+        key=key_of(ns, i),
+        kind=kind,
+        parent=parent if parent is not None else (key_of(ns, i - 1) if i else ROOT),
+        start=i * tokens,
+        length=tokens,
+        tensors=tuple(tensors),
+        meta=b"\x81\xa4meta" + i.to_bytes(4, "little"),
+        tail=tail,
+    )
+
+
+def assert_same(got: Entry | None, want: Entry) -> None:
+    assert got is not None, f"missing entry {want.key.hex()[:12]}"
+    assert (got.namespace, got.key, got.kind, got.parent, got.start, got.length, got.tail, got.meta) == (
+        want.namespace, want.key, want.kind, want.parent, want.start, want.length, want.tail, want.meta
+    )
+    assert got.nbytes == want.nbytes
+    assert [(t.name, t.dtype, tuple(t.shape)) for t in got.tensors] == [
+        (t.name, t.dtype, tuple(t.shape)) for t in want.tensors
+    ]
+    for a, b in zip(got.tensors, want.tensors):
+        assert bytes(memoryview(a.data)) == bytes(memoryview(b.data)), f"tensor {a.name} differs"
+
+
+def filled_store(root, entries: list[Entry]) -> list[Entry]:
+    """Write `entries` to the data dir `root` (RAM tier of 1 byte: all spill), close it."""
+    from kvd.store.tiered import open_store
+
+    store = open_store(1, root, ssd_bytes=64 << 20, min_free_bytes=0)
+    for e in entries:
+        store.put(e)
+    store.close()
+    return entries
+
+
+class FakeClock:
+    """An injectable clock (`SsdStore(clock=...)`, `open_store(..., clock=...)`):
+    time moves only when a test says so."""
+
+    def __init__(self, start: float | None = None):
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def entry(i: int, nbytes: int = 100, ns: str = "a", kind: int = CHUNK, tail: bool = False, parent: bytes = b"p" * 32) -> Entry:
+    """A small entry of `nbytes` zero bytes, keyed by `i` (the RAM tier's tests)."""
+    key = i.to_bytes(32, "big")
+    return Entry(ns, key, kind, parent, 0, 10, (Tensor("t", "uint8", (nbytes,), b"\x00" * nbytes),), tail=tail)
+
+
+# -- client level --------------------------------------------------------------
+
+
+def random_tensor(dtype: str, shape, seed: int) -> HostTensor:
+    raw = np.frombuffer(tensor_bytes(dtype, tuple(shape), seed), dtype=np.uint8)
+    return HostTensor(dtype, raw.view(dtypes.container(dtype)).reshape(shape))
+
+
+def snapshot_for(n_tokens: int, seed: int = 0, boundary: bool = False) -> Snapshot:
+    sliced = {f"t.{dt}": (random_tensor(dt, (1, 2, n_tokens, WIDTH), seed + i), 2) for i, dt in enumerate(ALL_DTYPES)}
+    bound = {"state": random_tensor("float32", (1, 4, 4), seed + 99)} if boundary else {}
+    return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"}, boundary_meta={"at": n_tokens})
+
+
+def prefix_snapshot(tokens, boundary: bool = False) -> Snapshot:
+    """Like a real model's cache: position t's data depends only on tokens[:t+1],
+    so two sequences sharing a prefix have identical data over it."""
+    toks = np.asarray(tokens, dtype=np.uint64)
+    sig = np.cumsum((toks + np.uint64(1)) * (np.arange(len(toks), dtype=np.uint64) + np.uint64(7919)), dtype=np.uint64)
+    sliced = {}
+    for i, dt in enumerate(ALL_DTYPES):
+        width = WIDTH * dtypes.itemsize(dt)
+        mult = (np.arange(2 * width, dtype=np.uint64) * np.uint64(2654435761) + np.uint64(i + 1)).reshape(2, width)
+        raw = ((sig[None, :, None] * mult[:, None, :]) >> np.uint64(17)).astype(np.uint8)  # (2, T, width)
+        if dt == "bool":
+            raw &= 1  # a bool byte is 0 or 1
+        arr = np.ascontiguousarray(raw[None]).view(dtypes.container(dt))  # (1, 2, T, WIDTH)
+        sliced[f"t.{dt}"] = (HostTensor(dt, arr), 2)
+    bound = {"state": HostTensor.from_numpy(np.array([int(sig[-1] % 1000)], dtype=np.int32))} if boundary else {}
+    return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"})
+
+
+def assert_prefix_hit(hit, tokens) -> None:
+    want = prefix_snapshot(tokens[: hit.n])
+    for name, (t, _) in want.sliced.items():
+        assert hit.sliced[name].dtype == t.dtype
+        assert hit.sliced[name].array.tobytes() == t.array.tobytes(), name
+
+
+# -- daemon level --------------------------------------------------------------
+
+
+def kvd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the real `kvd` CLI in a child process."""
+    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def blobs(data_dir: Path) -> list[Path]:
+    return sorted(p for p in (data_dir / BLOB_DIR).rglob("*.safetensors"))
+
+
+def chunk_blob(data_dir: Path, ns: str, tokens, index: int) -> Path:
+    """The blob file of chunk `index` of `tokens` in namespace `ns` (256-token chunks)."""
+    key = keys.chain(ns, 256, keys.token_bytes(tokens))[index]
+    (path,) = [p for p in blobs(data_dir) if p.name.startswith(key.hex() + "00")]
+    return path
+
+
+def wait_spilled(client, n: int, timeout: float = 10.0) -> dict:
+    """The SSD tier's stats once it holds at least `n` entries (the daemon's
+    writer thread spills on its own schedule), or at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ssd = client.stats()["tiers"]["ssd"]
+        if ssd["entries"] >= n or time.monotonic() > deadline:
+            return ssd
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """A daemon's /metrics: {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for sample in fam.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out

@@ -1,0 +1,114 @@
+"""kvd.endpoint rules 3 and 5 for one user: where the default socket lives, and
+what a run dir or socket must look like before anyone uses it. The same
+rules against a second real user are in test_two_users.py (root only)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvd.endpoint import (
+    MAX_IPC_PATH,
+    UnsafeEndpoint,
+    check_run_dir,
+    check_socket,
+    default_endpoint,
+    default_run_dirs,
+)
+from kvd_client import Client
+from support import prefix_snapshot
+
+linux_only = pytest.mark.skipif(sys.platform == "darwin", reason="the Linux defaults")
+
+
+@linux_only
+def test_default_is_the_runtime_dir_then_the_users_cache_then_tmp(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    assert default_endpoint({"XDG_RUNTIME_DIR": str(run), "HOME": "/h"}) == f"ipc://{run}/kvd/kvd.sock"
+    assert default_endpoint({"HOME": "/home/u"}) == "ipc:///home/u/.cache/kvd/run/kvd.sock"
+    assert default_endpoint({"HOME": "/h", "XDG_CACHE_HOME": "/c"}) == "ipc:///c/kvd/run/kvd.sock"
+    assert default_endpoint({"HOME": "/h", "XDG_CACHE_HOME": "relative"}) == "ipc:///h/.cache/kvd/run/kvd.sock"
+    # Only when the cache path does not fit in sun_path: /tmp, checked like the others.
+    deep = "/" + "d" * (MAX_IPC_PATH - len("/kvd/run/kvd.sock"))
+    assert default_endpoint({"HOME": "/h", "XDG_CACHE_HOME": deep}) == f"ipc:///tmp/kvd-{os.getuid()}/kvd.sock"
+    assert default_endpoint({"HOME": "/h", "XDG_CACHE_HOME": deep[:-1]}) == f"ipc://{deep[:-1]}/kvd/run/kvd.sock"
+    assert Path(f"/tmp/kvd-{os.getuid()}") in default_run_dirs({"HOME": "/h"})
+
+
+def test_run_dir_must_be_a_private_real_directory_of_ours(tmp_path):
+    good = tmp_path / "good"
+    good.mkdir(mode=0o700)
+    good.chmod(0o700)
+    check_run_dir(good)
+    check_run_dir(tmp_path / "missing")  # whoever creates it creates it 0700
+    for mode in (0o750, 0o705, 0o755, 0o777):
+        good.chmod(mode)
+        with pytest.raises(UnsafeEndpoint) as err:
+            check_run_dir(good)
+        assert str(err.value) == (
+            f"refusing the kvd run directory {good}: it has mode {mode:04o}: other users may use it "
+            "(chmod 700 it if it is yours)"
+        )
+    good.chmod(0o700)
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    with pytest.raises(UnsafeEndpoint, match="it is a symbolic link, not a directory"):
+        check_run_dir(link)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UnsafeEndpoint, match="it is not a directory"):
+        check_run_dir(tmp_path / "file")
+
+
+def test_socket_file_must_be_a_socket(tmp_path):
+    check_socket(tmp_path / "none.sock")
+    (tmp_path / "f.sock").write_text("")
+    with pytest.raises(UnsafeEndpoint, match=f"refusing the kvd socket {tmp_path}/f.sock: it is not a socket"):
+        check_socket(tmp_path / "f.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(tmp_path / "s.sock"))
+    try:
+        check_socket(tmp_path / "s.sock")
+    finally:
+        s.close()
+
+
+@linux_only
+def test_daemon_makes_the_default_run_dir_private_and_refuses_a_loose_one(daemon_factory, tmp_path, monkeypatch):
+    home = tmp_path / "h"
+    env = {"HOME": str(home), "XDG_CACHE_HOME": str(home / "c")}
+    run_dir = home / "c" / "kvd" / "run"
+    for umask in (0o000, 0o022):
+        old = os.umask(umask)  # the daemon child inherits it; `kvd serve` must override it
+        try:
+            d = daemon_factory("--ram-mb", "16", start=False, env=env)
+            d.endpoint = f"ipc://{run_dir}/kvd.sock"
+            d.start()
+        finally:
+            os.umask(old)
+        for path in (run_dir, run_dir / "kvd.sock", run_dir / "kvd.sock.lock"):
+            assert stat.S_IMODE(os.lstat(path).st_mode) & 0o077 == 0, (oct(umask), path)
+        with d.client() as c:
+            s = np.arange(256)
+            assert c.put(s, prefix_snapshot(s))
+        d.stop()
+    run_dir.chmod(0o755)
+    d = daemon_factory("--ram-mb", "16", start=False, env=env)
+    d.endpoint = f"ipc://{run_dir}/kvd.sock"
+    d.start(wait=False)
+    assert d.proc.wait(30) == 78
+    assert f"refusing the kvd run directory {run_dir}: it has mode 0755" in d.log()
+    # The client (with the same environment) refuses it too: one warning, a miss, no connection.
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with Client(namespace="x", timeout=1) as c:
+        assert c.get(np.arange(256)) is None
+        assert c.counters["error_unsafe_endpoint"] == 1
+    with pytest.raises(UnsafeEndpoint, match="has mode 0755"):
+        Client(namespace="x", timeout=1, strict=True).ping()

@@ -1,0 +1,88 @@
+"""One vllm-mlx process, driven in-process (no HTTP), for the vllm-mlx tests and bench.
+
+    python tests/vllm_child.py SPEC.json OUT.json
+
+SPEC (JSON): `model` (a model dir from tests/model_dir.py), `endpoint` (a kvd
+endpoint, or null for vllm-mlx without kvd), `prompts` (token-id lists, run
+one after another), `max_tokens`, and optional `config` (SchedulerConfig
+fields, e.g. kv_cache_quantization, ssd_cache_dir), `timeout`.
+
+OUT (JSON) per request: `tokens` (greedy output), `logits` (hex of the
+float32 bytes of every step's logits, as the sampler saw them), `cached`
+(prompt tokens the scheduler reused), `hit` (its cache_hit_type), `ttft`
+(seconds from add_request to the first token); plus `kvd` (the cache's kvd
+counters, or null), `installed`, and `entries` (key length and layer
+classes of every entry in vllm-mlx's RAM prefix cache). Uploads are flushed before it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def run(spec: dict) -> dict:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    if spec.get("endpoint"):
+        import kvd_client.vllm_mlx as kv_vllm
+
+        installed = kv_vllm.install(spec["endpoint"], timeout=spec.get("timeout", 2.0))
+    else:
+        installed = False
+    from vllm_mlx.request import Request, SamplingParams
+    from vllm_mlx.scheduler import Scheduler, SchedulerConfig
+
+    model, tokenizer = load(spec["model"])
+    if spec.get("warmup"):  # one throwaway forward pass: mlx's first-call costs stay out of TTFT
+        import mlx.core as mx
+
+        mx.eval(model(mx.array([[7, 8, 9]])))
+    config = {"cache_memory_mb": 64, **spec.get("config", {})}
+    sched = Scheduler(model, tokenizer, SchedulerConfig(**config))
+    results = []
+    for i, prompt in enumerate(spec["prompts"]):
+        seen: list = []
+
+        def tap(tokens, logits, seen=seen):
+            seen.append(logits)
+            return logits
+
+        params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logits_processors=[tap])
+        req = Request(request_id=f"r{i}", prompt=list(prompt), sampling_params=params)
+        t0 = time.perf_counter()
+        sched.add_request(req)
+        ttft, out = None, []
+        while sched.has_requests():
+            step = sched.step()
+            for o in step.outputs:
+                if o.new_token_ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                if o.finished:
+                    out = list(o.output_token_ids)
+        logits = [np.array(x.astype(mx.float32)).tobytes().hex() for x in seen[: spec["max_tokens"]]]
+        results.append({"tokens": out, "logits": logits, "cached": req.cached_tokens,
+                        "hit": req.cache_hit_type, "ttft": ttft})
+    kvd = None
+    cache = sched.memory_aware_cache
+    if hasattr(cache, "kvd_flush"):
+        cache.kvd_flush(30.0)
+        kvd = cache.kvd_stats()
+    if getattr(sched, "_ssd_tier", None) is not None:
+        sched.close_ssd_tier()  # drains vllm-mlx's spill queue (its own SSD tier)
+    entries = [[len(key), [type(layer).__name__ for layer in e.cache]] for key, e in cache._entries.items()]
+    return {"results": results, "kvd": kvd, "installed": installed, "entries": entries}
+
+
+if __name__ == "__main__":
+    spec = json.loads(open(sys.argv[1]).read())
+    out = run(spec)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+    sys.stdout.flush()
+    import os
+
+    os._exit(0)  # skip mlx's teardown (it can abort after a clean run)
