@@ -46,25 +46,32 @@ def check_snapshot(snapshot: Snapshot, n_tokens: int, chunk_tokens: int) -> None
             )
 
 
-def cut(snapshot: Snapshot, start: int, end: int) -> list[Tensor]:
+def cut(snapshot: Snapshot, start: int, end: int, *, contiguous: bool = True) -> list[Tensor]:
     """The wire tensors of one chunk: tokens [start, end) of every sliced tensor
-    (whose position 0 is token `snapshot.start`)."""
+    (whose position 0 is token `snapshot.start`). `contiguous=False` leaves
+    them views of the snapshot (for a copy straight into shared memory)."""
     out = []
     for name, (t, axis) in snapshot.sliced.items():
         index = (slice(None),) * axis + (slice(start - snapshot.start, end - snapshot.start),)
-        piece = np.ascontiguousarray(t.array[index])
+        piece = np.ascontiguousarray(t.array[index]) if contiguous else t.array[index]
         out.append(Tensor(name, t.dtype, piece.shape, piece))
     return out
+
+
+def contiguous(t: Tensor) -> Tensor:
+    """`t` with its data made one contiguous buffer (what a frame needs)."""
+    return Tensor(t.name, t.dtype, t.shape, np.ascontiguousarray(t.data))
 
 
 def boundary_tensors(snapshot: Snapshot) -> list[Tensor]:
     return [Tensor(name, t.dtype, t.shape, np.ascontiguousarray(t.array)) for name, t in snapshot.boundary.items()]
 
 
-def to_host(t: Tensor) -> HostTensor:
-    """A received wire tensor as a HostTensor viewing the frame (no copy)."""
+def to_host(t: Tensor, *, copy: bool = False) -> HostTensor:
+    """A received wire tensor as a HostTensor viewing the frame (no copy), or
+    copied out (`copy`: bytes in shared memory live only as long as a lease)."""
     arr = np.frombuffer(t.data, dtype=dtypes.container(t.dtype)).reshape(t.shape)
-    return HostTensor(t.dtype, arr)
+    return HostTensor(t.dtype, arr.copy() if copy else arr)
 
 
 def check_served(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tuple[dict[str, int], dict]:

@@ -23,6 +23,13 @@ only the chunks after that, so a shared prefix crosses the wire once. Chunks
 are batched into PUT messages under the daemon's advertised byte limit.
 `get` fetches pages until the served prefix is covered and joins the pieces
 with one copy per tensor.
+
+`transport` picks how tensor bytes travel: "frames" (in ZeroMQ messages,
+always possible), "shm" (through the daemon's shared memory, PROTOCOL.md
+section 9: same host, same user, ipc only) or "auto" (the default): shm when
+the daemon offers it on an ipc endpoint, else frames. A GET or PUT that
+cannot use shm (arena full, daemon restarted) goes over frames instead.
+`counters` say which path each call took (shm_gets, shm_puts).
 """
 
 from __future__ import annotations
@@ -39,16 +46,19 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_keys_dir, is_tcp
-from kvd.protocol import keys
+from kvd.protocol import dtypes, keys
+from kvd.protocol.codec import Tensor
 from kvd.protocol.errors import KvdError
 from kvd.protocol.limits import Limits
 from kvd_client import _chunking, _explain, _media
+from kvd_client import _shm
 from kvd_client._tensors import Hit, Snapshot
 from kvd_client._transport import Transport
 
 log = logging.getLogger("kvd_client")
 
 _HEADER_SLACK = 1 << 20  # bytes kept free in each PUT for header and framing
+TRANSPORTS = ("auto", "frames", "shm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +90,16 @@ class Core:
         strict: bool = False,
         keys_dir: str | None = None,
         client_key: str | None = None,
+        transport: str = "auto",
     ):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.endpoint = check_endpoint(endpoint or default_endpoint())
+        if transport == "shm" and is_tcp(self.endpoint):
+            raise ValueError("transport='shm' needs an ipc:// endpoint on this host; tcp carries frames only")
+        self.transport = transport
         self.namespace = namespace
         self.timeout = float(timeout)
         self.chunk_tokens = int(chunk_tokens)
@@ -106,6 +122,9 @@ class Core:
         self._limits: Limits | None = None
         self._features: frozenset[str] | None = None
         self._warned = threading.Event()
+        self._shm_offer: dict[str, Any] | None = None  # HELLO's `shm` map
+        self._shm_link: _shm.Link | None = None
+        self._shm_lock = threading.Lock()
 
     # -- plumbing ----------------------------------------------------------
     def _background_transport(self) -> Transport:
@@ -148,12 +167,43 @@ class Core:
             reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
             if reply is None:
                 return False  # unreachable now: ask again next time
-            self._limits = Limits.from_wire(reply["limits"])
-            self._features = frozenset(reply.get("features") or ())
+            self._hello(reply)
         if "media" not in self._features:
             self.counters["media_unsupported"] += 1
             return False
         return True
+
+    def _hello(self, reply) -> None:
+        self._limits = Limits.from_wire(reply["limits"])
+        self._features = frozenset(reply.get("features") or ())
+        offer = reply.get("shm")
+        with self._shm_lock:
+            if offer != self._shm_offer:
+                self._shm_offer, self._shm_link = offer, None
+
+    def _link(self, *, background: bool = False) -> _shm.Link | None:
+        """The shared-memory link to use now, or None for frames."""
+        if self.transport == "frames" or self._curve is not None:
+            return None
+        if self._features is None:  # one HELLO learns the offer
+            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
+            if reply is not None:
+                self._hello(reply)
+        with self._shm_lock:
+            if self._shm_link is None and self._shm_offer:
+                try:
+                    self._shm_link = _shm.Link(self._shm_offer)
+                except (OSError, KvdError) as err:  # another user's daemon, a folder gone
+                    self.counters["shm_unavailable"] += 1
+                    log.debug("shared memory unavailable: %s", err)
+                    self._shm_offer = None
+            return self._shm_link
+
+    def _shm_reset(self) -> None:
+        """Forget the link and ask HELLO again on the next call (a restarted daemon)."""
+        with self._shm_lock:
+            self._shm_offer, self._shm_link = None, None
+        self._features = None
 
     def limits(self, *, background: bool = False) -> Limits:
         """The daemon's advertised limits (from HELLO; defaults if it is unreachable)."""
@@ -161,7 +211,7 @@ class Core:
             reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
             if reply is None:
                 return Limits()
-            self._limits = Limits.from_wire(reply["limits"])
+            self._hello(reply)
         return self._limits
 
     # -- public calls ----------------------------------------------------------
@@ -169,7 +219,7 @@ class Core:
         """The daemon's HELLO reply fields (version, server, limits), or None."""
         reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
         if reply is not None:
-            self._limits = Limits.from_wire(reply["limits"])
+            self._hello(reply)
         return None if reply is None else dict(reply.fields)
 
     def ping(self) -> float | None:
@@ -232,16 +282,18 @@ class Core:
             self.counters["put_deduplicated"] += 1
             return not gap
         limits = self.limits(background=background)
+        link = self._link(background=background)
         budget = max(1, limits.max_message_bytes - _HEADER_SLACK)
         meta = _chunking.chunk_meta(snapshot)
         batch: list[dict[str, Any]] = []
         size = frames = 0
         ok = True
         for i, (start, end) in todo:
-            tensors = _chunking.cut(snapshot, start, end)
+            # Over shm a chunk is copied once, from the snapshot straight into its slot.
+            tensors = _chunking.cut(snapshot, start, end, contiguous=link is None)
             nbytes = sum(t.nbytes for t in tensors)
             if batch and (size + nbytes > budget or frames + len(tensors) >= limits.max_frames - 1):
-                ok &= self._send_put(seq, batch, None, background)
+                ok &= self._send_put(seq, batch, None, background, link)
                 batch, size, frames = [], 0, 0
             batch.append({"index": i, "tensors": tensors, "meta": meta})
             size += nbytes
@@ -249,21 +301,66 @@ class Core:
         boundary = None
         if want_boundary:
             boundary = {"tensors": _chunking.boundary_tensors(snapshot), "meta": _chunking.boundary_meta(snapshot)}
-        ok &= self._send_put(seq, batch, boundary, background)
+        ok &= self._send_put(seq, batch, boundary, background, link)
         ok &= not gap
         self.counters["put_ok" if ok else "put_not_stored"] += 1
         return ok
 
-    def _send_put(self, seq: dict[str, Any], chunks: list[dict[str, Any]], boundary, background: bool) -> bool:
+    def _send_put(self, seq: dict[str, Any], chunks: list[dict[str, Any]], boundary, background: bool,
+                  link: _shm.Link | None = None) -> bool:
         if not chunks and boundary is None:
             return True
         nbytes = sum(t.nbytes for c in chunks for t in c["tensors"])
+        if link is not None:
+            done = self._put_shm(link, seq, chunks, boundary, nbytes, background)
+            if done is not None:
+                return done
+            chunks = [{**c, "tensors": [_chunking.contiguous(t) for t in c["tensors"]]} for c in chunks]
         # A PUT's size is known, so its deadline grows with it (at 256 MiB/s,
         # a quarter of the slowest transport measured); GET keeps `timeout`.
         fields = {**seq, "chunks": chunks, "boundary": boundary, "ns_meta": _explain.components_for(self.namespace)}
         reply = self._call("PUT", fields, self.timeout + nbytes / 2**28, background=background)
         if reply is None:
             return False
+        self.counters["chunks_sent"] += len(chunks)
+        self.counters["bytes_sent"] += nbytes
+        return reply["too_big"] == 0 and reply["dropped"] == 0
+
+    def _put_shm(self, link: _shm.Link, seq, chunks, boundary, nbytes: int, background: bool) -> bool | None:
+        """SLOTS, copy in, COMMIT. True/False: stored or not; None: use frames instead."""
+        ns_meta = _explain.components_for(self.namespace)
+        spec = lambda ts: [Tensor(t.name, t.dtype, tuple(t.shape), None) for t in ts]  # noqa: E731
+        fields = {**seq, "chunks": [{**c, "tensors": spec(c["tensors"])} for c in chunks],
+                  "boundary": None if boundary is None else {**boundary, "tensors": spec(boundary["tensors"])},
+                  "ns_meta": ns_meta, "shm": link.field()}
+        transport = self._background_transport() if background else self._transport
+        sent_at = time.monotonic()
+        try:
+            grant = transport.request("SLOTS", fields, self.timeout)
+        except KvdError as err:
+            self.counters["shm_put_fallback"] += 1
+            if err.name == "BAD_FIELD":
+                self._shm_reset()  # proof refused: a restarted daemon; re-read its nonce next time
+            return None
+        try:
+            pairs = [(t, d) for c, ds in zip(chunks, grant["chunks"]) for t, d in zip(c["tensors"], ds)]
+            if boundary is not None:
+                pairs += list(zip(boundary["tensors"], grant.get("boundary") or ()))
+            for t, desc in pairs:
+                if not link.in_time(sent_at):
+                    raise _shm.ShmUnavailable("write lease about to end")
+                dst = np.frombuffer(link.view(desc), dtype=dtypes.container(t.dtype)).reshape(t.shape)
+                np.copyto(dst, np.asarray(t.data).view(dst.dtype).reshape(t.shape))
+        except _shm.ShmUnavailable as err:
+            # Never COMMIT what may be half-written: the lease expires and frees it.
+            self.counters["shm_put_abandoned"] += 1
+            log.debug("shm put abandoned: %s", err)
+            return False
+        reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field()}, self.timeout,
+                           background=background)
+        if reply is None:
+            return False
+        self.counters["shm_puts"] += 1
         self.counters["chunks_sent"] += len(chunks)
         self.counters["bytes_sent"] += nbytes
         return reply["too_big"] == 0 and reply["dropped"] == 0
@@ -284,14 +381,47 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         cap = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        link = self._link()
+        leases: list[int] = []
+        try:
+            return self._get(seq, cap, need_boundary, link, leases)
+        finally:
+            if link is not None:
+                for lease in leases:
+                    link.done(lease)  # ended with the next request that carries the proof
+
+    def _get(self, seq, cap: int, need_boundary: bool, link: _shm.Link | None, leases: list[int]) -> Hit | None:
         chunks: list[dict[str, Any]] = []
         n, start, boundary = cap, 0, None
+        first_sent: float | None = None
         while True:
             fields = {**seq, "max_tokens": n, "need_boundary": need_boundary, "start": start}
+            if link is not None:
+                fields["shm"] = link.field()
+            sent_at = time.monotonic()
             reply = self._call("GET", fields)
             if reply is None or reply["n"] == 0 or (start and reply["n"] < start):
                 self.counters["get_miss"] += 1
                 return None
+            if link is not None:
+                offered = reply.get("shm")
+                if offered is None or offered.get("run") != link.run:
+                    self._shm_reset()  # proof refused: the daemon restarted; frames served this page
+                    link = None
+                else:
+                    if offered.get("lease") is not None:
+                        leases.append(offered["lease"])
+                        first_sent = sent_at if first_sent is None else first_sent
+                    try:
+                        for c in reply["chunks"]:
+                            c["tensors"] = link.resolve(c["tensors"])
+                        if reply.get("boundary") is not None:
+                            reply["boundary"]["tensors"] = link.resolve(reply["boundary"]["tensors"])
+                    except _shm.ShmUnavailable as err:
+                        self._shm_reset()
+                        self.counters["get_miss"] += 1
+                        log.debug("shm get failed: %s", err)
+                        return None
             n = min(n, reply["n"])
             chunks.extend(reply["chunks"])
             boundary = reply.get("boundary")
@@ -318,9 +448,16 @@ class Core:
         if boundary is not None and boundary["at"] == n:
             import msgpack
 
-            hit.boundary = {t.name: _chunking.to_host(t) for t in boundary["tensors"]}
+            hit.boundary = {t.name: _chunking.to_host(t, copy=first_sent is not None) for t in boundary["tensors"]}
             bmeta = msgpack.unpackb(boundary["meta"], raw=False) if boundary["meta"] else {}
             hit.boundary_meta = bmeta.get("meta", {})
+        if first_sent is not None:
+            if not link.in_time(first_sent):
+                # The copy may have raced a slot reused after our lease ended.
+                self.counters["shm_late"] += 1
+                self.counters["get_miss"] += 1
+                return None
+            self.counters["shm_gets"] += 1
         self.counters["get_hit"] += 1
         self.counters["tokens_fetched"] += n
         return hit

@@ -308,6 +308,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Name of the client key pair (in keys_dir/clients) a client presents on a tcp:// endpoint."),
     Setting("allow_insecure_tcp", _bool, False,
             "Serve a tcp:// endpoint without CURVE keys, unauthenticated (logged as a warning, shown by `kvd stats`)."),
+    Setting("shm", _bool, True,
+            "Offer the shared-memory data plane to clients of an ipc:// endpoint on this host "
+            "(segments in <socket>.shm/; tcp:// never gets it)."),
+    Setting("shm_lease_s", _float(0.0, exclusive=True), 30.0,
+            "Seconds a client may hold shared-memory slots it was handed before they are reclaimed."),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

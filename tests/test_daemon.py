@@ -116,7 +116,7 @@ def test_lru_eviction_under_small_budget(daemon_factory):
 
 
 def test_stats_counters_match_what_happened(kvd_daemon):
-    with kvd_daemon.client("count", strict=True) as c:
+    with kvd_daemon.client("count", strict=True, transport="frames") as c:  # message counts of the frame path
         c.put(np.arange(512), snapshot_for(512))  # LOOKUP + HELLO + PUT
         c.get(np.arange(512))  # hit
         c.get(np.arange(512) + 1)  # miss

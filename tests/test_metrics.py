@@ -12,7 +12,7 @@ def test_metrics_count_exactly_what_happened(daemon_factory):
     port = free_port()
     d = daemon_factory("--ram-mb", "64", "--metrics-port", str(port))
     toks = np.arange(600)
-    with d.client("met", strict=True) as c:
+    with d.client("met", strict=True, transport="frames") as c:  # message counts of the frame path
         assert c.put(toks, prefix_snapshot(toks))  # LOOKUP + HELLO + PUT (3 chunks)
         assert c.get(toks).n == 600  # GET hit
         assert c.get(toks + 1) is None  # GET miss

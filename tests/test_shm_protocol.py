@@ -35,7 +35,8 @@ def test_descriptors_stay_inside_their_segment():
     d = shm.Descriptor.from_wire([3, 64, 64], sizes)
     assert d == shm.Descriptor(3, 64, 64) and d.to_wire() == [3, 64, 64]
     assert shm.Descriptor.from_wire([0, 0, 4096], sizes).length == 4096
-    for bad in ([3, 64, 65], [1, 0, 1], [0, 1, 8], [0, -64, 8], [0, 0, -1], [0, 0], "x",
+    assert shm.Descriptor.from_wire([0, 1, 8], sizes).offset == 1  # a tensor inside an SSD blob
+    for bad in ([3, 64, 65], [1, 0, 1], [0, 4090, 8], [0, -64, 8], [0, 0, -1], [0, 0], "x",
                 [0, 0, True], [0.0, 0, 1]):
         with pytest.raises(BadField):
             shm.Descriptor.from_wire(bad, sizes)

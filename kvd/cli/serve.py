@@ -95,6 +95,8 @@ def serve(**flags) -> None:
         on_tick=on_tick,
         keys_dir=cfg.keys_dir,
         allow_insecure_tcp=cfg.allow_insecure_tcp,
+        shm=cfg.shm,
+        shm_lease_s=cfg.shm_lease_s,
     )
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report

@@ -30,6 +30,7 @@ import msgpack
 from kvd.protocol import dtypes, keys
 from kvd.protocol import errors as E
 from kvd.protocol.limits import DEFAULT_LIMITS, Limits
+from kvd.protocol.shm import Descriptor
 
 VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -42,7 +43,9 @@ class Tensor:
 
     `data` is any object exposing a contiguous buffer of exactly
     prod(shape) * itemsize(dtype) bytes (bytes, memoryview, numpy array,
-    a received ZeroMQ frame's buffer).
+    a received ZeroMQ frame's buffer) -- or, in a reply over the
+    shared-memory plane, a `Descriptor` of where the bytes are (section 9),
+    or None in a SLOTS request, which asks for room rather than sending bytes.
     """
 
     name: str
@@ -52,6 +55,10 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.data, Descriptor):
+            return self.data.length
+        if self.data is None:
+            return math.prod(self.shape) * dtypes.itemsize(self.dtype)
         return memoryview(self.data).nbytes
 
 
@@ -79,10 +86,11 @@ class Message:
 
 
 class _Ctx:
-    __slots__ = ("limits", "frames", "used", "path")
+    __slots__ = ("limits", "frames", "used", "path", "shm_ok")
 
-    def __init__(self, limits: Limits, frames: list[Any]):
+    def __init__(self, limits: Limits, frames: list[Any], shm_ok: bool = False):
         self.limits, self.frames, self.used, self.path = limits, frames, set(), ""
+        self.shm_ok = shm_ok  # replies may place a tensor in shared memory instead of a frame
 
 
 def _bad(ctx: _Ctx, what: str) -> E.BadField:
@@ -184,9 +192,9 @@ def _entry_ids(v, ctx):
     return [bytes(x) for x in v]
 
 
-def _tensor(v, ctx) -> Tensor:
+def _tensor_head(v, ctx) -> tuple[str, str, list[int]]:
     _map(v, ctx)
-    name, dtype, shape, idx = v.get("name"), v.get("dtype"), v.get("shape"), v.get("frame")
+    name, dtype, shape = v.get("name"), v.get("dtype"), v.get("shape")
     if not isinstance(name, str):
         raise _bad(ctx, "tensor needs a string 'name'")
     if not isinstance(dtype, str):
@@ -197,13 +205,30 @@ def _tensor(v, ctx) -> Tensor:
         raise E.BadShape(f"tensor {name!r}: shape must be an array of non-negative integers")
     if len(shape) > ctx.limits.max_rank:
         raise E.BadShape(f"tensor {name!r}: rank {len(shape)} exceeds {ctx.limits.max_rank}")
+    return name, dtype, shape
+
+
+def _tensor_spec(v, ctx) -> Tensor:
+    """A tensor a SLOTS request asks room for: name, dtype and shape, no bytes."""
+    name, dtype, shape = _tensor_head(v, ctx)
+    return Tensor(name, dtype, tuple(shape), None)
+
+
+def _tensor(v, ctx) -> Tensor:
+    name, dtype, shape = _tensor_head(v, ctx)
+    idx = v.get("frame")
+    want = math.prod(shape) * dtypes.itemsize(dtype)
+    if idx is None and ctx.shm_ok and "shm" in v:
+        desc = _descriptor(v["shm"], ctx)
+        if desc.length != want:
+            raise E.BadShape(f"tensor {name!r}: {desc.length} bytes in shared memory for {dtype}{shape}, expected {want}")
+        return Tensor(name, dtype, tuple(shape), desc)
     if isinstance(idx, bool) or not isinstance(idx, int) or not 1 <= idx < len(ctx.frames):
         raise E.BadFrameIndex(f"tensor {name!r}: frame {idx!r} not in 1..{len(ctx.frames) - 1}")
     if idx in ctx.used:
         raise E.BadFrameIndex(f"tensor {name!r}: frame {idx} already used by another tensor")
     ctx.used.add(idx)
     data = ctx.frames[idx]
-    want = math.prod(shape) * dtypes.itemsize(dtype)
     have = memoryview(data).nbytes
     if have != want:
         raise E.BadShape(f"tensor {name!r}: {have} bytes for {dtype}{shape}, expected {want}")
@@ -214,6 +239,25 @@ def _tensors(v, ctx):
     if not isinstance(v, list):
         raise _bad(ctx, "expected an array of tensors")
     return [_tensor(t, ctx) for t in v]
+
+
+def _tensor_specs(v, ctx):
+    if not isinstance(v, list):
+        raise _bad(ctx, "expected an array of tensors")
+    return [_tensor_spec(t, ctx) for t in v]
+
+
+def _descriptor(v, ctx) -> Descriptor:
+    # Shape only: whether it fits a segment is checked by the peer that maps it.
+    if not isinstance(v, list) or len(v) != 3:
+        raise _bad(ctx, "a shared-memory descriptor is [segment, offset, length]")
+    return Descriptor(*(_uint(x, ctx) for x in v))
+
+
+def _descriptors(v, ctx):
+    if not isinstance(v, list):
+        raise _bad(ctx, "expected an array of descriptors")
+    return [_descriptor(x, ctx) for x in v]
 
 
 def _record(schema: dict[str, tuple[Callable, bool, Any]]) -> Callable:
@@ -247,18 +291,30 @@ _PUT_CHUNK = {"index": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_met
 _GET_CHUNK = {"start": _req(_uint), "length": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY = {"tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY_AT = {"at": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
+_SLOTS_CHUNK = {"index": _req(_uint), "tensors": _req(_tensor_specs), "meta": _opt(_meta, b"")}
+_SLOTS_BOUNDARY = {"tensors": _req(_tensor_specs), "meta": _opt(_meta, b"")}
 _SEQ = {"ns": _req(_ns), "tokens": _req(_tokens), "chunk_tokens": _opt(_chunk_tokens, 256), "media": _opt(_media)}
+
+_PUT_REPLY = {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_uint), "dropped": _opt(_uint, 0)}
 
 # The message table: type -> field schema, for requests and for replies.
 REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "HELLO": {"versions": _req(_uints), "client": _opt(_str, "")},
     "PING": {},
     "LOOKUP": {**_SEQ},
-    "GET": {**_SEQ, "max_tokens": _opt(_uint), "need_boundary": _opt(_bool, False), "start": _opt(_uint, 0)},
+    "GET": {
+        **_SEQ, "max_tokens": _opt(_uint), "need_boundary": _opt(_bool, False), "start": _opt(_uint, 0),
+        "shm": _opt(_map),  # section 9: proof and releases; the reply may then carry descriptors
+    },
     "PUT": {
         **_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_map),
     },
     "EXPLAIN": {**_SEQ, "need_boundary": _opt(_bool, False), "ns_meta": _opt(_map)},
+    "SLOTS": {
+        **_SEQ, "chunks": _req(_array_of(_record(_SLOTS_CHUNK))), "boundary": _opt(_record(_SLOTS_BOUNDARY)),
+        "ns_meta": _opt(_map), "shm": _req(_map),
+    },
+    "COMMIT": {"lease": _req(_uint), "shm": _req(_map)},
     "STATS": {"ns": _opt(_ns)},
     "GC": {
         "ram_bytes": _opt(_uint),
@@ -275,6 +331,7 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "HELLO": {
         "version": _req(_uint), "server": _req(_str), "limits": _req(_map), "chunk_tokens": _req(_uint),
         "features": _opt(_array_of(_str), ()),
+        "shm": _opt(_map),
     },
     "PING": {},
     "LOOKUP": {"n": _req(_uint), "boundaries": _req(_uints)},
@@ -283,8 +340,14 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "end": _req(_uint),
         "chunks": _req(_array_of(_record(_GET_CHUNK))),
         "boundary": _opt(_record(_BOUNDARY_AT)),
+        "shm": _opt(_map),
     },
-    "PUT": {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_uint), "dropped": _opt(_uint, 0)},
+    "PUT": _PUT_REPLY,
+    "SLOTS": {
+        "lease": _req(_uint), "run": _req(_str), "lease_s": _req(_number),
+        "chunks": _req(_array_of(_descriptors)), "boundary": _opt(_descriptors),
+    },
+    "COMMIT": _PUT_REPLY,
     "EXPLAIN": {
         "n": _req(_uint), "tokens": _req(_uint), "reason": _req(_str), "message": _req(_str),
         "boundaries": _req(_uints), "detail": _opt(_map),
@@ -372,7 +435,7 @@ def peek_id(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> int | None:
         return None
 
 
-def _decode(frames: list[Any], table, limits: Limits) -> Message:
+def _decode(frames: list[Any], table, limits: Limits, shm_ok: bool = False) -> Message:
     header = _unpack_header(frames, limits)
     mtype = header.get("type")
     version = header.get("v")
@@ -387,7 +450,7 @@ def _decode(frames: list[Any], table, limits: Limits) -> Message:
     mid = header.get("id", 0)
     if isinstance(mid, bool) or not isinstance(mid, int) or not 0 <= mid < U64:
         raise E.BadField("field 'id' must be an unsigned 64-bit integer")
-    ctx = _Ctx(limits, frames)
+    ctx = _Ctx(limits, frames, shm_ok)
     fields = _apply(table[mtype], header, ctx)
     unused = set(range(1, len(frames))) - ctx.used
     if unused:
@@ -402,7 +465,7 @@ def decode_request(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Messag
 
 def decode_reply(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Validate and decode a reply (an ERROR reply decodes to type "ERROR")."""
-    return _decode(frames, REPLIES, limits)
+    return _decode(frames, REPLIES, limits, shm_ok=True)
 
 
 # -- encoding ------------------------------------------------------------------
@@ -411,8 +474,13 @@ def decode_reply(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
 def _wire_tensors(tensors, frames: list[Any]) -> list[dict]:
     out = []
     for t in tensors:
-        frames.append(t.data)
-        out.append({"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "frame": len(frames) - 1})
+        wire = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+        if isinstance(t.data, Descriptor):
+            wire["shm"] = t.data.to_wire()
+        elif t.data is not None:
+            frames.append(t.data)
+            wire["frame"] = len(frames) - 1
+        out.append(wire)
     return out
 
 
@@ -421,9 +489,9 @@ def _wire_fields(fields: dict[str, Any], frames: list[Any]) -> dict[str, Any]:
     for name, value in fields.items():
         if value is None:
             continue
-        if name == "chunks":
+        if name == "chunks" and value and isinstance(value[0], dict):
             value = [{**c, "tensors": _wire_tensors(c["tensors"], frames)} for c in value]
-        elif name == "boundary":
+        elif name == "boundary" and isinstance(value, dict):
             value = {**value, "tensors": _wire_tensors(value["tensors"], frames)}
         out[name] = value
     return out

@@ -1,6 +1,6 @@
-"""Shared-memory data plane, the sans-I/O rules (DRAFT: no daemon offers it yet).
+"""Shared-memory data plane, the sans-I/O rules (PROTOCOL.md section 9).
 
-Theory of operation (the design drafted in proto/SHM-DESIGN.md for issue 13):
+Theory of operation:
 control stays on kvd/1 over ZeroMQ, and bulk bytes move through segments the
 daemon owns -- files mapped from a `shm/` folder of its private 0700 run
 directory, which works the same on macOS and Linux and needs no 31-character
@@ -11,9 +11,11 @@ I/O, so the daemon, the client and the vectors share one definition:
   daemon start, so a starting daemon deletes every name of another run (the
   leftovers of a killed predecessor) and nothing else. The name fits macOS's
   31-character limit, should POSIX shm ever be used instead of files.
-- Descriptors. A tensor's bytes are (segment, offset, length), offset aligned
-  to ALIGN so a client can view them as any dtype; a descriptor pointing past
-  its segment is a BadField, never a read out of bounds.
+- Descriptors. A tensor's bytes are (segment, offset, length). Slots the
+  daemon allocates start at multiples of ALIGN, but tensors read from an SSD
+  blob sit wherever the blob put them, so a reader copies bytes and never
+  assumes alignment; a descriptor pointing past its segment is a BadField,
+  never a read out of bounds.
 - Proof. Segments are offered only to a peer that echoes the nonce the daemon
   wrote 0600 in its run directory: a peer that cannot read that directory
   (another uid, another host) cannot prove it.
@@ -75,7 +77,7 @@ class Descriptor:
         size = segment_sizes.get(seg)
         if size is None:
             raise BadField(f"unknown shm segment {seg}")
-        if off < 0 or length < 0 or off % ALIGN or off + length > size:
+        if off < 0 or length < 0 or off + length > size:
             raise BadField(f"shm descriptor {value} outside segment {seg} of {size} bytes")
         return cls(seg, off, length)
 
@@ -109,6 +111,9 @@ class LeaseTable:
         self._next += 1
         self._leases[lease.lease_id] = lease
         return lease
+
+    def __contains__(self, lease_id: int) -> bool:
+        return lease_id in self._leases
 
     def _live(self, lease_id: int, now: float) -> Lease:
         lease = self._leases.get(lease_id)

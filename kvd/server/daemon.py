@@ -61,6 +61,8 @@ class Daemon:
         on_tick: Callable[[], None] | None = None,
         keys_dir: str | None = None,
         allow_insecure_tcp: bool = False,
+        shm: bool = True,
+        shm_lease_s: float = 30.0,
     ):
         self.store = store
         self.endpoint = endpoint
@@ -87,6 +89,7 @@ class Daemon:
         self._auth = None  # the ZAP authenticator thread (tcp with CURVE)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self.shm_enabled, self.shm_lease_s = shm and not is_tcp(endpoint), shm_lease_s
 
     # -- lifecycle ---------------------------------------------------------
     def bind(self) -> None:
@@ -121,6 +124,10 @@ class Daemon:
         # 0700 directory under the umask `kvd serve` set, so it never exists
         # with a mode another user could use, not even for a moment.
         self._ctx, self._sock = ctx, sock
+        if self.shm_enabled:
+            from kvd.server.shm_setup import open_plane  # ipc only: TCP peers never get shared memory
+
+            open_plane(self)
 
     def _secure_tcp(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         """CURVE on a tcp endpoint (kvd.endpoint rule 6), or the operator's explicit opt-out.
@@ -164,6 +171,9 @@ class Daemon:
             signal.signal(sig, lambda signum, frame: self.stop())
 
     def close(self) -> None:
+        if self.handler.shm is not None:
+            self.handler.shm.close()
+            self.handler.shm = None
         if self._sock is not None:
             # Let replies already queued (the SHUTDOWN acknowledgement above
             # all) reach their peers; a peer that is gone cannot hold us long.

@@ -76,9 +76,14 @@ class Handler:
         # Sections other parts of the daemon add to STATS (memory pressure,
         # quotas): name -> callable returning a map, run under the daemon's lock.
         self.stats_sections: dict[str, Any] = {}
+        # The shared-memory plane (kvd.server.shm.ShmPlane), set by the daemon
+        # on an ipc endpoint; None: GET serves frames, SLOTS/COMMIT are refused.
+        self.shm: Any = None
 
     def handle(self, msg: Message) -> tuple[str, dict[str, Any]]:
         self.requests[msg.type] += 1
+        if self.shm is not None:
+            self.shm.expire()
         return getattr(self, "on_" + msg.type.lower())(msg)
 
     # -- session -----------------------------------------------------------
@@ -86,13 +91,16 @@ class Handler:
         common = sorted(set(msg["versions"]) & set(SUPPORTED_VERSIONS))
         if not common:
             raise UnsupportedVersion(f"client speaks {msg['versions']}; this daemon speaks {list(SUPPORTED_VERSIONS)}")
-        return "HELLO", {
+        reply = {
             "version": common[-1],
             "server": f"kvd/{__version__}",
             "limits": self.limits.to_wire(),
             "chunk_tokens": self.chunk_tokens,
-            "features": list(FEATURES),
+            "features": list(FEATURES) + (["shm"] if self.shm is not None else []),
         }
+        if self.shm is not None:
+            reply["shm"] = self.shm.offer()
+        return "HELLO", reply
 
     def on_ping(self, msg: Message):
         return "PING", {}
@@ -133,6 +141,8 @@ class Handler:
         }
         if boundary is not None and end >= n:
             reply["boundary"] = {"at": n, "tensors": list(boundary.tensors), "meta": boundary.meta}
+        if msg.get("shm") is not None and self.shm is not None and self.shm.admit(msg["shm"]):
+            reply = self.shm.describe_get(reply, [*chunks, *([boundary] if "boundary" in reply else [])])
         return "GET", reply
 
     def _collect(self, links: list[Link], cap: int, need_boundary: bool, start: int):
@@ -229,6 +239,21 @@ class Handler:
         c["chunks_too_big"] += counts["too_big"]
         c["chunks_dropped"] += counts["dropped"]
         return "PUT", counts
+
+    # -- the shared-memory plane (PROTOCOL.md section 9; kvd/server/shm.py) ------
+    def _shm_admitted(self, msg: Message):
+        if self.shm is None:
+            raise BadField("this daemon offers no shared memory on this endpoint; send frames")
+        if not self.shm.admit(msg["shm"]):
+            raise BadField("shm proof refused: read the nonce again (the daemon restarted?) or send frames")
+        return self.shm
+
+    def on_slots(self, msg: Message):
+        return "SLOTS", self._shm_admitted(msg).grant(msg, self.limits.max_message_bytes)
+
+    def on_commit(self, msg: Message):
+        put = self._shm_admitted(msg).commit(msg["lease"])
+        return "COMMIT", self.on_put(put)[1]
 
     def on_explain(self, msg: Message):
         self.ns_counters[msg["ns"]]["explains"] += 1

@@ -1,0 +1,388 @@
+"""The daemon's side of the shared-memory data plane (PROTOCOL.md section 9).
+
+Theory of operation
+-------------------
+The arena is a set of segment files in a private 0700 folder beside the
+socket (`<socket>.shm/`), each created 0600 and mapped with `mmap` (the same
+on macOS and Linux; on Linux's $XDG_RUNTIME_DIR it is tmpfs, i.e. plain
+memory). A *slot* is one allocation in a segment: a first-fit free list per
+segment, coalesced on free, every slot starting at a multiple of ALIGN.
+
+A slot's lifetime is its Python references: the bytes are handed out as a
+`SlotArray` (a uint8 ndarray viewing the mapping that carries its `Slot`),
+and the slot returns to the free list when the last reference goes -- the
+RAM tier's entry, the spill queue's entry, a ZeroMQ frame still being sent,
+a lease. So nothing frees a slot early and no code path has to remember to
+free one: eviction drops the RAM tier's reference, a lease holds its own.
+
+Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
+1. Offered only on an ipc endpoint, and only to a request that echoes the
+   nonce the daemon wrote 0600 into the folder at start (a peer of another
+   uid cannot read it). A failed proof is not an error: the GET is served
+   over frames, a SLOTS request is refused with BAD_FIELD.
+2. A GET served over shm moves its entries' bytes into slots if they are not
+   there yet (a frame-PUT entry, once), and pins them under a read lease.
+3. SLOTS grants write slots under a write lease; nothing of them is in the
+   store until COMMIT, so a half-written slot is never served. An expired
+   or released lease drops its references: an uncommitted grant is freed.
+4. At start the folder is swept of every other run's segments (a killed
+   predecessor's); at a clean stop this run's own are removed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import mmap
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kvd.endpoint import check_run_dir
+from kvd.protocol import dtypes
+from kvd.protocol.codec import Message, Tensor
+from kvd.protocol.errors import BadField, Busy
+from kvd.protocol.shm import ALIGN, Descriptor, LeaseTable, align_up, check_proof, segment_name, stale_segments
+from kvd.store.base import Entry
+
+log = logging.getLogger("kvd.server")
+
+SEGMENT_BYTES = 256 << 20  # a new segment's size, unless one slot needs more
+NONCE_FILE = "nonce"
+
+
+class Slot:
+    """One allocation; its bytes return to the arena when this object dies."""
+
+    __slots__ = ("arena", "seg", "off", "size", "sid")
+
+    def __init__(self, arena: "Arena", seg: int, off: int, size: int, sid: int):
+        self.arena, self.seg, self.off, self.size, self.sid = arena, seg, off, size, sid
+
+    def __del__(self):
+        self.arena._free(self.seg, self.off, self.size)
+
+
+class SlotArray(np.ndarray):
+    """A uint8 view of a slot's bytes that keeps the slot alive (views inherit it)."""
+
+    slot: Slot | None = None
+
+    def __array_finalize__(self, obj):
+        self.slot = getattr(obj, "slot", None)
+
+
+class Arena:
+    """Segment files and their free lists. Thread-safe: the last reference to
+    a slot may go on any thread (the SSD spill writer, ZeroMQ's I/O)."""
+
+    def __init__(self, folder: Path, run_id: str, capacity: int, segment_bytes: int = SEGMENT_BYTES):
+        self.folder, self.run_id = folder, run_id
+        self.capacity, self.segment_bytes = int(capacity), int(segment_bytes)
+        self._mu = threading.Lock()
+        self._maps: list[mmap.mmap] = []
+        self._bases: list[int] = []  # address of each mapping (to locate views)
+        self._sizes: list[int] = []
+        self._free_lists: list[list[list[int]]] = []  # per segment: sorted [offset, size]
+        self._sids = 0
+        self.used = 0
+        self.counters = {"allocs": 0, "alloc_failures": 0}
+
+    # -- allocation ----------------------------------------------------------
+    def alloc(self, nbytes: int) -> SlotArray | None:
+        """A fresh slot of `nbytes` as a SlotArray, or None if the arena is full."""
+        size = align_up(max(1, nbytes))
+        with self._mu:
+            found = self._first_fit(size)
+            if found is None:
+                found = self._grow(size)
+            if found is None:
+                self.counters["alloc_failures"] += 1
+                return None
+            seg, off = found
+            self.used += size
+            self.counters["allocs"] += 1
+            self._sids += 1
+            slot = Slot(self, seg, off, size, self._sids)
+        arr = np.frombuffer(self._maps[seg], np.uint8, count=nbytes, offset=off).view(SlotArray)
+        arr.slot = slot
+        return arr
+
+    def _first_fit(self, size: int) -> tuple[int, int] | None:
+        for seg, free in enumerate(self._free_lists):
+            for i, (off, n) in enumerate(free):
+                if n >= size:
+                    if n == size:
+                        del free[i]
+                    else:
+                        free[i] = [off + size, n - size]
+                    return seg, off
+        return None
+
+    def _grow(self, size: int) -> tuple[int, int] | None:
+        seg_size = max(self.segment_bytes, size)
+        if sum(self._sizes) + seg_size > self.capacity:
+            return None
+        seg = len(self._maps)
+        path = self.folder / segment_name(self.run_id, seg)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, seg_size)
+            mm = mmap.mmap(fd, seg_size)
+        finally:
+            os.close(fd)
+        self._maps.append(mm)
+        self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
+        self._sizes.append(seg_size)
+        self._free_lists.append([[size, seg_size - size]] if seg_size > size else [])
+        return seg, 0
+
+    def _free(self, seg: int, off: int, size: int) -> None:
+        with self._mu:
+            self.used -= size
+            free = self._free_lists[seg]
+            i = bisect.bisect_left(free, [off, 0])
+            free.insert(i, [off, size])
+            if i + 1 < len(free) and off + size == free[i + 1][0]:  # merge with the next
+                free[i][1] += free.pop(i + 1)[1]
+            if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # and with the previous
+                free[i - 1][1] += free.pop(i)[1]
+
+    # -- lookups ------------------------------------------------------------------
+    def locate(self, data: Any) -> tuple[Slot, Descriptor] | None:
+        """The slot and descriptor of a buffer inside the arena, else None."""
+        obj: Any = data
+        for _ in range(4):  # memoryview -> its exporter -> ndarray base chain
+            slot = getattr(obj, "slot", None) if isinstance(obj, np.ndarray) else None
+            if slot is not None:
+                break
+            obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
+            if obj is None:
+                return None
+        else:
+            return None
+        view = memoryview(data)
+        if view.nbytes:
+            addr = np.frombuffer(view.cast("B") if view.format != "B" else view, np.uint8).ctypes.data
+            off = addr - self._bases[slot.seg]
+        else:
+            off = slot.off
+        if not slot.off <= off <= slot.off + slot.size - view.nbytes:
+            return None
+        return slot, Descriptor(slot.seg, off, view.nbytes)
+
+    def segment_sizes(self) -> dict[int, int]:
+        return dict(enumerate(self._sizes))
+
+    def stats(self) -> dict[str, Any]:
+        return {"segments": len(self._sizes), "mapped_bytes": sum(self._sizes), "used_bytes": self.used,
+                "capacity_bytes": self.capacity, **self.counters}
+
+    def unlink(self) -> None:
+        """Remove this run's segment files (mappings stay valid until unmapped)."""
+        for seg in range(len(self._sizes)):
+            try:
+                os.unlink(self.folder / segment_name(self.run_id, seg))
+            except FileNotFoundError:
+                pass
+
+
+def plane_dir(socket_path: Path) -> Path:
+    """The folder of an ipc endpoint's segments: `<socket>.shm`, beside its lock file."""
+    return socket_path.with_name(socket_path.name + ".shm")
+
+
+class ShmPlane:
+    """Proof, leases and the GET/SLOTS/COMMIT halves of the plane (module docstring)."""
+
+    def __init__(self, folder: Path, *, capacity: int, lease_seconds: float,
+                 clock: Callable[[], float] = time.monotonic, segment_bytes: int = SEGMENT_BYTES):
+        self.folder = folder
+        self.run_id = secrets.token_hex(4)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        check_run_dir(folder)  # ours, 0700, not a symlink: else UnsafeEndpoint
+        for name in stale_segments(os.listdir(folder), self.run_id):
+            os.unlink(folder / name)
+        self.nonce = secrets.token_bytes(32)
+        tmp = folder / f"{NONCE_FILE}.{self.run_id}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.nonce)
+        os.replace(tmp, folder / NONCE_FILE)
+        self.arena = Arena(folder, self.run_id, capacity, segment_bytes)
+        self.leases = LeaseTable(lease_seconds)
+        self._clock = clock
+        self._held: dict[int, list[Slot]] = {}  # lease id -> the slots it keeps alive
+        self._pending: dict[int, Message] = {}  # write lease -> the PUT it will commit
+        self.counters = {"gets": 0, "refused": 0, "grants": 0, "commits": 0, "expired": 0, "released": 0,
+                         "adopted_bytes": 0}
+
+    def offer(self) -> dict[str, Any]:
+        """What HELLO tells a client about the plane."""
+        return {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
+
+    # -- leases ----------------------------------------------------------------
+    def expire(self) -> None:
+        """End leases past their deadline (run before every request)."""
+        self.leases.expire(self._clock())
+        for lid in [lid for lid in self._held if lid not in self.leases]:
+            self._drop(lid)
+            self.counters["expired"] += 1
+
+    def _drop(self, lid: int) -> None:
+        self.leases.release(lid)
+        self._held.pop(lid, None)
+        self._pending.pop(lid, None)
+
+    def _lease(self, slots: list[Slot], *, write: bool) -> int:
+        sids = [s.sid for s in slots]
+        lease = self.leases.grant(self._clock(), **({"write": sids} if write else {"read": sids}))
+        self._held[lease.lease_id] = slots
+        return lease.lease_id
+
+    def admit(self, field: Any) -> bool:
+        """Check a request's `shm` map: True if its proof holds. Releases the
+        leases it lists (only for this run: ids restart with every run)."""
+        if not isinstance(field, dict):
+            raise BadField("field 'shm' must be a map")
+        if not check_proof(self.nonce, field.get("proof")):
+            self.counters["refused"] += 1
+            return False
+        release = field.get("release") or []
+        if not isinstance(release, list) or len(release) > 4096:
+            raise BadField("field 'shm.release' must be an array of at most 4096 lease ids")
+        for lid in release:
+            if isinstance(lid, int) and not isinstance(lid, bool) and lid in self._held and lid not in self._pending:
+                self._drop(lid)
+                self.counters["released"] += 1
+        return True
+
+    # -- GET -----------------------------------------------------------------
+    def describe_get(self, reply: dict[str, Any], entries: list[Entry]) -> dict[str, Any]:
+        """Turn a GET reply's tensors into descriptors under one read lease.
+        Entries not yet in the arena are copied in (and keep living there);
+        a tensor the arena has no room for stays a frame."""
+        swap: dict[int, Tensor] = {}
+        for entry in entries:
+            swap.update(self._adopt(entry))
+        slots: dict[int, Slot] = {}
+
+        def convert(tensors: list[Tensor]) -> list[Tensor]:
+            out = []
+            for t in tensors:
+                t = swap.get(id(t), t)
+                found = self.arena.locate(t.data)
+                if found is None:
+                    out.append(t)
+                    continue
+                slots[found[0].sid] = found[0]
+                out.append(Tensor(t.name, t.dtype, t.shape, found[1]))
+            return out
+
+        for chunk in reply.get("chunks", ()):
+            chunk["tensors"] = convert(chunk["tensors"])
+        if reply.get("boundary") is not None:
+            reply["boundary"]["tensors"] = convert(reply["boundary"]["tensors"])
+        self.counters["gets"] += 1
+        if slots:
+            lid = self._lease(list(slots.values()), write=False)
+            reply["shm"] = {"lease": lid, "run": self.run_id, "lease_s": self.leases.lease_seconds}
+        else:
+            reply["shm"] = {"run": self.run_id, "lease_s": self.leases.lease_seconds}
+        return reply
+
+    def _adopt(self, entry: Entry) -> dict[int, Tensor]:
+        """Move an entry's tensors into one slot, unless they are in the arena
+        already; returns {id(old tensor): new tensor}."""
+        todo = [t for t in entry.tensors if self.arena.locate(t.data) is None]
+        if not todo:
+            return {}
+        total = sum(align_up(t.nbytes) for t in todo)
+        arr = self.arena.alloc(total)
+        if arr is None:
+            return {}
+        swap: dict[int, Tensor] = {}
+        pos = 0
+        for t in todo:
+            n = t.nbytes
+            dst = arr[pos:pos + n]
+            if n:
+                dst[:] = np.frombuffer(memoryview(t.data).cast("B"), np.uint8)
+            swap[id(t)] = Tensor(t.name, t.dtype, t.shape, dst)
+            pos += align_up(n)
+        entry.tensors = tuple(swap.get(id(t), t) for t in entry.tensors)
+        self.counters["adopted_bytes"] += total
+        return swap
+
+    # -- PUT: SLOTS then COMMIT ----------------------------------------------------
+    def grant(self, msg: Message, max_bytes: int) -> dict[str, Any]:
+        """Write slots for a PUT's tensors, under a write lease."""
+        specs = [c["tensors"] for c in msg["chunks"]]
+        if msg.get("boundary") is not None:
+            specs.append(msg["boundary"]["tensors"])
+        sizes = [[math.prod(t.shape) * dtypes.itemsize(t.dtype) for t in ts] for ts in specs]
+        total = sum(align_up(n) for ns in sizes for n in ns)
+        if total > max_bytes:
+            raise BadField(f"SLOTS asks for {total} bytes; one request may cover {max_bytes}")
+        # One slot per entry, so an entry's bytes are freed with it, not
+        # with the last survivor of the batch it came in.
+        slots: list[Slot] = []
+        out: list[list[list[int]]] = []
+        filled: list[list[Tensor]] = []
+        for ts, ns in zip(specs, sizes):
+            arr = self.arena.alloc(sum(align_up(n) for n in ns))
+            if arr is None:
+                raise Busy("the shared-memory arena is full; send this PUT over frames")
+            slots.append(arr.slot)
+            descs, tensors, pos = [], [], 0
+            for t, n in zip(ts, ns):
+                descs.append([arr.slot.seg, arr.slot.off + pos, n])
+                tensors.append(Tensor(t.name, t.dtype, t.shape, arr[pos:pos + n]))
+                pos += align_up(n)
+            out.append(descs)
+            filled.append(tensors)
+        lid = self._lease(slots, write=True)
+        fields = dict(msg.fields)
+        fields["chunks"] = [{**c, "tensors": filled[i]} for i, c in enumerate(msg["chunks"])]
+        if msg.get("boundary") is not None:
+            fields["boundary"] = {**msg["boundary"], "tensors": filled[-1]}
+        fields.pop("shm", None)
+        self._pending[lid] = Message("PUT", fields, msg.id)
+        self.counters["grants"] += 1
+        reply: dict[str, Any] = {"lease": lid, "run": self.run_id, "lease_s": self.leases.lease_seconds,
+                                 "chunks": out[:len(msg["chunks"])]}
+        if msg.get("boundary") is not None:
+            reply["boundary"] = out[-1]
+        return reply
+
+    def commit(self, lease_id: int) -> Message:
+        """The PUT a live write lease was granted for, its slots now written.
+        BadField if the lease is unknown or expired (its slots are gone)."""
+        msg = self._pending.get(lease_id)
+        if msg is None:
+            raise BadField(f"no live shm write lease {lease_id}")
+        now = self._clock()
+        for slot in self._held[lease_id]:
+            self.leases.commit(lease_id, slot.sid, now)  # BadField past the deadline
+        self._drop(lease_id)  # the store's entries now keep the slots alive
+        self.counters["commits"] += 1
+        return msg
+
+    def stats(self) -> dict[str, Any]:
+        return {"run": self.run_id, "dir": str(self.folder), "lease_s": self.leases.lease_seconds,
+                "leases": len(self._held), **self.arena.stats(), **self.counters}
+
+    def close(self) -> None:
+        self._held.clear()
+        self._pending.clear()
+        self.arena.unlink()
+        try:
+            os.unlink(self.folder / NONCE_FILE)
+        except FileNotFoundError:
+            pass
