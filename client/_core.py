@@ -326,7 +326,8 @@ class Core:
         self.counters["bytes_sent"] += nbytes
         return reply["too_big"] == 0 and reply["dropped"] == 0
 
-    def _put_shm(self, link: _shm.Link, seq, chunks, boundary, nbytes: int, background: bool) -> bool | None:
+    def _put_shm(self, link: _shm.Link, seq, chunks, boundary, nbytes: int, background: bool,
+                 retry: bool = True) -> bool | None:
         """SLOTS, copy in, COMMIT. True/False: stored or not; None: use frames instead."""
         ns_meta = _explain.components_for(self.namespace)
         spec = lambda ts: [Tensor(t.name, t.dtype, tuple(t.shape), None) for t in ts]  # noqa: E731
@@ -338,9 +339,12 @@ class Core:
         try:
             grant = transport.request("SLOTS", fields, self.timeout)
         except KvdError as err:
+            if err.name == "BAD_FIELD" and retry:
+                self._shm_reset()  # proof refused: a restarted daemon; read its new nonce once
+                fresh = self._link(background=background)
+                if fresh is not None:
+                    return self._put_shm(fresh, seq, chunks, boundary, nbytes, background, retry=False)
             self.counters["shm_put_fallback"] += 1
-            if err.name == "BAD_FIELD":
-                self._shm_reset()  # proof refused: a restarted daemon; re-read its nonce next time
             return None
         try:
             pairs = [(t, d) for c, ds in zip(chunks, grant["chunks"]) for t, d in zip(c["tensors"], ds)]

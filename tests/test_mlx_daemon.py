@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 CHUNK = 64  # small chunks, so chunk granularity shows with tiny prompts
@@ -38,12 +40,12 @@ from models import build, greedy, prefill, prompt, raw
 from kvd_client import Client
 from kvd_client.mlx_lm import namespace_for
 
-role, endpoint, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+role, endpoint, cases, transport = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 out = []
 with mx.stream(mx.new_thread_local_stream(mx.cpu)):
     for name, bits, stored, shared, extra, _ in cases:
         model = build(name)
-        kv = Client(endpoint, namespace=namespace_for(model, kv_bits=bits, kv_group_size=32), chunk_tokens={chunk}, strict=True)
+        kv = Client(endpoint, namespace=namespace_for(model, kv_bits=bits, kv_group_size=32), chunk_tokens={chunk}, strict=True, transport=transport)
         first = prompt(stored)
         second = first[:shared] + prompt(extra, seed=5)
 
@@ -61,7 +63,8 @@ with mx.stream(mx.new_thread_local_stream(mx.cpu)):
             cache = cold(first)
             ok = kv.store(first, cache)
             kv.flush_stores(30)
-            out.append(dict(queued=ok, stored=kv.counters.get("stored", 0)))
+            out.append(dict(queued=ok, stored=kv.counters.get("stored", 0), shm=kv.counters.get("shm_puts", 0),
+                            dedup=kv.counters.get("put_deduplicated", 0)))
         else:
             n_lookup = kv.lookup(second)
             t0 = time.perf_counter()
@@ -69,15 +72,16 @@ with mx.stream(mx.new_thread_local_stream(mx.cpu)):
             ok = cache is not None
             got = cont(cache, second[n:]) if ok else None
             want = cont(cold(second[:n]) if n else None, second[n:]) if ok else None
-            out.append(dict(n=n, lookup=n_lookup, equal=got == want, types=[type(c).__name__ for c in cache or []]))
+            out.append(dict(n=n, lookup=n_lookup, equal=got == want, types=[type(c).__name__ for c in cache or []],
+                            shm=kv.counters.get("shm_gets", 0)))
         kv.close()
 print("RESULT " + json.dumps(out))
 """
 
 
-def run_child(role, endpoint, cases):
+def run_child(role, endpoint, cases, transport="auto"):
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD.format(here=HERE, chunk=CHUNK), role, endpoint, json.dumps(cases)],
+        [sys.executable, "-c", CHILD.format(here=HERE, chunk=CHUNK), role, endpoint, json.dumps(cases), transport],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,10 +89,16 @@ def run_child(role, endpoint, cases):
     return json.loads(line[len("RESULT "):])
 
 
-def test_store_in_one_process_fetch_in_another(kvd_daemon):
-    stored = run_child("store", kvd_daemon.endpoint, CASES)
+# Both data planes, and each way across: bytes written into shared memory are
+# read back over frames, and frame-PUT entries move into shared memory when
+# first read there (PROTOCOL.md section 9).
+@pytest.mark.parametrize("put_via,get_via", [("shm", "shm"), ("frames", "shm"), ("shm", "frames")])
+def test_store_in_one_process_fetch_in_another(kvd_daemon, put_via, get_via):
+    stored = run_child("store", kvd_daemon.endpoint, CASES, put_via)
     assert all(r["queued"] and r["stored"] == 1 for r in stored), stored
-    fetched = run_child("fetch", kvd_daemon.endpoint, CASES)
+    assert all(r["shm"] == (put_via == "shm" and not r["dedup"]) for r in stored), stored
+    fetched = run_child("fetch", kvd_daemon.endpoint, CASES, get_via)
+    assert all((r["shm"] >= 1) == (get_via == "shm") for r in fetched), fetched
     for (name, bits, _, _, _, expected), r in zip(CASES, fetched):
         assert r["n"] == expected, (name, bits, r)
         assert r["lookup"] == expected, (name, bits, r)

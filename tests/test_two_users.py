@@ -334,3 +334,65 @@ def test_a_refuses_a_socket_owned_by_b_in_a_shared_dir(users, daemons, umask):
     assert got["strict"] == f"refusing the kvd socket {sock}: it is owned by uid {b.uid}, not by you (uid {a.uid})"
     assert got["put"] is False and got["get"] is True and got["unsafe"] == 3
     assert _requests(b, umask, f"ipc://{sock}") == {"STATS": 1}
+
+
+SHM_PEEK = """
+import json, os, zmq
+from kvd.protocol import codec
+out = {}
+s = zmq.Context.instance().socket(zmq.DEALER)
+s.connect(ENDPOINT)
+def ask(mtype, fields):
+    s.send_multipart(codec.encode(mtype, fields, id=1))
+    assert s.poll(5000)
+    return codec.decode_reply(s.recv_multipart())
+hello = ask("HELLO", {"versions": [1]})
+folder = hello["shm"]["dir"]
+out["offered"] = "shm" in hello["features"]
+for what, fn in (("nonce", lambda: open(os.path.join(folder, "nonce"), "rb").read()),
+                 ("list", lambda: os.listdir(folder)),
+                 ("segment", lambda: open(os.path.join(folder, "kvd-%s-0" % hello["shm"]["run"]), "r+b"))):
+    try:
+        fn()
+        out[what] = "read"
+    except PermissionError:
+        out[what] = "denied"
+seq = {"ns": "a", "tokens": bytes(range(4)) * 300, "chunk_tokens": 256}
+for proof in (b"\\0" * 32, b"guess" * 8):
+    get = ask("GET", {**seq, "shm": {"proof": proof}})
+    out.setdefault("get", []).append([get["n"], "shm" in get.fields,
+        any(isinstance(t.data, codec.Descriptor) for c in get["chunks"] for t in c["tensors"])])
+slots = ask("SLOTS", {**seq, "chunks": [{"index": 0, "tensors": []}], "shm": {"proof": b"\\0" * 32}})
+out["slots"] = slots["name"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("umask", ["000", "077"])
+def test_other_user_is_never_given_a_shared_memory_segment(users, daemons, umask):
+    """Even with A's socket opened to everyone, B sees only frames: it cannot
+    read the nonce that proves same user, nor list or open A's segments."""
+    base, a, b = users
+    shared = base / f"shm{umask}"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    sock = shared / "kvd.sock"
+    log = base / f"shm-{umask}.log"
+    daemons.append(proc := a.serve(umask, "--endpoint", f"ipc://{sock}", "--data-dir", "none", log=log))
+    _wait_socket(sock, proc, log)
+    code = ("import numpy as np; from kvd_client import Client; from kvd_client._tensors import HostTensor, Snapshot\n"
+            f"c = Client('ipc://{sock}', namespace='a', strict=True, chunk_tokens=256)\n"
+            "t = np.frombuffer(bytes(range(4)) * 300, '<u4')\n"
+            "snap = Snapshot({'k': (HostTensor.from_numpy(np.ones((1, 300, 4), np.float32)), 1)})\n"
+            "assert c.put(t, snap) and c.counters['shm_puts'] == 1\n"
+            "print(1)")
+    r = a.python(umask, code)
+    assert r.returncode == 0, r.stderr
+    folder = shared / "kvd.sock.shm"
+    assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700 and os.lstat(folder).st_uid == a.uid
+    sock.chmod(0o666)  # A's operator opens the socket to other users: still no segment for B
+    got = _result(b.python(umask, f"ENDPOINT = 'ipc://{sock}'\n" + SHM_PEEK))
+    assert got["offered"] is True
+    assert (got["nonce"], got["list"], got["segment"]) == ("denied", "denied", "denied")
+    assert got["get"] == [[300, False, False], [300, False, False]]  # served, over frames only
+    assert got["slots"] == "BAD_FIELD"

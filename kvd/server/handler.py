@@ -79,11 +79,17 @@ class Handler:
         # The shared-memory plane (kvd.server.shm.ShmPlane), set by the daemon
         # on an ipc endpoint; None: GET serves frames, SLOTS/COMMIT are refused.
         self.shm: Any = None
+        self.shm_proven = False  # the request being served proved same host, same user
 
     def handle(self, msg: Message) -> tuple[str, dict[str, Any]]:
         self.requests[msg.type] += 1
+        # Proof and lease releases ride on any request that has an `shm` map,
+        # a miss too; the data methods then only ask `shm_proven`.
+        self.shm_proven = False
         if self.shm is not None:
             self.shm.expire()
+            if msg.get("shm") is not None:
+                self.shm_proven = self.shm.admit(msg["shm"])
         return getattr(self, "on_" + msg.type.lower())(msg)
 
     # -- session -----------------------------------------------------------
@@ -141,7 +147,7 @@ class Handler:
         }
         if boundary is not None and end >= n:
             reply["boundary"] = {"at": n, "tensors": list(boundary.tensors), "meta": boundary.meta}
-        if msg.get("shm") is not None and self.shm is not None and self.shm.admit(msg["shm"]):
+        if self.shm_proven:
             reply = self.shm.describe_get(reply, [*chunks, *([boundary] if "boundary" in reply else [])])
         return "GET", reply
 
@@ -244,7 +250,7 @@ class Handler:
     def _shm_admitted(self, msg: Message):
         if self.shm is None:
             raise BadField("this daemon offers no shared memory on this endpoint; send frames")
-        if not self.shm.admit(msg["shm"]):
+        if not self.shm_proven:
             raise BadField("shm proof refused: read the nonce again (the daemon restarted?) or send frames")
         return self.shm
 

@@ -1,0 +1,242 @@
+"""The shared-memory data plane against a real `kvd serve` (PROTOCOL.md section 9).
+
+Bit-exact round trips for every dtype along each path (shm and frames, each
+way across); leases that outlive a client killed -9 while reading or while
+writing are reclaimed, and a half-written grant is never served; eviction
+never frees a leased slot; a daemon killed -9 costs its clients a miss and
+leaves no segment after the next start; TCP and forged proofs get frames.
+Leases are short (`--shm-lease-s`) and every wait polls STATS to a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from kvd.protocol import codec
+from kvd.protocol.errors import BadField
+from kvd.protocol.shm import parse_segment_name
+from kvd_client import Client
+from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _poll(check, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _shm_stats(client) -> dict:
+    return client.stats()["shm"]
+
+
+@pytest.fixture
+def short_lease(daemon_factory):
+    return daemon_factory("--ram-mb", "64", "--shm-lease-s", "0.5")
+
+
+@pytest.mark.parametrize("put_via,get_via", [("shm", "shm"), ("frames", "shm"), ("shm", "frames")])
+def test_every_dtype_round_trips_bit_exact(kvd_daemon, put_via, get_via):
+    toks = np.arange(700)  # two full chunks and a tail
+    snap = prefix_snapshot(toks, boundary=True)
+    assert {name.split(".", 1)[1] for name in snap.sliced} == set(ALL_DTYPES)
+    with kvd_daemon.client("rt", strict=True, transport=put_via) as p:
+        assert p.put(toks, snap)
+        assert p.counters["shm_puts"] == (put_via == "shm")
+    with kvd_daemon.client("rt", strict=True, transport=get_via) as g:
+        for _ in range(2):  # the second time, frame-PUT entries already live in shared memory
+            hit = g.get(toks, need_boundary=True)
+            assert hit is not None and hit.n == 700
+            assert_prefix_hit(hit, toks)
+            assert hit.boundary["state"].array.tobytes() == snap.boundary["state"].array.tobytes()
+        assert g.counters["shm_gets"] == 2 * (get_via == "shm")
+        s = _shm_stats(g)
+    assert s["adopted_bytes"] > 0 if (put_via, get_via) == ("frames", "shm") else s["adopted_bytes"] == 0
+
+
+def test_segments_are_private_and_named_for_this_run(kvd_daemon):
+    with kvd_daemon.client("priv", strict=True) as c:
+        assert c.put(np.arange(300), prefix_snapshot(np.arange(300)))
+        s = _shm_stats(c)
+    folder = kvd_daemon.workdir / "kvd.sock.shm"
+    assert s["dir"] == str(folder)
+    assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+    names = sorted(os.listdir(folder))
+    assert names == ["kvd-%s-0" % s["run"], "nonce"]
+    for name in names:
+        st = os.lstat(folder / name)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+
+
+def test_forged_proof_gets_frames_and_no_slots(kvd_daemon):
+    toks = np.arange(300)
+    with kvd_daemon.client("forge", strict=True, transport="frames") as c:
+        assert c.put(toks, prefix_snapshot(toks))
+        seq = c._seq(toks)
+        reply = c._transport.request("GET", {**seq, "shm": {"proof": b"\0" * 32, "run": "x"}}, 5)
+        assert reply["n"] == 300 and "shm" not in reply.fields
+        assert all(isinstance(t.data, memoryview) for ch in reply["chunks"] for t in ch["tensors"])
+        spec = [codec.Tensor("k", "float32", (1, 4), None)]
+        with pytest.raises(BadField):
+            c._transport.request("SLOTS", {**seq, "chunks": [{"index": 0, "tensors": spec}], "shm": {"proof": b"x" * 32}}, 5)
+        assert _shm_stats(c)["refused"] == 2
+
+
+def test_tcp_never_offers_shared_memory(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--allow-insecure-tcp", start=False)
+    d.endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d.start()
+    with pytest.raises(ValueError):
+        Client(d.endpoint, transport="shm")
+    with Client(d.endpoint, namespace="tcp", strict=True) as c:
+        hello = c.hello()
+        assert "shm" not in hello and "shm" not in hello["features"]
+        toks = np.arange(300)
+        assert c.put(toks, prefix_snapshot(toks))
+        assert_prefix_hit(c.get(toks), toks)
+        assert c.counters["shm_gets"] == c.counters["shm_puts"] == 0
+        assert "shm" not in c.stats()
+
+
+def test_eviction_never_frees_a_leased_slot(kvd_daemon):
+    toks = np.arange(512)
+    with kvd_daemon.client("pin", strict=True) as c:
+        assert c.put(toks, prefix_snapshot(toks))
+        link = c._link()
+        reply = c._transport.request("GET", {**c._seq(toks), "shm": link.field()}, 5)
+        lease = reply["shm"]["lease"]
+        descs = [t.data for ch in reply["chunks"] for t in ch["tensors"]]
+        before = [bytes(link.view(d)) for d in descs]
+        c.gc(ram_bytes=0)  # evicts every entry: only the lease keeps the slots
+        s = _shm_stats(c)
+        assert s["leases"] == 1 and s["used_bytes"] > 0
+        other = np.arange(10_000, 10_512)  # same size: would land in freed slots
+        assert c.put(other, prefix_snapshot(other))
+        assert [bytes(link.view(d)) for d in descs] == before
+        link.done(lease)
+        assert c.get(np.arange(5)) is None  # any shm request carries the release
+        s = _shm_stats(c)
+        assert s["leases"] == 0 and s["released"] == 1
+
+
+HOLDER = r"""
+import sys, time
+sys.path.insert(0, {here!r})
+import numpy as np
+from kvd_client import Client
+from kvd.protocol import codec
+mode, endpoint = sys.argv[1], sys.argv[2]
+c = Client(endpoint, namespace="kill", strict=True, transport="shm")
+toks = np.arange(512)
+link = c._link()
+if mode == "read":
+    reply = c._transport.request("GET", {{**c._seq(toks), "shm": link.field()}}, 5)
+    assert reply["shm"]["lease"]
+else:
+    specs = [codec.Tensor("k", "float32", (1, 256, 64), None)]
+    grant = c._transport.request("SLOTS", {{**c._seq(toks), "chunks": [
+        {{"index": 0, "tensors": specs}}, {{"index": 1, "tensors": specs}}], "shm": link.field()}}, 5)
+    view = link.view(grant["chunks"][0][0])
+    view[: len(view) // 2] = b"\x07" * (len(view) // 2)  # half of the first slot, then die
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_client_killed_holding_a_lease_is_reclaimed(short_lease, mode):
+    toks = np.arange(512)
+    with short_lease.client("kill", strict=True) as c:
+        if mode == "read":
+            assert c.put(toks, prefix_snapshot(toks))
+        base = _shm_stats(c)["used_bytes"]
+        child = subprocess.Popen([sys.executable, "-c", HOLDER.format(here=HERE), mode, short_lease.endpoint],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "READY"
+            s = _shm_stats(c)
+            assert s["leases"] == 1 and (mode == "read" or s["used_bytes"] > base)
+            child.kill()
+            child.wait(10)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+        s = _poll(lambda: (st := _shm_stats(c))["leases"] == 0 and st, "the lease to expire")
+        assert s["expired"] == 1 and s["used_bytes"] == base  # an uncommitted grant is freed
+        if mode == "write":
+            assert c.probe(toks).n == 0 and c.get(toks) is None  # the half-written slot was never served
+        else:
+            assert_prefix_hit(c.get(toks), toks)
+
+
+def test_commit_after_the_lease_ended_is_refused(short_lease):
+    with short_lease.client("late", strict=True) as c:
+        link = c._link()
+        spec = [codec.Tensor("k", "float32", (1, 64), None)]
+        grant = c._transport.request("SLOTS", {**c._seq(np.arange(300)), "chunks": [{"index": 0, "tensors": spec}],
+                                               "shm": link.field()}, 5)
+        _poll(lambda: _shm_stats(c)["leases"] == 0, "the write lease to expire")
+        with pytest.raises(BadField):
+            c._transport.request("COMMIT", {"lease": grant["lease"], "shm": link.field()}, 5)
+        assert c.probe(np.arange(300)).n == 0
+
+
+def test_daemon_killed_with_slots_mapped(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    folder = d.workdir / "kvd.sock.shm"
+    toks = np.arange(512)
+    c = d.client("crash", timeout=1.0)
+    try:
+        assert c.put(toks, prefix_snapshot(toks))
+        assert_prefix_hit(c.get(toks), toks)
+        old_run = c.stats()["shm"]["run"]
+        d.kill()
+        assert c.get(toks) is None  # a miss, not a crash; the old mapping is still valid memory
+        assert any(parse_segment_name(n) == (old_run, 0) for n in os.listdir(folder))
+        d.start()
+        new_run = None
+        names = os.listdir(folder)
+        c.retry_now()
+        assert c.get(toks) is None  # the new run holds nothing (RAM only); the stale proof gets frames
+        new_run = c.stats()["shm"]["run"]
+        assert new_run != old_run
+        assert not [n for n in names if (p := parse_segment_name(n)) and p[0] == old_run]  # swept at start
+        assert c.put(toks, prefix_snapshot(toks))
+        assert_prefix_hit(c.get(toks), toks)
+        assert c.counters["shm_gets"] == 2 and c.counters["shm_puts"] == 2
+    finally:
+        c.close()
+    d.stop()
+    assert os.listdir(folder) == []  # a clean stop removes its own segments and nonce
+
+
+def test_old_clients_without_shm_keep_working(kvd_daemon):
+    """A kvd/1 client that never asks for shm: plain GET, frames back."""
+    toks = np.arange(300)
+    with kvd_daemon.client("old", strict=True) as c:
+        assert c.put(toks, prefix_snapshot(toks))
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(kvd_daemon.endpoint)
+    try:
+        seq = {"ns": "old", "tokens": np.arange(300, dtype="<u4").tobytes(), "chunk_tokens": 256}
+        s.send_multipart(codec.encode("GET", seq, id=1))
+        assert s.poll(5000)
+        reply = codec.decode_reply(s.recv_multipart())
+        assert reply.type == "GET" and reply["n"] == 300 and "shm" not in reply.fields
+    finally:
+        s.close(0)
