@@ -121,8 +121,13 @@ def daemon_factory():
         return d
 
     yield make
+    from kvd.server.shm import plane_dir
+
     for d in started:
         d.stop()
+        # A daemon a test killed -9 leaves its shared-memory segments until
+        # the next start on its endpoint, which a temp endpoint never sees.
+        shutil.rmtree(plane_dir(d.workdir / "kvd.sock"), ignore_errors=True)
     for path in dirs:
         shutil.rmtree(path, ignore_errors=True)
 

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ import zmq
 from kvd.protocol import codec
 from kvd.protocol.errors import BadField
 from kvd.protocol.shm import parse_segment_name
+from kvd.server.shm import plane_dir
 from kvd_client import Client
 from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot
 
@@ -71,8 +73,8 @@ def test_segments_are_private_and_named_for_this_run(kvd_daemon):
     with kvd_daemon.client("priv", strict=True) as c:
         assert c.put(np.arange(300), prefix_snapshot(np.arange(300)))
         s = _shm_stats(c)
-    folder = kvd_daemon.workdir / "kvd.sock.shm"
-    assert s["dir"] == str(folder)
+    folder = Path(s["dir"])
+    assert folder == plane_dir(kvd_daemon.workdir / "kvd.sock")
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
     names = sorted(os.listdir(folder))
     assert names == ["kvd-%s-0" % s["run"], "nonce"]
@@ -197,7 +199,7 @@ def test_commit_after_the_lease_ended_is_refused(short_lease):
 
 def test_daemon_killed_with_slots_mapped(daemon_factory):
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
-    folder = d.workdir / "kvd.sock.shm"
+    folder = plane_dir(d.workdir / "kvd.sock")
     toks = np.arange(512)
     c = d.client("crash", timeout=1.0)
     try:
@@ -221,7 +223,7 @@ def test_daemon_killed_with_slots_mapped(daemon_factory):
     finally:
         c.close()
     d.stop()
-    assert os.listdir(folder) == []  # a clean stop removes its own segments and nonce
+    assert not folder.exists()  # a clean stop removes its own segments, nonce and folder
 
 
 def test_old_clients_without_shm_keep_working(kvd_daemon):

@@ -388,7 +388,9 @@ def test_other_user_is_never_given_a_shared_memory_segment(users, daemons, umask
             "print(1)")
     r = a.python(umask, code)
     assert r.returncode == 0, r.stderr
-    folder = shared / "kvd.sock.shm"
+    from kvd.server.shm import plane_dir
+
+    folder = plane_dir(sock, uid=a.uid)
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700 and os.lstat(folder).st_uid == a.uid
     sock.chmod(0o666)  # A's operator opens the socket to other users: still no segment for B
     got = _result(b.python(umask, f"ENDPOINT = 'ipc://{sock}'\n" + SHM_PEEK))

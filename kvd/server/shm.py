@@ -2,11 +2,15 @@
 
 Theory of operation
 -------------------
-The arena is a set of segment files in a private 0700 folder beside the
-socket (`<socket>.shm/`), each created 0600 and mapped with `mmap` (the same
-on macOS and Linux; on Linux's $XDG_RUNTIME_DIR it is tmpfs, i.e. plain
-memory). A *slot* is one allocation in a segment: a first-fit free list per
-segment, coalesced on free, every slot starting at a multiple of ALIGN.
+The arena is a set of segment files in a private 0700 folder, each created
+0600 and mapped with `mmap` (the same on macOS and Linux). The folder must be
+memory, not disk, or the kernel writes every slot back to the drive: on Linux
+it is `/dev/shm/kvd-<uid>-<hash of the socket path>` (tmpfs), elsewhere
+`<socket>.shm/` beside the socket (`plane_dir`). Segment space is reserved
+when a segment is made (posix_fallocate where it exists), so a full tmpfs is
+an allocation failure, never a SIGBUS on first touch. A *slot* is one
+allocation in a segment: a first-fit free list per segment, coalesced on
+free, every slot starting at a multiple of ALIGN.
 
 A slot's lifetime is its Python references: the bytes are handed out as a
 `SlotArray` (a uint8 ndarray viewing the mapping that carries its `Slot`),
@@ -32,11 +36,13 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 import math
 import mmap
 import os
 import secrets
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,7 +59,7 @@ from kvd.store.base import Entry
 
 log = logging.getLogger("kvd.server")
 
-SEGMENT_BYTES = 256 << 20  # a new segment's size, unless one slot needs more
+SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
 NONCE_FILE = "nonce"
 
 
@@ -133,10 +139,21 @@ class Arena:
         path = self.folder / segment_name(self.run_id, seg)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, seg_size)
+            try:
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, seg_size)
+                else:
+                    os.ftruncate(fd, seg_size)
+            except OSError as err:  # ENOSPC: the tmpfs is full
+                os.close(fd)
+                fd = -1
+                os.unlink(path)
+                log.warning("cannot grow the shared-memory arena by %d MiB: %s", seg_size >> 20, err)
+                return None
             mm = mmap.mmap(fd, seg_size)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._maps.append(mm)
         self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
         self._sizes.append(seg_size)
@@ -193,8 +210,20 @@ class Arena:
                 pass
 
 
-def plane_dir(socket_path: Path) -> Path:
-    """The folder of an ipc endpoint's segments: `<socket>.shm`, beside its lock file."""
+def _tmpfs(path: str) -> bool:
+    try:
+        with open("/proc/mounts") as f:
+            return any(line.split()[1:3] == [path, "tmpfs"] for line in f if len(line.split()) > 2)
+    except OSError:
+        return False
+
+
+def plane_dir(socket_path: Path, uid: int | None = None) -> Path:
+    """The folder of an ipc endpoint's segments (module docstring): one per
+    endpoint, so a restarted daemon finds and sweeps its predecessor's."""
+    if sys.platform.startswith("linux") and _tmpfs("/dev/shm"):
+        digest = hashlib.sha256(os.fsencode(os.path.abspath(socket_path))).hexdigest()[:12]
+        return Path("/dev/shm") / f"kvd-{os.getuid() if uid is None else uid}-{digest}"
     return socket_path.with_name(socket_path.name + ".shm")
 
 
@@ -379,10 +408,12 @@ class ShmPlane:
                 "leases": len(self._held), **self.arena.stats(), **self.counters}
 
     def close(self) -> None:
+        """A clean stop leaves nothing: segments, nonce, folder."""
         self._held.clear()
         self._pending.clear()
         self.arena.unlink()
         try:
             os.unlink(self.folder / NONCE_FILE)
-        except FileNotFoundError:
+            self.folder.rmdir()
+        except OSError:  # not empty: something else is in there; leave it
             pass
