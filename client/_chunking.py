@@ -8,6 +8,7 @@ into one preallocated array per tensor, trimmed to the `n` tokens served.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -137,21 +138,37 @@ def join(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tuple[dict[
     """
     axes, meta = check_served(chunks, n, chunk_tokens)
     first = {t.name: t for t in chunks[0]["tensors"]}
-    out: dict[str, np.ndarray] = {}
+    # One allocation for every tensor, filled tensor by tensor: touching fresh
+    # pages in order is what a plain copy into new memory does, and chunk-major
+    # order across dozens of separate arrays measured up to 2x slower.
+    shapes: dict[str, list[int]] = {}
+    offsets: dict[str, int] = {}
+    total = 0
     for name, t in first.items():
         shape = list(t.shape)
         shape[axes[name]] = n
-        out[name] = np.empty(shape, dtype=dtypes.container(t.dtype))
+        shapes[name] = shape
+        offsets[name] = total
+        total += -(-math.prod(shape) * dtypes.itemsize(t.dtype) // 64) * 64
+    block = np.empty(total, dtype=np.uint8)
+    out: dict[str, np.ndarray] = {}
+    for name, t in first.items():
+        container = np.dtype(dtypes.container(t.dtype))
+        size = math.prod(shapes[name]) * container.itemsize
+        out[name] = block[offsets[name]:offsets[name] + size].view(container).reshape(shapes[name])
+    pieces: dict[str, list[tuple[int, Tensor]]] = {name: [] for name in first}
     for chunk in chunks:
-        start = chunk["start"]
-        stop = min(start + chunk["length"], n)
-        if stop <= start:
-            continue
         for t in chunk["tensors"]:
+            pieces[t.name].append((chunk["start"], t))
+    for name, parts in pieces.items():
+        axis = axes[name]
+        for start, t in parts:
+            stop = min(start + t.shape[axis], n)
+            if stop <= start:
+                continue
             src = np.frombuffer(t.data, dtype=dtypes.container(t.dtype)).reshape(t.shape)
-            axis = axes[t.name]
             take = (slice(None),) * axis + (slice(0, stop - start),)
             put = (slice(None),) * axis + (slice(start, stop),)
-            out[t.name][put] = src[take]
+            out[name][put] = src[take]
     tensors = {name: HostTensor(first[name].dtype, arr) for name, arr in out.items()}
     return tensors, axes, meta
