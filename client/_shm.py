@@ -78,7 +78,9 @@ class Link:
                     except (FileNotFoundError, ValueError) as err:
                         raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
                     try:
-                        mm = mmap.mmap(fd, os.fstat(fd).st_size)
+                        # Pages in place at once (Linux): segments are reused, so
+                        # each client faults a segment in once, not every slot.
+                        mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
                     finally:
                         os.close(fd)
                     self._maps[seg] = mm
