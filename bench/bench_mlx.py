@@ -1,6 +1,6 @@
 """What kvd costs the generation thread, for a realistic mlx-lm cache.
 
-    python bench/bench_mlx.py [--reps 5] [--tokens 2048]
+    python bench/bench_mlx.py [--reps 5] [--tokens 2048] [--transports frames,shm] [--no-demo]
 
 Cache: 32 layers of KVCache, 8 KV heads, head dim 128, bfloat16, 2,048
 tokens (256 MiB) -- a 7-8B model's prompt cache. Prints, with ratios to
@@ -12,8 +12,12 @@ baselines measured in the same run:
          already-touched buffer: cold (nothing held), and for a conversation
          going on (the daemon holds all but the last 256 tokens: one chunk is
          copied);
-  fetch  time `Client.fetch` holds the caller's thread (GET over ipc, join,
+  fetch  time `Client.fetch` holds the caller's thread (GET, join,
          mlx arrays rebuilt and evaluated), split into wire and rebuild;
+
+store and fetch are measured for each data plane (`frames`: bytes inside
+ZeroMQ messages over ipc; `shm`: the shared-memory plane, PROTOCOL.md
+section 13), against the same baselines.
   demo   fetch vs cold prefill of the same prefix with the demo model
          (examples/demo_shared_prefix.py), i.e. what a hit saves.
 """
@@ -66,6 +70,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--transports", default="frames,shm")
+    p.add_argument("--no-demo", action="store_true", help="skip the demo-model comparison")
     args = p.parse_args()
     T, reps = args.tokens, args.reps
     toks = list(range(T))
@@ -83,74 +89,80 @@ def main() -> None:
 
     take = median_time(lambda: snapshot(toks, caches), reps)
 
-    with daemon("--ram-mb", "2048") as (endpoint, _):
-        with mlx_client(endpoint, "bench-mlx") as kv:
-            assert kv.store(toks, caches, wait=True), kv.counters
-            rounds = iter(range(1, 10**6))
-            state = {}
-
-            # Cold: token ids the daemon has never seen, so every chunk is copied.
-            def fresh_ids():
-                kv.flush_stores(120)
-                r = next(rounds)
-                state["t"] = [(t + 1_000_003 * r) % 2**31 for t in toks]
-
-            store = median_time(lambda: kv.store(state["t"], caches), reps, setup=fresh_ids)
-
-            # A conversation going on: the daemon holds all but the last 256
-            # tokens, so store copies one chunk (plus a probe round trip).
-            def held_but_last_chunk():
-                kv.flush_stores(120)
-                r = next(rounds)
-                base = [(t + 1_000_003 * r) % 2**31 for t in toks]
-                assert kv.store(base, caches, wait=True)
-                state["t"] = base[: T - 256] + [(t + 7) % 2**31 for t in base[T - 256 :]]
-
-            store_inc = median_time(lambda: kv.store(state["t"], caches), reps, setup=held_but_last_chunk)
-            kv.flush_stores(120)
-            query = toks + [1]
-            hit_holder = {}
-
-            def get():
-                hit_holder["hit"] = kv.get(query, max_tokens=T)
-
-            get()  # warm-up: the daemon's first read of fresh chunks is not what we measure
-            fetch = median_time(lambda: kv.fetch(query), reps)
-            wire = median_time(get, reps)
-            rebuild_s = median_time(lambda: rebuild(hit_holder["hit"]), reps)
-            cache, n = kv.fetch(query)
-            assert n == T, n
-
-            # What a hit saves: the demo model, its own cold prefill vs a fetch.
-            model = build_model()
-            prompt = demo_tokens(1024, seed=1)
-
-            def cold():
-                c = make_prompt_cache(model)
-                for s in range(0, len(prompt), 512):
-                    model(mx.array(prompt[s : s + 512])[None], cache=c)
-                mx.eval([x.state for x in c])
-                return c
-
-            cold()  # warm-up
-            demo_cache = cold()
-            cold_s = median_time(cold, max(1, reps // 2))
-
-        with mlx_client(endpoint, namespace_for(model)) as dkv:
-            dkv.store(prompt, demo_cache, wait=True)
-            demo_fetch = median_time(lambda: dkv.fetch(prompt + [1]), reps)
-
     gibs = lambda s: nbytes / GiB / s  # noqa: E731
     print(f"baseline copy to fresh numpy   {fresh * 1e3:8.1f} ms  {gibs(fresh):5.2f} GiB/s")
     print(f"baseline memcpy, touched dest  {memcpy * 1e3:8.1f} ms  {gibs(memcpy):5.2f} GiB/s")
     print(f"snapshot (take) on caller      {take * 1e3:8.1f} ms  {gibs(take):5.2f} GiB/s  "
-          f"{take / fresh:4.2f}x fresh copy  {take / memcpy:4.2f}x memcpy")
-    print(f"store() on caller, nothing held {store * 1e3:7.1f} ms  {gibs(store):5.2f} GiB/s  "
-          f"{store / fresh:4.2f}x fresh copy  {store / memcpy:4.2f}x memcpy")
-    print(f"store() on caller, all but 256 held {store_inc * 1e3:5.1f} ms  "
-          f"({store_inc / fresh:4.2f}x a fresh copy of the whole cache)")
-    print(f"fetch() on caller              {fetch * 1e3:8.1f} ms  {gibs(fetch):5.2f} GiB/s  "
-          f"{fetch / fresh:4.2f}x fresh copy  (get over ipc {wire * 1e3:.1f} ms + rebuild {rebuild_s * 1e3:.1f} ms)")
+          f"{take / fresh:4.2f}x fresh copy  {take / memcpy:4.2f}x memcpy", flush=True)
+    ram_mb = max(2048, 3 * nbytes // 2**20 + 256)
+    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as (endpoint, _):
+        for plane in args.transports.split(","):
+            with mlx_client(endpoint, f"bench-mlx-{plane}", transport=plane) as kv:
+                assert kv.store(toks, caches, wait=True), kv.counters
+                rounds = iter(range(1, 10**6))
+                state = {}
+
+                # Cold: token ids the daemon has never seen, so every chunk is copied.
+                def fresh_ids():
+                    kv.flush_stores(300)
+                    r = next(rounds)
+                    state["t"] = [(t + 1_000_003 * r) % 2**31 for t in toks]
+
+                store = median_time(lambda: kv.store(state["t"], caches), reps, setup=fresh_ids)
+
+                # A conversation going on: the daemon holds all but the last 256
+                # tokens, so store copies one chunk (plus a probe round trip).
+                def held_but_last_chunk():
+                    kv.flush_stores(300)
+                    r = next(rounds)
+                    base = [(t + 1_000_003 * r) % 2**31 for t in toks]
+                    assert kv.store(base, caches, wait=True)
+                    state["t"] = base[: T - 256] + [(t + 7) % 2**31 for t in base[T - 256 :]]
+
+                store_inc = median_time(lambda: kv.store(state["t"], caches), reps, setup=held_but_last_chunk)
+                kv.flush_stores(300)
+                query = toks + [1]
+                hit_holder = {}
+
+                def get():
+                    hit_holder["hit"] = kv.get(query, max_tokens=T)
+
+                get()  # warm-up: the daemon's first read of fresh chunks is not what we measure
+                fetch = median_time(lambda: kv.fetch(query), reps)
+                wire = median_time(get, reps)
+                rebuild_s = median_time(lambda: rebuild(hit_holder["hit"]), reps)
+                cache, n = kv.fetch(query)
+                assert n == T, n
+                used = kv.counters["shm_gets"], kv.counters["shm_puts"]
+                assert (min(used) > 0) == (plane == "shm"), (plane, used)
+                del cache, hit_holder["hit"]
+            print(f"[{plane:>6}] store() on caller, nothing held {store * 1e3:7.1f} ms  {gibs(store):5.2f} GiB/s  "
+                  f"{store / fresh:4.2f}x fresh copy  {store / memcpy:4.2f}x memcpy")
+            print(f"[{plane:>6}] store() on caller, all but 256 held {store_inc * 1e3:5.1f} ms  "
+                  f"({store_inc / fresh:4.2f}x a fresh copy of the whole cache)")
+            print(f"[{plane:>6}] fetch() on caller              {fetch * 1e3:8.1f} ms  {gibs(fetch):5.2f} GiB/s  "
+                  f"{fetch / fresh:4.2f}x fresh copy  (get {wire * 1e3:.1f} ms + rebuild {rebuild_s * 1e3:.1f} ms)",
+                  flush=True)
+    if args.no_demo:
+        return
+    with daemon("--ram-mb", "512") as (endpoint, _):
+        # What a hit saves: the demo model, its own cold prefill vs a fetch.
+        model = build_model()
+        prompt = demo_tokens(1024, seed=1)
+
+        def cold():
+            c = make_prompt_cache(model)
+            for s in range(0, len(prompt), 512):
+                model(mx.array(prompt[s : s + 512])[None], cache=c)
+            mx.eval([x.state for x in c])
+            return c
+
+        cold()  # warm-up
+        demo_cache = cold()
+        cold_s = median_time(cold, max(1, reps // 2))
+        with mlx_client(endpoint, namespace_for(model)) as dkv:
+            dkv.store(prompt, demo_cache, wait=True)
+            demo_fetch = median_time(lambda: dkv.fetch(prompt + [1]), reps)
     print(f"demo model, 1024-token prefix: cold prefill {cold_s * 1e3:.1f} ms, fetch {demo_fetch * 1e3:.1f} ms "
           f"-> {cold_s / demo_fetch:.1f}x faster")
 

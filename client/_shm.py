@@ -1,4 +1,4 @@
-"""The client's side of the shared-memory data plane (PROTOCOL.md section 9).
+"""The client's side of the shared-memory data plane (PROTOCOL.md section 13).
 
 Theory of operation
 -------------------

@@ -246,7 +246,7 @@ class Handler:
         c["chunks_dropped"] += counts["dropped"]
         return "PUT", counts
 
-    # -- the shared-memory plane (PROTOCOL.md section 9; kvd/server/shm.py) ------
+    # -- the shared-memory plane (PROTOCOL.md section 13; kvd/server/shm.py) ------
     def _shm_admitted(self, msg: Message):
         if self.shm is None:
             raise BadField("this daemon offers no shared memory on this endpoint; send frames")

@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE.parent.parent))
 
 from kvd.protocol import codec, keys  # noqa: E402
 from kvd.protocol.codec import Tensor  # noqa: E402
+from kvd.protocol.shm import Descriptor  # noqa: E402
 from kvd.protocol.errors import ERRORS  # noqa: E402
 
 
@@ -123,6 +124,43 @@ MESSAGES = {
         1,
     ),
     "example_put_reply": ("reply", "PUT", {"stored": 2, "duplicate": 0, "too_big": 0, "dropped": 0}, 1),
+    # The shared-memory plane (PROTOCOL.md section 13): the offer, a GET that
+    # proves same host + same user and releases an earlier lease, its reply of
+    # descriptors, and a PUT as SLOTS -> (client copies) -> COMMIT.
+    "hello_shm_reply": (
+        "reply", "HELLO",
+        {"version": 1, "server": "kvd/0.1.0", "limits": {"max_message_bytes": 536870912}, "chunk_tokens": 256,
+         "features": ["media", "shm"], "shm": {"dir": "/dev/shm/kvd-1000-0123456789ab", "run": "0a1b2c3d", "lease_s": 30.0}},
+        12,
+    ),
+    "get_shm_request": (
+        "request", "GET",
+        {"ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4, "max_tokens": 4, "need_boundary": False, "start": 0,
+         "shm": {"proof": bytes(range(32)), "run": "0a1b2c3d", "release": [6]}},
+        13,
+    ),
+    "get_shm_reply": (
+        "reply", "GET",
+        {"n": 4, "end": 4,
+         "chunks": [{"start": 0, "length": 4, "tensors": [Tensor("L0.k", "uint32", (2,), Descriptor(0, 4096, 8))], "meta": b""}],
+         "shm": {"lease": 7, "run": "0a1b2c3d", "lease_s": 30.0}},
+        13,
+    ),
+    "slots_request": (
+        "request", "SLOTS",
+        {"ns": "llama-3b", "tokens": TOKENS, "chunk_tokens": 4,
+         "chunks": [{"index": 1, "tensors": [Tensor("L0.k", "bfloat16", (1, 1, 1), None)], "meta": b"\x80"}],
+         "boundary": {"tensors": [Tensor("L1.state", "uint32", (2,), None)], "meta": b""},
+         "shm": {"proof": bytes(range(32)), "run": "0a1b2c3d", "release": []}},
+        14,
+    ),
+    "slots_reply": (
+        "reply", "SLOTS",
+        {"lease": 8, "run": "0a1b2c3d", "lease_s": 30.0, "chunks": [[Descriptor(0, 8192, 2)]], "boundary": [Descriptor(0, 8256, 8)]},
+        14,
+    ),
+    "commit_request": ("request", "COMMIT", {"lease": 8, "shm": {"proof": bytes(range(32)), "run": "0a1b2c3d", "release": []}}, 15),
+    "commit_reply": ("reply", "COMMIT", {"stored": 2, "duplicate": 0, "too_big": 0, "dropped": 0}, 15),
     "error_reply": ("reply", "ERROR", {"code": 105, "name": "BAD_SHAPE", "message": "tensor 'k': 15 bytes for float32[2, 2], expected 16"}, 9),
 }
 
@@ -152,6 +190,12 @@ INVALID = {
                              "float32[2] needs 8 bytes; frame 1 holds 7"),
     "media_hash_not_32_bytes": ([_pack({**_LOOKUP, "ns": "x", "tokens": b"\x01\x00\x00\x00", "media": [{"start": 0, "end": 1, "hash": b"\x00" * 31}]})], 103,
                                 "the media span's `hash` is 31 bytes; a digest is 32"),
+    "shm_descriptor_in_request": (
+        [_pack({**_PUT, "chunks": [{"index": 0, "tensors": [{"name": "k", "dtype": "uint8", "shape": [1], "shm": [0, 0, 1]}]}]})],
+        106, "a request's tensor names a shared-memory descriptor, not a frame: only replies may"),
+    "slots_without_proof": (
+        [_pack({"v": 1, "type": "SLOTS", "id": 1, "ns": "x", "tokens": b"\x01\x00\x00\x00", "chunks": []})], 103,
+        "SLOTS carries no `shm` map (the proof of same host, same user)"),
     "frame_out_of_range": ([_put_one("uint8", [1], 2), b"\x00"], 106,
                            "the tensor names frame 2; the message has frames 0 and 1"),
 }
