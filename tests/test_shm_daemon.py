@@ -26,7 +26,7 @@ from kvd.protocol.errors import BadField
 from kvd.protocol.shm import parse_segment_name
 from kvd.server.shm import plane_dir
 from kvd_client import Client
-from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot
+from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -242,3 +242,20 @@ def test_old_clients_without_shm_keep_working(kvd_daemon):
         assert reply.type == "GET" and reply["n"] == 300 and "shm" not in reply.fields
     finally:
         s.close(0)
+
+
+def test_a_cold_hit_is_read_straight_into_shared_memory(daemon_factory):
+    """An SSD-tier read lands in a slot: the shm GET needs no daemon-side copy."""
+    d = daemon_factory("--ram-mb", "64")
+    toks = np.arange(700)
+    with d.client("cold", strict=True, transport="frames") as c:
+        assert c.put(toks, prefix_snapshot(toks, boundary=True))
+        c.gc(ram_bytes=0)  # spill everything; RAM keeps nothing
+        wait_spilled(c, 4)
+    with d.client("cold", strict=True, transport="shm") as c:
+        hit = c.get(toks, need_boundary=True)
+        assert_prefix_hit(hit, toks)
+        assert c.counters["shm_gets"] == 1
+        s = c.stats()
+    assert s["tiers"]["ssd"]["hits"] >= 4
+    assert s["shm"]["adopted_bytes"] == 0 and s["shm"]["allocs"] >= 4  # read into slots, not copied there

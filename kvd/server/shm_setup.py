@@ -29,6 +29,9 @@ def open_plane(daemon) -> None:
         log.warning("shared memory disabled: %s", err)
         return
     daemon.handler.shm = plane
+    ssd = getattr(daemon.store, "ssd", None)
+    if ssd is not None and hasattr(ssd, "read_buffers"):
+        ssd.read_buffers = plane.arena.alloc  # a cold hit lands in shared memory, never a bytearray first
     daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
     log.info("shared memory offered: %s (capacity %d MiB, lease %gs)", plane.folder, plane.arena.capacity >> 20,
              plane.leases.lease_seconds)

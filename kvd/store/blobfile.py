@@ -44,6 +44,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import xxhash
 
@@ -203,10 +204,16 @@ def estimate_disk_bytes(entry: Entry, block: int = 4096) -> int:
     return -(-size // block) * block
 
 
-def read_all(fd: int, size: int) -> bytearray:
-    """Read exactly `size` bytes from `fd` (from offset 0). Short file -> BlobCorrupt."""
-    buf = bytearray(size)
-    mv = memoryview(buf)
+def read_all(fd: int, size: int, alloc: Callable[[int], Any] | None = None) -> Any:
+    """Read exactly `size` bytes from `fd` (from offset 0). Short file -> BlobCorrupt.
+
+    `alloc(size)`, if given, supplies the writable buffer to read into (the
+    daemon's shared memory, so a cold hit lands where a client can copy it
+    from); None from it, or no `alloc`, means a fresh bytearray."""
+    buf = alloc(size) if alloc is not None else None
+    if buf is None:
+        buf = bytearray(size)
+    mv = memoryview(buf).cast("B")
     pos = 0
     while pos < size:
         n = os.preadv(fd, [mv[pos:]], pos) if hasattr(os, "preadv") else _pread_into(fd, mv, pos)
@@ -224,12 +231,13 @@ def _pread_into(fd: int, mv: memoryview, pos: int) -> int:
     return len(chunk)
 
 
-def read_blob(fd: int, size: int, checksum: int) -> Entry:
-    """The entry stored in the open blob `fd`, after checking its size and checksum.
+def read_blob(fd: int, size: int, checksum: int, alloc: Callable[[int], Any] | None = None) -> Entry:
+    """The entry stored in the open blob `fd`, after checking its size and checksum
+    (read into `alloc(size)` if given, see `read_all`).
 
     Raises BlobCorrupt on any disagreement; OSError for I/O errors.
     """
-    buf = read_all(fd, size)
+    buf = read_all(fd, size, alloc)
     got = xxhash.xxh3_64_intdigest(buf)
     if got != checksum:
         raise BlobCorrupt(f"checksum {got:016x} != recorded {checksum:016x}")

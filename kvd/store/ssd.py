@@ -135,6 +135,9 @@ class SsdStore(Store):
         self.retry_s = retry_s
         self.touch_flush_s = touch_flush_s
         self.durable = durable
+        # Where reads land: a callable (size -> writable buffer, or None for a
+        # bytearray). The shared-memory plane sets it (kvd/server/shm_setup.py).
+        self.read_buffers: Any = None
         self._clock = clock
         self._lock_file = DataDirLock(self.root).acquire()
         try:
@@ -305,7 +308,7 @@ class SsdStore(Store):
             self._mark_bad(eid, "missing")
             return None
         try:
-            entry = blobfile.read_blob(fd, row.file_size, row.checksum)
+            entry = blobfile.read_blob(fd, row.file_size, row.checksum, self.read_buffers)
             if entry.id != eid or entry.namespace != row.ns:
                 raise BlobCorrupt("blob holds another entry than its name says")
         except BlobCorrupt as exc:
