@@ -9,7 +9,7 @@ into one preallocated array per tensor, trimmed to the `n` tokens served.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
@@ -130,8 +130,14 @@ def check_boundary(tensors: list[Tensor]) -> None:
         raise ValueError(f"boundary state names a tensor twice: {sorted(names)}")
 
 
-def join(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tuple[dict[str, HostTensor], dict[str, int], dict]:
+def join(
+    chunks: list[dict[str, Any]], n: int, chunk_tokens: int, alloc: Callable[[int], np.ndarray] | None = None
+) -> tuple[dict[str, HostTensor], dict[str, int], dict]:
     """Re-join served chunks (sorted by start, contiguous from 0) into n tokens.
+
+    The tensors are views of one block: `alloc(nbytes)` supplies it (a
+    writable uint8 array, e.g. memory of mlx arrays, so a fetch copies once),
+    else a fresh numpy array.
 
     Returns (tensors, axes, caller meta). Raises ValueError if the chunks
     disagree on their layout (`check_served`): never a wrong-shaped array.
@@ -150,7 +156,7 @@ def join(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tuple[dict[
         shapes[name] = shape
         offsets[name] = total
         total += -(-math.prod(shape) * dtypes.itemsize(t.dtype) // 64) * 64
-    block = np.empty(total, dtype=np.uint8)
+    block = alloc(total) if alloc is not None else np.empty(total, dtype=np.uint8)
     out: dict[str, np.ndarray] = {}
     for name, t in first.items():
         container = np.dtype(dtypes.container(t.dtype))

@@ -371,12 +371,14 @@ class Core:
 
     def get(
         self, tokens: Sequence[int] | np.ndarray, *, max_tokens: int | None = None, need_boundary: bool = False,
-        media: Sequence[Any] = (),
+        media: Sequence[Any] = (), alloc: Any = None,
     ) -> Hit | None:
         """The longest stored prefix of `tokens` (at most `max_tokens`), or None.
 
         With `need_boundary`, only a prefix that ends where boundary state was
         stored is served, and `hit.boundary` holds that state. `media` as in `probe`.
+        `alloc(nbytes)`, if given, returns the writable uint8 array the sliced
+        tensors are joined into (they become views of it); default: fresh numpy.
         """
         if len(tokens) == 0 or max_tokens == 0:
             return None
@@ -388,13 +390,13 @@ class Core:
         link = self._link()
         leases: list[int] = []
         try:
-            return self._get(seq, cap, need_boundary, link, leases)
+            return self._get(seq, cap, need_boundary, link, leases, alloc)
         finally:
             if link is not None:
                 for lease in leases:
                     link.done(lease)  # ended with the next request that carries the proof
 
-    def _get(self, seq, cap: int, need_boundary: bool, link: _shm.Link | None, leases: list[int]) -> Hit | None:
+    def _get(self, seq, cap: int, need_boundary: bool, link: _shm.Link | None, leases: list[int], alloc=None) -> Hit | None:
         chunks: list[dict[str, Any]] = []
         n, start, boundary = cap, 0, None
         first_sent: float | None = None
@@ -439,7 +441,7 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         try:
-            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens)
+            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc)
             if boundary is not None:
                 _chunking.check_boundary(boundary["tensors"])
         except ValueError as err:

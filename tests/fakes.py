@@ -80,7 +80,7 @@ class FakeClient(MlxMethods):
         n = max((self._lcp(toks, s) for s, _ in self.seqs), default=0)
         return Probe(n, [b for b in self._boundaries(toks) if b <= n])
 
-    def get(self, tokens, *, max_tokens=None, need_boundary=False):
+    def get(self, tokens, *, max_tokens=None, need_boundary=False, alloc=None):  # alloc: the real core joins into it; ignoring it is allowed
         toks = tuple(int(t) for t in tokens)
         cap = len(toks) if max_tokens is None else min(max_tokens, len(toks))
         if need_boundary:

@@ -66,7 +66,7 @@ def test_uploads_use_their_own_socket_from_the_writer_thread(kvd_daemon, monkeyp
         assert kv.store(tokens, cache)  # queued; the upload runs on the writer
         assert kv.flush_stores(30)
         main = id(kv._transport)
-        upload = [c for c in calls if c[1] == "PUT"]
+        upload = [c for c in calls if c[1] in ("PUT", "SLOTS", "COMMIT")]  # frames, or the shm plane
     assert upload and all(t != main and thread == "kvd-writer" for t, _, thread in upload)
     # the caller's own request (store's LOOKUP for what is held) used the caller's socket
     assert any(t == main and m == "LOOKUP" and thread == "MainThread" for t, m, thread in calls)

@@ -135,7 +135,7 @@ class MlxMethods:
         or (None, 0) on a miss. For models with recurrent/windowed layers n
         is a position where that state was stored. `media` as in `store`.
         """
-        from kvd_client.mlx_lm._rebuild import rebuild
+        from kvd_client.mlx_lm._rebuild import mlx_block, rebuild
         from kvd_client.mlx_lm._snapshot import host_tokens
 
         toks = host_tokens(tokens)
@@ -144,11 +144,20 @@ class MlxMethods:
             return None, 0
         need = self._mlx_boundary_need() is True
         extra = {"media": media} if media else {}  # numpy-level clients without media keep working
-        hit = self.get(toks, max_tokens=cap, need_boundary=need, **extra)
+        # The hit is joined straight into mlx memory (one copy from the wire
+        # or shared memory), and rebuilt as views of it.
+        blocks: list[Any] = []
+
+        def alloc(nbytes: int):
+            x, alias = mlx_block(nbytes)
+            blocks.append(x)
+            return alias
+
+        hit = self.get(toks, max_tokens=cap, need_boundary=need, alloc=alloc, **extra)
         if hit is not None and not need and hit.boundary is None and self._mlx_learn(hit):
             # Layout unknown (or recorded wrong) and the data says this model
             # resumes only at a boundary: ask again for one.
-            hit = self.get(toks, max_tokens=cap, need_boundary=True, **extra)
+            hit = self.get(toks, max_tokens=cap, need_boundary=True, alloc=alloc, **extra)
         if hit is None or hit.n < 1:
             self._mlx_count("fetch_miss")
             return None, 0
@@ -161,7 +170,7 @@ class MlxMethods:
                 # Any process of the user may write this namespace: a hit
                 # must match the layout the model itself implies.
                 raise F.SnapshotMismatch(f"served layout differs from the model's for namespace {self.namespace!r}")
-            cache = rebuild(hit)
+            cache = rebuild(hit, blocks[-1] if blocks else None)
         except F.SnapshotMismatch:
             self._mlx_count("fetch_invalid")
             if self._mlx_strict():

@@ -24,18 +24,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvd_client._tensors import Hit, HostTensor
 from kvd_client.mlx_lm import _format as F
 
 
-def rebuild(hit: Hit) -> list[Any]:
-    """A list of mlx-lm cache objects covering `hit.n` tokens; SnapshotMismatch if unusable."""
+def rebuild(hit: Hit, block: Any = None) -> list[Any]:
+    """A list of mlx-lm cache objects covering `hit.n` tokens; SnapshotMismatch if unusable.
+
+    `block`: the mlx uint8 array the hit's sliced tensors were joined into
+    (`MlxMethods.fetch` passes it, see `mlx_block`); arrays inside it become
+    views of it, with no second copy.
+    """
     import mlx.core as mx
 
     layers = _layers(hit.meta)
     if F.needs_boundary(layers) and hit.boundary is None:
         raise F.SnapshotMismatch("the model has recurrent/windowed layers but the hit carries no boundary state")
-    b = _Builder(hit)
+    b = _Builder(hit, block)
     caches = [b.layer(str(i), spec) for i, spec in enumerate(layers)]
     mx.eval(*b.arrays)
     return caches
@@ -50,16 +57,50 @@ def _layers(meta: dict[str, Any]) -> list[dict[str, Any]]:
     return layers
 
 
+def mlx_block(nbytes: int) -> tuple[Any, np.ndarray]:
+    """A fresh mlx uint8 array of `nbytes`, evaluated, and a writable numpy
+    alias of its memory (np.asarray of an evaluated mlx array does not copy).
+    Joining a hit into it and viewing it from mlx is one copy in all, where
+    numpy then `mx.array` would be two."""
+    import mlx.core as mx
+
+    x = mx.zeros((max(1, nbytes),), dtype=mx.uint8)
+    mx.eval(x)
+    alias = np.asarray(x)
+    if not alias.flags.writeable or alias.size != max(1, nbytes):
+        raise F.SnapshotMismatch("mlx did not expose its buffer writable")  # never seen; fall back to a miss
+    return x, alias[:nbytes]
+
+
 class _Builder:
-    def __init__(self, hit: Hit):
+    def __init__(self, hit: Hit, block: Any = None):
         self.hit = hit
         self.n = int(hit.n)
         self.arrays: list[Any] = []
+        self.block = block
+        self.base = np.asarray(block).ctypes.data if block is not None else 0
+        self.size = block.size if block is not None else 0
+
+    def _view(self, host: HostTensor) -> Any:
+        """`host` as a view of the block it was joined into, or None if it is not in it."""
+        import mlx.core as mx
+
+        arr = host.array
+        if self.block is None or not arr.flags.c_contiguous or not arr.nbytes:
+            return None
+        off = arr.ctypes.data - self.base
+        want = mx.bool_ if host.dtype == "bool" else getattr(mx, host.dtype, None)
+        if want is None or not 0 <= off <= self.size - arr.nbytes:
+            return None
+        return self.block[off:off + arr.nbytes].view(want).reshape(arr.shape)
 
     def _mx(self, host: HostTensor) -> Any:
         import mlx.core as mx
 
-        if host.dtype == "bfloat16":
+        x = self._view(host)
+        if x is not None:
+            pass
+        elif host.dtype == "bfloat16":
             x = mx.array(host.array.view("<u2")).view(mx.bfloat16)
         else:
             x = mx.array(host.array)
