@@ -121,6 +121,7 @@ def main() -> None:
 
                 store_inc = median_time(lambda: kv.store(state["t"], caches), reps, setup=held_but_last_chunk)
                 kv.flush_stores(300)
+                assert kv.store(toks, caches, wait=True)  # held again if the stores above evicted it
                 query = toks + [1]
                 hit_holder = {}
 

@@ -145,6 +145,8 @@ def main() -> None:
 
                 def fresh():  # new token ids each rep, so nothing dedups
                     tokens["t"] = np.arange(n_tokens) + next(counter) * 1_000_000
+                    if mib > 1024:  # one snapshot at a time: empty the RAM tier first
+                        c.gc(ram_bytes=0)
 
                 def put():
                     assert c.put(tokens["t"], snap)

@@ -131,13 +131,14 @@ def check_boundary(tensors: list[Tensor]) -> None:
 
 
 def join(
-    chunks: list[dict[str, Any]], n: int, chunk_tokens: int, alloc: Callable[[int], np.ndarray] | None = None
+    chunks: list[dict[str, Any]], n: int, chunk_tokens: int,
+    alloc: Callable[[list[int]], list[np.ndarray]] | None = None,
 ) -> tuple[dict[str, HostTensor], dict[str, int], dict]:
     """Re-join served chunks (sorted by start, contiguous from 0) into n tokens.
 
-    The tensors are views of one block: `alloc(nbytes)` supplies it (a
-    writable uint8 array, e.g. memory of mlx arrays, so a fetch copies once),
-    else a fresh numpy array.
+    `alloc(sizes)`, if given, supplies one writable uint8 array per tensor
+    (e.g. the memory of fresh mlx arrays, so a fetch copies once); else the
+    tensors are views of one fresh numpy block.
 
     Returns (tensors, axes, caller meta). Raises ValueError if the chunks
     disagree on their layout (`check_served`): never a wrong-shaped array.
@@ -156,12 +157,15 @@ def join(
         shapes[name] = shape
         offsets[name] = total
         total += -(-math.prod(shape) * dtypes.itemsize(t.dtype) // 64) * 64
-    block = alloc(total) if alloc is not None else np.empty(total, dtype=np.uint8)
+    sizes = [math.prod(shapes[name]) * dtypes.itemsize(t.dtype) for name, t in first.items()]
+    if alloc is not None:
+        raws = alloc(sizes)
+    else:
+        block = np.empty(total, dtype=np.uint8)
+        raws = [block[offsets[name]:offsets[name] + size] for name, size in zip(first, sizes)]
     out: dict[str, np.ndarray] = {}
-    for name, t in first.items():
-        container = np.dtype(dtypes.container(t.dtype))
-        size = math.prod(shapes[name]) * container.itemsize
-        out[name] = block[offsets[name]:offsets[name] + size].view(container).reshape(shapes[name])
+    for (name, t), raw in zip(first.items(), raws):
+        out[name] = raw.view(dtypes.container(t.dtype)).reshape(shapes[name])
     pieces: dict[str, list[tuple[int, Tensor]]] = {name: [] for name in first}
     for chunk in chunks:
         for t in chunk["tensors"]:

@@ -377,8 +377,8 @@ class Core:
 
         With `need_boundary`, only a prefix that ends where boundary state was
         stored is served, and `hit.boundary` holds that state. `media` as in `probe`.
-        `alloc(nbytes)`, if given, returns the writable uint8 array the sliced
-        tensors are joined into (they become views of it); default: fresh numpy.
+        `alloc(sizes)`, if given, returns one writable uint8 array per sliced
+        tensor to join it into (see `_chunking.join`); default: fresh numpy.
         """
         if len(tokens) == 0 or max_tokens == 0:
             return None

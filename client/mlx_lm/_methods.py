@@ -135,7 +135,7 @@ class MlxMethods:
         or (None, 0) on a miss. For models with recurrent/windowed layers n
         is a position where that state was stored. `media` as in `store`.
         """
-        from kvd_client.mlx_lm._rebuild import mlx_block, rebuild
+        from kvd_client.mlx_lm._rebuild import mlx_blocks, rebuild
         from kvd_client.mlx_lm._snapshot import host_tokens
 
         toks = host_tokens(tokens)
@@ -148,10 +148,10 @@ class MlxMethods:
         # or shared memory), and rebuilt as views of it.
         blocks: list[Any] = []
 
-        def alloc(nbytes: int):
-            x, alias = mlx_block(nbytes)
-            blocks.append(x)
-            return alias
+        def alloc(sizes: list[int]):
+            xs, aliases = mlx_blocks(sizes)
+            blocks[:] = xs  # a second get replaces the first's
+            return aliases
 
         hit = self.get(toks, max_tokens=cap, need_boundary=need, alloc=alloc, **extra)
         if hit is not None and not need and hit.boundary is None and self._mlx_learn(hit):
@@ -170,7 +170,7 @@ class MlxMethods:
                 # Any process of the user may write this namespace: a hit
                 # must match the layout the model itself implies.
                 raise F.SnapshotMismatch(f"served layout differs from the model's for namespace {self.namespace!r}")
-            cache = rebuild(hit, blocks[-1] if blocks else None)
+            cache = rebuild(hit, blocks)
         except F.SnapshotMismatch:
             self._mlx_count("fetch_invalid")
             if self._mlx_strict():
