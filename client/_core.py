@@ -181,14 +181,18 @@ class Core:
             if offer != self._shm_offer:
                 self._shm_offer, self._shm_link = offer, None
 
+    def _hello_now(self, *, background: bool = False) -> bool:
+        reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
+        if reply is not None:
+            self._hello(reply)
+        return reply is not None
+
     def _link(self, *, background: bool = False) -> _shm.Link | None:
         """The shared-memory link to use now, or None for frames."""
         if self.transport == "frames" or self._curve is not None:
             return None
         if self._features is None:  # one HELLO learns the offer
-            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
-            if reply is not None:
-                self._hello(reply)
+            self._hello_now(background=background)
         with self._shm_lock:
             if self._shm_link is None and self._shm_offer:
                 try:
@@ -347,9 +351,12 @@ class Core:
             self.counters["shm_put_fallback"] += 1
             return None
         try:
-            pairs = [(t, d) for c, ds in zip(chunks, grant["chunks"]) for t, d in zip(c["tensors"], ds)]
-            if boundary is not None:
-                pairs += list(zip(boundary["tensors"], grant.get("boundary") or ()))
+            want = [c["tensors"] for c in chunks] + ([boundary["tensors"]] if boundary is not None else [])
+            got = list(grant["chunks"]) + ([grant.get("boundary") or []] if boundary is not None else [])
+            if [len(ts) for ts in want] != [len(ds) for ds in got] or any(
+                    d.length != t.nbytes for ts, ds in zip(want, got) for t, d in zip(ts, ds)):
+                raise _shm.ShmUnavailable("the grant does not match the request")  # never commit it
+            pairs = [(t, d) for ts, ds in zip(want, got) for t, d in zip(ts, ds)]
             for t, desc in pairs:
                 if not link.in_time(sent_at):
                     raise _shm.ShmUnavailable("write lease about to end")
@@ -387,6 +394,10 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         cap = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        wants_shm = self.transport != "frames" and self._curve is None
+        if wants_shm and self._features is None and not self._hello_now():
+            self.counters["get_miss"] += 1  # unreachable: one failed call, not two
+            return None
         link = self._link()
         leases: list[int] = []
         try:
