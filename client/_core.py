@@ -350,6 +350,7 @@ class Core:
                     return self._put_shm(fresh, seq, chunks, boundary, nbytes, background, retry=False)
             self.counters["shm_put_fallback"] += 1
             return None
+        link.retain(grant.get("segments"))
         try:
             want = [c["tensors"] for c in chunks] + ([boundary["tensors"]] if boundary is not None else [])
             got = list(grant["chunks"]) + ([grant.get("boundary") or []] if boundary is not None else [])
@@ -426,6 +427,7 @@ class Core:
                     self._shm_reset()  # proof refused: the daemon restarted; frames served this page
                     link = None
                 else:
+                    link.retain(offered.get("segments"))
                     if offered.get("lease") is not None:
                         leases.append(offered["lease"])
                         first_sent = sent_at if first_sent is None else first_sent

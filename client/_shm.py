@@ -78,9 +78,10 @@ class Link:
                     except (FileNotFoundError, ValueError) as err:
                         raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
                     try:
-                        # Pages in place at once (Linux): segments are reused, so
-                        # each client faults a segment in once, not every slot.
-                        mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                        # No MAP_POPULATE: it would allocate a sparse segment's holes,
+                        # charged to this process instead of the daemon's cgroup.
+                        # Mappings persist, so each page faults in once per client.
+                        mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
                     finally:
                         os.close(fd)
                     self._maps[seg] = mm
@@ -97,6 +98,20 @@ class Link:
         """Tensors whose data is a Descriptor, viewed in place (no copy)."""
         return [Tensor(t.name, t.dtype, t.shape, self.view(t.data)) if isinstance(t.data, Descriptor) else t
                 for t in tensors]
+
+    def retain(self, live: Any) -> None:
+        """Unmap segments the daemon has removed (`live`: its current list), so
+        their memory is freed; a mapping still viewed goes when the view does."""
+        if not isinstance(live, list):
+            return
+        keep = set(live)
+        with self._mu:
+            for seg in [s for s in self._maps if s not in keep]:
+                mm = self._maps.pop(seg)
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
 
     def in_time(self, sent_at: float) -> bool:
         """Whether a lease asked for at `sent_at` (time.monotonic) is surely still live."""

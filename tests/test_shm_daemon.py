@@ -259,3 +259,25 @@ def test_a_cold_hit_is_read_straight_into_shared_memory(daemon_factory):
         s = c.stats()
     assert s["tiers"]["ssd"]["hits"] >= 4
     assert s["shm"]["adopted_bytes"] == 0 and s["shm"]["allocs"] >= 4  # read into slots, not copied there
+
+
+def test_memory_given_back_leaves_the_arena(daemon_factory):
+    """Evicted entries' segments are removed (clients unmap them too); under memory
+    pressure the free ranges' pages go back as well (tests/test_pressure.py, cgroup)."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")  # 4 MiB segments
+    with d.client("give", strict=True) as c:
+        for i in range(6):
+            toks = np.arange(4096) + 10_000 * i
+            snap = prefix_snapshot(toks)
+            assert c.put(toks, snap)
+        assert_prefix_hit(c.get(toks), toks)
+        grown = _shm_stats(c)
+        assert grown["segments"] >= 2
+        c.gc(ram_bytes=0)
+        assert c.get(np.arange(5)) is None  # releases the last lease; the reply lists live segments
+        s = _shm_stats(c)
+        assert s["used_bytes"] == 0 and s["segments"] <= 1 and s["segments_removed"] >= grown["segments"] - 1
+        small = np.arange(300)
+        assert c.put(small, prefix_snapshot(small))
+        assert_prefix_hit(c.get(small), small)  # its reply lists the live segments: the client unmaps the rest
+        assert len(c._shm_link._maps) <= _shm_stats(c)["segments"]

@@ -345,7 +345,7 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "PUT": _PUT_REPLY,
     "SLOTS": {
         "lease": _req(_uint), "run": _req(_str), "lease_s": _req(_number),
-        "chunks": _req(_array_of(_descriptors)), "boundary": _opt(_descriptors),
+        "chunks": _req(_array_of(_descriptors)), "boundary": _opt(_descriptors), "segments": _opt(_uints),
     },
     "COMMIT": _PUT_REPLY,
     "EXPLAIN": {

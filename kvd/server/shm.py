@@ -6,11 +6,19 @@ The arena is a set of segment files in a private 0700 folder, each created
 0600 and mapped with `mmap` (the same on macOS and Linux). The folder must be
 memory, not disk, or the kernel writes every slot back to the drive: on Linux
 it is `/dev/shm/kvd-<uid>-<hash of the socket path>` (tmpfs), elsewhere
-`<socket>.shm/` beside the socket (`plane_dir`). Segment space is reserved
-when a segment is made (posix_fallocate where it exists), so a full tmpfs is
-an allocation failure, never a SIGBUS on first touch. A *slot* is one
+`<socket>.shm/` beside the socket (`plane_dir`). Segments are sparse; each
+slot's pages are reserved when it is allocated (posix_fallocate where it
+exists), so memory grows with use, slot by slot (a tight memory cgroup sees no
+jump), and a full tmpfs is an allocation failure, never a SIGBUS on first touch. A *slot* is one
 allocation in a segment: a first-fit free list per segment, coalesced on
-free, every slot starting at a multiple of ALIGN.
+free, every slot starting at a multiple of ALIGN. A segment whose slots are
+all free is removed (unlinked and unmapped) as soon as the arena holds more
+than one segment's worth of free space, so memory the RAM tier gives back --
+eviction, memory pressure -- leaves the arena too; replies list the live
+segments so clients unmap the others. When the RAM tier yields to memory
+pressure (its budget below the configured one), `trim` also hands back the
+pages of every free range (MADV_REMOVE); a slot later carved from such a range
+is reserved again like any other.
 
 A slot's lifetime is its Python references: the bytes are handed out as a
 `SlotArray` (a uint8 ndarray viewing the mapping that carries its `Slot`),
@@ -61,9 +69,6 @@ log = logging.getLogger("kvd.server")
 
 SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
 NONCE_FILE = "nonce"
-# Map segments with their pages in place (Linux): a slot's first touch then
-# costs no page fault, in the daemon or in a client (which maps the same way).
-MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class Slot:
@@ -91,23 +96,31 @@ class Arena:
     """Segment files and their free lists. Thread-safe: the last reference to
     a slot may go on any thread (the SSD spill writer, ZeroMQ's I/O)."""
 
-    def __init__(self, folder: Path, run_id: str, capacity: int, segment_bytes: int = SEGMENT_BYTES):
+    def __init__(self, folder: Path, run_id: str, capacity: int | Callable[[], int], segment_bytes: int = SEGMENT_BYTES):
         self.folder, self.run_id = folder, run_id
-        self.capacity, self.segment_bytes = int(capacity), int(segment_bytes)
+        # Bytes the arena may use: a number, or a callable read at each
+        # allocation (the daemon's follows the RAM tier's budget as memory
+        # pressure moves it, so under pressure shm PUTs fall back to frames).
+        self._capacity = capacity if callable(capacity) else (lambda: int(capacity))
+        self.segment_bytes = int(segment_bytes)
         self._mu = threading.Lock()
-        self._maps: list[mmap.mmap] = []
+        self._maps: list[mmap.mmap | None] = []  # None: removed (indexes are never reused)
         self._bases: list[int] = []  # address of each mapping (to locate views)
         self._sizes: list[int] = []
+        self._fds: list[int] = []  # kept open: every slot reserves its range (_reserve)
         self._free_lists: list[list[list[int]]] = []  # per segment: sorted [offset, size]
         self._sids = 0
         self.used = 0
-        self.counters = {"allocs": 0, "alloc_failures": 0}
+        self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0}
 
     # -- allocation ----------------------------------------------------------
     def alloc(self, nbytes: int) -> SlotArray | None:
         """A fresh slot of `nbytes` as a SlotArray, or None if the arena is full."""
         size = align_up(max(1, nbytes))
         with self._mu:
+            if self.used + size > self.capacity:
+                self.counters["alloc_failures"] += 1
+                return None
             found = self._first_fit(size)
             if found is None:
                 found = self._grow(size)
@@ -115,6 +128,10 @@ class Arena:
                 self.counters["alloc_failures"] += 1
                 return None
             seg, off = found
+            if not self._reserve(seg, off, size):
+                self._free_locked(seg, off, size, count=False)
+                self.counters["alloc_failures"] += 1
+                return None
             self.used += size
             self.counters["allocs"] += 1
             self._sids += 1
@@ -125,6 +142,8 @@ class Arena:
 
     def _first_fit(self, size: int) -> tuple[int, int] | None:
         for seg, free in enumerate(self._free_lists):
+            if self._maps[seg] is None:
+                continue
             for i, (off, n) in enumerate(free):
                 if n >= size:
                     if n == size:
@@ -134,6 +153,10 @@ class Arena:
                     return seg, off
         return None
 
+    @property
+    def capacity(self) -> int:
+        return int(self._capacity())
+
     def _grow(self, size: int) -> tuple[int, int] | None:
         seg_size = max(self.segment_bytes, size)
         if sum(self._sizes) + seg_size > self.capacity:
@@ -142,30 +165,59 @@ class Arena:
         path = self.folder / segment_name(self.run_id, seg)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(fd, 0, seg_size)
-                else:
-                    os.ftruncate(fd, seg_size)
-            except OSError as err:  # ENOSPC: the tmpfs is full
-                os.close(fd)
-                fd = -1
-                os.unlink(path)
-                log.warning("cannot grow the shared-memory arena by %d MiB: %s", seg_size >> 20, err)
-                return None
-            mm = mmap.mmap(fd, seg_size, flags=MAP_FLAGS)
-        finally:
+            os.ftruncate(fd, seg_size)  # sparse: slots reserve their pages (_reserve)
+            mm = mmap.mmap(fd, seg_size, flags=mmap.MAP_SHARED)
+        except BaseException:
             if fd >= 0:
                 os.close(fd)
+            raise
+        self._fds.append(fd)
         self._maps.append(mm)
         self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
         self._sizes.append(seg_size)
         self._free_lists.append([[size, seg_size - size]] if seg_size > size else [])
         return seg, 0
 
+    def _reserve(self, seg: int, off: int, size: int) -> bool:
+        if not hasattr(os, "posix_fallocate"):
+            return True
+        try:
+            os.posix_fallocate(self._fds[seg], off, size)
+            return True
+        except OSError as err:
+            log.warning("cannot reserve %d bytes of shared memory: %s", size, err)
+            return False
+
+    def trim(self) -> int:
+        """Give back the pages of every free range and remove all-free segments.
+        Returns the bytes handed back."""
+        freed = 0
+        with self._mu:
+            for seg, free in enumerate(self._free_lists):
+                mm = self._maps[seg]
+                if mm is None:
+                    continue
+                if len(free) == 1 and free[0] == [0, self._sizes[seg]]:
+                    freed += self._sizes[seg]
+                    self._remove(seg)
+                    continue
+                for off, n in free:
+                    lo = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
+                    hi = (off + n) // mmap.PAGESIZE * mmap.PAGESIZE
+                    if hi > lo and hasattr(mmap, "MADV_REMOVE"):
+                        mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+                        freed += hi - lo
+        self.counters["trimmed_bytes"] += freed
+        return freed
+
     def _free(self, seg: int, off: int, size: int) -> None:
         with self._mu:
-            self.used -= size
+            self._free_locked(seg, off, size)
+
+    def _free_locked(self, seg: int, off: int, size: int, count: bool = True) -> None:
+        if True:
+            if count:
+                self.used -= size
             free = self._free_lists[seg]
             i = bisect.bisect_left(free, [off, 0])
             free.insert(i, [off, size])
@@ -173,6 +225,29 @@ class Arena:
                 free[i][1] += free.pop(i + 1)[1]
             if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # and with the previous
                 free[i - 1][1] += free.pop(i)[1]
+            whole = len(free) == 1 and free[0] == [0, self._sizes[seg]]
+            if whole and sum(self._sizes) - self.used > self.segment_bytes:
+                self._remove(seg)
+
+    def _remove(self, seg: int) -> None:
+        """Give an all-free segment back (called under the lock)."""
+        mm, self._maps[seg] = self._maps[seg], None
+        self._sizes[seg], self._free_lists[seg] = 0, []
+        try:
+            os.unlink(self.folder / segment_name(self.run_id, seg))
+        except FileNotFoundError:
+            pass
+        try:
+            mm.close()
+        except BufferError:  # a view still exports it: the mapping goes with that view
+            pass
+        os.close(self._fds[seg])
+        self._fds[seg] = -1
+        self.counters["segments_removed"] += 1
+
+    def live(self) -> list[int]:
+        """Indexes of the segments that exist now."""
+        return [seg for seg, mm in enumerate(self._maps) if mm is not None]
 
     # -- lookups ------------------------------------------------------------------
     def locate(self, data: Any) -> tuple[Slot, Descriptor] | None:
@@ -197,16 +272,13 @@ class Arena:
             return None
         return slot, Descriptor(slot.seg, off, view.nbytes)
 
-    def segment_sizes(self) -> dict[int, int]:
-        return dict(enumerate(self._sizes))
-
     def stats(self) -> dict[str, Any]:
-        return {"segments": len(self._sizes), "mapped_bytes": sum(self._sizes), "used_bytes": self.used,
+        return {"segments": len(self.live()), "mapped_bytes": sum(self._sizes), "used_bytes": self.used,
                 "capacity_bytes": self.capacity, **self.counters}
 
     def unlink(self) -> None:
         """Remove this run's segment files (mappings stay valid until unmapped)."""
-        for seg in range(len(self._sizes)):
+        for seg in self.live():
             try:
                 os.unlink(self.folder / segment_name(self.run_id, seg))
             except FileNotFoundError:
@@ -327,6 +399,7 @@ class ShmPlane:
             reply["shm"] = {"lease": lid, "run": self.run_id, "lease_s": self.leases.lease_seconds}
         else:
             reply["shm"] = {"run": self.run_id, "lease_s": self.leases.lease_seconds}
+        reply["shm"]["segments"] = self.arena.live()
         return reply
 
     def _adopt(self, entry: Entry) -> dict[int, Tensor]:
@@ -388,7 +461,7 @@ class ShmPlane:
         self._pending[lid] = Message("PUT", fields, msg.id)
         self.counters["grants"] += 1
         reply: dict[str, Any] = {"lease": lid, "run": self.run_id, "lease_s": self.leases.lease_seconds,
-                                 "chunks": out[:len(msg["chunks"])]}
+                                 "chunks": out[:len(msg["chunks"])], "segments": self.arena.live()}
         if msg.get("boundary") is not None:
             reply["boundary"] = out[-1]
         return reply

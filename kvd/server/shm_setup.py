@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from kvd.endpoint import ipc_path
 from kvd.server.shm import ShmPlane, plane_dir
@@ -10,11 +11,20 @@ from kvd.server.shm import ShmPlane, plane_dir
 log = logging.getLogger("kvd.server")
 
 
-def arena_capacity(store) -> int:
+def arena_capacity(store, segment: int):
     """Room for the RAM tier twice over (its own bytes, plus leased and
-    spill-pending slots of evicted entries), and one segment more."""
+    spill-pending slots of evicted entries) and one segment more, following
+    the tier's budget as memory pressure moves it."""
     ram = getattr(store, "ram", store)
-    return 2 * int(getattr(ram, "budget_bytes", 0)) + (256 << 20)
+    return lambda: 2 * int(getattr(ram, "budget_bytes", 0)) + segment
+
+
+def segment_bytes(store) -> int:
+    """A thirty-second of the RAM tier, 4 to 64 MiB: segments are reserved whole when
+    made, so a small daemon (a tight memory cgroup) must not reserve far ahead of use."""
+    ram = getattr(store, "ram", store)
+    want = int(getattr(ram, "budget_bytes", 0)) // 32
+    return min(64 << 20, max(4 << 20, want >> 20 << 20))
 
 
 def open_plane(daemon) -> None:
@@ -24,11 +34,29 @@ def open_plane(daemon) -> None:
     if path is None:  # an abstract socket has no folder to hold a private nonce
         return
     try:
-        plane = ShmPlane(plane_dir(path), capacity=arena_capacity(daemon.store), lease_seconds=daemon.shm_lease_s)
+        seg = segment_bytes(daemon.store)
+        plane = ShmPlane(plane_dir(path), capacity=arena_capacity(daemon.store, seg), lease_seconds=daemon.shm_lease_s,
+                         segment_bytes=seg)
     except Exception as err:  # an unsafe folder, a full disk: frames still work
         log.warning("shared memory disabled: %s", err)
         return
     daemon.handler.shm = plane
+    ram = getattr(daemon.store, "ram", daemon.store)
+    full_budget = getattr(ram, "budget_bytes", 0)
+    last = [0.0]
+    ticked = daemon.on_tick
+
+    def on_tick() -> None:
+        if ticked is not None:
+            ticked()
+        # The RAM tier yielded to memory pressure: the arena yields with it.
+        now = time.monotonic()
+        if getattr(ram, "budget_bytes", full_budget) < full_budget and now - last[0] >= 0.1:
+            last[0] = now
+            with daemon.lock:
+                plane.arena.trim()
+
+    daemon.on_tick = on_tick
     ssd = getattr(daemon.store, "ssd", None)
     if ssd is not None and hasattr(ssd, "read_buffers"):
         ssd.read_buffers = plane.arena.alloc  # a cold hit lands in shared memory, never a bytearray first
