@@ -56,7 +56,10 @@ into the LRU order every `touch_flush_s` and before choosing victims, so the
 daemon thread never waits for an LMDB write.
 
 Start-up. Open LMDB (clearing stale reader slots), read the totals row, and
-serve. Reconcile -- removing leftover temp files, blobs without rows (a
+serve. An index that is truncated, zeroed or not LMDB is moved aside and
+rebuilt from the blobs on the writer thread, before reconcile (heal.py).
+A row whose bytes do not decode is a miss; the writer drops it and every
+trace of it (`Index.drop_damaged`) and quarantines its blob. Reconcile -- removing leftover temp files, blobs without rows (a
 crash between rename and commit) and rows without blobs -- runs on the
 writer thread in small steps, interleaved with spills.
 """
@@ -73,7 +76,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import lmdb
 
-from kvd.store import blobfile
+from kvd.store import blobfile, heal
 from kvd.store.base import Entry, PutOutcome, Store
 from kvd.store.blobfile import BlobCorrupt, Unencodable
 from kvd.store.datadir import (
@@ -82,8 +85,9 @@ from kvd.store.datadir import (
     DataDirLock,
     blob_path,
     ensure_dirs,
+    ensure_quarantine,
 )
-from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row
+from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row, RowDamaged
 from kvd.store.reconcile import reconcile_steps
 from kvd.store.spill import SpillQueue, Writer
 
@@ -97,6 +101,7 @@ _COUNTERS = (
     "hits", "misses", "queue_hits", "spills", "spill_bytes", "spills_clean", "duplicates",
     "evictions", "evicted_bytes", "dropped", "drops", "checksum_failures", "read_errors",
     "write_errors", "quarantined", "busy_misses", "orphans_removed", "temps_removed", "rows_repaired",
+    "bad_rows", "index_errors",
 )
 
 
@@ -104,7 +109,10 @@ class SsdStore(Store):
     """A `Store` on a data dir. See the module docstring.
 
     `background=False` runs no writer thread: mutations then run inline in
-    the caller (used by offline gc; `put` is not available that way).
+    the caller (used by offline gc; `put` is not available that way), and an
+    index rebuild (heal.py) is finished before the constructor returns.
+    `rebuild="why"` moves the index aside and rebuilds it whatever its state
+    (`kvd verify --repair`).
     """
 
     name = "ssd"
@@ -125,6 +133,7 @@ class SsdStore(Store):
         durable: bool = True,
         background: bool = True,
         reconcile: bool = True,
+        rebuild: str | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.root = ensure_dirs(root)
@@ -138,7 +147,7 @@ class SsdStore(Store):
         self._clock = clock
         self._lock_file = DataDirLock(self.root).acquire()
         try:
-            self.index = Index(self.root / INDEX_DIR, map_size=map_size)
+            self.index, self.heal = heal.open_index(self.root, map_size=map_size, rebuild=rebuild)
         except BaseException:
             self._lock_file.release()
             raise
@@ -165,12 +174,17 @@ class SsdStore(Store):
         self._retry_at = 0.0
         self.queue = SpillQueue(queue_bytes, queue_entries)
         self.reconciled = threading.Event()
+        # A rebuild runs before reconcile: until it is done, blobs without
+        # rows are entries not yet indexed, not orphans.
+        self._rebuild: Iterator[None] | None = heal.rebuild_steps(self, self.heal) if self.heal else None
         self._reconcile: Iterator[None] | None = self._reconcile_steps({}) if reconcile else None
-        if not reconcile:
+        if not reconcile and self._rebuild is None:
             self.reconciled.set()
         self.writer = Writer(self.queue, self)
         if background:
             self.writer.start()
+        else:
+            self._finish_rebuild()  # offline: nothing may look at the index before
 
     # -- small helpers -----------------------------------------------------
     def count(self, name: str, n: int = 1) -> None:
@@ -221,6 +235,9 @@ class SsdStore(Store):
                 return self.index.has(txn, eid)
         except IndexBusy:
             return False
+        except lmdb.Error as exc:
+            self._index_error(exc)
+            return False
 
     def has_row(self, eid: bytes) -> bool:
         """Whether a committed blob exists for `eid` (ignores the queue)."""
@@ -229,6 +246,9 @@ class SsdStore(Store):
                 return self.index.has(txn, eid)
         except IndexBusy:
             return False
+        except lmdb.Error as exc:
+            self._index_error(exc)
+            return False
 
     def with_rows(self, eids: Iterable[bytes]) -> set[bytes]:
         """Those of `eids` with a committed blob, in one read transaction."""
@@ -236,6 +256,9 @@ class SsdStore(Store):
             with self.index.reading() as txn:
                 return {eid for eid in eids if self.index.has(txn, eid)}
         except IndexBusy:
+            return set()
+        except lmdb.Error as exc:
+            self._index_error(exc)
             return set()
 
     def get(self, eid: bytes) -> Entry | None:
@@ -272,6 +295,12 @@ class SsdStore(Store):
         except IndexBusy:
             self._count("busy_misses")
             return None
+        except RowDamaged as exc:
+            self._mark_bad(eid, f"bad row: {exc}")
+            return None
+        except lmdb.Error as exc:  # a damaged page under the row: a miss, counted, never INTERNAL
+            self._index_error(exc)
+            return None
         finally:
             self._unlink_lock.release()
         if fd < 0:
@@ -299,12 +328,22 @@ class SsdStore(Store):
             if eid in self._bad:
                 return
             self._bad[eid] = reason
-            if reason != "missing":
+            if reason.startswith("bad row"):
+                self.counters["bad_rows"] += 1
+            elif reason != "missing":
                 self.counters["checksum_failures"] += 1
         if self.observer is not None:
             self.observer(eid, None, "quarantined", reason.split(":")[0])
         log.warning("ssd: blob %s is bad (%s); quarantining, serving a miss", eid.hex(), reason)
         self.writer.submit(lambda: self._quarantine(eid))
+
+    def _index_error(self, exc: Exception) -> None:
+        with self._mu:
+            self.counters["index_errors"] += 1
+            first = self.counters["index_errors"] == 1
+        if first:  # once: the counter keeps the tally; `kvd verify --repair` rebuilds
+            log.error("ssd: the index failed a read (%s); serving misses for what it cannot read. "
+                      "Stop kvd and run `kvd verify --repair` to rebuild it from the blobs", exc)
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         found = dict(self.queue.tails(parent))
@@ -313,6 +352,8 @@ class SsdStore(Store):
                 found.update(self.index.tails(txn, parent))
         except IndexBusy:
             pass
+        except lmdb.Error as exc:
+            self._index_error(exc)
         return sorted(found.items(), reverse=True)
 
     # -- writes (daemon thread: enqueue only) ------------------------------
@@ -559,26 +600,30 @@ class SsdStore(Store):
         reason = self._bad.get(eid, "")
 
         def delete(txn):
+            # delete_row drops an undecodable row with every trace of it.
             return self.index.delete_row(txn, eid), self.index.totals(txn)
 
         _, totals = self.index.write(delete)
+        self.index.damaged.discard(eid)
         self.entries, self.bytes = totals
         src = self.path(eid)
         if reason != "missing":
-            dst = self.root / QUARANTINE_DIR / f"{eid.hex()}.{int(time.time() * 1000)}.safetensors"
-            try:
-                with self._unlink_lock:
-                    os.replace(src, dst)
+            with self._unlink_lock:
+                moved = heal.quarantine_file(self.root, src, eid.hex())
+            if moved:
                 self._count("quarantined")
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.error("ssd: could not quarantine %s: %s", src, exc)
-                self._unlink(src)
         else:
             self._count("rows_repaired")
         with self._mu:
             self._bad.pop(eid, None)
+
+    def _repair_damaged(self) -> None:
+        """Rows some reader found undecodable (eviction, a drop, a check):
+        hidden and quarantined like a bad read."""
+        for eid in list(self.index.damaged):
+            if eid not in self._bad:
+                self._mark_bad(eid, "bad row: undecodable index row")
+            self.index.damaged.discard(eid)
 
     def idle(self, busy: bool) -> bool:
         """Writer-thread periodic work. True if more is waiting right now."""
@@ -586,6 +631,16 @@ class SsdStore(Store):
         if now >= self._next_touch_flush:
             self._next_touch_flush = now + self.touch_flush_s
             self._flush_touches()
+        if self.index.damaged:
+            self._repair_damaged()
+        if self._rebuild is not None:
+            try:
+                next(self._rebuild)
+            except StopIteration:
+                self._rebuild = None
+                if self._reconcile is None:
+                    self.reconciled.set()
+            return not busy
         if self._reconcile is not None:
             try:
                 next(self._reconcile)
@@ -601,11 +656,21 @@ class SsdStore(Store):
     ) -> Iterator[None]:
         return reconcile_steps(self, report, dry_run, progress)
 
+    def _finish_rebuild(self) -> None:
+        """Run what is left of an index rebuild now (writer thread, or none running)."""
+        if self._rebuild is not None:
+            for _ in self._rebuild:
+                pass
+            self._rebuild = None
+            if self._reconcile is None:
+                self.reconciled.set()
+
     def reconcile(
         self, *, dry_run: bool = False, progress: Callable[[str, int, int], None] | None = None
     ) -> dict[str, int]:
         """Run a full reconcile now (on the writer). Returns counts removed (or that would be)."""
         def run():
+            self._finish_rebuild()  # else blobs not yet indexed would look like orphans
             report: dict[str, int] = {}
             for _ in self._reconcile_steps(report, dry_run, progress):
                 pass
@@ -649,9 +714,13 @@ class SsdStore(Store):
         return checked, failed
 
     def purge_quarantine(self, *, dry_run: bool = False) -> tuple[int, int]:
-        """Delete quarantined blobs. Returns (files, bytes)."""
+        """Delete quarantined blobs. Returns (files, bytes). A quarantine
+        folder that is missing or not a folder is made again (heal.py)."""
         n = nbytes = 0
-        for path in (self.root / QUARANTINE_DIR).iterdir():
+        qdir = self.root / QUARANTINE_DIR if dry_run else ensure_quarantine(self.root)
+        if qdir is None or not qdir.is_dir():
+            return 0, 0
+        for path in qdir.iterdir():
             try:
                 nbytes += path.stat().st_size
                 if not dry_run:
@@ -732,6 +801,9 @@ class SsdStore(Store):
                 namespaces = self.index.namespaces(txn)
         except IndexBusy:
             namespaces = {}
+        except (lmdb.Error, ValueError, TypeError) as exc:  # garbage in the ns records
+            self._index_error(exc)
+            namespaces = {}
         return {
             "tiers": {
                 self.name: {
@@ -748,6 +820,7 @@ class SsdStore(Store):
                     "queue_max_bytes": self.queue.max_bytes,
                     "queue_max_entries": self.queue.max_entries,
                     "reconciled": self.reconciled.is_set(),
+                    "index_rebuild": self.heal.stats() if self.heal else None,
                     "index_map_size": self.index.map_size,
                     "data_dir": str(self.root),
                 }
@@ -762,6 +835,8 @@ class SsdStore(Store):
             self.writer.stop()
         try:
             self._flush_touches()
+        except lmdb.Error as exc:  # a full disk: recency updates are lost, nothing else; still a clean stop
+            log.warning("ssd: could not record recent hits at stop (%s)", exc)
         finally:
             self.index.close()
             self._lock_file.release()
