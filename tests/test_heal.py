@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -358,3 +359,113 @@ def test_verify_repair_offline_refuses_beside_the_daemon(daemon_factory):
         for s in (SEQS[0], SEQS[1], SEQS[3]):
             assert_prefix_hit(c.get(s), s)
         assert c.get(SEQS[2]) is None
+
+
+def _without_dac_override(d) -> None:
+    """Run daemon `d` without the capabilities that let root ignore permission
+    bits (as tests/test_cli_errors.py does), so a read-only folder is one."""
+    if os.geteuid() != 0:
+        return
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot make a folder read-only for kvd")
+    command = d.command
+    d.command = lambda: [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner,-linux_immutable", "--",
+                         *command()]
+
+
+def test_read_only_data_dir_serves_ram_only_degraded_and_says_so(daemon_factory):
+    from support import free_port, scrape
+
+    d = _stored(daemon_factory)
+    port = free_port()
+    d.args += ["--metrics-port", str(port)]
+    for path in [d.data_dir, *d.data_dir.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    _without_dac_override(d)
+    try:
+        d.start()
+        with d.client(NS, strict=True) as c:
+            ssd = c.stats()["tiers"]["ssd"]
+            assert ssd["degraded"] is True and str(d.data_dir) in ssd["degraded_reason"], ssd
+            assert "RAM only" in ssd["degraded_reason"] and c.stats()["server"]["data_dir"] is None
+            s = np.arange(300) + 77_000
+            assert c.put(s, prefix_snapshot(s))  # RAM serves
+            assert_prefix_hit(c.get(s), s)
+        lines = [line for line in d.log().splitlines() if "serving from RAM only" in line]
+        assert len(lines) == 1 and str(d.data_dir) in lines[0] and "Permission denied" in lines[0], d.log()
+        r = kvd("stats", "--endpoint", d.endpoint)
+        assert r.returncode == 0 and "DEGRADED" in r.stdout and "RAM only" in r.stdout, r.stdout
+        r = kvd("stats", "--json", "--endpoint", d.endpoint)
+        assert json.loads(r.stdout)["tiers"]["ssd"]["degraded"] is True
+        assert scrape(port)[("kvd_tier_degraded", (("tier", "ssd"),))] == 1
+        assert d.stop() == 0
+    finally:
+        for path in [d.data_dir, *d.data_dir.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+    # writable again: the next start serves the SSD tier as it was
+    d.start()
+    with d.client(NS, strict=True) as c:
+        assert c.stats()["tiers"]["ssd"]["degraded"] is False
+        assert_prefix_hit(c.get(SEQS[0]), SEQS[0])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (needs root: mount); skipped where it cannot be made."""
+    import subprocess
+
+    mnt = Path(tempfile.mkdtemp(prefix="kvd-disk-", dir="/tmp"))
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        mnt.rmdir()
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip() or r.returncode}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    shutil.rmtree(mnt, ignore_errors=True)
+
+
+def _fill(mnt: Path) -> None:
+    with open(mnt / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_full_disk_at_start_serves_ram_only_and_a_clean_stop_on_a_full_disk_exits_0(daemon_factory, small_disk):
+    from support import wait_spilled
+
+    # A full disk and no data dir yet: RAM only, degraded, said once.
+    _fill(small_disk)
+    d = daemon_factory("--ram-mb", "1", "--min-free-gb", "0", "--data-dir", str(small_disk / "data"))
+    with d.client(NS, strict=True) as c:
+        ssd = c.stats()["tiers"]["ssd"]
+        assert ssd["degraded"] and "No space left on device" in ssd["degraded_reason"], ssd
+    assert d.stop() == 0
+    assert sum("serving from RAM only" in line for line in d.log().splitlines()) == 1
+    # Space back: the tier works; then the disk fills while the daemon runs.
+    os.unlink(small_disk / "filler")
+    d.start()
+    with d.client(NS, strict=True) as c:
+        for s in SEQS:
+            assert c.put(s, prefix_snapshot(s))
+        c.gc(ram_bytes=0)  # RAM down to disk
+        assert wait_spilled(c, 8)["entries"] == 8
+        _fill(small_disk)
+        for s in SEQS:  # hits to record at stop, spills the full disk refuses
+            assert c.get(s) is not None
+        for i in range(6):
+            s = np.arange(512) + 90_000 + 1000 * i
+            c.put(s, prefix_snapshot(s))
+        c.gc(ram_bytes=0)  # spills the full disk refuses
+        _wait(lambda: c.stats()["tiers"]["ssd"]["degraded"], what="the full disk to degrade the SSD tier")
+    assert d.stop() == 0, d.log()  # a clean stop, whatever could not be written
+    os.unlink(small_disk / "filler")
+    d.start()
+    with d.client(NS, strict=True) as c:
+        assert c.stats()["tiers"]["ssd"]["index_rebuild"] is None
+        for s in SEQS:  # everything written before the disk filled is there
+            assert_prefix_hit(c.get(s), s)
