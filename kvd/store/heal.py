@@ -57,7 +57,7 @@ from kvd.protocol.errors import KvdError
 from kvd.store import blobfile
 from kvd.store.blobfile import BlobCorrupt
 from kvd.store.datadir import BLOB_DIR, DIR_MODE, INDEX_DIR, ensure_quarantine, eid_of_blob, is_temp_name
-from kvd.store.index import Index, Row, RowDamaged
+from kvd.store.index import Index, IndexBusy, Row, RowDamaged
 
 if TYPE_CHECKING:
     from kvd.store.ssd import SsdStore
@@ -263,7 +263,7 @@ def move_aside(root: Path) -> Path:
     return dst
 
 
-def recover_row(path: Path, eid: bytes) -> tuple[Row, bool]:
+def recover_row(path: str | Path, eid: bytes) -> tuple[Row, bool]:
     """The index row for the blob at `path`, after checking it: it parses,
     holds entry `eid`, and matches its own kvd_sum. Returns (row, verified):
     verified is False for a blob written before kvd_sum existed.
@@ -290,7 +290,7 @@ def recover_row(path: Path, eid: bytes) -> tuple[Row, bool]:
     return row, ok is True
 
 
-def quarantine_file(root: Path, path: Path, eid_hex: str) -> bool:
+def quarantine_file(root: Path, path: str | Path, eid_hex: str) -> bool:
     """Move a bad blob into the quarantine folder (re-made if it is missing or
     not a folder); False if even that failed (the blob is then removed)."""
     qdir = ensure_quarantine(root)
@@ -339,8 +339,13 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
     for shard in shards:
         with os.scandir(shard) as it:
             names = [e.name for e in it]
+        try:  # one read transaction per shard, not one per blob
+            with index.reading() as txn:
+                indexed = {n for n in names if (e := eid_of_blob(n)) is not None and index.has(txn, e)}
+        except IndexBusy:  # the map is growing: ask per blob instead
+            indexed = None
         for name in names:
-            path = Path(shard) / name
+            path = os.path.join(shard, name)
             if is_temp_name(name):
                 # Left by a crash: this is the writer thread (or none runs),
                 # and only the lock holder writes here, so none is in flight.
@@ -351,9 +356,10 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
                     pass
                 continue
             eid = eid_of_blob(name)
-            if eid is None or eid in store.queue or store.has_row(eid):
-                if eid is not None and eid not in store.queue:
-                    heal.kept += 1
+            if eid is None or eid in store.queue:
+                continue
+            if (name in indexed) if indexed is not None else store.has_row(eid):
+                heal.kept += 1
                 continue
             try:
                 row, verified = recover_row(path, eid)

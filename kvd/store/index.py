@@ -41,7 +41,7 @@ import struct
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -87,7 +87,8 @@ class Row:
     state: str = "ssd"  # reserved for future tier states (e.g. "archived")
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
+        # Not dataclasses.asdict: its deep copy was a third of a rebuild's time.
+        return msgpack.packb({k: getattr(self, k) for k in self.__slots__}, use_bin_type=True)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Row":
