@@ -469,3 +469,34 @@ def test_full_disk_at_start_serves_ram_only_and_a_clean_stop_on_a_full_disk_exit
         assert c.stats()["tiers"]["ssd"]["index_rebuild"] is None
         for s in SEQS:  # everything written before the disk filled is there
             assert_prefix_hit(c.get(s), s)
+
+
+def test_reads_and_gc_while_the_rebuild_runs_on_the_writer(tmp_path, monkeypatch):
+    import threading
+
+    entries = filled_store(tmp_path, [make_entry(i) for i in range(8)])
+    _damage(tmp_path, "zeroed")
+    gate = threading.Event()
+    real = heal.rebuild_steps
+
+    def held(store, h):  # the rebuild stands still until the test opens the gate
+        while not gate.is_set():
+            yield
+        yield from real(store, h)
+
+    monkeypatch.setattr(heal, "rebuild_steps", held)
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0)
+    try:
+        assert store.get(entries[0].id) is None  # not indexed yet: a miss, not an error
+        assert store.reconcile() == {}  # no orphan removal while blobs wait for their rows
+        assert all(blob_path(tmp_path, e.id).exists() for e in entries)
+        store.put(make_entry(100))  # the tier takes writes meanwhile
+        assert store.flush(10)
+        gate.set()
+        _wait(store.reconciled.is_set, what="the rebuild and reconcile")
+        assert store.heal.done and store.heal.recovered == 8 and store.heal.kept == 1
+        for e in [*entries, make_entry(100)]:
+            assert_same(store.get(e.id), e)
+        assert store.entries == 9
+    finally:
+        store.close()

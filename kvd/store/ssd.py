@@ -670,8 +670,13 @@ class SsdStore(Store):
     ) -> dict[str, int]:
         """Run a full reconcile now (on the writer). Returns counts removed (or that would be)."""
         def run():
-            self._finish_rebuild()  # else blobs not yet indexed would look like orphans
             report: dict[str, int] = {}
+            if self._rebuild is not None:
+                # Blobs not yet indexed are not orphans, and finishing the
+                # rebuild here would hold the caller (the daemon's thread, for
+                # `kvd gc`) for minutes: the rebuild removes temp files itself
+                # and reconcile runs after it.
+                return report
             for _ in self._reconcile_steps(report, dry_run, progress):
                 pass
             return report
