@@ -500,3 +500,102 @@ def test_reads_and_gc_while_the_rebuild_runs_on_the_writer(tmp_path, monkeypatch
         assert store.entries == 9
     finally:
         store.close()
+
+
+# -- damage found while running, and starts that die ---------------------------------
+
+
+def _spoil_rows_leaf(data_dir: Path, eid: bytes) -> None:
+    """Give the leaf page holding `eid`'s row the flags of an overflow page:
+    LMDB then answers MDB_CORRUPTED ("Located page was wrong type") for it."""
+    path = data_dir / DATA
+    raw = bytearray(path.read_bytes())
+    psize = heal._meta(raw[:152], 0)["psize"]
+    pages = [p for p in range(2, len(raw) // psize)
+             if raw[p * psize + 10] & 0x02 and eid in raw[p * psize : (p + 1) * psize]]
+    assert pages, "no leaf page holds that row"
+    with open(path, "r+b") as f:  # in place: the running daemon's map sees it
+        for p in pages:
+            f.seek(p * psize + 10)
+            f.write(b"\x04\x00")
+
+
+def test_damage_found_while_serving_is_healed_without_a_restart(daemon_factory):
+    from kvd.protocol import keys
+
+    d = _stored(daemon_factory)
+    d.start()
+    eid = keys.chain(NS, 256, keys.token_bytes(SEQS[0]))[0] + b"\0"
+    with d.client(NS, strict=True) as c:
+        _wait(lambda: not (d.data_dir / heal.STARTING).exists(), what="the start-up walk")
+        c.gc(ram_bytes=0)  # nothing in RAM: reads go to the index
+        _spoil_rows_leaf(d.data_dir, eid)
+        assert c.get(SEQS[0]) is None  # a miss (strict: an INTERNAL would raise)
+        h = _rebuilt(c)
+        assert h["recovered"] == 8 and "a read failed" in h["reason"], h
+        for s in SEQS:
+            assert_prefix_hit(c.get(s), s)
+        assert "INTERNAL" not in c.stats()["server"]["errors"]
+    assert len(_heal_lines(d)) == 1
+    assert d.stop() == 0
+    d.start()
+    with d.client(NS, strict=True) as c:
+        assert c.stats()["tiers"]["ssd"]["index_rebuild"] is None
+        for s in SEQS:
+            assert_prefix_hit(c.get(s), s)
+
+
+def test_starts_that_die_before_the_walk_ends_break_the_loop(daemon_factory):
+    d = _stored(daemon_factory)
+    # As left by two starts LMDB aborted (an assertion on a damaged page
+    # cannot be made to happen on cue, its trace can): the third start heals.
+    (d.data_dir / heal.STARTING).write_text("2\n")
+    d.start()
+    with d.client(NS, strict=True) as c:
+        h = _rebuilt(c)
+        assert h["recovered"] == 8 and "starts died" in h["reason"], h
+        for s in SEQS:
+            assert_prefix_hit(c.get(s), s)
+        _wait(lambda: not (d.data_dir / heal.STARTING).exists(), what="the walk after the rebuild")
+    # one start that died is not a loop
+    assert d.stop() == 0
+    (d.data_dir / heal.STARTING).write_text("1\n")
+    d.start()
+    with d.client(NS, strict=True) as c:
+        assert c.stats()["tiers"]["ssd"]["index_rebuild"] is None
+        _wait(lambda: not (d.data_dir / heal.STARTING).exists(), what="the start-up walk")
+
+
+def test_an_admin_request_on_a_damaged_index_is_busy_then_healed(tmp_path):
+    from kvd.protocol.errors import Busy
+
+    entries = filled_store(tmp_path, [make_entry(i) for i in range(6)])
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0)
+    try:
+        _wait(store.reconciled.is_set, what="the start-up walk and reconcile")
+        _spoil_rows_leaf(tmp_path, entries[0].id)
+        with pytest.raises(Busy):
+            store.evict(0)  # the LRU walk meets the spoiled page
+        _wait(lambda: store.heal is not None and store.heal.done, what="the heal")
+        assert store.heal.recovered == 6
+        for e in entries:
+            assert_same(store.get(e.id), e)
+        assert store.evict(0)[0] == 6
+    finally:
+        store.close()
+    # offline, the same damage is a one-line error naming the repair
+    entries = filled_store(tmp_path / "b", [make_entry(i) for i in range(3)])
+    _spoil_rows_leaf(tmp_path / "b", entries[0].id)
+    with SsdStore(tmp_path / "b", 64 << 20, min_free_bytes=0, background=False, reconcile=False) as store:
+        with pytest.raises(heal.IndexDamaged, match="verify --repair"):
+            store.evict(0)
+
+
+def test_a_rebuild_keeps_to_the_budget(tmp_path):
+    entries = filled_store(tmp_path, [make_entry(i) for i in range(10)])
+    one = blob_path(tmp_path, entries[0].id).stat().st_blocks * 512
+    _damage(tmp_path, "garbage-meta")
+    with SsdStore(tmp_path, 6 * one, min_free_bytes=0, background=False) as store:
+        assert (store.heal.recovered, store.heal.evicted, store.entries) == (10, 4, 6)
+        assert store.bytes <= store.budget_bytes
+        assert store.check().ok, store.check().summary()

@@ -33,9 +33,25 @@ fails is quarantined, a temp file removed. Its recency is the file's mtime
 on the SSD tier's writer thread, between spills, so the daemon serves from
 its first moment (entries appear as they are indexed); rows already present
 (written meanwhile, or by a rebuild that was stopped) are kept and their
-blobs not read again. The `rebuilding` record is deleted last: a stop
-halfway resumes at the next start. One log line at the end says what
-happened and how much was recovered.
+blobs not read again. Once rebuilt, the oldest entries beyond the budget
+are evicted. The `rebuilding` record is deleted last: a stop halfway
+resumes at the next start. One log line at the end says what happened and
+how much was recovered.
+
+Damage found while running. After any start (and rebuild) the writer walks
+every key of every table once (`walk_steps`, in steps). LMDB errors that
+mean damage -- there, on a GET, a LOOKUP or an admin request -- are misses
+(admin requests get Busy), and the tier heals itself without a restart:
+`replace_index` renames the directory under the open environment, opens a
+new one, readers switch to it at once, the old one is closed when its
+readers are out, and the rebuild runs as above.
+
+Damage LMDB does not report. Some garbage in a page makes LMDB abort the
+process (an assertion) instead of returning an error, and a service
+manager then restarts it into the same abort. Each start counts itself in
+`index.starting`; the walk's end and a clean stop remove it. A start that
+finds MAX_UNFINISHED_STARTS earlier starts which never got through their
+walk heals the index before opening it.
 """
 
 from __future__ import annotations
@@ -56,7 +72,7 @@ import xxhash
 from kvd.protocol.errors import KvdError
 from kvd.store import blobfile
 from kvd.store.blobfile import BlobCorrupt
-from kvd.store.datadir import BLOB_DIR, DIR_MODE, INDEX_DIR, ensure_quarantine, eid_of_blob, is_temp_name
+from kvd.store.datadir import BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, eid_of_blob, ensure_quarantine, is_temp_name
 from kvd.store.index import Index, IndexBusy, Row, RowDamaged
 
 if TYPE_CHECKING:
@@ -71,6 +87,9 @@ REBUILD_BATCH = 2048  # rows per LMDB commit while rebuilding
 STEP_FILES = 512  # blobs read per writer step (spills interleave between steps)
 MAX_FAILURES = 100
 REBUILDING = b"rebuilding"  # meta record present while a rebuild is unfinished
+STARTING = "index.starting"  # in the data dir: starts whose index walk has not finished
+MAX_UNFINISHED_STARTS = 2
+WALK_KEYS = 4096  # keys per walk step
 
 # LMDB 0.9 on a 64-bit little-endian machine (lmdb.h / mdb.c): a page header
 # (pgno u64, pad u16, flags u16, lower u16, upper u16), then MDB_meta: magic
@@ -86,13 +105,23 @@ MDB_MAGIC = 0xBEEFC0DE
 MDB_DATA_VERSION = 1
 P_INVALID = (1 << 64) - 1
 
-# What LMDB (or our first reads) raise for a damaged file, as opposed to an
-# unusable environment (EACCES, EROFS, ENOSPC), which is not ours to "heal".
-DAMAGE = (
-    lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
-    lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.BadValsizeError, lmdb.PanicError,
-    RowDamaged, ValueError, TypeError, msgpack.exceptions.UnpackException,
+# What says the environment, not the file, is at fault (EACCES, ENOSPC, EROFS
+# and other errnos come as these or as plain lmdb.Error): not ours to "heal",
+# the daemon then serves RAM only. Every other LMDB error while opening and
+# first reading (MDB_INVALID, MDB_CORRUPTED, MDB_PAGE_NOTFOUND, version
+# mismatch, a transaction spoiled by one of them) means a damaged file.
+ENVIRONMENT = (
+    lmdb.ReadonlyError, lmdb.DiskError, lmdb.MapFullError, lmdb.ReadersFullError, lmdb.LockError,
+    lmdb.TlsFullError, lmdb.MemoryError, lmdb.InvalidParameterError, lmdb.DbsFullError,
 )
+DAMAGE = (lmdb.Error, RowDamaged, ValueError, TypeError, msgpack.exceptions.UnpackException)
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether `exc`, raised opening or first reading an index, means the file is damaged."""
+    if isinstance(exc, lmdb.Error):
+        return type(exc) is not lmdb.Error and not isinstance(exc, ENVIRONMENT)
+    return isinstance(exc, DAMAGE)
 
 
 class IndexDamaged(KvdError):
@@ -160,6 +189,7 @@ class Heal:
     kept: int = 0  # rows already present (written meanwhile, or by a stopped rebuild)
     quarantined: int = 0
     temps_removed: int = 0
+    evicted: int = 0  # over the budget once rebuilt: the oldest evicted
     unverified: int = 0  # blobs older than kvd_sum: parsed and name-checked only
     done: bool = False
     seconds: float = 0.0
@@ -188,7 +218,13 @@ def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tupl
     path = root / INDEX_DIR
     data = path / DATA_FILE
     existed = data.exists()
+    died = note_start(root)
     reason = rebuild or inspect_data_file(data)
+    if reason is None and died >= MAX_UNFINISHED_STARTS:
+        # Some damage makes LMDB abort the process (an assertion in a cursor
+        # walk) rather than return an error: the walk at start then never
+        # finishes, start after start. Break that loop here.
+        reason = f"the last {died} starts died before walking the index through (an LMDB abort on a damaged page?)"
     index = None
     if reason is None:
         try:
@@ -200,6 +236,8 @@ def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tupl
         except DAMAGE as exc:
             if index is not None:
                 index.close()
+            if not is_damage(exc):
+                raise
             reason = f"LMDB refuses it: {exc}"
     if reason is None:
         if marker is not None:
@@ -208,12 +246,89 @@ def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tupl
             return index, None
         heal = Heal("the index was missing")
     else:
-        moved = move_aside(root)
-        index = Index(path, map_size=map_size)
-        heal = Heal(reason, moved_to=str(moved))
-        log.log(logging.INFO if rebuild else logging.WARNING,"ssd: index %s is damaged (%s); moved to %s, rebuilding it from the blobs", path, reason, moved)
+        return replace_index(root, reason, map_size=map_size, quiet=bool(rebuild))
     index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
     return index, heal
+
+
+def replace_index(root: Path, reason: str, *, map_size: int, quiet: bool = False) -> tuple[Index, Heal]:
+    """Move root/index aside, open a new one marked `rebuilding`. Also used
+    while running (the old environment may still be open: renaming its
+    directory does not disturb it). Returns the new index and its Heal."""
+    path = root / INDEX_DIR
+    moved = move_aside(root)
+    index = Index(path, map_size=map_size)
+    heal = Heal(reason, moved_to=str(moved))
+    log.log(logging.INFO if quiet else logging.WARNING,
+            "ssd: index %s is damaged (%s); moved to %s, rebuilding it from the blobs", path, reason, moved)
+    index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
+    return index, heal
+
+
+def note_start(root: Path) -> int:
+    """Count this start in root/index.starting; returns how many earlier
+    starts ended before their index walk did (0 normally). Best effort."""
+    path = root / STARTING
+    try:
+        died = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        died = 0
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.write(fd, f"{died + 1}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    return died
+
+
+def clear_start(root: Path) -> None:
+    """This start walked its index through (or stopped cleanly)."""
+    try:
+        os.unlink(root / STARTING)
+    except OSError:
+        pass
+
+
+def walk_steps(store: "SsdStore") -> Iterator[None]:
+    """Read every key of every table (and decode every row) once, a step at
+    a time, on the writer thread: damage that LMDB reports becomes a heal
+    now (`store.want_heal`), a row that does not decode a quarantine, and
+    damage that makes LMDB abort shows as starts that never finish (see
+    `open_index`). Clears the start count when done."""
+    index = store.index
+    for db in (index.rows, index.lru, index.tails_db, index.ns_db, index.meta):
+        last: bytes | None = None
+        more = True
+        while more:
+            try:
+                with index.reading() as txn:
+                    cur = txn.cursor(db=db)
+                    ok = cur.set_range(last) if last is not None else cur.first()
+                    if ok and last is not None and cur.key() == last:
+                        ok = cur.next()
+                    n = 0
+                    while ok and n < WALK_KEYS:
+                        last = bytes(cur.key())
+                        if db is index.rows:
+                            try:
+                                Row.unpack(cur.value())
+                            except RowDamaged:
+                                index.damaged.add(last)
+                        n += 1
+                        ok = cur.next()
+                    more = ok
+            except IndexBusy:
+                pass
+            except lmdb.Error as exc:
+                if is_damage(exc):
+                    store.want_heal(f"found while walking it: {exc}")
+                    return
+                raise
+            yield
+    clear_start(store.root)
 
 
 def open_readonly(root: Path) -> Index:
@@ -227,6 +342,8 @@ def open_readonly(root: Path) -> Index:
         try:
             return Index(root / INDEX_DIR, readonly=True, map_size=0)
         except DAMAGE as exc:
+            if not is_damage(exc):
+                raise
             reason = f"LMDB refuses it: {exc}"
     raise IndexDamaged(
         f"the index of {root} is damaged ({reason}); `kvd serve` rebuilds it from the blobs at start, "
@@ -384,13 +501,18 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
         commit()
         yield
     commit()
+    # Blobs can hold more than the budget (a smaller ssd_gb now, or blobs a
+    # crash left unindexed): evict the oldest down to it, as a write would.
+    before = store.entries
+    store._make_room(0, set())
+    heal.evicted = before - store.entries
     index.write(lambda txn: txn.delete(REBUILDING, db=index.meta))
     heal.done = True
     heal.seconds = time.monotonic() - t0
     log.warning(
         "ssd: index rebuilt from the blobs in %.1fs (%s%s): %d entries recovered (%d MiB), %d quarantined, "
-        "%d already indexed, %d temp files removed%s",
+        "%d already indexed, %d temp files removed, %d evicted to fit the budget%s",
         heal.seconds, heal.reason, f"; the old index is in {heal.moved_to}" if heal.moved_to else "",
-        heal.recovered, heal.recovered_bytes >> 20, heal.quarantined, heal.kept, heal.temps_removed,
+        heal.recovered, heal.recovered_bytes >> 20, heal.quarantined, heal.kept, heal.temps_removed, heal.evicted,
         f"; {heal.unverified} blobs predate kvd_sum and were parsed, not checksummed" if heal.unverified else "",
     )

@@ -173,6 +173,13 @@ class Index:
     def close(self) -> None:
         self.env.close()
 
+    def retire(self, timeout: float = 10.0) -> None:
+        """Close, once the readers inside are out; new readers miss (IndexBusy)."""
+        with self._gate:
+            self._resizing = True
+            self._gate.wait_for(lambda: self._readers == 0, timeout=timeout)
+        self.env.close()
+
     # -- transactions ----------------------------------------------------
     @contextmanager
     def reading(self) -> Iterator[lmdb.Transaction]:

@@ -76,6 +76,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import lmdb
 
+from kvd.protocol.errors import Busy
 from kvd.store import blobfile, heal
 from kvd.store.base import Entry, PutOutcome, Store
 from kvd.store.blobfile import BlobCorrupt, Unencodable
@@ -177,7 +178,10 @@ class SsdStore(Store):
         # A rebuild runs before reconcile: until it is done, blobs without
         # rows are entries not yet indexed, not orphans.
         self._rebuild: Iterator[None] | None = heal.rebuild_steps(self, self.heal) if self.heal else None
+        # Then one walk over every page of the index (heal.walk_steps), then reconcile.
+        self._walk: Iterator[None] | None = heal.walk_steps(self) if reconcile else None
         self._reconcile: Iterator[None] | None = self._reconcile_steps({}) if reconcile else None
+        self._heal_wanted: str | None = None  # damage found while running: heal on the writer
         if not reconcile and self._rebuild is None:
             self.reconciled.set()
         self.writer = Writer(self.queue, self)
@@ -341,9 +345,37 @@ class SsdStore(Store):
         with self._mu:
             self.counters["index_errors"] += 1
             first = self.counters["index_errors"] == 1
-        if first:  # once: the counter keeps the tally; `kvd verify --repair` rebuilds
-            log.error("ssd: the index failed a read (%s); serving misses for what it cannot read. "
-                      "Stop kvd and run `kvd verify --repair` to rebuild it from the blobs", exc)
+        if heal.is_damage(exc):
+            self.want_heal(f"a read failed: {exc}")
+        elif first:  # once: the counter keeps the tally
+            log.error("ssd: the index failed a read (%s); serving misses for what it cannot read", exc)
+
+    def want_heal(self, reason: str) -> None:
+        """The index is damaged (found while running): have the writer move it
+        aside and rebuild it from the blobs, serving misses meanwhile."""
+        if self._heal_wanted is None and self.writer.alive:
+            self._heal_wanted = reason
+            with self.queue.cond:  # wake the writer
+                self.queue.cond.notify_all()
+
+    def _heal_now(self) -> None:
+        """Writer thread: swap in a new index and rebuild it (heal.py). Readers
+        switch at once (they look `self.index` up per call); the old one is
+        closed once the readers still inside it are out."""
+        reason, old = self._heal_wanted, self.index
+        try:
+            new, h = heal.replace_index(self.root, reason, map_size=old.map_size)
+        except (OSError, lmdb.Error) as exc:
+            self._degrade(f"cannot replace the damaged index: {exc}")
+            return
+        self.index, self.heal = new, h
+        self.entries, self.bytes = 0, 0
+        self._rebuild = heal.rebuild_steps(self, h)
+        self._walk = heal.walk_steps(self)
+        self._reconcile = self._reconcile_steps({})
+        self.reconciled.clear()
+        self._heal_wanted = None
+        old.retire()
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         found = dict(self.queue.tails(parent))
@@ -627,10 +659,18 @@ class SsdStore(Store):
 
     def idle(self, busy: bool) -> bool:
         """Writer-thread periodic work. True if more is waiting right now."""
+        if self._heal_wanted is not None and self._rebuild is None:
+            self._heal_now()
         now = self._clock()
-        if now >= self._next_touch_flush:
-            self._next_touch_flush = now + self.touch_flush_s
-            self._flush_touches()
+        try:
+            if now >= self._next_touch_flush:
+                self._next_touch_flush = now + self.touch_flush_s
+                self._flush_touches()
+        except lmdb.Error as exc:
+            if not heal.is_damage(exc):
+                raise
+            self.want_heal(f"recording hits failed: {exc}")
+            return True
         if self.index.damaged:
             self._repair_damaged()
         if self._rebuild is not None:
@@ -638,6 +678,14 @@ class SsdStore(Store):
                 next(self._rebuild)
             except StopIteration:
                 self._rebuild = None
+                if self._reconcile is None and self._walk is None:
+                    self.reconciled.set()
+            return not busy
+        if self._walk is not None:
+            try:
+                next(self._walk)
+            except StopIteration:
+                self._walk = None
                 if self._reconcile is None:
                     self.reconciled.set()
             return not busy
@@ -655,6 +703,24 @@ class SsdStore(Store):
         self, report: dict[str, int], dry_run: bool = False, progress: Callable[[str, int, int], None] | None = None
     ) -> Iterator[None]:
         return reconcile_steps(self, report, dry_run, progress)
+
+    def _admin(self, fn: Callable[[], Any]) -> Any:
+        """Run an admin job on the writer. An index found damaged meanwhile
+        is healed (see want_heal) and the caller told to retry: Busy on the
+        wire, IndexDamaged offline -- never an internal error."""
+        def guarded():
+            try:
+                return fn()
+            except lmdb.Error as exc:
+                if not heal.is_damage(exc):
+                    raise
+                if not self.writer.alive:
+                    raise heal.IndexDamaged(f"the index of {self.root} is damaged ({exc}); "
+                                            "run `kvd verify --repair` to rebuild it from the blobs") from None
+                self.want_heal(f"an admin request failed: {exc}")
+                raise Busy("the SSD tier's index is damaged and being rebuilt from the blobs; retry later") from None
+
+        return self.writer.submit(guarded).result()
 
     def _finish_rebuild(self) -> None:
         """Run what is left of an index rebuild now (writer thread, or none running)."""
@@ -681,7 +747,7 @@ class SsdStore(Store):
                 pass
             return report
 
-        return self.writer.submit(run).result()
+        return self._admin(run)
 
     def verify_blob(self, eid: bytes) -> bool:
         """Read `eid`'s blob back against its checksum. False if it has no row
@@ -758,7 +824,7 @@ class SsdStore(Store):
                 return len(victims), freed
             return self._remove(victims, "evictions")
 
-        return self.writer.submit(run).result()
+        return self._admin(run)
 
     def drop(
         self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
@@ -794,7 +860,7 @@ class SsdStore(Store):
             n, b = self._remove(victims, "dropped")
             return n + len(queued), b + qbytes
 
-        return self.writer.submit(run).result()
+        return self._admin(run)
 
     # -- reporting -------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -844,6 +910,7 @@ class SsdStore(Store):
             log.warning("ssd: could not record recent hits at stop (%s)", exc)
         finally:
             self.index.close()
+            heal.clear_start(self.root)  # a clean stop is not a start that died
             self._lock_file.release()
 
     def __enter__(self) -> "SsdStore":
