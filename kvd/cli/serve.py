@@ -40,7 +40,7 @@ def serve(**flags) -> None:
     from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
-    from kvd.store.tiered import RamOnly
+    from kvd.store.ramonly import RamOnly
     import lmdb
 
     # Everything the daemon creates -- run dir, socket, lock, data dir, blobs

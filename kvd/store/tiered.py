@@ -29,7 +29,6 @@ Policy table (data, not code paths):
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Iterable
 
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
@@ -188,25 +187,3 @@ def open_store(
         raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
     ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
     return TieredStore(RamStore(ram_bytes), ssd, write_through=write_through)
-
-
-class RamOnly(RamStore):
-    """The RAM tier alone because the data dir could not be used at start
-    (read-only, full, or not ours): `stats` shows an empty, degraded SSD
-    tier naming why, so `kvd stats` and /metrics (kvd_tier_degraded) say so."""
-
-    def __init__(self, ram_bytes: int, data_dir: str | os.PathLike, reason: str):
-        super().__init__(ram_bytes)
-        self.unusable = {"data_dir": str(data_dir), "reason": reason, "since": time.time()}
-
-    def stats(self) -> dict[str, Any]:
-        st = super().stats()
-        st["tiers"]["ssd"] = {
-            "entries": 0, "bytes": 0, "budget_bytes": 0,
-            "degraded": True,
-            "degraded_reason": f"data dir {self.unusable['data_dir']} unusable at start ({self.unusable['reason']}); RAM only until restarted",
-            "degraded_since": self.unusable["since"],
-            "data_dir": None,  # offline commands: this daemon keeps nothing on disk
-            "unusable_data_dir": self.unusable["data_dir"],
-        }
-        return st
