@@ -302,9 +302,13 @@ def test_daemon_rebuilds_a_damaged_index_and_serves_every_intact_blob(daemon_fac
 def test_daemon_answers_a_garbage_row_with_a_miss_never_internal(daemon_factory):
     from kvd.protocol import keys
 
+    from support import free_port, scrape
+
     d = _stored(daemon_factory)
     eid = keys.chain(NS, 256, keys.token_bytes(SEQS[1]))[0] + b"\0"
     _garble_row(d.data_dir, eid)
+    port = free_port()
+    d.args += ["--metrics-port", str(port)]
     d.start()
     with d.client(NS, strict=True) as c:
         assert c.get(SEQS[1]) is None  # strict: INTERNAL would raise
@@ -317,6 +321,9 @@ def test_daemon_answers_a_garbage_row_with_a_miss_never_internal(daemon_factory)
         assert "INTERNAL" not in c.stats()["server"]["errors"]
         assert c.put(SEQS[1], prefix_snapshot(SEQS[1]))  # stored again, served again
         assert_prefix_hit(c.get(SEQS[1]), SEQS[1])
+    assert scrape(port)[("kvd_tier_bad_rows_total", (("tier", "ssd"),))] == 1
+    r = kvd("stats", "--endpoint", d.endpoint)
+    assert "bad_rows=1" in r.stdout, r.stdout
 
 
 def test_daemon_gc_with_the_quarantine_folder_replaced_by_a_file(daemon_factory):
@@ -537,6 +544,8 @@ def test_damage_found_while_serving_is_healed_without_a_restart(daemon_factory):
             assert_prefix_hit(c.get(s), s)
         assert "INTERNAL" not in c.stats()["server"]["errors"]
     assert len(_heal_lines(d)) == 1
+    r = kvd("stats", "--endpoint", d.endpoint)
+    assert "INDEX REBUILT from the blobs (done in" in r.stdout and "8 entries recovered" in r.stdout, r.stdout
     assert d.stop() == 0
     d.start()
     with d.client(NS, strict=True) as c:
