@@ -10,7 +10,10 @@ the SSD tier), then damages its index (garbage in the meta page) and times:
   rebuild         `SsdStore(..., background=False)` on the damaged dir: the
                   meta-page check, the move aside, and the rebuild (parse,
                   kvd_sum verified, name checked, rows committed in batches)
-  healthy open    opening the rebuilt index again (what every later start pays)
+  healthy open    opening the rebuilt index again (what every later start pays
+                  before it serves)
+  read-through    the walk over every key and row every start then runs on the
+                  writer thread in steps (heal.walk_steps), between spills
 
 and prints the rebuild's ratio to the raw read. The daemon runs the same
 rebuild on its writer thread while it serves, so these seconds are the time
@@ -34,6 +37,7 @@ import numpy as np  # noqa: E402
 
 from kvd.store.base import Entry, Tensor  # noqa: E402
 from kvd.store.datadir import BLOB_DIR, INDEX_DIR  # noqa: E402
+from kvd.store.heal import walk_steps  # noqa: E402
 from kvd.store.ssd import SsdStore  # noqa: E402
 
 
@@ -97,10 +101,15 @@ def main() -> None:
         store = SsdStore(root, 1 << 40, min_free_bytes=0, background=False, reconcile=False)
         open_s = time.perf_counter() - t0
         assert store.heal is None and store.entries == n == heal["recovered"], (store.entries, n, heal)
+        t0 = time.perf_counter()
+        for _ in walk_steps(store):
+            pass
+        walk_s = time.perf_counter() - t0
         store.close()
         out = {
             "entries": n, "entry_kib": args.entry_kib, "fill_s": fill_s, "raw_read_s": raw_s, "rebuild_s": rebuild_s,
             "rebuild_entries_per_s": n / rebuild_s, "ratio_to_raw_read": rebuild_s / raw_s, "healthy_open_s": open_s,
+            "read_through_s": walk_s,
             "quarantined": heal["quarantined"],
         }
         if args.json:
@@ -112,6 +121,7 @@ def main() -> None:
         print(f"  raw read of every blob        {raw_s:8.2f} s")
         print(f"  rebuild from the blobs        {rebuild_s:8.2f} s   {n / rebuild_s:,.0f} entries/s   ratio {rebuild_s / raw_s:.2f}")
         print(f"  healthy open afterwards       {open_s * 1e3:8.1f} ms")
+        print(f"  read-through after a start    {walk_s:8.2f} s   (writer thread, in steps)")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -30,6 +30,12 @@ Rules kept by every write (`put_row`, `delete_row`, `touch`):
 3. Transactions are re-runnable: `write(fn)` may run `fn` again after growing
    the map on MapFullError, so `fn` must not touch state outside the txn.
 
+Damage. A row whose bytes do not decode raises RowDamaged from `get`; the
+eid is remembered in `damaged`, and `iter_rows`/`oldest` step over it, so
+no scan (eviction, a drop, a check) stumbles on garbage. The SSD tier's
+writer then removes it with `drop_damaged` (every trace, sums recounted).
+A file LMDB cannot use at all is heal.py's business.
+
 Growing the map needs no open transaction in this process: `_grow` closes a
 gate that new readers see (they miss rather than wait), waits for readers in
 flight, resizes, and reopens it.
