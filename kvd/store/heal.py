@@ -374,7 +374,7 @@ def move_aside(root: Path) -> Path:
     os.rename(root / INDEX_DIR, dst)
     (root / INDEX_DIR).mkdir(mode=DIR_MODE)
     blobfile.fsync_dir(root)
-    old = sorted((p for p in root.iterdir() if p.name.startswith(BAD_PREFIX)), key=lambda p: p.stat().st_mtime)
+    old = sorted(p for p in root.iterdir() if p.name.startswith(BAD_PREFIX))  # by the UTC time in the name
     for p in old[:-KEEP_BAD]:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return dst

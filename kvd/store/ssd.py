@@ -353,7 +353,9 @@ class SsdStore(Store):
     def want_heal(self, reason: str) -> None:
         """The index is damaged (found while running): have the writer move it
         aside and rebuild it from the blobs, serving misses meanwhile."""
-        if self._heal_wanted is None and self.writer.alive:
+        # During a rebuild the damage is that of the index just replaced (a
+        # reader that met it as it went): nothing more to do.
+        if self._heal_wanted is None and self._rebuild is None and self.writer.alive:
             self._heal_wanted = reason
             with self.queue.cond:  # wake the writer
                 self.queue.cond.notify_all()
