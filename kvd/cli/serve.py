@@ -40,6 +40,8 @@ def serve(**flags) -> None:
     from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
+    from kvd.store.ramonly import RamOnly
+    import lmdb
 
     # Everything the daemon creates -- run dir, socket, lock, data dir, blobs
     # -- is for its own user only (kvd.endpoint rule 5). The umask is
@@ -71,9 +73,19 @@ def serve(**flags) -> None:
     except (DataDirBusy, IncompatibleIndex) as err:
         log.error("cannot open data dir %s: %s", cfg.data_dir, err)
         raise SystemExit(exits.REFUSED)
-    except (ValueError, OSError) as err:
+    except ValueError as err:
         log.error("cannot open the store: %s", err)
-        raise SystemExit(EXIT_CONFIG if isinstance(err, ValueError) else exits.FAILED)
+        raise SystemExit(EXIT_CONFIG)
+    except (OSError, lmdb.Error) as err:
+        # Read-only, full, or unreadable: the disk's state, not a setting. A
+        # cache that refuses to start takes every model server's cache with
+        # it; RAM alone still serves. (A damaged index is not this: the SSD
+        # tier moves it aside and rebuilds it, see kvd/store/heal.py.)
+        reason = f"{err.strerror or err}" + (f": {err.filename}" if getattr(err, "filename", None) else "") \
+            if isinstance(err, OSError) else f"index: {err}"
+        log.error("data dir %s cannot be used (%s): serving from RAM only, degraded; fix it and restart kvd",
+                  cfg.data_dir, reason)
+        store = RamOnly(ram_mb * MiB, cfg.data_dir, reason)
 
     if cfg.quota:
         cfg.quota.attach(store)

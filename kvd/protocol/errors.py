@@ -36,6 +36,8 @@ this drawing against the classes themselves.
      +-- DataDirBusy                kvd.store.datadir: another process holds the data dir's lock
      +-- IncompatibleIndex          kvd.store.index: written by a kvd this one cannot read
      +-- IndexBusy                  kvd.store.index: the map is being resized (served as a miss)
+     +-- RowDamaged                 kvd.store.index: an index row does not decode (served as a miss)
+     +-- IndexDamaged               kvd.store.heal: the index file is truncated, zeroed or not LMDB
      +-- BlobCorrupt                kvd.store.blobfile: a blob is not the one the index describes
      +-- Unencodable                kvd.store.blobfile: an entry cannot be written as safetensors
      +-- ServiceError               kvd.service.install: installing or removing the service failed

@@ -24,6 +24,7 @@ log = logging.getLogger("kvd.server")
 _TIER_COUNTERS = {
     "hits", "misses", "evictions", "evicted_bytes", "spills", "spill_bytes", "promotions", "drops", "dropped",
     "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "quarantined", "served_bytes",
+    "bad_rows", "index_errors",
 }
 _PRESSURE_COUNTERS = ("samples", "level_changes", "shrinks", "grows", "evictions", "evicted_bytes")
 _NS_COUNTERS = (
@@ -85,6 +86,14 @@ class DaemonCollector:
                     else:
                         families[key] = GaugeMetricFamily(f"kvd_tier_{key}", f"Tier {key}", labels=["tier"])
                 families[key].add_metric([tier], value)
+            heal = values.get("index_rebuild")
+            if isinstance(heal, dict):  # kvd/store/heal.py
+                families.setdefault("rebuilding", GaugeMetricFamily(
+                    "kvd_tier_index_rebuilding", "1 while the index is being rebuilt from the blobs", labels=["tier"],
+                )).add_metric([tier], int(not heal.get("done")))
+                families.setdefault("recovered", GaugeMetricFamily(
+                    "kvd_tier_index_rebuild_recovered", "Entries the last index rebuild recovered from the blobs", labels=["tier"],
+                )).add_metric([tier], heal.get("recovered", 0))
             if isinstance(values.get("degraded"), bool):
                 families.setdefault(
                     "degraded", GaugeMetricFamily("kvd_tier_degraded", "1 while the tier refuses writes (disk full, I/O errors)", labels=["tier"])
