@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import click
 
@@ -67,6 +68,7 @@ def serve(**flags) -> None:
             write_through=cfg.write_through,
             min_free_bytes=int(cfg.min_free_gb * GiB),
             queue_entries=cfg.spill_queue,
+            queue_bytes=cfg.dirty_max_mb * MiB,
         )
     except (DataDirBusy, IncompatibleIndex) as err:
         log.error("cannot open data dir %s: %s", cfg.data_dir, err)
@@ -95,6 +97,8 @@ def serve(**flags) -> None:
         on_tick=on_tick,
         keys_dir=cfg.keys_dir,
         allow_insecure_tcp=cfg.allow_insecure_tcp,
+        stop_timeout=cfg.stop_timeout,
+        parked_max_bytes=cfg.dirty_max_mb * MiB,
     )
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report
@@ -125,6 +129,12 @@ def serve(**flags) -> None:
         notifier.stopping("flushing the store")
         if metrics is not None:
             metrics.shutdown()
-        store.close()
+        # Whatever the RAM tier holds, the stop ends within stop_timeout: the
+        # writer gets what is left of it, less a margin for closing the index
+        # and exiting; what it has not written by then is logged (ssd.py).
+        since = daemon.stopping_since if daemon.stopping_since is not None else time.monotonic()
+        margin = min(1.0, 0.25 * cfg.stop_timeout)
+        left = max(0.0, cfg.stop_timeout - margin - (time.monotonic() - since))
+        store.close(timeout=left)
         notifier.close()
     log.info("stopped")

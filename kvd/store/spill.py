@@ -23,6 +23,11 @@ writers of the same blob.
 
 Ordering rule: the writer *peeks* a batch (entries stay queued and
 servable), writes and commits it, and only then calls `done()` to remove it.
+After `done()` it calls the sink's `settled(batch)`: that is how a waiter (a
+write-through PUT parked in the daemon) learns which entries are now durable
+and which were dropped. Because `done()` comes first, an entry found in the
+queue again when the news arrives was queued anew, and the news is not about
+that copy.
 """
 
 from __future__ import annotations
@@ -147,6 +152,10 @@ class Sink(Protocol):
 
     def write_batch(self, batch: list[Entry]) -> None: ...
 
+    def settled(self, batch: list[Entry]) -> None:
+        """Called after `write_batch` and `done`: each entry is now durable or dropped."""
+        ...
+
     def idle(self, busy: bool) -> bool:
         """Periodic work; return True if more background work is waiting."""
         ...
@@ -239,6 +248,7 @@ class Writer:
                         self.sink.write_batch(batch)
                     finally:
                         self.queue.done(batch)
+                        self.sink.settled(batch)
                 more = self.sink.idle(busy=bool(batch))
             except Exception:  # a bug; the thread must outlive it or the tier silently stops
                 log.exception("spill writer: unexpected error (continuing)")

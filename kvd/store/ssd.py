@@ -151,6 +151,13 @@ class SsdStore(Store):
         self.observer: Callable[[bytes, str | None, str, str], None] | None = None
         # Per-namespace SSD quotas (kvd/store/quota.py), checked before a write.
         self.quotas: Any = None
+        # Told after every batch which of its entries are now durable
+        # ((eid, True)) or were dropped ((eid, False)), with the degraded
+        # reason if any; called on the writer thread (spill.py, ordering rule).
+        self.on_settled: Callable[[list[tuple[bytes, bool]], str | None], None] | None = None
+        self.writes_stopped = False  # close() ran out of time: write nothing more
+        self.abandoned: list[Entry] = []  # entries a stopped writer left unwritten
+        self.unpersisted = 0  # entries close() had to leave unwritten
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
@@ -357,6 +364,10 @@ class SsdStore(Store):
             self._flush_touches()
             planned = 0
             for i, entry in enumerate(batch):
+                if self.writes_stopped:
+                    # close() is out of time: commit what is written, leave the rest.
+                    self.abandoned.extend(batch[i:])
+                    break
                 eid = entry.id
                 now = self._clock()
                 if self.degraded and now < self._retry_at:
@@ -430,6 +441,13 @@ class SsdStore(Store):
                     self._drop(entry, "write_error")
             for entry in batch[i:]:
                 self._drop(entry, "write_error")
+
+    def settled(self, batch: list[Entry]) -> None:
+        """Writer thread, after a batch: tell `on_settled` what became durable."""
+        if self.on_settled is None:
+            return
+        durable = self.with_rows(e.id for e in batch)
+        self.on_settled([(e.id, e.id in durable) for e in batch], self.degraded)
 
     def _commit(self, written: list[tuple[bytes, Row]]) -> None:
         """Commit rows for durable blobs; on failure remove the blobs (counted)."""
@@ -755,11 +773,30 @@ class SsdStore(Store):
             "namespaces": dict(sorted(namespaces.items())),
         }
 
-    def close(self) -> None:
-        """Write out the queue, stop the writer, close the index, release the lock."""
+    def close(self, timeout: float | None = None) -> None:
+        """Write out the queue, stop the writer, close the index, release the lock.
+
+        With `timeout`, writing stops after that many seconds: the batch in
+        hand commits what it has written, the rest is logged as not
+        persisted (counted in `unpersisted`) and lost."""
+        self.unpersisted = 0
         if self.writer.alive:
-            self.writer.flush()
-            self.writer.stop()
+            if not self.writer.flush(timeout):
+                self.writes_stopped = True
+            self.writer.stop(timeout=None if timeout is None else 2.0)
+            if self.writer.alive:
+                # Still inside one write (a slow disk): leave the index to the
+                # process exit rather than close it under the writer; LMDB and
+                # the blob protocol are crash-safe, the lock dies with us.
+                log.error("ssd: the writer did not stop in time; exiting without closing the index")
+                return
+            left = self.abandoned + self.queue.pending_where(lambda e: True)
+            if left:
+                self.unpersisted = len(left)
+                log.warning(
+                    "stop: %d entries (%d bytes) not persisted: stop_timeout reached before they were written",
+                    len(left), sum(e.nbytes for e in left),
+                )
         try:
             self._flush_touches()
         finally:
