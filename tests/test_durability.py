@@ -51,8 +51,7 @@ def test_write_through_ack_survives_kill_9(daemon_factory):
         s = _seq(i, 256 + 128 * (i % 3))  # one or two chunks, a tail now and then
         with d.client("wt", strict=True) as c:
             assert c.put(s, prefix_snapshot(s))
-        d.proc.kill()  # at once: not a moment for a writer to catch up
-        d.proc.wait()
+        d.kill()  # at once: not a moment for a writer to catch up
         acked.append(s)
         d.start()
         if i % 5 == 4 or i == runs - 1:
@@ -85,8 +84,7 @@ def test_write_through_many_clients_at_once_then_kill_9(daemon_factory):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    d.proc.kill()
-    d.proc.wait()
+    d.kill()
     d.start()
     _all_there(d, "group", seqs, "after kill")
 
@@ -115,7 +113,7 @@ def test_write_through_full_disk_is_not_persisted_never_a_false_ack(daemon_facto
 def test_clean_stop_right_after_a_forced_spill_loses_nothing(daemon_factory):
     """store(wait) of 8 chunks, gc(ram_bytes=0), SIGTERM at once, restart:
     every acknowledged chunk is there. (Issue: 2 of 15 runs lost one.)"""
-    runs = RUNS or 30
+    runs = RUNS or 50
     d = daemon_factory("--ram-mb", "64")
     acked: list[np.ndarray] = []
     for i in range(runs):
@@ -140,7 +138,7 @@ def test_sigterm_with_a_large_dirty_ram_tier_ends_within_stop_timeout(daemon_fac
     slack), exit 0, and the log says how many were not persisted. Whatever
     a restart then reports is served bit-exact."""
     d = daemon_factory("--ram-mb", "512", "--stop-timeout", "1", "--dirty-max-mb", "1024", "--spill-queue", "100000")
-    seqs = [_seq(200 + i, 64 * 1024) for i in range(4)]  # 256 K tokens of 16-token chunks: 16 K entries
+    seqs = [_seq(200 + i, 32 * 1024) for i in range(2)]  # 64 K tokens in 16-token chunks: 4 K entries
     with d.client("big", strict=True, chunk_tokens=16, timeout=60) as c:
         for s in seqs:
             assert c.put(s, prefix_snapshot(s))

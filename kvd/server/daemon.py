@@ -99,6 +99,7 @@ class Daemon:
         self.write_through = bool(getattr(store, "write_through", False))
         self.parking = Parking(parked_max_bytes)
         self.wakeup = Wakeup()
+        self._signal_fd = False  # the wakeup pipe is Python's signal wakeup fd
         hook = getattr(store, "set_settled_callback", None)
         if hook is not None:
             hook(lambda results, degraded: self.wakeup.post((results, degraded)))
@@ -179,10 +180,16 @@ class Daemon:
         if self.stopping_since is None:
             self.stopping_since = time.monotonic()
         self._stop.set()
+        self.wakeup.poke()  # out of poll() now, not at the next tick
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: self.stop())
+        # Whichever thread the kernel hands the signal to, Python's C handler
+        # writes to this fd, so poll() returns at once (not at the next tick)
+        # and the handler above runs on this thread.
+        signal.set_wakeup_fd(self.wakeup.write_fd, warn_on_full_buffer=False)
+        self._signal_fd = True
 
     def close(self) -> None:
         if self._sock is not None:
@@ -196,6 +203,9 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self._signal_fd:
+            signal.set_wakeup_fd(-1)  # before the fd closes: it may be reused
+            self._signal_fd = False
         self.wakeup.close()
         self._lock.release()
 

@@ -143,6 +143,10 @@ class Wakeup:
     def fd(self) -> int:
         return self._r
 
+    @property
+    def write_fd(self) -> int:
+        return self._w
+
     def post(self, item: Any) -> None:
         """Any thread: queue `item` and wake the loop (nothing, once closed)."""
         with self._lock:
@@ -153,6 +157,13 @@ class Wakeup:
                 os.write(self._w, b"\0")
             except BlockingIOError:
                 pass  # the pipe is full of wake-ups already: the loop will look
+
+    def poke(self) -> None:
+        """Wake the loop, nothing more: safe in a signal handler (no lock)."""
+        try:
+            os.write(self._w, b"\0")
+        except OSError:
+            pass  # full (the loop wakes anyway) or closed (no loop to wake)
 
     def take(self) -> list[Any]:
         """Loop thread: everything posted so far."""
