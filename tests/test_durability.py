@@ -24,7 +24,7 @@ import pytest
 
 from kvd_client import Busy, NotPersisted
 
-from support import assert_prefix_hit, prefix_snapshot
+from support import assert_prefix_hit, kvd, prefix_snapshot
 
 RUNS = int(os.environ.get("KVD_DURABILITY_RUNS", "0"))
 
@@ -87,6 +87,13 @@ def test_write_through_many_clients_at_once_then_kill_9(daemon_factory):
     d.kill()
     d.start()
     _all_there(d, "group", seqs, "after kill")
+
+
+def test_write_through_without_a_data_dir_is_refused(tmp_path):
+    config = tmp_path / "kvd.toml"
+    config.touch()
+    r = kvd("serve", "--write-through", "--data-dir", "none", "--config", str(config), "--endpoint", f"ipc://{tmp_path}/s")
+    assert r.returncode == 78 and "write_through needs a data_dir" in r.stderr
 
 
 def test_write_through_full_disk_is_not_persisted_never_a_false_ack(daemon_factory, tmp_path):

@@ -50,6 +50,9 @@ def serve(**flags) -> None:
     os.umask(0o077)
     try:
         cfg = resolve(flags)
+        if cfg.write_through and cfg.data_dir is None:
+            # A promise of durability with no disk to keep it: refuse, do not pretend.
+            raise ConfigError("write_through needs a data_dir (it is \"none\": RAM only)")
     except ConfigError as err:
         click.echo(f"kvd: {err}", err=True)
         raise SystemExit(EXIT_CONFIG)
