@@ -705,8 +705,10 @@ class SsdStore(Store):
         return self.writer.submit(run).result()
 
     def drop(
-        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
+        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False,
+        ids: list[bytes] | None = None,
     ) -> tuple[int, int]:
+        """As `Store.drop`; the ids removed (or that would be) are appended to `ids` if given."""
         cutoff = None if older_than is None else self._clock() - older_than
 
         def run():
@@ -733,6 +735,9 @@ class SsdStore(Store):
                 else:
                     queued = self.queue.remove_where(pick)
             qbytes = sum(e.nbytes for e in queued)
+            if ids is not None:
+                ids.extend(victims)
+                ids.extend(e.id for e in queued)
             if dry_run:
                 return len(victims) + len(queued), nbytes + qbytes
             n, b = self._remove(victims, "dropped")

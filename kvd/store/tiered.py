@@ -177,10 +177,14 @@ class TieredStore(Store):
     def drop(
         self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
     ) -> tuple[int, int]:
-        """Both tiers; an entry held in both counts once per copy."""
-        rn, rb = self.ram.drop(namespace=namespace, older_than=older_than, dry_run=dry_run)
-        sn, sb = self.ssd.drop(namespace=namespace, older_than=older_than, dry_run=dry_run)
-        return rn + sn, rb + sb
+        """Both tiers. An entry held in both (most are: written behind) counts
+        once; its bytes count in each tier (memory and disk freed)."""
+        ids: list[bytes] = []
+        _, rb = self.ram.drop(namespace=namespace, older_than=older_than, dry_run=dry_run, ids=ids)
+        _, sb = self.ssd.drop(namespace=namespace, older_than=older_than, dry_run=dry_run, ids=ids)
+        for eid in ids:
+            self.behind.pop(eid, None)
+        return len(set(ids)), rb + sb
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every acknowledged entry is on disk (the queue and `behind`)."""
@@ -211,19 +215,22 @@ class TieredStore(Store):
                 d = namespaces.setdefault(ns, {"entries": 0, "bytes": 0, "tokens": 0, "last_used": 0.0})
                 d[f"{tier}_entries"], d[f"{tier}_bytes"] = v["entries"], v["bytes"]
                 d[f"{tier}_tokens"] = v.get("tokens", 0)
-                d["entries"] += v["entries"]  # copies in both tiers count twice
-                d["bytes"] += v["bytes"]
+                d["bytes"] += v["bytes"]  # memory plus disk: copies in both tiers count twice
                 d["last_used"] = max(d["last_used"], v.get("last_used", 0.0))
-        # A chunk can be in both tiers (promoted, or written through): tokens
-        # covered are the SSD's plus those of chunks only RAM holds.
-        chunks = [e for e in self.ram.entries() if e.kind == CHUNK]
-        on_disk = self.ssd.with_rows(e.id for e in chunks)
-        ram_only: dict[str, int] = {}
-        for entry in chunks:
+        # Most entries are in both tiers (written behind, promoted, written
+        # through): entries and tokens held are the SSD's plus those only RAM holds.
+        held = list(self.ram.entries())
+        on_disk = self.ssd.with_rows(e.id for e in held)
+        ram_only: dict[str, list[int]] = {}
+        for entry in held:
             if entry.id not in on_disk:
-                ram_only[entry.namespace] = ram_only.get(entry.namespace, 0) + entry.length
+                n = ram_only.setdefault(entry.namespace, [0, 0])
+                n[0] += 1
+                n[1] += entry.length if entry.kind == CHUNK else 0
         for ns, d in namespaces.items():
-            d["tokens"] = d.get("ssd_tokens", 0) + ram_only.get(ns, 0)
+            entries, tokens = ram_only.get(ns, (0, 0))
+            d["entries"] = d.get("ssd_entries", 0) + entries
+            d["tokens"] = d.get("ssd_tokens", 0) + tokens
         dirty_entries, dirty_bytes = self.dirty()
         return {
             "tiers": {**r["tiers"], **s["tiers"]},
