@@ -54,6 +54,9 @@ class SpillQueue:
         self.cond = threading.Condition()
         self._pending: OrderedDict[bytes, Entry] = OrderedDict()
         self._inflight: set[bytes] = set()
+        # parent -> {eid: (length, key)} of queued tail chunks: `tails` is asked
+        # on every LOOKUP that stops short, and the queue holds every write behind.
+        self._tails: dict[bytes, dict[bytes, tuple[int, bytes]]] = {}
         self.bytes = 0
         self.closed = False
 
@@ -88,8 +91,18 @@ class SpillQueue:
                 return False
             self._pending[eid] = entry
             self.bytes += entry.nbytes
+            if entry.tail and entry.kind == CHUNK:
+                self._tails.setdefault(entry.parent, {})[eid] = (entry.length, entry.key)
             self.cond.notify_all()
             return True
+
+    def _untail(self, entry: Entry) -> None:
+        if entry.tail and entry.kind == CHUNK:
+            tails = self._tails.get(entry.parent)
+            if tails is not None:
+                tails.pop(entry.id, None)
+                if not tails:
+                    del self._tails[entry.parent]
 
     def take_batch(self, max_entries: int, max_bytes: int) -> list[Entry]:
         """Up to `max_entries`/`max_bytes` oldest entries not yet in flight
@@ -114,6 +127,7 @@ class SpillQueue:
                 self._inflight.discard(eid)
                 if self._pending.pop(eid, None) is not None:
                     self.bytes -= entry.nbytes
+                    self._untail(entry)
             self.cond.notify_all()
 
     def pending_where(self, pred: Callable[[Entry], bool]) -> list[Entry]:
@@ -132,16 +146,13 @@ class SpillQueue:
             for e in gone:
                 del self._pending[e.id]
                 self.bytes -= e.nbytes
+                self._untail(e)
             self.cond.notify_all()
         return gone
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         with self.cond:
-            return [
-                (e.length, e.key)
-                for e in self._pending.values()
-                if e.tail and e.kind == CHUNK and e.parent == parent
-            ]
+            return list(self._tails.get(parent, {}).values())
 
     def idle(self) -> bool:
         return not self._pending
