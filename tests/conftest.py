@@ -67,8 +67,8 @@ class DaemonProcess:
         deadline = time.monotonic() + timeout
         # The socket file appears when the daemon binds: ping only then, so
         # the first ping is not refused (a refused client backs off 0.25 s).
-        sock = self.workdir / "kvd.sock"
-        while not sock.exists() and time.monotonic() < deadline:
+        sock = Path(self.endpoint[len("ipc://"):]) if self.endpoint.startswith("ipc://") else None
+        while sock is not None and not sock.exists() and time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
             time.sleep(0.01)
@@ -109,7 +109,8 @@ class DaemonProcess:
         if not keep_socket:
             # The dead daemon's socket file would look like readiness to
             # wait_ready after a restart; the new daemon makes its own.
-            (self.workdir / "kvd.sock").unlink(missing_ok=True)
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
 
     def restart(self) -> "DaemonProcess":
         self.stop()
