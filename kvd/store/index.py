@@ -41,7 +41,7 @@ import struct
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -83,7 +83,9 @@ class Row:
     state: str = "ssd"  # reserved for future tier states (e.g. "archived")
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
+        # Not dataclasses.asdict: it deep-copies every field, a third of the
+        # writer's time per small blob. Same map, same order, same bytes.
+        return msgpack.packb({k: getattr(self, k) for k in self.__slots__}, use_bin_type=True)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Row":

@@ -68,6 +68,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -77,6 +78,7 @@ from kvd.store import blobfile
 from kvd.store.base import Entry, PutOutcome, Store
 from kvd.store.blobfile import BlobCorrupt, Unencodable
 from kvd.store.datadir import (
+    BLOB_DIR,
     INDEX_DIR,
     QUARANTINE_DIR,
     DataDirLock,
@@ -158,6 +160,7 @@ class SsdStore(Store):
         self.writes_stopped = False  # close() ran out of time: write nothing more
         self.abandoned: list[Entry] = []  # entries a stopped writer left unwritten
         self.unpersisted = 0  # entries close() had to leave unwritten
+        self._pool: ThreadPoolExecutor | None = None  # group sync's fsyncs (blobfile.sync_group)
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
@@ -383,6 +386,7 @@ class SsdStore(Store):
                 if self.quotas is not None and not self.quotas.make_room_ssd(self, entry, est, written):
                     # As below: this batch's own uncommitted blobs may be what stands in the way.
                     if written:
+                        written = self._synced(written, batch)
                         self._commit(written)
                         written, planned = [], 0
                     if not self.quotas.make_room_ssd(self, entry, est, written):
@@ -393,13 +397,15 @@ class SsdStore(Store):
                     # way (a batch bigger than the budget): commit them, so they
                     # become evictable like any other, and try once more.
                     if written:
+                        written = self._synced(written, batch)
                         self._commit(written)
                         written, planned = [], 0
                     if not self._make_room(est, set()):
                         self._drop(entry, "budget_leased")
                         continue
                 try:
-                    info = blobfile.write_blob(self.path(eid), entry, durable=self.durable)
+                    # Synced with the rest of the batch before any row commits (_synced).
+                    info = blobfile.write_blob(self.path(eid), entry, durable=False)
                 except Unencodable as exc:
                     log.error("ssd: cannot store %s: %s", eid.hex(), exc)
                     self._drop(entry, "unencodable")
@@ -426,6 +432,7 @@ class SsdStore(Store):
                 )))
                 self._recover()
             if written:
+                written = self._synced(written, batch)
                 self._commit(written)
         except lmdb.Error as exc:
             # The index refused a write mid-batch (LMDB on a full disk, most
@@ -441,6 +448,32 @@ class SsdStore(Store):
                     self._drop(entry, "write_error")
             for entry in batch[i:]:
                 self._drop(entry, "write_error")
+
+    def _synced(self, written: list[tuple[bytes, Row]], batch: list[Entry]) -> list[tuple[bytes, Row]]:
+        """Group sync: fsync the blobs of `written` and their folders together,
+        in parallel (blobfile.sync_group). Returns those now durable; the
+        others are removed and dropped, counted (a disk error degrades)."""
+        if not self.durable or not written:
+            return written
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-fsync")
+        files = [self.path(eid) for eid, _ in written]
+        failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._pool)
+        if not failed:
+            return written
+        by_id = {e.id: e for e in batch}
+        kept = []
+        for (eid, row), path in zip(written, files):
+            exc = failed.get(path)
+            if exc is None:
+                kept.append((eid, row))
+                continue
+            self._count("write_errors")
+            self._unlink(path)
+            self._drop(by_id[eid], "write_error")
+            if exc.errno in DISK_ERRNOS:
+                self._degrade(f"fsync failed: {exc}")
+        return kept
 
     def settled(self, batch: list[Entry]) -> None:
         """Writer thread, after a batch: tell `on_settled` what became durable."""
@@ -802,6 +835,8 @@ class SsdStore(Store):
                     "stop: %d entries (%d bytes) not persisted: stop_timeout reached before they were written",
                     len(left), sum(e.nbytes for e in left),
                 )
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         try:
             self._flush_touches()
         finally:
