@@ -3,7 +3,7 @@
 One command:
 
     .venv/bin/python bench/bench_stop.py [--entries 131072] [--stop-timeout 10]
-                                          [--baseline-src DIR] [--baseline-entries N]
+                                          [--drain] [--baseline-src DIR] [--baseline-entries N]
 
 Fills a real `kvd serve` (write-back, RAM tier big enough for everything) with
 `--entries` small chunks (16 tokens, ~0.5 KiB each) as fast as a client can
@@ -13,6 +13,8 @@ serves. `--baseline-src` runs the same against another kvd source tree (e.g.
 `git archive <commit> | tar -x -C /tmp/old`) -- the daemon before this change,
 which wrote the whole RAM tier down at stop -- and prints the ratio of the two
 stop times (on `--baseline-entries`, since the old stop grows with the tier).
+`--drain` waits until the write-behind backlog is empty before SIGTERM (the
+usual case for a daemon that is not being filled at that moment).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _start(workdir: Path, args: list[str], src: str | None) -> tuple[subprocess.
     return proc, endpoint
 
 
-def run(entries: int, stop_timeout: float, src: str | None, label: str) -> dict:
+def run(entries: int, stop_timeout: float, src: str | None, label: str, drain: bool = False) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-stop-", dir="/tmp"))
     try:
         args = ["--ram-mb", str(max(256, entries * 2 // 1024)), "--ssd-gb", "64", "--min-free-gb", "0"]
@@ -81,6 +83,11 @@ def run(entries: int, stop_timeout: float, src: str | None, label: str) -> dict:
                 assert c.put(tokens, _snapshot(tokens, i))
             fill = time.monotonic() - t0
             st = c.stats()
+            if drain:  # let the writer catch up first: the stop then has nothing left to write
+                deadline = time.monotonic() + 900
+                while st["store"].get("dirty_entries", 0) and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    st = c.stats()
         ram = st["tiers"]["ram"]["entries"]
         on_disk_at_stop = st["tiers"]["ssd"]["entries"]
         t0 = time.monotonic()
@@ -111,10 +118,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries", type=int, default=131072)
     ap.add_argument("--stop-timeout", type=float, default=10.0)
+    ap.add_argument("--drain", action="store_true", help="SIGTERM only once the write-behind backlog is empty")
     ap.add_argument("--baseline-src", help="another kvd source tree to run the same against (the old stop)")
     ap.add_argument("--baseline-entries", type=int, default=None, help="entries for the baseline run (default: --entries)")
     a = ap.parse_args()
-    now = run(a.entries, a.stop_timeout, None, "this kvd")
+    now = run(a.entries, a.stop_timeout, None, "drained" if a.drain else "this kvd", a.drain)
     print(f"stop took {now['stop_s'] / a.stop_timeout:.2f}x stop_timeout ({a.stop_timeout:g} s)")
     if a.baseline_src:
         n = a.baseline_entries or a.entries

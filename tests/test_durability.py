@@ -122,7 +122,9 @@ def test_clean_stop_right_after_a_forced_spill_loses_nothing(daemon_factory):
     """store(wait) of 8 chunks, gc(ram_bytes=0), SIGTERM at once, restart:
     every acknowledged chunk is there. (Issue: 2 of 15 runs lost one.)"""
     runs = RUNS or 30
-    d = daemon_factory("--ram-mb", "64")
+    # A queue of 4 for 8 chunks: every run hands chunks to a full queue, the
+    # path where the old stop dropped them (queue_full after 0.5 s, silently).
+    d = daemon_factory("--ram-mb", "64", "--spill-queue", "4")
     acked: list[np.ndarray] = []
     for i in range(runs):
         s = _seq(i, 8 * 256)
