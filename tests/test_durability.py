@@ -197,3 +197,69 @@ def test_parking_bounds_settles_and_never_acknowledges_what_failed():
     (left,) = p.fail_all()
     assert left.failed == [b"w"] and len(p) == 0
     assert p.counters == {"parked": 4, "acknowledged": 2, "not_persisted": 2, "refused": 2}
+
+
+# -- the store level: write-behind and a stop with a deadline -----------------
+
+
+def _park_writer(ssd, until):
+    """Hold the SSD writer inside a job until `until()` is true (bounded)."""
+    import threading
+
+    parked = threading.Event()
+
+    def job():
+        parked.set()
+        deadline = time.monotonic() + 10
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    ssd.writer.submit(job)
+    assert parked.wait(5)
+
+
+def test_write_behind_waits_in_order_beyond_the_queue_and_reaches_disk(tmp_path):
+    from kvd.store.tiered import open_store
+
+    from support import assert_same, make_entry
+
+    entries = [make_entry(i) for i in range(10)]
+    store = open_store(1 << 20, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0, queue_entries=4)
+    try:
+        release = []
+        _park_writer(store.ssd, lambda: bool(release))
+        for e in entries:
+            store.put(e)
+        assert len(store.ssd.queue) == 4 and list(store.behind) == [e.id for e in entries[4:]]
+        assert store.dirty() == (10, sum(e.nbytes for e in entries))
+        release.append(True)
+        assert store.flush(10)  # tick() feeds `behind` to the queue as the writer makes room
+        assert store.dirty() == (0, 0) and store.ssd.entries == 10
+        for e in entries:
+            assert_same(store.ssd.get(e.id), e)
+    finally:
+        store.close(persist=False)
+
+
+def test_close_with_a_deadline_stops_writing_and_counts_what_is_left(tmp_path, caplog):
+    from kvd.store.tiered import open_store
+
+    from support import assert_same, make_entry
+
+    entries = [make_entry(i) for i in range(40)]
+    store = open_store(1 << 20, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0)
+    _park_writer(store.ssd, lambda: store.ssd.writes_stopped)  # a disk slower than the deadline
+    for e in entries:
+        store.put(e)
+    store.close(timeout=0.2)
+    assert store.ssd.unpersisted == 40
+    assert "stop: 40 entries" in caplog.text and "not persisted" in caplog.text
+    again = open_store(1 << 20, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0)
+    try:
+        for e in entries:  # nothing half-written: each is absent or whole
+            got = again.get(e.id)
+            if got is not None:
+                assert_same(got, e)
+        assert again.ssd.entries == 0
+    finally:
+        again.close(persist=False)
