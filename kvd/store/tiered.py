@@ -50,6 +50,7 @@ from collections import OrderedDict
 from typing import Any, Iterable
 
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
+from kvd.store.index import IndexBusy
 from kvd.store.ram import RamStore
 from kvd.store.ssd import DEFAULT_MIN_FREE, SsdStore
 
@@ -209,6 +210,16 @@ class TieredStore(Store):
 
     def stats(self) -> dict[str, Any]:
         r, s = self.ram.stats(), self.ssd.stats()
+        held = list(self.ram.entries())
+        # The SSD tier's namespaces and which RAM entries it holds, read in one
+        # snapshot: the writer commits meanwhile, and an entry committed between
+        # two reads would count in neither tier.
+        try:
+            with self.ssd.index.reading() as txn:
+                s["namespaces"] = self.ssd.index.namespaces(txn)
+                on_disk = {e.id for e in held if self.ssd.index.has(txn, e.id)}
+        except IndexBusy:
+            on_disk = self.ssd.with_rows(e.id for e in held)
         namespaces: dict[str, dict[str, int]] = {}
         for tier, st in (("ram", r), ("ssd", s)):
             for ns, v in st["namespaces"].items():
@@ -219,8 +230,6 @@ class TieredStore(Store):
                 d["last_used"] = max(d["last_used"], v.get("last_used", 0.0))
         # Most entries are in both tiers (written behind, promoted, written
         # through): entries and tokens held are the SSD's plus those only RAM holds.
-        held = list(self.ram.entries())
-        on_disk = self.ssd.with_rows(e.id for e in held)
         ram_only: dict[str, list[int]] = {}
         for entry in held:
             if entry.id not in on_disk:
