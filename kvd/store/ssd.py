@@ -51,6 +51,14 @@ other OSError (a shard directory replaced by a file, a permission changed by
 hand) concerns one path: that entry is dropped and counted, logged once per
 errno, and the tier goes on.
 
+Durability. The writer writes a batch's blobs, fsyncs them and their folders
+together (group sync, blobfile.sync_group), then commits all their rows in
+one synced LMDB transaction; only then does it tell `on_settled` which
+entries are durable (the daemon answers write-through PUTs from that). A
+blob whose fsync fails is removed and dropped, never indexed. `close(timeout)`
+stops writing at its deadline: the batch in hand commits what is already
+written, and the rest is counted (`unpersisted`) and logged in one line.
+
 Recency. A disk hit records (eid, time) in memory; the writer flushes these
 into the LRU order every `touch_flush_s` and before choosing victims, so the
 daemon thread never waits for an LMDB write.
