@@ -288,6 +288,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Write every chunk to the SSD tier when it is stored, not only when evicted from RAM."),
     Setting("spill_queue", _int(1), 256,
             "Most chunks waiting to be written to the SSD tier."),
+    Setting("dirty_max_mb", _int(1), 256,
+            "Bytes of stored chunks not yet on disk that the SSD writer's queue holds, in MiB: in "
+            "write-back mode the backlog a stop has to write; in write-through mode the most that "
+            "PUTs waiting for their fsync may hold (past it a PUT is answered BUSY)."),
+    Setting("stop_timeout", _float(0.0, exclusive=True), 10.0,
+            "Seconds a stop (SIGTERM, `kvd stop`) may take: what is not on disk by then is logged "
+            "and lost, and the daemon exits 0. The service files allow a little more."),
     Setting("max_message_mb", _int(1), 512,
             "Largest message the daemon accepts, in MiB (advertised to clients)."),
     Setting("log_level", _log_level, "info",

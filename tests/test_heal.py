@@ -417,6 +417,32 @@ def test_read_only_data_dir_serves_ram_only_degraded_and_says_so(daemon_factory)
         assert_prefix_hit(c.get(SEQS[0]), SEQS[0])
 
 
+def test_write_through_on_a_read_only_data_dir_never_acknowledges_a_put(daemon_factory):
+    from kvd_client import NotPersisted
+
+    d = _stored(daemon_factory)
+    d.args += ["--write-through"]
+    for path in [d.data_dir, *d.data_dir.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    _without_dac_override(d)
+    try:
+        d.start()
+        s = np.arange(300) + 78_000
+        with d.client(NS, strict=True) as c:
+            assert c.stats()["tiers"]["ssd"]["degraded"] is True
+            with pytest.raises(NotPersisted):
+                c.put(s, prefix_snapshot(s))  # an ack would claim a disk there is none of
+        t = s + 1000
+        with d.client(NS) as c:
+            assert not c.put(t, prefix_snapshot(t)) and c.counters["error_not_persisted"] == 1
+            for seq in (s, t):
+                assert_prefix_hit(c.get(seq), seq)  # held in RAM all the same
+        assert d.stop() == 0
+    finally:
+        for path in [d.data_dir, *d.data_dir.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 6 MiB tmpfs (needs root: mount); skipped where it cannot be made."""

@@ -257,7 +257,7 @@ def test_client_public_surface_is_pinned():
     assert sorted(kvd_client.__all__) == sorted([
         "Client", "Probe", "Explanation", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "MalformedMessage",
         "UnsupportedVersion", "UnknownMessageType", "BadField", "BadDtype", "BadShape", "BadFrameIndex",
-        "MessageTooLarge", "TooManyFrames", "TooManyTokens", "ServerError", "Busy", "Internal",
+        "MessageTooLarge", "TooManyFrames", "TooManyTokens", "ServerError", "Busy", "Internal", "NotPersisted",
         "DaemonUnavailable", "BadReply", "EndpointError", "UnsafeEndpoint", "AuthenticationFailed", "MediaSpan", "media_digest",
     ])
     public = {n for n in dir(kvd_client.Client) if not n.startswith("_")}
@@ -318,7 +318,7 @@ def test_every_exception_kvd_defines_is_drawn_under_its_real_parent():
 
 def test_only_wire_errors_have_wire_codes():
     wire = set(E.ERRORS.values())
-    assert len({c.code for c in wire}) == len(wire) == 12
+    assert len({c.code for c in wire}) == len(wire) == 13
     for cls in defined_exceptions().values():
         if not issubclass(cls, E.KvdError) or cls in wire:
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import click
 
@@ -51,6 +52,9 @@ def serve(**flags) -> None:
     os.umask(0o077)
     try:
         cfg = resolve(flags)
+        if cfg.write_through and cfg.data_dir is None:
+            # A promise of durability with no disk to keep it: refuse, do not pretend.
+            raise ConfigError("write_through needs a data_dir (it is \"none\": RAM only)")
     except ConfigError as err:
         click.echo(f"kvd: {err}", err=True)
         raise SystemExit(EXIT_CONFIG)
@@ -69,6 +73,7 @@ def serve(**flags) -> None:
             write_through=cfg.write_through,
             min_free_bytes=int(cfg.min_free_gb * GiB),
             queue_entries=cfg.spill_queue,
+            queue_bytes=cfg.dirty_max_mb * MiB,
         )
     except (DataDirBusy, IncompatibleIndex) as err:
         log.error("cannot open data dir %s: %s", cfg.data_dir, err)
@@ -85,7 +90,7 @@ def serve(**flags) -> None:
             if isinstance(err, OSError) else f"index: {err}"
         log.error("data dir %s cannot be used (%s): serving from RAM only, degraded; fix it and restart kvd",
                   cfg.data_dir, reason)
-        store = RamOnly(ram_mb * MiB, cfg.data_dir, reason)
+        store = RamOnly(ram_mb * MiB, cfg.data_dir, reason, write_through=cfg.write_through)
 
     if cfg.quota:
         cfg.quota.attach(store)
@@ -107,6 +112,8 @@ def serve(**flags) -> None:
         on_tick=on_tick,
         keys_dir=cfg.keys_dir,
         allow_insecure_tcp=cfg.allow_insecure_tcp,
+        stop_timeout=cfg.stop_timeout,
+        parked_max_bytes=cfg.dirty_max_mb * MiB,
     )
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report
@@ -137,6 +144,19 @@ def serve(**flags) -> None:
         notifier.stopping("flushing the store")
         if metrics is not None:
             metrics.shutdown()
-        store.close()
+        # Whatever the RAM tier holds, the stop ends within stop_timeout: the
+        # writer gets what is left of it, less a margin for closing the index
+        # and exiting; what it has not written by then is logged (ssd.py).
+        since = daemon.stopping_since if daemon.stopping_since is not None else time.monotonic()
+        margin = min(1.0, 0.25 * cfg.stop_timeout)
+        left = max(0.0, cfg.stop_timeout - margin - (time.monotonic() - since))
+        store.close(timeout=left)
         notifier.close()
     log.info("stopped")
+    # Everything is written, closed and logged. Tearing the interpreter down
+    # would free the RAM tier object by object -- seconds for a large tier,
+    # outside stop_timeout -- for nothing: the kernel takes it back at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -17,11 +17,17 @@ Rules the loop keeps:
    and counted (ROUTER_MANDATORY + NOBLOCK), never blocks the loop.
 3. The loop wakes at least every `tick` seconds to run housekeeping hooks
    (the systemd watchdog, store maintenance) and to notice SIGTERM/SIGINT.
+4. Write-through PUTs are answered only when their entries are on disk: the
+   reply is parked (kvd/server/parking.py) and sent when the SSD writer's
+   news arrives through a pipe the poller watches; nobody else waits. At a
+   stop, parked PUTs get at most half of `stop_timeout` to complete, then
+   NOT_PERSISTED -- never an acknowledgement for what is not on disk.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import signal
 import threading
 import time
@@ -34,7 +40,8 @@ from kvd.protocol import codec
 from kvd.protocol import errors as E
 from kvd.protocol.limits import Limits
 from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_keys_dir, is_tcp, server_keys
-from kvd.server.handler import Handler, ShutdownRequested
+from kvd.server.handler import Deferred, Handler, ShutdownRequested
+from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.ratelog import RateLimitedLog
 from kvd.store.base import Store
@@ -61,6 +68,8 @@ class Daemon:
         on_tick: Callable[[], None] | None = None,
         keys_dir: str | None = None,
         allow_insecure_tcp: bool = False,
+        stop_timeout: float = 10.0,
+        parked_max_bytes: int = 256 << 20,
     ):
         self.store = store
         self.endpoint = endpoint
@@ -85,6 +94,17 @@ class Daemon:
         self.security: dict = {"transport": "ipc" if not is_tcp(endpoint) else "tcp"}
         self.handler.stats_sections["security"] = lambda stats: dict(self.security)
         self._auth = None  # the ZAP authenticator thread (tcp with CURVE)
+        self.stop_timeout = stop_timeout
+        self.stopping_since: float | None = None  # monotonic time a stop was asked for
+        self.write_through = bool(getattr(store, "write_through", False))
+        self.parking = Parking(parked_max_bytes)
+        self.wakeup = Wakeup()
+        self._signal_fd = False  # the wakeup pipe is Python's signal wakeup fd
+        hook = getattr(store, "set_settled_callback", None)
+        if hook is not None:
+            hook(lambda results, degraded: self.wakeup.post((results, degraded)))
+        if self.write_through:
+            self.handler.stats_sections["write_through"] = lambda stats: self.parking.stats()
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
 
@@ -157,11 +177,19 @@ class Daemon:
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
         self._stop.set()
+        self.wakeup.poke()  # out of poll() now, not at the next tick
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: self.stop())
+        # Whichever thread the kernel hands the signal to, Python's C handler
+        # writes to this fd, so poll() returns at once (not at the next tick)
+        # and the handler above runs on this thread.
+        signal.set_wakeup_fd(self.wakeup.write_fd, warn_on_full_buffer=False)
+        self._signal_fd = True
 
     def close(self) -> None:
         if self._sock is not None:
@@ -175,6 +203,10 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self._signal_fd:
+            signal.set_wakeup_fd(-1)  # before the fd closes: it may be reused
+            self._signal_fd = False
+        self.wakeup.close()
         self._lock.release()
 
     # -- the loop ------------------------------------------------------------
@@ -186,6 +218,7 @@ class Daemon:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self.wakeup.fd, zmq.POLLIN)
         log.info("serving endpoint=%s", self.endpoint)
         if self.on_ready is not None:
             self.on_ready()
@@ -195,7 +228,10 @@ class Daemon:
             while not self._stop.is_set():
                 wake = next_tick if stop_at is None else min(next_tick, stop_at)
                 timeout_ms = max(0, int((wake - time.monotonic()) * 1000))
-                if poller.poll(timeout_ms):
+                events = dict(poller.poll(timeout_ms))
+                if self.wakeup.fd in events:
+                    self._settle()
+                if sock in events:
                     # Drain what is queued, but keep ticking under load.
                     for _ in range(64):
                         try:
@@ -206,18 +242,57 @@ class Daemon:
                             # Keep serving briefly: a peer's unread reply is
                             # discarded when our end of the pipe goes away.
                             stop_at = time.monotonic() + self.shutdown_grace
+                            if self.stopping_since is None:
+                                self.stopping_since = time.monotonic()
                 if stop_at is not None and time.monotonic() >= stop_at:
                     break
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.tick
                     if self.on_tick is not None:
                         self.on_tick()
+                    with self.lock:
+                        self.store.tick()
                     self._maybe_log_summary()
                     self.ratelog.flush()
         finally:
+            if self.stopping_since is None:
+                self.stopping_since = time.monotonic()
+            self._drain_parked(self.stopping_since + self.stop_timeout / 2)
             self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
             self.close()
+
+    # -- write-through: parked PUT replies (rule 4) ------------------------------
+    def _settle(self) -> None:
+        """The writer's news: send the parked replies it completes."""
+        news = self.wakeup.take()
+        if not news:
+            return
+        with self.lock:
+            self.store.tick()  # write-back: the writer made room; queue more of the backlog
+            for results, degraded in news:
+                for parked in self.parking.settle(results, self.store.queued):
+                    self._answer(parked, degraded or "dropped by the SSD tier")
+
+    def _answer(self, parked: Parked, why: str) -> None:
+        if parked.failed:
+            err = E.NotPersisted(
+                f"{len(parked.failed)} of this PUT's entries were not written to disk ({why}); not acknowledged"
+            )
+            self.handler.errors[err.name] += 1
+            self.ratelog.warning(f"not persisted why={why}", "write-through PUT not persisted: %s", why)
+            reply = codec.encode_error(err, id=parked.msg_id)
+        else:
+            reply = codec.encode("PUT", parked.fields, id=parked.msg_id)
+        self._send(parked.peer, reply)
+
+    def _drain_parked(self, deadline: float) -> None:
+        """At stop: let parked PUTs complete until `deadline`, then refuse the rest."""
+        while len(self.parking) and time.monotonic() < deadline:
+            select.select([self.wakeup.fd], [], [], max(0.0, deadline - time.monotonic()))
+            self._settle()
+        for parked in self.parking.fail_all():
+            self._answer(parked, "the daemon is stopping")
 
     def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
         """One message, part by part (ZeroMQ delivers a message whole, so once
@@ -257,16 +332,17 @@ class Daemon:
         frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
         started = time.perf_counter()
         with self.lock:
-            reply, shutdown, mtype = self._handle(frames)
-        self._send(identity, reply)
+            reply, shutdown, mtype = self._handle(frames, identity)
+        if reply is not None:  # None: parked until its entries are on disk
+            self._send(identity, reply)
         elapsed = time.perf_counter() - started
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)
         return shutdown
 
-    def _handle(self, frames: list) -> tuple[list, bool, str]:
-        """(reply frames, shutdown?, message type for metrics) for one request."""
+    def _handle(self, frames: list, identity: bytes = b"") -> tuple[list | None, bool, str]:
+        """(reply frames or None if parked, shutdown?, message type for metrics) for one request."""
         shutdown = False
         try:
             msg = codec.decode_request(frames, self.limits)
@@ -275,7 +351,15 @@ class Daemon:
             self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
             return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
+            if msg.type == "PUT" and self.write_through:
+                nbytes = sum(len(f) for f in frames)
+                why = self.parking.admit(identity, nbytes)
+                if why is not None:
+                    raise E.Busy(f"write-through: {why}; retry later")
             rtype, fields = self.handler.handle(msg)
+            if isinstance(fields, Deferred):
+                self.parking.park(identity, msg.id, fields.fields, fields.eids, sum(len(f) for f in frames))
+                return None, False, msg.type
             reply = codec.encode(rtype, fields, id=msg.id)
         except ShutdownRequested:
             reply, shutdown = codec.encode("SHUTDOWN", {}, id=msg.id), True

@@ -25,7 +25,7 @@ from typing import Any
 from kvd import __version__
 from kvd.protocol import keys
 from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
-from kvd.protocol.errors import BadField, UnsupportedVersion
+from kvd.protocol.errors import BadField, NotPersisted, UnsupportedVersion
 from kvd.protocol.limits import Limits
 from kvd.server.evictions import EvictionRecord
 from kvd.server.explain import SequenceRecord, explain
@@ -55,6 +55,16 @@ _PAGE_SLACK = 1 << 20
 
 class ShutdownRequested(Exception):
     """Raised after a SHUTDOWN reply is ready; the daemon stops its loop."""
+
+
+class Deferred:
+    """Reply fields to send only once the entries `eids` are on disk
+    (write-through PUT); the daemon parks them (kvd/server/parking.py)."""
+
+    __slots__ = ("fields", "eids")
+
+    def __init__(self, fields: dict[str, Any], eids: list[bytes]):
+        self.fields, self.eids = fields, eids
 
 
 class Handler:
@@ -199,6 +209,7 @@ class Handler:
         chain = keys.chain(ns, ct, tokens_le, _media(msg))
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
+        held: list[Entry] = []  # stored or already there: write-through waits for them
         for chunk in msg["chunks"]:
             i = chunk["index"]
             if i >= len(chain):
@@ -210,7 +221,10 @@ class Handler:
                 start=start, length=length, tensors=tuple(chunk["tensors"]), meta=chunk["meta"],
                 tail=length < ct,
             )
-            counts[self.store.put(entry).value] += 1
+            outcome = self.store.put(entry).value
+            counts[outcome] += 1
+            if outcome in ("stored", "duplicate"):
+                held.append(entry)
         boundary = msg.get("boundary")
         if boundary is not None:
             if not chain:
@@ -220,7 +234,10 @@ class Handler:
                 namespace=ns, key=chain[i], kind=BOUNDARY, parent=chain[i - 1] if i else root,
                 start=i * ct, length=n_tokens - i * ct, tensors=tuple(boundary["tensors"]), meta=boundary["meta"],
             )
-            counts[self.store.put(entry).value] += 1
+            outcome = self.store.put(entry).value
+            counts[outcome] += 1
+            if outcome in ("stored", "duplicate"):
+                held.append(entry)
         self.sequences.saw_put(ns, ct, tokens_le, chain, msg.get("ns_meta"))
         c = self.ns_counters[ns]
         c["puts"] += 1
@@ -228,6 +245,11 @@ class Handler:
         c["chunks_duplicate"] += counts["duplicate"]
         c["chunks_too_big"] += counts["too_big"]
         c["chunks_dropped"] += counts["dropped"]
+        pending, failed = self.store.persist(held)
+        if failed:
+            raise NotPersisted(f"{len(failed)} entries could not be queued for the disk; the PUT is not acknowledged")
+        if pending:
+            return "PUT", Deferred(counts, pending)
         return "PUT", counts
 
     def on_explain(self, msg: Message):

@@ -36,6 +36,13 @@ any step leaves either nothing, a temp file, or a complete blob without a
 row -- never a row pointing at a partial file. On error the temp file is
 removed and the OSError propagates (the caller decides about ENOSPC/EIO).
 
+Group sync (`write_blob(durable=False)` then `sync_group`): the SSD writer
+writes a whole batch first and then fsyncs all its files and folders at
+once, in parallel (filesystems merge concurrent fsyncs into fewer journal
+commits), before it commits any of their rows. A blob renamed but not yet
+synced has no row, so a power cut then leaves at worst a blob without a row,
+which reconcile removes, never a row pointing at a partial file.
+
 Reading (`read_blob`) checks the size and the xxh3-64 of the whole file
 against what the index recorded, then parses; any disagreement raises
 `BlobCorrupt`, which the tier turns into a quarantine and a miss.
@@ -178,6 +185,37 @@ def fsync_dir(path: Path) -> None:
         full_fsync(fd)
     finally:
         os.close(fd)
+
+
+def _sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_group(files: list[Path], dirs: set[Path], pool) -> dict[Path, OSError]:
+    """Make `files` (written with durable=False) and the folders naming them
+    durable, using `pool` (a concurrent.futures executor) to fsync in
+    parallel. Returns {file: error} for each file that is not durable (its own
+    fsync failed, or its folder's); empty when all are."""
+    file_futs = {f: pool.submit(_sync_file, f) for f in files}
+    dir_futs = {d: pool.submit(fsync_dir, d) for d in dirs}
+    failed: dict[Path, OSError] = {}
+    dir_errors = {}
+    for d, fut in dir_futs.items():
+        exc = fut.exception()
+        if exc is not None:
+            dir_errors[d] = exc
+    parents = {f.parent for f in files}
+    # A folder above the files (a new shard's parent) failing fails them all.
+    above = next((e for d, e in dir_errors.items() if d not in parents), None)
+    for f, fut in file_futs.items():
+        exc = fut.exception() or dir_errors.get(f.parent) or above
+        if exc is not None:
+            failed[f] = exc if isinstance(exc, OSError) else OSError(str(exc))
+    return failed
 
 
 def _write_all(fd: int, mv: memoryview, hasher) -> None:

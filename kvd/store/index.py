@@ -93,7 +93,8 @@ class Row:
     state: str = "ssd"  # reserved for future tier states (e.g. "archived")
 
     def pack(self) -> bytes:
-        # Not dataclasses.asdict: its deep copy was a third of a rebuild's time.
+        # Not dataclasses.asdict: it deep-copies every field, a third of the
+        # writer's time per small blob. Same map, same order, same bytes.
         return msgpack.packb({k: getattr(self, k) for k in self.__slots__}, use_bin_type=True)
 
     @classmethod

@@ -162,8 +162,10 @@ class RamStore(Store):
         return n, nbytes
 
     def drop(
-        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
+        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False,
+        ids: list[bytes] | None = None,
     ) -> tuple[int, int]:
+        """As `Store.drop`; the ids removed (or that would be) are appended to `ids` if given."""
         cutoff = None if older_than is None else self._clock() - older_than
         victims = [
             eid
@@ -172,6 +174,8 @@ class RamStore(Store):
             and (cutoff is None or self._used[eid] < cutoff)
         ]
         nbytes = sum(self._entries[eid].nbytes for eid in victims)
+        if ids is not None:
+            ids.extend(victims)
         if not dry_run:
             for eid in victims:
                 entry = self._remove(eid)

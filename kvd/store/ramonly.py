@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Iterable
 
+from kvd.store.base import Entry
 from kvd.store.ram import RamStore
 
 
 class RamOnly(RamStore):
     """A RamStore whose stats carry a degraded, empty SSD tier (see module docstring)."""
 
-    def __init__(self, ram_bytes: int, data_dir: str | os.PathLike, reason: str):
+    def __init__(self, ram_bytes: int, data_dir: str | os.PathLike, reason: str, *, write_through: bool = False):
         super().__init__(ram_bytes)
         self.unusable = {"data_dir": str(data_dir), "reason": reason, "since": time.time()}
+        # Configured write-through, a PUT's acknowledgement means "on disk":
+        # with no disk, every PUT is answered NOT_PERSISTED (held in RAM all
+        # the same, and served), never acknowledged as durable.
+        self.write_through = write_through
+
+    def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
+        if not self.write_through:
+            return [], []
+        return [], [e.id for e in entries]
 
     def stats(self) -> dict[str, Any]:
         st = super().stats()

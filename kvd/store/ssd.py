@@ -51,6 +51,14 @@ other OSError (a shard directory replaced by a file, a permission changed by
 hand) concerns one path: that entry is dropped and counted, logged once per
 errno, and the tier goes on.
 
+Durability. The writer writes a batch's blobs, fsyncs them and their folders
+together (group sync, blobfile.sync_group), then commits all their rows in
+one synced LMDB transaction; only then does it tell `on_settled` which
+entries are durable (the daemon answers write-through PUTs from that). A
+blob whose fsync fails is removed and dropped, never indexed. `close(timeout)`
+stops writing at its deadline: the batch in hand commits what is already
+written, and the rest is counted (`unpersisted`) and logged in one line.
+
 Recency. A disk hit records (eid, time) in memory; the writer flushes these
 into the LRU order every `touch_flush_s` and before choosing victims, so the
 daemon thread never waits for an LMDB write.
@@ -71,6 +79,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -81,6 +90,7 @@ from kvd.store import blobfile, heal
 from kvd.store.base import Entry, PutOutcome, Store
 from kvd.store.blobfile import BlobCorrupt, Unencodable
 from kvd.store.datadir import (
+    BLOB_DIR,
     INDEX_DIR,
     QUARANTINE_DIR,
     DataDirLock,
@@ -161,6 +171,14 @@ class SsdStore(Store):
         self.observer: Callable[[bytes, str | None, str, str], None] | None = None
         # Per-namespace SSD quotas (kvd/store/quota.py), checked before a write.
         self.quotas: Any = None
+        # Told after every batch which of its entries are now durable
+        # ((eid, True)) or were dropped ((eid, False)), with the degraded
+        # reason if any; called on the writer thread (spill.py, ordering rule).
+        self.on_settled: Callable[[list[tuple[bytes, bool]], str | None], None] | None = None
+        self.writes_stopped = False  # close() ran out of time: write nothing more
+        self.abandoned: list[Entry] = []  # entries a stopped writer left unwritten
+        self.unpersisted = 0  # entries close() had to leave unwritten
+        self._pool: ThreadPoolExecutor | None = None  # group sync's fsyncs (blobfile.sync_group)
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
@@ -462,6 +480,10 @@ class SsdStore(Store):
             self._flush_touches()
             planned = 0
             for i, entry in enumerate(batch):
+                if self.writes_stopped:
+                    # close() is out of time: commit what is written, leave the rest.
+                    self.abandoned.extend(batch[i:])
+                    break
                 eid = entry.id
                 now = self._clock()
                 if self.degraded and now < self._retry_at:
@@ -477,6 +499,7 @@ class SsdStore(Store):
                 if self.quotas is not None and not self.quotas.make_room_ssd(self, entry, est, written):
                     # As below: this batch's own uncommitted blobs may be what stands in the way.
                     if written:
+                        written = self._synced(written, batch)
                         self._commit(written)
                         written, planned = [], 0
                     if not self.quotas.make_room_ssd(self, entry, est, written):
@@ -487,13 +510,15 @@ class SsdStore(Store):
                     # way (a batch bigger than the budget): commit them, so they
                     # become evictable like any other, and try once more.
                     if written:
+                        written = self._synced(written, batch)
                         self._commit(written)
                         written, planned = [], 0
                     if not self._make_room(est, set()):
                         self._drop(entry, "budget_leased")
                         continue
                 try:
-                    info = blobfile.write_blob(self.path(eid), entry, durable=self.durable)
+                    # Synced with the rest of the batch before any row commits (_synced).
+                    info = blobfile.write_blob(self.path(eid), entry, durable=False)
                 except Unencodable as exc:
                     log.error("ssd: cannot store %s: %s", eid.hex(), exc)
                     self._drop(entry, "unencodable")
@@ -520,6 +545,7 @@ class SsdStore(Store):
                 )))
                 self._recover()
             if written:
+                written = self._synced(written, batch)
                 self._commit(written)
         except lmdb.Error as exc:
             # The index refused a write mid-batch (LMDB on a full disk, most
@@ -535,6 +561,39 @@ class SsdStore(Store):
                     self._drop(entry, "write_error")
             for entry in batch[i:]:
                 self._drop(entry, "write_error")
+
+    def _synced(self, written: list[tuple[bytes, Row]], batch: list[Entry]) -> list[tuple[bytes, Row]]:
+        """Group sync: fsync the blobs of `written` and their folders together,
+        in parallel (blobfile.sync_group). Returns those now durable; the
+        others are removed and dropped, counted (a disk error degrades)."""
+        if not self.durable or not written:
+            return written
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-fsync")
+        files = [self.path(eid) for eid, _ in written]
+        failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._pool)
+        if not failed:
+            return written
+        by_id = {e.id: e for e in batch}
+        kept = []
+        for (eid, row), path in zip(written, files):
+            exc = failed.get(path)
+            if exc is None:
+                kept.append((eid, row))
+                continue
+            self._count("write_errors")
+            self._unlink(path)
+            self._drop(by_id[eid], "write_error")
+            if exc.errno in DISK_ERRNOS:
+                self._degrade(f"fsync failed: {exc}")
+        return kept
+
+    def settled(self, batch: list[Entry]) -> None:
+        """Writer thread, after a batch: tell `on_settled` what became durable."""
+        if self.on_settled is None:
+            return
+        durable = self.with_rows(e.id for e in batch)
+        self.on_settled([(e.id, e.id in durable) for e in batch], self.degraded)
 
     def _commit(self, written: list[tuple[bytes, Row]]) -> None:
         """Commit rows for durable blobs; on failure remove the blobs (counted)."""
@@ -859,8 +918,10 @@ class SsdStore(Store):
         return self._admin(run)
 
     def drop(
-        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
+        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False,
+        ids: list[bytes] | None = None,
     ) -> tuple[int, int]:
+        """As `Store.drop`; the ids removed (or that would be) are appended to `ids` if given."""
         cutoff = None if older_than is None else self._clock() - older_than
 
         def run():
@@ -887,6 +948,9 @@ class SsdStore(Store):
                 else:
                     queued = self.queue.remove_where(pick)
             qbytes = sum(e.nbytes for e in queued)
+            if ids is not None:
+                ids.extend(victims)
+                ids.extend(e.id for e in queued)
             if dry_run:
                 return len(victims) + len(queued), nbytes + qbytes
             n, b = self._remove(victims, "dropped")
@@ -931,11 +995,32 @@ class SsdStore(Store):
             "namespaces": dict(sorted(namespaces.items())),
         }
 
-    def close(self) -> None:
-        """Write out the queue, stop the writer, close the index, release the lock."""
+    def close(self, timeout: float | None = None) -> None:
+        """Write out the queue, stop the writer, close the index, release the lock.
+
+        With `timeout`, writing stops after that many seconds: the batch in
+        hand commits what it has written, the rest is logged as not
+        persisted (counted in `unpersisted`) and lost."""
+        self.unpersisted = 0
         if self.writer.alive:
-            self.writer.flush()
-            self.writer.stop()
+            if not self.writer.flush(timeout):
+                self.writes_stopped = True
+            self.writer.stop(timeout=None if timeout is None else 2.0)
+            if self.writer.alive:
+                # Still inside one write (a slow disk): leave the index to the
+                # process exit rather than close it under the writer; LMDB and
+                # the blob protocol are crash-safe, the lock dies with us.
+                log.error("ssd: the writer did not stop in time; exiting without closing the index")
+                return
+            left = self.abandoned + self.queue.pending_where(lambda e: True)
+            if left:
+                self.unpersisted = len(left)
+                log.warning(
+                    "stop: %d entries (%d bytes) not persisted: stop_timeout reached before they were written",
+                    len(left), sum(e.nbytes for e in left),
+                )
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         try:
             self._flush_touches()
         except lmdb.Error as exc:  # a full disk: recency updates are lost, nothing else; still a clean stop
