@@ -9,7 +9,7 @@ import sys
 import click
 
 from kvd.cli import exits, main
-from kvd.config import EXIT_CONFIG, ConfigError, config_options, resolve
+from kvd.config import BY_NAME, EXIT_CONFIG, ConfigError, config_options, resolve
 from kvd.protocol.limits import MiB, Limits
 
 GiB = 1 << 30
@@ -67,10 +67,18 @@ def serve(**flags) -> None:
             write_through=cfg.write_through,
             min_free_bytes=int(cfg.min_free_gb * GiB),
             queue_entries=cfg.spill_queue,
+            remote_url=cfg.remote_url,
+            remote_options=dict(
+                ttl_s=cfg.remote_ttl_s, timeout=cfg.remote_timeout_s, part_bytes=cfg.remote_part_mb * MiB,
+                backlog_bytes=cfg.remote_backlog_mb * MiB, batch_entries=cfg.remote_batch,
+            ),
         )
     except (DataDirBusy, IncompatibleIndex) as err:
         log.error("cannot open data dir %s: %s", cfg.data_dir, err)
         raise SystemExit(exits.REFUSED)
+    except ImportError as err:  # remote_url without the kvd[remote] extra
+        log.error("remote_url needs the client library: pip install 'kvd[remote]' (%s)", err)
+        raise SystemExit(EXIT_CONFIG)
     except (ValueError, OSError) as err:
         log.error("cannot open the store: %s", err)
         raise SystemExit(EXIT_CONFIG if isinstance(err, ValueError) else exits.FAILED)
@@ -115,9 +123,10 @@ def serve(**flags) -> None:
     daemon.install_signal_handlers()
     log.info(
         "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d "
-        "metrics_port=%d pressure_source=%s",
+        "metrics_port=%d pressure_source=%s remote_url=%s",
         cfg.endpoint, ram_mb, cfg.data_dir or "none", cfg.ssd_gb, cfg.write_through,
         cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port, cfg.pressure_source,
+        BY_NAME["remote_url"].shown(cfg.remote_url) or "none",
     )
     try:
         daemon.serve_forever()

@@ -37,6 +37,7 @@ this drawing against the classes themselves.
      +-- IncompatibleIndex          kvd.store.index: written by a kvd this one cannot read
      +-- IndexBusy                  kvd.store.index: the map is being resized (served as a miss)
      +-- BlobCorrupt                kvd.store.blobfile: a blob is not the one the index describes
+     +-- BadRemoteValue             kvd.protocol.remote_value: a remote-tier value is not the entry its key names
      +-- Unencodable                kvd.store.blobfile: an entry cannot be written as safetensors
      +-- ServiceError               kvd.service.install: installing or removing the service failed
           +-- UnsupportedPlatform   kvd.service.install: no init system kvd knows
