@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import pytest
 from kvd.protocol import keys
 from kvd.protocol import remote_value as rv
 from redis_server import SKIP_REASON, RedisServer, redis_binary
-from support import assert_prefix_hit, kvd, prefix_snapshot
+from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, scrape
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
 
@@ -225,3 +226,42 @@ def test_a_daemon_without_remote_url_never_imports_redis(daemon_factory):
     lines = [l for l in d.log().splitlines() if l.startswith("import time:")]
     assert len(lines) > 100 and any("kvd.store.tiered" in l for l in lines)
     assert not [l for l in lines if l.split("|")[-1].strip().split(".")[0] in ("redis", "hiredis")]
+
+
+def test_metrics_show_the_remote_tier(server, daemon_factory):
+    port = free_port()
+    a = daemon_factory("--ram-mb", "64", "--remote-url", server.url)
+    b = daemon_factory("--ram-mb", "64", "--remote-url", server.url, "--metrics-port", str(port))
+    tokens = list(range(300))
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+        assert ca.put(tokens, prefix_snapshot(tokens))
+        written(ca, 2)
+        assert cb.get(tokens).n == 300
+        m = scrape(port)
+        tier = (("tier", "remote"),)
+        assert m[("kvd_tier_hits_total", tier)] == 2 and m[("kvd_tier_degraded", tier)] == 0
+        assert m[("kvd_tier_bytes_in_total", tier)] > 0 and m[("kvd_tier_backlog", tier)] == 0
+        assert m[("kvd_tier_errors_total", tier)] == 0 and m[("kvd_tier_written_total", tier)] == 0
+
+
+def test_a_remote_that_hangs_costs_one_timeout_then_nothing_until_it_answers(server, daemon_factory):
+    a, b = pair(daemon_factory, server.url, "--remote-timeout-s", "0.3")
+    first, second = list(range(300)), list(range(7000, 7300))
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+        assert ca.put(first, prefix_snapshot(first))
+        written(ca, 2)
+        server.proc.send_signal(signal.SIGSTOP)  # alive, accepting, never answering
+        try:
+            assert cb.get(first) is None  # one round trip times out: a miss, then degraded
+            rb = remote(cb)
+            assert rb["degraded"] and rb["errors"] >= 1 and "TimeoutError" in rb["degraded_reason"]
+            queries = rb["exists_queries"]
+            assert cb.get(first) is None and remote(cb)["exists_queries"] == queries  # not asked while degraded
+            assert ca.put(second, prefix_snapshot(second))  # stored locally; the writer times out off the path
+            assert ca.get(second).n == 300
+            wait_for(lambda: remote(ca), lambda r: r["degraded"])
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        written(ca, 4)
+        hit = wait_for(lambda: cb.get(second), lambda h: h is not None and h.n == 300)
+        assert_prefix_hit(hit, second)
