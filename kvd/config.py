@@ -343,8 +343,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds one round trip to the remote may take before the tier is marked degraded."),
     Setting("remote_part_mb", _int(1, 512), 32,
             "Largest remote value in MiB; bigger entries are split into parts."),
-    Setting("remote_backlog_mb", _int(1), 256,
-            "Most MiB of entries waiting to be written to the remote (the oldest are dropped past it)."),
+    Setting("remote_backlog_mb", _int(1), 1024,
+            "Most MiB of entries waiting to be written to the remote (the oldest are dropped past it); "
+            "keep it above the largest PUT (max_message_mb)."),
     Setting("remote_batch", _int(1), 32,
             "Entries written to the remote per pipelined batch."),
 )

@@ -82,7 +82,7 @@ class RemoteTier:
 
     def __init__(
         self, url: str, *, ttl_s: int = 0, timeout: float = 0.5, part_bytes: int = 32 * MiB,
-        batch_entries: int = 32, backlog_bytes: int = 256 * MiB, fetch_bytes: int = 64 * MiB,
+        batch_entries: int = 32, backlog_bytes: int = 1024 * MiB, fetch_bytes: int = 64 * MiB,
     ):
         self.url = url
         self.shown_url = redact(url)
