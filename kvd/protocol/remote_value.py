@@ -21,8 +21,8 @@ key fails its key check: a bad value is a miss, never a wrong byte.
 Rules:
 1. `decode` raises BadRemoteValue for any bytes that are not exactly the
    entry the key names; it never raises anything else, whatever the input.
-2. Tensors of a one-part value are views into the value's bytes (no copy);
-   a split value is joined once.
+2. Tensors are views into the values' bytes (no copy); only a tensor that
+   straddles two parts is joined.
 """
 
 from __future__ import annotations
@@ -191,13 +191,19 @@ def decode(head: Head, parts: Sequence[bytes | memoryview | None], *, key: bytes
         h.update(v)
     if h.intdigest() != head.checksum:
         raise BadRemoteValue("checksum mismatch")
-    payload = views[0] if len(views) == 1 else memoryview(b"".join(views))
     tensors, off = [], 0
     for name, dtype, shape in f["tensors"]:
         n = dtypes.itemsize(dtype)
         for d in shape:
             n *= d
-        tensors.append(Tensor(name, dtype, tuple(shape), payload[off : off + n]))
+        first, last = off // pb, max(off, off + n - 1) // pb
+        if first == last:  # inside one part: a view, no copy
+            data = views[first][off - first * pb : off - first * pb + n]
+        else:  # straddles parts: join just this tensor's pieces
+            data = memoryview(b"".join(
+                views[i][max(off, i * pb) - i * pb : min(off + n, (i + 1) * pb) - i * pb] for i in range(first, last + 1)
+            ))
+        tensors.append(Tensor(name, dtype, tuple(shape), data))
         off += n
     return RemoteEntry(
         namespace=f["ns"], key=f["key"], kind=f["kind"], parent=f["parent"], start=f["start"],

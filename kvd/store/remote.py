@@ -37,9 +37,16 @@ good PING ends the episode with one info line and writes resume. A read on
 the daemon's loop thread waits at most `timeout` seconds per round trip
 (socket timeouts; redis-py's own retries are off), once per episode.
 
-Thread rules: the loop thread does reads with its own connection; the writer
-thread writes with another; they share only the backlog (under its
-condition) and counters (each written by one thread).
+Read-ahead: once a GET has fetched a batch, the next batch of the same chain
+is fetched on a reader thread while the page travels to the client, so the
+next page finds it waiting (promotion into the local tiers stays on the loop
+thread, which alone touches them).
+
+Thread rules: the loop thread reads with its own connections, the reader
+thread (read-ahead) with the same pool, the writer thread with another; they
+share only the backlog (under its condition) and counters (plain ints: a
+read-ahead left stale by another query can overlap that query's fetch, and
+then an increment may be lost; the counters are for operators, not logic).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
 from kvd.protocol import remote_value as rv
@@ -111,6 +119,7 @@ class RemoteTier:
             "backlog_dropped": 0, "errors": 0, "read_errors": 0, "exists_queries": 0, "promotions": 0,
             "degraded_episodes": 0,
         }
+        self._reads = ThreadPoolExecutor(1, thread_name_prefix="kvd-remote-read")
         self._thread = threading.Thread(target=self._run, name="kvd-remote", daemon=True)
         self._thread.start()
 
@@ -256,6 +265,7 @@ class RemoteTier:
             self._stop = True
             self.cond.notify_all()
         self._thread.join(self.timeout + 1.0)
+        self._reads.shutdown(wait=True, cancel_futures=True)
         for client in (self._reader, self._writer):
             try:
                 client.close()
@@ -263,6 +273,12 @@ class RemoteTier:
                 pass
 
     # -- reads (the daemon's loop thread) ---------------------------------------
+    def read_ahead(self, eids: Sequence[bytes]) -> Future:
+        """`fetch(eids)` on the reader thread; the Future's result is its dict.
+        Only one batch is read ahead at a time (one thread), so memory stays
+        within about two batches."""
+        return self._reads.submit(self.fetch, list(eids))
+
     def exists(self, eids: Sequence[bytes]) -> list[bool]:
         """Which of `eids` the server holds, in one round trip; all False when degraded."""
         if not eids or self.degraded:
@@ -381,6 +397,7 @@ class WithRemote(Store):
         # ones after the wanted entry in the same round trip.
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._fetched: dict[bytes, Entry] = {}
+        self._prefetch: tuple[list[bytes], Future] | None = None  # ids, their fetch on the reader thread
         self._last_size = 0
 
     # The governor, quotas and the eviction record find the local tiers here.
@@ -438,8 +455,16 @@ class WithRemote(Store):
             return entry
         if eid not in self._known or not self.remote.usable:
             return None
-        asked = self._batch_after(eid)
-        got = self.remote.fetch(asked)
+        pending, self._prefetch = self._prefetch, None
+        if pending is not None and eid in pending[0]:
+            # The batch read ahead while the previous page travelled to the
+            # client. Its waits are bounded by the socket timeouts.
+            asked, got = pending[0], pending[1].result()
+        else:
+            # Only `eid` when entries are big: the first round trip is the one
+            # nothing overlaps, so it should be short; read-ahead takes the rest.
+            asked = self._batch_after(eid) if self._last_size < self.remote.fetch_bytes // 4 else [eid]
+            got = self.remote.fetch(asked)
         for fid in asked:  # held, missing or refused: asked once per LOOKUP, not again
             self._known.pop(fid, None)
         self._fetched = {}
@@ -451,6 +476,13 @@ class WithRemote(Store):
                 self.remote.counters["promotions"] += 1
             elif fid != eid:
                 self._fetched[fid] = e
+        if eid in got:
+            # Read the next batch of this chain on the remote's reader thread
+            # while this page is sent: the transfer to the client and the
+            # server's reply overlap instead of taking turns.
+            following = self._batch_after(asked[-1])[1:]
+            if following and self.remote.usable:
+                self._prefetch = (following, self.remote.read_ahead(following))
         return got.get(eid)
 
     def _batch_after(self, eid: bytes) -> list[bytes]:
