@@ -142,3 +142,11 @@ def test_bad_urls_are_config_errors_that_never_echo_the_password(bad):
 def test_none_turns_the_tier_off():
     assert resolve({"remote_url": "none"}, environ={}).remote_url is None
     assert resolve({}, environ={}).remote_url is None
+
+
+def test_kvd_serve_refuses_a_bad_remote_url_with_exit_78_without_echoing_it(tmp_path):
+    from support import kvd
+
+    out = kvd("serve", "--endpoint", f"ipc://{tmp_path}/k.sock", "--data-dir", "none",
+              "--remote-url", "http://user:hunter2@h:1", timeout=60)
+    assert out.returncode == 78 and "remote_url" in out.stderr and "hunter2" not in out.stderr + out.stdout
