@@ -1,6 +1,7 @@
 """The architecture's rules, checked: the README's layer arrows (every import,
 including those inside functions, follows them, and they have no cycle); no
-private reach across packages; only the mlx adapter imports mlx; the daemon
+private reach across packages; only the mlx adapter imports mlx, only the
+remote tier imports redis (inside functions); the daemon
 never maps mlx; the protocol layer does no I/O; the client surface is pinned;
 the error tree drawn in kvd/protocol/errors.py is the real one.
 
@@ -209,6 +210,18 @@ def test_only_the_mlx_adapter_imports_mlx():
         seen += bool(mlx)
         assert not mlx or layer_of(module) in MLX_LAYERS, (module, mlx)
     assert seen >= 3, "found no module importing mlx: the check is not seeing the source"
+
+
+def test_only_the_remote_tier_imports_the_redis_client_and_only_inside_functions():
+    seen = 0
+    for module in modules():
+        redis = {t for t, _ in imports(module) if t.split(".")[0] in ("redis", "hiredis", "valkey", "glide")}
+        seen += bool(redis)
+        assert not redis or module == "kvd.store.remote", (module, redis)
+    assert seen == 1, "found no module importing redis: the check is not seeing the source"
+    top = ast.parse(modules()["kvd.store.remote"].read_text()).body  # module level: no redis
+    assert not [n for n in top if isinstance(n, (ast.Import, ast.ImportFrom))
+                and any(a.name.split(".")[0] == "redis" for a in n.names) | ((getattr(n, "module", "") or "").startswith("redis"))]
 
 
 def test_importing_the_client_imports_neither_mlx_nor_its_adapter():

@@ -26,8 +26,11 @@ from kvd.cli.common import (
 from kvd.protocol.limits import MiB
 
 # What an operator looks at per tier, beyond the columns (`--json` has everything).
-_TIER_EXTRAS = ("stored", "too_big", "spills", "drops", "checksum_failures", "quarantined", "bad_rows", "index_errors",
-                "queue_entries", "queue_bytes")
+_TIER_EXTRAS = (
+    "stored", "too_big", "spills", "drops", "checksum_failures", "quarantined", "bad_rows", "index_errors",
+    "queue_entries", "queue_bytes",
+    "url", "written", "bytes_out", "bytes_in", "backlog", "backlog_dropped", "errors",  # the remote tier
+)
 
 
 def render_stats(stats: dict) -> str:

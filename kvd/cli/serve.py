@@ -10,7 +10,7 @@ import time
 import click
 
 from kvd.cli import exits, main
-from kvd.config import EXIT_CONFIG, ConfigError, config_options, resolve
+from kvd.config import BY_NAME, EXIT_CONFIG, ConfigError, config_options, resolve
 from kvd.protocol.limits import MiB, Limits
 
 GiB = 1 << 30
@@ -41,6 +41,7 @@ def serve(**flags) -> None:
     from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
+    from kvd.store.tiered import with_remote
     from kvd.store.ramonly import RamOnly
     import lmdb
 
@@ -66,7 +67,7 @@ def serve(**flags) -> None:
     if cfg.ram_mb == "auto":
         log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
     try:
-        store = open_store(
+        local = open_store(
             ram_mb * MiB,
             data_dir=cfg.data_dir,
             ssd_bytes=int(cfg.ssd_gb * GiB),
@@ -90,7 +91,19 @@ def serve(**flags) -> None:
             if isinstance(err, OSError) else f"index: {err}"
         log.error("data dir %s cannot be used (%s): serving from RAM only, degraded; fix it and restart kvd",
                   cfg.data_dir, reason)
-        store = RamOnly(ram_mb * MiB, cfg.data_dir, reason, write_through=cfg.write_through)
+        local = RamOnly(ram_mb * MiB, cfg.data_dir, reason, write_through=cfg.write_through)
+    # The remote tier, if configured, stands behind the local tiers (RAM only too).
+    try:
+        store = with_remote(local, cfg.remote_url, dict(
+            ttl_s=cfg.remote_ttl_s, timeout=cfg.remote_timeout_s, part_bytes=cfg.remote_part_mb * MiB,
+            backlog_bytes=cfg.remote_backlog_mb * MiB, batch_entries=cfg.remote_batch,
+        ))
+    except ImportError as err:  # remote_url without the kvd[remote] extra
+        log.error("remote_url needs the client library: pip install 'kvd[remote]' (%s)", err)
+        raise SystemExit(EXIT_CONFIG)
+    except (ValueError, OSError) as err:
+        log.error("cannot open the remote tier: %s", err)
+        raise SystemExit(EXIT_CONFIG)
 
     if cfg.quota:
         cfg.quota.attach(store)
@@ -134,9 +147,10 @@ def serve(**flags) -> None:
     daemon.install_signal_handlers()
     log.info(
         "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d "
-        "metrics_port=%d pressure_source=%s",
+        "metrics_port=%d pressure_source=%s remote_url=%s",
         cfg.endpoint, ram_mb, cfg.data_dir or "none", cfg.ssd_gb, cfg.write_through,
         cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port, cfg.pressure_source,
+        BY_NAME["remote_url"].shown(cfg.remote_url) or "none",
     )
     try:
         daemon.serve_forever()

@@ -40,6 +40,7 @@ this drawing against the classes themselves.
      +-- RowDamaged                 kvd.store.index: an index row does not decode (served as a miss)
      +-- IndexDamaged               kvd.store.heal: the index file is truncated, zeroed or not LMDB
      +-- BlobCorrupt                kvd.store.blobfile: a blob is not the one the index describes
+     +-- BadRemoteValue             kvd.protocol.remote_value: a remote-tier value is not the entry its key names
      +-- Unencodable                kvd.store.blobfile: an entry cannot be written as safetensors
      +-- ServiceError               kvd.service.install: installing or removing the service failed
           +-- UnsupportedPlatform   kvd.service.install: no init system kvd knows

@@ -25,6 +25,8 @@ _TIER_COUNTERS = {
     "hits", "misses", "evictions", "evicted_bytes", "spills", "spill_bytes", "promotions", "drops", "dropped",
     "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "quarantined", "served_bytes",
     "bad_rows", "index_errors",
+    # the remote tier (kvd/store/remote.py)
+    "bytes_in", "bytes_out", "written", "backlog_dropped", "errors", "exists_queries", "degraded_episodes",
 }
 _PRESSURE_COUNTERS = ("samples", "level_changes", "shrinks", "grows", "evictions", "evicted_bytes")
 _NS_COUNTERS = (
@@ -96,7 +98,7 @@ class DaemonCollector:
                 )).add_metric([tier], heal.get("recovered", 0))
             if isinstance(values.get("degraded"), bool):
                 families.setdefault(
-                    "degraded", GaugeMetricFamily("kvd_tier_degraded", "1 while the tier refuses writes (disk full, I/O errors)", labels=["tier"])
+                    "degraded", GaugeMetricFamily("kvd_tier_degraded", "1 while the tier is degraded (SSD: disk full, I/O errors; remote: unreachable)", labels=["tier"])
                 ).add_metric([tier], int(values["degraded"]))
         yield from families.values()
         for key, doc in (("promotions", "SSD hits promoted to RAM"), ("ssd_served_bytes", "Bytes served from the SSD tier")):

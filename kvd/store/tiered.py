@@ -287,6 +287,8 @@ def open_store(
     ssd_bytes: int = 0,
     write_through: bool = False,
     min_free_bytes: int = DEFAULT_MIN_FREE,
+    remote_url: str | None = None,
+    remote_options: dict[str, Any] | None = None,
     **ssd_options: Any,
 ) -> Store:
     """The store the daemon serves from.
@@ -295,15 +297,34 @@ def open_store(
     over an `SsdStore` at `data_dir` holding at most `ssd_bytes` on disk
     (created 0700 if missing; locked for this process until `close()`).
     `ssd_options` go to `SsdStore` (queue_bytes, queue_wait_s, lease_s,
-    retry_s, durable, ...).
+    retry_s, durable, ...). With `remote_url`, the local store is wrapped
+    in `WithRemote` (kvd/store/remote.py): a shared Redis/Valkey tier behind
+    it, made with `remote_options` (ttl_s, timeout, part_bytes, ...).
 
     Raises ValueError for a data dir without an SSD budget, DataDirBusy if
     another process uses the data dir, IncompatibleIndex if a different kvd
     format wrote it.
     """
+    local: Store
     if data_dir is None:
-        return RamStore(ram_bytes)
-    if ssd_bytes <= 0:
-        raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
-    ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
-    return TieredStore(RamStore(ram_bytes), ssd, write_through=write_through)
+        local = RamStore(ram_bytes)
+    else:
+        if ssd_bytes <= 0:
+            raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
+        ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
+        local = TieredStore(RamStore(ram_bytes), ssd, write_through=write_through)
+    return with_remote(local, remote_url, remote_options)
+
+
+def with_remote(local: Store, remote_url: str | None, remote_options: dict[str, Any] | None = None) -> Store:
+    """`local` with the shared Redis/Valkey tier behind it (kvd/store/remote.py),
+    or `local` itself when `remote_url` is None. Closes `local` if that fails."""
+    if remote_url is None:
+        return local
+    from kvd.store.remote import RemoteTier, WithRemote  # imports redis: only when the tier is on
+
+    try:
+        return WithRemote(local, RemoteTier(remote_url, **(remote_options or {})))
+    except BaseException:
+        local.close()
+        raise
