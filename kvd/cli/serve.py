@@ -37,6 +37,7 @@ def serve(**flags) -> None:
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
     from kvd.server.governor import from_config as governor_for
+    from kvd.server.peers import default_max_peers, raise_fd_limit
     from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
@@ -56,6 +57,10 @@ def serve(**flags) -> None:
     log = logging.getLogger("kvd.server")
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
+    # Before anything opens a file: libzmq aborts on EMFILE (kvd.server.peers).
+    fd_soft, fd_hard = raise_fd_limit()
+    max_peers = cfg.max_peers or default_max_peers(fd_soft)
+    log.info("fd limit %d (hard %d): max_peers=%d", fd_soft, fd_hard, max_peers)
     ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
     if cfg.ram_mb == "auto":
         log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
@@ -95,6 +100,7 @@ def serve(**flags) -> None:
         on_tick=on_tick,
         keys_dir=cfg.keys_dir,
         allow_insecure_tcp=cfg.allow_insecure_tcp,
+        max_peers=max_peers,
     )
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report

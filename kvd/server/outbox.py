@@ -1,0 +1,135 @@
+"""Replies on their way out: a peer that never reads loses its own replies.
+
+Theory of operation
+-------------------
+The ROUTER socket keeps one outbound pipe per peer. A reply sits there, then
+in the kernel's socket buffer, until the peer reads it; a peer that never
+reads would otherwise hold the daemon two ways: its replies pile up in memory
+(a GET reply read from the SSD tier is fresh bytes, a RAM reply pins an entry
+the tier may have evicted), and every send to its full pipe would block the
+one thread that serves everyone.
+
+Rules the outbox keeps:
+1. Never block for a full peer more than once per episode. A send is
+   non-blocking; if the pipe looks full, one blocking retry of at most
+   `retry_ms` follows (libzmq learns that a reader caught up only when the
+   writer processes its commands, which a non-blocking send does at most
+   once a millisecond, so a fast reader can look full for a moment). If that
+   fails too the peer is marked full, and until a non-blocking send to it
+   succeeds its replies are dropped (counted) without waiting.
+2. Bytes are budgeted. Every reply of at least `TRACK_BYTES` is sent with a
+   libzmq tracker; until libzmq lets go of it its bytes count against the
+   peer (`peer_bytes`) and against everyone (`total_bytes`). A reply that
+   would go over either budget is replaced by BUSY, which is small: the peer
+   learns to come back later, and nobody's memory grows for it.
+3. `saturated(identity)` tells the serving loop, before any work is done,
+   that a peer's replies would be dropped or refused anyway, so a never-
+   reading peer's GETs cost no disk reads.
+4. Bookkeeping is bounded: finished trackers are pruned on every send to their
+   peer and by `sweep()` (the loop calls it every tick); the set of full peers
+   is cleared if it ever grows past `_MAX_FULL` (the cost: one more short
+   blocking retry each).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import zmq
+
+TRACK_BYTES = 64 * 1024  # smaller replies are copied by pyzmq and bounded by SNDHWM
+_MAX_FULL = 65536
+
+
+def _nbytes(frame) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+class Outbox:
+    """Sends replies on `sock` under the rules of the module docstring."""
+
+    def __init__(self, sock: zmq.Socket, *, peer_bytes: int, total_bytes: int, retry_ms: int = 2):
+        self.sock = sock
+        self.peer_bytes = peer_bytes
+        self.total_bytes = total_bytes
+        self.retry_ms = retry_ms
+        sock.setsockopt(zmq.SNDTIMEO, retry_ms)
+        self.queued: defaultdict[bytes, list[tuple[zmq.MessageTracker, int]]] = defaultdict(list)
+        self.queued_bytes = 0
+        self.full: set[bytes] = set()
+        self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget"), 0)
+
+    # -- budgets -------------------------------------------------------------
+    def _prune(self, identity: bytes) -> int:
+        """Forget `identity`'s finished replies; returns its bytes still queued."""
+        pending = self.queued.get(identity)
+        if not pending:
+            self.queued.pop(identity, None)
+            return 0
+        live = [(t, n) for t, n in pending if not t.done]
+        self.queued_bytes -= sum(n for _, n in pending) - sum(n for _, n in live)
+        if live:
+            self.queued[identity] = live
+        else:
+            del self.queued[identity]
+        return sum(n for _, n in live)
+
+    def sweep(self) -> None:
+        for identity in list(self.queued):
+            self._prune(identity)
+
+    def saturated(self, identity: bytes) -> bool:
+        """True if a reply to this peer would be dropped or refused right now."""
+        return identity in self.full or self._prune(identity) >= self.peer_bytes
+
+    # -- sending ---------------------------------------------------------------
+    def send(self, identity: bytes, frames: list, busy: Callable[[], list]) -> str:
+        """Send one reply; returns "sent", "busy" (replaced by `busy()`), or "dropped"."""
+        size = sum(_nbytes(f) for f in frames)
+        outcome = "sent"
+        tracked = size >= TRACK_BYTES
+        if tracked:
+            mine = self._prune(identity)
+            if self.queued_bytes + size > self.total_bytes:
+                self.sweep()
+            if mine + size > self.peer_bytes or self.queued_bytes + size > self.total_bytes:
+                self.counters["refused_over_budget"] += 1
+                frames, tracked, outcome = busy(), False, "busy"
+        parts: list = [identity]
+        trackers = []
+        for f in frames:
+            if tracked and _nbytes(f) >= TRACK_BYTES:
+                f = zmq.Frame(f, track=True)
+                trackers.append(f)
+            parts.append(f)
+        if not self._send(identity, parts):
+            return "dropped"
+        if trackers:
+            self.queued[identity].append((zmq.MessageTracker(*trackers), size))
+            self.queued_bytes += size
+        return outcome
+
+    def _send(self, identity: bytes, parts: list) -> bool:
+        try:
+            try:
+                self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                self.full.discard(identity)
+                return True
+            except zmq.Again:
+                if identity in self.full:
+                    raise
+                self.sock.send_multipart(parts, copy=False)  # rule 1: one retry, SNDTIMEO bounds it
+                return True
+        except zmq.Again:
+            if len(self.full) >= _MAX_FULL:
+                self.full.clear()
+            self.full.add(identity)
+            self.counters["dropped_full"] += 1
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
+            self.full.discard(identity)
+            self.counters["dropped_gone"] += 1
+        return False
+
+    def stats(self) -> dict:
+        return {"queued_bytes": self.queued_bytes, "queued_peers": len(self.queued), "full_peers": len(self.full), **self.counters}
