@@ -184,8 +184,8 @@ def open_store(
     format wrote it.
     """
     if data_dir is None:
-        return RamStore(ram_bytes)
+        return RamStore(ram_bytes, overhead=True)
     if ssd_bytes <= 0:
         raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
     ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
-    return TieredStore(RamStore(ram_bytes), ssd, write_through=write_through)
+    return TieredStore(RamStore(ram_bytes, overhead=True), ssd, write_through=write_through)
