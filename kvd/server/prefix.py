@@ -33,7 +33,7 @@ def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, med
     parent = keys.root_key(namespace, chunk_tokens)
     links: list[Link] = []
     pos = 0
-    for key in keys.chain(namespace, chunk_tokens, tokens_le, media):
+    for key in keys.iter_chain(namespace, chunk_tokens, tokens_le, media):  # lazily: a miss ends the hashing
         end = min(pos + chunk_tokens, n_tokens)
         if not store.contains(entry_id(key, CHUNK)):
             break
