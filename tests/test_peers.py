@@ -125,7 +125,7 @@ def test_max_peers_setting_caps_connections(daemon_factory):
 
 def test_shedding_order_silent_first_then_longest_idle():
     clock = FakeClock(1000.0)
-    gate = PeerGate(None, max_peers=2, clock=clock)
+    gate = PeerGate(None, max_peers=2, clock=clock, stall_seconds=2.0)
     for fd in (10, 11, 12, 13):
         gate.peers[fd] = [clock(), None]
         clock.advance(1)

@@ -45,11 +45,15 @@ Rules the gate keeps:
    number is reused as soon as libzmq closes it, and it must never cut a
    connection that is not a peer's (the metrics server's, a remote tier's).
 3. Input allowance: bytes a peer has sent of a message not yet complete live
-   inside libzmq, where nothing can count them. The gate samples the daemon's
-   RSS every `tick` seconds; while RSS exceeds `ceiling()` (the RAM budget
-   plus the documented allowance, see README "Memory"), it sheds stalled
-   peers -- connected, and no request completed for `stall_seconds` -- one
-   per sample, oldest idle first. Shedding frees what libzmq held for them.
+   inside libzmq, where nothing can count them (ZMQ_MAXMSGSIZE bounds one
+   frame, not a message of many frames). The gate samples the daemon's
+   anonymous RSS every `tick` seconds (20 ms; ~30 us a sample); while it
+   exceeds `ceiling()` (the RAM tier's bytes plus the allowance of
+   `memory_ceiling`, see README "Memory"), it sheds stalled peers --
+   connected, and no request completed for `stall_seconds` (1 s) -- one per
+   sample, oldest idle first. Shedding frees what libzmq held for them. A
+   peer is not stalled in its first second, so an attack can overshoot by
+   what it sends in that second before it is shed.
 4. The serving loop only calls `touch(fd)`; the table is a dict written under
    the GIL, so no lock is needed between the two threads.
 """
@@ -146,8 +150,8 @@ class PeerGate(threading.Thread):
         *,
         max_peers: int,
         ceiling: Callable[[], int] | None = None,
-        stall_seconds: float = 2.0,
-        tick: float = 0.1,
+        stall_seconds: float = 1.0,
+        tick: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__(name="kvd-peers", daemon=True)
