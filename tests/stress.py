@@ -103,3 +103,49 @@ def status(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+# N DEALERs that send the given one-frame requests (hex) in a loop, never
+# reading a reply, until stdin closes: a flood that lasts.
+PUMP = r"""
+import select, sys, zmq
+ep, n = sys.argv[1], int(sys.argv[2])
+msgs = [bytes.fromhex(h) for h in sys.argv[3:]]
+ctx = zmq.Context()
+socks = []
+for _ in range(n):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.setsockopt(zmq.SNDHWM, 64)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(ep)
+    socks.append(s)
+print(n, flush=True)
+sent = 0
+while True:
+    for s in socks:
+        for msg in msgs:
+            try:
+                s.send(msg, zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+    if select.select([sys.stdin], [], [], 0 if sent % 64 else 0.001)[0]:
+        break
+"""
+
+# A client that asks the same request again and again and reads every reply:
+# expensive requests (huge headers, long LOOKUPs) sent as fast as answered.
+HAMMER = r"""
+import select, sys, zmq
+ep = sys.argv[1]
+msg = open(sys.argv[2], "rb").read()  # one frame, from a file (it may be megabytes)
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(ep)
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    s.send(msg)
+    s.recv_multipart()
+"""

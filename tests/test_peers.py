@@ -160,3 +160,18 @@ def test_a_peer_that_never_reads_loses_only_its_own_replies(daemon_factory):
         mute.close()
     assert peers["dropped_full"] > 0  # the mute peer's replies, not ours
     assert d.proc.poll() is None
+
+
+def test_a_client_paging_through_big_replies_is_never_refused(daemon_factory):
+    # Pages of one ~3 MiB chunk each under 4 MiB messages: every page is close to
+    # the per-peer reply budget, and the next is asked for at once.
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--max-message-mb", "4")
+    c = d.client("pages", strict=True, chunk_tokens=16)
+    tokens = list(range(16 * 6))
+    arr = np.random.default_rng(3).integers(0, 255, size=(1, len(tokens), 3 << 16), dtype=np.uint8)  # 3 MiB a chunk
+    assert c.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(arr), 1)}))
+    for _ in range(10):
+        hit = c.get(tokens + [0])
+        assert hit is not None and hit.n == len(tokens)
+        np.testing.assert_array_equal(hit.sliced["k"].array, arr)
+    assert c.stats()["peers"]["refused_over_budget"] == 0

@@ -141,7 +141,8 @@ class Daemon:
         # with a mode another user could use, not even for a moment.
         self._ctx, self._sock = ctx, sock
         m = self.limits.max_message_bytes
-        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m)
+        # Queued replies stay under 2 x m in all (kvd.server.peers.memory_ceiling).
+        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=m)
         self._update_ceiling()
         self.gate = PeerGate(monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling)
         self.gate.start()

@@ -19,9 +19,13 @@ Rules the outbox keeps:
    succeeds its replies are dropped (counted) without waiting.
 2. Bytes are budgeted. Every reply of at least `TRACK_BYTES` is sent with a
    libzmq tracker; until libzmq lets go of it its bytes count against the
-   peer (`peer_bytes`) and against everyone (`total_bytes`). A reply that
-   would go over either budget is replaced by BUSY, which is small: the peer
-   learns to come back later, and nobody's memory grows for it.
+   peer and against everyone. A big reply is refused -- replaced by BUSY,
+   which is small -- when the peer already has `peer_bytes` queued or
+   everyone together `total_bytes`: the check is on what is already queued,
+   not on what would be, because a tracker learns that its message is gone
+   on pyzmq's garbage thread, a moment late, and a client paging through a
+   GET must never be refused for its previous page. So a peer holds at most
+   `peer_bytes` plus one message, everyone `total_bytes` plus one message.
 3. `saturated(identity)` tells the serving loop, before any work is done,
    that a peer's replies would be dropped or refused anyway, so a never-
    reading peer's GETs cost no disk reads.
@@ -91,9 +95,9 @@ class Outbox:
         tracked = size >= TRACK_BYTES
         if tracked:
             mine = self._prune(identity)
-            if self.queued_bytes + size > self.total_bytes:
+            if self.queued_bytes >= self.total_bytes:
                 self.sweep()
-            if mine + size > self.peer_bytes or self.queued_bytes + size > self.total_bytes:
+            if mine >= self.peer_bytes or self.queued_bytes >= self.total_bytes:
                 self.counters["refused_over_budget"] += 1
                 frames, tracked, outcome = busy(), False, "busy"
         parts: list = [identity]

@@ -1,0 +1,137 @@
+"""A well-behaved client's latency while other peers attack the daemon.
+
+    python bench/bench_stress.py [--samples 2000] [--daemon-python PATH]
+
+One daemon (SSD tier on, 64 MiB RAM, 16 MiB messages). The well-behaved
+client stores a 300-token prefix, then times GET round trips of it (a RAM
+hit, ~50 KiB of tensors) -- first idle, then under each attack of issue 12,
+each in its own process and ongoing while the client measures:
+
+  ping-flood      16 peers pump PINGs as fast as they can, never reading
+  idle-conns      1,000 raw connections held open
+  stalled-frames  6 peers stalled inside 150 MiB messages (10 x 15 MiB frames)
+  mute-big-gets   a peer pumps GETs of 4 MiB SSD entries, never reading
+  huge-headers    a peer sends 4 M-map headers (MALFORMED) back to back
+  long-lookups    a peer sends LOOKUPs of 1 M tokens with chunk_tokens=1
+
+Each attack runs `--warmup` seconds (3) before the client measures. Prints
+p50/p99 and their ratio to idle, and the daemon's peak/now RSS.
+`--daemon-python` runs the daemon with another interpreter (e.g. an older
+checkout's venv) to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from _util import MiB, machine  # noqa: E402
+from stress import FLOOD, HAMMER, PARTIAL, PUMP, attack, status  # noqa: E402
+
+from kvd.protocol import codec, keys  # noqa: E402
+from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
+
+
+@contextlib.contextmanager
+def daemon(python: str, *args: str):
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-bs-", dir="/tmp"))
+    os.chmod(workdir, 0o700)
+    endpoint = f"ipc://{workdir / 'kvd.sock'}"
+    (workdir / "kvd.toml").touch()
+    log = open(workdir / "daemon.log", "wb")
+    cmd = [python, "-m", "kvd", "serve", "--endpoint", endpoint, "--config", str(workdir / "kvd.toml"),
+           "--data-dir", str(workdir / "data"), *args]
+    # cwd outside any checkout: `-m kvd` is the kvd that interpreter has installed
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    try:
+        with Client(endpoint, namespace="probe", timeout=0.5) as c:
+            deadline = time.monotonic() + 30
+            while c.ping() is None:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError((workdir / "daemon.log").read_text())
+                time.sleep(0.05)
+        yield endpoint, proc, workdir
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def percentiles(client: Client, tokens, samples: int) -> tuple[float, float, int]:
+    times, misses = [], 0
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        hit = client.get(tokens, max_tokens=300)
+        times.append(time.perf_counter() - t0)
+        misses += hit is None or hit.n != 300
+    return float(np.percentile(times, 50)), float(np.percentile(times, 99)), misses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--daemon-python", default=sys.executable)
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds each attack runs before measuring")
+    args = ap.parse_args()
+    with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
+        path = ep[len("ipc://"):]
+        good = Client(ep, namespace="good", timeout=5.0)
+        tokens = list(range(300))
+        rng = np.random.default_rng(0)
+        good.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 300, 160), np.uint8)), 1)}))
+        big = Client(ep, namespace="big", timeout=30.0)
+        gets = []
+        for i in range(24):  # 96 MiB of 4 MiB entries: most live on the SSD tier
+            toks = list(range(10_000 + i * 1000, 10_000 + i * 1000 + 256))
+            big.put(toks, Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 256, 16384), np.uint8)), 1)}))
+            gets.append(codec.encode("GET", {"ns": "big", "tokens": keys.token_bytes(toks + [0]), "chunk_tokens": 256}, id=i)[0].hex())
+        ping = codec.encode("PING", {}, id=1)[0].hex()
+        header = workdir / "header.bin"
+        header.write_bytes(msgpack.packb({"v": 1, "type": "PING", "id": 7, "x": [{}] * 4_000_000}))
+        lookup = workdir / "lookup.bin"
+        lookup.write_bytes(codec.encode("LOOKUP", {"ns": "x", "tokens": keys.token_bytes(range(1 << 20)), "chunk_tokens": 1}, id=3)[0])
+        attacks = {
+            "idle": None,
+            "ping-flood": (PUMP, ep, "16", ping),
+            "idle-conns": (FLOOD, path, "1000"),
+            "stalled-frames": (PARTIAL, path, "6", "10", "15"),
+            "mute-big-gets": (PUMP, ep, "1", *gets),
+            "huge-headers": (HAMMER, ep, str(header)),
+            "long-lookups": (HAMMER, ep, str(lookup)),
+        }
+        print(f"bench_stress: {machine()}; daemon {args.daemon_python}; {args.samples} GETs of a 300-token RAM hit per row")
+        print(f"{'attack':>15} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} {'misses':>7} {'peak MB':>8} {'rss MB':>7}")
+        base = None
+        for name, spec in attacks.items():
+            with attack(*spec) if spec else contextlib.nullcontext():
+                if spec:
+                    time.sleep(args.warmup)  # let the attack reach its steady state (pipes full, ...)
+                p50, p99, misses = percentiles(good, tokens + [0], args.samples)
+                peak, now = status(proc.pid, "VmHWM") / MiB, status(proc.pid, "VmRSS") / MiB
+            if base is None:
+                base = (p50, p99)
+            alive = proc.poll() is None
+            print(f"{name:>15} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / base[0]:6.1f}x {p99 / base[1]:6.1f}x "
+                  f"{misses:7d} {peak:8.0f} {now:7.0f}{'' if alive else '  DAEMON DIED'}")
+            if not alive:
+                break
+        print("p50 x / p99 x: over idle (lower is better); misses: GETs that did not come back whole; "
+              "peak MB: the daemon's peak RSS so far")
+
+
+if __name__ == "__main__":
+    main()
