@@ -167,7 +167,9 @@ def test_a_peer_that_never_reads_big_ssd_replies_costs_bounded_memory(daemon_fac
             for i, (t, _) in enumerate(seqs)]
     before = status(pid, "RssAnon")
     n = 400 if not LONG else 2000  # unbounded, ~1.6 GB of replies queued for a peer that never reads
-    with attack(MUTE, d.endpoint, "1", str(n // len(gets)), *gets):
+    with attack(MUTE, d.endpoint, "3", str(n // len(gets) // 3), *gets):  # 3 peers: together past the total
+        good.round_trip()
+        wait_for(lambda: good.c.stats()["peers"]["cut_off"] >= 1)  # the daemon has reached the total
         good.round_trip()
     for toks, arr in seqs[:3]:  # the well-behaved client still gets them bit-exact
         hit = big.get(toks + [0], max_tokens=256)
@@ -176,6 +178,7 @@ def test_a_peer_that_never_reads_big_ssd_replies_costs_bounded_memory(daemon_fac
     stats = good.c.stats()
     peers = stats["peers"]
     assert peers["refused_over_budget"] + peers["dropped_full"] > 0
+    assert peers["cut_off"] >= 1  # the peer holding the most replies was disconnected
     assert status(pid, "VmHWM") - before < 4 * MSG_MB * MiB + 64 * MiB  # not 1.6 GB
     assert status(pid, "RssAnon") <= peers["rss_ceiling_bytes"]
     assert stats["server"]["errors"].get("BUSY", 0) > 0

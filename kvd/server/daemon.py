@@ -141,10 +141,10 @@ class Daemon:
         # with a mode another user could use, not even for a moment.
         self._ctx, self._sock = ctx, sock
         m = self.limits.max_message_bytes
-        # Queued replies stay under 2 x m in all (kvd.server.peers.memory_ceiling).
-        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=m)
+        # Queued replies stay under 2 x m + one message in all (kvd.server.peers.memory_ceiling).
         self._update_ceiling()
         self.gate = PeerGate(monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling)
+        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self.gate.shed)
         self.gate.start()
 
     def _update_ceiling(self) -> None:
@@ -300,8 +300,9 @@ class Daemon:
     def _serve_one(self, raw: list[zmq.Frame]) -> bool:
         """Serve one request; True if it asked the daemon to shut down."""
         identity, payload = raw[0].bytes, raw[1:]
-        if self.gate is not None and payload:
-            self.gate.touch(payload[0].get(zmq.SRCFD))
+        fd = payload[0].get(zmq.SRCFD) if payload else None
+        if self.gate is not None:
+            self.gate.touch(fd)
         frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
         started = time.perf_counter()
         if self.outbox is not None and self.outbox.saturated(identity):
@@ -310,7 +311,7 @@ class Daemon:
         else:
             with self.lock:
                 reply, shutdown, mtype = self._handle(frames)
-        self._send(identity, reply, frames)
+        self._send(identity, reply, frames, fd)
         elapsed = time.perf_counter() - started
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
@@ -350,9 +351,9 @@ class Daemon:
         self.handler.errors[err.name] += 1
         return codec.encode_error(err, id=codec.peek_id(request) if request else 0)
 
-    def _send(self, identity: bytes, frames: list, request: list) -> None:
+    def _send(self, identity: bytes, frames: list, request: list, fd: int | None = None) -> None:
         assert self.outbox is not None
-        outcome = self.outbox.send(identity, frames, busy=lambda: self._busy(request))
+        outcome = self.outbox.send(identity, frames, busy=lambda: self._busy(request), fd=fd)
         if outcome == "dropped":
             self.dropped_replies += 1
             self.ratelog.warning("reply dropped", "reply dropped (peer gone or not reading)")

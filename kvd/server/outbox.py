@@ -20,12 +20,17 @@ Rules the outbox keeps:
 2. Bytes are budgeted. Every reply of at least `TRACK_BYTES` is sent with a
    libzmq tracker; until libzmq lets go of it its bytes count against the
    peer and against everyone. A big reply is refused -- replaced by BUSY,
-   which is small -- when the peer already has `peer_bytes` queued or
-   everyone together `total_bytes`: the check is on what is already queued,
-   not on what would be, because a tracker learns that its message is gone
-   on pyzmq's garbage thread, a moment late, and a client paging through a
-   GET must never be refused for its previous page. So a peer holds at most
-   `peer_bytes` plus one message, everyone `total_bytes` plus one message.
+   which is small -- when the peer already has `peer_bytes` queued, or when
+   it would take everyone's queued bytes past `total_bytes`. The per-peer
+   check is on what is already queued, not on what would be, because a
+   tracker learns that its message is gone on pyzmq's garbage thread, a
+   moment late, and a client paging through a GET must never be refused for
+   its previous page. With `total_bytes` = 2 x `peer_bytes` = 2 x the largest
+   message, that page and the next always fit.
+   When the total is reached, the peer holding the most is cut off
+   (`disconnect(fd)`, the fd its last request came on): libzmq drops what
+   was queued for it, and the others' replies flow again. Without that, a
+   few peers that never read would get everyone else's big replies refused.
 3. `saturated(identity)` tells the serving loop, before any work is done,
    that a peer's replies would be dropped or refused anyway, so a never-
    reading peer's GETs cost no disk reads.
@@ -53,8 +58,19 @@ def _nbytes(frame) -> int:
 class Outbox:
     """Sends replies on `sock` under the rules of the module docstring."""
 
-    def __init__(self, sock: zmq.Socket, *, peer_bytes: int, total_bytes: int, retry_ms: int = 2):
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        *,
+        peer_bytes: int,
+        total_bytes: int,
+        retry_ms: int = 2,
+        disconnect: Callable[[int], bool] | None = None,
+    ):
         self.sock = sock
+        self.disconnect = disconnect
+        self.fds: dict[bytes, int] = {}  # identity -> fd of its last request, while it has bytes queued
+        self.cut: set[bytes] = set()  # peers cut off whose queued bytes libzmq has not freed yet
         self.peer_bytes = peer_bytes
         self.total_bytes = total_bytes
         self.retry_ms = retry_ms
@@ -62,7 +78,7 @@ class Outbox:
         self.queued: defaultdict[bytes, list[tuple[zmq.MessageTracker, int]]] = defaultdict(list)
         self.queued_bytes = 0
         self.full: set[bytes] = set()
-        self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget"), 0)
+        self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget", "cut_off"), 0)
 
     # -- budgets -------------------------------------------------------------
     def _prune(self, identity: bytes) -> int:
@@ -77,6 +93,8 @@ class Outbox:
             self.queued[identity] = live
         else:
             del self.queued[identity]
+            self.fds.pop(identity, None)
+            self.cut.discard(identity)
         return sum(n for _, n in live)
 
     def sweep(self) -> None:
@@ -88,16 +106,39 @@ class Outbox:
         return identity in self.full or self._prune(identity) >= self.peer_bytes
 
     # -- sending ---------------------------------------------------------------
-    def send(self, identity: bytes, frames: list, busy: Callable[[], list]) -> str:
-        """Send one reply; returns "sent", "busy" (replaced by `busy()`), or "dropped"."""
+    def _held(self, identity: bytes) -> int:
+        return sum(n for _, n in self.queued.get(identity, ()))
+
+    def _room(self, asking: bytes, size: int) -> bool:
+        """Can `size` more bytes be queued within the total? Cuts off the
+        peers holding the most until they can (rule 2): bytes of a peer cut
+        off count as gone, since libzmq is about to free them."""
+        over = self.queued_bytes + size - self.total_bytes
+        if over <= 0:
+            return True
+        leaving = sum(self._held(i) for i in self.cut)
+        while leaving < over and self.disconnect is not None:
+            hogs = [i for i in self.queued if i not in self.cut and i != asking and i in self.fds]
+            if not hogs:
+                break
+            hog = max(hogs, key=self._held)
+            self.cut.add(hog)  # tried once, whatever the outcome
+            if self.disconnect(self.fds[hog]):
+                self.counters["cut_off"] += 1
+                leaving += self._held(hog)
+        return leaving >= over
+
+    def send(self, identity: bytes, frames: list, busy: Callable[[], list], fd: int | None = None) -> str:
+        """Send one reply; returns "sent", "busy" (replaced by `busy()`), or "dropped".
+        `fd` is the connection the request came on (ZMQ_SRCFD), if known."""
         size = sum(_nbytes(f) for f in frames)
         outcome = "sent"
         tracked = size >= TRACK_BYTES
         if tracked:
             mine = self._prune(identity)
-            if self.queued_bytes >= self.total_bytes:
+            if self.queued_bytes + size > self.total_bytes:
                 self.sweep()
-            if mine >= self.peer_bytes or self.queued_bytes >= self.total_bytes:
+            if mine >= self.peer_bytes or not self._room(identity, size):
                 self.counters["refused_over_budget"] += 1
                 frames, tracked, outcome = busy(), False, "busy"
         parts: list = [identity]
@@ -112,6 +153,8 @@ class Outbox:
         if trackers:
             self.queued[identity].append((zmq.MessageTracker(*trackers), size))
             self.queued_bytes += size
+            if fd is not None:
+                self.fds[identity] = fd
         return outcome
 
     def _send(self, identity: bytes, parts: list) -> bool:

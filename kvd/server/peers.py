@@ -117,8 +117,8 @@ BASE_ALLOWANCE = 160 << 20
 
 def memory_ceiling(ram_bytes: int, limits) -> int:
     """Anonymous RSS the daemon allows itself: the RAM tier's bytes (entries'
-    overhead included) + BASE_ALLOWANCE + 3 x max_message_bytes (queued replies
-    are budgeted to 2x in total, kvd.server.outbox; 1x for messages arriving).
+    overhead included) + BASE_ALLOWANCE + 3 x max_message_bytes: queued replies
+    are held to 2x in total (kvd.server.outbox), 1x is for messages arriving.
     Over it, the gate sheds stalled peers (rule 3)."""
     return ram_bytes + BASE_ALLOWANCE + 3 * limits.max_message_bytes
 
@@ -304,7 +304,13 @@ class PeerGate(threading.Thread):
                 del self.closing[fd]
 
     # -- shedding ---------------------------------------------------------------
+    def shed(self, fd: int) -> bool:
+        """Cut one peer off now (the outbox's hogs); True if it was one of ours."""
+        return self._shed(fd)
+
     def _shed(self, fd: int) -> bool:
+        if fd not in self.peers:
+            return False  # not (or no longer) a peer we know: never shed blindly
         self.peers.pop(fd, None)  # DISCONNECTED will follow; never shed twice
         try:
             if self.sockname is not None and _sockname(fd) != self.sockname:
