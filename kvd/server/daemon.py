@@ -16,11 +16,11 @@ Rules the loop keeps:
 2. A reply to a client that went away, or whose queue is full, is dropped
    and counted (ROUTER_MANDATORY + NOBLOCK), never blocks the loop; queued
    reply bytes are budgeted per peer and in total (kvd.server.outbox).
+3. The loop wakes at least every `tick` seconds to run housekeeping hooks
+   (the systemd watchdog, store maintenance) and to notice SIGTERM/SIGINT.
 4. Peer connections stay under `max_peers`, far from the fd limit, and
    stalled peers are shed when memory passes the ceiling (kvd.server.peers,
    on a thread of its own).
-3. The loop wakes at least every `tick` seconds to run housekeeping hooks
-   (the systemd watchdog, store maintenance) and to notice SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ class Daemon:
         started = time.perf_counter()
         if self.outbox is not None and self.outbox.saturated(identity):
             # Its replies would be dropped or refused anyway: do no work for it.
-            reply, shutdown, mtype = self._busy(frames), False, "BUSY"
+            reply, shutdown, mtype = self._busy(frames, "replies to this peer are not being read; read them"), False, "BUSY"
         else:
             with self.lock:
                 reply, shutdown, mtype = self._handle(frames)
@@ -346,14 +346,14 @@ class Daemon:
             reply = codec.encode_error(err, id=msg.id)
         return reply, shutdown, msg.type
 
-    def _busy(self, request: list) -> list:
-        err = E.Busy("replies to this peer are not being read; read them or retry later")
+    def _busy(self, request: list, why: str) -> list:
+        err = E.Busy(f"{why}, or retry later")
         self.handler.errors[err.name] += 1
         return codec.encode_error(err, id=codec.peek_id(request) if request else 0)
 
     def _send(self, identity: bytes, frames: list, request: list, fd: int | None = None) -> None:
         assert self.outbox is not None
-        outcome = self.outbox.send(identity, frames, busy=lambda: self._busy(request), fd=fd)
+        outcome = self.outbox.send(identity, frames, busy=lambda: self._busy(request, "too many reply bytes are queued for peers"), fd=fd)
         if outcome == "dropped":
             self.dropped_replies += 1
             self.ratelog.warning("reply dropped", "reply dropped (peer gone or not reading)")

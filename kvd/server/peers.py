@@ -264,7 +264,8 @@ class PeerGate(threading.Thread):
             kind = family.family
             family.detach()
             self._empty = socket.socket(kind, socket.SOCK_STREAM)
-            self._empty.bind("\0kvd-pause-%d-%d" % (os.getpid(), id(self)) if kind == socket.AF_UNIX else ("127.0.0.1", 0))
+            loopback = {socket.AF_UNIX: "\0kvd-pause-%d-%d" % (os.getpid(), id(self)), socket.AF_INET6: ("::1", 0)}
+            self._empty.bind(loopback.get(kind, ("127.0.0.1", 0)))
             self._empty.setblocking(False)
             self._empty.listen(1)
             self._real = os.dup(fd)
