@@ -20,7 +20,7 @@ from kvd.protocol import codec
 from kvd.server.peers import PeerGate, default_max_peers
 from kvd_client import HostTensor, Snapshot
 
-from support import FakeClock
+from support import FakeClock, free_port, scrape
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc are Linux")
 
@@ -175,3 +175,20 @@ def test_a_client_paging_through_big_replies_is_never_refused(daemon_factory):
         assert hit is not None and hit.n == len(tokens)
         np.testing.assert_array_equal(hit.sliced["k"].array, arr)
     assert c.stats()["peers"]["refused_over_budget"] == 0
+
+
+def test_peer_counters_are_exported(daemon_factory):
+    port = free_port()
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--max-peers", "8", "--metrics-port", str(port))
+    f = flood(d.endpoint[len("ipc://"):], 20)
+    try:
+        assert int(f.stdout.readline()) == 20
+        good = d.client("good", strict=True)
+        assert good.ping() is not None
+        shed = good.stats()["peers"]["shed_over_cap"]
+    finally:
+        f.stdin.close()
+        f.wait()
+    m = scrape(port)
+    assert m[("kvd_peers_max_peers", ())] == 8
+    assert m[("kvd_peers_shed_over_cap_total", ())] >= shed >= 1
