@@ -60,6 +60,9 @@ def serve(**flags) -> None:
     # Before anything opens a file: libzmq aborts on EMFILE (kvd.server.peers).
     fd_soft, fd_hard = raise_fd_limit()
     max_peers = cfg.max_peers or default_max_peers(fd_soft)
+    if max_peers > fd_soft - 128:  # no room left for a burst accepted before the gate pauses
+        log.warning("max_peers=%d is too close to the fd limit %d: using %d", max_peers, fd_soft, fd_soft - 128)
+        max_peers = max(8, fd_soft - 128)
     log.info("fd limit %d (hard %d): max_peers=%d", fd_soft, fd_hard, max_peers)
     ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
     if cfg.ram_mb == "auto":
