@@ -143,7 +143,9 @@ class Daemon:
         m = self.limits.max_message_bytes
         # Queued replies stay under 2 x m + one message in all (kvd.server.peers.memory_ceiling).
         self._update_ceiling()
-        self.gate = PeerGate(monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling)
+        self.gate = PeerGate(
+            monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling, over_unit=m
+        )
         self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self.gate.shed)
         self.gate.start()
 

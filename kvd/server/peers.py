@@ -50,10 +50,13 @@ Rules the gate keeps:
    anonymous RSS every `tick` seconds (20 ms; ~30 us a sample); while it
    exceeds `ceiling()` (the RAM tier's bytes plus the allowance of
    `memory_ceiling`, see README "Memory"), it sheds stalled peers --
-   connected, and no request completed for `stall_seconds` (1 s) -- one per
-   sample, oldest idle first. Shedding frees what libzmq held for them. A
-   peer is not stalled in its first second, so an attack can overshoot by
-   what it sends in that second before it is shed.
+   connected, and no request completed for `stall_seconds` (0.25 s) -- one per
+   sample, or one per `over_unit` bytes over (the largest message), oldest
+   idle first. Shedding frees what libzmq held for them. A
+   peer is not stalled in its first quarter second, so an attack can
+   overshoot by what it sends in that time before it is shed. Under the
+   ceiling nobody is shed for being slow: a client sending a big message
+   over a slow link is cut off only while memory is over it.
 4. The serving loop only calls `touch(fd)`; the table is a dict written under
    the GIL, so no lock is needed between the two threads.
 """
@@ -150,7 +153,8 @@ class PeerGate(threading.Thread):
         *,
         max_peers: int,
         ceiling: Callable[[], int] | None = None,
-        stall_seconds: float = 1.0,
+        stall_seconds: float = 0.25,
+        over_unit: int = 64 << 20,
         tick: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -159,6 +163,7 @@ class PeerGate(threading.Thread):
         self.max_peers = max_peers
         self.ceiling = ceiling
         self.stall_seconds = stall_seconds
+        self.over_unit = max(1, over_unit)
         self.tick = tick
         self.clock = clock
         self.peers: dict[int, list] = {}  # fd -> [accepted at, last request at or None]
@@ -349,10 +354,12 @@ class PeerGate(threading.Thread):
         over = rss - self.ceiling()
         if over <= 0:
             return
-        for fd in self.victims(stalled_only=True)[:1]:
-            if self._shed(fd):
-                self.counters["shed_for_memory"] += 1
-                log.warning("memory over the ceiling by %d bytes: shed a stalled peer", over)
+        # One peer per sample, or more when far over: one per `over_unit` bytes.
+        n = 1 + over // self.over_unit
+        shed = sum(self._shed(fd) for fd in self.victims(stalled_only=True)[:n])
+        if shed:
+            self.counters["shed_for_memory"] += shed
+            log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
 
 
 def rss_bytes() -> int | None:
