@@ -14,8 +14,10 @@ each in its own process and ongoing while the client measures:
   huge-headers    a peer sends 4 M-map headers (MALFORMED) back to back
   long-lookups    a peer sends LOOKUPs of 1 M tokens with chunk_tokens=1
 
-Each attack runs `--warmup` seconds (3) before the client measures. Prints
-p50/p99 and their ratio to idle, and the daemon's peak/now RSS.
+Each attack gets a fresh daemon (damage must not carry over from one row to
+the next): the client measures idle, then the attack runs `--warmup` seconds
+(3) and the client measures again. Prints p50/p99 idle and under attack,
+their ratio, and the daemon's peak RSS.
 `--daemon-python` runs the daemon with another interpreter (e.g. an older
 checkout's venv) to compare.
 """
@@ -81,56 +83,60 @@ def percentiles(client: Client, tokens, samples: int) -> tuple[float, float, int
     return float(np.percentile(times, 50)), float(np.percentile(times, 99)), misses
 
 
+def setup(ep: str, workdir: Path):
+    """Store the good client's prefix and 24 big entries; returns (client, tokens, attacks)."""
+    path = ep[len("ipc://"):]
+    good = Client(ep, namespace="good", timeout=5.0)
+    tokens = list(range(300))
+    rng = np.random.default_rng(0)
+    good.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 300, 160), np.uint8)), 1)}))
+    big = Client(ep, namespace="big", timeout=30.0)
+    gets = []
+    for i in range(24):  # 96 MiB of 4 MiB entries: most live on the SSD tier
+        toks = list(range(10_000 + i * 1000, 10_000 + i * 1000 + 256))
+        big.put(toks, Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 256, 16384), np.uint8)), 1)}))
+        gets.append(codec.encode("GET", {"ns": "big", "tokens": keys.token_bytes(toks + [0]), "chunk_tokens": 256}, id=i)[0].hex())
+    ping = codec.encode("PING", {}, id=1)[0].hex()
+    header = workdir / "header.bin"
+    header.write_bytes(msgpack.packb({"v": 1, "type": "PING", "id": 7, "x": [{}] * 4_000_000}))
+    lookup = workdir / "lookup.bin"
+    lookup.write_bytes(codec.encode("LOOKUP", {"ns": "x", "tokens": keys.token_bytes(range(1 << 20)), "chunk_tokens": 1}, id=3)[0])
+    attacks = {
+        "ping-flood": (PUMP, ep, "16", ping),
+        "idle-conns": (FLOOD, path, "1000"),
+        "stalled-frames": (PARTIAL, path, "6", "10", "15"),
+        "mute-big-gets": (PUMP, ep, "1", *gets),
+        "huge-headers": (HAMMER, ep, str(header)),
+        "long-lookups": (HAMMER, ep, str(lookup)),
+    }
+    return good, tokens + [0], attacks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--samples", type=int, default=1000)
     ap.add_argument("--daemon-python", default=sys.executable)
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds each attack runs before measuring")
+    ap.add_argument("--only", default="", help="comma-separated attack names")
     args = ap.parse_args()
-    with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
-        path = ep[len("ipc://"):]
-        good = Client(ep, namespace="good", timeout=5.0)
-        tokens = list(range(300))
-        rng = np.random.default_rng(0)
-        good.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 300, 160), np.uint8)), 1)}))
-        big = Client(ep, namespace="big", timeout=30.0)
-        gets = []
-        for i in range(24):  # 96 MiB of 4 MiB entries: most live on the SSD tier
-            toks = list(range(10_000 + i * 1000, 10_000 + i * 1000 + 256))
-            big.put(toks, Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 256, 16384), np.uint8)), 1)}))
-            gets.append(codec.encode("GET", {"ns": "big", "tokens": keys.token_bytes(toks + [0]), "chunk_tokens": 256}, id=i)[0].hex())
-        ping = codec.encode("PING", {}, id=1)[0].hex()
-        header = workdir / "header.bin"
-        header.write_bytes(msgpack.packb({"v": 1, "type": "PING", "id": 7, "x": [{}] * 4_000_000}))
-        lookup = workdir / "lookup.bin"
-        lookup.write_bytes(codec.encode("LOOKUP", {"ns": "x", "tokens": keys.token_bytes(range(1 << 20)), "chunk_tokens": 1}, id=3)[0])
-        attacks = {
-            "idle": None,
-            "ping-flood": (PUMP, ep, "16", ping),
-            "idle-conns": (FLOOD, path, "1000"),
-            "stalled-frames": (PARTIAL, path, "6", "10", "15"),
-            "mute-big-gets": (PUMP, ep, "1", *gets),
-            "huge-headers": (HAMMER, ep, str(header)),
-            "long-lookups": (HAMMER, ep, str(lookup)),
-        }
-        print(f"bench_stress: {machine()}; daemon {args.daemon_python}; {args.samples} GETs of a 300-token RAM hit per row")
-        print(f"{'attack':>15} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} {'misses':>7} {'peak MB':>8} {'rss MB':>7}")
-        base = None
-        for name, spec in attacks.items():
-            with attack(*spec) if spec else contextlib.nullcontext():
-                if spec:
-                    time.sleep(args.warmup)  # let the attack reach its steady state (pipes full, ...)
-                p50, p99, misses = percentiles(good, tokens + [0], args.samples)
-                peak, now = status(proc.pid, "VmHWM") / MiB, status(proc.pid, "VmRSS") / MiB
-            if base is None:
-                base = (p50, p99)
+    print(f"bench_stress: {machine()}; daemon {args.daemon_python}; {args.samples} GETs of a 300-token RAM hit "
+          f"per cell; a fresh daemon per attack")
+    print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
+          f"{'misses':>7} {'peak MB':>8}")
+    names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups"]
+    for name in args.only.split(",") if args.only else names:
+        with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
+            good, tokens, attacks = setup(ep, workdir)
+            i50, i99, _ = percentiles(good, tokens, args.samples)
+            with attack(*attacks[name]):
+                time.sleep(args.warmup)  # let the attack reach its steady state (pipes full, ...)
+                p50, p99, misses = percentiles(good, tokens, args.samples)
+                peak = status(proc.pid, "VmHWM") / MiB
             alive = proc.poll() is None
-            print(f"{name:>15} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / base[0]:6.1f}x {p99 / base[1]:6.1f}x "
-                  f"{misses:7d} {peak:8.0f} {now:7.0f}{'' if alive else '  DAEMON DIED'}")
-            if not alive:
-                break
-        print("p50 x / p99 x: over idle (lower is better); misses: GETs that did not come back whole; "
-              "peak MB: the daemon's peak RSS so far")
+            print(f"{name:>15} {i50 * 1e3:9.2f} {i99 * 1e3:9.2f} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / i50:6.1f}x "
+                  f"{p99 / i99:6.1f}x {misses:7d} {peak:8.0f}{'' if alive else '  DAEMON DIED'}", flush=True)
+    print("x: under attack over idle, same daemon (lower is better); misses: GETs that did not come back whole "
+          "(a miss after the client's 5 s timeout); peak MB: the daemon's peak RSS")
 
 
 if __name__ == "__main__":
