@@ -112,13 +112,35 @@ def setup(ep: str, workdir: Path):
     return good, tokens + [0], attacks
 
 
+def overhead(python: str) -> None:
+    """Anonymous RSS per stored zero-byte entry (kvd/store/overhead.py's constants)."""
+    from kvd.store.overhead import PER_ENTRY, PER_TENSOR
+
+    print(f"bench_stress --overhead: {machine()}; 102,400 zero-byte entries per row, RAM-only daemon")
+    for ntens in (1, 4):
+        with daemon(python, "--ram-mb", "4096", "--data-dir", "none") as (ep, proc, _):
+            c = Client(ep, namespace="ovh", chunk_tokens=16, timeout=60.0)
+            c.ping()
+            before = status(proc.pid, "RssAnon")
+            for s in range(25):
+                toks = list(range(s * 10**7, s * 10**7 + 16 * 4096))
+                zero = HostTensor.from_numpy(np.zeros((1, len(toks), 0), np.uint8))
+                c.put(toks, Snapshot(sliced={f"t{j}": (zero, 1) for j in range(ntens)}))
+            n = c.stats()["tiers"]["ram"]["entries"]
+            grown = (status(proc.pid, "RssAnon") - before) / n
+            print(f"{ntens} tensor(s): {n} entries, {grown:.0f} bytes of RSS each; charged {PER_ENTRY + ntens * PER_TENSOR}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=1000)
     ap.add_argument("--daemon-python", default=sys.executable)
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds each attack runs before measuring")
     ap.add_argument("--only", default="", help="comma-separated attack names")
+    ap.add_argument("--overhead", action="store_true", help="measure the RAM tier's per-entry overhead instead")
     args = ap.parse_args()
+    if args.overhead:
+        return overhead(args.daemon_python)
     print(f"bench_stress: {machine()}; daemon {args.daemon_python}; {args.samples} GETs of a 300-token RAM hit "
           f"per cell; a fresh daemon per attack")
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "

@@ -9,16 +9,16 @@ entries once held 958 MB under a 16 MiB budget that said 0 bytes were used.
 Measured on CPython 3.11 (Linux, x86-64) through a real daemon: the growth
 of anonymous RSS per stored entry, for entries of 1 and 4 zero-byte
 tensors (102,400 entries each; `bench/bench_stress.py --overhead` repeats
-the measurement): 912 and 1,735 bytes, i.e. ~640 per entry + ~280 per
-tensor. The constants below round these up.
+the measurement): 912-965 and 1,735-1,865 bytes over two runs, i.e. ~670
+per entry + ~300 per tensor. The constants below round these up.
 """
 
 from __future__ import annotations
 
 from kvd.store.base import Entry
 
-PER_ENTRY = 640
-PER_TENSOR = 288
+PER_ENTRY = 704
+PER_TENSOR = 320
 
 
 def entry_overhead(entry: Entry) -> int:
