@@ -75,14 +75,14 @@ def ask(endpoint: str, frames: list) -> dict:
         sock.close()
 
 
-def wait_for(predicate, timeout: float = 15.0):
+def wait_for(predicate, timeout: float = 15.0, describe=lambda: ""):
     """Poll `predicate` (returns a truthy value when done) until it is, or fail."""
     deadline = time.monotonic() + timeout
     while True:
         got = predicate()
         if got:
             return got
-        assert time.monotonic() < deadline, "condition not reached"
+        assert time.monotonic() < deadline, f"condition not reached {describe()}"
         time.sleep(0.05)
 
 
@@ -132,7 +132,7 @@ def test_one_daemon_survives_every_hostile_pattern(daemon_factory):
 
         # Peers that stall inside 150 MiB messages (10 frames of 15 MiB).
         with attack(PARTIAL, path, "6", "10", "15"):
-            peers = wait_for(lambda: ceiling_ok(d, good))
+            wait_for(lambda: ceiling_ok(d, good), describe=lambda: f"RssAnon {status(pid, 'RssAnon')}, round {rnd}")
             good.round_trip()
         assert d.proc.poll() is None, d.log()
 

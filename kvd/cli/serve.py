@@ -37,7 +37,7 @@ def serve(**flags) -> None:
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
     from kvd.server.governor import from_config as governor_for
-    from kvd.server.peers import default_max_peers, raise_fd_limit
+    from kvd.server.peers import default_max_peers, raise_fd_limit, tune_malloc
     from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
@@ -59,6 +59,7 @@ def serve(**flags) -> None:
     notifier.status("starting: opening the store")
     # Before anything opens a file: libzmq aborts on EMFILE (kvd.server.peers).
     fd_soft, fd_hard = raise_fd_limit()
+    tune_malloc()  # freed message buffers leave the process (kvd.server.peers rule 3)
     max_peers = cfg.max_peers or default_max_peers(fd_soft)
     if max_peers > fd_soft - 128:  # no room left for a burst accepted before the gate pauses
         log.warning("max_peers=%d is too close to the fd limit %d: using %d", max_peers, fd_soft, fd_soft - 128)

@@ -56,7 +56,11 @@ Rules the gate keeps:
    peer is not stalled in its first quarter second, so an attack can
    overshoot by what it sends in that time before it is shed. Under the
    ceiling nobody is shed for being slow: a client sending a big message
-   over a slow link is cut off only while memory is over it.
+   over a slow link is cut off only while memory is over it. Memory the
+   allocator keeps after peers are gone is not theirs: over the ceiling the
+   gate first asks glibc to give freed memory back (malloc_trim, at most
+   once a second; `tune_malloc` at start makes big buffers mmapped), and
+   after shedding it sheds again only if RSS grows past where it was.
 4. The serving loop only calls `touch(fd)`; the table is a dict written under
    the GIL, so no lock is needed between the two threads.
 """
@@ -83,6 +87,29 @@ _RESERVE_FDS = 64
 _EVENTS = (
     zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_MONITOR_STOPPED
 )
+
+
+def _libc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()  # glibc's allocator controls, or None (macOS, musl)
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_malloc() -> bool:
+    """Make freed big buffers go back to the system (glibc): a fixed mmap
+    threshold of 256 KiB, so a message buffer libzmq frees after a peer is cut
+    off leaves the process instead of staying in the heap (glibc's default
+    threshold rises with use, up to 32 MiB). Without it the watchdog would
+    see memory that no peer holds. Returns False where there is no glibc."""
+    return bool(_LIBC is not None and _LIBC.mallopt(_M_MMAP_THRESHOLD, 256 << 10))
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -178,6 +205,8 @@ class PeerGate(threading.Thread):
             ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "high_water", "pauses"), 0
         )
         self._halt = threading.Event()
+        self._trimmed_at = float("-inf")
+        self._shed_at_rss: int | None = None  # RSS when the watchdog last shed, while over the ceiling
         self._shed_unlogged = 0  # shed since the last log line (one line per second at most)
         self._logged_at = 0.0
 
@@ -352,12 +381,23 @@ class PeerGate(threading.Thread):
         if rss is None:
             return
         over = rss - self.ceiling()
+        if over > 0 and _LIBC is not None and self.clock() - self._trimmed_at > 1.0:
+            self._trimmed_at = self.clock()
+            _LIBC.malloc_trim(0)  # freed but kept by the allocator is not a peer's doing
+            rss = rss_bytes() or rss
+            over = rss - self.ceiling()
         if over <= 0:
+            self._shed_at_rss = None
+            return
+        if self._shed_at_rss is not None and rss <= self._shed_at_rss:
+            # Shedding did not bring it down: what is over is not held for peers
+            # (the heap keeps it). Cut no one else until memory grows again.
             return
         # One peer per sample, or more when far over: one per `over_unit` bytes.
         n = 1 + over // self.over_unit
         shed = sum(self._shed(fd) for fd in self.victims(stalled_only=True)[:n])
         if shed:
+            self._shed_at_rss = rss
             self.counters["shed_for_memory"] += shed
             log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
 
