@@ -59,7 +59,8 @@ Rules the gate keeps:
    over a slow link is cut off only while memory is over it. Memory the
    allocator keeps after peers are gone is not theirs: over the ceiling the
    gate first asks glibc to give freed memory back (malloc_trim, at most
-   once a second; `tune_malloc` at start makes big buffers mmapped), and
+   once a second; `tune_malloc` at start makes frames of 4 MiB or more
+   mmapped), and
    after shedding it sheds again only if RSS grows past where it was.
 4. The serving loop only calls `touch(fd)`; the table is a dict written under
    the GIL, so no lock is needed between the two threads.
@@ -105,11 +106,14 @@ _M_MMAP_THRESHOLD = -3
 
 def tune_malloc() -> bool:
     """Make freed big buffers go back to the system (glibc): a fixed mmap
-    threshold of 256 KiB, so a message buffer libzmq frees after a peer is cut
-    off leaves the process instead of staying in the heap (glibc's default
-    threshold rises with use, up to 32 MiB). Without it the watchdog would
-    see memory that no peer holds. Returns False where there is no glibc."""
-    return bool(_LIBC is not None and _LIBC.mallopt(_M_MMAP_THRESHOLD, 256 << 10))
+    threshold of 4 MiB, so a big frame libzmq frees after a peer is cut off
+    leaves the process instead of staying in the heap (glibc's default
+    threshold rises with use, up to 32 MiB, and malloc_trim alone did not
+    give those back: the long stress run stayed at 370 MB). Not lower: a
+    typical tensor frame (a 256-token chunk of one layer, ~0.5 MiB) stays on
+    the heap's fast path; 256 KiB cost PUTs of 1 MiB frames ~20% (bench_wire).
+    Returns False where there is no glibc."""
+    return bool(_LIBC is not None and _LIBC.mallopt(_M_MMAP_THRESHOLD, 4 << 20))
 
 
 def raise_fd_limit() -> tuple[int, int]:
