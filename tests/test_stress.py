@@ -177,9 +177,7 @@ def test_a_peer_that_never_reads_big_ssd_replies_costs_bounded_memory(daemon_fac
         np.testing.assert_array_equal(hit.sliced["k"].array, arr)
     stats = good.c.stats()
     peers = stats["peers"]
-    assert peers["refused_over_budget"] + peers["dropped_full"] > 0
-    assert peers["cut_off"] >= 1  # the peer holding the most replies was disconnected
+    assert peers["cut_off"] >= 1  # past the total, the peer holding the most replies was disconnected
     assert status(pid, "VmHWM") - before < 4 * MSG_MB * MiB + 64 * MiB  # not 1.6 GB
     assert status(pid, "RssAnon") <= peers["rss_ceiling_bytes"]
-    assert stats["server"]["errors"].get("BUSY", 0) > 0
     assert d.proc.poll() is None

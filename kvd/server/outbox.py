@@ -26,7 +26,13 @@ Rules the outbox keeps:
    tracker learns that its message is gone on pyzmq's garbage thread, a
    moment late, and a client paging through a GET must never be refused for
    its previous page. With `total_bytes` = 2 x `peer_bytes` = 2 x the largest
-   message, that page and the next always fit.
+   message, that page and the next always fit. The garbage thread needs the
+   GIL, which the serving loop holds, so it can lag by several pages: before
+   refusing a peer, or cutting anyone off, the outbox sleeps up to `_SETTLE`
+   (10 ms; measured lags 7-10 ms, a GIL switch interval or two) for it
+   to catch up, once per episode of that peer -- until one of
+   its replies is seen to finish -- and at most every 100 ms for the total,
+   so a never-reading peer cannot make the loop sleep at will.
    When the total is reached, the peer holding the most is cut off
    (`disconnect(fd)`, the fd its last request came on): libzmq drops what
    was queued for it, and the others' replies flow again. Without that, a
@@ -42,6 +48,7 @@ Rules the outbox keeps:
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Callable
 
@@ -49,6 +56,7 @@ import zmq
 
 TRACK_BYTES = 64 * 1024  # smaller replies are copied by pyzmq and bounded by SNDHWM
 _MAX_FULL = 65536
+_SETTLE = 0.010  # most time given to pyzmq's garbage thread before a refusal
 
 
 def _nbytes(frame) -> int:
@@ -71,6 +79,8 @@ class Outbox:
         self.disconnect = disconnect
         self.fds: dict[bytes, int] = {}  # identity -> fd of its last request, while it has bytes queued
         self.cut: set[bytes] = set()  # peers cut off whose queued bytes libzmq has not freed yet
+        self.settled: set[bytes] = set()  # peers already given a settle wait in this episode
+        self._settled_all_at = float("-inf")
         self.peer_bytes = peer_bytes
         self.total_bytes = total_bytes
         self.retry_ms = retry_ms
@@ -88,6 +98,8 @@ class Outbox:
             self.queued.pop(identity, None)
             return 0
         live = [(t, n) for t, n in pending if not t.done]
+        if len(live) < len(pending):
+            self.settled.discard(identity)  # it reads: a new episode may wait again
         self.queued_bytes -= sum(n for _, n in pending) - sum(n for _, n in live)
         if live:
             self.queued[identity] = live
@@ -95,15 +107,47 @@ class Outbox:
             del self.queued[identity]
             self.fds.pop(identity, None)
             self.cut.discard(identity)
+            self.settled.discard(identity)
         return sum(n for _, n in live)
 
     def sweep(self) -> None:
         for identity in list(self.queued):
             self._prune(identity)
 
+    def _settle(self, identity: bytes | None) -> None:
+        """Let pyzmq's garbage thread report finished replies (rule 2): sleep
+        in short steps, up to _SETTLE, until `identity` (None: everyone) is
+        back under its budget."""
+        if identity is None:
+            if time.monotonic() - self._settled_all_at < 0.1:
+                return
+            self._settled_all_at = time.monotonic()
+        elif identity in self.settled:
+            return
+        else:
+            if len(self.settled) >= _MAX_FULL:
+                self.settled.clear()
+            self.settled.add(identity)
+        deadline = time.monotonic() + _SETTLE
+        while time.monotonic() < deadline:
+            time.sleep(0.0002)
+            if identity is None:
+                self.sweep()
+                if self.queued_bytes < self.total_bytes:
+                    return
+            elif self._prune(identity) < self.peer_bytes:
+                return
+
+    def _mine(self, identity: bytes) -> int:
+        mine = self._prune(identity)
+        if mine >= self.peer_bytes:
+            self._settle(identity)
+            mine = self._prune(identity)
+        return mine
+
     def saturated(self, identity: bytes) -> bool:
         """True if a reply to this peer would be dropped or refused right now."""
-        return identity in self.full or self._prune(identity) >= self.peer_bytes
+        return identity in self.full or self._mine(identity) >= self.peer_bytes
 
     # -- sending ---------------------------------------------------------------
     def _held(self, identity: bytes) -> int:
@@ -114,6 +158,9 @@ class Outbox:
         peers holding the most until they can (rule 2): bytes of a peer cut
         off count as gone, since libzmq is about to free them."""
         over = self.queued_bytes + size - self.total_bytes
+        if over > 0:
+            self._settle(None)
+            over = self.queued_bytes + size - self.total_bytes
         if over <= 0:
             return True
         leaving = sum(self._held(i) for i in self.cut)
@@ -135,7 +182,7 @@ class Outbox:
         outcome = "sent"
         tracked = size >= TRACK_BYTES
         if tracked:
-            mine = self._prune(identity)
+            mine = self._mine(identity)
             if self.queued_bytes + size > self.total_bytes:
                 self.sweep()
             if mine >= self.peer_bytes or not self._room(identity, size):

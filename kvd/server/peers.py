@@ -61,7 +61,8 @@ Rules the gate keeps:
    gate first asks glibc to give freed memory back (malloc_trim, at most
    once a second; `tune_malloc` at start makes frames of 4 MiB or more
    mmapped), and
-   after shedding it sheds again only if RSS grows past where it was.
+   after shedding (once libzmq has closed those peers) it sheds again only
+   if RSS moved: down (it helped) or up (someone is pushing).
 4. The serving loop only calls `touch(fd)`; the table is a dict written under
    the GIL, so no lock is needed between the two threads.
 """
@@ -210,7 +211,7 @@ class PeerGate(threading.Thread):
         )
         self._halt = threading.Event()
         self._trimmed_at = float("-inf")
-        self._shed_at_rss: int | None = None  # RSS when the watchdog last shed, while over the ceiling
+        self._shed_at: tuple[float, int] | None = None  # (when, RSS) the watchdog last shed, while over the ceiling
         self._shed_unlogged = 0  # shed since the last log line (one line per second at most)
         self._logged_at = 0.0
 
@@ -391,17 +392,21 @@ class PeerGate(threading.Thread):
             rss = rss_bytes() or rss
             over = rss - self.ceiling()
         if over <= 0:
-            self._shed_at_rss = None
+            self._shed_at = None
             return
-        if self._shed_at_rss is not None and rss <= self._shed_at_rss:
-            # Shedding did not bring it down: what is over is not held for peers
-            # (the heap keeps it). Cut no one else until memory grows again.
-            return
+        if self._shed_at is not None:
+            at, before = self._shed_at
+            if self.closing or self.clock() - at < 0.2:
+                return  # libzmq is still freeing what the shed peers held
+            if before - self.over_unit // 4 < rss < before + self.over_unit // 4:
+                # Shedding did not bring it down: what is over is not held for
+                # peers (the heap keeps it). Cut no one else until memory grows.
+                return
         # One peer per sample, or more when far over: one per `over_unit` bytes.
         n = 1 + over // self.over_unit
         shed = sum(self._shed(fd) for fd in self.victims(stalled_only=True)[:n])
         if shed:
-            self._shed_at_rss = rss
+            self._shed_at = (self.clock(), rss)
             self.counters["shed_for_memory"] += shed
             log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
 
