@@ -29,10 +29,10 @@ Rules the outbox keeps:
    message, that page and the next always fit. The garbage thread needs the
    GIL, which the serving loop holds, so it can lag by several pages: before
    refusing a peer, or cutting anyone off, the outbox sleeps up to `_SETTLE`
-   (10 ms; measured lags 7-10 ms, a GIL switch interval or two) for it
-   to catch up, once per episode of that peer -- until one of
-   its replies is seen to finish -- and at most every 100 ms for the total,
-   so a never-reading peer cannot make the loop sleep at will.
+   (10 ms; measured lags 7-10 ms, a GIL switch interval or two) for it to
+   catch up. These waits come out of one budget that refills at 5% of the
+   time (`_SETTLE_SHARE`, at most 50 ms banked), so no peer, however it
+   reads or does not, can make the loop sleep more than that.
    When the total is reached, the peer holding the most is cut off
    (`disconnect(fd)`, the fd its last request came on): libzmq drops what
    was queued for it, and the others' replies flow again. Without that, a
@@ -57,6 +57,8 @@ import zmq
 TRACK_BYTES = 64 * 1024  # smaller replies are copied by pyzmq and bounded by SNDHWM
 _MAX_FULL = 65536
 _SETTLE = 0.010  # most time given to pyzmq's garbage thread before a refusal
+_SETTLE_SHARE = 0.05  # of the loop's time, at most, spent in such waits
+_SETTLE_BANK = 0.05  # seconds of waiting that may be banked
 
 
 def _nbytes(frame) -> int:
@@ -79,8 +81,8 @@ class Outbox:
         self.disconnect = disconnect
         self.fds: dict[bytes, int] = {}  # identity -> fd of its last request, while it has bytes queued
         self.cut: set[bytes] = set()  # peers cut off whose queued bytes libzmq has not freed yet
-        self.settled: set[bytes] = set()  # peers already given a settle wait in this episode
-        self._settled_all_at = float("-inf")
+        self._bank = _SETTLE_BANK  # seconds of settle waits available (rule 2)
+        self._bank_at = time.monotonic()
         self.peer_bytes = peer_bytes
         self.total_bytes = total_bytes
         self.retry_ms = retry_ms
@@ -98,8 +100,6 @@ class Outbox:
             self.queued.pop(identity, None)
             return 0
         live = [(t, n) for t, n in pending if not t.done]
-        if len(live) < len(pending):
-            self.settled.discard(identity)  # it reads: a new episode may wait again
         self.queued_bytes -= sum(n for _, n in pending) - sum(n for _, n in live)
         if live:
             self.queued[identity] = live
@@ -107,41 +107,29 @@ class Outbox:
             del self.queued[identity]
             self.fds.pop(identity, None)
             self.cut.discard(identity)
-            self.settled.discard(identity)
         return sum(n for _, n in live)
 
     def sweep(self) -> None:
         for identity in list(self.queued):
             self._prune(identity)
 
-    def _settle(self, identity: bytes | None) -> None:
+    def _settle(self, done: Callable[[], bool]) -> None:
         """Let pyzmq's garbage thread report finished replies (rule 2): sleep
-        in short steps, up to _SETTLE, until `identity` (None: everyone) is
-        back under its budget."""
-        if identity is None:
-            if time.monotonic() - self._settled_all_at < 0.1:
-                return
-            self._settled_all_at = time.monotonic()
-        elif identity in self.settled:
-            return
-        else:
-            if len(self.settled) >= _MAX_FULL:
-                self.settled.clear()
-            self.settled.add(identity)
-        deadline = time.monotonic() + _SETTLE
+        in short steps, up to _SETTLE and what the budget allows, until done()."""
+        now = time.monotonic()
+        self._bank = min(_SETTLE_BANK, self._bank + (now - self._bank_at) * _SETTLE_SHARE)
+        self._bank_at = now
+        deadline = now + min(_SETTLE, self._bank)
         while time.monotonic() < deadline:
             time.sleep(0.0002)
-            if identity is None:
-                self.sweep()
-                if self.queued_bytes < self.total_bytes:
-                    return
-            elif self._prune(identity) < self.peer_bytes:
-                return
+            if done():
+                break
+        self._bank -= time.monotonic() - now
 
     def _mine(self, identity: bytes) -> int:
         mine = self._prune(identity)
         if mine >= self.peer_bytes:
-            self._settle(identity)
+            self._settle(lambda: self._prune(identity) < self.peer_bytes)
             mine = self._prune(identity)
         return mine
 
@@ -159,7 +147,11 @@ class Outbox:
         off count as gone, since libzmq is about to free them."""
         over = self.queued_bytes + size - self.total_bytes
         if over > 0:
-            self._settle(None)
+            def under() -> bool:
+                self.sweep()
+                return self.queued_bytes + size <= self.total_bytes
+
+            self._settle(under)
             over = self.queued_bytes + size - self.total_bytes
         if over <= 0:
             return True
