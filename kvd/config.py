@@ -321,6 +321,10 @@ SETTINGS: tuple[Setting, ...] = (
             "and lost, and the daemon exits 0. The service files allow a little more."),
     Setting("max_message_mb", _int(1), 512,
             "Largest message the daemon accepts, in MiB (advertised to clients)."),
+    Setting("max_peers", _int(0), 0,
+            "Most client connections served at once; past it the longest-idle are shed. "
+            "0: derived from the fd limit (raised to its hard limit at start): half of it less 64.",
+            default_doc="0 (from the fd limit)"),
     Setting("log_level", _log_level, "info",
             "Log level: " + ", ".join(LOG_LEVELS) + "."),
     Setting("log_file", _optional_path, None,

@@ -38,6 +38,7 @@ def serve(**flags) -> None:
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
     from kvd.server.governor import from_config as governor_for
+    from kvd.server.peers import default_max_peers, raise_fd_limit, tune_malloc
     from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
@@ -63,6 +64,14 @@ def serve(**flags) -> None:
     log = logging.getLogger("kvd.server")
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
+    # Before anything opens a file: libzmq aborts on EMFILE (kvd.server.peers).
+    fd_soft, fd_hard = raise_fd_limit()
+    tune_malloc()  # freed message buffers leave the process (kvd.server.peers rule 3)
+    max_peers = cfg.max_peers or default_max_peers(fd_soft)
+    if max_peers > fd_soft - 128:  # no room left for a burst accepted before the gate pauses
+        log.warning("max_peers=%d is too close to the fd limit %d: using %d", max_peers, fd_soft, fd_soft - 128)
+        max_peers = max(8, fd_soft - 128)
+    log.info("fd limit %d (hard %d): max_peers=%d", fd_soft, fd_hard, max_peers)
     ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
     if cfg.ram_mb == "auto":
         log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
@@ -127,6 +136,7 @@ def serve(**flags) -> None:
         allow_insecure_tcp=cfg.allow_insecure_tcp,
         stop_timeout=cfg.stop_timeout,
         parked_max_bytes=cfg.dirty_max_mb * MiB,
+        max_peers=max_peers,
     )
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report

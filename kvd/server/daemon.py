@@ -14,7 +14,8 @@ Rules the loop keeps:
    replies with the protocol's code; any other exception in a handler becomes
    INTERNAL, is logged with its traceback, and the loop goes on.
 2. A reply to a client that went away, or whose queue is full, is dropped
-   and counted (ROUTER_MANDATORY + NOBLOCK), never blocks the loop.
+   and counted (ROUTER_MANDATORY + NOBLOCK), never blocks the loop; queued
+   reply bytes are budgeted per peer and in total (kvd.server.outbox).
 3. The loop wakes at least every `tick` seconds to run housekeeping hooks
    (the systemd watchdog, store maintenance) and to notice SIGTERM/SIGINT.
 4. Write-through PUTs are answered only when their entries are on disk: the
@@ -22,6 +23,9 @@ Rules the loop keeps:
    news arrives through a pipe the poller watches; nobody else waits. At a
    stop, parked PUTs get at most half of `stop_timeout` to complete, then
    NOT_PERSISTED -- never an acknowledgement for what is not on disk.
+5. Peer connections stay under `max_peers`, far from the fd limit, and
+   stalled peers are shed when memory passes the ceiling (kvd.server.peers,
+   on a thread of its own).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_ke
 from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
+from kvd.server.outbox import Outbox
+from kvd.server.peers import PeerGate, default_max_peers, memory_ceiling
 from kvd.server.ratelog import RateLimitedLog
 from kvd.store.base import Store
 
@@ -51,6 +57,9 @@ log = logging.getLogger("kvd.server")
 # Frames below this size are copied out of ZeroMQ's receive buffers so a small
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
+# Unread replies a peer may have queued: a client has one request in flight,
+# so more than a few means it is not reading (kvd.server.outbox).
+_SNDHWM = 16
 
 
 class Daemon:
@@ -70,6 +79,7 @@ class Daemon:
         allow_insecure_tcp: bool = False,
         stop_timeout: float = 10.0,
         parked_max_bytes: int = 256 << 20,
+        max_peers: int | None = None,
     ):
         self.store = store
         self.endpoint = endpoint
@@ -105,6 +115,11 @@ class Daemon:
             hook(lambda results, degraded: self.wakeup.post((results, degraded)))
         if self.write_through:
             self.handler.stats_sections["write_through"] = lambda stats: self.parking.stats()
+        self.max_peers = max_peers
+        self.gate: PeerGate | None = None
+        self.outbox: Outbox | None = None
+        self._ceiling = 0  # bytes of RSS (anonymous) allowed; recomputed every tick
+        self.handler.stats_sections["peers"] = lambda stats: self.peer_stats()
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
 
@@ -112,6 +127,7 @@ class Daemon:
     def bind(self) -> None:
         """Take the endpoint lock and bind. Raises EndpointError (EndpointBusy) or zmq.ZMQError."""
         self._lock.acquire()
+        monitor = None
         try:
             ctx = zmq.Context()
             sock = ctx.socket(zmq.ROUTER)
@@ -123,15 +139,18 @@ class Daemon:
             sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
             # Per-peer queues, in messages. Inbound, a message may be
             # max_message_bytes, so a client pipelining PUTs must not park
-            # gigabytes here. Outbound replies mostly reference stored
-            # buffers; a generous queue avoids needless drops (see _send).
-            sock.setsockopt(zmq.SNDHWM, 1024)
+            # gigabytes here. Outbound, a client has one request in flight;
+            # a peer with _SNDHWM unread replies is not reading (see Outbox).
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
             sock.setsockopt(zmq.RCVHWM, 4)
-            sock.setsockopt(zmq.SNDTIMEO, 100)
             if is_tcp(self.endpoint):
                 self._secure_tcp(ctx, sock)
+            # Before bind: the gate learns the listener's fd from LISTENING.
+            monitor = sock.get_monitor_socket(PeerGate.EVENTS)
             sock.bind(self.endpoint)
         except Exception:
+            if monitor is not None:
+                monitor.close(linger=0)
             if self._auth is not None:
                 self._auth.stop()
                 self._auth = None
@@ -141,6 +160,26 @@ class Daemon:
         # 0700 directory under the umask `kvd serve` set, so it never exists
         # with a mode another user could use, not even for a moment.
         self._ctx, self._sock = ctx, sock
+        m = self.limits.max_message_bytes
+        # Queued replies stay under 2 x m + one message in all (kvd.server.peers.memory_ceiling).
+        self._update_ceiling()
+        self.gate = PeerGate(
+            monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling, over_unit=m
+        )
+        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self.gate.shed)
+        self.gate.start()
+
+    def _update_ceiling(self) -> None:
+        ram = getattr(self.store, "ram", self.store)
+        self._ceiling = memory_ceiling(getattr(ram, "bytes", 0), self.limits)
+
+    def peer_stats(self) -> dict:
+        out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling}
+        if self.gate is not None:
+            out.update(self.gate.stats())
+        if self.outbox is not None:
+            out.update(self.outbox.stats())
+        return out
 
     def _secure_tcp(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         """CURVE on a tcp endpoint (kvd.endpoint rule 6), or the operator's explicit opt-out.
@@ -192,6 +231,12 @@ class Daemon:
         self._signal_fd = True
 
     def close(self) -> None:
+        if self.gate is not None and self._sock is not None:
+            self._sock.disable_monitor()  # the gate sees MONITOR_STOPPED and ends
+            self.gate.stop()
+            self.gate.join(timeout=2.0)
+            self.gate.resume()  # libzmq must find its own listener when it closes it
+            self.gate = None
         if self._sock is not None:
             # Let replies already queued (the SHUTDOWN acknowledgement above
             # all) reach their peers; a peer that is gone cannot hold us long.
@@ -250,6 +295,9 @@ class Daemon:
                     next_tick = time.monotonic() + self.tick
                     if self.on_tick is not None:
                         self.on_tick()
+                    if self.outbox is not None:
+                        self.outbox.sweep()
+                    self._update_ceiling()
                     with self.lock:
                         self.store.tick()
                     self._maybe_log_summary()
@@ -329,12 +377,19 @@ class Daemon:
     def _serve_one(self, raw: list[zmq.Frame]) -> bool:
         """Serve one request; True if it asked the daemon to shut down."""
         identity, payload = raw[0].bytes, raw[1:]
+        fd = payload[0].get(zmq.SRCFD) if payload else None
+        if self.gate is not None:
+            self.gate.touch(fd)
         frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
         started = time.perf_counter()
-        with self.lock:
-            reply, shutdown, mtype = self._handle(frames, identity)
+        if self.outbox is not None and self.outbox.saturated(identity):
+            # Its replies would be dropped or refused anyway: do no work for it.
+            reply, shutdown, mtype = self._busy(frames, "replies to this peer are not being read; read them"), False, "BUSY"
+        else:
+            with self.lock:
+                reply, shutdown, mtype = self._handle(frames, identity)
         if reply is not None:  # None: parked until its entries are on disk
-            self._send(identity, reply)
+            self._send(identity, reply, frames, fd)
         elapsed = time.perf_counter() - started
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
@@ -377,20 +432,16 @@ class Daemon:
             reply = codec.encode_error(err, id=msg.id)
         return reply, shutdown, msg.type
 
-    def _send(self, identity: bytes, frames: list) -> None:
-        assert self._sock is not None
-        msg = [identity, *frames]
-        try:
-            try:
-                self._sock.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                # libzmq only processes the reader's "I have read up to N"
-                # commands in non-blocking calls once per ~1 ms, so a peer
-                # doing fast round trips can look full when it is not. A
-                # blocking send processes them; SNDTIMEO bounds the wait.
-                self._sock.send_multipart(msg, copy=False)
-        except (zmq.Again, zmq.ZMQError) as exc:
-            # EHOSTUNREACH: the peer is gone; EAGAIN: its queue is full.
+    def _busy(self, request: list, why: str) -> list:
+        err = E.Busy(f"{why}, or retry later")
+        self.handler.errors[err.name] += 1
+        return codec.encode_error(err, id=codec.peek_id(request) if request else 0)
+
+    def _send(self, identity: bytes, frames: list, request: list | None = None, fd: int | None = None) -> None:
+        assert self.outbox is not None
+        outcome = self.outbox.send(identity, frames, busy=lambda: self._busy(request, "too many reply bytes are queued for peers"), fd=fd)
+        if outcome == "dropped":
             self.dropped_replies += 1
-            reason = exc.__class__.__name__ if isinstance(exc, zmq.Again) else exc.strerror
-            self.ratelog.warning(f"reply dropped reason={reason}", "reply dropped reason=%s", reason)
+            self.ratelog.warning("reply dropped", "reply dropped (peer gone or not reading)")
+        elif outcome == "busy":
+            self.ratelog.warning("reply over budget", "reply refused BUSY: queued reply bytes over budget")

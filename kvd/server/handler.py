@@ -12,6 +12,12 @@ to gather, so the time bound only cuts pages read from disk: other clients'
 requests are served between them instead of waiting for a whole SSD fetch.
 Every page re-matches the chain, so a page can only shrink `n`, never
 serve a byte of a chunk the store no longer holds.
+
+Work per request is bounded by `limits.max_chunks`: LOOKUP, GET and EXPLAIN
+walk at most that many chunks of a sequence (their answer never goes past
+them), and a PUT of a sequence longer than that is BAD_FIELD. A chunk costs a
+SHA-256 and a few dict lookups (~1-2 us), so one request holds the loop for
+milliseconds, not the second a 1 M-token LOOKUP with chunk_tokens=1 took.
 """
 
 from __future__ import annotations
@@ -111,9 +117,13 @@ class Handler:
         raise ShutdownRequested()
 
     # -- data ----------------------------------------------------------------
+    def _walked(self, msg: Message) -> bytes:
+        """The tokens (u32 LE) a LOOKUP/GET/EXPLAIN considers: its first `max_chunks` chunks."""
+        return msg["tokens"][: 4 * self.limits.max_chunks * msg["chunk_tokens"]]
+
     def on_lookup(self, msg: Message):
         ns = msg["ns"]
-        links = match(self.store, ns, msg["chunk_tokens"], msg["tokens"], _media(msg))
+        links = match(self.store, ns, msg["chunk_tokens"], self._walked(msg), _media(msg))
         n = links[-1].end if links else 0
         c = self.ns_counters[ns]
         c["lookups"] += 1
@@ -121,7 +131,7 @@ class Handler:
         return "LOOKUP", {"n": n, "boundaries": [link.end for link in links if link.boundary]}
 
     def on_get(self, msg: Message):
-        ns, tokens_le = msg["ns"], msg["tokens"]
+        ns, tokens_le = msg["ns"], self._walked(msg)
         links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg))
         cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
         need_boundary, start = msg["need_boundary"], msg["start"]
@@ -206,6 +216,11 @@ class Handler:
     def on_put(self, msg: Message):
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
         n_tokens = len(tokens_le) // 4
+        if -(-n_tokens // ct) > self.limits.max_chunks:
+            raise BadField(
+                f"{n_tokens} tokens in chunks of {ct} are {-(-n_tokens // ct)} chunks; the limit is "
+                f"{self.limits.max_chunks} (use a larger chunk_tokens or a shorter sequence)"
+            )
         chain = keys.chain(ns, ct, tokens_le, _media(msg))
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
@@ -254,7 +269,8 @@ class Handler:
 
     def on_explain(self, msg: Message):
         self.ns_counters[msg["ns"]]["explains"] += 1
-        return "EXPLAIN", explain(self.store, self.evictions, self.sequences, msg.fields, media=_media(msg))
+        fields = {**msg.fields, "tokens": self._walked(msg)}
+        return "EXPLAIN", explain(self.store, self.evictions, self.sequences, fields, media=_media(msg))
 
     # -- admin -----------------------------------------------------------------
     def on_stats(self, msg: Message):

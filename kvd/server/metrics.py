@@ -146,6 +146,11 @@ def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
     return MetricsServer(httpd, thread)
 
 
+_PEER_COUNTERS = (
+    "accepted", "shed_over_cap", "shed_for_memory", "pauses", "refused_over_budget", "cut_off", "dropped_full", "dropped_gone",
+)
+
+
 def _extra_families(sections: dict[str, Any], evictions: dict[str, Any]) -> Iterator[Any]:
     """Memory pressure, quotas and the eviction record (see governor.py, quota.py, evictions.py)."""
     ev = CounterMetricFamily("kvd_evictions", "Entries leaving a tier, by tier, what and why", labels=["tier", "what", "why"])
@@ -159,6 +164,14 @@ def _extra_families(sections: dict[str, Any], evictions: dict[str, Any]) -> Iter
             yield GaugeMetricFamily(f"kvd_pressure_{key}", f"RAM tier {key.split('_')[1]} under memory pressure", value=p[key])
         for key in _PRESSURE_COUNTERS:
             yield CounterMetricFamily(f"kvd_pressure_{key}", f"Memory pressure {key.replace('_', ' ')}", value=p[key])
+    peers = sections.get("peers")
+    if peers:  # kvd.server.peers and kvd.server.outbox
+        for key, doc in (("connected", "Peer connections open"), ("max_peers", "Most peer connections served at once"),
+                         ("queued_bytes", "Reply bytes queued for peers, not yet sent"),
+                         ("rss_ceiling_bytes", "Anonymous RSS over which stalled peers are shed")):
+            yield GaugeMetricFamily(f"kvd_peers_{key}", doc, value=peers.get(key, 0))
+        for key in _PEER_COUNTERS:
+            yield CounterMetricFamily(f"kvd_peers_{key}", f"Peers: {key.replace('_', ' ')}", value=peers.get(key, 0))
     q = sections.get("quotas")
     if q:
         limit = GaugeMetricFamily("kvd_quota_bytes", "Quota, by pattern and tier", labels=["pattern", "tier"])

@@ -307,12 +307,12 @@ def open_store(
     """
     local: Store
     if data_dir is None:
-        local = RamStore(ram_bytes)
+        local = RamStore(ram_bytes, overhead=True)
     else:
         if ssd_bytes <= 0:
             raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
         ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
-        local = TieredStore(RamStore(ram_bytes), ssd, write_through=write_through)
+        local = TieredStore(RamStore(ram_bytes, overhead=True), ssd, write_through=write_through)
     return with_remote(local, remote_url, remote_options)
 
 
