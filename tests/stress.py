@@ -12,18 +12,18 @@ import subprocess
 import sys
 from typing import Iterator
 
-# Raw connections, as fast as they can be made; never a byte sent.
+# Raw connections, as fast as the daemon takes them (a connect waits while the
+# listener's backlog is full, at most 10 s); never a byte sent. Says how many,
+# then holds them until its stdin closes.
 FLOOD = r"""
-import socket, sys
+import socket, struct, sys
 path, n = sys.argv[1], int(sys.argv[2])
 held = []
 for _ in range(n):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.setblocking(False)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
     try:
         s.connect(path)
-    except BlockingIOError:
-        pass
     except OSError:
         s.close()
         continue

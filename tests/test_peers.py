@@ -17,33 +17,14 @@ import pytest
 import zmq
 
 from kvd.protocol import codec
-from kvd.server.peers import PeerGate, default_max_peers
+from kvd.server.peers import PeerGate, default_max_peers, listen_backlog
 from kvd_client import HostTensor, Snapshot
 
+from stress import FLOOD
 from support import FakeClock, free_port, scrape
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc are Linux")
 
-# Opens N raw connections to a unix socket as fast as it can, says how many,
-# then holds them until its stdin closes.
-FLOOD = r"""
-import socket, sys
-path, n = sys.argv[1], int(sys.argv[2])
-held = []
-for _ in range(n):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.setblocking(False)
-    try:
-        s.connect(path)
-    except BlockingIOError:
-        pass
-    except OSError:
-        s.close()
-        continue
-    held.append(s)
-print(len(held), flush=True)
-sys.stdin.read()
-"""
 
 
 def flood(path: str, n: int) -> subprocess.Popen:
@@ -74,9 +55,7 @@ def test_a_thousand_connections_under_256_fds_do_not_kill_the_daemon(daemon_fact
     path = d.endpoint[len("ipc://"):]
     good = d.client("good", strict=True, chunk_tokens=16)
     round_trip(good, 1)
-    # 1,000 attempts at once, then 1,000 more while those are held. (Several
-    # processes bursting thousands at once on a loaded machine can outrun the
-    # gate thread: see README, Known limits.)
+    # 1,000 connections as fast as they go, then 1,000 more while those are held.
     floods, opened = [], []
     for _ in range(2):
         floods.append(flood(path, 1000))
@@ -93,8 +72,9 @@ def test_a_thousand_connections_under_256_fds_do_not_kill_the_daemon(daemon_fact
             f.wait()
     assert d.proc.poll() is None, d.log()
     assert peers["max_peers"] == default_max_peers(256) == 64
-    assert peers["shed_over_cap"] > 0 and peers["pauses"] > 0
-    assert peers["high_water"] < 256 - 16  # never near EMFILE
+    assert peers["accepted"] >= 2000 - 2 * listen_backlog(64)  # all but those still waiting
+    assert peers["shed_over_cap"] >= 2000 - 2 * listen_backlog(64) - 64  # the excess was shed
+    assert peers["high_water"] < 256 - 32  # the cap held (a few over, for microseconds): never near EMFILE
     round_trip(good, 7)
     assert d.stop() == 0  # a clean stop: the listener was restored before libzmq closed it
 

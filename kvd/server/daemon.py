@@ -48,7 +48,7 @@ from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.outbox import Outbox
-from kvd.server.peers import PeerGate, default_max_peers, memory_ceiling
+from kvd.server.peers import PeerGate, default_max_peers, listen_backlog, memory_ceiling
 from kvd.server.ratelog import RateLimitedLog
 from kvd.store.base import Store
 
@@ -145,6 +145,9 @@ class Daemon:
             sock.setsockopt(zmq.RCVHWM, 4)
             if is_tcp(self.endpoint):
                 self._secure_tcp(ctx, sock)
+            # Connections waiting to be accepted: what a burst can add at once
+            # when the gate opens the listener (kvd.server.peers, _admit).
+            sock.setsockopt(zmq.BACKLOG, listen_backlog(self.max_peers or default_max_peers()))
             # Before bind: the gate learns the listener's fd from LISTENING.
             monitor = sock.get_monitor_socket(PeerGate.EVENTS)
             sock.bind(self.endpoint)

@@ -14,21 +14,29 @@ microseconds, not after the request the serving loop is busy with. It reads
 the ROUTER socket's monitor (LISTENING, ACCEPTED, DISCONNECTED, CLOSED, each
 with an fd) and keeps a table fd -> (accepted at, last request at).
 
-When the table goes over `max_peers` the gate first *pauses the listener*,
-then sheds. Pausing must be instant, because libzmq goes on accepting a burst
-of connections while the gate works: the gate keeps a duplicate of libzmq's
-listening fd and dup2()s a private, empty listening socket over that fd
-number. libzmq's epoll still watches the real listener (the registration
-belongs to the open file, which the duplicate keeps alive), so when a
-connection is pending libzmq calls accept() on the fd -- which is now the
-empty socket: EAGAIN, which libzmq takes in its stride. New connections wait
-in the kernel's backlog meanwhile. Once the peers, counting those shed but
-not yet closed by libzmq, are back at `max_peers`, the real listener is
-dup2()ed back and libzmq accepts the waiting connections. While paused with
-connections pending libzmq's I/O thread spins (level-triggered epoll); pauses
-last as long as shedding takes, milliseconds. The listener is always
+The listener is *paused* except while the gate admits connections. To
+pause, the gate keeps a duplicate of libzmq's listening fd and dup2()s a
+private, empty listening socket over that fd number. libzmq's epoll still
+watches the real listener (the registration belongs to the open file, which
+the duplicate keeps alive), so when a connection is waiting libzmq calls
+accept() on the fd -- which is now the empty socket: EAGAIN, which libzmq
+takes in its stride (its I/O thread spins meanwhile: level-triggered epoll).
+Waiting connections stay in the kernel's backlog (`listen_backlog`: small
+under a small fd limit), a connect past it waits or is refused by the kernel.
+
+The gate polls the duplicate; when a connection waits and the table has
+room (`max_peers` less the peers, less those shed but not yet closed), it
+opens the listener for a few microseconds at a time, reading the ACCEPTED
+events in between (`_admit`). A burst therefore cannot fill the fd table
+while the gate is looking elsewhere -- it could when the listener stayed
+open and the gate, woken by events, reacted after libzmq had accepted
+hundreds. When the table is full and connections wait, the gate sheds the
+oldest idle peers, an eighth of the cap at a time (`_make_room`), and admits
+the waiting ones once libzmq has closed them. The listener is always
 restored before the socket is closed (libzmq asserts when it cannot remove
-an fd from epoll).
+an fd from epoll). What remains: libzmq accepts what it can in a window, so
+a gate preempted inside one (a few microseconds, on a CPU-starved machine)
+lets a few dozen more in; `default_max_peers` keeps half the table for that.
 
 To shed, the gate shuts the connection down (shutdown(2), SHUT_RDWR, on the
 fd number itself -- no dup, which would need a free fd): libzmq then sees
@@ -72,6 +80,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import select
 import socket
 import threading
 import time
@@ -85,6 +94,12 @@ log = logging.getLogger("kvd.server")
 # fds the daemon keeps for itself whatever the peers do: ZeroMQ's eventfds and
 # epoll, LMDB, blob files being written and read, the log, the metrics server.
 _RESERVE_FDS = 64
+_WINDOW = 0.005  # seconds one PeerGate._admit may spin before polling again
+
+
+def _readable(fd: int) -> bool:
+    """Does the listening socket `fd` have a connection waiting?"""
+    return bool(select.select([fd], [], [], 0)[0])
 
 _EVENTS = (
     zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_MONITOR_STOPPED
@@ -143,6 +158,13 @@ def default_max_peers(fd_limit: int | None = None) -> int:
     if fd_limit is None:
         fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return max(8, fd_limit // 2 - _RESERVE_FDS)
+
+
+def listen_backlog(max_peers: int) -> int:
+    """The listener's backlog: libzmq's default (100), less under a small cap.
+    While the gate has the listener open, what waits there is accepted in one
+    burst, before the gate has read a single ACCEPTED event."""
+    return max(8, min(100, max_peers // 4))
 
 
 # What the daemon's process holds besides the RAM tier's entries and messages:
@@ -204,7 +226,7 @@ class PeerGate(threading.Thread):
         self._real: int | None = None  # our duplicate of it, which keeps the real listener alive
         self._empty: socket.socket | None = None  # what the listener fd points at while paused
         self.paused = False
-        self.fd_alarm = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - _RESERVE_FDS // 2
+        self.fd_alarm = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - _RESERVE_FDS
         self.sockname = None  # the listener's address: what a peer's fd reports as its own
         self.counters = dict.fromkeys(
             ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "high_water", "pauses"), 0
@@ -232,16 +254,32 @@ class PeerGate(threading.Thread):
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.monitor, zmq.POLLIN)
+        watching = False
         next_sample = self.clock() + self.tick
         try:
             while not self._halt.is_set():
+                # Watch for waiting connections only while there is room for
+                # them (else a waiting connection would wake us in a loop).
+                want = self._real is not None and self._room() > 0
+                if want != watching:
+                    if want:
+                        poller.register(self._real, zmq.POLLIN)
+                    else:
+                        poller.unregister(self._real)
+                    watching = want
                 wait = max(0.0, next_sample - self.clock())
-                if poller.poll(int(wait * 1000) + 1):
-                    while self._event():
-                        self._balance()  # after every event: a burst must not outrun us
+                events = dict(poller.poll(int(wait * 1000) + 1))
+                if self.monitor in events:
+                    self._drain()
+                    self._balance()
+                if watching and self._real in events:
+                    self._admit()
+                if self._room() <= 0 and not self.closing and self._real is not None and _readable(self._real):
+                    self._make_room()
                 if self.clock() >= next_sample:
                     next_sample = self.clock() + self.tick
                     self._expire_closing()
+                    self._drain()
                     self._balance()
                     self._watch_memory()
                     self._log_shedding()
@@ -254,6 +292,44 @@ class PeerGate(threading.Thread):
             if self._real is not None:
                 os.close(self._real)
                 self._real = None
+
+    def _room(self) -> int:
+        """Connections libzmq may still accept: the cap less the peers, and less
+        those shed but not closed yet (they still hold their fds)."""
+        return self.max_peers - len(self.peers) - len(self.closing)
+
+    def _make_room(self) -> None:
+        """Connections wait and the table is full: shed the oldest idle (rule 1),
+        an eighth of the cap at a time; those waiting are admitted once libzmq
+        has closed them."""
+        shed = sum(self._shed(fd) for fd in self.victims()[: max(1, self.max_peers // 8)])
+        self.counters["shed_over_cap"] += shed
+        self._shed_unlogged += shed
+        self._log_shedding()
+
+    def _admit(self) -> None:
+        """Connections are waiting: let libzmq accept them, a few at a time.
+
+        The listener stays paused except in windows of a few microseconds
+        (two dup2() calls back to back), opened and closed by this thread
+        while it is awake: libzmq's I/O thread, spinning on the waiting
+        connection, takes none, one or a few; the gate counts them and goes
+        again while there is room. Longer windows lose the race: libzmq
+        accepts ~4x faster than Python reads ACCEPTED events, a thread woken
+        by events can be scheduled too late (measured: 170 accepts before the
+        gate's first wake-up on 2 busy cores), and a window of 20 us let 150
+        through when CPU hogs preempted the gate (libzmq aborts on EMFILE). Connections beyond the room wait in
+        the kernel's backlog until the oldest idle peers are shed
+        (`_make_room`).
+        """
+        assert self._real is not None
+        deadline = self.clock() + _WINDOW
+        while self._room() > 0 and _readable(self._real) and self.clock() < deadline:
+            self.resume()
+            self.pause()  # libzmq takes what it can in between: none, one or a few
+            if not self._drain():
+                time.sleep(0)  # let the serving thread have the GIL
+        self._balance()  # libzmq may have taken a few more than the room
 
     def _event(self) -> bool:
         """Handle one queued monitor event; False when none is left."""
@@ -309,6 +385,7 @@ class PeerGate(threading.Thread):
             self._empty.listen(1)
             self._real = os.dup(fd)
             self.listener = fd
+            self.pause()  # open only while _admit watches
         except OSError as err:
             log.warning("cannot prepare listener pauses (%s): shedding only", err)
             if self._empty is not None:
@@ -328,13 +405,27 @@ class PeerGate(threading.Thread):
         os.dup2(self._real, self.listener, inheritable=False)
         self.paused = False
 
+    def _drain(self) -> None:
+        """Read every queued monitor event, pausing as soon as the table is
+        over the cap or the fd table nearly full: a burst must not outrun us."""
+        self._check_fds()  # first: the queued events lag libzmq's accepts
+        while self._event():
+            self._check_fds()
+            if len(self.peers) > self.max_peers:
+                self.pause()
+                self._shed_over_cap()
+
     def _balance(self) -> None:
-        """Pause over the cap, shed down to it, resume once libzmq has closed enough."""
+        """Shed down to the cap (the listener is paused outside `_admit`)."""
         if len(self.peers) > self.max_peers:
-            self.pause()
             self._shed_over_cap()
-        if self.paused and len(self.peers) + len(self.closing) <= self.max_peers:
-            self.resume()
+
+    def _drain(self) -> int:
+        """Read every queued monitor event; how many there were."""
+        n = 0
+        while self._event():
+            n += 1
+        return n
 
     def _expire_closing(self) -> None:
         """Forget shed fds whose DISCONNECTED never came (5 s): never pause for good."""
