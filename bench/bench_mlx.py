@@ -17,7 +17,7 @@ baselines measured in the same run:
 
 store and fetch are measured for each data plane (`frames`: bytes inside
 ZeroMQ messages over ipc; `shm`: the shared-memory plane, PROTOCOL.md
-section 13), against the same baselines.
+section 14), against the same baselines.
   demo   fetch vs cold prefill of the same prefix with the demo model
          (examples/demo_shared_prefix.py), i.e. what a hit saves.
 """

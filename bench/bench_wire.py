@@ -3,7 +3,7 @@
     python bench/bench_wire.py [--reps 5] [--sizes 16,64,256] [--transports frames,shm]
 
 Prints, per size and data plane (frames over ipc; shm, the shared-memory
-plane of PROTOCOL.md section 13), the throughput of Client.put and Client.get
+plane of PROTOCOL.md section 14), the throughput of Client.put and Client.get
 and their ratio to three baselines measured in the same run on the same machine:
   * raw pyzmq: the same bytes over the same ipc transport, zero-copy both
     ways, no kvd code at all, the receiver keeping only the last message:

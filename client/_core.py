@@ -26,7 +26,7 @@ with one copy per tensor.
 
 `transport` picks how tensor bytes travel: "frames" (in ZeroMQ messages,
 always possible), "shm" (through the daemon's shared memory, PROTOCOL.md
-section 13: same host, same user, ipc only) or "auto" (the default): shm when
+section 14: same host, same user, ipc only) or "auto" (the default): shm when
 the daemon offers it on an ipc endpoint, else frames. A GET or PUT that
 cannot use shm (arena full, daemon restarted) goes over frames instead.
 `counters` say which path each call took (shm_gets, shm_puts).

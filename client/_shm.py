@@ -1,4 +1,4 @@
-"""The client's side of the shared-memory data plane (PROTOCOL.md section 13).
+"""The client's side of the shared-memory data plane (PROTOCOL.md section 14).
 
 Theory of operation
 -------------------

@@ -186,6 +186,25 @@ def _pressure_source(raw: Any) -> str:
 _pressure_source.kind = "source"  # type: ignore[attr-defined]
 
 
+def _remote_url(raw: Any) -> str | None:
+    """A redis://, rediss://, valkey://, valkeys:// or unix:// URL, or None
+    for "" / "none" / "off". Checked without importing the client library."""
+    from kvd.store.remote_url import check  # light: no redis import
+
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE_WORDS):
+        return None
+    return check(_str(raw))
+
+
+_remote_url.kind = "url"  # type: ignore[attr-defined]
+
+
+def _redact_url(value: Any) -> Any:
+    from kvd.store.remote_url import redact
+
+    return redact(value)
+
+
 # --- per-user default locations ------------------------------------------------
 
 
@@ -234,6 +253,11 @@ class Setting:
     default: Any  # a value, or a callable(environ) -> value computed lazily
     doc: str
     default_doc: str = ""  # how --help describes a computed default
+    redact: Callable[[Any], Any] | None = None  # how to show a value that may hold a secret
+
+    def shown(self, value: Any) -> Any:
+        """`value` as `kvd config`, logs and reprs may show it (secrets hidden)."""
+        return self.redact(value) if self.redact is not None and value is not None else value
 
     @property
     def env(self) -> str:
@@ -288,8 +312,19 @@ SETTINGS: tuple[Setting, ...] = (
             "Write every chunk to the SSD tier when it is stored, not only when evicted from RAM."),
     Setting("spill_queue", _int(1), 256,
             "Most chunks waiting to be written to the SSD tier."),
+    Setting("dirty_max_mb", _int(1), 256,
+            "Bytes of stored chunks not yet on disk that the SSD writer's queue holds, in MiB: in "
+            "write-back mode the backlog a stop has to write; in write-through mode the most that "
+            "PUTs waiting for their fsync may hold (past it a PUT is answered BUSY)."),
+    Setting("stop_timeout", _float(0.0, exclusive=True), 10.0,
+            "Seconds a stop (SIGTERM, `kvd stop`) may take: what is not on disk by then is logged "
+            "and lost, and the daemon exits 0. The service files allow a little more."),
     Setting("max_message_mb", _int(1), 512,
             "Largest message the daemon accepts, in MiB (advertised to clients)."),
+    Setting("max_peers", _int(0), 0,
+            "Most client connections served at once; past it the longest-idle are shed. "
+            "0: derived from the fd limit (raised to its hard limit at start): half of it less 64.",
+            default_doc="0 (from the fd limit)"),
     Setting("log_level", _log_level, "info",
             "Log level: " + ", ".join(LOG_LEVELS) + "."),
     Setting("log_file", _optional_path, None,
@@ -313,6 +348,22 @@ SETTINGS: tuple[Setting, ...] = (
             "(segments in <socket>.shm/; tcp:// never gets it)."),
     Setting("shm_lease_s", _float(0.0, exclusive=True), 30.0,
             "Seconds a client may hold shared-memory slots it was handed before they are reclaimed."),
+    Setting("remote_url", _remote_url, None,
+            "Shared remote tier behind RAM and SSD: redis://[user:password@]host:port[/db], rediss:// (TLS; "
+            "ssl_* query parameters go to the client), valkey://, valkeys://, unix://PATH; \"none\" = off. "
+            "Never printed with its password.",
+            default_doc="none (off)", redact=_redact_url),
+    Setting("remote_ttl_s", _int(0), 0,
+            "Seconds each remote key lives (0 = until the server's maxmemory-policy evicts it)."),
+    Setting("remote_timeout_s", _float(0.0, exclusive=True), 0.5,
+            "Seconds one round trip to the remote may take before the tier is marked degraded."),
+    Setting("remote_part_mb", _int(1, 512), 32,
+            "Largest remote value in MiB; bigger entries are split into parts."),
+    Setting("remote_backlog_mb", _int(1), 1024,
+            "Most MiB of entries waiting to be written to the remote (the oldest are dropped past it); "
+            "keep it above the largest PUT (max_message_mb)."),
+    Setting("remote_batch", _int(1), 32,
+            "Entries written to the remote per pipelined batch."),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -361,14 +412,14 @@ class Config:
         return dict(self._values)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        inner = ", ".join(f"{k}={BY_NAME[k].shown(v)!r}" for k, v in self._values.items())
         return f"Config({inner})"
 
 
 # TOML has types: a file value must already be of its setting's type.
 _TOML_TYPES = {
     "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "choice": (str,), "path": (str,),
-    "int_auto": (int, str), "source": (str,),
+    "int_auto": (int, str), "source": (str,), "url": (str,),
 }
 
 
@@ -506,7 +557,7 @@ def config_options(command: Callable | None = None, *, names: tuple[str, ...] | 
             "float": click.FLOAT,
             "choice": click.Choice(LOG_LEVELS, case_sensitive=False),
         }.get(s.kind, click.STRING)
-        metavar = {"path": "PATH|none", "int_auto": "MIB|auto", "source": "auto|off|file:PATH"}.get(s.kind)
+        metavar = {"path": "PATH|none", "int_auto": "MIB|auto", "source": "auto|off|file:PATH", "url": "URL|none"}.get(s.kind)
         command = click.option(
             s.flag, s.name, type=click_type, default=None, metavar=metavar, help=help_text
         )(command)

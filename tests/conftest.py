@@ -65,6 +65,13 @@ class DaemonProcess:
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
+        # The socket file appears when the daemon binds: ping only then, so
+        # the first ping is not refused (a refused client backs off 0.25 s).
+        sock = Path(self.endpoint[len("ipc://"):]) if self.endpoint.startswith("ipc://") else None
+        while sock is not None and not sock.exists() and time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.01)
         with Client(self.endpoint, namespace="probe", timeout=0.5) as c:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
@@ -97,8 +104,13 @@ class DaemonProcess:
         self.proc = None
         return code
 
-    def kill(self) -> None:
+    def kill(self, *, keep_socket: bool = False) -> None:
         self.stop(signal.SIGKILL)
+        if not keep_socket:
+            # The dead daemon's socket file would look like readiness to
+            # wait_ready after a restart; the new daemon makes its own.
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
 
     def restart(self) -> "DaemonProcess":
         self.stop()

@@ -1,6 +1,7 @@
 """The architecture's rules, checked: the README's layer arrows (every import,
 including those inside functions, follows them, and they have no cycle); no
-private reach across packages; only the mlx adapter imports mlx; the daemon
+private reach across packages; only the mlx adapter imports mlx, only the
+remote tier imports redis (inside functions); the daemon
 never maps mlx; the protocol layer does no I/O; the client surface is pinned;
 the error tree drawn in kvd/protocol/errors.py is the real one.
 
@@ -211,6 +212,18 @@ def test_only_the_mlx_adapter_imports_mlx():
     assert seen >= 3, "found no module importing mlx: the check is not seeing the source"
 
 
+def test_only_the_remote_tier_imports_the_redis_client_and_only_inside_functions():
+    seen = 0
+    for module in modules():
+        redis = {t for t, _ in imports(module) if t.split(".")[0] in ("redis", "hiredis", "valkey", "glide")}
+        seen += bool(redis)
+        assert not redis or module == "kvd.store.remote", (module, redis)
+    assert seen == 1, "found no module importing redis: the check is not seeing the source"
+    top = ast.parse(modules()["kvd.store.remote"].read_text()).body  # module level: no redis
+    assert not [n for n in top if isinstance(n, (ast.Import, ast.ImportFrom))
+                and any(a.name.split(".")[0] == "redis" for a in n.names) | ((getattr(n, "module", "") or "").startswith("redis"))]
+
+
 def test_importing_the_client_imports_neither_mlx_nor_its_adapter():
     code = "import sys, kvd_client; print(sorted(m for m in sys.modules if m.startswith(('mlx', 'kvd_client.mlx_lm', 'kvd.server'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
@@ -257,7 +270,7 @@ def test_client_public_surface_is_pinned():
     assert sorted(kvd_client.__all__) == sorted([
         "Client", "Probe", "Explanation", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "MalformedMessage",
         "UnsupportedVersion", "UnknownMessageType", "BadField", "BadDtype", "BadShape", "BadFrameIndex",
-        "MessageTooLarge", "TooManyFrames", "TooManyTokens", "ServerError", "Busy", "Internal",
+        "MessageTooLarge", "TooManyFrames", "TooManyTokens", "ServerError", "Busy", "Internal", "NotPersisted",
         "DaemonUnavailable", "BadReply", "EndpointError", "UnsafeEndpoint", "AuthenticationFailed", "MediaSpan", "media_digest",
     ])
     public = {n for n in dir(kvd_client.Client) if not n.startswith("_")}
@@ -318,7 +331,7 @@ def test_every_exception_kvd_defines_is_drawn_under_its_real_parent():
 
 def test_only_wire_errors_have_wire_codes():
     wire = set(E.ERRORS.values())
-    assert len({c.code for c in wire}) == len(wire) == 12
+    assert len({c.code for c in wire}) == len(wire) == 13
     for cls in defined_exceptions().values():
         if not issubclass(cls, E.KvdError) or cls in wire:
             continue

@@ -91,7 +91,7 @@ def run_child(role, endpoint, cases, transport="auto"):
 
 # Both data planes, and each way across: bytes written into shared memory are
 # read back over frames, and frame-PUT entries move into shared memory when
-# first read there (PROTOCOL.md section 13).
+# first read there (PROTOCOL.md section 14).
 @pytest.mark.parametrize("put_via,get_via", [("shm", "shm"), ("frames", "shm"), ("shm", "frames")])
 def test_store_in_one_process_fetch_in_another(kvd_daemon, put_via, get_via):
     stored = run_child("store", kvd_daemon.endpoint, CASES, put_via)

@@ -180,7 +180,8 @@ def test_daemon_spills_under_synthetic_pressure_serves_from_ssd_and_grows_back(d
         for s in seqs:
             assert c.put(s, prefix_snapshot(s))
         st = c.stats()
-        assert st["pressure"]["level"] == "normal" and st["tiers"]["ssd"]["entries"] == 0
+        # Nothing evicted yet (the SSD tier already holds copies: written behind).
+        assert st["pressure"]["level"] == "normal" and st["tiers"]["ram"]["evictions"] == 0
         held = st["tiers"]["ram"]["bytes"]
         assert held > 5 * MiB and st["tiers"]["ram"]["entries"] == 80
 

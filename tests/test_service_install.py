@@ -109,6 +109,21 @@ def test_systemd_install_and_uninstall(home, runner):
     assert cli("uninstall", "--init", "systemd").exit_code == 0  # nothing to remove: fine
 
 
+def test_install_sets_the_stop_grace_from_the_stop_timeout_in_effect(home, runner, monkeypatch, tmp_path):
+    unit = home / ".config" / "systemd" / "user" / "kvd.service"
+    assert cli("install", "--init", "systemd", "--", "--stop-timeout", "30").exit_code == 0
+    assert "\nTimeoutStopSec=35\n" in unit.read_text()
+    config = tmp_path / "kvd.toml"
+    config.write_text("stop_timeout = 4\n")
+    monkeypatch.setenv("KVD_CONFIG", str(config))
+    assert cli("install", "--init", "launchd").exit_code == 0
+    plist = plistlib.loads((home / "Library" / "LaunchAgents" / "io.kvd.daemon.plist").read_bytes())
+    assert plist["ExitTimeOut"] == 9
+    config.write_text("stop_timeout = -1\n")
+    r = cli("install", "--init", "systemd")
+    assert r.exit_code == 78 and "stop_timeout" in r.output
+
+
 def test_systemd_honours_xdg_config_home(home, runner, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     assert cli("install", "--init", "systemd").exit_code == 0

@@ -25,7 +25,9 @@ def test_render_plist_keys_and_types():
     assert d["KeepAlive"] == {"SuccessfulExit": False}
     assert d["ProcessType"] == "Interactive"
     assert d["Umask"] == 63 and type(d["Umask"]) is int
-    assert type(d["ExitTimeOut"]) is int and d["ExitTimeOut"] > 0
+    # kvd ends a stop within stop_timeout (10 s by default); launchd waits a little more.
+    assert type(d["ExitTimeOut"]) is int and d["ExitTimeOut"] == 15
+    assert plistlib.loads(launchd.render_plist(home=HOME, python=PYTHON, stop_timeout=3))["ExitTimeOut"] == 8
     assert d["WorkingDirectory"] == HOME
     assert d["StandardOutPath"] == f"{HOME}/Library/Logs/kvd/kvd.out.log"
     assert d["StandardErrorPath"] == f"{HOME}/Library/Logs/kvd/kvd.err.log"

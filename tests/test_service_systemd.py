@@ -58,6 +58,9 @@ def test_unit_contents():
     assert int(s["WatchdogSec"][0]) >= 10
     assert s["RuntimeDirectory"] == ["kvd"] and s["CacheDirectory"] == ["kvd"]
     assert s["UMask"] == ["0077"]
+    # kvd ends a stop within stop_timeout (10 s): systemd waits a little more, never 90 s.
+    assert s["TimeoutStopSec"] == ["15"]
+    assert unit_settings(systemd.render_unit(sys.executable, stop_timeout=42.5))["TimeoutStopSec"] == ["48"]
     for key in ("NoNewPrivileges", "LockPersonality", "RestrictRealtime", "MemoryDenyWriteExecute"):
         assert s[key] == ["yes"], key
     assert s["SystemCallArchitectures"] == ["native"]
@@ -166,3 +169,9 @@ def test_daemon_runs_under_memory_deny_write_execute():
         log.close()
         shutil.rmtree(d, ignore_errors=True)
     assert code == 0
+
+
+def test_default_stop_timeout_matches_the_settings_table():
+    from kvd.config import BY_NAME
+
+    assert systemd.DEFAULT_STOP_TIMEOUT == BY_NAME["stop_timeout"].default

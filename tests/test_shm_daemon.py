@@ -1,4 +1,4 @@
-"""The shared-memory data plane against a real `kvd serve` (PROTOCOL.md section 13).
+"""The shared-memory data plane against a real `kvd serve` (PROTOCOL.md section 14).
 
 Bit-exact round trips for every dtype along each path (shm and frames, each
 way across); leases that outlive a client killed -9 while reading or while

@@ -63,7 +63,8 @@ def test_spill_and_restore_every_dtype_bit_exact(tmp_path, stores):
         assert store.put(e) is PutOutcome.STORED
     assert store.flush(10)
     st = store.stats()["tiers"]
-    assert st["ram"]["entries"] == 5 and st["ssd"]["spills"] == 25 and st["ssd"]["drops"] == 0
+    # Written behind: every entry reached disk, those still in RAM too.
+    assert st["ram"]["entries"] == 5 and st["ssd"]["spills"] == 30 and st["ssd"]["drops"] == 0
     for e in entries:
         assert store.contains(e.id)
         assert_same(store.get(e.id), e)
@@ -100,14 +101,14 @@ def test_queued_entries_are_served_before_they_reach_disk(tmp_path, stores):
     gate = _block_writer(store.ssd)
     for e in entries:
         store.put(e)
-    assert len(store.ssd.queue) == 9 and not _disk_blobs(tmp_path)
+    assert len(store.ssd.queue) == 10 and not _disk_blobs(tmp_path)  # written behind: all queued
     for e in entries[:9]:
         assert store.ssd.contains(e.id)
         assert_same(store.ssd.get(e.id), e)
     assert store.ssd.counters["queue_hits"] == 9
     gate.set()
     assert store.flush(10)
-    assert len(_disk_blobs(tmp_path)) == 9 and len(store.ssd.queue) == 0
+    assert len(_disk_blobs(tmp_path)) == 10 and len(store.ssd.queue) == 0
     for e in entries[:9]:
         assert_same(store.ssd.get(e.id), e)
 
@@ -152,12 +153,12 @@ def test_budget_counts_blocks_on_disk_and_evicts_lru(tmp_path, stores):
     entries = [make_entry(i) for i in range(30)]
     blob = blobfile.estimate_disk_bytes(entries[0])
     store = stores(entries[0].nbytes, tmp_path, ssd_bytes=10 * blob)
-    for e in entries[:11]:
+    for e in entries[:10]:
         store.put(e)
-    assert store.flush(10)  # entries 0..9 on SSD, 10 in RAM
+    assert store.flush(10)  # entries 0..9 on SSD (written behind), 9 in RAM too
     store.get(entries[0].id)  # a disk hit: entries[0] becomes the youngest on SSD
-    for e in entries[11:16]:
-        store.put(e)  # 5 more spills: 4 must be evicted, oldest first
+    for e in entries[10:15]:
+        store.put(e)  # 5 more writes: 5 must be evicted, oldest first
     assert store.flush(10)
     ssd = store.ssd
     on_disk = sum(p.stat().st_blocks * 512 for p in _disk_blobs(tmp_path))

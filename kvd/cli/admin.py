@@ -26,7 +26,11 @@ from kvd.cli.common import (
 from kvd.protocol.limits import MiB
 
 # What an operator looks at per tier, beyond the columns (`--json` has everything).
-_TIER_EXTRAS = ("stored", "too_big", "spills", "drops", "checksum_failures", "quarantined", "queue_entries", "queue_bytes")
+_TIER_EXTRAS = (
+    "stored", "too_big", "spills", "drops", "checksum_failures", "quarantined", "bad_rows", "index_errors",
+    "queue_entries", "queue_bytes",
+    "url", "written", "bytes_out", "bytes_in", "backlog", "backlog_dropped", "errors",  # the remote tier
+)
 
 
 def render_stats(stats: dict) -> str:
@@ -49,6 +53,11 @@ def render_stats(stats: dict) -> str:
             extra.append(f"DEGRADED since {time.strftime('%H:%M:%S', time.localtime(t.get('degraded_since') or 0))}: {t.get('degraded_reason')}")
         if extra:
             lines.append("      " + "  ".join(extra))
+        heal = t.get("index_rebuild")
+        if heal:  # kvd/store/heal.py: the index was damaged and is (being) rebuilt from the blobs
+            state = f"done in {heal.get('seconds', 0):.1f}s" if heal.get("done") else "IN PROGRESS"
+            lines.append(f"      INDEX REBUILT from the blobs ({state}): {heal.get('recovered', 0)} entries recovered, "
+                         f"{heal.get('quarantined', 0)} quarantined; {heal.get('reason')}")
     store = stats.get("store", {})
     if store:
         lines.append("      promotions=" + str(store.get("promotions", 0)) + f"  write_through={store.get('write_through')}")

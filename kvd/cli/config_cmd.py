@@ -40,7 +40,7 @@ def config_cmd(as_json: bool, **flags: object) -> None:
             "config_file": None if cfg.config_path is None else str(cfg.config_path),
             "settings": {
                 s.name: {
-                    "value": getattr(cfg, s.name),
+                    "value": s.shown(getattr(cfg, s.name)),
                     "source": cfg.sources[s.name],
                     "env": s.env,
                     "flag": s.flag,
@@ -54,7 +54,7 @@ def config_cmd(as_json: bool, **flags: object) -> None:
         return
     where = cfg.config_path if cfg.config_path is not None else "none found"
     click.echo(f"# kvd configuration (config file: {where})")
-    lines = [(f"{s.name} = {_toml_value(getattr(cfg, s.name))}", cfg.sources[s.name]) for s in SETTINGS]
+    lines = [(f"{s.name} = {_toml_value(s.shown(getattr(cfg, s.name)))}", cfg.sources[s.name]) for s in SETTINGS]
     width = max(len(text) for text, _ in lines)
     for text, source in lines:
         click.echo(f"{text.ljust(width)}  # {source}")

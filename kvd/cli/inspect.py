@@ -96,10 +96,9 @@ def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
     blob whose row was deleted meanwhile is not a failure).
     Returns (checked, [(entry id, reason)])."""
     from kvd.store.check import check
-    from kvd.store.datadir import INDEX_DIR
-    from kvd.store.index import Index
+    from kvd.store.heal import open_readonly
 
-    index = Index(root / INDEX_DIR, readonly=True, map_size=0)
+    index = open_readonly(root)  # IndexDamaged (exit 1, naming --repair) rather than a SIGBUS
     try:
         report = check(root, index, verify=True, live=True, progress=progress)
     finally:
@@ -110,8 +109,10 @@ def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
 @main.command()
 @data_dir_options
 @click.option("--dry-run", is_flag=True, help="Report failures; quarantine nothing.")
+@click.option("--repair", is_flag=True,
+              help="Daemon stopped: move the index aside and rebuild it from the blobs, checking each.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(dry_run, as_json, **flags) -> None:
+def verify(dry_run, repair, as_json, **flags) -> None:
     """Re-check every SSD blob's checksum against the index.
 
     Reads the data dir directly (beside a running daemon, or without one),
@@ -120,11 +121,24 @@ def verify(dry_run, as_json, **flags) -> None:
     are quarantined -- by the daemon when it runs (it re-checks them itself
     first), else directly under the data-dir lock -- unless --dry-run.
     Exits 0 if every blob is intact, 1 if any failed or there is no index.
+
+    With --repair (the daemon stopped; refused with exit 4 while one serves
+    the data dir) the index is moved aside to index.bad-<time> and rebuilt
+    from the blobs, each read back against the checksum it carries; bad
+    ones are quarantined. A daemon does the same by itself at start when it
+    finds its index truncated, zeroed or not LMDB. Exits 0 if every blob was
+    intact, 1 if any was quarantined.
     """
-    from kvd.store.datadir import INDEX_DIR
+    from kvd.store.datadir import BLOB_DIR, INDEX_DIR
 
     cfg = settings(flags)
     path = data_dir_to_read(cfg)
+    if repair:
+        if dry_run:
+            fail(exits.USAGE, "--repair and --dry-run exclude each other")
+        if path is None or not ((Path(path) / INDEX_DIR).is_dir() or (Path(path) / BLOB_DIR).is_dir()):
+            fail(exits.FAILED, f"{path or 'no data dir is configured'}: not a kvd data dir")
+        _repair(cfg, Path(path), as_json)
     if path is None or not (Path(path) / INDEX_DIR / "data.mdb").exists():
         fail(exits.FAILED, f"{path or 'no data dir is configured'}: holds no kvd index")
     root = Path(path)
@@ -174,3 +188,30 @@ def _quarantine_offline(root: Path, ids: list[bytes]) -> int:
         return store.recheck(ids)[1]
     finally:
         store.close()
+
+
+def _repair(cfg, root: Path, as_json: bool) -> None:
+    """`kvd verify --repair`: the rebuild a daemon does at start, offline."""
+    import logging
+
+    from kvd.store import offline as off
+
+    answered, theirs = daemon_data_dir(cfg)
+    if answered and theirs is not None and Path(theirs).resolve() == root.resolve():
+        fail(exits.REFUSED, f"the daemon at {cfg.endpoint} serves {root}: stop it first (`kvd stop`); "
+                            "a daemon rebuilds a damaged index by itself at start")
+    logging.getLogger("kvd.store").setLevel(logging.ERROR)  # the report below says it all, once
+    report = off.repair(root)  # DataDirBusy (exit 4) if a daemon we could not reach holds the lock
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(
+            f"rebuilt the index of {root} from its blobs in {report['seconds']:.1f}s: {report['recovered']} entries "
+            f"({size(report['recovered_bytes'])}), {report['quarantined']} blobs quarantined, "
+            f"{report['temps_removed']} temp files removed; the old index is in {report['moved_to']}"
+        )
+        if report["unverified"]:
+            click.echo(f"  {report['unverified']} blobs were written before kvd carried checksums in blobs: parsed, not checksummed")
+        for eid, why in report["failures"]:
+            click.echo(f"  {eid}  {why}")
+    raise SystemExit(exits.FAILED if report["quarantined"] else exits.OK)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import click
 
 from kvd.cli import exits, main
-from kvd.config import EXIT_CONFIG, ConfigError, config_options, resolve
+from kvd.config import BY_NAME, EXIT_CONFIG, ConfigError, config_options, resolve
 from kvd.protocol.limits import MiB, Limits
 
 GiB = 1 << 30
@@ -37,9 +38,13 @@ def serve(**flags) -> None:
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
     from kvd.server.governor import from_config as governor_for
+    from kvd.server.peers import default_max_peers, raise_fd_limit, tune_malloc
     from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
+    from kvd.store.tiered import with_remote
+    from kvd.store.ramonly import RamOnly
+    import lmdb
 
     # Everything the daemon creates -- run dir, socket, lock, data dir, blobs
     # -- is for its own user only (kvd.endpoint rule 5). The umask is
@@ -49,6 +54,9 @@ def serve(**flags) -> None:
     os.umask(0o077)
     try:
         cfg = resolve(flags)
+        if cfg.write_through and cfg.data_dir is None:
+            # A promise of durability with no disk to keep it: refuse, do not pretend.
+            raise ConfigError("write_through needs a data_dir (it is \"none\": RAM only)")
     except ConfigError as err:
         click.echo(f"kvd: {err}", err=True)
         raise SystemExit(EXIT_CONFIG)
@@ -56,24 +64,55 @@ def serve(**flags) -> None:
     log = logging.getLogger("kvd.server")
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
+    # Before anything opens a file: libzmq aborts on EMFILE (kvd.server.peers).
+    fd_soft, fd_hard = raise_fd_limit()
+    tune_malloc()  # freed message buffers leave the process (kvd.server.peers rule 3)
+    max_peers = cfg.max_peers or default_max_peers(fd_soft)
+    if max_peers > fd_soft - 128:  # no room left for a burst accepted before the gate pauses
+        log.warning("max_peers=%d is too close to the fd limit %d: using %d", max_peers, fd_soft, fd_soft - 128)
+        max_peers = max(8, fd_soft - 128)
+    log.info("fd limit %d (hard %d): max_peers=%d", fd_soft, fd_hard, max_peers)
     ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
     if cfg.ram_mb == "auto":
         log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
     try:
-        store = open_store(
+        local = open_store(
             ram_mb * MiB,
             data_dir=cfg.data_dir,
             ssd_bytes=int(cfg.ssd_gb * GiB),
             write_through=cfg.write_through,
             min_free_bytes=int(cfg.min_free_gb * GiB),
             queue_entries=cfg.spill_queue,
+            queue_bytes=cfg.dirty_max_mb * MiB,
         )
     except (DataDirBusy, IncompatibleIndex) as err:
         log.error("cannot open data dir %s: %s", cfg.data_dir, err)
         raise SystemExit(exits.REFUSED)
-    except (ValueError, OSError) as err:
+    except ValueError as err:
         log.error("cannot open the store: %s", err)
-        raise SystemExit(EXIT_CONFIG if isinstance(err, ValueError) else exits.FAILED)
+        raise SystemExit(EXIT_CONFIG)
+    except (OSError, lmdb.Error) as err:
+        # Read-only, full, or unreadable: the disk's state, not a setting. A
+        # cache that refuses to start takes every model server's cache with
+        # it; RAM alone still serves. (A damaged index is not this: the SSD
+        # tier moves it aside and rebuilds it, see kvd/store/heal.py.)
+        reason = f"{err.strerror or err}" + (f": {err.filename}" if getattr(err, "filename", None) else "") \
+            if isinstance(err, OSError) else f"index: {err}"
+        log.error("data dir %s cannot be used (%s): serving from RAM only, degraded; fix it and restart kvd",
+                  cfg.data_dir, reason)
+        local = RamOnly(ram_mb * MiB, cfg.data_dir, reason, write_through=cfg.write_through)
+    # The remote tier, if configured, stands behind the local tiers (RAM only too).
+    try:
+        store = with_remote(local, cfg.remote_url, dict(
+            ttl_s=cfg.remote_ttl_s, timeout=cfg.remote_timeout_s, part_bytes=cfg.remote_part_mb * MiB,
+            backlog_bytes=cfg.remote_backlog_mb * MiB, batch_entries=cfg.remote_batch,
+        ))
+    except ImportError as err:  # remote_url without the kvd[remote] extra
+        log.error("remote_url needs the client library: pip install 'kvd[remote]' (%s)", err)
+        raise SystemExit(EXIT_CONFIG)
+    except (ValueError, OSError) as err:
+        log.error("cannot open the remote tier: %s", err)
+        raise SystemExit(EXIT_CONFIG)
 
     if cfg.quota:
         cfg.quota.attach(store)
@@ -97,6 +136,9 @@ def serve(**flags) -> None:
         allow_insecure_tcp=cfg.allow_insecure_tcp,
         shm=cfg.shm,
         shm_lease_s=cfg.shm_lease_s,
+        stop_timeout=cfg.stop_timeout,
+        parked_max_bytes=cfg.dirty_max_mb * MiB,
+        max_peers=max_peers,
     )
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report
@@ -117,9 +159,10 @@ def serve(**flags) -> None:
     daemon.install_signal_handlers()
     log.info(
         "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d "
-        "metrics_port=%d pressure_source=%s",
+        "metrics_port=%d pressure_source=%s remote_url=%s",
         cfg.endpoint, ram_mb, cfg.data_dir or "none", cfg.ssd_gb, cfg.write_through,
         cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port, cfg.pressure_source,
+        BY_NAME["remote_url"].shown(cfg.remote_url) or "none",
     )
     try:
         daemon.serve_forever()
@@ -127,6 +170,19 @@ def serve(**flags) -> None:
         notifier.stopping("flushing the store")
         if metrics is not None:
             metrics.shutdown()
-        store.close()
+        # Whatever the RAM tier holds, the stop ends within stop_timeout: the
+        # writer gets what is left of it, less a margin for closing the index
+        # and exiting; what it has not written by then is logged (ssd.py).
+        since = daemon.stopping_since if daemon.stopping_since is not None else time.monotonic()
+        margin = min(1.0, 0.25 * cfg.stop_timeout)
+        left = max(0.0, cfg.stop_timeout - margin - (time.monotonic() - since))
+        store.close(timeout=left)
         notifier.close()
     log.info("stopped")
+    # Everything is written, closed and logged. Tearing the interpreter down
+    # would free the RAM tier object by object -- seconds for a large tier,
+    # outside stop_timeout -- for nothing: the kernel takes it back at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

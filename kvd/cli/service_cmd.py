@@ -12,7 +12,7 @@ import click
 
 from kvd.cli import main
 from kvd.cli.common import settings
-from kvd.config import config_options
+from kvd.config import EXIT_CONFIG, ConfigError, config_options, resolve
 from kvd.service import install as svc
 
 _init_option = click.option(
@@ -64,7 +64,24 @@ def install_cmd(dry_run: bool, init: str | None, serve_args: tuple[str, ...]) ->
     `kvd service install -- --ram-mb 8192`. Re-installing replaces the file
     and restarts a running daemon.
     """
-    _carry_out(svc.install_plan(_target(init), serve_args), dry_run)
+    _carry_out(svc.install_plan(_target(init), serve_args, stop_timeout=_stop_timeout(serve_args)), dry_run)
+
+
+def _stop_timeout(serve_args: tuple[str, ...]) -> float:
+    """The stop_timeout the service's daemon will run with: a --stop-timeout
+    among SERVE_ARGS, else the config file's, else the default. The unit or
+    plist gives the daemon a little more than that before it kills it."""
+    flags: dict[str, str] = {}
+    for i, arg in enumerate(serve_args):
+        if arg == "--stop-timeout" and i + 1 < len(serve_args):
+            flags["stop_timeout"] = serve_args[i + 1]
+        elif arg.startswith("--stop-timeout="):
+            flags["stop_timeout"] = arg.split("=", 1)[1]
+    try:
+        return resolve(flags).stop_timeout
+    except ConfigError as err:
+        click.echo(f"kvd service: {err}", err=True)
+        raise SystemExit(EXIT_CONFIG)
 
 
 @service.command("uninstall")

@@ -44,7 +44,7 @@ class Tensor:
     `data` is any object exposing a contiguous buffer of exactly
     prod(shape) * itemsize(dtype) bytes (bytes, memoryview, numpy array,
     a received ZeroMQ frame's buffer) -- or, in a reply over the
-    shared-memory plane, a `Descriptor` of where the bytes are (section 13),
+    shared-memory plane, a `Descriptor` of where the bytes are (section 14),
     or None in a SLOTS request, which asks for room rather than sending bytes.
     """
 
@@ -304,7 +304,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "LOOKUP": {**_SEQ},
     "GET": {
         **_SEQ, "max_tokens": _opt(_uint), "need_boundary": _opt(_bool, False), "start": _opt(_uint, 0),
-        "shm": _opt(_map),  # section 13: proof and releases; the reply may then carry descriptors
+        "shm": _opt(_map),  # section 14: proof and releases; the reply may then carry descriptors
     },
     "PUT": {
         **_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_map),

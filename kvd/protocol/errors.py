@@ -22,6 +22,7 @@ this drawing against the classes themselves.
      +-- ServerError                the daemon could not serve a valid request (2xx, 5xx)
      |    +-- Busy                  200  the daemon is shedding load; retry later
      |    +-- Internal              500  a bug in the daemon; the request is lost, not the daemon
+     |    +-- NotPersisted          503  write-through: the disk did not take the write; not acknowledged
      +-- DaemonUnavailable          kvd_client: no answer in time (down, slow or restarting)
      +-- BadReply                   kvd_client: the daemon's reply broke kvd/1
      +-- AuthenticationFailed       kvd_client: the tcp endpoint refused our CURVE handshake
@@ -37,7 +38,10 @@ this drawing against the classes themselves.
      +-- DataDirBusy                kvd.store.datadir: another process holds the data dir's lock
      +-- IncompatibleIndex          kvd.store.index: written by a kvd this one cannot read
      +-- IndexBusy                  kvd.store.index: the map is being resized (served as a miss)
+     +-- RowDamaged                 kvd.store.index: an index row does not decode (served as a miss)
+     +-- IndexDamaged               kvd.store.heal: the index file is truncated, zeroed or not LMDB
      +-- BlobCorrupt                kvd.store.blobfile: a blob is not the one the index describes
+     +-- BadRemoteValue             kvd.protocol.remote_value: a remote-tier value is not the entry its key names
      +-- Unencodable                kvd.store.blobfile: an entry cannot be written as safetensors
      +-- ServiceError               kvd.service.install: installing or removing the service failed
           +-- UnsupportedPlatform   kvd.service.install: no init system kvd knows
@@ -149,11 +153,20 @@ class Internal(ServerError):
     code, name = 500, "INTERNAL"
 
 
+class NotPersisted(ServerError):
+    """Write-through: the daemon could not make the entries durable (its SSD tier
+    is degraded -- disk full, read-only or failing -- or it is stopping). The PUT
+    was not acknowledged; the entries may still be served from RAM."""
+
+    code, name = 503, "NOT_PERSISTED"
+
+
 ERRORS: dict[int, type[KvdError]] = {
     cls.code: cls
     for cls in (
         MalformedMessage, UnsupportedVersion, UnknownMessageType, BadField, BadDtype,
         BadShape, BadFrameIndex, MessageTooLarge, TooManyFrames, TooManyTokens, Busy, Internal,
+        NotPersisted,
     )
 }
 

@@ -133,13 +133,16 @@ def span_key(parent: bytes, tokens_le: bytes, start: int, end: int, media: Media
 def chain(namespace: str, chunk_tokens: int, tokens_le: bytes, media: Media = ()) -> list[bytes]:
     """Keys of every chunk of a sequence given as u32 LE bytes (tail included),
     with `media` spans (already checked) folded into the chunks they touch."""
+    return list(iter_chain(namespace, chunk_tokens, tokens_le, media))
+
+
+def iter_chain(namespace: str, chunk_tokens: int, tokens_le: bytes, media: Media = ()) -> Iterator[bytes]:
+    """`chain`, one key at a time: a walk that stops early hashes no further."""
     parent = root_key(namespace, chunk_tokens)
     n_tokens = len(tokens_le) // 4
-    keys = []
     for start in range(0, n_tokens, chunk_tokens):
         parent = span_key(parent, tokens_le, start, min(start + chunk_tokens, n_tokens), media)
-        keys.append(parent)
-    return keys
+        yield parent
 
 
 def tail_keys(parent: bytes, chunk: bytes) -> Iterator[tuple[int, bytes]]:

@@ -17,6 +17,7 @@ class Limits:
     max_namespace_bytes: int = 256  # UTF-8 bytes of a namespace id
     max_meta_bytes: int = 64 * 1024  # one chunk's or boundary's meta
     max_chunk_tokens: int = 65536  # largest chunk size a namespace may use
+    max_chunks: int = 8192  # chunks one sequence message may span (bounds a request's work)
 
     @property
     def max_header_objects(self) -> int:

@@ -1,4 +1,4 @@
-"""Shared-memory data plane, the sans-I/O rules (PROTOCOL.md section 13).
+"""Shared-memory data plane, the sans-I/O rules (PROTOCOL.md section 14).
 
 Theory of operation:
 control stays on kvd/1 over ZeroMQ, and bulk bytes move through segments the

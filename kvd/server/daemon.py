@@ -14,14 +14,24 @@ Rules the loop keeps:
    replies with the protocol's code; any other exception in a handler becomes
    INTERNAL, is logged with its traceback, and the loop goes on.
 2. A reply to a client that went away, or whose queue is full, is dropped
-   and counted (ROUTER_MANDATORY + NOBLOCK), never blocks the loop.
+   and counted (ROUTER_MANDATORY + NOBLOCK), never blocks the loop; queued
+   reply bytes are budgeted per peer and in total (kvd.server.outbox).
 3. The loop wakes at least every `tick` seconds to run housekeeping hooks
    (the systemd watchdog, store maintenance) and to notice SIGTERM/SIGINT.
+4. Write-through PUTs are answered only when their entries are on disk: the
+   reply is parked (kvd/server/parking.py) and sent when the SSD writer's
+   news arrives through a pipe the poller watches; nobody else waits. At a
+   stop, parked PUTs get at most half of `stop_timeout` to complete, then
+   NOT_PERSISTED -- never an acknowledgement for what is not on disk.
+5. Peer connections stay under `max_peers`, far from the fd limit, and
+   stalled peers are shed when memory passes the ceiling (kvd.server.peers,
+   on a thread of its own).
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import signal
 import threading
 import time
@@ -34,8 +44,11 @@ from kvd.protocol import codec
 from kvd.protocol import errors as E
 from kvd.protocol.limits import Limits
 from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_keys_dir, is_tcp, server_keys
-from kvd.server.handler import Handler, ShutdownRequested
+from kvd.server.handler import Deferred, Handler, ShutdownRequested
+from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
+from kvd.server.outbox import Outbox
+from kvd.server.peers import PeerGate, default_max_peers, listen_backlog, memory_ceiling
 from kvd.server.ratelog import RateLimitedLog
 from kvd.store.base import Store
 
@@ -44,6 +57,9 @@ log = logging.getLogger("kvd.server")
 # Frames below this size are copied out of ZeroMQ's receive buffers so a small
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
+# Unread replies a peer may have queued: a client has one request in flight,
+# so more than a few means it is not reading (kvd.server.outbox).
+_SNDHWM = 16
 
 
 class Daemon:
@@ -63,6 +79,9 @@ class Daemon:
         allow_insecure_tcp: bool = False,
         shm: bool = True,
         shm_lease_s: float = 30.0,
+        stop_timeout: float = 10.0,
+        parked_max_bytes: int = 256 << 20,
+        max_peers: int | None = None,
     ):
         self.store = store
         self.endpoint = endpoint
@@ -87,6 +106,22 @@ class Daemon:
         self.security: dict = {"transport": "ipc" if not is_tcp(endpoint) else "tcp"}
         self.handler.stats_sections["security"] = lambda stats: dict(self.security)
         self._auth = None  # the ZAP authenticator thread (tcp with CURVE)
+        self.stop_timeout = stop_timeout
+        self.stopping_since: float | None = None  # monotonic time a stop was asked for
+        self.write_through = bool(getattr(store, "write_through", False))
+        self.parking = Parking(parked_max_bytes)
+        self.wakeup = Wakeup()
+        self._signal_fd = False  # the wakeup pipe is Python's signal wakeup fd
+        hook = getattr(store, "set_settled_callback", None)
+        if hook is not None:
+            hook(lambda results, degraded: self.wakeup.post((results, degraded)))
+        if self.write_through:
+            self.handler.stats_sections["write_through"] = lambda stats: self.parking.stats()
+        self.max_peers = max_peers
+        self.gate: PeerGate | None = None
+        self.outbox: Outbox | None = None
+        self._ceiling = 0  # bytes of RSS (anonymous) allowed; recomputed every tick
+        self.handler.stats_sections["peers"] = lambda stats: self.peer_stats()
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self.shm_enabled, self.shm_lease_s = shm and not is_tcp(endpoint), shm_lease_s
@@ -95,6 +130,7 @@ class Daemon:
     def bind(self) -> None:
         """Take the endpoint lock and bind. Raises EndpointError (EndpointBusy) or zmq.ZMQError."""
         self._lock.acquire()
+        monitor = None
         try:
             ctx = zmq.Context()
             sock = ctx.socket(zmq.ROUTER)
@@ -106,15 +142,21 @@ class Daemon:
             sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
             # Per-peer queues, in messages. Inbound, a message may be
             # max_message_bytes, so a client pipelining PUTs must not park
-            # gigabytes here. Outbound replies mostly reference stored
-            # buffers; a generous queue avoids needless drops (see _send).
-            sock.setsockopt(zmq.SNDHWM, 1024)
+            # gigabytes here. Outbound, a client has one request in flight;
+            # a peer with _SNDHWM unread replies is not reading (see Outbox).
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
             sock.setsockopt(zmq.RCVHWM, 4)
-            sock.setsockopt(zmq.SNDTIMEO, 100)
             if is_tcp(self.endpoint):
                 self._secure_tcp(ctx, sock)
+            # Connections waiting to be accepted: what a burst can add at once
+            # when the gate opens the listener (kvd.server.peers, _admit).
+            sock.setsockopt(zmq.BACKLOG, listen_backlog(self.max_peers or default_max_peers()))
+            # Before bind: the gate learns the listener's fd from LISTENING.
+            monitor = sock.get_monitor_socket(PeerGate.EVENTS)
             sock.bind(self.endpoint)
         except Exception:
+            if monitor is not None:
+                monitor.close(linger=0)
             if self._auth is not None:
                 self._auth.stop()
                 self._auth = None
@@ -128,6 +170,26 @@ class Daemon:
             from kvd.server.shm_setup import open_plane  # ipc only: TCP peers never get shared memory
 
             open_plane(self)
+        m = self.limits.max_message_bytes
+        # Queued replies stay under 2 x m + one message in all (kvd.server.peers.memory_ceiling).
+        self._update_ceiling()
+        self.gate = PeerGate(
+            monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling, over_unit=m
+        )
+        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self.gate.shed)
+        self.gate.start()
+
+    def _update_ceiling(self) -> None:
+        ram = getattr(self.store, "ram", self.store)
+        self._ceiling = memory_ceiling(getattr(ram, "bytes", 0), self.limits)
+
+    def peer_stats(self) -> dict:
+        out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling}
+        if self.gate is not None:
+            out.update(self.gate.stats())
+        if self.outbox is not None:
+            out.update(self.outbox.stats())
+        return out
 
     def _secure_tcp(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         """CURVE on a tcp endpoint (kvd.endpoint rule 6), or the operator's explicit opt-out.
@@ -164,16 +226,30 @@ class Daemon:
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
         self._stop.set()
+        self.wakeup.poke()  # out of poll() now, not at the next tick
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: self.stop())
+        # Whichever thread the kernel hands the signal to, Python's C handler
+        # writes to this fd, so poll() returns at once (not at the next tick)
+        # and the handler above runs on this thread.
+        signal.set_wakeup_fd(self.wakeup.write_fd, warn_on_full_buffer=False)
+        self._signal_fd = True
 
     def close(self) -> None:
         if self.handler.shm is not None:
             self.handler.shm.close()
             self.handler.shm = None
+        if self.gate is not None and self._sock is not None:
+            self._sock.disable_monitor()  # the gate sees MONITOR_STOPPED and ends
+            self.gate.stop()
+            self.gate.join(timeout=2.0)
+            self.gate.resume()  # libzmq must find its own listener when it closes it
+            self.gate = None
         if self._sock is not None:
             # Let replies already queued (the SHUTDOWN acknowledgement above
             # all) reach their peers; a peer that is gone cannot hold us long.
@@ -185,6 +261,10 @@ class Daemon:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self._signal_fd:
+            signal.set_wakeup_fd(-1)  # before the fd closes: it may be reused
+            self._signal_fd = False
+        self.wakeup.close()
         self._lock.release()
 
     # -- the loop ------------------------------------------------------------
@@ -196,6 +276,7 @@ class Daemon:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self.wakeup.fd, zmq.POLLIN)
         log.info("serving endpoint=%s", self.endpoint)
         if self.on_ready is not None:
             self.on_ready()
@@ -205,7 +286,10 @@ class Daemon:
             while not self._stop.is_set():
                 wake = next_tick if stop_at is None else min(next_tick, stop_at)
                 timeout_ms = max(0, int((wake - time.monotonic()) * 1000))
-                if poller.poll(timeout_ms):
+                events = dict(poller.poll(timeout_ms))
+                if self.wakeup.fd in events:
+                    self._settle()
+                if sock in events:
                     # Drain what is queued, but keep ticking under load.
                     for _ in range(64):
                         try:
@@ -216,18 +300,60 @@ class Daemon:
                             # Keep serving briefly: a peer's unread reply is
                             # discarded when our end of the pipe goes away.
                             stop_at = time.monotonic() + self.shutdown_grace
+                            if self.stopping_since is None:
+                                self.stopping_since = time.monotonic()
                 if stop_at is not None and time.monotonic() >= stop_at:
                     break
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.tick
                     if self.on_tick is not None:
                         self.on_tick()
+                    if self.outbox is not None:
+                        self.outbox.sweep()
+                    self._update_ceiling()
+                    with self.lock:
+                        self.store.tick()
                     self._maybe_log_summary()
                     self.ratelog.flush()
         finally:
+            if self.stopping_since is None:
+                self.stopping_since = time.monotonic()
+            self._drain_parked(self.stopping_since + self.stop_timeout / 2)
             self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
             self.close()
+
+    # -- write-through: parked PUT replies (rule 4) ------------------------------
+    def _settle(self) -> None:
+        """The writer's news: send the parked replies it completes."""
+        news = self.wakeup.take()
+        if not news:
+            return
+        with self.lock:
+            self.store.tick()  # write-back: the writer made room; queue more of the backlog
+            for results, degraded in news:
+                for parked in self.parking.settle(results, self.store.queued):
+                    self._answer(parked, degraded or "dropped by the SSD tier")
+
+    def _answer(self, parked: Parked, why: str) -> None:
+        if parked.failed:
+            err = E.NotPersisted(
+                f"{len(parked.failed)} of this PUT's entries were not written to disk ({why}); not acknowledged"
+            )
+            self.handler.errors[err.name] += 1
+            self.ratelog.warning(f"not persisted why={why}", "write-through PUT not persisted: %s", why)
+            reply = codec.encode_error(err, id=parked.msg_id)
+        else:
+            reply = codec.encode("PUT", parked.fields, id=parked.msg_id)
+        self._send(parked.peer, reply)
+
+    def _drain_parked(self, deadline: float) -> None:
+        """At stop: let parked PUTs complete until `deadline`, then refuse the rest."""
+        while len(self.parking) and time.monotonic() < deadline:
+            select.select([self.wakeup.fd], [], [], max(0.0, deadline - time.monotonic()))
+            self._settle()
+        for parked in self.parking.fail_all():
+            self._answer(parked, "the daemon is stopping")
 
     def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
         """One message, part by part (ZeroMQ delivers a message whole, so once
@@ -264,19 +390,27 @@ class Daemon:
     def _serve_one(self, raw: list[zmq.Frame]) -> bool:
         """Serve one request; True if it asked the daemon to shut down."""
         identity, payload = raw[0].bytes, raw[1:]
+        fd = payload[0].get(zmq.SRCFD) if payload else None
+        if self.gate is not None:
+            self.gate.touch(fd)
         frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
         started = time.perf_counter()
-        with self.lock:
-            reply, shutdown, mtype = self._handle(frames)
-        self._send(identity, reply)
+        if self.outbox is not None and self.outbox.saturated(identity):
+            # Its replies would be dropped or refused anyway: do no work for it.
+            reply, shutdown, mtype = self._busy(frames, "replies to this peer are not being read; read them"), False, "BUSY"
+        else:
+            with self.lock:
+                reply, shutdown, mtype = self._handle(frames, identity)
+        if reply is not None:  # None: parked until its entries are on disk
+            self._send(identity, reply, frames, fd)
         elapsed = time.perf_counter() - started
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)
         return shutdown
 
-    def _handle(self, frames: list) -> tuple[list, bool, str]:
-        """(reply frames, shutdown?, message type for metrics) for one request."""
+    def _handle(self, frames: list, identity: bytes = b"") -> tuple[list | None, bool, str]:
+        """(reply frames or None if parked, shutdown?, message type for metrics) for one request."""
         shutdown = False
         try:
             msg = codec.decode_request(frames, self.limits)
@@ -285,7 +419,15 @@ class Daemon:
             self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
             return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
+            if msg.type == "PUT" and self.write_through:
+                nbytes = sum(len(f) for f in frames)
+                why = self.parking.admit(identity, nbytes)
+                if why is not None:
+                    raise E.Busy(f"write-through: {why}; retry later")
             rtype, fields = self.handler.handle(msg)
+            if isinstance(fields, Deferred):
+                self.parking.park(identity, msg.id, fields.fields, fields.eids, sum(len(f) for f in frames))
+                return None, False, msg.type
             reply = codec.encode(rtype, fields, id=msg.id)
         except ShutdownRequested:
             reply, shutdown = codec.encode("SHUTDOWN", {}, id=msg.id), True
@@ -303,20 +445,16 @@ class Daemon:
             reply = codec.encode_error(err, id=msg.id)
         return reply, shutdown, msg.type
 
-    def _send(self, identity: bytes, frames: list) -> None:
-        assert self._sock is not None
-        msg = [identity, *frames]
-        try:
-            try:
-                self._sock.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                # libzmq only processes the reader's "I have read up to N"
-                # commands in non-blocking calls once per ~1 ms, so a peer
-                # doing fast round trips can look full when it is not. A
-                # blocking send processes them; SNDTIMEO bounds the wait.
-                self._sock.send_multipart(msg, copy=False)
-        except (zmq.Again, zmq.ZMQError) as exc:
-            # EHOSTUNREACH: the peer is gone; EAGAIN: its queue is full.
+    def _busy(self, request: list, why: str) -> list:
+        err = E.Busy(f"{why}, or retry later")
+        self.handler.errors[err.name] += 1
+        return codec.encode_error(err, id=codec.peek_id(request) if request else 0)
+
+    def _send(self, identity: bytes, frames: list, request: list | None = None, fd: int | None = None) -> None:
+        assert self.outbox is not None
+        outcome = self.outbox.send(identity, frames, busy=lambda: self._busy(request, "too many reply bytes are queued for peers"), fd=fd)
+        if outcome == "dropped":
             self.dropped_replies += 1
-            reason = exc.__class__.__name__ if isinstance(exc, zmq.Again) else exc.strerror
-            self.ratelog.warning(f"reply dropped reason={reason}", "reply dropped reason=%s", reason)
+            self.ratelog.warning("reply dropped", "reply dropped (peer gone or not reading)")
+        elif outcome == "busy":
+            self.ratelog.warning("reply over budget", "reply refused BUSY: queued reply bytes over budget")

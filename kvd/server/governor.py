@@ -22,7 +22,8 @@ but getting down to it is paced: each tick evicts the oldest entries, at
 most `step_per_tick` bytes, and in a tiered store no more than the spill
 queue can take without waiting (entries move to the queue, and only the
 SSD writer frees their memory; evicting faster would only move bytes from
-one list to another and then drop them). So a wanted entry is spilled, not
+one list to another and then drop them). Entries already written (behind)
+or already queued need no room: they go at once. So a wanted entry is spilled, not
 lost, whenever the disk keeps up; with no SSD tier, the coldest entries are
 dropped. Evictions are recorded with why = "pressure".
 
@@ -61,6 +62,7 @@ class RamGovernor:
         calm_s: float = 30.0,
         step_per_tick: int = 64 * MiB,
         spill_queue: Any = None,
+        on_disk: Callable[[bytes], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ):
@@ -74,6 +76,7 @@ class RamGovernor:
         self.calm_s = calm_s
         self.step_per_tick = step_per_tick
         self.queue = spill_queue
+        self.on_disk = on_disk  # an entry written (behind) already costs the queue nothing
         self._clock = clock
         self._wall = wall
         self.level = "normal"
@@ -131,7 +134,7 @@ class RamGovernor:
         for entry in list(self._oldest()):
             if self.ram.bytes <= self.target or allowance <= 0:
                 break
-            if self.queue is not None and not self._queue_room(entry.nbytes):
+            if self.queue is not None and not self._clean(entry.id) and not self._queue_room(entry.nbytes):
                 break  # the SSD writer is behind: evict more on a later tick
             freed = self.ram.evict_entry(entry.id, "pressure")
             allowance -= freed
@@ -148,6 +151,10 @@ class RamGovernor:
             if need <= 0 or len(out) >= 4096:
                 break
         return out
+
+    def _clean(self, eid: bytes) -> bool:
+        """Evicting it needs no room in the queue: queued already, or on disk."""
+        return eid in self.queue or (self.on_disk is not None and self.on_disk(eid))
 
     def _queue_room(self, nbytes: int) -> bool:
         q = self.queue
@@ -183,4 +190,5 @@ def from_config(cfg: Any, store: Any, ram_bytes: int) -> RamGovernor | None:
         getattr(store, "ram", store), source, max_bytes=ram_bytes, floor_bytes=cfg.ram_floor_mb * MiB,
         source_name=cfg.pressure_source, poll_s=cfg.pressure_poll_s, calm_s=cfg.pressure_calm_s,
         spill_queue=None if ssd is None else ssd.queue,
+        on_disk=None if ssd is None else ssd.has_row,
     )

@@ -12,6 +12,12 @@ to gather, so the time bound only cuts pages read from disk: other clients'
 requests are served between them instead of waiting for a whole SSD fetch.
 Every page re-matches the chain, so a page can only shrink `n`, never
 serve a byte of a chunk the store no longer holds.
+
+Work per request is bounded by `limits.max_chunks`: LOOKUP, GET and EXPLAIN
+walk at most that many chunks of a sequence (their answer never goes past
+them), and a PUT of a sequence longer than that is BAD_FIELD. A chunk costs a
+SHA-256 and a few dict lookups (~1-2 us), so one request holds the loop for
+milliseconds, not the second a 1 M-token LOOKUP with chunk_tokens=1 took.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 from kvd import __version__
 from kvd.protocol import keys
 from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
-from kvd.protocol.errors import BadField, UnsupportedVersion
+from kvd.protocol.errors import BadField, NotPersisted, UnsupportedVersion
 from kvd.protocol.limits import Limits
 from kvd.server.evictions import EvictionRecord
 from kvd.server.explain import SequenceRecord, explain
@@ -55,6 +61,16 @@ _PAGE_SLACK = 1 << 20
 
 class ShutdownRequested(Exception):
     """Raised after a SHUTDOWN reply is ready; the daemon stops its loop."""
+
+
+class Deferred:
+    """Reply fields to send only once the entries `eids` are on disk
+    (write-through PUT); the daemon parks them (kvd/server/parking.py)."""
+
+    __slots__ = ("fields", "eids")
+
+    def __init__(self, fields: dict[str, Any], eids: list[bytes]):
+        self.fields, self.eids = fields, eids
 
 
 class Handler:
@@ -115,9 +131,13 @@ class Handler:
         raise ShutdownRequested()
 
     # -- data ----------------------------------------------------------------
+    def _walked(self, msg: Message) -> bytes:
+        """The tokens (u32 LE) a LOOKUP/GET/EXPLAIN considers: its first `max_chunks` chunks."""
+        return msg["tokens"][: 4 * self.limits.max_chunks * msg["chunk_tokens"]]
+
     def on_lookup(self, msg: Message):
         ns = msg["ns"]
-        links = match(self.store, ns, msg["chunk_tokens"], msg["tokens"], _media(msg))
+        links = match(self.store, ns, msg["chunk_tokens"], self._walked(msg), _media(msg))
         n = links[-1].end if links else 0
         c = self.ns_counters[ns]
         c["lookups"] += 1
@@ -125,7 +145,7 @@ class Handler:
         return "LOOKUP", {"n": n, "boundaries": [link.end for link in links if link.boundary]}
 
     def on_get(self, msg: Message):
-        ns, tokens_le = msg["ns"], msg["tokens"]
+        ns, tokens_le = msg["ns"], self._walked(msg)
         links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg))
         cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
         need_boundary, start = msg["need_boundary"], msg["start"]
@@ -212,9 +232,15 @@ class Handler:
     def on_put(self, msg: Message):
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
         n_tokens = len(tokens_le) // 4
+        if -(-n_tokens // ct) > self.limits.max_chunks:
+            raise BadField(
+                f"{n_tokens} tokens in chunks of {ct} are {-(-n_tokens // ct)} chunks; the limit is "
+                f"{self.limits.max_chunks} (use a larger chunk_tokens or a shorter sequence)"
+            )
         chain = keys.chain(ns, ct, tokens_le, _media(msg))
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
+        held: list[Entry] = []  # stored or already there: write-through waits for them
         for chunk in msg["chunks"]:
             i = chunk["index"]
             if i >= len(chain):
@@ -226,7 +252,10 @@ class Handler:
                 start=start, length=length, tensors=tuple(chunk["tensors"]), meta=chunk["meta"],
                 tail=length < ct,
             )
-            counts[self.store.put(entry).value] += 1
+            outcome = self.store.put(entry).value
+            counts[outcome] += 1
+            if outcome in ("stored", "duplicate"):
+                held.append(entry)
         boundary = msg.get("boundary")
         if boundary is not None:
             if not chain:
@@ -236,7 +265,10 @@ class Handler:
                 namespace=ns, key=chain[i], kind=BOUNDARY, parent=chain[i - 1] if i else root,
                 start=i * ct, length=n_tokens - i * ct, tensors=tuple(boundary["tensors"]), meta=boundary["meta"],
             )
-            counts[self.store.put(entry).value] += 1
+            outcome = self.store.put(entry).value
+            counts[outcome] += 1
+            if outcome in ("stored", "duplicate"):
+                held.append(entry)
         self.sequences.saw_put(ns, ct, tokens_le, chain, msg.get("ns_meta"))
         c = self.ns_counters[ns]
         c["puts"] += 1
@@ -244,9 +276,14 @@ class Handler:
         c["chunks_duplicate"] += counts["duplicate"]
         c["chunks_too_big"] += counts["too_big"]
         c["chunks_dropped"] += counts["dropped"]
+        pending, failed = self.store.persist(held)
+        if failed:
+            raise NotPersisted(f"{len(failed)} entries could not be queued for the disk; the PUT is not acknowledged")
+        if pending:
+            return "PUT", Deferred(counts, pending)
         return "PUT", counts
 
-    # -- the shared-memory plane (PROTOCOL.md section 13; kvd/server/shm.py) ------
+    # -- the shared-memory plane (PROTOCOL.md section 14; kvd/server/shm.py) ------
     def _shm_admitted(self, msg: Message):
         if self.shm is None:
             raise BadField("this daemon offers no shared memory on this endpoint; send frames")
@@ -263,7 +300,8 @@ class Handler:
 
     def on_explain(self, msg: Message):
         self.ns_counters[msg["ns"]]["explains"] += 1
-        return "EXPLAIN", explain(self.store, self.evictions, self.sequences, msg.fields, media=_media(msg))
+        fields = {**msg.fields, "tokens": self._walked(msg)}
+        return "EXPLAIN", explain(self.store, self.evictions, self.sequences, fields, media=_media(msg))
 
     # -- admin -----------------------------------------------------------------
     def on_stats(self, msg: Message):

@@ -24,6 +24,9 @@ log = logging.getLogger("kvd.server")
 _TIER_COUNTERS = {
     "hits", "misses", "evictions", "evicted_bytes", "spills", "spill_bytes", "promotions", "drops", "dropped",
     "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "quarantined", "served_bytes",
+    "bad_rows", "index_errors",
+    # the remote tier (kvd/store/remote.py)
+    "bytes_in", "bytes_out", "written", "backlog_dropped", "errors", "exists_queries", "degraded_episodes",
 }
 _PRESSURE_COUNTERS = ("samples", "level_changes", "shrinks", "grows", "evictions", "evicted_bytes")
 _NS_COUNTERS = (
@@ -85,9 +88,17 @@ class DaemonCollector:
                     else:
                         families[key] = GaugeMetricFamily(f"kvd_tier_{key}", f"Tier {key}", labels=["tier"])
                 families[key].add_metric([tier], value)
+            heal = values.get("index_rebuild")
+            if isinstance(heal, dict):  # kvd/store/heal.py
+                families.setdefault("rebuilding", GaugeMetricFamily(
+                    "kvd_tier_index_rebuilding", "1 while the index is being rebuilt from the blobs", labels=["tier"],
+                )).add_metric([tier], int(not heal.get("done")))
+                families.setdefault("recovered", GaugeMetricFamily(
+                    "kvd_tier_index_rebuild_recovered", "Entries the last index rebuild recovered from the blobs", labels=["tier"],
+                )).add_metric([tier], heal.get("recovered", 0))
             if isinstance(values.get("degraded"), bool):
                 families.setdefault(
-                    "degraded", GaugeMetricFamily("kvd_tier_degraded", "1 while the tier refuses writes (disk full, I/O errors)", labels=["tier"])
+                    "degraded", GaugeMetricFamily("kvd_tier_degraded", "1 while the tier is degraded (SSD: disk full, I/O errors; remote: unreachable)", labels=["tier"])
                 ).add_metric([tier], int(values["degraded"]))
         yield from families.values()
         for key, doc in (("promotions", "SSD hits promoted to RAM"), ("ssd_served_bytes", "Bytes served from the SSD tier")):
@@ -135,6 +146,11 @@ def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
     return MetricsServer(httpd, thread)
 
 
+_PEER_COUNTERS = (
+    "accepted", "shed_over_cap", "shed_for_memory", "pauses", "refused_over_budget", "cut_off", "dropped_full", "dropped_gone",
+)
+
+
 def _extra_families(sections: dict[str, Any], evictions: dict[str, Any]) -> Iterator[Any]:
     """Memory pressure, quotas and the eviction record (see governor.py, quota.py, evictions.py)."""
     ev = CounterMetricFamily("kvd_evictions", "Entries leaving a tier, by tier, what and why", labels=["tier", "what", "why"])
@@ -148,6 +164,14 @@ def _extra_families(sections: dict[str, Any], evictions: dict[str, Any]) -> Iter
             yield GaugeMetricFamily(f"kvd_pressure_{key}", f"RAM tier {key.split('_')[1]} under memory pressure", value=p[key])
         for key in _PRESSURE_COUNTERS:
             yield CounterMetricFamily(f"kvd_pressure_{key}", f"Memory pressure {key.replace('_', ' ')}", value=p[key])
+    peers = sections.get("peers")
+    if peers:  # kvd.server.peers and kvd.server.outbox
+        for key, doc in (("connected", "Peer connections open"), ("max_peers", "Most peer connections served at once"),
+                         ("queued_bytes", "Reply bytes queued for peers, not yet sent"),
+                         ("rss_ceiling_bytes", "Anonymous RSS over which stalled peers are shed")):
+            yield GaugeMetricFamily(f"kvd_peers_{key}", doc, value=peers.get(key, 0))
+        for key in _PEER_COUNTERS:
+            yield CounterMetricFamily(f"kvd_peers_{key}", f"Peers: {key.replace('_', ' ')}", value=peers.get(key, 0))
     q = sections.get("quotas")
     if q:
         limit = GaugeMetricFamily("kvd_quota_bytes", "Quota, by pattern and tier", labels=["pattern", "tier"])

@@ -10,6 +10,7 @@ under the same parent, never by trusting lengths alone.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kvd.protocol import keys
@@ -36,12 +37,11 @@ def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, med
     parent = keys.root_key(namespace, chunk_tokens)
     links: list[Link] = []
     pos = 0
-    chain = keys.chain(namespace, chunk_tokens, tokens_le, media)
+    chain = keys.iter_chain(namespace, chunk_tokens, tokens_le, media)  # lazily: a miss ends the hashing
     # Ask the store about a block of chunks (and their boundaries) at a time:
     # one index transaction per block, and a miss early in a long query does
     # not pay for the chunks after it.
-    for first in range(0, len(chain), _BLOCK):
-        block = chain[first:first + _BLOCK]
+    while block := list(itertools.islice(chain, _BLOCK)):
         held = store.held([entry_id(k, CHUNK) for k in block] + [entry_id(k, BOUNDARY) for k in block])
         for j, key in enumerate(block):
             if not held[j]:

@@ -1,4 +1,4 @@
-"""The daemon's side of the shared-memory data plane (PROTOCOL.md section 13).
+"""The daemon's side of the shared-memory data plane (PROTOCOL.md section 14).
 
 Theory of operation
 -------------------

@@ -154,14 +154,16 @@ class Target:
         return f"gui/{self.uid}"
 
 
-def install_plan(t: Target, extra_args: Sequence[str] = ()) -> Plan:
-    """Return the Plan that installs and starts the service for Target `t`."""
+def install_plan(t: Target, extra_args: Sequence[str] = (), stop_timeout: float = systemd.DEFAULT_STOP_TIMEOUT) -> Plan:
+    """Return the Plan that installs and starts the service for Target `t`;
+    the service manager waits a little more than `stop_timeout` (the daemon's
+    setting in effect) before it kills a stopping daemon."""
     path = t.service_path
     if t.init == "launchd":
         label = f"{t.launchd_domain}/{launchd.LABEL}"
         return Plan(
             "launchd", "install", path,
-            content=launchd.render_plist(home=t.home, python=t.python, extra_args=extra_args),
+            content=launchd.render_plist(home=t.home, python=t.python, extra_args=extra_args, stop_timeout=stop_timeout),
             mkdirs=[path.parent, Path(launchd.log_dir(t.home))],
             # A loaded agent keeps its old definition: unload it first.
             before=[Command(("launchctl", "bootout", label), check=False)],
@@ -173,7 +175,7 @@ def install_plan(t: Target, extra_args: Sequence[str] = ()) -> Plan:
     ctl = ("systemctl", "--user")
     return Plan(
         "systemd", "install", path,
-        content=systemd.render_unit(t.python, extra_args=extra_args).encode(),
+        content=systemd.render_unit(t.python, extra_args=extra_args, stop_timeout=stop_timeout).encode(),
         mkdirs=[path.parent],
         after=[
             Command(ctl + ("daemon-reload",)),

@@ -11,6 +11,8 @@ formed. What each key is for:
   background work and throttles its CPU and I/O, which a cache serving an
   inference server cannot afford.
 - `Umask` 0o077: the socket, logs and data are for this user only.
+- `ExitTimeOut`: kvd's `stop_timeout` plus a margin; kvd itself ends a stop
+  within `stop_timeout` whatever its RAM tier holds.
 - Logs go to ~/Library/Logs/kvd/, where Console.app looks.
 """
 
@@ -21,11 +23,14 @@ import plistlib
 from pathlib import PurePosixPath
 from typing import Sequence
 
+from kvd.service.systemd import DEFAULT_STOP_TIMEOUT, stop_grace
+
 LABEL = "io.kvd.daemon"
 # launchd starts agents with a minimal PATH; this is the macOS default.
 DEFAULT_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
-# Seconds between SIGTERM and SIGKILL on stop: room to finish queued SSD writes.
-EXIT_TIMEOUT = 30
+# Seconds between SIGTERM and SIGKILL on stop: kvd's stop_timeout plus a margin
+# (kvd.service.systemd.stop_grace); launchd's own default, 20 s, is not enough
+# for a large stop_timeout, so it is always set.
 # The paths launchd/io.kvd.daemon.plist in the repository is rendered for.
 EXAMPLE_HOME = "/Users/you"
 EXAMPLE_PYTHON = "/Users/you/.venvs/kvd/bin/python"
@@ -42,7 +47,8 @@ def log_dir(home: str | os.PathLike) -> PurePosixPath:
 
 
 def plist_dict(
-    *, home: str | os.PathLike, python: str | os.PathLike, label: str = LABEL, extra_args: Sequence[str] = ()
+    *, home: str | os.PathLike, python: str | os.PathLike, label: str = LABEL, extra_args: Sequence[str] = (),
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
 ) -> dict:
     """Return the agent definition as a dict (what `render_plist` serializes).
 
@@ -61,7 +67,7 @@ def plist_dict(
         "KeepAlive": {"SuccessfulExit": False},
         "ProcessType": "Interactive",
         "Umask": 0o077,
-        "ExitTimeOut": EXIT_TIMEOUT,
+        "ExitTimeOut": stop_grace(stop_timeout),
         "WorkingDirectory": home,
         "StandardOutPath": str(logs / "kvd.out.log"),
         "StandardErrorPath": str(logs / "kvd.err.log"),
@@ -75,14 +81,15 @@ def plist_dict(
 
 
 def render_plist(
-    *, home: str | os.PathLike, python: str | os.PathLike, label: str = LABEL, extra_args: Sequence[str] = ()
+    *, home: str | os.PathLike, python: str | os.PathLike, label: str = LABEL, extra_args: Sequence[str] = (),
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT,
 ) -> bytes:
     """Return the agent's plist (XML) for this home folder and interpreter.
 
     Raises ValueError if `home` or `python` is not an absolute path.
     """
     return plistlib.dumps(
-        plist_dict(home=home, python=python, label=label, extra_args=extra_args),
+        plist_dict(home=home, python=python, label=label, extra_args=extra_args, stop_timeout=stop_timeout),
         fmt=plistlib.FMT_XML,
         sort_keys=False,
     )

@@ -7,12 +7,18 @@ rendered for EXAMPLE_PYTHON, and a test keeps the two identical.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import PurePosixPath
 from typing import Mapping, Sequence
 
 UNIT_NAME = "kvd.service"
 EXAMPLE_PYTHON = "/usr/bin/python3"
+# The default of kvd's `stop_timeout` setting (kvd/config.py; a test keeps the
+# two equal: kvd.service may not import kvd.config), and the margin above it
+# the service managers get before they SIGKILL.
+DEFAULT_STOP_TIMEOUT = 10.0
+STOP_MARGIN = 5
 
 UNIT_TEMPLATE = """\
 # kvd.service: a systemd *user* unit for the kvd KV-cache daemon.
@@ -54,8 +60,11 @@ RestartPreventExitStatus=78
 # and restarts it after this long.
 WatchdogSec=30
 TimeoutStartSec=90
-# Room to finish queued SSD-tier writes after SIGTERM.
-TimeoutStopSec=30
+# After SIGTERM kvd writes what is not yet on disk for at most its
+# stop_timeout (10 s by default), logs what it had to leave, and exits 0.
+# This is that plus a margin; `kvd service install` sets it from the
+# stop_timeout in effect. Raise both together.
+TimeoutStopSec=@STOP@
 RuntimeDirectory=kvd
 RuntimeDirectoryMode=0700
 CacheDirectory=kvd
@@ -115,9 +124,18 @@ def _exec_arg(arg: str) -> str:
     return arg
 
 
-def render_unit(python: str | os.PathLike = EXAMPLE_PYTHON, extra_args: Sequence[str] = ()) -> str:
+def stop_grace(stop_timeout: float = DEFAULT_STOP_TIMEOUT) -> int:
+    """Seconds a service manager should wait after SIGTERM before SIGKILL:
+    kvd's own bound, `stop_timeout`, plus a margin for a loaded machine."""
+    return math.ceil(stop_timeout) + STOP_MARGIN
+
+
+def render_unit(
+    python: str | os.PathLike = EXAMPLE_PYTHON, extra_args: Sequence[str] = (), stop_timeout: float = DEFAULT_STOP_TIMEOUT
+) -> str:
     """Return the unit file text whose ExecStart= runs `python -m kvd serve`,
-    with `extra_args` appended to the serve command.
+    with `extra_args` appended to the serve command, and TimeoutStopSec= a
+    little above `stop_timeout` (the daemon's setting of that name).
 
     Raises ValueError if `python` is not an absolute path.
     """
@@ -125,7 +143,8 @@ def render_unit(python: str | os.PathLike = EXAMPLE_PYTHON, extra_args: Sequence
     if not python.startswith("/"):
         raise ValueError(f"python must be an absolute path, got {python!r}")
     extra = "".join(" " + _exec_arg(str(a)) for a in extra_args)
-    return UNIT_TEMPLATE.replace("@PYTHON@", _exec_arg(python)).replace("@EXTRA@", extra)
+    text = UNIT_TEMPLATE.replace("@PYTHON@", _exec_arg(python)).replace("@EXTRA@", extra)
+    return text.replace("@STOP@", str(stop_grace(stop_timeout)))
 
 
 def unit_path(home: str | os.PathLike, environ: Mapping[str, str] | None = None) -> PurePosixPath:

@@ -132,5 +132,19 @@ class Store(abc.ABC):
         Returns (files, bytes). A tier with nothing on disk has none."""
         return 0, 0
 
-    def close(self) -> None:
-        """Release resources (flush a write-back queue, close files)."""
+    def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
+        """Write-through: (ids of `entries` still being written to disk, ids
+        that cannot be); the others are on disk. A tier that is not
+        write-through, or has no disk, has nothing to wait for."""
+        return [], []
+
+    def queued(self, eid: bytes) -> bool:
+        """Whether `eid` is waiting to be written to disk."""
+        return False
+
+    def tick(self) -> None:
+        """Periodic work on the daemon's thread (write-back: feed the writer)."""
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Release resources (flush a write-back queue, close files), taking
+        at most about `timeout` seconds to flush when given."""

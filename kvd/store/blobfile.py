@@ -17,6 +17,12 @@ carries what kvd needs to rebuild the `Entry` without its index row:
     kvd_length, kvd_tail ("0"/"1"), kvd_meta (base64 of the client's msgpack),
     kvd_order    JSON list of tensor names in entry order (JSON maps need not
                  keep order in other readers)
+    kvd_sum      16 hex digits: xxh3-64 of the whole file as written with
+                 these 16 digits set to "0". A blob so proves its own bytes,
+                 header included, without its index row: what rebuilding a
+                 lost index checks (kvd/store/heal.py). Blobs written before
+                 it existed have none; readers ignore metadata they do not use,
+                 so older and newer kvd read each other's blobs.
 
 The encoding is deterministic: the same entry always gives the same bytes,
 so a blob rewritten after an eviction has the checksum it had before.
@@ -29,6 +35,13 @@ fsync the directory. Only then may the caller commit an index row. A crash at
 any step leaves either nothing, a temp file, or a complete blob without a
 row -- never a row pointing at a partial file. On error the temp file is
 removed and the OSError propagates (the caller decides about ENOSPC/EIO).
+
+Group sync (`write_blob(durable=False)` then `sync_group`): the SSD writer
+writes a whole batch first and then fsyncs all its files and folders at
+once, in parallel (filesystems merge concurrent fsyncs into fewer journal
+commits), before it commits any of their rows. A blob renamed but not yet
+synced has no row, so a power cut then leaves at worst a blob without a row,
+which reconcile removes, never a row pointing at a partial file.
 
 Reading (`read_blob`) checks the size and the xxh3-64 of the whole file
 against what the index recorded, then parses; any disagreement raises
@@ -63,6 +76,9 @@ ST_DTYPE = {
     "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64", "bool": "BOOL",
 }
 WIRE_DTYPE = {code: name for name, code in ST_DTYPE.items()}
+
+_SUM_ZERO = "0" * 16
+_SUM_FIELD = b'"kvd_sum":"'
 
 # A header bigger than this is garbage, not a blob (a real one is a few KiB).
 MAX_HEADER = 64 << 20
@@ -107,6 +123,7 @@ def encode_header(entry: Entry) -> bytes:
             "kvd_tail": "1" if entry.tail else "0",
             "kvd_meta": base64.b64encode(entry.meta).decode("ascii"),
             "kvd_order": json.dumps(names),
+            "kvd_sum": _SUM_ZERO,
         }
     }
     offset = 0
@@ -123,7 +140,31 @@ def encode_header(entry: Entry) -> bytes:
     # Pad so the data section starts 8-byte aligned (the safetensors
     # convention, and what lets a reader map tensors without copying).
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    head = struct.pack("<Q", len(raw)) + raw
+    # The sum covers the header with its own digits zeroed, then the data.
+    hasher = xxhash.xxh3_64(head)
+    for t in entry.tensors:
+        hasher.update(_buffer(t.data))
+    at = head.index(_SUM_FIELD) + len(_SUM_FIELD)
+    return head[:at] + hasher.hexdigest().encode("ascii") + head[at + 16 :]
+
+
+def embedded_sum_ok(buf: bytes | bytearray) -> bool | None:
+    """Whether the whole blob in `buf` matches its own `kvd_sum`: True, False,
+    or None for a blob written before kvd_sum existed (nothing to check).
+    Call it on a blob that parsed (`parse_blob`)."""
+    (hlen,) = struct.unpack_from("<Q", buf, 0)
+    head = bytes(buf[8 : 8 + hlen])
+    # Inside a JSON string a quote is escaped, so this byte run can only be
+    # the metadata key itself; the writer puts it there once.
+    at = head.find(_SUM_FIELD)
+    if at < 0:
+        return None
+    at += len(_SUM_FIELD)
+    want = head[at : at + 16]
+    hasher = xxhash.xxh3_64(bytes(buf[:8]) + head[:at] + _SUM_ZERO.encode() + head[at + 16 :])
+    hasher.update(memoryview(buf)[8 + hlen :])
+    return hasher.hexdigest().encode("ascii") == want
 
 
 def full_fsync(fd: int) -> None:
@@ -145,6 +186,37 @@ def fsync_dir(path: Path) -> None:
         full_fsync(fd)
     finally:
         os.close(fd)
+
+
+def _sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_group(files: list[Path], dirs: set[Path], pool) -> dict[Path, OSError]:
+    """Make `files` (written with durable=False) and the folders naming them
+    durable, using `pool` (a concurrent.futures executor) to fsync in
+    parallel. Returns {file: error} for each file that is not durable (its own
+    fsync failed, or its folder's); empty when all are."""
+    file_futs = {f: pool.submit(_sync_file, f) for f in files}
+    dir_futs = {d: pool.submit(fsync_dir, d) for d in dirs}
+    failed: dict[Path, OSError] = {}
+    dir_errors = {}
+    for d, fut in dir_futs.items():
+        exc = fut.exception()
+        if exc is not None:
+            dir_errors[d] = exc
+    parents = {f.parent for f in files}
+    # A folder above the files (a new shard's parent) failing fails them all.
+    above = next((e for d, e in dir_errors.items() if d not in parents), None)
+    for f, fut in file_futs.items():
+        exc = fut.exception() or dir_errors.get(f.parent) or above
+        if exc is not None:
+            failed[f] = exc if isinstance(exc, OSError) else OSError(str(exc))
+    return failed
 
 
 def _write_all(fd: int, mv: memoryview, hasher) -> None:

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from kvd.protocol.errors import KvdError
@@ -41,6 +43,8 @@ TMP_SUFFIX = ".tmp"
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+
+log = logging.getLogger("kvd.store.ssd")
 
 
 class DataDirBusy(KvdError, RuntimeError):
@@ -69,12 +73,40 @@ def ensure_dirs(root: str | os.PathLike) -> Path:
     root = Path(root)
     for sub in ("", INDEX_DIR, BLOB_DIR, QUARANTINE_DIR):
         path = root / sub if sub else root
+        if sub == QUARANTINE_DIR:
+            ensure_quarantine(root)  # only kept for a post-mortem: never a reason not to start
+            continue
         path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         # mkdir's mode is masked by the umask and ignored for existing dirs:
-        # tighten explicitly (a dir made by hand with 0755 gets fixed too).
-        if (path.stat().st_mode & 0o777) != DIR_MODE:
-            os.chmod(path, DIR_MODE)
+        # tighten explicitly (a dir made by hand with 0755 gets fixed too),
+        # but never grant: a folder its owner made read-only stays so, and
+        # the daemon then serves RAM only (kvd/cli/serve.py).
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            os.chmod(path, mode & DIR_MODE)
     return root
+
+
+def ensure_quarantine(root: Path) -> Path | None:
+    """The quarantine folder, made again if it is missing or something else
+    took its name (that is moved aside as `quarantine.not-a-dir-<time>`).
+    None, logged, if it cannot be made: quarantining then removes blobs."""
+    qdir = Path(root) / QUARANTINE_DIR
+    try:
+        if qdir.is_dir() and not qdir.is_symlink():
+            mode = qdir.stat().st_mode & 0o777
+            if mode & 0o077:
+                os.chmod(qdir, mode & DIR_MODE)
+            return qdir
+        if qdir.exists() or qdir.is_symlink():
+            aside = qdir.with_name(f"{QUARANTINE_DIR}.not-a-dir-{int(time.time())}")
+            os.rename(qdir, aside)
+            log.warning("ssd: %s was not a folder; moved it to %s and made a new one", qdir, aside)
+        qdir.mkdir(mode=DIR_MODE)
+        return qdir
+    except OSError as exc:
+        log.error("ssd: cannot make the quarantine folder %s: %s", qdir, exc)
+        return None
 
 
 def blob_name(eid: bytes) -> str:

@@ -30,6 +30,12 @@ Rules kept by every write (`put_row`, `delete_row`, `touch`):
 3. Transactions are re-runnable: `write(fn)` may run `fn` again after growing
    the map on MapFullError, so `fn` must not touch state outside the txn.
 
+Damage. A row whose bytes do not decode raises RowDamaged from `get`; the
+eid is remembered in `damaged`, and `iter_rows`/`oldest` step over it, so
+no scan (eviction, a drop, a check) stumbles on garbage. The SSD tier's
+writer then removes it with `drop_damaged` (every trace, sums recounted).
+A file LMDB cannot use at all is heal.py's business.
+
 Growing the map needs no open transaction in this process: `_grow` closes a
 gate that new readers see (they miss rather than wait), waits for readers in
 flight, resizes, and reopens it.
@@ -41,7 +47,7 @@ import struct
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -61,6 +67,10 @@ class IndexBusy(KvdError):
 
 class IncompatibleIndex(KvdError, RuntimeError):
     """The data dir was written by a kvd whose index format this one cannot read."""
+
+
+class RowDamaged(KvdError):
+    """An index row does not decode (garbage bytes in the LMDB file): its entry is served as a miss."""
 
 
 @dataclass(slots=True)
@@ -83,13 +93,27 @@ class Row:
     state: str = "ssd"  # reserved for future tier states (e.g. "archived")
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
+        # Not dataclasses.asdict: it deep-copies every field, a third of the
+        # writer's time per small blob. Same map, same order, same bytes.
+        return msgpack.packb({k: getattr(self, k) for k in self.__slots__}, use_bin_type=True)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Row":
-        d = msgpack.unpackb(raw, raw=False)
-        # Tolerate fields a newer kvd added: keep only the ones we know.
-        return cls(**{k: d[k] for k in cls.__slots__ if k in d})
+        """Decode a row. Raises RowDamaged for bytes that are not one."""
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            # Tolerate fields a newer kvd added: keep only the ones we know.
+            row = cls(**{k: d[k] for k in cls.__slots__ if k in d})
+            if not (isinstance(row.ns, str) and isinstance(row.parent, bytes) and len(row.parent) == 32
+                    and all(isinstance(getattr(row, k), int) for k in _INT_FIELDS)
+                    and isinstance(row.atime, (int, float))):
+                raise ValueError("a field of the wrong type")
+            return row
+        except Exception as exc:  # msgpack raises many kinds; every one means the same here
+            raise RowDamaged(f"undecodable index row: {exc!r}") from None
+
+
+_INT_FIELDS = ("kind", "start", "length", "nbytes", "file_size", "disk_bytes", "checksum", "fmt")
 
 
 def _lru_key(atime: float, eid: bytes) -> bytes:
@@ -135,6 +159,9 @@ class Index:
         self._gate = threading.Condition()
         self._readers = 0
         self._resizing = False
+        # Rows found undecodable by any reader; the SSD tier's writer repairs
+        # them (`drop_damaged`). A set: adding is atomic under the GIL.
+        self.damaged: set[bytes] = set()
 
     def _check_format(self) -> None:
         with self.env.begin(db=self.meta, write=not self.readonly) as txn:
@@ -151,6 +178,13 @@ class Index:
                 )
 
     def close(self) -> None:
+        self.env.close()
+
+    def retire(self, timeout: float = 10.0) -> None:
+        """Close, once the readers inside are out; new readers miss (IndexBusy)."""
+        with self._gate:
+            self._resizing = True
+            self._gate.wait_for(lambda: self._readers == 0, timeout=timeout)
         self.env.close()
 
     # -- transactions ----------------------------------------------------
@@ -202,16 +236,35 @@ class Index:
 
     # -- reads (any thread, inside `reading()` or a write txn) -------------
     def get(self, txn, eid: bytes) -> Row | None:
+        """The row of `eid`, or None. Raises RowDamaged (and remembers `eid`
+        in `damaged`, for the writer to repair) if it does not decode."""
         raw = txn.get(eid, db=self.rows)
-        return None if raw is None else Row.unpack(raw)
+        if raw is None:
+            return None
+        try:
+            return Row.unpack(raw)
+        except RowDamaged:
+            self.damaged.add(bytes(eid))
+            raise
 
     def has(self, txn, eid: bytes) -> bool:
         return txn.get(eid, db=self.rows) is not None
 
     def oldest(self, txn) -> Iterator[tuple[float, bytes]]:
-        """(atime, eid) from least to most recently used."""
+        """(atime, eid) from least to most recently used. An eid whose row is
+        damaged is skipped (and remembered in `damaged`): callers go on to
+        `get` its row, and eviction must not stumble on garbage."""
         for k in txn.cursor(db=self.lru).iternext(keys=True, values=False):
-            yield struct.unpack_from(">Q", k)[0] / 1e6, bytes(k[8:])
+            eid = bytes(k[8:])
+            raw = txn.get(eid, db=self.rows)
+            if raw is None:
+                continue  # a stray recency key (a repaired row's): nothing to evict
+            try:
+                Row.unpack(raw)
+            except RowDamaged:
+                self.damaged.add(eid)
+                continue
+            yield struct.unpack_from(">Q", k)[0] / 1e6, eid
 
     def tails(self, txn, parent: bytes) -> list[tuple[int, bytes]]:
         out = []
@@ -236,8 +289,13 @@ class Index:
         return out
 
     def iter_rows(self, txn) -> Iterator[tuple[bytes, Row]]:
+        """Every (eid, row) that decodes; damaged ones are skipped and
+        remembered in `damaged`."""
         for k, v in txn.cursor(db=self.rows).iternext(keys=True, values=True):
-            yield bytes(k), Row.unpack(v)
+            try:
+                yield bytes(k), Row.unpack(v)
+            except RowDamaged:
+                self.damaged.add(bytes(k))
 
     def info(self) -> dict[str, Any]:
         info = self.env.info()
@@ -269,7 +327,11 @@ class Index:
 
     def delete_row(self, txn, eid: bytes) -> Row | None:
         """Remove the row of `eid` (and its lru/tail/ns/totals traces). Returns it, or None."""
-        row = self.get(txn, eid)
+        try:
+            row = self.get(txn, eid)
+        except RowDamaged:
+            self.drop_damaged(txn, eid)
+            return None
         if row is None:
             return None
         txn.delete(eid, db=self.rows)
@@ -279,9 +341,39 @@ class Index:
         self._bump(txn, row.ns, -1, -row.disk_bytes, -row.length if row.kind == 0 else 0)
         return row
 
+    def drop_damaged(self, txn, eid: bytes) -> None:
+        """Remove an undecodable row and every trace of it, then recount the
+        totals and namespaces from the rows. Nothing in the damaged bytes can
+        be trusted, so its lru and tail keys are found by scanning for `eid`
+        and the sums are recomputed: O(rows), for a rare repair."""
+        txn.delete(eid, db=self.rows)
+        for db, match in ((self.lru, lambda k: k[8:] == eid), (self.tails_db, lambda k: k[36:] == eid[:32])):
+            stale = [bytes(k) for k in txn.cursor(db=db).iternext(keys=True, values=False) if match(k)]
+            for k in stale:
+                txn.delete(k, db=db)
+        self.recount(txn)
+
+    def recount(self, txn) -> None:
+        """Recompute the totals row and the per-namespace records from the rows."""
+        per_ns: dict[str, list] = {}
+        for _, row in self.iter_rows(txn):
+            rec = per_ns.setdefault(row.ns, [0, 0, 0, 0.0])
+            rec[0] += 1
+            rec[1] += row.disk_bytes
+            rec[2] += row.length if row.kind == 0 else 0
+            rec[3] = max(rec[3], row.atime)
+        txn.drop(self.ns_db, delete=False)
+        for ns, rec in per_ns.items():
+            txn.put(ns.encode(), msgpack.packb(rec), db=self.ns_db)
+        total = [sum(r[0] for r in per_ns.values()), sum(r[1] for r in per_ns.values())]
+        txn.put(b"totals", msgpack.packb(total), db=self.meta)
+
     def touch(self, txn, eid: bytes, atime: float) -> bool:
         """Move `eid` to `atime` in the recency order (never backwards)."""
-        row = self.get(txn, eid)
+        try:
+            row = self.get(txn, eid)
+        except RowDamaged:
+            return False  # repaired by the writer (drop_damaged), not moved
         if row is None or atime <= row.atime:
             return False
         txn.delete(_lru_key(row.atime, eid), db=self.lru)

@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from kvd.store.datadir import INDEX_DIR, QUARANTINE_DIR, DataDirLock
-from kvd.store.index import Index
+from kvd.store.datadir import QUARANTINE_DIR, DataDirLock
+from kvd.store.heal import open_readonly
 
 Progress = Callable[[str, int, int], None]
 
@@ -48,12 +48,11 @@ def stats(data_dir: str | os.PathLike) -> dict[str, Any]:
 
     Returns {"entries", "bytes", "namespaces": {ns: {entries, bytes}},
     "quarantine": {files, bytes}, "index": {map_size, used_bytes}, "locked_by": pid of a live holder (likely the daemon) or None}.
-    Raises FileNotFoundError if `data_dir` holds no kvd index.
+    Raises FileNotFoundError if `data_dir` holds no kvd index, IndexDamaged
+    if its index is damaged (see heal.py).
     """
     root = Path(data_dir)
-    if not (root / INDEX_DIR / "data.mdb").exists():
-        raise FileNotFoundError(f"{root} holds no kvd index")
-    index = Index(root / INDEX_DIR, readonly=True, map_size=0)
+    index = open_readonly(root)  # IndexDamaged rather than a SIGBUS on a truncated file
     try:
         with index.reading() as txn:
             entries, nbytes = index.totals(txn)
@@ -137,3 +136,20 @@ def _verify(store, dry_run: bool, progress: Progress | None) -> dict[str, int]:
         for eid, _ in report.bad:
             store.verify_blob(eid)  # fails again, and is quarantined
     return {"checked": report.rows, "bad": len(report.bad)}
+
+
+def repair(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """Rebuild a stopped daemon's index from its blobs (`kvd verify --repair`):
+    the index is moved aside whatever its state, every blob is read and
+    checked, bad ones are quarantined. Returns the rebuild's report
+    (heal.Heal.stats()). Raises DataDirBusy if a daemon holds the data dir."""
+    from kvd.store.ssd import SsdStore  # deferred: stats() stays import-light
+
+    store = SsdStore(data_dir, 1 << 62, min_free_bytes=0, background=False, reconcile=False,
+                     rebuild="kvd verify --repair")
+    try:
+        report = store.heal.stats()
+        report["entries"], report["bytes"] = store.entries, store.bytes
+    finally:
+        store.close()
+    return report

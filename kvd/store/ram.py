@@ -16,6 +16,12 @@ budget), "quota", "pressure", "gc", "shutdown", or "drop" (see
 kvd/server/evictions.py); it is told before `on_evict`, so a spill the SSD
 tier then drops is recorded last.
 
+Every entry is charged its tensor bytes plus what holding it costs the
+process (`charge`): with `overhead=True` (the daemon's setting) a measured
+constant per entry and per tensor (kvd.store.overhead), so a flood of tiny
+entries fills the budget instead of the process. `bytes` and the per-
+namespace bytes are these charges.
+
 A tail index (parent key -> {tail length: key}) answers `tails()` without a
 scan; it is kept in step with the map on every put, evict and drop.
 """
@@ -27,6 +33,7 @@ from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterable, Iterator
 
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
+from kvd.store.overhead import entry_overhead
 
 
 class RamStore(Store):
@@ -40,8 +47,10 @@ class RamStore(Store):
         *,
         on_evict: Callable[[Entry], None] | None = None,
         clock: Callable[[], float] = time.time,
+        overhead: bool = False,
     ):
         self.budget_bytes = int(budget_bytes)
+        self.overhead = overhead
         self.on_evict = on_evict
         self.observer: Callable[[Entry, str], None] | None = None
         self.quotas: Any = None  # kvd.store.quota.Quotas: a group over quota evicts its own first
@@ -60,6 +69,10 @@ class RamStore(Store):
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "stored", "duplicates", "too_big", "evictions", "evicted_bytes", "dropped", "served_bytes"), 0
         )
+
+    def charge(self, entry: Entry) -> int:
+        """Bytes `entry` counts against the budget (see the module docstring)."""
+        return entry.nbytes + (entry_overhead(entry) if self.overhead else 0)
 
     # -- lookups ---------------------------------------------------------
     def get(self, eid: bytes) -> Entry | None:
@@ -87,16 +100,16 @@ class RamStore(Store):
             self._used[eid] = self._clock()
             self.counters["duplicates"] += 1
             return PutOutcome.DUPLICATE
-        if entry.nbytes > self.budget_bytes or (self.quotas is not None and not self.quotas.admit_ram(entry)):
+        if self.charge(entry) > self.budget_bytes or (self.quotas is not None and not self.quotas.admit_ram(entry)):
             self.counters["too_big"] += 1
             return PutOutcome.TOO_BIG
         self._entries[eid] = entry
         self._used[eid] = self.ns_used[entry.namespace] = self._clock()
         if entry.tail and entry.kind == CHUNK:
             self._tails[entry.parent][entry.key] = entry.length
-        self.bytes += entry.nbytes
+        self.bytes += self.charge(entry)
         self.ns_entries[entry.namespace] += 1
-        self.ns_bytes[entry.namespace] += entry.nbytes
+        self.ns_bytes[entry.namespace] += self.charge(entry)
         if entry.kind == CHUNK:
             self.ns_tokens[entry.namespace] += entry.length
         self.counters["stored"] += 1
@@ -114,10 +127,10 @@ class RamStore(Store):
                 del tails[entry.key]
                 if not tails:
                     del self._tails[entry.parent]
-        self.bytes -= entry.nbytes
+        self.bytes -= self.charge(entry)
         ns = entry.namespace
         self.ns_entries[ns] -= 1
-        self.ns_bytes[ns] -= entry.nbytes
+        self.ns_bytes[ns] -= self.charge(entry)
         if entry.kind == CHUNK:
             self.ns_tokens[ns] -= entry.length
         if not self.ns_entries[ns]:
@@ -137,12 +150,12 @@ class RamStore(Store):
         """Evict one held entry (spilling it, via `on_evict`). Returns its bytes."""
         entry = self._remove(eid)
         self.counters["evictions"] += 1
-        self.counters["evicted_bytes"] += entry.nbytes
+        self.counters["evicted_bytes"] += self.charge(entry)
         if self.observer is not None:
             self.observer(entry, why)
         if self.on_evict is not None:
             self.on_evict(entry)
-        return entry.nbytes
+        return self.charge(entry)
 
     def evict(
         self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ram", why: str = "gc"
@@ -156,14 +169,16 @@ class RamStore(Store):
         for entry in self._entries.values():
             if remaining <= budget_bytes:
                 break
-            remaining -= entry.nbytes
+            remaining -= self.charge(entry)
             n += 1
-            nbytes += entry.nbytes
+            nbytes += self.charge(entry)
         return n, nbytes
 
     def drop(
-        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
+        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False,
+        ids: list[bytes] | None = None,
     ) -> tuple[int, int]:
+        """As `Store.drop`; the ids removed (or that would be) are appended to `ids` if given."""
         cutoff = None if older_than is None else self._clock() - older_than
         victims = [
             eid
@@ -171,7 +186,9 @@ class RamStore(Store):
             if (namespace is None or entry.namespace == namespace)
             and (cutoff is None or self._used[eid] < cutoff)
         ]
-        nbytes = sum(self._entries[eid].nbytes for eid in victims)
+        nbytes = sum(self.charge(self._entries[eid]) for eid in victims)
+        if ids is not None:
+            ids.extend(victims)
         if not dry_run:
             for eid in victims:
                 entry = self._remove(eid)

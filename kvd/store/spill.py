@@ -23,6 +23,11 @@ writers of the same blob.
 
 Ordering rule: the writer *peeks* a batch (entries stay queued and
 servable), writes and commits it, and only then calls `done()` to remove it.
+After `done()` it calls the sink's `settled(batch)`: that is how a waiter (a
+write-through PUT parked in the daemon) learns which entries are now durable
+and which were dropped. Because `done()` comes first, an entry found in the
+queue again when the news arrives was queued anew, and the news is not about
+that copy.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class SpillQueue:
         self.cond = threading.Condition()
         self._pending: OrderedDict[bytes, Entry] = OrderedDict()
         self._inflight: set[bytes] = set()
+        # parent -> {eid: (length, key)} of queued tail chunks: `tails` is asked
+        # on every LOOKUP that stops short, and the queue holds every write behind.
+        self._tails: dict[bytes, dict[bytes, tuple[int, bytes]]] = {}
         self.bytes = 0
         self.closed = False
 
@@ -83,8 +91,18 @@ class SpillQueue:
                 return False
             self._pending[eid] = entry
             self.bytes += entry.nbytes
+            if entry.tail and entry.kind == CHUNK:
+                self._tails.setdefault(entry.parent, {})[eid] = (entry.length, entry.key)
             self.cond.notify_all()
             return True
+
+    def _untail(self, entry: Entry) -> None:
+        if entry.tail and entry.kind == CHUNK:
+            tails = self._tails.get(entry.parent)
+            if tails is not None:
+                tails.pop(entry.id, None)
+                if not tails:
+                    del self._tails[entry.parent]
 
     def take_batch(self, max_entries: int, max_bytes: int) -> list[Entry]:
         """Up to `max_entries`/`max_bytes` oldest entries not yet in flight
@@ -109,6 +127,7 @@ class SpillQueue:
                 self._inflight.discard(eid)
                 if self._pending.pop(eid, None) is not None:
                     self.bytes -= entry.nbytes
+                    self._untail(entry)
             self.cond.notify_all()
 
     def pending_where(self, pred: Callable[[Entry], bool]) -> list[Entry]:
@@ -127,16 +146,13 @@ class SpillQueue:
             for e in gone:
                 del self._pending[e.id]
                 self.bytes -= e.nbytes
+                self._untail(e)
             self.cond.notify_all()
         return gone
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         with self.cond:
-            return [
-                (e.length, e.key)
-                for e in self._pending.values()
-                if e.tail and e.kind == CHUNK and e.parent == parent
-            ]
+            return list(self._tails.get(parent, {}).values())
 
     def idle(self) -> bool:
         return not self._pending
@@ -146,6 +162,10 @@ class Sink(Protocol):
     """What the writer drives: the SSD tier."""
 
     def write_batch(self, batch: list[Entry]) -> None: ...
+
+    def settled(self, batch: list[Entry]) -> None:
+        """Called after `write_batch` and `done`: each entry is now durable or dropped."""
+        ...
 
     def idle(self, busy: bool) -> bool:
         """Periodic work; return True if more background work is waiting."""
@@ -239,6 +259,7 @@ class Writer:
                         self.sink.write_batch(batch)
                     finally:
                         self.queue.done(batch)
+                        self.sink.settled(batch)
                 more = self.sink.idle(busy=bool(batch))
             except Exception:  # a bug; the thread must outlive it or the tier silently stops
                 log.exception("spill writer: unexpected error (continuing)")

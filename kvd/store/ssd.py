@@ -51,12 +51,23 @@ other OSError (a shard directory replaced by a file, a permission changed by
 hand) concerns one path: that entry is dropped and counted, logged once per
 errno, and the tier goes on.
 
+Durability. The writer writes a batch's blobs, fsyncs them and their folders
+together (group sync, blobfile.sync_group), then commits all their rows in
+one synced LMDB transaction; only then does it tell `on_settled` which
+entries are durable (the daemon answers write-through PUTs from that). A
+blob whose fsync fails is removed and dropped, never indexed. `close(timeout)`
+stops writing at its deadline: the batch in hand commits what is already
+written, and the rest is counted (`unpersisted`) and logged in one line.
+
 Recency. A disk hit records (eid, time) in memory; the writer flushes these
 into the LRU order every `touch_flush_s` and before choosing victims, so the
 daemon thread never waits for an LMDB write.
 
 Start-up. Open LMDB (clearing stale reader slots), read the totals row, and
-serve. Reconcile -- removing leftover temp files, blobs without rows (a
+serve. An index that is truncated, zeroed or not LMDB is moved aside and
+rebuilt from the blobs on the writer thread, before reconcile (heal.py).
+A row whose bytes do not decode is a miss; the writer drops it and every
+trace of it (`Index.drop_damaged`) and quarantines its blob. Reconcile -- removing leftover temp files, blobs without rows (a
 crash between rename and commit) and rows without blobs -- runs on the
 writer thread in small steps, interleaved with spills.
 """
@@ -68,22 +79,26 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import lmdb
 
-from kvd.store import blobfile
+from kvd.protocol.errors import Busy
+from kvd.store import blobfile, heal
 from kvd.store.base import Entry, PutOutcome, Store
 from kvd.store.blobfile import BlobCorrupt, Unencodable
 from kvd.store.datadir import (
+    BLOB_DIR,
     INDEX_DIR,
     QUARANTINE_DIR,
     DataDirLock,
     blob_path,
     ensure_dirs,
+    ensure_quarantine,
 )
-from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row
+from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row, RowDamaged
 from kvd.store.reconcile import reconcile_steps
 from kvd.store.spill import SpillQueue, Writer
 
@@ -97,6 +112,7 @@ _COUNTERS = (
     "hits", "misses", "queue_hits", "spills", "spill_bytes", "spills_clean", "duplicates",
     "evictions", "evicted_bytes", "dropped", "drops", "checksum_failures", "read_errors",
     "write_errors", "quarantined", "busy_misses", "orphans_removed", "temps_removed", "rows_repaired",
+    "bad_rows", "index_errors",
 )
 
 
@@ -104,7 +120,10 @@ class SsdStore(Store):
     """A `Store` on a data dir. See the module docstring.
 
     `background=False` runs no writer thread: mutations then run inline in
-    the caller (used by offline gc; `put` is not available that way).
+    the caller (used by offline gc; `put` is not available that way), and an
+    index rebuild (heal.py) is finished before the constructor returns.
+    `rebuild="why"` moves the index aside and rebuilds it whatever its state
+    (`kvd verify --repair`).
     """
 
     name = "ssd"
@@ -125,6 +144,7 @@ class SsdStore(Store):
         durable: bool = True,
         background: bool = True,
         reconcile: bool = True,
+        rebuild: str | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.root = ensure_dirs(root)
@@ -141,7 +161,7 @@ class SsdStore(Store):
         self._clock = clock
         self._lock_file = DataDirLock(self.root).acquire()
         try:
-            self.index = Index(self.root / INDEX_DIR, map_size=map_size)
+            self.index, self.heal = heal.open_index(self.root, map_size=map_size, rebuild=rebuild)
         except BaseException:
             self._lock_file.release()
             raise
@@ -154,6 +174,14 @@ class SsdStore(Store):
         self.observer: Callable[[bytes, str | None, str, str], None] | None = None
         # Per-namespace SSD quotas (kvd/store/quota.py), checked before a write.
         self.quotas: Any = None
+        # Told after every batch which of its entries are now durable
+        # ((eid, True)) or were dropped ((eid, False)), with the degraded
+        # reason if any; called on the writer thread (spill.py, ordering rule).
+        self.on_settled: Callable[[list[tuple[bytes, bool]], str | None], None] | None = None
+        self.writes_stopped = False  # close() ran out of time: write nothing more
+        self.abandoned: list[Entry] = []  # entries a stopped writer left unwritten
+        self.unpersisted = 0  # entries close() had to leave unwritten
+        self._pool: ThreadPoolExecutor | None = None  # group sync's fsyncs (blobfile.sync_group)
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
@@ -168,12 +196,20 @@ class SsdStore(Store):
         self._retry_at = 0.0
         self.queue = SpillQueue(queue_bytes, queue_entries)
         self.reconciled = threading.Event()
+        # A rebuild runs before reconcile: until it is done, blobs without
+        # rows are entries not yet indexed, not orphans.
+        self._rebuild: Iterator[None] | None = heal.rebuild_steps(self, self.heal) if self.heal else None
+        # Then one walk over every page of the index (heal.walk_steps), then reconcile.
+        self._walk: Iterator[None] | None = heal.walk_steps(self) if reconcile else None
         self._reconcile: Iterator[None] | None = self._reconcile_steps({}) if reconcile else None
-        if not reconcile:
+        self._heal_wanted: str | None = None  # damage found while running: heal on the writer
+        if not reconcile and self._rebuild is None:
             self.reconciled.set()
         self.writer = Writer(self.queue, self)
         if background:
             self.writer.start()
+        else:
+            self._finish_rebuild()  # offline: nothing may look at the index before
 
     # -- small helpers -----------------------------------------------------
     def count(self, name: str, n: int = 1) -> None:
@@ -224,6 +260,9 @@ class SsdStore(Store):
                 return self.index.has(txn, eid)
         except IndexBusy:
             return False
+        except lmdb.Error as exc:
+            self._index_error(exc)
+            return False
 
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         """`contains` for each of `eids`, from one read transaction."""
@@ -235,6 +274,9 @@ class SsdStore(Store):
                         out[i] = self.index.has(txn, eid)
         except IndexBusy:
             pass
+        except lmdb.Error as exc:  # a damaged page: as in `contains`, a miss (and a heal)
+            self._index_error(exc)
+            return [eid in self.queue for eid in eids]
         return out
 
     def lease_many(self, eids: Sequence[bytes]) -> list[bool]:
@@ -259,6 +301,9 @@ class SsdStore(Store):
                 return self.index.has(txn, eid)
         except IndexBusy:
             return False
+        except lmdb.Error as exc:
+            self._index_error(exc)
+            return False
 
     def with_rows(self, eids: Iterable[bytes]) -> set[bytes]:
         """Those of `eids` with a committed blob, in one read transaction."""
@@ -266,6 +311,9 @@ class SsdStore(Store):
             with self.index.reading() as txn:
                 return {eid for eid in eids if self.index.has(txn, eid)}
         except IndexBusy:
+            return set()
+        except lmdb.Error as exc:
+            self._index_error(exc)
             return set()
 
     def get(self, eid: bytes) -> Entry | None:
@@ -302,6 +350,12 @@ class SsdStore(Store):
         except IndexBusy:
             self._count("busy_misses")
             return None
+        except RowDamaged as exc:
+            self._mark_bad(eid, f"bad row: {exc}")
+            return None
+        except lmdb.Error as exc:  # a damaged page under the row: a miss, counted, never INTERNAL
+            self._index_error(exc)
+            return None
         finally:
             self._unlink_lock.release()
         if fd < 0:
@@ -329,12 +383,52 @@ class SsdStore(Store):
             if eid in self._bad:
                 return
             self._bad[eid] = reason
-            if reason != "missing":
+            if reason.startswith("bad row"):
+                self.counters["bad_rows"] += 1
+            elif reason != "missing":
                 self.counters["checksum_failures"] += 1
         if self.observer is not None:
             self.observer(eid, None, "quarantined", reason.split(":")[0])
         log.warning("ssd: blob %s is bad (%s); quarantining, serving a miss", eid.hex(), reason)
         self.writer.submit(lambda: self._quarantine(eid))
+
+    def _index_error(self, exc: Exception) -> None:
+        with self._mu:
+            self.counters["index_errors"] += 1
+            first = self.counters["index_errors"] == 1
+        if heal.is_damage(exc):
+            self.want_heal(f"a read failed: {exc}")
+        elif first:  # once: the counter keeps the tally
+            log.error("ssd: the index failed a read (%s); serving misses for what it cannot read", exc)
+
+    def want_heal(self, reason: str) -> None:
+        """The index is damaged (found while running): have the writer move it
+        aside and rebuild it from the blobs, serving misses meanwhile."""
+        # During a rebuild the damage is that of the index just replaced (a
+        # reader that met it as it went): nothing more to do.
+        if self._heal_wanted is None and self._rebuild is None and self.writer.alive:
+            self._heal_wanted = reason
+            with self.queue.cond:  # wake the writer
+                self.queue.cond.notify_all()
+
+    def _heal_now(self) -> None:
+        """Writer thread: swap in a new index and rebuild it (heal.py). Readers
+        switch at once (they look `self.index` up per call); the old one is
+        closed once the readers still inside it are out."""
+        reason, old = self._heal_wanted, self.index
+        try:
+            new, h = heal.replace_index(self.root, reason, map_size=old.map_size)
+        except (OSError, lmdb.Error) as exc:
+            self._degrade(f"cannot replace the damaged index: {exc}")
+            return
+        self.index, self.heal = new, h
+        self.entries, self.bytes = 0, 0
+        self._rebuild = heal.rebuild_steps(self, h)
+        self._walk = heal.walk_steps(self)
+        self._reconcile = self._reconcile_steps({})
+        self.reconciled.clear()
+        self._heal_wanted = None
+        old.retire()
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         found = dict(self.queue.tails(parent))
@@ -343,6 +437,8 @@ class SsdStore(Store):
                 found.update(self.index.tails(txn, parent))
         except IndexBusy:
             pass
+        except lmdb.Error as exc:
+            self._index_error(exc)
         return sorted(found.items(), reverse=True)
 
     # -- writes (daemon thread: enqueue only) ------------------------------
@@ -387,6 +483,10 @@ class SsdStore(Store):
             self._flush_touches()
             planned = 0
             for i, entry in enumerate(batch):
+                if self.writes_stopped:
+                    # close() is out of time: commit what is written, leave the rest.
+                    self.abandoned.extend(batch[i:])
+                    break
                 eid = entry.id
                 now = self._clock()
                 if self.degraded and now < self._retry_at:
@@ -402,6 +502,7 @@ class SsdStore(Store):
                 if self.quotas is not None and not self.quotas.make_room_ssd(self, entry, est, written):
                     # As below: this batch's own uncommitted blobs may be what stands in the way.
                     if written:
+                        written = self._synced(written, batch)
                         self._commit(written)
                         written, planned = [], 0
                     if not self.quotas.make_room_ssd(self, entry, est, written):
@@ -412,13 +513,15 @@ class SsdStore(Store):
                     # way (a batch bigger than the budget): commit them, so they
                     # become evictable like any other, and try once more.
                     if written:
+                        written = self._synced(written, batch)
                         self._commit(written)
                         written, planned = [], 0
                     if not self._make_room(est, set()):
                         self._drop(entry, "budget_leased")
                         continue
                 try:
-                    info = blobfile.write_blob(self.path(eid), entry, durable=self.durable)
+                    # Synced with the rest of the batch before any row commits (_synced).
+                    info = blobfile.write_blob(self.path(eid), entry, durable=False)
                 except Unencodable as exc:
                     log.error("ssd: cannot store %s: %s", eid.hex(), exc)
                     self._drop(entry, "unencodable")
@@ -445,6 +548,7 @@ class SsdStore(Store):
                 )))
                 self._recover()
             if written:
+                written = self._synced(written, batch)
                 self._commit(written)
         except lmdb.Error as exc:
             # The index refused a write mid-batch (LMDB on a full disk, most
@@ -460,6 +564,39 @@ class SsdStore(Store):
                     self._drop(entry, "write_error")
             for entry in batch[i:]:
                 self._drop(entry, "write_error")
+
+    def _synced(self, written: list[tuple[bytes, Row]], batch: list[Entry]) -> list[tuple[bytes, Row]]:
+        """Group sync: fsync the blobs of `written` and their folders together,
+        in parallel (blobfile.sync_group). Returns those now durable; the
+        others are removed and dropped, counted (a disk error degrades)."""
+        if not self.durable or not written:
+            return written
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-fsync")
+        files = [self.path(eid) for eid, _ in written]
+        failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._pool)
+        if not failed:
+            return written
+        by_id = {e.id: e for e in batch}
+        kept = []
+        for (eid, row), path in zip(written, files):
+            exc = failed.get(path)
+            if exc is None:
+                kept.append((eid, row))
+                continue
+            self._count("write_errors")
+            self._unlink(path)
+            self._drop(by_id[eid], "write_error")
+            if exc.errno in DISK_ERRNOS:
+                self._degrade(f"fsync failed: {exc}")
+        return kept
+
+    def settled(self, batch: list[Entry]) -> None:
+        """Writer thread, after a batch: tell `on_settled` what became durable."""
+        if self.on_settled is None:
+            return
+        durable = self.with_rows(e.id for e in batch)
+        self.on_settled([(e.id, e.id in durable) for e in batch], self.degraded)
 
     def _commit(self, written: list[tuple[bytes, Row]]) -> None:
         """Commit rows for durable blobs; on failure remove the blobs (counted)."""
@@ -589,33 +726,63 @@ class SsdStore(Store):
         reason = self._bad.get(eid, "")
 
         def delete(txn):
+            # delete_row drops an undecodable row with every trace of it.
             return self.index.delete_row(txn, eid), self.index.totals(txn)
 
         _, totals = self.index.write(delete)
+        self.index.damaged.discard(eid)
         self.entries, self.bytes = totals
         src = self.path(eid)
         if reason != "missing":
-            dst = self.root / QUARANTINE_DIR / f"{eid.hex()}.{int(time.time() * 1000)}.safetensors"
-            try:
-                with self._unlink_lock:
-                    os.replace(src, dst)
+            with self._unlink_lock:
+                moved = heal.quarantine_file(self.root, src, eid.hex())
+            if moved:
                 self._count("quarantined")
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.error("ssd: could not quarantine %s: %s", src, exc)
-                self._unlink(src)
         else:
             self._count("rows_repaired")
         with self._mu:
             self._bad.pop(eid, None)
 
+    def _repair_damaged(self) -> None:
+        """Rows some reader found undecodable (eviction, a drop, a check):
+        hidden and quarantined like a bad read."""
+        for eid in list(self.index.damaged):
+            if eid not in self._bad:
+                self._mark_bad(eid, "bad row: undecodable index row")
+            self.index.damaged.discard(eid)
+
     def idle(self, busy: bool) -> bool:
         """Writer-thread periodic work. True if more is waiting right now."""
+        if self._heal_wanted is not None and self._rebuild is None:
+            self._heal_now()
         now = self._clock()
-        if now >= self._next_touch_flush:
-            self._next_touch_flush = now + self.touch_flush_s
-            self._flush_touches()
+        try:
+            if now >= self._next_touch_flush:
+                self._next_touch_flush = now + self.touch_flush_s
+                self._flush_touches()
+        except lmdb.Error as exc:
+            if not heal.is_damage(exc):
+                raise
+            self.want_heal(f"recording hits failed: {exc}")
+            return True
+        if self.index.damaged:
+            self._repair_damaged()
+        if self._rebuild is not None:
+            try:
+                next(self._rebuild)
+            except StopIteration:
+                self._rebuild = None
+                if self._reconcile is None and self._walk is None:
+                    self.reconciled.set()
+            return not busy
+        if self._walk is not None:
+            try:
+                next(self._walk)
+            except StopIteration:
+                self._walk = None
+                if self._reconcile is None:
+                    self.reconciled.set()
+            return not busy
         if self._reconcile is not None:
             try:
                 next(self._reconcile)
@@ -631,17 +798,50 @@ class SsdStore(Store):
     ) -> Iterator[None]:
         return reconcile_steps(self, report, dry_run, progress)
 
+    def _admin(self, fn: Callable[[], Any]) -> Any:
+        """Run an admin job on the writer. An index found damaged meanwhile
+        is healed (see want_heal) and the caller told to retry: Busy on the
+        wire, IndexDamaged offline -- never an internal error."""
+        def guarded():
+            try:
+                return fn()
+            except lmdb.Error as exc:
+                if not heal.is_damage(exc):
+                    raise
+                if not self.writer.alive:
+                    raise heal.IndexDamaged(f"the index of {self.root} is damaged ({exc}); "
+                                            "run `kvd verify --repair` to rebuild it from the blobs") from None
+                self.want_heal(f"an admin request failed: {exc}")
+                raise Busy("the SSD tier's index is damaged and being rebuilt from the blobs; retry later") from None
+
+        return self.writer.submit(guarded).result()
+
+    def _finish_rebuild(self) -> None:
+        """Run what is left of an index rebuild now (writer thread, or none running)."""
+        if self._rebuild is not None:
+            for _ in self._rebuild:
+                pass
+            self._rebuild = None
+            if self._reconcile is None:
+                self.reconciled.set()
+
     def reconcile(
         self, *, dry_run: bool = False, progress: Callable[[str, int, int], None] | None = None
     ) -> dict[str, int]:
         """Run a full reconcile now (on the writer). Returns counts removed (or that would be)."""
         def run():
             report: dict[str, int] = {}
+            if self._rebuild is not None:
+                # Blobs not yet indexed are not orphans, and finishing the
+                # rebuild here would hold the caller (the daemon's thread, for
+                # `kvd gc`) for minutes: the rebuild removes temp files itself
+                # and reconcile runs after it.
+                return report
             for _ in self._reconcile_steps(report, dry_run, progress):
                 pass
             return report
 
-        return self.writer.submit(run).result()
+        return self._admin(run)
 
     def verify_blob(self, eid: bytes) -> bool:
         """Read `eid`'s blob back against its checksum. False if it has no row
@@ -679,9 +879,13 @@ class SsdStore(Store):
         return checked, failed
 
     def purge_quarantine(self, *, dry_run: bool = False) -> tuple[int, int]:
-        """Delete quarantined blobs. Returns (files, bytes)."""
+        """Delete quarantined blobs. Returns (files, bytes). A quarantine
+        folder that is missing or not a folder is made again (heal.py)."""
         n = nbytes = 0
-        for path in (self.root / QUARANTINE_DIR).iterdir():
+        qdir = self.root / QUARANTINE_DIR if dry_run else ensure_quarantine(self.root)
+        if qdir is None or not qdir.is_dir():
+            return 0, 0
+        for path in qdir.iterdir():
             try:
                 nbytes += path.stat().st_size
                 if not dry_run:
@@ -714,11 +918,13 @@ class SsdStore(Store):
                 return len(victims), freed
             return self._remove(victims, "evictions")
 
-        return self.writer.submit(run).result()
+        return self._admin(run)
 
     def drop(
-        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
+        self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False,
+        ids: list[bytes] | None = None,
     ) -> tuple[int, int]:
+        """As `Store.drop`; the ids removed (or that would be) are appended to `ids` if given."""
         cutoff = None if older_than is None else self._clock() - older_than
 
         def run():
@@ -745,12 +951,15 @@ class SsdStore(Store):
                 else:
                     queued = self.queue.remove_where(pick)
             qbytes = sum(e.nbytes for e in queued)
+            if ids is not None:
+                ids.extend(victims)
+                ids.extend(e.id for e in queued)
             if dry_run:
                 return len(victims) + len(queued), nbytes + qbytes
             n, b = self._remove(victims, "dropped")
             return n + len(queued), b + qbytes
 
-        return self.writer.submit(run).result()
+        return self._admin(run)
 
     # -- reporting -------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -761,6 +970,9 @@ class SsdStore(Store):
             with self.index.reading() as txn:
                 namespaces = self.index.namespaces(txn)
         except IndexBusy:
+            namespaces = {}
+        except (lmdb.Error, ValueError, TypeError) as exc:  # garbage in the ns records
+            self._index_error(exc)
             namespaces = {}
         return {
             "tiers": {
@@ -778,6 +990,7 @@ class SsdStore(Store):
                     "queue_max_bytes": self.queue.max_bytes,
                     "queue_max_entries": self.queue.max_entries,
                     "reconciled": self.reconciled.is_set(),
+                    "index_rebuild": self.heal.stats() if self.heal else None,
                     "index_map_size": self.index.map_size,
                     "data_dir": str(self.root),
                 }
@@ -785,15 +998,39 @@ class SsdStore(Store):
             "namespaces": dict(sorted(namespaces.items())),
         }
 
-    def close(self) -> None:
-        """Write out the queue, stop the writer, close the index, release the lock."""
+    def close(self, timeout: float | None = None) -> None:
+        """Write out the queue, stop the writer, close the index, release the lock.
+
+        With `timeout`, writing stops after that many seconds: the batch in
+        hand commits what it has written, the rest is logged as not
+        persisted (counted in `unpersisted`) and lost."""
+        self.unpersisted = 0
         if self.writer.alive:
-            self.writer.flush()
-            self.writer.stop()
+            if not self.writer.flush(timeout):
+                self.writes_stopped = True
+            self.writer.stop(timeout=None if timeout is None else 2.0)
+            if self.writer.alive:
+                # Still inside one write (a slow disk): leave the index to the
+                # process exit rather than close it under the writer; LMDB and
+                # the blob protocol are crash-safe, the lock dies with us.
+                log.error("ssd: the writer did not stop in time; exiting without closing the index")
+                return
+            left = self.abandoned + self.queue.pending_where(lambda e: True)
+            if left:
+                self.unpersisted = len(left)
+                log.warning(
+                    "stop: %d entries (%d bytes) not persisted: stop_timeout reached before they were written",
+                    len(left), sum(e.nbytes for e in left),
+                )
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         try:
             self._flush_touches()
+        except lmdb.Error as exc:  # a full disk: recency updates are lost, nothing else; still a clean stop
+            log.warning("ssd: could not record recent hits at stop (%s)", exc)
         finally:
             self.index.close()
+            heal.clear_start(self.root)  # a clean stop is not a start that died
             self._lock_file.release()
 
     def __enter__(self) -> "SsdStore":

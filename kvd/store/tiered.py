@@ -9,8 +9,14 @@ spill is "clean" -- a recency update, no write.
 
 Policy table (data, not code paths):
 
-    PUT      RAM; write-through also queues the SSD write. An entry larger
-             than the whole RAM budget goes to SSD directly.
+    PUT      RAM, and the SSD write is queued at once (write-behind), so
+             disk follows RAM continuously. Write-back: if the queue -- the
+             dirty backlog, bounded by bytes -- is full, the entry waits in
+             `behind` (oldest first) and `tick()` queues it when the writer
+             has made room. Write-through: the queue takes it regardless
+             (the daemon bounds the PUTs waiting on it) and `persist()` says
+             which entries a PUT must wait for. An entry larger than the whole
+             RAM budget goes to SSD directly.
     GET      RAM, else SSD (its queue, then disk). A GET spanning both is
              served entry by entry: each `get` returns a whole entry.
     PROMOTE  every SSD hit whose entry is at most `promote_max_fraction` of
@@ -20,18 +26,33 @@ Policy table (data, not code paths):
              the GET that follows finds the entry even if RAM evicts it or
              the SSD tier needs room in between.
     EVICT    `evict(budget)` shrinks the SSD tier (the persistent one; RAM
-             keeps its own budget): `tier="ram"` shrinks RAM instead, spilling.
+             keeps its own budget): `tier="ram"` shrinks RAM instead, spilling
+             every entry not yet on disk into the queue even when it is full
+             (an explicit request to move entries down, never to lose them).
+             An LRU eviction of an entry not yet written offers it to the
+             queue, waiting briefly when it is full, and drops it (counted)
+             only if the disk is that far behind.
     DROP     both tiers and the spill queue.
-    CLOSE    RAM is spilled (persist=True), the queue is written out, then
-             the index is closed: a clean restart serves everything.
+    CLOSE    (persist=True) every RAM entry not on disk -- the dirty
+             backlog, normally bounded by the queue -- is queued, oldest
+             first, and written out, for at most `timeout` seconds; then the
+             index is closed. Entries already written (all the others) cost
+             nothing, so a stop's work does not grow with the RAM tier. A
+             clean stop within its time serves everything after a restart;
+             past it, what was not written is logged (ssd.py, close).
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
+import lmdb
+
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
+from kvd.store.index import IndexBusy
 from kvd.store.ram import RamStore
 from kvd.store.ssd import DEFAULT_MIN_FREE, SsdStore
 
@@ -47,10 +68,18 @@ class TieredStore(Store):
         self.write_through = write_through
         self.promote_max_bytes = int(ram.budget_bytes * promote_max_fraction)
         self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0, "ssd_served_bytes": 0}
+        # Write-back entries in RAM waiting for room in the queue, oldest first.
+        self.behind: OrderedDict[bytes, Entry] = OrderedDict()
+        self._moving_down = False  # an explicit evict(tier="ram") is running
         ram.on_evict = self._on_ram_evict
 
     def _on_ram_evict(self, entry: Entry) -> None:
-        self.ssd.spill(entry)
+        self.behind.pop(entry.id, None)
+        self.ssd.spill(entry, force=self._moving_down)
+
+    def set_settled_callback(self, callback) -> None:
+        """`callback(results, degraded)` after each SSD batch (see SsdStore.on_settled)."""
+        self.ssd.on_settled = callback
 
     # -- lookups -------------------------------------------------------------
     def contains(self, eid: bytes) -> bool:
@@ -104,26 +133,83 @@ class TieredStore(Store):
         outcome = self.ram.put(entry)
         if outcome is PutOutcome.TOO_BIG:
             return self.ssd.put(entry)
-        if outcome is PutOutcome.STORED and self.write_through:
-            self.ssd.spill(entry)
+        if outcome is PutOutcome.STORED and self.ram.contains(entry.id):
+            if self.write_through:
+                self.ssd.queue.offer(entry, force=True)
+            elif self.behind or not self.ssd.queue.offer(entry):
+                self.behind[entry.id] = entry  # after those already waiting: disk order = arrival order
         return outcome
+
+    def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
+        """Write-through: (ids still being written, ids that cannot be) among
+        `entries`; the rest are on disk. Entries neither on disk nor queued
+        (dropped by an earlier write, say) are queued again. Write-back, or
+        no SSD tier: nothing to wait for."""
+        if not self.write_through:
+            return [], []
+        pending, failed = [], []
+        queue = self.ssd.queue
+        for entry in entries:
+            eid = entry.id
+            # The queue before the index: the writer commits, then leaves the queue.
+            if eid in queue:
+                pending.append(eid)
+            elif self.ssd.has_row(eid):
+                continue
+            elif queue.offer(entry, force=True):
+                pending.append(eid)
+            else:
+                failed.append(eid)
+        return pending, failed
+
+    def queued(self, eid: bytes) -> bool:
+        return eid in self.ssd.queue
+
+    def tick(self) -> None:
+        """Daemon thread: queue write-back entries as the writer makes room."""
+        behind, queue = self.behind, self.ssd.queue
+        while behind:
+            eid, entry = next(iter(behind.items()))
+            if self.ram.contains(eid) and not queue.offer(entry):
+                return
+            behind.popitem(last=False)
+
+    def dirty(self) -> tuple[int, int]:
+        """(entries, bytes) acknowledged but not yet on disk: the queue and `behind`."""
+        return len(self.ssd.queue) + len(self.behind), self.ssd.queue.bytes + sum(e.nbytes for e in self.behind.values())
 
     # -- admin -----------------------------------------------------------------
     def evict(self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ssd") -> tuple[int, int]:
         if tier == "ram":
-            return self.ram.evict(budget_bytes, dry_run=dry_run)
+            self._moving_down = True
+            try:
+                return self.ram.evict(budget_bytes, dry_run=dry_run)
+            finally:
+                self._moving_down = False
         return self.ssd.evict(budget_bytes, dry_run=dry_run)
 
     def drop(
         self, *, namespace: str | None = None, older_than: float | None = None, dry_run: bool = False
     ) -> tuple[int, int]:
-        """Both tiers; an entry held in both counts once per copy."""
-        rn, rb = self.ram.drop(namespace=namespace, older_than=older_than, dry_run=dry_run)
-        sn, sb = self.ssd.drop(namespace=namespace, older_than=older_than, dry_run=dry_run)
-        return rn + sn, rb + sb
+        """Both tiers. An entry held in both (most are: written behind) counts
+        once; its bytes count in each tier (memory and disk freed)."""
+        ids: list[bytes] = []
+        _, rb = self.ram.drop(namespace=namespace, older_than=older_than, dry_run=dry_run, ids=ids)
+        _, sb = self.ssd.drop(namespace=namespace, older_than=older_than, dry_run=dry_run, ids=ids)
+        for eid in ids:
+            self.behind.pop(eid, None)
+        return len(set(ids)), rb + sb
 
     def flush(self, timeout: float | None = None) -> bool:
-        return self.ssd.flush(timeout)
+        """Wait until every acknowledged entry is on disk (the queue and `behind`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.tick()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.ssd.flush(left):
+                return False
+            if not self.behind:
+                return True
 
     def recheck(self, eids: list[bytes]) -> tuple[int, int]:
         return self.ssd.recheck(eids)
@@ -137,39 +223,62 @@ class TieredStore(Store):
 
     def stats(self) -> dict[str, Any]:
         r, s = self.ram.stats(), self.ssd.stats()
+        held = list(self.ram.entries())
+        # The SSD tier's namespaces and which RAM entries it holds, read in one
+        # snapshot: the writer commits meanwhile, and an entry committed between
+        # two reads would count in neither tier.
+        try:
+            with self.ssd.index.reading() as txn:
+                s["namespaces"] = self.ssd.index.namespaces(txn)
+                on_disk = {e.id for e in held if self.ssd.index.has(txn, e.id)}
+        except (IndexBusy, lmdb.Error, ValueError, TypeError):
+            # Resizing, or damaged (ssd.stats has counted it and asked for a
+            # heal): the SSD's namespaces as ssd.stats read them, rows one by one.
+            on_disk = self.ssd.with_rows(e.id for e in held)
         namespaces: dict[str, dict[str, int]] = {}
         for tier, st in (("ram", r), ("ssd", s)):
             for ns, v in st["namespaces"].items():
                 d = namespaces.setdefault(ns, {"entries": 0, "bytes": 0, "tokens": 0, "last_used": 0.0})
                 d[f"{tier}_entries"], d[f"{tier}_bytes"] = v["entries"], v["bytes"]
                 d[f"{tier}_tokens"] = v.get("tokens", 0)
-                d["entries"] += v["entries"]  # copies in both tiers count twice
-                d["bytes"] += v["bytes"]
+                d["bytes"] += v["bytes"]  # memory plus disk: copies in both tiers count twice
                 d["last_used"] = max(d["last_used"], v.get("last_used", 0.0))
-        # A chunk can be in both tiers (promoted, or written through): tokens
-        # covered are the SSD's plus those of chunks only RAM holds.
-        chunks = [e for e in self.ram.entries() if e.kind == CHUNK]
-        on_disk = self.ssd.with_rows(e.id for e in chunks)
-        ram_only: dict[str, int] = {}
-        for entry in chunks:
+        # Most entries are in both tiers (written behind, promoted, written
+        # through): entries and tokens held are the SSD's plus those only RAM holds.
+        ram_only: dict[str, list[int]] = {}
+        for entry in held:
             if entry.id not in on_disk:
-                ram_only[entry.namespace] = ram_only.get(entry.namespace, 0) + entry.length
+                n = ram_only.setdefault(entry.namespace, [0, 0])
+                n[0] += 1
+                n[1] += entry.length if entry.kind == CHUNK else 0
         for ns, d in namespaces.items():
-            d["tokens"] = d.get("ssd_tokens", 0) + ram_only.get(ns, 0)
+            entries, tokens = ram_only.get(ns, (0, 0))
+            d["entries"] = d.get("ssd_entries", 0) + entries
+            d["tokens"] = d.get("ssd_tokens", 0) + tokens
+        dirty_entries, dirty_bytes = self.dirty()
         return {
             "tiers": {**r["tiers"], **s["tiers"]},
-            "store": dict(self.counters, write_through=self.write_through),
+            "store": dict(
+                self.counters, write_through=self.write_through, dirty_entries=dirty_entries, dirty_bytes=dirty_bytes
+            ),
             "namespaces": dict(sorted(namespaces.items())),
         }
 
-    def close(self, *, persist: bool = True) -> None:
-        """Stop. With `persist`, RAM is first written down to the SSD tier
-        (oldest first, so the hottest entries end youngest in its LRU order;
-        already-written entries cost nothing), so a restart is warm with the
-        whole cache, not only what had spilled."""
+    def close(self, *, persist: bool = True, timeout: float | None = None) -> None:
+        """Stop. With `persist`, every RAM entry not yet on disk is written
+        first (oldest first, so the hottest end youngest in the SSD tier's
+        LRU order), for at most `timeout` seconds (None: however long it
+        takes); what is left then is logged and lost. See CLOSE above."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if persist:
-            self.ram.evict(0, why="shutdown")
-        self.ssd.close()
+            entries = list(self.ram.entries())
+            on_disk = self.ssd.with_rows(e.id for e in entries)
+            for entry in entries:
+                if entry.id not in on_disk:
+                    self.ssd.queue.offer(entry, force=True)  # already queued: a no-op
+            self.behind.clear()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.ssd.close(timeout=left)
 
 
 def open_store(
@@ -178,6 +287,8 @@ def open_store(
     ssd_bytes: int = 0,
     write_through: bool = False,
     min_free_bytes: int = DEFAULT_MIN_FREE,
+    remote_url: str | None = None,
+    remote_options: dict[str, Any] | None = None,
     **ssd_options: Any,
 ) -> Store:
     """The store the daemon serves from.
@@ -186,15 +297,34 @@ def open_store(
     over an `SsdStore` at `data_dir` holding at most `ssd_bytes` on disk
     (created 0700 if missing; locked for this process until `close()`).
     `ssd_options` go to `SsdStore` (queue_bytes, queue_wait_s, lease_s,
-    retry_s, durable, ...).
+    retry_s, durable, ...). With `remote_url`, the local store is wrapped
+    in `WithRemote` (kvd/store/remote.py): a shared Redis/Valkey tier behind
+    it, made with `remote_options` (ttl_s, timeout, part_bytes, ...).
 
     Raises ValueError for a data dir without an SSD budget, DataDirBusy if
     another process uses the data dir, IncompatibleIndex if a different kvd
     format wrote it.
     """
+    local: Store
     if data_dir is None:
-        return RamStore(ram_bytes)
-    if ssd_bytes <= 0:
-        raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
-    ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
-    return TieredStore(RamStore(ram_bytes), ssd, write_through=write_through)
+        local = RamStore(ram_bytes, overhead=True)
+    else:
+        if ssd_bytes <= 0:
+            raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
+        ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
+        local = TieredStore(RamStore(ram_bytes, overhead=True), ssd, write_through=write_through)
+    return with_remote(local, remote_url, remote_options)
+
+
+def with_remote(local: Store, remote_url: str | None, remote_options: dict[str, Any] | None = None) -> Store:
+    """`local` with the shared Redis/Valkey tier behind it (kvd/store/remote.py),
+    or `local` itself when `remote_url` is None. Closes `local` if that fails."""
+    if remote_url is None:
+        return local
+    from kvd.store.remote import RemoteTier, WithRemote  # imports redis: only when the tier is on
+
+    try:
+        return WithRemote(local, RemoteTier(remote_url, **(remote_options or {})))
+    except BaseException:
+        local.close()
+        raise

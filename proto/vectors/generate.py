@@ -124,7 +124,7 @@ MESSAGES = {
         1,
     ),
     "example_put_reply": ("reply", "PUT", {"stored": 2, "duplicate": 0, "too_big": 0, "dropped": 0}, 1),
-    # The shared-memory plane (PROTOCOL.md section 13): the offer, a GET that
+    # The shared-memory plane (PROTOCOL.md section 14): the offer, a GET that
     # proves same host + same user and releases an earlier lease, its reply of
     # descriptors, and a PUT as SLOTS -> (client copies) -> COMMIT.
     "hello_shm_reply": (
@@ -261,6 +261,60 @@ def main() -> None:
             "chunks": [{"start": s, "end": e, "key": k.hex()} for (s, e), k in zip(keys.chunk_spans(len(toks), ct), chain)],
         })
     (HERE / "media_keys.json").write_text(json.dumps(media_cases, indent=2) + "\n")
+    remote_vectors()
+
+
+# name, kind, namespace, tokens (the chunk's key comes from them), tensors, meta, part_bytes
+REMOTE_CASES = [
+    ("remote_chunk", 0, "mlx.llama.test", list(range(8)),
+     [("L0.keys", "bfloat16", [1, 2, 8, 2], 1), ("L0.values", "bfloat16", [1, 2, 8, 2], 2)], b"\x80", 32 << 20),
+    ("remote_boundary", 1, "mlx.mamba.test", list(range(5)), [("ssm", "float32", [1, 3], 3)], b"", 32 << 20),
+    ("remote_split", 0, "mlx.llama.test", list(range(8, 11)),
+     [("L0.keys", "uint32", [1, 1, 3, 2], 4), ("L0.scales", "float16", [1, 1, 3, 1], 5)], b"", 12),
+]
+
+
+def remote_vectors() -> None:
+    """Values of the remote tier (PROTOCOL.md section 13): remote/NAME.hex holds
+    the values in order (main value, then parts), one per line; NAME.json the
+    keys and the entry they carry."""
+    from kvd.protocol import remote_value as rv
+
+    out = HERE / "remote"
+    out.mkdir(exist_ok=True)
+    for name, kind, ns, toks, tensors, meta, part_bytes in REMOTE_CASES:
+        chunk_tokens = 8
+        root = keys.root_key(ns, chunk_tokens)
+        key = keys.chain(ns, chunk_tokens, keys.token_bytes(toks))[-1]
+        ts = tuple(
+            Tensor(tname, dt, tuple(shape), bytes((seed * 37 + i) % 251 for i in range(_nbytes(dt, shape))))
+            for tname, dt, shape, seed in tensors
+        )
+        entry = rv.RemoteEntry(ns, key, kind, root, 0, len(toks), ts, meta, tail=len(toks) < chunk_tokens and kind == 0)
+        values = rv.encode(entry, part_bytes)
+        main = rv.value_key(key, kind)
+        (out / f"{name}.hex").write_text("".join(v.hex() + "\n" for v in values))
+        twin = {
+            "keys": [main.decode()] + [rv.part_key(main, i).decode() for i in range(1, len(values))],
+            "part_bytes": part_bytes,
+            "entry": {
+                "namespace": ns, "chunk_tokens": chunk_tokens, "tokens": toks, "key": key.hex(), "kind": kind,
+                "parent": root.hex(), "start": 0, "length": len(toks), "tail": entry.tail, "meta": meta.hex(),
+                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": bytes(t.data).hex()} for t in ts],
+            },
+            "header": _readable(msgpack.unpackb(rv.read_head(values[0]).header, raw=False)),
+            "checksum": rv.read_head(values[0]).checksum,
+        }
+        (out / f"{name}.json").write_text(json.dumps(twin, indent=2) + "\n")
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    from kvd.protocol import dtypes
+
+    n = dtypes.itemsize(dtype)
+    for d in shape:
+        n *= d
+    return n
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""How long SIGTERM takes with a large write-back RAM tier, and what it persists.
+
+One command:
+
+    .venv/bin/python bench/bench_stop.py [--entries 131072] [--stop-timeout 10]
+                                          [--drain] [--baseline-src DIR] [--baseline-entries N]
+
+Fills a real `kvd serve` (write-back, RAM tier big enough for everything) with
+`--entries` small chunks (16 tokens, ~0.5 KiB each) as fast as a client can
+PUT them, sends SIGTERM at once, and reports how long the process took to
+exit, how many entries it said it could not persist, and how many a restart
+serves. `--baseline-src` runs the same against another kvd source tree (e.g.
+`git archive <commit> | tar -x -C /tmp/old`) -- the daemon before this change,
+which wrote the whole RAM tier down at stop -- and prints the ratio of the two
+stop times (on `--baseline-entries`, since the old stop grows with the tier).
+`--drain` waits until the write-behind backlog is empty before SIGTERM (the
+usual case for a daemon that is not being filled at that moment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvd_client import Client, HostTensor, Snapshot
+
+CHUNK = 16
+SEQ_CHUNKS = 2048  # chunks per PUT sequence
+
+
+def _snapshot(tokens: np.ndarray, seed: int) -> Snapshot:
+    raw = np.random.default_rng(seed).integers(0, 1 << 16, size=(1, 2, len(tokens), 8), dtype=np.uint16)
+    return Snapshot(sliced={"kv": (HostTensor.bfloat16(raw), 2)})
+
+
+def _start(workdir: Path, args: list[str], src: str | None) -> tuple[subprocess.Popen, str]:
+    endpoint = f"ipc://{workdir}/kvd.sock"
+    (workdir / "kvd.toml").touch()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    if src:
+        env["PYTHONPATH"] = src
+    log = open(workdir / "daemon.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvd", "serve", "--endpoint", endpoint, "--config", str(workdir / "kvd.toml"),
+         "--data-dir", str(workdir / "data"), *args],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src or None,
+    )
+    log.close()
+    deadline = time.monotonic() + 60
+    while not (workdir / "kvd.sock").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError((workdir / "daemon.log").read_text())
+        time.sleep(0.01)
+    with Client(endpoint, namespace="probe", timeout=2) as c:
+        while c.ping() is None:
+            time.sleep(0.02)
+    return proc, endpoint
+
+
+def run(entries: int, stop_timeout: float, src: str | None, label: str, drain: bool = False) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-stop-", dir="/tmp"))
+    try:
+        args = ["--ram-mb", str(max(256, entries * 2 // 1024)), "--ssd-gb", "64", "--min-free-gb", "0"]
+        if src is None:
+            args += ["--stop-timeout", str(stop_timeout)]
+        proc, endpoint = _start(workdir, args, src)
+        seqs = (entries + SEQ_CHUNKS - 1) // SEQ_CHUNKS
+        t0 = time.monotonic()
+        with Client(endpoint, namespace="bench-stop", chunk_tokens=CHUNK, timeout=120, strict=True) as c:
+            for i in range(seqs):
+                n = min(SEQ_CHUNKS, entries - i * SEQ_CHUNKS) * CHUNK
+                tokens = np.arange(n, dtype=np.int64) + 10_000_000 * (i + 1)
+                assert c.put(tokens, _snapshot(tokens, i))
+            fill = time.monotonic() - t0
+            st = c.stats()
+            if drain:  # let the writer catch up first: the stop then has nothing left to write
+                deadline = time.monotonic() + 900
+                while st["store"].get("dirty_entries", 0) and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    st = c.stats()
+        ram = st["tiers"]["ram"]["entries"]
+        on_disk_at_stop = st["tiers"]["ssd"]["entries"]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait()
+        stop = time.monotonic() - t0
+        log = (workdir / "daemon.log").read_text()
+        m = re.search(r"stop: (\d+) entries", log)
+        lost = int(m.group(1)) if m else 0
+        proc, endpoint = _start(workdir, ["--ram-mb", "16", "--ssd-gb", "64", "--min-free-gb", "0"], src)
+        with Client(endpoint, namespace="x", timeout=30) as c:
+            served = c.stats()["tiers"]["ssd"]["entries"]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        out = dict(label=label, entries=ram, fill_s=fill, on_disk_at_sigterm=on_disk_at_stop, stop_s=stop,
+                   exit=code, not_persisted=lost, after_restart=served)
+        print(
+            f"{label:>9}: {ram:>7} entries in RAM (filled in {fill:5.1f} s, {on_disk_at_stop} on disk at SIGTERM); "
+            f"SIGTERM -> exit {code} in {stop:6.2f} s; logged not persisted: {lost}; served after restart: {served}",
+            flush=True,
+        )
+        return out
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--entries", type=int, default=131072)
+    ap.add_argument("--stop-timeout", type=float, default=10.0)
+    ap.add_argument("--drain", action="store_true", help="SIGTERM only once the write-behind backlog is empty")
+    ap.add_argument("--baseline-src", help="another kvd source tree to run the same against (the old stop)")
+    ap.add_argument("--baseline-entries", type=int, default=None, help="entries for the baseline run (default: --entries)")
+    a = ap.parse_args()
+    now = run(a.entries, a.stop_timeout, None, "drained" if a.drain else "this kvd", a.drain)
+    print(f"stop took {now['stop_s'] / a.stop_timeout:.2f}x stop_timeout ({a.stop_timeout:g} s)")
+    if a.baseline_src:
+        n = a.baseline_entries or a.entries
+        if n != a.entries:
+            now = run(n, a.stop_timeout, None, "this kvd")
+        old = run(n, a.stop_timeout, a.baseline_src, "baseline")
+        print(f"at {n} entries: stop {old['stop_s']:.2f} s before, {now['stop_s']:.2f} s now: "
+              f"{old['stop_s'] / max(now['stop_s'], 1e-9):.1f}x faster; "
+              f"persisted {old['after_restart']} before, {now['after_restart']} now")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""A well-behaved client's latency while other peers attack the daemon.
+
+    python bench/bench_stress.py [--samples 2000] [--daemon-python PATH]
+
+One daemon (SSD tier on, 64 MiB RAM, 16 MiB messages). The well-behaved
+client stores a 300-token prefix, then times GET round trips of it (a RAM
+hit, ~50 KiB of tensors) -- first idle, then under each attack of issue 12,
+each in its own process and ongoing while the client measures:
+
+  ping-flood      16 peers pump PINGs as fast as they can, never reading
+  idle-conns      1,000 raw connections held open
+  stalled-frames  6 peers stalled inside 150 MiB messages (10 x 15 MiB frames)
+  mute-big-gets   a peer pumps GETs of 4 MiB SSD entries, never reading
+  huge-headers    a peer sends 4 M-map headers (MALFORMED) back to back
+  long-lookups    a peer sends LOOKUPs of 1 M tokens with chunk_tokens=1
+
+Each attack gets a fresh daemon (damage must not carry over from one row to
+the next): the client measures idle, then the attack runs `--warmup` seconds
+(3) and the client measures again. Prints p50/p99 idle and under attack,
+their ratio, and the daemon's peak RSS.
+`--daemon-python` runs the daemon with another interpreter (e.g. an older
+checkout's venv) to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from _util import MiB, machine  # noqa: E402
+from stress import FLOOD, HAMMER, PARTIAL, PUMP, attack, status  # noqa: E402
+
+from kvd.protocol import codec, keys  # noqa: E402
+from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
+
+
+@contextlib.contextmanager
+def daemon(python: str, *args: str):
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-bs-", dir="/tmp"))
+    os.chmod(workdir, 0o700)
+    endpoint = f"ipc://{workdir / 'kvd.sock'}"
+    (workdir / "kvd.toml").touch()
+    log = open(workdir / "daemon.log", "wb")
+    cmd = [python, "-m", "kvd", "serve", "--endpoint", endpoint, "--config", str(workdir / "kvd.toml"),
+           "--data-dir", str(workdir / "data"), *args]
+    # cwd outside any checkout: `-m kvd` is the kvd that interpreter has installed
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    try:
+        with Client(endpoint, namespace="probe", timeout=0.5) as c:
+            deadline = time.monotonic() + 30
+            while c.ping() is None:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError((workdir / "daemon.log").read_text())
+                time.sleep(0.05)
+        yield endpoint, proc, workdir
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def percentiles(client: Client, tokens, samples: int) -> tuple[float, float, int]:
+    times, misses = [], 0
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        hit = client.get(tokens, max_tokens=300)
+        times.append(time.perf_counter() - t0)
+        misses += hit is None or hit.n != 300
+    return float(np.percentile(times, 50)), float(np.percentile(times, 99)), misses
+
+
+def setup(ep: str, workdir: Path):
+    """Store the good client's prefix and 24 big entries; returns (client, tokens, attacks)."""
+    path = ep[len("ipc://"):]
+    good = Client(ep, namespace="good", timeout=5.0)
+    tokens = list(range(300))
+    rng = np.random.default_rng(0)
+    good.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 300, 160), np.uint8)), 1)}))
+    big = Client(ep, namespace="big", timeout=30.0)
+    gets = []
+    for i in range(24):  # 96 MiB of 4 MiB entries: most live on the SSD tier
+        toks = list(range(10_000 + i * 1000, 10_000 + i * 1000 + 256))
+        big.put(toks, Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 256, 16384), np.uint8)), 1)}))
+        gets.append(codec.encode("GET", {"ns": "big", "tokens": keys.token_bytes(toks + [0]), "chunk_tokens": 256}, id=i)[0].hex())
+    ping = codec.encode("PING", {}, id=1)[0].hex()
+    header = workdir / "header.bin"
+    header.write_bytes(msgpack.packb({"v": 1, "type": "PING", "id": 7, "x": [{}] * 4_000_000}))
+    lookup = workdir / "lookup.bin"
+    lookup.write_bytes(codec.encode("LOOKUP", {"ns": "x", "tokens": keys.token_bytes(range(1 << 20)), "chunk_tokens": 1}, id=3)[0])
+    attacks = {
+        "ping-flood": (PUMP, ep, "16", ping),
+        "idle-conns": (FLOOD, path, "1000"),
+        "stalled-frames": (PARTIAL, path, "6", "10", "15"),
+        "mute-big-gets": (PUMP, ep, "1", *gets),
+        "huge-headers": (HAMMER, ep, str(header)),
+        "long-lookups": (HAMMER, ep, str(lookup)),
+    }
+    return good, tokens + [0], attacks
+
+
+def overhead(python: str) -> None:
+    """Anonymous RSS per stored zero-byte entry (kvd/store/overhead.py's constants)."""
+    from kvd.store.overhead import PER_ENTRY, PER_TENSOR
+
+    print(f"bench_stress --overhead: {machine()}; 102,400 zero-byte entries per row, RAM-only daemon")
+    for ntens in (1, 4):
+        with daemon(python, "--ram-mb", "4096", "--data-dir", "none") as (ep, proc, _):
+            c = Client(ep, namespace="ovh", chunk_tokens=16, timeout=60.0)
+            c.ping()
+            before = status(proc.pid, "RssAnon")
+            for s in range(25):
+                toks = list(range(s * 10**7, s * 10**7 + 16 * 4096))
+                zero = HostTensor.from_numpy(np.zeros((1, len(toks), 0), np.uint8))
+                c.put(toks, Snapshot(sliced={f"t{j}": (zero, 1) for j in range(ntens)}))
+            n = c.stats()["tiers"]["ram"]["entries"]
+            grown = (status(proc.pid, "RssAnon") - before) / n
+            print(f"{ntens} tensor(s): {n} entries, {grown:.0f} bytes of RSS each; charged {PER_ENTRY + ntens * PER_TENSOR}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=1000)
+    ap.add_argument("--daemon-python", default=sys.executable)
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds each attack runs before measuring")
+    ap.add_argument("--only", default="", help="comma-separated attack names")
+    ap.add_argument("--overhead", action="store_true", help="measure the RAM tier's per-entry overhead instead")
+    args = ap.parse_args()
+    if args.overhead:
+        return overhead(args.daemon_python)
+    print(f"bench_stress: {machine()}; daemon {args.daemon_python}; {args.samples} GETs of a 300-token RAM hit "
+          f"per cell; a fresh daemon per attack")
+    print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
+          f"{'misses':>7} {'peak MB':>8}")
+    names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups"]
+    for name in args.only.split(",") if args.only else names:
+        with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
+            good, tokens, attacks = setup(ep, workdir)
+            i50, i99, _ = percentiles(good, tokens, args.samples)
+            with attack(*attacks[name]):
+                time.sleep(args.warmup)  # let the attack reach its steady state (pipes full, ...)
+                p50, p99, misses = percentiles(good, tokens, args.samples)
+                peak = status(proc.pid, "VmHWM") / MiB
+            alive = proc.poll() is None
+            print(f"{name:>15} {i50 * 1e3:9.2f} {i99 * 1e3:9.2f} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / i50:6.1f}x "
+                  f"{p99 / i99:6.1f}x {misses:7d} {peak:8.0f}{'' if alive else '  DAEMON DIED'}", flush=True)
+    print("x: under attack over idle, same daemon (lower is better); misses: GETs that did not come back whole "
+          "(a miss after the client's 5 s timeout); peak MB: the daemon's peak RSS")
+
+
+if __name__ == "__main__":
+    main()

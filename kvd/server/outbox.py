@@ -1,0 +1,221 @@
+"""Replies on their way out: a peer that never reads loses its own replies.
+
+Theory of operation
+-------------------
+The ROUTER socket keeps one outbound pipe per peer. A reply sits there, then
+in the kernel's socket buffer, until the peer reads it; a peer that never
+reads would otherwise hold the daemon two ways: its replies pile up in memory
+(a GET reply read from the SSD tier is fresh bytes, a RAM reply pins an entry
+the tier may have evicted), and every send to its full pipe would block the
+one thread that serves everyone.
+
+Rules the outbox keeps:
+1. Never block for a full peer more than once per episode. A send is
+   non-blocking; if the pipe looks full, one blocking retry of at most
+   `retry_ms` follows (libzmq learns that a reader caught up only when the
+   writer processes its commands, which a non-blocking send does at most
+   once a millisecond, so a fast reader can look full for a moment). If that
+   fails too the peer is marked full, and until a non-blocking send to it
+   succeeds its replies are dropped (counted) without waiting.
+2. Bytes are budgeted. Every reply of at least `TRACK_BYTES` is sent with a
+   libzmq tracker; until libzmq lets go of it its bytes count against the
+   peer and against everyone. A big reply is refused -- replaced by BUSY,
+   which is small -- when the peer already has `peer_bytes` queued, or when
+   it would take everyone's queued bytes past `total_bytes`. The per-peer
+   check is on what is already queued, not on what would be, because a
+   tracker learns that its message is gone on pyzmq's garbage thread, a
+   moment late, and a client paging through a GET must never be refused for
+   its previous page. With `total_bytes` = 2 x `peer_bytes` = 2 x the largest
+   message, that page and the next always fit. The garbage thread needs the
+   GIL, which the serving loop holds, so it can lag by several pages: before
+   refusing a peer, or cutting anyone off, the outbox sleeps up to `_SETTLE`
+   (10 ms; measured lags 7-10 ms, a GIL switch interval or two) for it to
+   catch up. These waits come out of one budget that refills at 5% of the
+   time (`_SETTLE_SHARE`, at most 50 ms banked), so no peer, however it
+   reads or does not, can make the loop sleep more than that.
+   When the total is reached, the peer holding the most is cut off
+   (`disconnect(fd)`, the fd its last request came on): libzmq drops what
+   was queued for it, and the others' replies flow again. Without that, a
+   few peers that never read would get everyone else's big replies refused.
+3. `saturated(identity)` tells the serving loop, before any work is done,
+   that a peer's replies would be dropped or refused anyway, so a never-
+   reading peer's GETs cost no disk reads.
+4. Bookkeeping is bounded: finished trackers are pruned on every send to their
+   peer and by `sweep()` (the loop calls it every tick); the set of full peers
+   is cleared if it ever grows past `_MAX_FULL` (the cost: one more short
+   blocking retry each).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Callable
+
+import zmq
+
+TRACK_BYTES = 64 * 1024  # smaller replies are copied by pyzmq and bounded by SNDHWM
+_MAX_FULL = 65536
+_SETTLE = 0.010  # most time given to pyzmq's garbage thread before a refusal
+_SETTLE_SHARE = 0.05  # of the loop's time, at most, spent in such waits
+_SETTLE_BANK = 0.05  # seconds of waiting that may be banked
+
+
+def _nbytes(frame) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+class Outbox:
+    """Sends replies on `sock` under the rules of the module docstring."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        *,
+        peer_bytes: int,
+        total_bytes: int,
+        retry_ms: int = 2,
+        disconnect: Callable[[int], bool] | None = None,
+    ):
+        self.sock = sock
+        self.disconnect = disconnect
+        self.fds: dict[bytes, int] = {}  # identity -> fd of its last request, while it has bytes queued
+        self.cut: set[bytes] = set()  # peers cut off whose queued bytes libzmq has not freed yet
+        self._bank = _SETTLE_BANK  # seconds of settle waits available (rule 2)
+        self._bank_at = time.monotonic()
+        self.peer_bytes = peer_bytes
+        self.total_bytes = total_bytes
+        self.retry_ms = retry_ms
+        sock.setsockopt(zmq.SNDTIMEO, retry_ms)
+        self.queued: defaultdict[bytes, list[tuple[zmq.MessageTracker, int]]] = defaultdict(list)
+        self.queued_bytes = 0
+        self.full: set[bytes] = set()
+        self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget", "cut_off"), 0)
+
+    # -- budgets -------------------------------------------------------------
+    def _prune(self, identity: bytes) -> int:
+        """Forget `identity`'s finished replies; returns its bytes still queued."""
+        pending = self.queued.get(identity)
+        if not pending:
+            self.queued.pop(identity, None)
+            return 0
+        live = [(t, n) for t, n in pending if not t.done]
+        self.queued_bytes -= sum(n for _, n in pending) - sum(n for _, n in live)
+        if live:
+            self.queued[identity] = live
+        else:
+            del self.queued[identity]
+            self.fds.pop(identity, None)
+            self.cut.discard(identity)
+        return sum(n for _, n in live)
+
+    def sweep(self) -> None:
+        for identity in list(self.queued):
+            self._prune(identity)
+
+    def _settle(self, done: Callable[[], bool]) -> None:
+        """Let pyzmq's garbage thread report finished replies (rule 2): sleep
+        in short steps, up to _SETTLE and what the budget allows, until done()."""
+        now = time.monotonic()
+        self._bank = min(_SETTLE_BANK, self._bank + (now - self._bank_at) * _SETTLE_SHARE)
+        self._bank_at = now
+        deadline = now + min(_SETTLE, self._bank)
+        while time.monotonic() < deadline:
+            time.sleep(0.0002)
+            if done():
+                break
+        self._bank -= time.monotonic() - now
+
+    def _mine(self, identity: bytes) -> int:
+        mine = self._prune(identity)
+        if mine >= self.peer_bytes:
+            self._settle(lambda: self._prune(identity) < self.peer_bytes)
+            mine = self._prune(identity)
+        return mine
+
+    def saturated(self, identity: bytes) -> bool:
+        """True if a reply to this peer would be dropped or refused right now."""
+        return identity in self.full or self._mine(identity) >= self.peer_bytes
+
+    # -- sending ---------------------------------------------------------------
+    def _held(self, identity: bytes) -> int:
+        return sum(n for _, n in self.queued.get(identity, ()))
+
+    def _room(self, asking: bytes, size: int) -> bool:
+        """Can `size` more bytes be queued within the total? Cuts off the
+        peers holding the most until they can (rule 2): bytes of a peer cut
+        off count as gone, since libzmq is about to free them."""
+        over = self.queued_bytes + size - self.total_bytes
+        if over > 0:
+            def under() -> bool:
+                self.sweep()
+                return self.queued_bytes + size <= self.total_bytes
+
+            self._settle(under)
+            over = self.queued_bytes + size - self.total_bytes
+        if over <= 0:
+            return True
+        leaving = sum(self._held(i) for i in self.cut)
+        while leaving < over and self.disconnect is not None:
+            hogs = [i for i in self.queued if i not in self.cut and i != asking and i in self.fds]
+            if not hogs:
+                break
+            hog = max(hogs, key=self._held)
+            self.cut.add(hog)  # tried once, whatever the outcome
+            if self.disconnect(self.fds[hog]):
+                self.counters["cut_off"] += 1
+                leaving += self._held(hog)
+        return leaving >= over
+
+    def send(self, identity: bytes, frames: list, busy: Callable[[], list], fd: int | None = None) -> str:
+        """Send one reply; returns "sent", "busy" (replaced by `busy()`), or "dropped".
+        `fd` is the connection the request came on (ZMQ_SRCFD), if known."""
+        size = sum(_nbytes(f) for f in frames)
+        outcome = "sent"
+        tracked = size >= TRACK_BYTES
+        if tracked:
+            mine = self._mine(identity)
+            if self.queued_bytes + size > self.total_bytes:
+                self.sweep()
+            if mine >= self.peer_bytes or not self._room(identity, size):
+                self.counters["refused_over_budget"] += 1
+                frames, tracked, outcome = busy(), False, "busy"
+        parts: list = [identity]
+        trackers = []
+        for f in frames:
+            if tracked and _nbytes(f) >= TRACK_BYTES:
+                f = zmq.Frame(f, track=True)
+                trackers.append(f)
+            parts.append(f)
+        if not self._send(identity, parts):
+            return "dropped"
+        if trackers:
+            self.queued[identity].append((zmq.MessageTracker(*trackers), size))
+            self.queued_bytes += size
+            if fd is not None:
+                self.fds[identity] = fd
+        return outcome
+
+    def _send(self, identity: bytes, parts: list) -> bool:
+        try:
+            try:
+                self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                self.full.discard(identity)
+                return True
+            except zmq.Again:
+                if identity in self.full:
+                    raise
+                self.sock.send_multipart(parts, copy=False)  # rule 1: one retry, SNDTIMEO bounds it
+                return True
+        except zmq.Again:
+            if len(self.full) >= _MAX_FULL:
+                self.full.clear()
+            self.full.add(identity)
+            self.counters["dropped_full"] += 1
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
+            self.full.discard(identity)
+            self.counters["dropped_gone"] += 1
+        return False
+
+    def stats(self) -> dict:
+        return {"queued_bytes": self.queued_bytes, "queued_peers": len(self.queued), "full_peers": len(self.full), **self.counters}

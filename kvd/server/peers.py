@@ -1,0 +1,517 @@
+"""Peer connections: file descriptors, shedding, and the input allowance.
+
+Theory of operation
+-------------------
+libzmq accepts connections on its own I/O thread, and on an ipc endpoint it
+*aborts the process* when accept() fails with EMFILE (ipc_listener.cpp,
+libzmq 4.3.5: an errno_assert that lists ENFILE but not EMFILE). So the
+daemon must never let its fd table fill: it raises the soft RLIMIT_NOFILE to
+the hard limit at start (`raise_fd_limit`), and keeps the number of peer
+connections at or below `max_peers`, well under that limit.
+
+The gate is a thread of its own (`PeerGate`), so it reacts within
+microseconds, not after the request the serving loop is busy with. It reads
+the ROUTER socket's monitor (LISTENING, ACCEPTED, DISCONNECTED, CLOSED, each
+with an fd) and keeps a table fd -> (accepted at, last request at).
+
+The listener is *paused* except while the gate admits connections. To
+pause, the gate keeps a duplicate of libzmq's listening fd and dup2()s a
+private, empty listening socket over that fd number. libzmq's epoll still
+watches the real listener (the registration belongs to the open file, which
+the duplicate keeps alive), so when a connection is waiting libzmq calls
+accept() on the fd -- which is now the empty socket: EAGAIN, which libzmq
+takes in its stride (its I/O thread spins meanwhile: level-triggered epoll).
+Waiting connections stay in the kernel's backlog (`listen_backlog`: small
+under a small fd limit), a connect past it waits or is refused by the kernel.
+
+The gate polls the duplicate; when a connection waits and the table has
+room (`max_peers` less the peers, less those shed but not yet closed), it
+opens the listener for a few microseconds at a time, reading the ACCEPTED
+events in between (`_admit`). A burst therefore cannot fill the fd table
+while the gate is looking elsewhere -- it could when the listener stayed
+open and the gate, woken by events, reacted after libzmq had accepted
+hundreds. When the table is full and connections wait, the gate sheds the
+oldest idle peers, an eighth of the cap at a time (`_make_room`), and admits
+the waiting ones once libzmq has closed them. The listener is always
+restored before the socket is closed (libzmq asserts when it cannot remove
+an fd from epoll). What remains: libzmq accepts what it can in a window, so
+a gate preempted inside one (a few microseconds, on a CPU-starved machine)
+lets a few dozen more in; `default_max_peers` keeps half the table for that.
+
+To shed, the gate shuts the connection down (shutdown(2), SHUT_RDWR, on the
+fd number itself -- no dup, which would need a free fd): libzmq then sees
+the end of the stream, closes the fd itself and reports DISCONNECTED. The fd
+is never closed behind libzmq's back.
+
+Rules the gate keeps:
+1. Who goes first: peers that never completed a request (half-open or silent
+   connections, stalled partial frames), oldest first; then peers idle the
+   longest. A client between requests may be shed; its DEALER reconnects by
+   itself, so that costs it a reconnect, not an error.
+2. Before shutting an fd down it checks that the fd is still a socket bound to
+   the daemon's own endpoint (getsockname): the monitor's news lags, an fd
+   number is reused as soon as libzmq closes it, and it must never cut a
+   connection that is not a peer's (the metrics server's, a remote tier's).
+3. Input allowance: bytes a peer has sent of a message not yet complete live
+   inside libzmq, where nothing can count them (ZMQ_MAXMSGSIZE bounds one
+   frame, not a message of many frames). The gate samples the daemon's
+   anonymous RSS every `tick` seconds (20 ms; ~30 us a sample); while it
+   exceeds `ceiling()` (the RAM tier's bytes plus the allowance of
+   `memory_ceiling`, see README "Memory"), it sheds stalled peers --
+   connected, and no request completed for `stall_seconds` (0.25 s) -- one per
+   sample, or one per `over_unit` bytes over (the largest message), oldest
+   idle first. Shedding frees what libzmq held for them. A
+   peer is not stalled in its first quarter second, so an attack can
+   overshoot by what it sends in that time before it is shed. Under the
+   ceiling nobody is shed for being slow: a client sending a big message
+   over a slow link is cut off only while memory is over it. Memory the
+   allocator keeps after peers are gone is not theirs: over the ceiling the
+   gate first asks glibc to give freed memory back (malloc_trim, at most
+   once a second; `tune_malloc` at start makes frames of 4 MiB or more
+   mmapped), and
+   after shedding (once libzmq has closed those peers) it sheds again only
+   if RSS moved: down (it helped) or up (someone is pushing).
+4. The serving loop only calls `touch(fd)`; the table is a dict written under
+   the GIL, so no lock is needed between the two threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import select
+import socket
+import threading
+import time
+from typing import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+log = logging.getLogger("kvd.server")
+
+# fds the daemon keeps for itself whatever the peers do: ZeroMQ's eventfds and
+# epoll, LMDB, blob files being written and read, the log, the metrics server.
+_RESERVE_FDS = 64
+_WINDOW = 0.005  # seconds one PeerGate._admit may spin before polling again
+
+
+def _readable(fd: int) -> bool:
+    """Does the listening socket `fd` have a connection waiting?"""
+    return bool(select.select([fd], [], [], 0)[0])
+
+_EVENTS = (
+    zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_MONITOR_STOPPED
+)
+
+
+def _libc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()  # glibc's allocator controls, or None (macOS, musl)
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_malloc() -> bool:
+    """Make freed big buffers go back to the system (glibc): a fixed mmap
+    threshold of 4 MiB, so a big frame libzmq frees after a peer is cut off
+    leaves the process instead of staying in the heap (glibc's default
+    threshold rises with use, up to 32 MiB, and malloc_trim alone did not
+    give those back: the long stress run stayed at 370 MB). Not lower: a
+    typical tensor frame (a 256-token chunk of one layer, ~0.5 MiB) stays on
+    the heap's fast path; 256 KiB cost PUTs of 1 MiB frames ~20% (bench_wire).
+    Returns False where there is no glibc."""
+    return bool(_LIBC is not None and _LIBC.mallopt(_M_MMAP_THRESHOLD, 4 << 20))
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns (soft, hard) after.
+
+    macOS reports an unlimited hard limit it does not grant; there the soft
+    limit goes as high as the kernel allows (OPEN_MAX, 10240)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for want in (hard, 10240):
+        if want == resource.RLIM_INFINITY or want <= soft:
+            continue
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+            break
+        except (ValueError, OSError):
+            continue
+    return soft, hard
+
+
+def default_max_peers(fd_limit: int | None = None) -> int:
+    """Peers allowed by default under a soft fd limit (this process's, if
+    None): half the limit less the daemon's own reserve. The other half is
+    kept free for the connections libzmq accepts in a burst before the gate
+    pauses it (measured: ~100 under prlimit 256 with 4 x 2,000 connects)."""
+    if fd_limit is None:
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(8, fd_limit // 2 - _RESERVE_FDS)
+
+
+def listen_backlog(max_peers: int) -> int:
+    """The listener's backlog: libzmq's default (100), less under a small cap.
+    While the gate has the listener open, what waits there is accepted in one
+    burst, before the gate has read a single ACCEPTED event."""
+    return max(8, min(100, max_peers // 4))
+
+
+# What the daemon's process holds besides the RAM tier's entries and messages:
+# the interpreter, libzmq, the index's bookkeeping, the EXPLAIN records.
+BASE_ALLOWANCE = 160 << 20
+
+
+def memory_ceiling(ram_bytes: int, limits) -> int:
+    """Anonymous RSS the daemon allows itself: the RAM tier's bytes (entries'
+    overhead included) + BASE_ALLOWANCE + 3 x max_message_bytes: queued replies
+    are held to 2x in total (kvd.server.outbox), 1x is for messages arriving.
+    Over it, the gate sheds stalled peers (rule 3)."""
+    return ram_bytes + BASE_ALLOWANCE + 3 * limits.max_message_bytes
+
+
+def _sockname(fd: int):
+    s = socket.socket(fileno=fd)
+    try:
+        return s.getsockname()
+    finally:
+        s.detach()
+
+
+def _shutdown(fd: int) -> None:
+    s = socket.socket(fileno=fd)
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    finally:
+        s.detach()  # libzmq owns the fd and closes it
+
+
+class PeerGate(threading.Thread):
+    """The fd table and its shedding; see the module docstring."""
+
+    EVENTS = _EVENTS
+
+    def __init__(
+        self,
+        monitor: zmq.Socket,
+        *,
+        max_peers: int,
+        ceiling: Callable[[], int] | None = None,
+        stall_seconds: float = 0.25,
+        over_unit: int = 64 << 20,
+        tick: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        super().__init__(name="kvd-peers", daemon=True)
+        self.monitor = monitor
+        self.max_peers = max_peers
+        self.ceiling = ceiling
+        self.stall_seconds = stall_seconds
+        self.over_unit = max(1, over_unit)
+        self.tick = tick
+        self.clock = clock
+        self.peers: dict[int, list] = {}  # fd -> [accepted at, last request at or None]
+        self.closing: dict[int, float] = {}  # fd -> shed at: shut down, libzmq has not closed it yet
+        self.listener: int | None = None  # libzmq's listening fd (from LISTENING)
+        self._real: int | None = None  # our duplicate of it, which keeps the real listener alive
+        self._empty: socket.socket | None = None  # what the listener fd points at while paused
+        self.paused = False
+        self.fd_alarm = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - _RESERVE_FDS
+        self.sockname = None  # the listener's address: what a peer's fd reports as its own
+        self.counters = dict.fromkeys(
+            ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "high_water", "pauses"), 0
+        )
+        self._halt = threading.Event()
+        self._trimmed_at = float("-inf")
+        self._shed_at: tuple[float, int] | None = None  # (when, RSS) the watchdog last shed, while over the ceiling
+        self._shed_unlogged = 0  # shed since the last log line (one line per second at most)
+        self._logged_at = 0.0
+
+    # -- the serving loop's side ------------------------------------------
+    def touch(self, fd: int | None) -> None:
+        """A request completed on `fd` (ZMQ_SRCFD of its frames)."""
+        peer = self.peers.get(fd) if fd is not None else None
+        if peer is not None:
+            peer[1] = self.clock()
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def stats(self) -> dict:
+        return {"connected": len(self.peers), "max_peers": self.max_peers, "paused": self.paused, **self.counters}
+
+    # -- the thread --------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.monitor, zmq.POLLIN)
+        watching = False
+        next_sample = self.clock() + self.tick
+        try:
+            while not self._halt.is_set():
+                # Watch for waiting connections only while there is room for
+                # them (else a waiting connection would wake us in a loop).
+                want = self._real is not None and self._room() > 0
+                if want != watching:
+                    if want:
+                        poller.register(self._real, zmq.POLLIN)
+                    else:
+                        poller.unregister(self._real)
+                    watching = want
+                wait = max(0.0, next_sample - self.clock())
+                events = dict(poller.poll(int(wait * 1000) + 1))
+                if self.monitor in events:
+                    self._drain()
+                    self._balance()
+                if watching and self._real in events:
+                    self._admit()
+                if self._room() <= 0 and not self.closing and self._real is not None and _readable(self._real):
+                    self._make_room()
+                if self.clock() >= next_sample:
+                    next_sample = self.clock() + self.tick
+                    self._expire_closing()
+                    self._drain()
+                    self._balance()
+                    self._watch_memory()
+                    self._log_shedding()
+        finally:
+            self.resume()
+            self._log_shedding(force=True)
+            self.monitor.close(linger=0)
+            if self._empty is not None:
+                self._empty.close()
+            if self._real is not None:
+                os.close(self._real)
+                self._real = None
+
+    def _room(self) -> int:
+        """Connections libzmq may still accept: the cap less the peers, and less
+        those shed but not closed yet (they still hold their fds)."""
+        return self.max_peers - len(self.peers) - len(self.closing)
+
+    def _make_room(self) -> None:
+        """Connections wait and the table is full: shed the oldest idle (rule 1),
+        an eighth of the cap at a time; those waiting are admitted once libzmq
+        has closed them."""
+        shed = sum(self._shed(fd) for fd in self.victims()[: max(1, self.max_peers // 8)])
+        self.counters["shed_over_cap"] += shed
+        self._shed_unlogged += shed
+        self._log_shedding()
+
+    def _admit(self) -> None:
+        """Connections are waiting: let libzmq accept them, a few at a time.
+
+        The listener stays paused except in windows of a few microseconds
+        (two dup2() calls back to back), opened and closed by this thread
+        while it is awake: libzmq's I/O thread, spinning on the waiting
+        connection, takes none, one or a few; the gate counts them and goes
+        again while there is room. Longer windows lose the race: libzmq
+        accepts ~4x faster than Python reads ACCEPTED events, a thread woken
+        by events can be scheduled too late (measured: 170 accepts before the
+        gate's first wake-up on 2 busy cores), and a window of 20 us let 150
+        through when CPU hogs preempted the gate (libzmq aborts on EMFILE). Connections beyond the room wait in
+        the kernel's backlog until the oldest idle peers are shed
+        (`_make_room`).
+        """
+        assert self._real is not None
+        deadline = self.clock() + _WINDOW
+        while self._room() > 0 and _readable(self._real) and self.clock() < deadline:
+            self.resume()
+            self.pause()  # libzmq takes what it can in between: none, one or a few
+            if not self._drain():
+                time.sleep(0)  # let the serving thread have the GIL
+        self._balance()  # libzmq may have taken a few more than the room
+
+    def _event(self) -> bool:
+        """Handle one queued monitor event; False when none is left."""
+        try:
+            ev = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError:
+            self._halt.set()
+            return False
+        kind, fd = ev["event"], int(ev["value"])
+        if kind == zmq.EVENT_ACCEPTED:
+            self.peers[fd] = [self.clock(), None]
+            self.closing.pop(fd, None)  # the number was reused: the old one is closed
+            self.counters["accepted"] += 1
+            self.counters["high_water"] = max(self.counters["high_water"], len(self.peers) + len(self.closing))
+            if fd >= self.fd_alarm:
+                self.pause()  # the table is nearly full whatever our count says
+        elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            if self.peers.pop(fd, None) is not None or self.closing.pop(fd, None) is not None:
+                self.counters["disconnected"] += 1
+        elif kind == zmq.EVENT_LISTENING and self.listener is None:
+            self._listening(fd)
+        elif kind == zmq.EVENT_MONITOR_STOPPED:
+            self._halt.set()
+        return True
+
+    def victims(self, stalled_only: bool = False) -> list[int]:
+        """Peers in shedding order (rule 1); with `stalled_only`, only those
+        without a completed request for `stall_seconds`."""
+        now = self.clock()
+        order = []
+        for fd, (accepted, last) in list(self.peers.items()):
+            seen = last if last is not None else accepted
+            if stalled_only and now - seen < self.stall_seconds:
+                continue
+            order.append((last is not None, seen, fd))
+        order.sort()
+        return [fd for _, _, fd in order]
+
+    # -- pausing the listener ------------------------------------------------
+    def _listening(self, fd: int) -> None:
+        """Remember libzmq's listener and prepare the empty socket a pause swaps in."""
+        try:
+            self.sockname = _sockname(fd)
+            family = socket.socket(fileno=fd)
+            kind = family.family
+            family.detach()
+            self._empty = socket.socket(kind, socket.SOCK_STREAM)
+            loopback = {socket.AF_UNIX: "\0kvd-pause-%d-%d" % (os.getpid(), id(self)), socket.AF_INET6: ("::1", 0)}
+            self._empty.bind(loopback.get(kind, ("127.0.0.1", 0)))
+            self._empty.setblocking(False)
+            self._empty.listen(1)
+            self._real = os.dup(fd)
+            self.listener = fd
+            self.pause()  # open only while _admit watches
+        except OSError as err:
+            log.warning("cannot prepare listener pauses (%s): shedding only", err)
+            if self._empty is not None:
+                self._empty.close()
+                self._empty = None
+
+    def pause(self) -> None:
+        if self.paused or self.listener is None or self._empty is None:
+            return
+        os.dup2(self._empty.fileno(), self.listener, inheritable=False)
+        self.paused = True
+        self.counters["pauses"] += 1
+
+    def resume(self) -> None:
+        if not self.paused or self._real is None or self.listener is None:
+            return
+        os.dup2(self._real, self.listener, inheritable=False)
+        self.paused = False
+
+    def _drain(self) -> None:
+        """Read every queued monitor event, pausing as soon as the table is
+        over the cap or the fd table nearly full: a burst must not outrun us."""
+        self._check_fds()  # first: the queued events lag libzmq's accepts
+        while self._event():
+            self._check_fds()
+            if len(self.peers) > self.max_peers:
+                self.pause()
+                self._shed_over_cap()
+
+    def _balance(self) -> None:
+        """Shed down to the cap (the listener is paused outside `_admit`)."""
+        if len(self.peers) > self.max_peers:
+            self._shed_over_cap()
+
+    def _drain(self) -> int:
+        """Read every queued monitor event; how many there were."""
+        n = 0
+        while self._event():
+            n += 1
+        return n
+
+    def _expire_closing(self) -> None:
+        """Forget shed fds whose DISCONNECTED never came (5 s): never pause for good."""
+        cutoff = self.clock() - 5.0
+        for fd, at in list(self.closing.items()):
+            if at < cutoff:
+                del self.closing[fd]
+
+    # -- shedding ---------------------------------------------------------------
+    def shed(self, fd: int) -> bool:
+        """Cut one peer off now (the outbox's hogs); True if it was one of ours."""
+        return self._shed(fd)
+
+    def _shed(self, fd: int) -> bool:
+        if fd not in self.peers:
+            return False  # not (or no longer) a peer we know: never shed blindly
+        self.peers.pop(fd, None)  # DISCONNECTED will follow; never shed twice
+        try:
+            if self.sockname is not None and _sockname(fd) != self.sockname:
+                return False  # rule 2: no longer (or never) one of our peers
+            _shutdown(fd)
+        except OSError:
+            return False  # closed meanwhile, or not a socket
+        self.closing[fd] = self.clock()
+        return True
+
+    def _shed_over_cap(self) -> None:
+        excess = len(self.peers) - self.max_peers
+        if excess <= 0:
+            return
+        # A sixteenth more than the excess: a burst over the cap then costs one
+        # sort of the table per batch, not one per connection.
+        shed = sum(self._shed(fd) for fd in self.victims()[: excess + self.max_peers // 16])
+        self.counters["shed_over_cap"] += shed
+        self._shed_unlogged += shed
+        self._log_shedding()
+
+    def _log_shedding(self, force: bool = False) -> None:
+        now = self.clock()
+        if self._shed_unlogged and (force or now - self._logged_at >= 1.0):
+            log.warning(
+                "peers over max_peers=%d: shed %d connections (oldest idle first; %d connected)",
+                self.max_peers, self._shed_unlogged, len(self.peers),
+            )
+            self._shed_unlogged, self._logged_at = 0, now
+
+    def _watch_memory(self) -> None:
+        rss = rss_bytes() if self.ceiling is not None else None
+        if rss is None:
+            return
+        over = rss - self.ceiling()
+        if over > 0 and _LIBC is not None and self.clock() - self._trimmed_at > 1.0:
+            self._trimmed_at = self.clock()
+            _LIBC.malloc_trim(0)  # freed but kept by the allocator is not a peer's doing
+            rss = rss_bytes() or rss
+            over = rss - self.ceiling()
+        if over <= 0:
+            self._shed_at = None
+            return
+        if self._shed_at is not None:
+            at, before = self._shed_at
+            if self.closing or self.clock() - at < 0.2:
+                return  # libzmq is still freeing what the shed peers held
+            if before - self.over_unit // 4 < rss < before + self.over_unit // 4:
+                # Shedding did not bring it down: what is over is not held for
+                # peers (the heap keeps it). Cut no one else until memory grows.
+                return
+        # One peer per sample, or more when far over: one per `over_unit` bytes.
+        n = 1 + over // self.over_unit
+        shed = sum(self._shed(fd) for fd in self.victims(stalled_only=True)[:n])
+        if shed:
+            self._shed_at = (self.clock(), rss)
+            self.counters["shed_for_memory"] += shed
+            log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
+
+
+def rss_bytes() -> int | None:
+    """This process's anonymous resident memory (Linux: RssAnon, which leaves
+    out the index's file-backed map and shared memory), or None where the
+    system does not tell it cheaply (macOS: the watchdog is off there; the
+    per-frame limit and the reply budgets still hold)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

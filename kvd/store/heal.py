@@ -1,0 +1,518 @@
+"""The index heals itself: a damaged LMDB index is moved aside and rebuilt from the blobs.
+
+Theory of operation
+-------------------
+The blobs are the truth; the index is a cache of what they say. Every blob
+carries what its row needs (namespace, key, kind, parent, start, length,
+tail, tensors, meta; see blobfile's Format) and proves its own bytes with
+`kvd_sum`. So an index that is truncated, zeroed, garbage or not LMDB at all
+costs a rebuild, never the data, and never a crash loop.
+
+Opening (`open_index`), before LMDB ever maps the file:
+1. `inspect_data_file` reads the two meta pages of data.mdb with plain
+   reads and checks what LMDB would trust blindly: page flags, magic
+   0xBEEFC0DE, version 1, page size, and that the file reaches the last page
+   the newer meta records. LMDB maps the file and would touch pages past its
+   end: SIGBUS, at every restart. A short file is refused here instead.
+2. LMDB then opens it; the errors that mean damage (MDB_INVALID,
+   MDB_CORRUPTED, MDB_PAGE_NOTFOUND, version mismatch, an undecodable
+   totals or format record) count as damage. Errors that mean the
+   environment (permission denied, a full or read-only disk) do not: they
+   propagate and the daemon serves RAM only (kvd/cli/serve.py).
+3. A damaged index directory is renamed `index.bad-<UTC time>` (the newest
+   KEEP_BAD are kept for a post-mortem), a fresh one is created, and a
+   `rebuilding` record is committed in it first. An index that is missing
+   or empty while blobs exist gets the same record (without it, reconcile
+   would take every blob for an orphan).
+
+Rebuilding (`rebuild_steps`) walks the shard directories with scandir, reads
+each blob whole, checks it (it parses, its name matches its content, its
+`kvd_sum` matches) and commits rows in batches of REBUILD_BATCH; a blob that
+fails is quarantined, a temp file removed. Its recency is the file's mtime
+(when it was written): the order of last use is not on disk. The steps run
+on the SSD tier's writer thread, between spills, so the daemon serves from
+its first moment (entries appear as they are indexed); rows already present
+(written meanwhile, or by a rebuild that was stopped) are kept and their
+blobs not read again. Once rebuilt, the oldest entries beyond the budget
+are evicted. The `rebuilding` record is deleted last: a stop halfway
+resumes at the next start. One log line at the end says what happened and
+how much was recovered.
+
+Damage found while running. After any start (and rebuild) the writer walks
+every key of every table once (`walk_steps`, in steps). LMDB errors that
+mean damage -- there, on a GET, a LOOKUP or an admin request -- are misses
+(admin requests get Busy), and the tier heals itself without a restart:
+`replace_index` renames the directory under the open environment, opens a
+new one, readers switch to it at once, the old one is closed when its
+readers are out, and the rebuild runs as above.
+
+Damage LMDB does not report. Some garbage in a page makes LMDB abort the
+process (an assertion) instead of returning an error, and a service
+manager then restarts it into the same abort. Each start counts itself in
+`index.starting`; the walk's end and a clean stop remove it. A start that
+finds MAX_UNFINISHED_STARTS earlier starts which never got through their
+walk heals the index before opening it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import lmdb
+import msgpack
+import xxhash
+
+from kvd.protocol.errors import KvdError
+from kvd.store import blobfile
+from kvd.store.blobfile import BlobCorrupt
+from kvd.store.datadir import BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, eid_of_blob, ensure_quarantine, is_temp_name
+from kvd.store.index import Index, IndexBusy, Row, RowDamaged
+
+if TYPE_CHECKING:
+    from kvd.store.ssd import SsdStore
+
+log = logging.getLogger("kvd.store.ssd")
+
+DATA_FILE = "data.mdb"
+BAD_PREFIX = "index.bad-"
+KEEP_BAD = 3  # moved-aside indexes kept for a post-mortem
+REBUILD_BATCH = 2048  # rows per LMDB commit while rebuilding
+STEP_FILES = 512  # blobs read per writer step (spills interleave between steps)
+MAX_FAILURES = 100
+REBUILDING = b"rebuilding"  # meta record present while a rebuild is unfinished
+STARTING = "index.starting"  # in the data dir: starts whose index walk has not finished
+MAX_UNFINISHED_STARTS = 2
+WALK_KEYS = 4096  # keys per walk step
+
+# LMDB 0.9 on a 64-bit little-endian machine (lmdb.h / mdb.c): a page header
+# (pgno u64, pad u16, flags u16, lower u16, upper u16), then MDB_meta: magic
+# u32, version u32, address u64, mapsize u64, two MDB_db of 48 bytes (the
+# first's md_pad holds the page size; md_root is its last u64), last_pg u64,
+# txnid u64. Checked against files this lmdb package writes
+# (tests/test_heal.py::test_meta_layout_matches_the_lmdb_package).
+_PAGE_HDR = struct.Struct("<QHHHH")
+_META = struct.Struct("<IIQQ" + "IHHQQQQQ" * 2 + "QQ")
+_META_END = _PAGE_HDR.size + _META.size  # 152
+P_META = 0x08
+MDB_MAGIC = 0xBEEFC0DE
+MDB_DATA_VERSION = 1
+P_INVALID = (1 << 64) - 1
+
+# What says the environment, not the file, is at fault (EACCES, ENOSPC, EROFS
+# and other errnos come as these or as plain lmdb.Error): not ours to "heal",
+# the daemon then serves RAM only. Every other LMDB error while opening and
+# first reading (MDB_INVALID, MDB_CORRUPTED, MDB_PAGE_NOTFOUND, version
+# mismatch, a transaction spoiled by one of them) means a damaged file.
+ENVIRONMENT = (
+    lmdb.ReadonlyError, lmdb.DiskError, lmdb.MapFullError, lmdb.ReadersFullError, lmdb.LockError,
+    lmdb.TlsFullError, lmdb.MemoryError, lmdb.InvalidParameterError, lmdb.DbsFullError,
+)
+DAMAGE = (lmdb.Error, RowDamaged, ValueError, TypeError, msgpack.exceptions.UnpackException)
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether `exc`, raised opening or first reading an index, means the file is damaged."""
+    if isinstance(exc, lmdb.Error):
+        return type(exc) is not lmdb.Error and not isinstance(exc, ENVIRONMENT)
+    return isinstance(exc, DAMAGE)
+
+
+class IndexDamaged(KvdError):
+    """The index file is truncated, zeroed or not LMDB; `kvd verify --repair` rebuilds it from the blobs."""
+
+
+def inspect_data_file(path: Path) -> str | None:
+    """Why LMDB must not open `path` (a data.mdb), or None if it may.
+
+    Only reads the meta pages, with read(): a damaged file is never mapped.
+    A missing file is fine (LMDB creates it); an empty one is reported.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return "data.mdb is empty (0 bytes)"
+            first = f.read(_META_END)
+            metas = [_meta(first, 0)]
+            if isinstance(metas[0], str):
+                return metas[0]
+            psize = metas[0]["psize"]
+            f.seek(psize)
+            metas.append(_meta(f.read(_META_END), 1))
+    except FileNotFoundError:
+        return None
+    if isinstance(metas[1], str):
+        return metas[1]
+    if metas[1]["psize"] not in (0, psize):
+        return "the two meta pages disagree about the page size"
+    need = (max(m["last_pg"] for m in metas) + 1) * psize
+    if size < need:
+        return f"data.mdb is truncated: {size} bytes, its meta pages need {need}"
+    for m in metas:
+        for root in m["roots"]:
+            if root != P_INVALID and root > m["last_pg"]:
+                return "a meta page points past the last page"
+    return None
+
+
+def _meta(buf: bytes, i: int) -> dict | str:
+    if len(buf) < _META_END:
+        return f"data.mdb is truncated inside meta page {i}"
+    _, _, flags, _, _ = _PAGE_HDR.unpack_from(buf, 0)
+    f = _META.unpack_from(buf, _PAGE_HDR.size)
+    magic, version, psize = f[0], f[1], f[4]
+    if not flags & P_META or magic != MDB_MAGIC:
+        return f"data.mdb is not an LMDB file (meta page {i} has no LMDB magic)"
+    if version != MDB_DATA_VERSION:
+        return f"data.mdb has LMDB data version {version}, not {MDB_DATA_VERSION}"
+    if i == 0 and (psize < 512 or psize > 65536 or psize & (psize - 1)):
+        return f"data.mdb records an impossible page size ({psize})"
+    return {"psize": psize, "roots": (f[11], f[19]), "last_pg": f[20], "txnid": f[21]}
+
+
+@dataclass
+class Heal:
+    """A rebuild of the index from the blobs: why, where the old index went, progress."""
+
+    reason: str
+    moved_to: str | None = None
+    since: float = field(default_factory=time.time)
+    recovered: int = 0
+    recovered_bytes: int = 0
+    kept: int = 0  # rows already present (written meanwhile, or by a stopped rebuild)
+    quarantined: int = 0
+    temps_removed: int = 0
+    evicted: int = 0  # over the budget once rebuilt: the oldest evicted
+    unverified: int = 0  # blobs older than kvd_sum: parsed and name-checked only
+    done: bool = False
+    seconds: float = 0.0
+    failures: list = field(default_factory=list)  # [entry hex, why], the first MAX_FAILURES
+
+    def record(self) -> bytes:
+        return msgpack.packb({"reason": self.reason, "moved_to": self.moved_to, "since": self.since})
+
+    @classmethod
+    def from_record(cls, raw: bytes) -> "Heal":
+        try:
+            d = msgpack.unpackb(raw)
+            return cls(reason=str(d["reason"]) + " (resumed)", moved_to=d.get("moved_to"), since=float(d["since"]))
+        except Exception:  # noqa: BLE001 - a garbage record still means: rebuild
+            return cls(reason="an unfinished rebuild (resumed)")
+
+    def stats(self) -> dict:
+        return asdict(self)
+
+
+def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tuple[Index, Heal | None]:
+    """Open the index of the data dir `root`, moving a damaged one aside
+    (see the module docstring) -- or any one, giving `rebuild` as the reason.
+    Returns it and the rebuild it needs, if any. Raises lmdb.Error or
+    OSError for an environment LMDB cannot use."""
+    path = root / INDEX_DIR
+    data = path / DATA_FILE
+    existed = data.exists()
+    died = note_start(root)
+    reason = rebuild or inspect_data_file(data)
+    if reason is None and died >= MAX_UNFINISHED_STARTS:
+        # Some damage makes LMDB abort the process (an assertion in a cursor
+        # walk) rather than return an error: the walk at start then never
+        # finishes, start after start. Break that loop here.
+        reason = f"the last {died} starts died before walking the index through (an LMDB abort on a damaged page?)"
+    index = None
+    if reason is None:
+        try:
+            index = Index(path, map_size=map_size)
+            with index.reading() as txn:
+                entries, nbytes = index.totals(txn)
+                int(entries) + int(nbytes)
+                marker = txn.get(REBUILDING, db=index.meta)
+        except DAMAGE as exc:
+            if index is not None:
+                index.close()
+            if not is_damage(exc):
+                raise
+            reason = f"LMDB refuses it: {exc}"
+    if reason is None:
+        if marker is not None:
+            return index, Heal.from_record(bytes(marker))
+        if existed or not any_blob(root):
+            return index, None
+        heal = Heal("the index was missing")
+    else:
+        return replace_index(root, reason, map_size=map_size, quiet=bool(rebuild))
+    index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
+    return index, heal
+
+
+def replace_index(root: Path, reason: str, *, map_size: int, quiet: bool = False) -> tuple[Index, Heal]:
+    """Move root/index aside, open a new one marked `rebuilding`. Also used
+    while running (the old environment may still be open: renaming its
+    directory does not disturb it). Returns the new index and its Heal."""
+    path = root / INDEX_DIR
+    moved = move_aside(root)
+    index = Index(path, map_size=map_size)
+    heal = Heal(reason, moved_to=str(moved))
+    log.log(logging.INFO if quiet else logging.WARNING,
+            "ssd: index %s is damaged (%s); moved to %s, rebuilding it from the blobs", path, reason, moved)
+    index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
+    return index, heal
+
+
+def note_start(root: Path) -> int:
+    """Count this start in root/index.starting; returns how many earlier
+    starts ended before their index walk did (0 normally). Best effort."""
+    path = root / STARTING
+    try:
+        died = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        died = 0
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.write(fd, f"{died + 1}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    return died
+
+
+def clear_start(root: Path) -> None:
+    """This start walked its index through (or stopped cleanly)."""
+    try:
+        os.unlink(root / STARTING)
+    except OSError:
+        pass
+
+
+def walk_steps(store: "SsdStore") -> Iterator[None]:
+    """Read every key of every table (and decode every row) once, a step at
+    a time, on the writer thread: damage that LMDB reports becomes a heal
+    now (`store.want_heal`), a row that does not decode a quarantine, and
+    damage that makes LMDB abort shows as starts that never finish (see
+    `open_index`). Clears the start count when done."""
+    index = store.index
+    for db in (index.rows, index.lru, index.tails_db, index.ns_db, index.meta):
+        last: bytes | None = None
+        more = True
+        while more:
+            try:
+                with index.reading() as txn:
+                    cur = txn.cursor(db=db)
+                    ok = cur.set_range(last) if last is not None else cur.first()
+                    if ok and last is not None and cur.key() == last:
+                        ok = cur.next()
+                    n = 0
+                    while ok and n < WALK_KEYS:
+                        last = bytes(cur.key())
+                        if db is index.rows:
+                            try:
+                                Row.unpack(cur.value())
+                            except RowDamaged:
+                                index.damaged.add(last)
+                        n += 1
+                        ok = cur.next()
+                    more = ok
+            except IndexBusy:
+                pass
+            except lmdb.Error as exc:
+                if is_damage(exc):
+                    store.want_heal(f"found while walking it: {exc}")
+                    return
+                raise
+            yield
+    clear_start(store.root)
+
+
+def open_readonly(root: Path) -> Index:
+    """The index of `root` opened read-only for a look (stats, verify), never
+    mapping a damaged file. Raises IndexDamaged, FileNotFoundError if there is none."""
+    data = root / INDEX_DIR / DATA_FILE
+    if not data.exists():
+        raise FileNotFoundError(f"{root} holds no kvd index")
+    reason = inspect_data_file(data)
+    if reason is None:
+        try:
+            return Index(root / INDEX_DIR, readonly=True, map_size=0)
+        except DAMAGE as exc:
+            if not is_damage(exc):
+                raise
+            reason = f"LMDB refuses it: {exc}"
+    raise IndexDamaged(
+        f"the index of {root} is damaged ({reason}); `kvd serve` rebuilds it from the blobs at start, "
+        "or run `kvd verify --repair` with the daemon stopped"
+    )
+
+
+def any_blob(root: Path) -> bool:
+    blob_root = root / BLOB_DIR
+    if not blob_root.is_dir():
+        return False
+    for shard in os.scandir(blob_root):
+        if shard.is_dir(follow_symlinks=False):
+            with os.scandir(shard.path) as it:
+                if any(eid_of_blob(e.name) for e in it):
+                    return True
+    return False
+
+
+def move_aside(root: Path) -> Path:
+    """Rename root/index to root/index.bad-<UTC time>, keep the newest KEEP_BAD, make a new index dir."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dst = root / f"{BAD_PREFIX}{stamp}"
+    n = 1
+    while dst.exists():
+        dst = root / f"{BAD_PREFIX}{stamp}-{n}"
+        n += 1
+    os.rename(root / INDEX_DIR, dst)
+    (root / INDEX_DIR).mkdir(mode=DIR_MODE)
+    blobfile.fsync_dir(root)
+    old = sorted(p for p in root.iterdir() if p.name.startswith(BAD_PREFIX))  # by the UTC time in the name
+    for p in old[:-KEEP_BAD]:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return dst
+
+
+def recover_row(path: str | Path, eid: bytes) -> tuple[Row, bool]:
+    """The index row for the blob at `path`, after checking it: it parses,
+    holds entry `eid`, and matches its own kvd_sum. Returns (row, verified):
+    verified is False for a blob written before kvd_sum existed.
+    Raises BlobCorrupt, or OSError (FileNotFoundError if it vanished)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        buf = blobfile.read_all(fd, st.st_size)
+    finally:
+        os.close(fd)
+    entry = blobfile.parse_blob(buf)
+    if entry.id != eid:
+        raise BlobCorrupt("blob holds another entry than its name says")
+    ok = blobfile.embedded_sum_ok(buf)
+    if ok is False:
+        raise BlobCorrupt("kvd_sum does not match the blob's bytes")
+    disk = st.st_blocks * 512 if st.st_blocks else st.st_size
+    row = Row(
+        ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start, length=entry.length,
+        tail=entry.tail, nbytes=entry.nbytes, file_size=st.st_size, disk_bytes=max(disk, st.st_size),
+        checksum=xxhash.xxh3_64_intdigest(buf), fmt=blobfile.FORMAT_VERSION,
+        tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=st.st_mtime,
+    )
+    return row, ok is True
+
+
+def quarantine_file(root: Path, path: str | Path, eid_hex: str) -> bool:
+    """Move a bad blob into the quarantine folder (re-made if it is missing or
+    not a folder); False if even that failed (the blob is then removed)."""
+    qdir = ensure_quarantine(root)
+    try:
+        if qdir is None:
+            raise OSError("no quarantine folder")
+        os.replace(path, qdir / f"{eid_hex}.{int(time.time() * 1000)}.safetensors")
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.error("ssd: could not quarantine %s (%s); removing it", path, exc)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return False
+
+
+def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
+    """Rebuild `store`'s index from its blobs (see module docstring), a step
+    at a time. Runs on the writer thread, or with none running."""
+    t0 = time.monotonic()
+    index = store.index
+    blob_root = store.root / BLOB_DIR
+    shards = sorted(e.path for e in os.scandir(blob_root) if e.is_dir(follow_symlinks=False)) if blob_root.is_dir() else []
+    pending: list[tuple[bytes, Row]] = []
+
+    def commit() -> None:
+        if not pending:
+            return
+        rows = list(pending)
+        pending.clear()
+
+        def put(txn):
+            added = [(eid, row) for eid, row in rows if index.put_row(txn, eid, row)]
+            return added, index.totals(txn)
+
+        added, totals = index.write(put)
+        store.entries, store.bytes = totals
+        heal.recovered += len(added)
+        heal.recovered_bytes += sum(r.disk_bytes for _, r in added)
+        heal.kept += len(rows) - len(added)
+
+    read = 0
+    for shard in shards:
+        with os.scandir(shard) as it:
+            names = [e.name for e in it]
+        try:  # one read transaction per shard, not one per blob
+            with index.reading() as txn:
+                indexed = {n for n in names if (e := eid_of_blob(n)) is not None and index.has(txn, e)}
+        except IndexBusy:  # the map is growing: ask per blob instead
+            indexed = None
+        for name in names:
+            path = os.path.join(shard, name)
+            if is_temp_name(name):
+                # Left by a crash: this is the writer thread (or none runs),
+                # and only the lock holder writes here, so none is in flight.
+                try:
+                    os.unlink(path)
+                    heal.temps_removed += 1
+                except OSError:
+                    pass
+                continue
+            eid = eid_of_blob(name)
+            if eid is None or eid in store.queue:
+                continue
+            if (name in indexed) if indexed is not None else store.has_row(eid):
+                heal.kept += 1
+                continue
+            try:
+                row, verified = recover_row(path, eid)
+            except FileNotFoundError:
+                continue  # evicted or quarantined meanwhile
+            except (BlobCorrupt, OSError) as exc:
+                if len(heal.failures) < MAX_FAILURES:
+                    heal.failures.append([eid.hex(), f"corrupt: {exc}"])
+                log.warning("ssd: blob %s is bad (%s); quarantined while rebuilding the index", eid.hex(), exc)
+                if quarantine_file(store.root, path, eid.hex()):
+                    heal.quarantined += 1
+                    store.count("quarantined")
+                continue
+            heal.unverified += not verified
+            pending.append((eid, row))
+            read += 1
+            if len(pending) >= REBUILD_BATCH:
+                commit()
+            if read % STEP_FILES == 0:
+                commit()
+                yield
+        commit()
+        yield
+    commit()
+    # Blobs can hold more than the budget (a smaller ssd_gb now, or blobs a
+    # crash left unindexed): evict the oldest down to it, as a write would.
+    before = store.entries
+    store._make_room(0, set())
+    heal.evicted = before - store.entries
+    index.write(lambda txn: txn.delete(REBUILDING, db=index.meta))
+    heal.done = True
+    heal.seconds = time.monotonic() - t0
+    log.warning(
+        "ssd: index rebuilt from the blobs in %.1fs (%s%s): %d entries recovered (%d MiB), %d quarantined, "
+        "%d already indexed, %d temp files removed, %d evicted to fit the budget%s",
+        heal.seconds, heal.reason, f"; the old index is in {heal.moved_to}" if heal.moved_to else "",
+        heal.recovered, heal.recovered_bytes >> 20, heal.quarantined, heal.kept, heal.temps_removed, heal.evicted,
+        f"; {heal.unverified} blobs predate kvd_sum and were parsed, not checksummed" if heal.unverified else "",
+    )

@@ -1,0 +1,151 @@
+"""Hostile peers for the stress suite and bench/bench_stress.py.
+
+Each attack is a separate process (its own fds and memory) that does its
+damage, prints one line when done, then holds its connections until its
+stdin closes: `with attack(...):` runs the body while the attack is held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from typing import Iterator
+
+# Raw connections, as fast as the daemon takes them (a connect waits while the
+# listener's backlog is full, at most 10 s); never a byte sent. Says how many,
+# then holds them until its stdin closes.
+FLOOD = r"""
+import socket, struct, sys
+path, n = sys.argv[1], int(sys.argv[2])
+held = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
+    try:
+        s.connect(path)
+    except OSError:
+        s.close()
+        continue
+    held.append(s)
+print(len(held), flush=True)
+sys.stdin.read()
+"""
+
+# N peers, each a ZMTP 3.0 DEALER by hand: a message of K frames of F MiB,
+# all but its last byte, then silence (libzmq holds the parts it received).
+PARTIAL = r"""
+import socket, struct, sys
+path, n, k, f = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) << 20
+chunk = bytes(1 << 20)
+held = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31))
+    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    s.sendall(b"\x04" + bytes([len(body)]) + body)
+    try:
+        for j in range(k):
+            last = j == k - 1
+            s.sendall(bytes([0x02 if last else 0x03]) + struct.pack(">Q", f))
+            todo = f - 1 if last else f
+            while todo:
+                m = min(todo, len(chunk))
+                s.sendall(chunk[:m])
+                todo -= m
+    except OSError:
+        pass  # shed by the daemon mid-way: what it is for
+    held.append(s)
+print(n, flush=True)
+sys.stdin.read()
+"""
+
+# N DEALERs that each send M rounds of the given one-frame requests (hex)
+# and never read a reply.
+MUTE = r"""
+import sys, zmq
+ep, n, m = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+msgs = [bytes.fromhex(h) for h in sys.argv[4:]]
+ctx = zmq.Context()
+socks = []
+for _ in range(n):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(ep)
+    socks.append(s)
+for _ in range(m):
+    for s in socks:
+        for msg in msgs:
+            s.send(msg)
+print(n * m * len(msgs), flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def attack(script: str, *args: str) -> Iterator[str]:
+    """Run an attack; yields its line once its damage is done; ends it on exit."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def status(pid: int, field: str) -> int:
+    """A byte count from /proc/<pid>/status (RssAnon, VmHWM, ...)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+# N DEALERs that send the given one-frame requests (hex) in a loop, never
+# reading a reply, until stdin closes: a flood that lasts.
+PUMP = r"""
+import select, sys, zmq
+ep, n = sys.argv[1], int(sys.argv[2])
+msgs = [bytes.fromhex(h) for h in sys.argv[3:]]
+ctx = zmq.Context()
+socks = []
+for _ in range(n):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.setsockopt(zmq.SNDHWM, 64)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(ep)
+    socks.append(s)
+print(n, flush=True)
+sent = 0
+while True:
+    for s in socks:
+        for msg in msgs:
+            try:
+                s.send(msg, zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+    if select.select([sys.stdin], [], [], 0 if sent % 64 else 0.001)[0]:
+        break
+"""
+
+# A client that asks the same request again and again and reads every reply:
+# expensive requests (huge headers, long LOOKUPs) sent as fast as answered.
+HAMMER = r"""
+import select, sys, zmq
+ep = sys.argv[1]
+msg = open(sys.argv[2], "rb").read()  # one frame, from a file (it may be megabytes)
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(ep)
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    s.send(msg)
+    s.recv_multipart()
+"""

@@ -1,0 +1,265 @@
+"""What an acknowledgement promises, against real `kvd serve` processes killed for real.
+
+- Write-through: a PUT is answered only once its blobs are fsynced and its
+  rows committed, so `kill -9` right after the answer loses nothing.
+- Write-back: a clean stop (SIGTERM) right after a forced spill loses no
+  acknowledged entry; a stop with a large dirty RAM tier ends within
+  `stop_timeout`, exits 0, and logs what it could not write.
+
+Every wait is on an event (an answer, a process exit, a log line); the only
+time bound asserted is the stop bound, which is the feature itself.
+`KVD_DURABILITY_RUNS` sets the iteration counts (default 20 kills, 30 clean
+stops, to keep the suite quick) for a long run, e.g. KVD_DURABILITY_RUNS=100.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from kvd_client import Busy, NotPersisted
+
+from support import assert_prefix_hit, kvd, prefix_snapshot
+
+RUNS = int(os.environ.get("KVD_DURABILITY_RUNS", "0"))
+
+
+def _seq(i: int, n: int = 512) -> np.ndarray:
+    return np.arange(n) + 1_000_000 * (i + 1)
+
+
+def _all_there(d, ns: str, seqs: list[np.ndarray], why: str) -> None:
+    with d.client(ns, strict=True) as c:
+        for j, s in enumerate(seqs):
+            hit = c.get(s)
+            assert hit is not None and hit.n == len(s), f"{why}: acknowledged sequence {j} has {hit and hit.n} tokens"
+            assert_prefix_hit(hit, s)
+
+
+def test_write_through_ack_survives_kill_9(daemon_factory):
+    """Before: 20 of 20 acknowledged PUTs lost. Now each PUT is answered after
+    fsync + commit, and the daemon is SIGKILLed the moment the answer arrives."""
+    runs = RUNS or 20
+    d = daemon_factory("--ram-mb", "64", "--write-through")
+    acked: list[np.ndarray] = []
+    for i in range(runs):
+        s = _seq(i, 256 + 128 * (i % 3))  # one or two chunks, a tail now and then
+        with d.client("wt", strict=True) as c:
+            assert c.put(s, prefix_snapshot(s))
+        d.kill()  # at once: not a moment for a writer to catch up
+        acked.append(s)
+        d.start()
+        if i % 5 == 4 or i == runs - 1:
+            _all_there(d, "wt", acked, f"after kill {i}")
+    with d.client("wt", strict=True) as c:
+        st = c.stats()
+    assert st["write_through"]["not_persisted"] == 0
+
+
+def test_write_through_many_clients_at_once_then_kill_9(daemon_factory):
+    """8 clients' PUTs wait for the disk together (the writer commits them in
+    shared batches); every one acknowledged is there after kill -9."""
+    d = daemon_factory("--ram-mb", "64", "--write-through")
+    import threading
+
+    seqs = [_seq(100 + i, 256) for i in range(40)]
+    errors: list[BaseException] = []
+
+    def put(chunk: list[np.ndarray]) -> None:
+        try:
+            with d.client("group", strict=True) as c:
+                for s in chunk:
+                    assert c.put(s, prefix_snapshot(s))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put, args=(seqs[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    d.kill()
+    d.start()
+    _all_there(d, "group", seqs, "after kill")
+
+
+def test_write_through_without_a_data_dir_is_refused(tmp_path):
+    config = tmp_path / "kvd.toml"
+    config.touch()
+    r = kvd("serve", "--write-through", "--data-dir", "none", "--config", str(config), "--endpoint", f"ipc://{tmp_path}/s")
+    assert r.returncode == 78 and "write_through needs a data_dir" in r.stderr
+
+
+def test_write_through_full_disk_is_not_persisted_never_a_false_ack(daemon_factory, tmp_path):
+    """A disk that refuses writes: the PUT gets NOT_PERSISTED (and the peer
+    is free to go on), not an acknowledgement."""
+    # min_free_gb above the disk's size: the SSD tier refuses every write
+    # (degraded, low space) -- the same path as a full disk, made for real.
+    st = os.statvfs("/tmp")
+    huge = (st.f_blocks * st.f_frsize) / (1 << 30) * 2
+    d = daemon_factory("--ram-mb", "64", "--write-through", "--min-free-gb", f"{huge:.0f}")
+    s = _seq(7)
+    with d.client("full", strict=True) as c:
+        with pytest.raises(NotPersisted):
+            c.put(s, prefix_snapshot(s))
+        assert c.ping() is not None  # the daemon goes on
+        st = c.stats()
+        assert st["write_through"]["not_persisted"] == 1 and st["tiers"]["ssd"]["degraded"]
+    other = _seq(8)
+    with d.client("full") as c:  # a default client: not stored, no exception
+        assert c.put(other, prefix_snapshot(other)) is False
+        assert c.counters["put_not_stored"] == 1
+
+
+def test_clean_stop_right_after_a_forced_spill_loses_nothing(daemon_factory):
+    """store(wait) of 8 chunks, gc(ram_bytes=0), SIGTERM at once, restart:
+    every acknowledged chunk is there. (Issue: 2 of 15 runs lost one.)"""
+    runs = RUNS or 30
+    # A queue of 4 for 8 chunks: every run hands chunks to a full queue, the
+    # path where the old stop dropped them (queue_full after 0.5 s, silently).
+    d = daemon_factory("--ram-mb", "64", "--spill-queue", "4")
+    acked: list[np.ndarray] = []
+    for i in range(runs):
+        s = _seq(i, 8 * 256)
+        with d.client("stop", strict=True) as c:
+            if acked:  # what the previous run stopped with, all of it, bit-exact
+                hit = c.get(acked[-1])
+                assert hit is not None and hit.n == 2048, f"run {i - 1}: {hit and hit.n} of 2048 tokens after restart"
+                assert_prefix_hit(hit, acked[-1])
+            assert c.put(s, prefix_snapshot(s))
+            c.gc(ram_bytes=0)
+        acked.append(s)
+        assert d.stop(signal.SIGTERM) == 0
+        d.start()
+    _all_there(d, "stop", acked, "at the end")
+    assert "not persisted" not in d.log()
+
+
+def test_sigterm_with_a_large_dirty_ram_tier_ends_within_stop_timeout(daemon_factory):
+    """Write-back with far more unwritten entries than the disk can take in
+    the stop's time: SIGTERM still ends within stop_timeout (plus generous
+    slack), exit 0, and the log says how many were not persisted. Whatever
+    a restart then reports is served bit-exact."""
+    d = daemon_factory("--ram-mb", "512", "--stop-timeout", "1", "--dirty-max-mb", "1024", "--spill-queue", "100000")
+    seqs = [_seq(200 + i, 32 * 1024) for i in range(2)]  # 64 K tokens in 16-token chunks: 4 K entries
+    with d.client("big", strict=True, chunk_tokens=16, timeout=60) as c:
+        for s in seqs:
+            assert c.put(s, prefix_snapshot(s))
+        dirty = c.stats()["store"]["dirty_entries"]
+    assert dirty > 1000, f"the disk kept up ({dirty} dirty): this test needs a bigger backlog"
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    code = d.proc.wait(60)
+    took = time.monotonic() - t0
+    d.proc = None
+    assert code == 0
+    assert took < 1 + 4, f"stop took {took:.1f}s with stop_timeout=1"
+    m = re.search(r"stop: (\d+) entries \((\d+) bytes\) not persisted", d.log())
+    assert m and int(m.group(1)) > 0, d.log()[-2000:]
+    d.start()
+    with d.client("big", strict=True, chunk_tokens=16, timeout=60) as c:
+        for s in seqs:
+            n = c.probe(s).n
+            if n:
+                hit = c.get(s)
+                assert hit is not None and hit.n == n
+                assert_prefix_hit(hit, s)
+
+
+def test_parking_bounds_settles_and_never_acknowledges_what_failed():
+    """The parked-reply book (sans-I/O): bounds, group settling, rule 1, stop."""
+    from kvd.server.parking import Parking
+
+    p = Parking(max_bytes=100, max_per_peer=2)
+    assert p.admit(b"a", 500) is None  # over the bound, but alone: admitted
+    p.park(b"a", 1, {"stored": 2}, [b"x", b"y"], 500)
+    assert "MiB of PUTs are waiting" in p.admit(b"b", 1)  # anything more is refused
+    assert p.settle([(b"x", True)], lambda eid: False) == []  # still waiting for y
+    (done,) = p.settle([(b"y", True)], lambda eid: False)
+    assert (done.peer, done.msg_id, done.failed) == (b"a", 1, [])
+    assert len(p) == 0 and p.bytes == 0
+    p.park(b"a", 2, {}, [b"x"], 10)
+    p.park(b"a", 3, {}, [b"x", b"z"], 10)  # two PUTs wait for one entry
+    assert "already has 2 PUTs" in p.admit(b"a", 1)
+    assert p.admit(b"b", 1) is None  # another peer is not held back
+    # Rule 1: news about an entry queued again is not about the copy waited for.
+    assert p.settle([(b"x", True)], lambda eid: True) == []
+    done = p.settle([(b"x", True), (b"z", False)], lambda eid: False)
+    assert sorted((d.msg_id, d.failed) for d in done) == [(2, []), (3, [b"z"])]
+    p.park(b"c", 4, {}, [b"w"], 10)
+    (left,) = p.fail_all()
+    assert left.failed == [b"w"] and len(p) == 0
+    assert p.counters == {"parked": 4, "acknowledged": 2, "not_persisted": 2, "refused": 2}
+
+
+# -- the store level: write-behind and a stop with a deadline -----------------
+
+
+def _park_writer(ssd, until):
+    """Hold the SSD writer inside a job until `until()` is true (bounded)."""
+    import threading
+
+    parked = threading.Event()
+
+    def job():
+        parked.set()
+        deadline = time.monotonic() + 10
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    ssd.writer.submit(job)
+    assert parked.wait(5)
+
+
+def test_write_behind_waits_in_order_beyond_the_queue_and_reaches_disk(tmp_path):
+    from kvd.store.tiered import open_store
+
+    from support import assert_same, make_entry
+
+    entries = [make_entry(i) for i in range(10)]
+    store = open_store(1 << 20, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0, queue_entries=4)
+    try:
+        release = []
+        _park_writer(store.ssd, lambda: bool(release))
+        for e in entries:
+            store.put(e)
+        assert len(store.ssd.queue) == 4 and list(store.behind) == [e.id for e in entries[4:]]
+        assert store.dirty() == (10, sum(e.nbytes for e in entries))
+        release.append(True)
+        assert store.flush(10)  # tick() feeds `behind` to the queue as the writer makes room
+        assert store.dirty() == (0, 0) and store.ssd.entries == 10
+        for e in entries:
+            assert_same(store.ssd.get(e.id), e)
+    finally:
+        store.close(persist=False)
+
+
+def test_close_with_a_deadline_stops_writing_and_counts_what_is_left(tmp_path, caplog):
+    from kvd.store.tiered import open_store
+
+    from support import assert_same, make_entry
+
+    entries = [make_entry(i) for i in range(40)]
+    store = open_store(1 << 20, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0)
+    _park_writer(store.ssd, lambda: store.ssd.writes_stopped)  # a disk slower than the deadline
+    for e in entries:
+        store.put(e)
+    store.close(timeout=0.2)
+    assert store.ssd.unpersisted == 40
+    assert "stop: 40 entries" in caplog.text and "not persisted" in caplog.text
+    again = open_store(1 << 20, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0)
+    try:
+        for e in entries:  # nothing half-written: each is absent or whole
+            got = again.get(e.id)
+            if got is not None:
+                assert_same(got, e)
+        assert again.ssd.entries == 0
+    finally:
+        again.close(persist=False)

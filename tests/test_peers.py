@@ -1,0 +1,179 @@
+"""Peers cannot exhaust the daemon's file descriptors, nor its patience.
+
+Real daemons under a real fd limit (`prlimit --nofile=256`), real sockets.
+Before kvd.server.peers, filling the fd table made libzmq abort (SIGABRT, on
+EMFILE in ipc_listener.cpp) and a peer that never read its replies made every
+other client wait ~100 ms per reply.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+from kvd.protocol import codec
+from kvd.server.peers import PeerGate, default_max_peers, listen_backlog
+from kvd_client import HostTensor, Snapshot
+
+from stress import FLOOD
+from support import FakeClock, free_port, scrape
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc are Linux")
+
+
+
+def flood(path: str, n: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", FLOOD, path, str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def round_trip(client, seed: int) -> None:
+    """A PUT then a GET of the same tokens, bit-exact."""
+    tokens = list(range(seed * 1000, seed * 1000 + 64))
+    arr = np.random.default_rng(seed).integers(0, 255, size=(1, 2, 64, 8), dtype=np.uint8)
+    assert client.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(arr), 2)}))
+    hit = client.get(tokens + [1], max_tokens=64)
+    assert hit is not None and hit.n == 64
+    np.testing.assert_array_equal(hit.sliced["k"].array, arr)
+
+
+def under_prlimit(daemon_factory, nofile: int, *args: str):
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", *args, start=False)
+    inner = d.command
+    d.command = lambda: ["prlimit", f"--nofile={nofile}", *inner()]
+    return d.start()
+
+
+@linux_only
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_a_thousand_connections_under_256_fds_do_not_kill_the_daemon(daemon_factory):
+    d = under_prlimit(daemon_factory, 256)
+    path = d.endpoint[len("ipc://"):]
+    good = d.client("good", strict=True, chunk_tokens=16)
+    round_trip(good, 1)
+    # 1,000 connections as fast as they go, then 1,000 more while those are held.
+    floods, opened = [], []
+    for _ in range(2):
+        floods.append(flood(path, 1000))
+        opened.append(int(floods[-1].stdout.readline()))
+    try:
+        assert sum(opened) > 256  # more than the fd table could ever hold
+        assert d.proc.poll() is None, d.log()
+        for seed in range(2, 6):  # served while the connections are held
+            round_trip(good, seed)
+        peers = good.stats()["peers"]
+    finally:
+        for f in floods:
+            f.stdin.close()
+            f.wait()
+    assert d.proc.poll() is None, d.log()
+    assert peers["max_peers"] == default_max_peers(256) == 64
+    assert peers["accepted"] >= 2000 - 2 * listen_backlog(64)  # all but those still waiting
+    assert peers["shed_over_cap"] >= 2000 - 2 * listen_backlog(64) - 64  # the excess was shed
+    assert peers["high_water"] < 256 - 32  # the cap held (a few over, for microseconds): never near EMFILE
+    round_trip(good, 7)
+    assert d.stop() == 0  # a clean stop: the listener was restored before libzmq closed it
+
+
+@linux_only
+def test_the_fd_limit_is_raised_to_the_hard_limit_at_start(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", start=False)
+    inner = d.command
+    d.command = lambda: ["prlimit", "--nofile=300:4096", *inner()]
+    d.start()
+    limits = open(f"/proc/{d.proc.pid}/limits").read()
+    row = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+    assert row.split()[3:5] == ["4096", "4096"]
+    assert d.client("x").stats()["peers"]["max_peers"] == 4096 // 2 - 64
+
+
+def test_max_peers_setting_caps_connections(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--max-peers", "8")
+    path = d.endpoint[len("ipc://"):]
+    good = d.client("good", strict=True, chunk_tokens=16)
+    round_trip(good, 1)
+    f = flood(path, 40)
+    try:
+        assert int(f.stdout.readline()) == 40
+        round_trip(good, 2)  # it spoke before: shed after the silent ones
+        peers = good.stats()["peers"]
+    finally:
+        f.stdin.close()
+        f.wait()
+    assert peers["max_peers"] == 8
+    assert peers["high_water"] >= 9 and peers["shed_over_cap"] >= 1
+
+
+def test_shedding_order_silent_first_then_longest_idle():
+    clock = FakeClock(1000.0)
+    gate = PeerGate(None, max_peers=2, clock=clock, stall_seconds=2.0)
+    for fd in (10, 11, 12, 13):
+        gate.peers[fd] = [clock(), None]
+        clock.advance(1)
+    gate.touch(10)  # 10 and 12 completed requests; 11 and 13 never did
+    clock.advance(1)
+    gate.touch(12)
+    clock.advance(1)
+    gate.touch(10)
+    assert gate.victims() == [11, 13, 12, 10]
+    clock.advance(1.5)
+    assert gate.victims(stalled_only=True) == [11, 13, 12]  # 10 spoke 1.5 s ago (< stall_seconds)
+
+
+def test_a_peer_that_never_reads_loses_only_its_own_replies(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.DEALER)
+    mute.setsockopt(zmq.RCVHWM, 1)
+    mute.setsockopt(zmq.RCVBUF, 4096)
+    mute.setsockopt(zmq.LINGER, 0)
+    mute.connect(d.endpoint)
+    ping = codec.encode("PING", {}, id=1)
+    good = d.client("good", strict=True, chunk_tokens=16)
+    try:
+        for i in range(20_000):
+            mute.send_multipart(ping)
+            if i % 2000 == 0:
+                round_trip(good, i // 2000 + 1)
+        round_trip(good, 99)
+        peers = good.stats()["peers"]
+    finally:
+        mute.close()
+    assert peers["dropped_full"] > 0  # the mute peer's replies, not ours
+    assert d.proc.poll() is None
+
+
+def test_a_client_paging_through_big_replies_is_never_refused(daemon_factory):
+    # Pages of one ~3 MiB chunk each under 4 MiB messages: every page is close to
+    # the per-peer reply budget, and the next is asked for at once.
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--max-message-mb", "4")
+    c = d.client("pages", strict=True, chunk_tokens=16)
+    tokens = list(range(16 * 6))
+    arr = np.random.default_rng(3).integers(0, 255, size=(1, len(tokens), 3 << 16), dtype=np.uint8)  # 3 MiB a chunk
+    assert c.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(arr), 1)}))
+    for _ in range(10):
+        hit = c.get(tokens + [0])
+        assert hit is not None and hit.n == len(tokens)
+        np.testing.assert_array_equal(hit.sliced["k"].array, arr)
+    assert c.stats()["peers"]["refused_over_budget"] == 0
+
+
+def test_peer_counters_are_exported(daemon_factory):
+    port = free_port()
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--max-peers", "8", "--metrics-port", str(port))
+    f = flood(d.endpoint[len("ipc://"):], 20)
+    try:
+        assert int(f.stdout.readline()) == 20
+        good = d.client("good", strict=True)
+        assert good.ping() is not None
+        shed = good.stats()["peers"]["shed_over_cap"]
+    finally:
+        f.stdin.close()
+        f.wait()
+    m = scrape(port)
+    assert m[("kvd_peers_max_peers", ())] == 8
+    assert m[("kvd_peers_shed_over_cap_total", ())] >= shed >= 1

@@ -1,0 +1,267 @@
+"""The shared remote tier against a real redis-server and real daemons.
+
+Two `kvd serve` processes with separate data dirs point at one throwaway
+server (tests/redis_server.py). What one stores, the other fetches bit for
+bit; a killed server degrades both to their local tiers and they resume by
+themselves; a corrupted value is a miss plus a counter; a server with a
+small `maxmemory` evicts without breaking anything; secrets never show.
+Every wait is a bounded poll of the daemons' own counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvd.protocol import keys
+from kvd.protocol import remote_value as rv
+from redis_server import SKIP_REASON, RedisServer, redis_binary
+from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, scrape
+
+pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
+
+NS = "remote-test"
+
+
+@pytest.fixture
+def server():
+    s = RedisServer().start()
+    yield s
+    s.close()
+
+
+def remote(client) -> dict:
+    return client.stats()["tiers"]["remote"]
+
+
+def wait_for(what, cond, timeout: float = 15.0):
+    """Poll `what()` until `cond(value)`; the last value (asserted)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = what()
+        if cond(value) or time.monotonic() > deadline:
+            assert cond(value), value
+            return value
+        time.sleep(0.02)
+
+
+def written(client, n: int) -> dict:
+    """The remote stats once the write-behind backlog is empty and >= n entries are written."""
+    return wait_for(lambda: remote(client), lambda r: r["backlog"] == 0 and r["written"] >= n)
+
+
+def pair(daemon_factory, url: str, *extra: str):
+    a = daemon_factory("--ram-mb", "64", "--remote-url", url, *extra)
+    b = daemon_factory("--ram-mb", "64", "--remote-url", url, *extra)
+    return a, b
+
+
+def test_a_cache_stored_through_one_daemon_is_fetched_bit_exact_through_another(server, daemon_factory):
+    a, b = pair(daemon_factory, server.url)
+    tokens = list(range(1000, 1600))  # two chunks and a 88-token tail
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+        assert cb.get(tokens) is None  # nothing anywhere yet
+        assert ca.put(tokens, prefix_snapshot(tokens, boundary=True))
+        written(ca, 4)  # 3 chunks + the boundary entry
+        probe = cb.probe(tokens)
+        assert probe.n == 600 and probe.boundaries == (600,)
+        hit = cb.get(tokens, need_boundary=True)
+        assert hit is not None and hit.n == 600
+        assert_prefix_hit(hit, tokens)  # every dtype of ALL_DTYPES, bit for bit
+        want = prefix_snapshot(tokens, boundary=True)
+        assert hit.boundary["state"].array.tobytes() == want.boundary["state"].array.tobytes()
+        rb = remote(cb)
+        assert rb["hits"] == 4 and rb["checksum_failures"] == 0 and rb["promotions"] == 4
+        assert rb["bytes_in"] > 0 and rb["written"] == 0  # promoted entries are not written back
+        # A longer query with another continuation finds the stored tail through the tail hash.
+        longer = tokens + [7, 8, 9]
+        assert cb.probe(longer).n == 600
+        # Promoted into B's local tiers: served with the server gone.
+        server.stop()
+        hit = cb.get(tokens)
+        assert hit is not None and hit.n == 600
+        assert_prefix_hit(hit, tokens)
+
+
+def test_a_quantized_mlx_cache_crosses_machines(server, daemon_factory):
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvd_client import Client
+    from kvd_client.mlx_lm import namespace_for
+    from models import build, continue_from, prefill, prompt
+
+    a, b = pair(daemon_factory, server.url)
+    model = build("llama")
+    tokens = prompt(200)
+    with mx.stream(mx.new_thread_local_stream(mx.cpu)):
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache)
+        quant = [c.to_quantized(group_size=32, bits=4) for c in cache]
+        ns = namespace_for(model, kv_bits=4, kv_group_size=32)
+        with Client(a.endpoint, namespace=ns, chunk_tokens=64, strict=True) as ka:
+            assert ka.store(tokens, quant)
+            assert ka.flush_stores(30)
+            written(ka, 4)
+        with Client(b.endpoint, namespace=ns, chunk_tokens=64, strict=True) as kb:
+            fetched, n = kb.fetch(tokens + [1])
+            assert n == 200 and [type(c).__name__ for c in fetched] == ["QuantizedKVCache"] * len(quant)
+            # The same continuation, bit for bit, from the fetched and the original triples.
+            assert continue_from(model, fetched) == continue_from(model, quant)
+            assert remote(kb)["hits"] >= 4
+
+
+def test_the_remote_killed_mid_run_both_daemons_serve_locally_and_resume(server, daemon_factory):
+    a, b = pair(daemon_factory, server.url, "--remote-timeout-s", "0.3")
+    first, second = list(range(300)), list(range(5000, 5300))
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+        assert ca.put(first, prefix_snapshot(first))
+        written(ca, 2)
+        assert cb.get(first).n == 300  # B holds it locally now
+        server.stop()
+        # A stores while the server is down: stored locally, degraded, counted.
+        assert ca.put(second, prefix_snapshot(second))
+        ra = wait_for(lambda: remote(ca), lambda r: r["degraded"])
+        assert ra["errors"] >= 1 and ra["backlog"] == 2 and ra["degraded_episodes"] == 1
+        for c, toks in ((ca, first), (ca, second), (cb, first)):  # local tiers keep serving
+            hit = c.get(toks)
+            assert hit is not None and hit.n == 300
+            assert_prefix_hit(hit, toks)
+        assert cb.get(second) is None  # B has no copy and the remote is down: a miss, no error
+        server.start()
+        # Both resume by themselves: A's backlog is written, then B fetches it.
+        ra = written(ca, 4)
+        assert not ra["degraded"] and ra["degraded_episodes"] == 1
+        hit = wait_for(lambda: cb.get(second), lambda h: h is not None and h.n == 300)
+        assert_prefix_hit(hit, second)
+        assert not remote(cb)["degraded"]
+    assert a.log().count("unavailable") == 1 and a.log().count("is back") == 1  # one line per episode
+
+
+def test_a_corrupted_value_on_the_remote_is_a_miss_and_a_counter(server, daemon_factory):
+    a, b = pair(daemon_factory, server.url)
+    tokens = list(range(600))
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+        assert ca.put(tokens, prefix_snapshot(tokens))
+        written(ca, 3)
+        second = keys.chain(NS, 256, keys.token_bytes(tokens))[1]
+        r = server.client()
+        main = rv.value_key(second, 0)
+        value = bytearray(r.get(main))
+        value[-5] ^= 0x40  # one bit of tensor data
+        r.set(main, bytes(value))
+        hit = cb.get(tokens)
+        assert hit is not None and hit.n == 256  # the prefix before the bad chunk, never its bytes
+        assert_prefix_hit(hit, tokens)
+        rb = remote(cb)
+        assert rb["checksum_failures"] == 1 and rb["hits"] == 2  # chunk 0 and the tail, in one batch
+        assert "refused" in b.log()
+
+
+def test_a_small_maxmemory_with_allkeys_lru_evicts_without_breaking_anything(daemon_factory):
+    server = RedisServer("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru").start()
+    try:
+        a, b = pair(daemon_factory, server.url, "--remote-part-mb", "1")
+        seqs = [[s * 10_000 + i for i in range(600)] for s in range(24)]  # ~4 MiB in all
+        with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+            for toks in seqs:
+                assert ca.put(toks, prefix_snapshot(toks))
+            ra = written(ca, 3 * len(seqs))
+            assert ra["errors"] == 0 and not ra["degraded"]
+            assert int(server.client().info("stats")["evicted_keys"]) > 0
+            served = 0
+            for toks in seqs:
+                hit = cb.get(toks)
+                if hit is not None:
+                    assert_prefix_hit(hit, toks)
+                    served += 1
+            assert 0 < served < len(seqs)  # the recent ones survive, the oldest were evicted
+            rb = remote(cb)
+            assert rb["errors"] == 0 and rb["checksum_failures"] == 0 and not rb["degraded"]
+    finally:
+        server.close()
+
+
+def test_credentials_are_never_shown(daemon_factory, tmp_path):
+    secret = "s3cret-Pa55"
+    server = RedisServer(password=secret).start()
+    try:
+        url = server.url
+        assert secret in url
+        a = daemon_factory("--ram-mb", "64", env={"KVD_REMOTE_URL": url})
+        tokens = list(range(300))
+        with a.client(NS, strict=True) as ca:
+            assert ca.put(tokens, prefix_snapshot(tokens))
+            r = written(ca, 2)  # the password reached the server
+            assert r["url"] == f"redis://default:***@127.0.0.1:{server.port}/0"
+            assert secret not in json.dumps(ca.stats())
+        out = kvd("stats", "--endpoint", a.endpoint)
+        assert out.returncode == 0 and "default:***@" in out.stdout and secret not in out.stdout
+        for args in (["config"], ["config", "--json"]):
+            cfg = subprocess.run([sys.executable, "-m", "kvd", *args, "--config", str(a.config)],
+                                 capture_output=True, text=True, env={**os.environ, "KVD_REMOTE_URL": url}, timeout=60)
+            assert cfg.returncode == 0 and "default:***@" in cfg.stdout and secret not in cfg.stdout + cfg.stderr
+        a.stop()
+        assert "default:***@" in a.log() and secret not in a.log()
+    finally:
+        server.close()
+
+
+def test_a_daemon_without_remote_url_never_imports_redis(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", start=False)
+    # `python -X importtime` lists every module the daemon imports, on stderr (its log).
+    d.command = lambda: [sys.executable, "-X", "importtime", "-m", "kvd", "serve", "--endpoint", d.endpoint,
+                         "--config", str(d.config), "--data-dir", str(d.data_dir), "--ram-mb", "64"]
+    d.start()
+    with d.client(NS, strict=True) as c:
+        assert c.put(list(range(10)), prefix_snapshot(list(range(10))))
+        assert "remote" not in c.stats()["tiers"]
+    d.stop()
+    lines = [l for l in d.log().splitlines() if l.startswith("import time:")]
+    assert len(lines) > 100 and any("kvd.store.tiered" in l for l in lines)
+    assert not [l for l in lines if l.split("|")[-1].strip().split(".")[0] in ("redis", "hiredis")]
+
+
+def test_metrics_show_the_remote_tier(server, daemon_factory):
+    port = free_port()
+    a = daemon_factory("--ram-mb", "64", "--remote-url", server.url)
+    b = daemon_factory("--ram-mb", "64", "--remote-url", server.url, "--metrics-port", str(port))
+    tokens = list(range(300))
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+        assert ca.put(tokens, prefix_snapshot(tokens))
+        written(ca, 2)
+        assert cb.get(tokens).n == 300
+        m = scrape(port)
+        tier = (("tier", "remote"),)
+        assert m[("kvd_tier_hits_total", tier)] == 2 and m[("kvd_tier_degraded", tier)] == 0
+        assert m[("kvd_tier_bytes_in_total", tier)] > 0 and m[("kvd_tier_backlog", tier)] == 0
+        assert m[("kvd_tier_errors_total", tier)] == 0 and m[("kvd_tier_written_total", tier)] == 0
+
+
+def test_a_remote_that_hangs_costs_one_timeout_then_nothing_until_it_answers(server, daemon_factory):
+    a, b = pair(daemon_factory, server.url, "--remote-timeout-s", "0.3")
+    first, second = list(range(300)), list(range(7000, 7300))
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+        assert ca.put(first, prefix_snapshot(first))
+        written(ca, 2)
+        server.proc.send_signal(signal.SIGSTOP)  # alive, accepting, never answering
+        try:
+            assert cb.get(first) is None  # one round trip times out: a miss, then degraded
+            rb = remote(cb)
+            assert rb["degraded"] and rb["errors"] >= 1 and "TimeoutError" in rb["degraded_reason"]
+            queries = rb["exists_queries"]
+            assert cb.get(first) is None and remote(cb)["exists_queries"] == queries  # not asked while degraded
+            assert ca.put(second, prefix_snapshot(second))  # stored locally; the writer times out off the path
+            assert ca.get(second).n == 300
+            wait_for(lambda: remote(ca), lambda r: r["degraded"])
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        written(ca, 4)
+        hit = wait_for(lambda: cb.get(second), lambda h: h is not None and h.n == 300)
+        assert_prefix_hit(hit, second)

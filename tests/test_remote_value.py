@@ -1,0 +1,152 @@
+"""The remote tier's layout (sans-I/O): golden vectors, every-bit corruption,
+fuzzing, and the remote_url forms and their redaction. No server needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.config import BY_NAME, ConfigError, resolve
+from kvd.protocol import keys
+from kvd.protocol import remote_value as rv
+from kvd.protocol.codec import Tensor
+from kvd.store import remote_url
+
+VECTORS = Path(__file__).resolve().parent.parent / "proto" / "vectors" / "remote"
+NAMES = sorted(p.stem for p in VECTORS.glob("*.hex"))
+
+
+def load(name: str):
+    values = [bytes.fromhex(line) for line in (VECTORS / f"{name}.hex").read_text().splitlines()]
+    return values, json.loads((VECTORS / f"{name}.json").read_text())
+
+
+def entry_of(twin: dict) -> rv.RemoteEntry:
+    e = twin["entry"]
+    return rv.RemoteEntry(
+        e["namespace"], bytes.fromhex(e["key"]), e["kind"], bytes.fromhex(e["parent"]), e["start"], e["length"],
+        tuple(Tensor(t["name"], t["dtype"], tuple(t["shape"]), bytes.fromhex(t["bytes"])) for t in e["tensors"]),
+        bytes.fromhex(e["meta"]), e["tail"],
+    )
+
+
+def test_vectors_exist():
+    assert {"remote_chunk", "remote_boundary", "remote_split"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vector_encodes_byte_for_byte_and_decodes_to_its_entry(name):
+    values, twin = load(name)
+    want = entry_of(twin)
+    e = twin["entry"]
+    # the key is the chain key of the twin's tokens (section 4), the remote key its hex
+    assert want.key == keys.chain(e["namespace"], e["chunk_tokens"], keys.token_bytes(e["tokens"]))[-1]
+    main = rv.value_key(want.key, want.kind)
+    assert [main.decode()] + [rv.part_key(main, i).decode() for i in range(1, len(values))] == twin["keys"]
+    assert rv.encode(want, twin["part_bytes"]) == values
+    head = rv.read_head(values[0])
+    assert head.checksum == twin["checksum"] and head.parts == len(values)
+    got = rv.decode(head, values[1:], key=want.key, kind=want.kind)
+    assert [(t.name, t.dtype, t.shape, bytes(t.data)) for t in got.tensors] == [
+        (t.name, t.dtype, t.shape, bytes(t.data)) for t in want.tensors
+    ]
+    assert (got.namespace, got.parent, got.start, got.length, got.meta, got.tail) == (
+        want.namespace, want.parent, want.start, want.length, want.meta, want.tail,
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_flipped_bit_missing_part_or_wrong_key_is_refused(name):
+    values, twin = load(name)
+    want = entry_of(twin)
+
+    def check(vals, key=want.key, kind=want.kind):
+        with pytest.raises(rv.BadRemoteValue):
+            rv.decode(rv.read_head(vals[0]), vals[1:], key=key, kind=kind)
+
+    for v in range(len(values)):
+        for i in range(len(values[v])):
+            for bit in (0, 7):
+                bad = list(values)
+                b = bytearray(bad[v])
+                b[i] ^= 1 << bit
+                bad[v] = bytes(b)
+                check(bad)
+    if len(values) > 1:
+        with pytest.raises(rv.BadRemoteValue):
+            rv.decode(rv.read_head(values[0]), [None] * (len(values) - 1), key=want.key, kind=want.kind)
+        check(values[:-1] + [values[-1] + b"x"])
+    check(values, key=b"\0" * 32)
+    check(values, kind=1 - want.kind)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.lists(st.binary(max_size=64), max_size=3))
+def test_garbage_is_refused_with_the_one_error(data, parts):
+    try:
+        head = rv.read_head(data)
+        rv.decode(head, parts, key=b"k" * 32, kind=0)
+    except rv.BadRemoteValue:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2000), st.integers(1, 700))
+def test_any_size_splits_into_parts_and_joins_back(size, part_bytes):
+    data = bytes(i % 256 for i in range(size))
+    e = rv.RemoteEntry("ns", b"k" * 32, 0, b"p" * 32, 0, 4, (Tensor("t", "uint8", (size,), data),))
+    values = rv.encode(e, part_bytes)
+    assert len(values) == max(1, -(-size // part_bytes))
+    got = rv.decode(rv.read_head(values[0]), values[1:], key=b"k" * 32, kind=0)
+    assert bytes(got.tensors[0].data) == data
+
+
+# -- remote_url -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url, client", [
+    ("redis://h:6379/0", "redis://h:6379/0"),
+    ("rediss://u:p@h:6380", "rediss://u:p@h:6380"),
+    ("valkey://h:6379", "redis://h:6379"),
+    ("valkeys://u:p@h/1?ssl_cert_reqs=required", "rediss://u:p@h/1?ssl_cert_reqs=required"),
+])
+def test_url_forms_map_to_the_client_library(url, client):
+    assert remote_url.check(url) == url and remote_url.client_url(url) == client
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://h:6379/0", "redis://h:6379/0"),
+    ("redis://:hunter2@h:6379", "redis://:***@h:6379"),
+    ("valkeys://alice:hunter2@h:6380/0", "valkeys://alice:***@h:6380/0"),
+    ("redis://hunter2@h", "redis://***@h"),
+    ("redis://h/0?password=hunter2&ssl_ca_certs=/ca.pem", "redis://h/0?password=***&ssl_ca_certs=/ca.pem"),
+])
+def test_secrets_are_redacted(url, shown):
+    assert remote_url.redact(url) == shown
+    cfg = resolve({"remote_url": url}, environ={})
+    assert cfg.remote_url == url  # the real value, for the client
+    assert "hunter2" not in repr(cfg) and BY_NAME["remote_url"].shown(cfg.remote_url) == shown
+
+
+@pytest.mark.parametrize("bad", ["http://h:1", "redis://", "redis://:pw@h:notaport", "h:6379"])
+def test_bad_urls_are_config_errors_that_never_echo_the_password(bad):
+    with pytest.raises(ConfigError) as info:
+        resolve({"remote_url": bad}, environ={})
+    assert "pw" not in str(info.value)
+
+
+def test_none_turns_the_tier_off():
+    assert resolve({"remote_url": "none"}, environ={}).remote_url is None
+    assert resolve({}, environ={}).remote_url is None
+
+
+def test_kvd_serve_refuses_a_bad_remote_url_with_exit_78_without_echoing_it(tmp_path):
+    from support import kvd
+
+    out = kvd("serve", "--endpoint", f"ipc://{tmp_path}/k.sock", "--data-dir", "none",
+              "--remote-url", "http://user:hunter2@h:1", timeout=60)
+    assert out.returncode == 78 and "remote_url" in out.stderr and "hunter2" not in out.stderr + out.stdout
