@@ -74,7 +74,7 @@ def test_a_thousand_connections_under_256_fds_do_not_kill_the_daemon(daemon_fact
     assert peers["max_peers"] == default_max_peers(256) == 64
     assert peers["accepted"] >= 2000 - 2 * listen_backlog(64)  # all but those still waiting
     assert peers["shed_over_cap"] >= 2000 - 2 * listen_backlog(64) - 64  # the excess was shed
-    assert peers["high_water"] < 256 - 32  # the cap held (a few over, for microseconds): never near EMFILE
+    assert peers["high_water"] < 256 - 16  # the cap held (a few over, for microseconds): never near EMFILE
     round_trip(good, 7)
     assert d.stop() == 0  # a clean stop: the listener was restored before libzmq closed it
 

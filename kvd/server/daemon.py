@@ -178,6 +178,21 @@ class Daemon:
         )
         self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self.gate.shed)
         self.gate.start()
+        self._arm_gate(ctx)
+
+    def _arm_gate(self, ctx: zmq.Context) -> None:
+        """Connect to ourselves once, so the gate sees an accept and starts
+        keeping the listener paused (kvd.server.peers: it must not pause
+        before libzmq's I/O thread has registered the listener)."""
+        assert self.gate is not None
+        probe = ctx.socket(zmq.DEALER)
+        try:
+            probe.setsockopt(zmq.LINGER, 0)
+            probe.connect(self.endpoint)
+            if not self.gate.armed.wait(5.0):
+                log.warning("the connection gate saw no accept of its probe: it sheds but does not pause the listener")
+        finally:
+            probe.close(linger=0)
 
     def _update_ceiling(self) -> None:
         ram = getattr(self.store, "ram", self.store)

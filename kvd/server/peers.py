@@ -24,6 +24,12 @@ takes in its stride (its I/O thread spins meanwhile: level-triggered epoll).
 Waiting connections stay in the kernel's backlog (`listen_backlog`: small
 under a small fd limit), a connect past it waits or is refused by the kernel.
 
+The first pause waits for the first accept (the daemon connects to itself
+once at start): libzmq registers the listener with epoll on its I/O thread
+some time after reporting LISTENING, and a pause before that registration
+would leave epoll watching the empty socket for good -- nothing accepted
+again (seen on a busy machine as a daemon that never answers).
+
 The gate polls the duplicate; when a connection waits and the table has
 room (`max_peers` less the peers, less those shed but not yet closed), it
 opens the listener for a few microseconds at a time, reading the ACCEPTED
@@ -95,6 +101,7 @@ log = logging.getLogger("kvd.server")
 # epoll, LMDB, blob files being written and read, the log, the metrics server.
 _RESERVE_FDS = 64
 _WINDOW = 0.005  # seconds one PeerGate._admit may spin before polling again
+_QUICK_TRIES = 16  # windows of microseconds before one of up to a millisecond
 
 
 def _readable(fd: int) -> bool:
@@ -232,6 +239,7 @@ class PeerGate(threading.Thread):
             ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "high_water", "pauses"), 0
         )
         self._halt = threading.Event()
+        self.armed = threading.Event()  # the listener is paused outside _admit (see _event)
         self._trimmed_at = float("-inf")
         self._shed_at: tuple[float, int] | None = None  # (when, RSS) the watchdog last shed, while over the ceiling
         self._shed_unlogged = 0  # shed since the last log line (one line per second at most)
@@ -260,7 +268,7 @@ class PeerGate(threading.Thread):
             while not self._halt.is_set():
                 # Watch for waiting connections only while there is room for
                 # them (else a waiting connection would wake us in a loop).
-                want = self._real is not None and self._room() > 0
+                want = self._real is not None and self.armed.is_set() and self._room() > 0
                 if want != watching:
                     if want:
                         poller.register(self._real, zmq.POLLIN)
@@ -324,10 +332,19 @@ class PeerGate(threading.Thread):
         """
         assert self._real is not None
         deadline = self.clock() + _WINDOW
+        missed = 0
         while self._room() > 0 and _readable(self._real) and self.clock() < deadline:
             self.resume()
+            if missed >= _QUICK_TRIES:
+                # libzmq's I/O thread has not been running alongside us (busy
+                # CPUs): hold the listener open until it takes one, at most
+                # a millisecond, and let it have this CPU meanwhile.
+                self.monitor.poll(1)
             self.pause()  # libzmq takes what it can in between: none, one or a few
-            if not self._drain():
+            if self._drain():
+                missed = 0
+            else:
+                missed += 1
                 time.sleep(0)  # let the serving thread have the GIL
         self._balance()  # libzmq may have taken a few more than the room
 
@@ -342,6 +359,14 @@ class PeerGate(threading.Thread):
             return False
         kind, fd = ev["event"], int(ev["value"])
         if kind == zmq.EVENT_ACCEPTED:
+            if not self.armed.is_set() and self._empty is not None:
+                # libzmq registers its listener with epoll on its I/O thread
+                # some time after LISTENING; a pause before that would leave
+                # epoll watching the empty socket for good. An accept proves
+                # the registration is on the real listener (Daemon.bind
+                # makes one): from now on it stays paused outside _admit.
+                self.pause()
+                self.armed.set()
             self.peers[fd] = [self.clock(), None]
             self.closing.pop(fd, None)  # the number was reused: the old one is closed
             self.counters["accepted"] += 1
@@ -385,7 +410,6 @@ class PeerGate(threading.Thread):
             self._empty.listen(1)
             self._real = os.dup(fd)
             self.listener = fd
-            self.pause()  # open only while _admit watches
         except OSError as err:
             log.warning("cannot prepare listener pauses (%s): shedding only", err)
             if self._empty is not None:
