@@ -210,3 +210,11 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
         for sample in fam.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
+
+
+def charged(entry) -> int:
+    """What `entry` counts against a RAM budget of `open_store` (its bytes and
+    the per-entry overhead, kvd/store/overhead.py)."""
+    from kvd.store.overhead import entry_overhead
+
+    return entry.nbytes + entry_overhead(entry)

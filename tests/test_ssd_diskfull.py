@@ -17,7 +17,7 @@ import pytest
 from kvd.store import blobfile
 from kvd.store.tiered import open_store
 
-from support import FakeClock, assert_same, make_entry
+from support import FakeClock, assert_same, charged, make_entry
 
 FS_BYTES = 6 << 20
 
@@ -90,7 +90,7 @@ def test_enospc_degrades_ram_serves_and_recovers(disk):
     entries = [make_entry(i, width=1024) for i in range(60)]  # 128 KiB each
     n = entries[0].nbytes
     clock = FakeClock()
-    store = open_store(4 * n, disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2,
+    store = open_store(4 * charged(entries[0]), disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2,
                        clock=clock)
     try:
         for e in entries[:10]:

@@ -20,7 +20,7 @@ from kvd.store.datadir import DataDirBusy, blob_path
 from kvd.store.index import IncompatibleIndex
 from kvd.store.ram import RamStore
 
-from support import ALL_DTYPES, FakeClock, assert_same, make_entry
+from support import ALL_DTYPES, FakeClock, assert_same, charged, make_entry
 
 FAST = dict(min_free_bytes=0, retry_s=0.2, touch_flush_s=0.05)
 
@@ -58,7 +58,7 @@ def test_spill_and_restore_every_dtype_bit_exact(tmp_path, stores):
     # Entry 0 leaves out float64, which mlx's safetensors loader refuses.
     no_f64 = [d for d in ALL_DTYPES if d != "float64"]
     entries = [make_entry(i, dtype_list=ALL_DTYPES if i else no_f64, tokens=4, width=16) for i in range(30)]
-    store = stores(5 * entries[1].nbytes, tmp_path)
+    store = stores(5 * charged(entries[1]), tmp_path)
     for e in entries:
         assert store.put(e) is PutOutcome.STORED
     assert store.flush(10)
@@ -81,11 +81,11 @@ def test_spill_and_restore_every_dtype_bit_exact(tmp_path, stores):
 def test_restart_warm_serves_every_entry(tmp_path, stores):
     entries = [make_entry(i, dtype_list=["bfloat16", "float32"]) for i in range(40)]
     boundary = make_entry(39, kind=BOUNDARY, dtype_list=["float32"])
-    store = stores(5 * entries[0].nbytes, tmp_path)
+    store = stores(5 * charged(entries[0]), tmp_path)
     for e in entries + [boundary]:
         store.put(e)
     store.close()  # persist=True: RAM is written down too
-    store = stores(5 * entries[0].nbytes, tmp_path)
+    store = stores(5 * charged(entries[0]), tmp_path)
     assert store.stats()["tiers"]["ssd"]["entries"] == 41
     for e in entries + [boundary]:
         assert store.contains(e.id)
@@ -97,7 +97,7 @@ def test_restart_warm_serves_every_entry(tmp_path, stores):
 
 def test_queued_entries_are_served_before_they_reach_disk(tmp_path, stores):
     entries = [make_entry(i) for i in range(10)]
-    store = stores(entries[0].nbytes, tmp_path)
+    store = stores(charged(entries[0]), tmp_path)
     gate = _block_writer(store.ssd)
     for e in entries:
         store.put(e)
@@ -116,7 +116,7 @@ def test_queued_entries_are_served_before_they_reach_disk(tmp_path, stores):
 def test_full_queue_back_pressure_then_counted_drop_but_leased_enter(tmp_path, stores):
     entries = [make_entry(i) for i in range(8)]
     n = entries[0].nbytes
-    store = stores(n, tmp_path, queue_bytes=2 * n, queue_wait_s=0.05)
+    store = stores(charged(entries[0]), tmp_path, queue_bytes=2 * n, queue_wait_s=0.05)
     gate = _block_writer(store.ssd)
     store.put(entries[0])
     assert store.contains(entries[1].id) is False
@@ -140,7 +140,7 @@ def test_full_queue_back_pressure_then_counted_drop_but_leased_enter(tmp_path, s
 
 def test_queue_bounded_by_entry_count_too(tmp_path, stores):
     entries = [make_entry(i) for i in range(6)]
-    store = stores(entries[0].nbytes, tmp_path, queue_entries=2, queue_wait_s=0.01)
+    store = stores(charged(entries[0]), tmp_path, queue_entries=2, queue_wait_s=0.01)
     gate = _block_writer(store.ssd)
     for e in entries:
         store.put(e)
@@ -152,7 +152,7 @@ def test_queue_bounded_by_entry_count_too(tmp_path, stores):
 def test_budget_counts_blocks_on_disk_and_evicts_lru(tmp_path, stores):
     entries = [make_entry(i) for i in range(30)]
     blob = blobfile.estimate_disk_bytes(entries[0])
-    store = stores(entries[0].nbytes, tmp_path, ssd_bytes=10 * blob)
+    store = stores(charged(entries[0]), tmp_path, ssd_bytes=10 * blob)
     for e in entries[:10]:
         store.put(e)
     assert store.flush(10)  # entries 0..9 on SSD (written behind), 9 in RAM too
@@ -171,7 +171,7 @@ def test_budget_counts_blocks_on_disk_and_evicts_lru(tmp_path, stores):
 
 def test_lookup_lease_keeps_entry_until_get(tmp_path, stores):
     entries = [make_entry(i) for i in range(40)]
-    store = stores(entries[0].nbytes, tmp_path, ssd_bytes=6 * blobfile.estimate_disk_bytes(entries[0]))
+    store = stores(charged(entries[0]), tmp_path, ssd_bytes=6 * blobfile.estimate_disk_bytes(entries[0]))
     for e in entries[:5]:
         store.put(e)
     assert store.flush(10)
@@ -192,7 +192,7 @@ def test_contains_never_lies_while_writer_evicts(tmp_path, stores):
     # machine is. (The daemon's leases are 30 s of wall time.)
     now = [1_000_000.0]
     store = stores(
-        entries[0].nbytes * 2, tmp_path, ssd_bytes=20 * 4096, durable=False, lease_s=0.005, clock=lambda: now[0]
+        charged(entries[0]) * 2, tmp_path, ssd_bytes=20 * 4096, durable=False, lease_s=0.005, clock=lambda: now[0]
     )
     rng = np.random.default_rng(0)
     served = 0
@@ -218,7 +218,7 @@ def test_contains_never_lies_while_writer_evicts(tmp_path, stores):
 def test_tails_from_every_tier_and_after_restart(tmp_path, stores):
     parent = make_entry(0).key
     tails = [make_entry(100 + n, tokens=n, tail=True, parent=parent) for n in (3, 5, 7)]
-    store = stores(tails[0].nbytes + 16, tmp_path)
+    store = stores(charged(tails[0]) + 16, tmp_path)
     for t in tails:
         store.put(t)
     want = sorted(((t.length, t.key) for t in tails), reverse=True)
@@ -259,7 +259,7 @@ def test_drop_and_evict_with_dry_run(tmp_path, stores):
 def test_write_through_and_entries_too_big_for_ram(tmp_path, stores):
     entries = [make_entry(i) for i in range(4)]
     big = make_entry(99, width=1024)
-    store = stores(big.nbytes - 1, tmp_path, write_through=True)
+    store = stores(charged(big) - 1, tmp_path, write_through=True)
     for e in entries:
         assert store.put(e) is PutOutcome.STORED
     assert store.put(big) is PutOutcome.STORED  # straight to SSD
