@@ -42,15 +42,17 @@ def _all_there(d, ns: str, seqs: list[np.ndarray], why: str) -> None:
             assert_prefix_hit(hit, s)
 
 
-def test_write_through_ack_survives_kill_9(daemon_factory):
-    """Before: 20 of 20 acknowledged PUTs lost. Now each PUT is answered after
-    fsync + commit, and the daemon is SIGKILLed the moment the answer arrives."""
+@pytest.mark.parametrize("transport", ["frames", "shm"])
+def test_write_through_ack_survives_kill_9(daemon_factory, transport):
+    """Before: 20 of 20 acknowledged PUTs lost. Now each PUT (or shared-memory
+    COMMIT) is answered after fsync + commit, and the daemon is SIGKILLed the
+    moment the answer arrives."""
     runs = RUNS or 20
     d = daemon_factory("--ram-mb", "64", "--write-through")
     acked: list[np.ndarray] = []
     for i in range(runs):
         s = _seq(i, 256 + 128 * (i % 3))  # one or two chunks, a tail now and then
-        with d.client("wt", strict=True) as c:
+        with d.client("wt", strict=True, transport=transport) as c:
             assert c.put(s, prefix_snapshot(s))
         d.kill()  # at once: not a moment for a writer to catch up
         acked.append(s)

@@ -359,7 +359,7 @@ class Daemon:
             self.ratelog.warning(f"not persisted why={why}", "write-through PUT not persisted: %s", why)
             reply = codec.encode_error(err, id=parked.msg_id)
         else:
-            reply = codec.encode("PUT", parked.fields, id=parked.msg_id)
+            reply = codec.encode(parked.rtype, parked.fields, id=parked.msg_id)
         self._send(parked.peer, reply)
 
     def _drain_parked(self, deadline: float) -> None:
@@ -434,14 +434,14 @@ class Daemon:
             self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
             return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
-            if msg.type == "PUT" and self.write_through:
+            if msg.type in ("PUT", "COMMIT") and self.write_through:
                 nbytes = sum(len(f) for f in frames)
                 why = self.parking.admit(identity, nbytes)
                 if why is not None:
                     raise E.Busy(f"write-through: {why}; retry later")
             rtype, fields = self.handler.handle(msg)
             if isinstance(fields, Deferred):
-                self.parking.park(identity, msg.id, fields.fields, fields.eids, sum(len(f) for f in frames))
+                self.parking.park(identity, msg.id, fields.fields, fields.eids, sum(len(f) for f in frames), rtype)
                 return None, False, msg.type
             reply = codec.encode(rtype, fields, id=msg.id)
         except ShutdownRequested:

@@ -46,6 +46,7 @@ class Parked:
     waiting: set[bytes]
     nbytes: int
     failed: list[bytes] = field(default_factory=list)
+    rtype: str = "PUT"  # the reply's type: PUT, or COMMIT for a PUT made over shared memory
 
 
 class Parking:
@@ -73,8 +74,10 @@ class Parking:
             return f"{self.bytes >> 20} MiB of PUTs are waiting for the disk (dirty_max_mb is {self.max_bytes >> 20})"
         return None
 
-    def park(self, peer: bytes, msg_id: int, fields: dict[str, Any], eids: list[bytes], nbytes: int) -> None:
-        p = Parked(peer, msg_id, fields, set(eids), nbytes)
+    def park(
+        self, peer: bytes, msg_id: int, fields: dict[str, Any], eids: list[bytes], nbytes: int, rtype: str = "PUT"
+    ) -> None:
+        p = Parked(peer, msg_id, fields, set(eids), nbytes, rtype=rtype)
         for eid in p.waiting:
             self._by_eid.setdefault(eid, []).append(p)
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
