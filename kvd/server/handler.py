@@ -345,6 +345,8 @@ class Handler:
             n, b = self.store.evict(budget, dry_run=dry, tier=tier)
             details[f"evicted_{tier}"] = {"entries": n, "bytes": b}
             entries, nbytes = entries + n, nbytes + b
+            if tier == "ram" and not dry and self.shm is not None:
+                self.shm.arena.give_back()  # shared memory the RAM tier no longer needs goes too
         if msg.get("recheck"):
             checked, failed = self.store.recheck(msg["recheck"])
             details["recheck"] = {"checked": checked, "failed": failed}
