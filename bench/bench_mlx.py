@@ -72,7 +72,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--transports", default="frames,shm")
     p.add_argument("--no-demo", action="store_true", help="skip the demo-model comparison")
+    p.add_argument("--mlx-default-cache", action="store_true",
+                   help="keep mlx's buffer cache limit as it is (on Linux CPU, 32 MiB)")
     args = p.parse_args()
+    if not args.mlx_default_cache:
+        # mlx keeps freed buffers for reuse up to its cache limit: on Metal that is
+        # the memory limit, on Linux CPU only 32 MiB, so a 256 MiB fetch there
+        # page-faults fresh memory every time (~150 ms of zeroing here). Use
+        # Metal's default, as a model server on a Mac runs.
+        before = mx.set_cache_limit(mx.get_memory_limit())
+        print(f"mlx buffer cache limit {before >> 20} MiB -> {mx.get_memory_limit() >> 20} MiB (Metal's default; "
+              "--mlx-default-cache keeps it)")
     T, reps = args.tokens, args.reps
     toks = list(range(T))
     caches = big_cache(T)
