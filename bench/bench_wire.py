@@ -151,7 +151,7 @@ def main() -> None:
                 def put():
                     assert c.put(tokens["t"], snap)
 
-                for _ in range(max(1, min(8, ram_mb // mib))):  # steady state: a full RAM tier
+                for _ in range(1 if mib > 1024 else ram_mb // mib + 1):  # steady state: a full RAM tier
                     fresh()
                     put()
                 t_put = median_time(put, args.reps, setup=fresh)
