@@ -23,7 +23,7 @@ def chain_entries(ns: str, tokens_le: bytes) -> list[Entry]:
 
 
 def test_held_agrees_with_contains_and_match_stops_at_the_first_hole(tmp_path, monkeypatch):
-    monkeypatch.setattr(prefix, "_BLOCK", 8)  # several blocks, a hole inside one
+    monkeypatch.setattr(prefix, "_BLOCKS", (3, 8))  # several blocks, a hole inside one
     tokens = keys.token_bytes(np.arange(40 * CT) % 5000)
     entries = chain_entries("ns", tokens)
     store = open_store(10 * 200, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0)
