@@ -281,3 +281,38 @@ def test_memory_given_back_leaves_the_arena(daemon_factory):
         assert c.put(small, prefix_snapshot(small))
         assert_prefix_hit(c.get(small), small)  # its reply lists the live segments: the client unmaps the rest
         assert len(c._shm_link._maps) <= _shm_stats(c)["segments"]
+
+
+def test_arena_reserves_pages_once_and_again_after_giving_them_back():
+    """A slot's pages are reserved when it is allocated (a full tmpfs fails the
+    allocation, never a later write); reused memory is not reserved twice, and
+    memory `trim` handed back is reserved again when a slot reuses it."""
+    from kvd.server.shm import Arena
+
+    if not hasattr(os, "posix_fallocate") or not Path("/dev/shm").is_dir():
+        pytest.skip("needs posix_fallocate and /dev/shm (Linux)")
+    folder = Path("/dev/shm") / f"kvd-test-{os.getpid()}"
+    folder.mkdir(mode=0o700)
+    arena = Arena(folder, "0badcafe", capacity=64 << 20, segment_bytes=8 << 20)
+    try:
+        keep = arena.alloc(4096)  # keeps the segment alive through trim
+        big = arena.alloc(4 << 20)
+        (path,) = folder.iterdir()
+        held = lambda: os.stat(path).st_blocks * 512  # noqa: E731 - bytes the file really holds
+        assert held() >= (4 << 20) + 4096  # reserved before anything was written
+        del big  # its last reference: the slot is free, its pages stay (warm)
+        again = arena.alloc(4 << 20)
+        assert held() >= (4 << 20) + 4096
+        del again
+        assert arena.trim() >= 4 << 20  # the free range's pages go back
+        assert held() < 1 << 20
+        third = arena.alloc(4 << 20)  # the same range, reserved again
+        assert held() >= (4 << 20) + 4096
+        third[:] = 7
+        assert int(third.sum()) == 7 * (4 << 20)
+        del third, keep
+    finally:
+        arena.unlink()
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()

@@ -8,7 +8,8 @@ memory, not disk, or the kernel writes every slot back to the drive: on Linux
 it is `/dev/shm/kvd-<uid>-<hash of the socket path>` (tmpfs), elsewhere
 `<socket>.shm/` beside the socket (`plane_dir`). Segments are sparse; each
 slot's pages are reserved when it is allocated (posix_fallocate where it
-exists), so memory grows with use, slot by slot (a tight memory cgroup sees no
+exists; a page map per segment skips pages reserved already, a syscall per
+slot on every put otherwise), so memory grows with use, slot by slot (a tight memory cgroup sees no
 jump), and a full tmpfs is an allocation failure, never a SIGBUS on first touch. A *slot* is one
 allocation in a segment: a first-fit free list per segment, coalesced on
 free, every slot starting at a multiple of ALIGN. A segment whose slots are
@@ -68,6 +69,7 @@ from kvd.store.base import Entry
 
 log = logging.getLogger("kvd.server")
 
+_PAGE = mmap.PAGESIZE
 SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
 NONCE_FILE = "nonce"
 
@@ -109,6 +111,7 @@ class Arena:
         self._bases: list[int] = []  # address of each mapping (to locate views)
         self._sizes: list[int] = []
         self._fds: list[int] = []  # kept open: every slot reserves its range (_reserve)
+        self._reserved: list[bytearray] = []  # per segment, per page: 1 once reserved (and not trimmed)
         self._free_lists: list[list[list[int]]] = []  # per segment: sorted [offset, size]
         self._sids = 0
         self.used = 0
@@ -197,18 +200,24 @@ class Arena:
         self._maps.append(mm)
         self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
         self._sizes.append(seg_size)
+        self._reserved.append(bytearray(-(-seg_size // _PAGE)))  # pages reserved so far (_reserve)
         self._free_lists.append([[size, seg_size - size]] if seg_size > size else [])
         return seg, 0
 
     def _reserve(self, seg: int, off: int, size: int) -> bool:
         if not hasattr(os, "posix_fallocate"):
             return True
+        lo, hi = off // _PAGE, -(-(off + size) // _PAGE)
+        pages = self._reserved[seg]
+        if pages.find(0, lo, hi) == -1:
+            return True  # reused memory: its pages are there already (a syscall per slot saved)
         try:
             os.posix_fallocate(self._fds[seg], off, size)
-            return True
         except OSError as err:
             log.warning("cannot reserve %d bytes of shared memory: %s", size, err)
             return False
+        pages[lo:hi] = b"\x01" * (hi - lo)
+        return True
 
     def trim(self) -> int:
         """Give back the pages of every free range and remove all-free segments.
@@ -228,6 +237,7 @@ class Arena:
                     hi = (off + n) // mmap.PAGESIZE * mmap.PAGESIZE
                     if hi > lo and hasattr(mmap, "MADV_REMOVE"):
                         mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+                        self._reserved[seg][lo // _PAGE:hi // _PAGE] = bytes((hi - lo) // _PAGE)
                         freed += hi - lo
         self.counters["trimmed_bytes"] += freed
         return freed
@@ -254,7 +264,7 @@ class Arena:
     def _remove(self, seg: int) -> None:
         """Give an all-free segment back (called under the lock)."""
         mm, self._maps[seg] = self._maps[seg], None
-        self._sizes[seg], self._free_lists[seg] = 0, []
+        self._sizes[seg], self._free_lists[seg], self._reserved[seg] = 0, [], bytearray()
         try:
             os.unlink(self.folder / segment_name(self.run_id, seg))
         except FileNotFoundError:
