@@ -75,8 +75,11 @@ Rules the gate keeps:
    gate first asks glibc to give freed memory back (malloc_trim, at most
    once a second; `tune_malloc` at start makes frames of 4 MiB or more
    mmapped), and
-   after shedding (once libzmq has closed those peers) it sheds again only
-   if RSS moved: down (it helped) or up (someone is pushing).
+   after shedding (once libzmq has closed those peers) it sheds again at
+   once only if RSS moved: down (it helped) or up (someone is pushing); if
+   it did not move, one peer a second, of those that never completed a
+   request (the one shed may have held nothing: an idle connection sorts
+   before a peer stalled inside a big message).
 4. The serving loop only calls `touch(fd)`; the table is a dict written under
    the GIL, so no lock is needed between the two threads.
 """
@@ -509,17 +512,23 @@ class PeerGate(threading.Thread):
         if over <= 0:
             self._shed_at = None
             return
+        victims = self.victims(stalled_only=True)
+        # One peer per sample, or more when far over: one per `over_unit` bytes.
+        n = 1 + over // self.over_unit
         if self._shed_at is not None:
             at, before = self._shed_at
             if self.closing or self.clock() - at < 0.2:
                 return  # libzmq is still freeing what the shed peers held
             if before - self.over_unit // 4 < rss < before + self.over_unit // 4:
-                # Shedding did not bring it down: what is over is not held for
-                # peers (the heap keeps it). Cut no one else until memory grows.
-                return
-        # One peer per sample, or more when far over: one per `over_unit` bytes.
-        n = 1 + over // self.over_unit
-        shed = sum(self._shed(fd) for fd in self.victims(stalled_only=True)[:n])
+                # Shedding did not bring it down: what is over may not be held
+                # for peers at all (the heap keeps it), or the peer shed held
+                # nothing (an idle connection sorted before the one stalled
+                # inside a big message). Go on slowly, one peer a second, and
+                # only with peers that never completed a request.
+                if self.clock() - at < 1.0:
+                    return
+                victims, n = [fd for fd in victims if self.peers.get(fd, (0, None))[1] is None], 1
+        shed = sum(self._shed(fd) for fd in victims[:n])
         if shed:
             self._shed_at = (self.clock(), rss)
             self.counters["shed_for_memory"] += shed
