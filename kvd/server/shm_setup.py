@@ -32,7 +32,10 @@ def _arena_or_heap(arena_alloc, heap_alloc):
     remote tier is read once, into the memory the GET reply points at."""
 
     def alloc(nbytes: int):
-        buf = arena_alloc(nbytes)
+        try:
+            buf = arena_alloc(nbytes)
+        except OSError:  # a new segment could not be made: the arena's trouble, not the remote's
+            buf = None
         return heap_alloc(nbytes) if buf is None else buf
 
     return alloc

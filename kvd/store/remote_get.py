@@ -14,8 +14,9 @@ timeouts) is redis-py's, borrowed from the client's pool for one pipeline and
 given back. A connection an error leaves mid-reply is disconnected, never
 returned half read. Replies handled: a bulk string (RESP2 `$n`), a null
 (`$-1`, RESP3 `_`), an error (`-...`: redis.ResponseError, like the
-library's pipeline raises). Anything else is a protocol error
-(redis.ConnectionError): the connection is dropped.
+library's pipeline raises). Anything else -- a RESP3 push frame between
+replies included -- is a protocol error (redis.ConnectionError): the
+connection is dropped and the tier's failure rule applies (degraded, retried).
 """
 
 from __future__ import annotations
