@@ -4,7 +4,7 @@
 into caller buffers on a connection borrowed from redis-py's pool: values of
 every size come back bit for bit, a missing key is None, an error reply
 raises like redis-py's pipeline and leaves no half-read connection in the
-pool. `WithRemote` streams a chain's chunks on the reader thread, batches
+pool. `WithRemote` streams a chain's chunks on the reader threads, batches
 queued ahead of the GETs that consume them; a hole in the chain is a miss
 (counted), and boundary state read mid-stream leaves the stream running.
 """
@@ -116,7 +116,7 @@ def test_a_chain_is_streamed_ahead_and_served_bit_exact(server):
         assert store.held(ids) == [True] * len(ids)
         first = store.get(chain[0].id)
         assert first is not None and _same(first, chain[0])
-        assert store._ahead, "the next batches are queued on the reader thread"
+        assert store._ahead, "the next batches are queued on the reader threads"
         ahead = sum(len(asked) for asked, _ in store._ahead)
         assert ahead * 256 * 1024 <= 2 * MiB + 256 * 1024
         got_b = store.get(bound.id)  # read alone: the stream keeps going
