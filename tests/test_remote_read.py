@@ -145,3 +145,24 @@ def test_a_hole_in_a_streamed_chain_is_a_miss_never_an_error(server):
         assert not store._stream  # nothing after the hole is queued
     finally:
         store.close()
+
+
+def test_a_reply_longer_than_any_value_is_refused_before_allocating():
+    """A server (or something posing as one) announcing a huge bulk reply is a
+    protocol error: nothing is allocated for it (get_many then drops the connection)."""
+    import socket
+
+    from kvd.store import remote_get
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"$%d\r\n" % (remote_get.MAX_VALUE + 1))
+        asked = []
+        with pytest.raises(redis.ConnectionError, match="over"):
+            remote_get._Replies(ours).bulk(lambda n: asked.append(n))
+        assert asked == []
+        theirs.sendall(b"$5\r\nhello\r\n$-1\r\n-ERR no\r\n")  # and what is a value still reads
+        replies = remote_get._Replies(ours)
+        assert bytes(replies.bulk(remote_get.np_alloc)) == b"hello" and replies.bulk(remote_get.np_alloc) is None
+        with pytest.raises(redis.ResponseError, match="no"):
+            replies.bulk(remote_get.np_alloc)

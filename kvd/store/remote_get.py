@@ -28,6 +28,7 @@ import numpy as np
 Alloc = Callable[[int], Any]  # nbytes -> a writable uint8 buffer of exactly nbytes
 
 _MAX_LINE = 1 << 16  # a reply's header line ($<len>, -ERR ...) is short
+MAX_VALUE = 512 << 20  # the server's own default proto-max-bulk-len: a longer "$n" is not a value it keeps
 
 
 def np_alloc(nbytes: int) -> np.ndarray:
@@ -108,6 +109,8 @@ class _Replies:
         if kind != b"$" or not rest.isdigit():
             raise redis.ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
         n = int(rest)
+        if n > MAX_VALUE:
+            raise redis.ConnectionError(f"a {n}-byte value is over {MAX_VALUE} bytes")
         dest = alloc(n)
         view = memoryview(dest).cast("B")
         have = min(self.pending(), n)
