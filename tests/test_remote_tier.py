@@ -265,3 +265,21 @@ def test_a_remote_that_hangs_costs_one_timeout_then_nothing_until_it_answers(ser
         written(ca, 4)
         hit = wait_for(lambda: cb.get(second), lambda h: h is not None and h.n == 300)
         assert_prefix_hit(hit, second)
+
+
+def test_a_remote_hit_is_read_straight_into_shared_memory(server, daemon_factory):
+    """Values fetched from the remote land in arena slots: the shm GET that
+    serves them needs no daemon-side copy, and the bytes are still exact."""
+    a, b = pair(daemon_factory, server.url)
+    tokens = list(range(2000, 3100))  # four chunks and a 76-token tail, with boundary state
+    with a.client(NS, strict=True) as ca:
+        assert ca.put(tokens, prefix_snapshot(tokens, boundary=True))
+        written(ca, 6)
+    with b.client(NS, strict=True, transport="shm") as cb:
+        hit = cb.get(tokens, need_boundary=True)
+        assert hit is not None and hit.n == 1100
+        assert_prefix_hit(hit, tokens)
+        assert cb.counters["shm_gets"] >= 1
+        s = cb.stats()
+    assert s["tiers"]["remote"]["hits"] == 6 and s["tiers"]["remote"]["promotions"] == 6
+    assert s["shm"]["adopted_bytes"] == 0 and s["shm"]["allocs"] >= 6

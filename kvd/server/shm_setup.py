@@ -27,6 +27,20 @@ def segment_bytes(store) -> int:
     return min(64 << 20, max(4 << 20, want >> 20 << 20))
 
 
+def _arena_or_heap(arena_alloc, heap_alloc):
+    """A slot of the arena, else (arena full) the heap: a value read from the
+    remote tier is read once, into the memory the GET reply points at."""
+
+    def alloc(nbytes: int):
+        try:
+            buf = arena_alloc(nbytes)
+        except OSError:  # a new segment could not be made: the arena's trouble, not the remote's
+            buf = None
+        return heap_alloc(nbytes) if buf is None else buf
+
+    return alloc
+
+
 def open_plane(daemon) -> None:
     """Create the plane in `<socket>.shm/` and let the handler and the SSD tier use it.
     A failure only costs the plane: the daemon serves frames and says why."""
@@ -60,6 +74,9 @@ def open_plane(daemon) -> None:
     ssd = getattr(daemon.store, "ssd", None)
     if ssd is not None and hasattr(ssd, "read_buffers"):
         ssd.read_buffers = plane.arena.alloc  # a cold hit lands in shared memory, never a bytearray first
+    remote = getattr(daemon.store, "remote", None)
+    if remote is not None and hasattr(remote, "alloc"):
+        remote.alloc = _arena_or_heap(plane.arena.alloc, remote.alloc)  # a remote hit too: no copy to serve it
     daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
     log.info("shared memory offered: %s (capacity %d MiB, lease %gs)", plane.folder, plane.arena.capacity >> 20,
              plane.leases.lease_seconds)
