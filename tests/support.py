@@ -183,6 +183,36 @@ def chunk_blob(data_dir: Path, ns: str, tokens, index: int) -> Path:
     return path
 
 
+def wait_until(predicate, timeout: float = 20.0, what="condition", every: float = 0.02):
+    """Poll `predicate` until it returns something truthy (returned), or fail
+    after `timeout` seconds saying `what` (a string, or a callable asked only
+    then). For state another thread or process reaches on its own schedule."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
+        time.sleep(every)
+
+
+def ask_raw(endpoint: str, frames: list) -> dict:
+    """Send hand-made request frames on a fresh DEALER; the reply's fields."""
+    import zmq
+
+    from kvd.protocol import codec
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(frames)
+        return codec.decode_reply(sock.recv_multipart()).fields
+    finally:
+        sock.close()
+
+
 def wait_spilled(client, n: int, timeout: float = 10.0) -> dict:
     """The SSD tier's stats once it holds at least `n` entries (the daemon's
     writer thread spills on its own schedule), or at `timeout`."""

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import lmdb
@@ -24,19 +23,9 @@ from kvd.store import blobfile, heal
 from kvd.store.datadir import BLOB_DIR, INDEX_DIR, QUARANTINE_DIR, blob_path
 from kvd.store.index import Index
 from kvd.store.ssd import SsdStore
-from support import assert_prefix_hit, assert_same, chunk_blob, filled_store, kvd, make_entry, prefix_snapshot
+from support import assert_prefix_hit, assert_same, chunk_blob, filled_store, kvd, make_entry, prefix_snapshot, wait_until
 
 DATA = Path(INDEX_DIR) / "data.mdb"
-
-
-def _wait(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 # -- the meta-page reader ---------------------------------------------------------
@@ -212,7 +201,7 @@ def test_eviction_steps_over_a_garbage_row(tmp_path):
     try:
         n, _ = store.evict(0)
         assert n == 4
-        _wait(lambda: store.counters["bad_rows"] == 1 and store.entries == 0, what="the bad row to be dropped")
+        wait_until(lambda: store.counters["bad_rows"] == 1 and store.entries == 0, what="the bad row to be dropped")
     finally:
         store.close()
 
@@ -258,7 +247,7 @@ def _stored(daemon_factory):
 
 
 def _rebuilt(c) -> dict:
-    return _wait(lambda: (c.stats()["tiers"]["ssd"].get("index_rebuild") or {}).get("done")
+    return wait_until(lambda: (c.stats()["tiers"]["ssd"].get("index_rebuild") or {}).get("done")
                  and c.stats()["tiers"]["ssd"]["index_rebuild"], what="the index rebuild")
 
 
@@ -494,7 +483,7 @@ def test_full_disk_at_start_serves_ram_only_and_a_clean_stop_on_a_full_disk_exit
             s = np.arange(512) + 90_000 + 1000 * i
             c.put(s, prefix_snapshot(s))
         c.gc(ram_bytes=0)  # spills the full disk refuses
-        _wait(lambda: c.stats()["tiers"]["ssd"]["degraded"], what="the full disk to degrade the SSD tier")
+        wait_until(lambda: c.stats()["tiers"]["ssd"]["degraded"], what="the full disk to degrade the SSD tier")
     assert d.stop() == 0, d.log()  # a clean stop, whatever could not be written
     os.unlink(small_disk / "filler")
     d.start()
@@ -526,7 +515,7 @@ def test_reads_and_gc_while_the_rebuild_runs_on_the_writer(tmp_path, monkeypatch
         store.put(make_entry(100))  # the tier takes writes meanwhile
         assert store.flush(10)
         gate.set()
-        _wait(store.reconciled.is_set, what="the rebuild and reconcile")
+        wait_until(store.reconciled.is_set, what="the rebuild and reconcile")
         assert store.heal.done and store.heal.recovered == 8 and store.heal.kept == 1
         for e in [*entries, make_entry(100)]:
             assert_same(store.get(e.id), e)
@@ -560,7 +549,7 @@ def test_damage_found_while_serving_is_healed_without_a_restart(daemon_factory):
     d.start()
     eid = keys.chain(NS, 256, keys.token_bytes(SEQS[0]))[0] + b"\0"
     with d.client(NS, strict=True) as c:
-        _wait(lambda: not (d.data_dir / heal.STARTING).exists(), what="the start-up walk")
+        wait_until(lambda: not (d.data_dir / heal.STARTING).exists(), what="the start-up walk")
         c.gc(ram_bytes=0)  # nothing in RAM: reads go to the index
         _spoil_rows_leaf(d.data_dir, eid)
         assert c.get(SEQS[0]) is None  # a miss (strict: an INTERNAL would raise)
@@ -591,14 +580,14 @@ def test_starts_that_die_before_the_walk_ends_break_the_loop(daemon_factory):
         assert h["recovered"] == 8 and "starts died" in h["reason"], h
         for s in SEQS:
             assert_prefix_hit(c.get(s), s)
-        _wait(lambda: not (d.data_dir / heal.STARTING).exists(), what="the walk after the rebuild")
+        wait_until(lambda: not (d.data_dir / heal.STARTING).exists(), what="the walk after the rebuild")
     # one start that died is not a loop
     assert d.stop() == 0
     (d.data_dir / heal.STARTING).write_text("1\n")
     d.start()
     with d.client(NS, strict=True) as c:
         assert c.stats()["tiers"]["ssd"]["index_rebuild"] is None
-        _wait(lambda: not (d.data_dir / heal.STARTING).exists(), what="the start-up walk")
+        wait_until(lambda: not (d.data_dir / heal.STARTING).exists(), what="the start-up walk")
 
 
 def test_an_admin_request_on_a_damaged_index_is_busy_then_healed(tmp_path):
@@ -607,11 +596,11 @@ def test_an_admin_request_on_a_damaged_index_is_busy_then_healed(tmp_path):
     entries = filled_store(tmp_path, [make_entry(i) for i in range(6)])
     store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0)
     try:
-        _wait(store.reconciled.is_set, what="the start-up walk and reconcile")
+        wait_until(store.reconciled.is_set, what="the start-up walk and reconcile")
         _spoil_rows_leaf(tmp_path, entries[0].id)
         with pytest.raises(Busy):
             store.evict(0)  # the LRU walk meets the spoiled page
-        _wait(lambda: store.heal is not None and store.heal.done, what="the heal")
+        wait_until(lambda: store.heal is not None and store.heal.done, what="the heal")
         assert store.heal.recovered == 6
         for e in entries:
             assert_same(store.get(e.id), e)

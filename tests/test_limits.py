@@ -11,10 +11,11 @@ import sys
 
 import msgpack
 import pytest
-import zmq
 
 from kvd.protocol import codec
 from kvd.protocol.limits import Limits
+
+from support import ask_raw as ask
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")
 
@@ -26,19 +27,6 @@ def peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
-
-
-def ask(endpoint: str, frames: list) -> dict:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 30_000)
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart(frames)
-        return codec.decode_reply(sock.recv_multipart()).fields
-    finally:
-        sock.close()
 
 
 @pytest.mark.parametrize("shape", ["one long array", "many arrays"])

@@ -26,19 +26,9 @@ from kvd.protocol.errors import BadField
 from kvd.protocol.shm import parse_segment_name
 from kvd.server.shm import plane_dir
 from kvd_client import Client
-from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled
+from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _poll(check, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _shm_stats(client) -> dict:
@@ -177,7 +167,7 @@ def test_client_killed_holding_a_lease_is_reclaimed(short_lease, mode):
             if child.poll() is None:
                 child.kill()
                 child.wait(10)
-        s = _poll(lambda: (st := _shm_stats(c))["leases"] == 0 and st, "the lease to expire")
+        s = wait_until(lambda: (st := _shm_stats(c))["leases"] == 0 and st, what="the lease to expire")
         assert s["expired"] == 1 and s["used_bytes"] == base  # an uncommitted grant is freed
         if mode == "write":
             assert c.probe(toks).n == 0 and c.get(toks) is None  # the half-written slot was never served
@@ -191,7 +181,7 @@ def test_commit_after_the_lease_ended_is_refused(short_lease):
         spec = [codec.Tensor("k", "float32", (1, 64), None)]
         grant = c._transport.request("SLOTS", {**c._seq(np.arange(300)), "chunks": [{"index": 0, "tensors": spec}],
                                                "shm": link.field()}, 5)
-        _poll(lambda: _shm_stats(c)["leases"] == 0, "the write lease to expire")
+        wait_until(lambda: _shm_stats(c)["leases"] == 0, what="the write lease to expire")
         with pytest.raises(BadField):
             c._transport.request("COMMIT", {"lease": grant["lease"], "shm": link.field()}, 5)
         assert c.probe(np.arange(300)).n == 0

@@ -19,12 +19,10 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from kvd.protocol import codec, keys
 from kvd.server.peers import BASE_ALLOWANCE
@@ -32,7 +30,7 @@ from kvd.store.overhead import PER_ENTRY, PER_TENSOR
 from kvd_client import DaemonUnavailable, HostTensor, Snapshot
 
 from stress import FLOOD, MUTE, PARTIAL, attack, status
-from support import prefix_snapshot, wait_spilled
+from support import ask_raw as ask, prefix_snapshot, wait_spilled, wait_until
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, uses prlimit"),
@@ -61,29 +59,6 @@ class Good:
         assert hit is not None and hit.n == 300
         for name, (tensor, _) in snap.sliced.items():
             assert hit.sliced[name].equal(tensor), name
-
-
-def ask(endpoint: str, frames: list) -> dict:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 30_000)
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart(frames)
-        return codec.decode_reply(sock.recv_multipart()).fields
-    finally:
-        sock.close()
-
-
-def wait_for(predicate, timeout: float = 15.0, describe=lambda: ""):
-    """Poll `predicate` (returns a truthy value when done) until it is, or fail."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"condition not reached {describe()}"
-        time.sleep(0.05)
 
 
 def ceiling_ok(daemon, good: Good):
@@ -139,7 +114,7 @@ def test_one_daemon_survives_every_hostile_pattern(daemon_factory):
 
         # Peers that stall inside 150 MiB messages (10 frames of 15 MiB).
         with attack(PARTIAL, path, "6", "10", "15"):
-            wait_for(lambda: ceiling_ok(d, good), describe=lambda: f"RssAnon {status(pid, 'RssAnon')}, round {rnd}")
+            wait_until(lambda: ceiling_ok(d, good), what=lambda: f"RssAnon {status(pid, 'RssAnon')}, round {rnd}")
             good.round_trip()
         assert d.proc.poll() is None, d.log()
 
@@ -176,7 +151,7 @@ def test_a_peer_that_never_reads_big_ssd_replies_costs_bounded_memory(daemon_fac
     n = 400 if not LONG else 2000  # unbounded, ~1.6 GB of replies queued for a peer that never reads
     with attack(MUTE, d.endpoint, "3", str(n // len(gets) // 3), *gets):  # 3 peers: together past the total
         good.round_trip()
-        wait_for(lambda: good.c.stats()["peers"]["cut_off"] >= 1)  # the daemon has reached the total
+        wait_until(lambda: good.c.stats()["peers"]["cut_off"] >= 1)  # the daemon has reached the total
         good.round_trip()
     for toks, arr in seqs[:3]:  # the well-behaved client still gets them bit-exact
         hit = big.get(toks + [0], max_tokens=256)
