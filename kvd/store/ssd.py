@@ -266,12 +266,15 @@ class SsdStore(Store):
 
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         """`contains` for each of `eids`, from one read transaction."""
-        out = [eid in self.queue for eid in eids]
+        queued, bad = self.queue, self._bad
+        out = [eid in queued for eid in eids]
         try:
             with self.index.reading() as txn:
+                # txn.get bound once: this loop runs for every chunk a LOOKUP walks
+                get, rows = txn.get, self.index.rows
                 for i, eid in enumerate(eids):
-                    if not out[i] and eid not in self._bad:
-                        out[i] = self.index.has(txn, eid)
+                    if not out[i] and eid not in bad:
+                        out[i] = get(eid, db=rows) is not None
         except IndexBusy:
             pass
         except lmdb.Error as exc:  # a damaged page: as in `contains`, a miss (and a heal)

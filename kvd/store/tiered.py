@@ -91,7 +91,8 @@ class TieredStore(Store):
 
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         leased = self.ssd.lease_many(eids)  # lease first, as in `contains`
-        out = [ok and self.ram.contains(eid) for eid, ok in zip(eids, leased)]
+        in_ram = self.ram.contains
+        out = [ok and in_ram(eid) for eid, ok in zip(eids, leased)]
         rest = [i for i, (ok, have) in enumerate(zip(leased, out)) if ok and not have]
         if rest:
             for i, have in zip(rest, self.ssd.held([eids[i] for i in rest])):
