@@ -138,13 +138,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds each attack runs before measuring")
     ap.add_argument("--only", default="", help="comma-separated attack names")
     ap.add_argument("--overhead", action="store_true", help="measure the RAM tier's per-entry overhead instead")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the good client while the attack hits another daemon (the CPU contention floor)")
     args = ap.parse_args()
     if args.overhead:
         return overhead(args.daemon_python)
     print(f"bench_stress: {machine()}; daemon {args.daemon_python}; {args.samples} GETs of a 300-token RAM hit "
           f"per cell; a fresh daemon per attack")
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
-          f"{'misses':>7} {'peak MB':>8}")
+          f"{'misses':>7} {'peak MB':>8}" + (f" {'fl p50':>8} {'fl p99':>8} {'fl p99x':>7}" if args.floor else ""))
     names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups"]
     for name in args.only.split(",") if args.only else names:
         with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
@@ -155,9 +157,19 @@ def main() -> None:
                 p50, p99, misses = percentiles(good, tokens, args.samples)
                 peak = status(proc.pid, "VmHWM") / MiB
             alive = proc.poll() is None
+            floor = ""
+            if args.floor:
+                # The same attack on another daemon: what the machine's CPUs alone
+                # cost the good client (its daemon's thread is not shared).
+                with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep2, _, wd2):
+                    _, _, other = setup(ep2, wd2)
+                    with attack(*other[name]):
+                        time.sleep(args.warmup)
+                        f50, f99, _ = percentiles(good, tokens, args.samples)
+                floor = f" {f50 * 1e3:8.2f} {f99 * 1e3:8.2f} {f99 / i99:6.1f}x"
             print(f"{name:>15} {i50 * 1e3:9.2f} {i99 * 1e3:9.2f} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / i50:6.1f}x "
-                  f"{p99 / i99:6.1f}x {misses:7d} {peak:8.0f}{'' if alive else '  DAEMON DIED'}", flush=True)
-    print("x: under attack over idle, same daemon (lower is better); misses: GETs that did not come back whole "
+                  f"{p99 / i99:6.1f}x {misses:7d} {peak:8.0f}{floor}{'' if alive else '  DAEMON DIED'}", flush=True)
+    print("x: under attack over idle, same daemon (lower is better); fl: the attack on another daemon; misses: GETs that did not come back whole "
           "(a miss after the client's 5 s timeout); peak MB: the daemon's peak RSS")
 
 

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from kvd.protocol import codec
+from kvd.server.outbox import Outbox
 from kvd.server.peers import PeerGate, default_max_peers, listen_backlog
 from kvd_client import HostTensor, Snapshot
 
@@ -144,7 +145,36 @@ def test_a_peer_that_never_reads_loses_only_its_own_replies(daemon_factory):
     finally:
         mute.close()
     assert peers["dropped_full"] > 0  # the mute peer's replies, not ours
+    assert peers["muted"] > 0  # and, once it was known not to read, its requests unread
     assert d.proc.poll() is None
+
+
+def test_a_peer_marked_full_is_muted_but_probed_every_tenth_of_a_second():
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 1)
+        router.bind("inproc://outbox-mute")
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.connect("inproc://outbox-mute")
+        dealer.send(b"hello")
+        identity = router.recv_multipart()[0]
+        clock = FakeClock(0.0)
+        box = Outbox(router, peer_bytes=1 << 20, total_bytes=2 << 20, clock=clock)
+        assert not box.mute(identity)
+        outcomes = [box.send(identity, [b"reply"], busy=lambda: [b"busy"]) for _ in range(8)]
+        assert "dropped" in outcomes  # the dealer never reads: its pipe fills
+        assert box.mute(identity) and box.mute(identity)
+        clock.advance(0.1)
+        assert not box.mute(identity)  # one request a tenth of a second goes through
+        assert box.mute(identity)
+        assert box.counters["muted"] == 3
+        box.full.clear()  # as a successful send does (rule 1): heard again
+        assert not box.mute(identity)
+    finally:
+        router.close(0)
+        dealer.close(0)
 
 
 def test_a_client_paging_through_big_replies_is_never_refused(daemon_factory):

@@ -405,6 +405,9 @@ class Daemon:
     def _serve_one(self, raw: list[zmq.Frame]) -> bool:
         """Serve one request; True if it asked the daemon to shut down."""
         identity, payload = raw[0].bytes, raw[1:]
+        if self.outbox is not None and self.outbox.mute(identity):
+            self.dropped_replies += 1  # it does not read its replies: this one costs nothing more
+            return False
         fd = payload[0].get(zmq.SRCFD) if payload else None
         if self.gate is not None:
             self.gate.touch(fd)
