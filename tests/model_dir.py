@@ -11,8 +11,14 @@ needs, with nothing downloaded:
 The same arguments give bit-identical files in every process (mlx RNG is
 seeded), so two servers started on two copies share a kvd namespace.
 Text for prompts is made of WORDS joined by spaces (`words(n, seed)`), so
-one word is one token. `MlxServer` runs `python -m kvd_client.mlx_lm_server`
-on such a directory on a free loopback port (tests and bench/bench_server.py).
+one word is one token.
+
+The other builders (tests/vlm_dir.py) and servers (tests/vllm_support.py)
+share this module's pieces: `save_model` (weights + config.json),
+`write_tokenizer` (a WordLevel tokenizer over specials + WORDS) and
+`LoopbackServer` (a server child process on a free loopback port, ready at
+/health, stopped by SIGTERM). `MlxServer` is the one that runs
+`python -m kvd_client.mlx_lm_server` (tests and bench/bench_server.py).
 """
 
 from __future__ import annotations
@@ -54,7 +60,6 @@ def build_model_dir(
 ) -> Path:
     """Write a tiny random-weight llama model directory at `path`; returns it."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     path = Path(path)
@@ -79,23 +84,32 @@ def build_model_dir(
         "eos_token_id": VOCAB.index("</s>"),
     }
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    save_model(path, llama.Model(llama.ModelArgs.from_dict(config)), config, dtype)
+    write_tokenizer(path, SPECIALS, CHAT_TEMPLATE)
+    return path
+
+
+def save_model(path: Path, model, config: dict, dtype: str) -> None:
+    """Write `model`'s parameters (cast to `dtype`) as model.safetensors, and config.json."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    _write_tokenizer(path)
-    return path
 
 
-def _write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, specials: list[str], chat_template: str) -> None:
+    """tokenizer.json (WordLevel over `specials` + WORDS, one word one token) and tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    vocab = specials + WORDS
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(specials)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -106,64 +120,120 @@ def _write_tokenizer(path: Path) -> None:
                 "unk_token": "<unk>",
                 "add_bos_token": False,
                 "model_max_length": 32768,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
             },
             indent=2,
         )
     )
 
 
-# -- running the server on it ---------------------------------------------------
-class MlxServer:
-    """`python -m kvd_client.mlx_lm_server --model DIR --port N ...` on loopback.
+# -- running a server on it ---------------------------------------------------
+class LoopbackServer:
+    """A server child process on a free loopback port, its output in `log_path`.
 
-    `start()` waits for /health; `chat(system, user)` posts a chat completion
-    at temperature 0 and returns the decoded JSON reply; `stop()` sends
-    SIGTERM (the launcher shuts down cleanly and finishes queued uploads).
+    A subclass says how to run it (`command()`, and `environment()` if not
+    this process's). `start()` picks the port, starts it and (unless
+    `wait=False`) waits until GET /health answers, failing with the log's tail
+    if it exits or takes longer than `ready_timeout`; `post(path, body)` sends
+    JSON; `stop()` sends SIGTERM (SIGKILL with `kill=True`) and reaps it.
     """
 
-    def __init__(self, model_dir: str | Path, log_path: str | Path, args: list[str] = ()):
-        self.model_dir = str(model_dir)
+    name = "server"  # in error messages
+    ready_timeout = 60.0
+
+    def __init__(self, log_path: str | Path):
         self.log_path = Path(log_path)
-        self.args = list(args)
         self.port = 0
         self.proc = None
 
-    def start(self, wait: bool = True) -> "MlxServer":
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str] | None:
+        return None  # inherit ours
+
+    def start(self, wait: bool = True):
         import socket
         import subprocess
-        import sys
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "kvd_client.mlx_lm_server", "--model", self.model_dir,
-               "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd, env = self.command(), self.environment()  # may make the folder the log goes in
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         if wait:
             self.wait_ready()
         return self
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
         import time
         import urllib.request
 
+        timeout = self.ready_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
                 return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+        raise RuntimeError(f"{self.name} not ready after {timeout}s:\n{self.log()[-4000:]}")
+
+    def post(self, path: str, body: dict, timeout: float):
+        """POST `body` as JSON to `path`; the open response (a context manager)."""
+        import urllib.request
+
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=timeout)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, kill: bool = False, timeout: float = 30.0) -> None:
+        import signal
+        import subprocess
+
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+class MlxServer(LoopbackServer):
+    """`python -m kvd_client.mlx_lm_server --model DIR --port N ...` on loopback.
+
+    `chat(system, user)` posts a chat completion at temperature 0 and returns
+    the decoded JSON reply; `stop()`'s SIGTERM lets the launcher shut down
+    cleanly and finish queued uploads.
+    """
+
+    def __init__(self, model_dir: str | Path, log_path: str | Path, args: list[str] = ()):
+        super().__init__(log_path)
+        self.model_dir = str(model_dir)
+        self.args = list(args)
+
+    def command(self) -> list[str]:
+        import sys
+
+        return [sys.executable, "-m", "kvd_client.mlx_lm_server", "--model", self.model_dir,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.args]
 
     def chat(self, system: str, user: str, max_tokens: int = 12, stream: bool = False, timeout: float = 120.0) -> dict:
         """A temperature-0 chat completion; the reply JSON (with `elapsed`, and `ttft` when streaming)."""
         import time
-        import urllib.request
 
         body = {
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -171,12 +241,8 @@ class MlxServer:
         }
         if stream:
             body["stream_options"] = {"include_usage": True}
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
-        )
         t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with self.post("/v1/chat/completions", body, timeout) as r:
             if not stream:
                 reply = json.load(r)
                 reply["elapsed"] = time.perf_counter() - t0
@@ -194,26 +260,6 @@ class MlxServer:
                         text.append(piece)
                 usage = event.get("usage") or usage
             return {"ttft": ttft, "text": "".join(text), "usage": usage, "elapsed": time.perf_counter() - t0}
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self, timeout: float = 20.0) -> None:
-        import subprocess
-
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
 
 
 if __name__ == "__main__":  # python tests/model_dir.py OUT_DIR

@@ -3,7 +3,8 @@
 The vllm-mlx tests need the pinned vllm-mlx set (installed by `./dev`,
 which `.ci/run` runs); without it they skip, saying so. `run_child` runs
 tests/vllm_child.py (one vllm-mlx process with in-process schedulers) in a
-fresh interpreter and returns its JSON report.
+fresh interpreter and returns its JSON report. `VllmServer` is vllm-mlx's
+HTTP server as a tests/model_dir.py `LoopbackServer`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from model_dir import LoopbackServer
 
 HERE = Path(__file__).resolve().parent
 PINNED = "0.6.0"
@@ -57,7 +60,7 @@ def run_child(tmp: Path, name: str, spec: dict, timeout: float = 300.0) -> dict:
     return report
 
 
-class VllmServer:
+class VllmServer(LoopbackServer):
     """`python -m kvd_client.vllm_mlx serve DIR ...` (vllm-mlx's HTTP server) on loopback.
 
     HOME is a private folder: vllm-mlx 0.6 saves its RAM prefix cache under
@@ -66,74 +69,53 @@ class VllmServer:
     /v1/completions; `stop()` sends SIGTERM (SIGKILL with `kill=True`).
     """
 
+    name = "vllm-mlx"
+    ready_timeout = 120.0
+
     def __init__(self, model_dir, workdir: Path, args: list[str] = (), kvd_endpoint: str | None = None,
                  tap: bool = False):
         self.model_dir, self.workdir, self.args = str(model_dir), Path(workdir), list(args)
+        super().__init__(self.workdir / "server.log")
         self.kvd_endpoint = kvd_endpoint
         # tap: log the language model's logits (tests/vllm_tap.py) to workdir/logits.hex
         self.tap_path = self.workdir / "logits.hex" if tap else None
-        self.port, self.proc = 0, None
-        self.log_path = self.workdir / "server.log"
 
-    def start(self, timeout: float = 120.0) -> "VllmServer":
+    def command(self) -> list[str]:
+        kvd = ["--kvd-endpoint", self.kvd_endpoint] if self.kvd_endpoint else ["--no-kvd"]
+        entry = [str(HERE / "vllm_tap.py"), str(self.tap_path)] if self.tap_path else ["-m", "kvd_client.vllm_mlx"]
+        return [sys.executable, *entry, "serve", self.model_dir, "--host", "127.0.0.1",
+                "--port", str(self.port), "--continuous-batching", "--offline", *kvd, *self.args]
+
+    def environment(self) -> dict[str, str]:
         import os
-        import socket
-        import time
-        import urllib.request
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
         home = self.workdir / "home"
         home.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         env.update(HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        kvd = ["--kvd-endpoint", self.kvd_endpoint] if self.kvd_endpoint else ["--no-kvd"]
-        entry = [str(HERE / "vllm_tap.py"), str(self.tap_path)] if self.tap_path else ["-m", "kvd_client.vllm_mlx"]
-        cmd = [sys.executable, *entry, "serve", self.model_dir, "--host", "127.0.0.1",
-               "--port", str(self.port), "--continuous-batching", "--offline", *kvd, *self.args]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-mlx exited {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"vllm-mlx not ready after {timeout}s:\n{self.log()[-4000:]}")
+        return env
 
     def complete(self, prompt: str, max_tokens: int = 6, timeout: float = 120.0) -> dict:
         import time
-        import urllib.request
 
         body = {"model": self.model_dir, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with self.post("/v1/completions", body, timeout) as r:
             reply = json.load(r)
         reply["elapsed"] = time.perf_counter() - t0
         return reply
 
     def chat(self, system: str, user: str, max_tokens: int = 6, timeout: float = 120.0) -> dict:
         """A greedy /v1/chat/completions with a system and a user message."""
-        import urllib.request
-
         body = {"model": self.model_dir, "max_tokens": max_tokens, "temperature": 0.0,
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with self.post("/v1/chat/completions", body, timeout) as r:
             return json.load(r)
 
     def chat_image(self, system: str, image_seed: int, text: str, max_tokens: int = 6, timeout: float = 120.0) -> dict:
         """A greedy chat completion whose user message is a random 80x80 image (PNG) and `text`."""
         import base64
         import io
-        import urllib.request
 
         import numpy as np
         from PIL import Image
@@ -145,9 +127,7 @@ class VllmServer:
         user = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
         body = {"model": self.model_dir, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
                 "top_logprobs": 3, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with self.post("/v1/chat/completions", body, timeout) as r:
             return json.load(r)
 
     def cached(self) -> list[int]:
@@ -164,26 +144,6 @@ class VllmServer:
     def logits(self) -> list[str]:
         """The tapped logits so far, one hex line per language-model call."""
         return self.tap_path.read_text().split() if self.tap_path and self.tap_path.exists() else []
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self, kill: bool = False, timeout: float = 30.0) -> None:
-        import signal
-
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
 
 
 def wait_for_puts(endpoint: str, prefix: str, at_least: int, timeout: float = 60.0) -> None:

@@ -2,8 +2,9 @@
 
 `build_vlm_dir(path)` writes what `mlx_vlm.load` (and so vllm-mlx's MLLM
 route) needs, with nothing downloaded: config.json (qwen2_vl, a 2-layer
-text model and a 1-block vision tower), model.safetensors (seeded weights),
-a WordLevel tokenizer over tests/model_dir.py's words plus Qwen2-VL's
+text model and a 1-block vision tower), model.safetensors (seeded weights;
+both by tests/model_dir.py's `save_model`), its WordLevel tokenizer
+(`write_tokenizer`) over tests/model_dir.py's words plus Qwen2-VL's
 vision specials, a chat template that puts `<|vision_start|><|image_pad|>
 <|vision_end|>` where an image goes, and a Qwen2VLImageProcessor config with
 small pixel bounds (an image becomes a handful of tokens).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from model_dir import WORDS
+from model_dir import WORDS, save_model, write_tokenizer
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
             "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -34,7 +35,6 @@ CHAT_TEMPLATE = (
 def build_vlm_dir(path: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
     """Write a tiny random-weight Qwen2-VL model directory at `path`; returns it."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_vlm.models import qwen2_vl
 
     path = Path(path)
@@ -60,13 +60,9 @@ def build_vlm_dir(path: str | Path, *, seed: int = 0, dtype: str = "float32") ->
     cfg = qwen2_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
     cfg.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
     cfg.text_config = qwen2_vl.TextConfig.from_dict(config)
-    model = qwen2_vl.Model(cfg)
-    model.set_dtype(getattr(mx, dtype))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    _write_tokenizer(path)
+    save_model(path, qwen2_vl.Model(cfg), config, dtype)
+    write_tokenizer(path, SPECIALS, CHAT_TEMPLATE)
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
         "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "temporal_patch_size": 2,
@@ -74,22 +70,6 @@ def build_vlm_dir(path: str | Path, *, seed: int = 0, dtype: str = "float32") ->
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
     }, indent=2))
     return path
-
-
-def _write_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "add_bos_token": False, "model_max_length": 32768,
-        "chat_template": CHAT_TEMPLATE,
-    }, indent=2))
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
 
 
 if __name__ == "__main__":  # python tests/vlm_dir.py OUT_DIR

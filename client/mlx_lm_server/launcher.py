@@ -1,7 +1,8 @@
 """`python -m kvd_client.mlx_lm_server`: the stock mlx-lm server, kvd as its prompt cache.
 
 Every argument that is not a kvd flag goes to `mlx_lm.server` untouched, so
-its whole command line works as documented upstream. The kvd flags:
+its whole command line works as documented upstream. The kvd flags
+(kvd_client._launch, shared with `kvd-vllm-mlx`):
 
     --kvd-endpoint EP   the daemon (default: $KVD_ENDPOINT or the per-user socket)
     --kvd-timeout S     seconds per daemon call (default 1.0)
@@ -31,24 +32,18 @@ import signal
 import sys
 from typing import Any, Sequence
 
+from kvd_client._launch import kvd_parser, read_kvd_flags
 from kvd_client.mlx_lm_server.prompt_cache import KvdPromptCache, ModelRef
 
 log = logging.getLogger("kvd_client.mlx_lm_server")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kvd_client.mlx_lm_server",
-        description="mlx_lm.server with kvd as its prompt cache. Every other flag is mlx_lm.server's.",
-        add_help=False,
-        allow_abbrev=False,
+    return kvd_parser(
+        "python -m kvd_client.mlx_lm_server",
+        "mlx_lm.server with kvd as its prompt cache. Every other flag is mlx_lm.server's.",
+        without="run the stock mlx-lm server without kvd",
     )
-    g = p.add_argument_group("kvd")
-    g.add_argument("--kvd-endpoint", default=os.environ.get("KVD_ENDPOINT"),
-                   help="kvd daemon endpoint (default: $KVD_ENDPOINT or the per-user socket)")
-    g.add_argument("--kvd-timeout", type=float, default=1.0, help="seconds per daemon call (default: 1.0)")
-    g.add_argument("--no-kvd", action="store_true", help="run the stock mlx-lm server without kvd")
-    return p
 
 
 def install(server: Any, *, endpoint: str | None = None, timeout: float = 1.0) -> list[KvdPromptCache]:
@@ -91,17 +86,13 @@ def install(server: Any, *, endpoint: str | None = None, timeout: float = 1.0) -
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse kvd flags, hand the rest to `mlx_lm.server.main`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    opts, rest = _parser().parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
-        _parser().print_help()
-        print("\nmlx_lm.server flags follow.\n")
+    flags, rest = read_kvd_flags(_parser(), sys.argv[1:] if argv is None else argv, upstream="mlx_lm.server")
 
     from mlx_lm import server
 
     made: list[KvdPromptCache] = []
-    if not opts.no_kvd:
-        made = install(server, endpoint=opts.kvd_endpoint, timeout=opts.kvd_timeout)
+    if flags.enabled:
+        made = install(server, endpoint=flags.endpoint, timeout=flags.timeout)
     atexit.register(_close, made)
     signal.signal(signal.SIGTERM, lambda *_: _interrupt())
     sys.argv = ["mlx_lm.server", *rest]

@@ -35,24 +35,22 @@ and takes the longer. Keys with a draft model (its cache rides along in the
 same list) or with image placeholders (negative ids) stay local only.
 
 kvd trouble never breaks a request. The client itself degrades to misses;
-on top of that a breaker stops calling the daemon after a failure (1 s,
-doubling up to 30 s), and then pings it before using it again. A daemon
-that is not there at start is said once in the log; an outage and the
-recovery once each.
+on top of that a `Breaker` (kvd_client._breaker) stops calling the daemon
+after a failure (1 s, doubling up to 30 s), and then pings it before using
+it again. A daemon that is not there at start is said once in the log; an
+outage and the recovery once each.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-log = logging.getLogger("kvd_client.mlx_lm_server")
+from kvd_client._breaker import Breaker
 
-_BACKOFF_FIRST = 1.0
-_BACKOFF_MAX = 30.0
+log = logging.getLogger("kvd_client.mlx_lm_server")
 
 
 @dataclass(frozen=True)
@@ -110,13 +108,11 @@ class KvdPromptCache:
         self.enabled = bool(enabled) and resolve is not None
         self.counters: dict[str, int] = {}
         self._targets: dict[Any, _Target | None] = {}
-        self._failures_seen = 0
-        self._down_until = 0.0
-        self._backoff = 0.0
-        self._down = False
         self._lock = threading.Lock()  # close() may come from another thread
-        if self.enabled and not self._ping():
-            self._trip("no daemon answering", first=True)
+        self._breaker = Breaker(
+            self.endpoint, self.timeout, namespace="mlx-lm-server", log=log, clients=self._clients,
+            fallback="the local prompt cache", on_down=lambda: self._count("kvd_outages"), on_up=self._retry_now,
+        ) if self.enabled else None
 
     # -- the LRUPromptCache surface ---------------------------------------------
     def __len__(self) -> int:
@@ -161,7 +157,7 @@ class KvdPromptCache:
             self._count("kvd_errors")
             log.exception("kvd fetch failed; serving without it")
         finally:
-            self._check_health()
+            self._breaker.check()
         return cache, rest
 
     def insert_cache(self, model_key: Any, tokens: list[int], prompt_cache: list[Any], *, cache_type: str = "assistant") -> None:
@@ -183,24 +179,21 @@ class KvdPromptCache:
             self._count("kvd_errors")
             log.exception("kvd store failed; continuing without it")
         finally:
-            self._check_health()
+            self._breaker.check()
 
     # -- extras ------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued uploads are done (or failed). False on timeout."""
         ok = True
-        for target in list(self._targets.values()):
-            for client in (target.clients.values() if target else ()):
-                ok &= client.flush_stores(timeout)
+        for client in self._clients():
+            ok &= client.flush_stores(timeout)
         return ok
 
     def kvd_stats(self) -> dict[str, Any]:
         """This cache's counters, the clients' counters, and whether kvd is in use."""
-        clients = {}
-        for target in list(self._targets.values()):
-            for client in (target.clients.values() if target else ()):
-                clients[client.namespace] = dict(client.counters)
-        return {"enabled": self.enabled, "down": self._down, "cache": dict(self.counters), "clients": clients}
+        clients = {client.namespace: dict(client.counters) for client in self._clients()}
+        down = self._breaker is not None and self._breaker.down
+        return {"enabled": self.enabled, "down": down, "cache": dict(self.counters), "clients": clients}
 
     def close(self) -> None:
         """Finish queued uploads (bounded by the client timeout) and close the clients."""
@@ -215,7 +208,7 @@ class KvdPromptCache:
 
     # -- plumbing ----------------------------------------------------------------
     def _target(self, model_key: Any, tokens: Sequence[int]) -> _Target | None:
-        if not self.enabled or not tokens or min(tokens) < 0 or not self._usable():
+        if not self.enabled or not tokens or min(tokens) < 0 or not self._breaker.usable():
             return None
         if model_key not in self._targets:
             self._targets[model_key] = self._make_target(model_key)
@@ -253,55 +246,21 @@ class KvdPromptCache:
         n = min(len(tokens), offset) if offset is not None else len(tokens)
         return client.mlx.holds(tokens[:n])
 
-    def _usable(self) -> bool:
-        if not self._down:
-            return True
-        if time.monotonic() < self._down_until:
-            return False
-        if self._ping():
-            for target in list(self._targets.values()):
-                for client in (target.clients.values() if target else ()):
-                    client.retry_now()  # their sockets may still be backing off
-            self._down, self._backoff = False, 0.0
-            self._failures_seen = self._failures()
-            log.warning("kvd: daemon at %s is answering again; using it", self.endpoint)
-            return True
-        self._trip("still not answering")
-        return False
+    def _clients(self) -> list[Any]:
+        """Every kvd client made so far (of every model_key)."""
+        return [client for target in list(self._targets.values()) for client in (target.clients.values() if target else ())]
 
-    def _ping(self) -> bool:
-        from kvd_client import Client
+    def _retry_now(self) -> None:
+        for client in self._clients():
+            client.retry_now()  # their sockets may still be backing off
 
-        # A strict throwaway client: the failure is ours to report, once.
-        try:
-            with Client(self.endpoint, namespace="mlx-lm-server", timeout=min(self.timeout, 0.5), strict=True) as c:
-                return c.ping() is not None
-        except Exception:
-            return False
+    @property
+    def _down_until(self) -> float:
+        return self._breaker.down_until
 
-    def _failures(self) -> int:
-        total = 0
-        for target in list(self._targets.values()):
-            for client in (target.clients.values() if target else ()):
-                total += sum(v for k, v in list(client.counters.items()) if k.endswith("_failed"))
-        return total
-
-    def _check_health(self) -> None:
-        failures = self._failures()
-        if failures > self._failures_seen:
-            self._failures_seen = failures
-            self._trip("a call failed")
-
-    def _trip(self, why: str, first: bool = False) -> None:
-        self._backoff = min(_BACKOFF_MAX, self._backoff * 2 or _BACKOFF_FIRST)
-        self._down_until = time.monotonic() + self._backoff
-        if not self._down:
-            self._count("kvd_outages")
-            if first:
-                log.warning("kvd: %s at %s; serving from the local prompt cache only until it does", why, self.endpoint)
-            else:
-                log.warning("kvd: daemon at %s stopped answering (%s); local prompt cache only until it is back", self.endpoint, why)
-        self._down = True
+    @_down_until.setter
+    def _down_until(self, when: float) -> None:  # tests zero it to skip the back-off wait
+        self._breaker.down_until = when
 
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n

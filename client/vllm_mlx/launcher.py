@@ -4,7 +4,8 @@
         [--kvd-endpoint EP] [--kvd-timeout S] [--no-kvd]
 
 Every argument that is not a kvd flag goes to `vllm_mlx.cli.main` untouched,
-so vllm-mlx's whole command line works as documented upstream. The kvd flags:
+so vllm-mlx's whole command line works as documented upstream. The kvd flags
+(kvd_client._launch, shared with the mlx-lm server's launcher):
 
     --kvd-endpoint EP   the daemon (default: $KVD_ENDPOINT or the per-user socket)
     --kvd-timeout S     seconds per daemon call (default 1.0)
@@ -21,39 +22,29 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
-import os
 import sys
 from typing import Sequence
 
+from kvd_client._launch import kvd_parser, read_kvd_flags
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvd-vllm-mlx",
-        description="vllm-mlx with kvd as its cold tier and shared prefix cache. Every other flag is vllm-mlx's.",
-        add_help=False,
-        allow_abbrev=False,
+    return kvd_parser(
+        "kvd-vllm-mlx",
+        "vllm-mlx with kvd as its cold tier and shared prefix cache. Every other flag is vllm-mlx's.",
+        without="run vllm-mlx without kvd",
     )
-    g = p.add_argument_group("kvd")
-    g.add_argument("--kvd-endpoint", default=os.environ.get("KVD_ENDPOINT"),
-                   help="kvd daemon endpoint (default: $KVD_ENDPOINT or the per-user socket)")
-    g.add_argument("--kvd-timeout", type=float, default=1.0, help="seconds per daemon call (default: 1.0)")
-    g.add_argument("--no-kvd", action="store_true", help="run vllm-mlx without kvd")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the kvd flags, install the adapter, hand the rest to `vllm_mlx.cli.main`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    opts, rest = _parser().parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
-        _parser().print_help()
-        print("\nvllm-mlx flags follow.\n")
-    if not opts.no_kvd:
+    flags, rest = read_kvd_flags(_parser(), sys.argv[1:] if argv is None else argv, upstream="vllm-mlx")
+    if flags.enabled:
         import kvd_client.vllm_mlx as kv_vllm
 
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO)
-        if kv_vllm.install(opts.kvd_endpoint, timeout=opts.kvd_timeout):
+        if kv_vllm.install(flags.endpoint, timeout=flags.timeout):
             atexit.register(kv_vllm.close_all)
     from vllm_mlx import cli
 
