@@ -9,8 +9,12 @@ so the fill itself takes minutes, not hours), then runs a real daemon on it
 
   * restart: `kvd serve` started until the first LOOKUP of the 32k-token
     anchor prompt (stored before the fill, so on the SSD tier) answers in full;
-  * LOOKUP p50/p99 of that 32k-token prompt (128 chunks walked on the SSD tier),
-    against a PING's p50 on the same socket (the round trip with no work);
+  * walk: seconds until the start-up walk of the index and reconcile end
+    (background work on the writer thread, paced to a quarter of its time;
+    the daemon serves meanwhile), and LOOKUP p99 during that walk;
+  * LOOKUP p50/p99 of that 32k-token prompt (128 chunks walked on the SSD tier)
+    once the walk is done, against a PING's p50/p99 on the same socket (the
+    round trip with no work);
   * spill: chunks/s the writer thread writes down to the SSD tier (2,000
     one-chunk sequences PUT into the RAM tier, then `gc(ram_bytes=0)` until
     the SSD tier holds all of them: blob writes, fsyncs and index commits);
@@ -124,7 +128,8 @@ class Daemon:
         return time.perf_counter() - t0
 
 
-def lookup_latency(endpoint: str, n: int = 300) -> tuple[float, float, float]:
+def lookup_latency(endpoint: str, n: int = 300) -> tuple[float, float, float, float]:
+    """(LOOKUP p50, LOOKUP p99, PING p50, PING p99) of the anchor prompt, in seconds."""
     anchor = anchor_tokens()
     with Client(endpoint, namespace=NS, timeout=5, chunk_tokens=CT, strict=True) as c:
         for _ in range(20):  # warm the socket and the page cache
@@ -134,9 +139,25 @@ def lookup_latency(endpoint: str, n: int = 300) -> tuple[float, float, float]:
             t0 = time.perf_counter()
             assert c.probe(anchor).n == ANCHOR_TOKENS
             times.append(time.perf_counter() - t0)
-        pings = [c.ping() for _ in range(n)]
+        pings = sorted(c.ping() for _ in range(n))
     times.sort()
-    return statistics.median(times), times[int(len(times) * 0.99) - 1], statistics.median(pings)
+    return statistics.median(times), times[int(len(times) * 0.99) - 1], statistics.median(pings), pings[int(n * 0.99) - 1]
+
+
+def walk(endpoint: str) -> tuple[float, float]:
+    """(seconds until the SSD tier's start-up walk and reconcile end, LOOKUP p99 meanwhile)."""
+    anchor = anchor_tokens()
+    t0 = time.perf_counter()
+    times = []
+    with Client(endpoint, namespace=NS, timeout=5, chunk_tokens=CT, strict=True) as c:
+        while not c.stats()["tiers"]["ssd"].get("reconciled", True):
+            for _ in range(50):
+                t1 = time.perf_counter()
+                c.probe(anchor)
+                times.append(time.perf_counter() - t1)
+            time.sleep(0.05)
+    times.sort()
+    return time.perf_counter() - t0, times[int(len(times) * 0.99) - 1] if times else float("nan")
 
 
 def spill_rate(endpoint: str, base: int, n: int = 2000) -> float:
@@ -199,42 +220,51 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=40.0, help="seconds of mixed load before the compared windows")
     ap.add_argument("--keep", help="use (and keep) this work dir instead of a temporary one")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --keep: measure the data dir as it is (no anchor, no fill), then the mixed load")
     args = ap.parse_args()
     logging.getLogger("kvd_client").setLevel(logging.ERROR)  # "no daemon yet" while one starts
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",")][: 1 if args.reuse else None]
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kvd-scale-", dir="/tmp"))
     workdir.mkdir(parents=True, exist_ok=True)
     data = workdir / "data"
     print(f"bench_scale: {machine()}; 256-token chunks of 4 KiB; daemon --ram-mb 16, write-back; work dir {workdir}")
     d = Daemon(workdir, data)
     try:
-        # The anchor: a 32k-token prompt stored first, spilled, so every size has it on SSD.
-        d.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd", "serve", "--endpoint", d.endpoint, "--data-dir", str(data), "--ram-mb", "16"],
-            stdout=d.log, stderr=subprocess.STDOUT)
-        with Client(d.endpoint, namespace=NS, timeout=30, chunk_tokens=CT, strict=False) as c:
-            while c.ping() is None:
-                time.sleep(0.01)
-            assert c.put(anchor_tokens(), snapshot(ANCHOR_TOKENS, 1))
-            c.gc(ram_bytes=0)
-            while c.stats()["tiers"]["ssd"]["entries"] < ANCHOR_TOKENS // CT:
-                time.sleep(0.01)
-        d.stop()
+        if args.reuse and not args.keep:
+            ap.error("--reuse needs --keep DIR (a work dir an earlier run kept)")
+        if not args.reuse:
+            # The anchor: a 32k-token prompt stored first, spilled, so every size has it on SSD.
+            d.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvd", "serve", "--endpoint", d.endpoint, "--data-dir", str(data), "--ram-mb", "16"],
+                stdout=d.log, stderr=subprocess.STDOUT)
+            with Client(d.endpoint, namespace=NS, timeout=30, chunk_tokens=CT, strict=False) as c:
+                while c.ping() is None:
+                    time.sleep(0.01)
+                assert c.put(anchor_tokens(), snapshot(ANCHOR_TOKENS, 1))
+                c.gc(ram_bytes=0)
+                while c.stats()["tiers"]["ssd"]["entries"] < ANCHOR_TOKENS // CT:
+                    time.sleep(0.01)
+            d.stop()
         have = ANCHOR_TOKENS // CT
         rows = []
-        print(f"{'entries':>9} {'fill s':>7} {'restart s':>9} {'lookup p50 ms':>13} {'p99 ms':>7} {'ping ms':>7} "
-              f"{'spill/s':>8} {'stop s':>7}")
+        print(f"{'entries':>9} {'fill s':>7} {'restart s':>9} {'walk s':>7} {'p99 ms':>7} {'lookup p50 ms':>13} "
+              f"{'p99 ms':>7} {'ping p50':>8} {'p99':>6} {'spill/s':>8} {'stop s':>7}")
         for size in sizes:
-            fill_s = fill(data, have, size) if size > have else 0.0
+            fill_s = fill(data, have, size) if size > have and not args.reuse else 0.0
             have = max(have, size)
             restart = d.start()
-            p50, p99, ping = lookup_latency(d.endpoint)
+            if args.reuse:  # the dir's own size, whatever --sizes says
+                with Client(d.endpoint, namespace=NS, timeout=30) as c:
+                    size = have = c.stats()["tiers"]["ssd"]["entries"]
+            walk_s, walk_p99 = walk(d.endpoint)
+            p50, p99, ping, ping99 = lookup_latency(d.endpoint)
             rate = spill_rate(d.endpoint, base=size * 10)
             have += 2000
             stop = d.stop()
             rows.append((size, restart, p99, rate, stop))
-            print(f"{size:>9} {fill_s:>7.1f} {restart:>9.2f} {p50 * 1e3:>13.3f} {p99 * 1e3:>7.3f} {ping * 1e3:>7.3f} "
-                  f"{rate:>8.0f} {stop:>7.2f}", flush=True)
+            print(f"{size:>9} {fill_s:>7.1f} {restart:>9.2f} {walk_s:>7.1f} {walk_p99 * 1e3:>7.2f} {p50 * 1e3:>13.3f} "
+                  f"{p99 * 1e3:>7.3f} {ping * 1e3:>8.3f} {ping99 * 1e3:>6.3f} {rate:>8.0f} {stop:>7.2f}", flush=True)
         base = rows[0]
         for size, restart, p99, rate, stop in rows[1:]:
             print(f"{size:>9} vs {base[0]}: lookup p99 {p99 / base[2]:.2f}x, spill rate {rate / base[3]:.2f}x, "

@@ -89,7 +89,7 @@ MAX_FAILURES = 100
 REBUILDING = b"rebuilding"  # meta record present while a rebuild is unfinished
 STARTING = "index.starting"  # in the data dir: starts whose index walk has not finished
 MAX_UNFINISHED_STARTS = 2
-WALK_KEYS = 4096  # keys per walk step
+WALK_KEYS = 1024  # keys per walk step (~2 ms: the writer holds the GIL that long)
 
 # LMDB 0.9 on a 64-bit little-endian machine (lmdb.h / mdb.c): a page header
 # (pgno u64, pad u16, flags u16, lower u16, upper u16), then MDB_meta: magic

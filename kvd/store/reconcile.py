@@ -33,7 +33,13 @@ def reconcile_steps(
     blob_root = store.root / BLOB_DIR
     shards = sorted(p for p in blob_root.iterdir() if p.is_dir()) if blob_root.is_dir() else []
     for i, shard in enumerate(shards):
-        for name in os.listdir(shard):
+        for n, name in enumerate(os.listdir(shard), 1):
+            if n % 512 == 0:
+                # A step of a few ms (a shard holds ~4k blobs at 1 M): the writer
+                # holds the GIL while it looks. Between steps a batch may write
+                # or evict blobs of this shard: a name listed earlier is then
+                # found with its row, or gone (FileNotFoundError below).
+                yield
             path = shard / name
             if is_temp_name(name):
                 kind = "temp"
