@@ -348,3 +348,31 @@ def test_ram_only_when_no_data_dir():
     assert isinstance(store, RamStore)
     with pytest.raises(ValueError):
         open_store(1 << 20, "/tmp/x", ssd_bytes=0)
+
+
+def test_held_answers_chunk_and_boundary_pairs_as_contains_does(tmp_path):
+    # held() answers a chunk and its boundary with one cursor descent (they sort
+    # next to each other); every mix of present, missing, queued and bad ids
+    # must get the answer contains() gives, in any order.
+    import random
+
+    from kvd.store.base import CHUNK
+
+    rng = random.Random(7)
+    store = SsdStore(tmp_path / "d", budget_bytes=1 << 30, durable=False, reconcile=False, background=False)
+    try:
+        made = {(i, kind): make_entry(i, tokens=1, width=1, kind=kind) for i in range(300) for kind in (CHUNK, BOUNDARY)}
+        stored = [e for e in made.values() if rng.random() < 0.6]
+        store.write_batch(stored)
+        for e in rng.sample(stored, 20):
+            store._bad[e.id] = "a test's bad blob"  # hidden, as after a failed checksum
+        for e in rng.sample(list(made.values()), 20):
+            store.queue.offer(e, force=True)
+        for trial in range(100):
+            picked = rng.sample(range(300), 64)
+            eids = [made[i, CHUNK].id for i in picked] + [made[i, BOUNDARY].id for i in picked]
+            if trial % 2:
+                rng.shuffle(eids)
+            assert store.held(eids) == [store.contains(e) for e in eids]
+    finally:
+        store.close()

@@ -127,6 +127,32 @@ def _libc():
 
 
 _LIBC = _libc()  # glibc's allocator controls, or None (macOS, musl)
+
+
+def _swap_fd():
+    """`swap(src, dst)`: dup `src` onto fd number `dst`, close-on-exec, *without
+    releasing the GIL* (ctypes.PyDLL). os.dup2 releases it, and getting it back
+    waits for whichever thread took it -- up to a switch interval with the
+    listener open, in which libzmq could accept hundreds of connections."""
+    try:
+        import ctypes
+
+        libc = ctypes.PyDLL(None, use_errno=True)
+        dup3 = getattr(libc, "dup3", None)  # Linux: atomic with O_CLOEXEC
+    except (OSError, AttributeError):
+        dup3 = None
+    if dup3 is None:
+        return lambda src, dst: os.dup2(src, dst, inheritable=False)  # macOS: no dup3
+
+    def swap(src: int, dst: int) -> None:
+        if dup3(src, dst, os.O_CLOEXEC) < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    return swap
+
+
+_SWAP_FD = _swap_fd()
 _M_MMAP_THRESHOLD = -3
 
 
@@ -322,7 +348,7 @@ class PeerGate(threading.Thread):
         """Connections are waiting: let libzmq accept them, a few at a time.
 
         The listener stays paused except in windows of a few microseconds
-        (two dup2() calls back to back), opened and closed by this thread
+        (two dup3() calls back to back that keep the GIL, `_swap_fd`), opened and closed by this thread
         while it is awake: libzmq's I/O thread, spinning on the waiting
         connection, takes none, one or a few; the gate counts them and goes
         again while there is room. Longer windows lose the race: libzmq
@@ -422,14 +448,14 @@ class PeerGate(threading.Thread):
     def pause(self) -> None:
         if self.paused or self.listener is None or self._empty is None:
             return
-        os.dup2(self._empty.fileno(), self.listener, inheritable=False)
+        _SWAP_FD(self._empty.fileno(), self.listener)
         self.paused = True
         self.counters["pauses"] += 1
 
     def resume(self) -> None:
         if not self.paused or self._real is None or self.listener is None:
             return
-        os.dup2(self._real, self.listener, inheritable=False)
+        _SWAP_FD(self._real, self.listener)
         self.paused = False
 
     def _drain(self) -> None:
