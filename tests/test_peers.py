@@ -106,7 +106,12 @@ def test_max_peers_setting_caps_connections(daemon_factory):
         f.stdin.close()
         f.wait()
     assert peers["max_peers"] == 8
-    assert peers["high_water"] >= 9 and peers["shed_over_cap"] >= 1
+    # 41 connections (40 silent) against a cap of 8: the table filled, silent
+    # peers were shed to admit the waiting ones, and never were all 41 in at
+    # once. (The gate opens the listener for microseconds at a time: on an idle
+    # machine it may stop at the cap exactly; beside a busy suite it was seen
+    # 1 to 22 over: what libzmq accepts inside one window.)
+    assert 8 <= peers["high_water"] < 41 and peers["shed_over_cap"] >= 1
 
 
 def test_shedding_order_silent_first_then_longest_idle():
