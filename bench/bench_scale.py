@@ -10,8 +10,8 @@ so the fill itself takes minutes, not hours), then runs a real daemon on it
   * restart: `kvd serve` started until the first LOOKUP of the 32k-token
     anchor prompt (stored before the fill, so on the SSD tier) answers in full;
   * walk: seconds until the start-up walk of the index and reconcile end
-    (background work on the writer thread, paced to a quarter of its time;
-    the daemon serves meanwhile), and LOOKUP p99 during that walk;
+    (background work on the writer thread; the daemon serves meanwhile), and
+    LOOKUP p99 during that walk;
   * LOOKUP p50/p99 of that 32k-token prompt (128 chunks walked on the SSD tier)
     once the walk is done, against a PING's p50/p99 on the same socket (the
     round trip with no work);

@@ -28,13 +28,6 @@ write-through PUT parked in the daemon) learns which entries are now durable
 and which were dropped. Because `done()` comes first, an entry found in the
 queue again when the news arrives was queued anew, and the news is not about
 that copy.
-
-Background work (the start-up walk of the index, reconcile: minutes of
-Python at a million entries) is paced: after a step that took t seconds the
-writer rests t * (1/`background_share` - 1) before the next, unless spills or
-jobs arrive. The writer shares the GIL with the serving thread; unpaced, a
-walk took half of it for as long as it ran (LOOKUP p50 of a 32k-token prompt
-0.44 ms in-process, ~2 ms through a daemon walking a 1 M-entry index).
 """
 
 from __future__ import annotations
@@ -191,14 +184,12 @@ class Writer:
         batch_bytes: int = 256 << 20,
         tick: float = 0.1,
         name: str = "kvd-spill",
-        background_share: float = 0.25,
     ):
         self.queue = queue
         self.sink = sink
         self.batch_entries = batch_entries
         self.batch_bytes = batch_bytes
         self.tick = tick
-        self.background_share = background_share
         self._jobs: list[tuple[Callable[[], object], Future]] = []
         self._stop = False
         self._busy = False  # a batch or job is being worked on
@@ -248,11 +239,10 @@ class Writer:
 
     def _run(self) -> None:
         more = True  # background work (e.g. reconcile) may be waiting
-        rest = 0.0  # before the next background step (pacing, module docstring)
         while True:
             with self.queue.cond:
                 if not self._stop and not self._jobs and not self._pending_unclaimed():
-                    self.queue.cond.wait(timeout=rest if more else self.tick)
+                    self.queue.cond.wait(timeout=0 if more else self.tick)
                 if self._stop:
                     return
                 jobs, self._jobs = self._jobs, []
@@ -270,9 +260,7 @@ class Writer:
                     finally:
                         self.queue.done(batch)
                         self.sink.settled(batch)
-                started = time.monotonic()
                 more = self.sink.idle(busy=bool(batch))
-                rest = (time.monotonic() - started) * (1 / self.background_share - 1)
             except Exception:  # a bug; the thread must outlive it or the tier silently stops
                 log.exception("spill writer: unexpected error (continuing)")
                 time.sleep(self.tick)
