@@ -13,6 +13,8 @@ each in its own process and ongoing while the client measures:
   mute-big-gets   a peer pumps GETs of 4 MiB SSD entries, never reading
   huge-headers    a peer sends 4 M-map headers (MALFORMED) back to back
   long-lookups    a peer sends LOOKUPs of 1 M tokens with chunk_tokens=1
+  put-storm       4 clients PUT new prompts of small chunks (16 KiB) as fast
+                  as answered: more than the disk can write behind
 
 Each attack gets a fresh daemon (damage must not carry over from one row to
 the next): the client measures idle, then the attack runs `--warmup` seconds
@@ -41,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from _util import MiB, machine  # noqa: E402
-from stress import FLOOD, HAMMER, PARTIAL, PUMP, attack, status  # noqa: E402
+from stress import FLOOD, HAMMER, PARTIAL, PUMP, STORM, attack, status  # noqa: E402
 
 from kvd.protocol import codec, keys  # noqa: E402
 from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
@@ -108,6 +110,7 @@ def setup(ep: str, workdir: Path):
         "mute-big-gets": (PUMP, ep, "1", *gets),
         "huge-headers": (HAMMER, ep, str(header)),
         "long-lookups": (HAMMER, ep, str(lookup)),
+        "put-storm": (STORM, ep, "4"),
     }
     return good, tokens + [0], attacks
 
@@ -147,7 +150,7 @@ def main() -> None:
           f"per cell; a fresh daemon per attack")
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
           f"{'misses':>7} {'peak MB':>8}" + (f" {'fl p50':>8} {'fl p99':>8} {'fl p99x':>7}" if args.floor else ""))
-    names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups"]
+    names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "put-storm"]
     for name in args.only.split(",") if args.only else names:
         with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
             good, tokens, attacks = setup(ep, workdir)

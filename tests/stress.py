@@ -149,3 +149,33 @@ while not select.select([sys.stdin], [], [], 0)[0]:
     s.send(msg)
     s.recv_multipart()
 """
+
+# N clients that each PUT new 1,024-token prompts of small chunks (4 x 256
+# tokens of 16 KiB) as fast as they are answered, until stdin closes: more
+# new data than the disk can write behind.
+STORM = r"""
+import multiprocessing as mp, select, sys
+import numpy as np
+from kvd_client import Client, HostTensor, Snapshot
+
+def storm(ep, seed, stop):
+    snap = Snapshot(sliced={"k": (HostTensor.from_numpy(np.full((1, 1024, 16), seed, np.uint8)), 1)})
+    with Client(ep, namespace=f"storm{seed}", timeout=10, chunk_tokens=256) as c:
+        i = 0
+        while not stop.is_set():
+            c.put([seed, i, 7] * 341 + [seed], snap)
+            i += 1
+
+if __name__ == "__main__":
+    ep, n = sys.argv[1], int(sys.argv[2])
+    ctx = mp.get_context("fork")  # a -c script: spawn could not re-import it
+    stop = ctx.Event()
+    procs = [ctx.Process(target=storm, args=(ep, k, stop)) for k in range(n)]
+    for p in procs:
+        p.start()
+    print(n, flush=True)
+    select.select([sys.stdin], [], [])
+    stop.set()
+    for p in procs:
+        p.join(30)
+"""

@@ -67,9 +67,14 @@ Start-up. Open LMDB (clearing stale reader slots), read the totals row, and
 serve. An index that is truncated, zeroed or not LMDB is moved aside and
 rebuilt from the blobs on the writer thread, before reconcile (heal.py).
 A row whose bytes do not decode is a miss; the writer drops it and every
-trace of it (`Index.drop_damaged`) and quarantines its blob. Reconcile -- removing leftover temp files, blobs without rows (a
-crash between rename and commit) and rows without blobs -- runs on the
-writer thread in small steps, interleaved with spills.
+trace of it (`Index.drop_damaged`), then reads the blob: one that passes its
+own checksum (kvd_sum) gets its row back from what it carries (counted in
+`rows_repaired`, served again at once), any other is quarantined. Damage
+LMDB itself reports is a heal (heal.py): what was hidden for a bad row then
+is forgotten, since the rebuild checks every blob anyway. Reconcile --
+removing leftover temp files, blobs without rows (a crash between rename
+and commit) and rows without blobs -- runs on the writer thread in small
+steps, interleaved with spills.
 """
 
 from __future__ import annotations
@@ -408,7 +413,10 @@ class SsdStore(Store):
                 self.counters["checksum_failures"] += 1
         if self.observer is not None:
             self.observer(eid, None, "quarantined", reason.split(":")[0])
-        log.warning("ssd: blob %s is bad (%s); quarantining, serving a miss", eid.hex(), reason)
+        if reason.startswith("bad row"):
+            log.warning("ssd: the index row of %s is bad; serving a miss, checking its blob", eid.hex())
+        else:
+            log.warning("ssd: blob %s is bad (%s); quarantining, serving a miss", eid.hex(), reason)
         self.writer.submit(lambda: self._quarantine(eid))
 
     def _index_error(self, exc: Exception) -> None:
@@ -447,6 +455,8 @@ class SsdStore(Store):
         self._reconcile = self._reconcile_steps({})
         self.reconciled.clear()
         self._heal_wanted = None
+        with self._mu:  # what was hidden for the old index: the rebuild checks every blob
+            self._bad.clear()
         old.retire()
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
@@ -742,8 +752,44 @@ class SsdStore(Store):
             self.index.write(lambda txn: [self.index.touch(txn, eid, t) for eid, t in touched.items()])
 
     def _quarantine(self, eid: bytes) -> None:
-        reason = self._bad.get(eid, "")
+        reason = self._bad.get(eid)
+        if reason is None:  # forgotten by a heal since: the rebuild checks its blob
+            return
+        try:
+            if reason.startswith("bad row") and self._repair_row(eid):
+                return
+            self._quarantine_now(eid, reason)
+        except lmdb.Error as exc:
+            if not heal.is_damage(exc):
+                raise
+            # Left hidden: the heal forgets it, and the rebuild reads its blob.
+            self.want_heal(f"dropping the row of {eid.hex()} failed: {exc}")
 
+    def _repair_row(self, eid: bytes) -> bool:
+        """The row of `eid` did not decode: give it back the row its blob
+        carries if the blob passes its own checksum. False if it does not
+        (or predates kvd_sum, or is gone): then it is quarantined."""
+        try:
+            row, verified = heal.recover_row(self.path(eid), eid)
+        except (BlobCorrupt, OSError):
+            return False
+        if not verified:
+            return False
+
+        def put(txn):
+            self.index.delete_row(txn, eid)  # the bad bytes and every trace of them
+            self.index.put_row(txn, eid, row)
+            return self.index.totals(txn)
+
+        self.entries, self.bytes = self.index.write(put)
+        self.index.damaged.discard(eid)
+        self._count("rows_repaired")
+        with self._mu:
+            self._bad.pop(eid, None)
+        log.warning("ssd: the index row of %s did not decode; rebuilt it from its blob (checksum verified)", eid.hex())
+        return True
+
+    def _quarantine_now(self, eid: bytes, reason: str) -> None:
         def delete(txn):
             # delete_row drops an undecodable row with every trace of it.
             return self.index.delete_row(txn, eid), self.index.totals(txn)
