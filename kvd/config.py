@@ -316,6 +316,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Bytes of stored chunks not yet on disk that the SSD writer's queue holds, in MiB: in "
             "write-back mode the backlog a stop has to write; in write-through mode the most that "
             "PUTs waiting for their fsync may hold (past it a PUT is answered BUSY)."),
+    Setting("pack_max_kb", _int(0), 64,
+            "Chunks whose blob is at most this many KiB are packed into one LMDB file "
+            "(data_dir/pack) instead of a file each: a file costs more to create than a small "
+            "chunk costs to write. 0: every chunk its own file."),
     Setting("stop_timeout", _float(0.0, exclusive=True), 10.0,
             "Seconds a stop (SIGTERM, `kvd stop`) may take: what is not on disk by then is logged "
             "and lost, and the daemon exits 0. The service files allow a little more."),

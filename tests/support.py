@@ -94,11 +94,12 @@ def assert_same(got: Entry | None, want: Entry) -> None:
         assert bytes(memoryview(a.data)) == bytes(memoryview(b.data)), f"tensor {a.name} differs"
 
 
-def filled_store(root, entries: list[Entry]) -> list[Entry]:
-    """Write `entries` to the data dir `root` (RAM tier of 1 byte: all spill), close it."""
+def filled_store(root, entries: list[Entry], *, pack_max_bytes: int = 0) -> list[Entry]:
+    """Write `entries` to the data dir `root` (RAM tier of 1 byte: all spill), close it.
+    Each blob its own file unless `pack_max_bytes` (tests that damage files need files)."""
     from kvd.store.tiered import open_store
 
-    store = open_store(1, root, ssd_bytes=64 << 20, min_free_bytes=0)
+    store = open_store(1, root, ssd_bytes=64 << 20, min_free_bytes=0, pack_max_bytes=pack_max_bytes)
     for e in entries:
         store.put(e)
     store.close()

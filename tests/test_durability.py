@@ -149,7 +149,9 @@ def test_sigterm_with_a_large_dirty_ram_tier_ends_within_stop_timeout(daemon_fac
     the stop's time: SIGTERM still ends within stop_timeout (plus generous
     slack), exit 0, and the log says how many were not persisted. Whatever
     a restart then reports is served bit-exact."""
-    d = daemon_factory("--ram-mb", "512", "--stop-timeout", "1", "--dirty-max-mb", "1024", "--spill-queue", "100000")
+    # Blobs in files: the pack writes 4 K small entries well within the second.
+    d = daemon_factory("--ram-mb", "512", "--stop-timeout", "1", "--dirty-max-mb", "1024", "--spill-queue", "100000",
+                       "--pack-max-kb", "0")
     seqs = [_seq(200 + i, 32 * 1024) for i in range(2)]  # 64 K tokens in 16-token chunks: 4 K entries
     with d.client("big", strict=True, chunk_tokens=16, timeout=60) as c:
         for s in seqs:

@@ -10,7 +10,7 @@ from kvd.store.ssd import SsdStore
 
 from support import make_entry
 
-FAST = dict(min_free_bytes=0, retry_s=0.2, touch_flush_s=0.05)
+FAST = dict(min_free_bytes=0, retry_s=0.2, touch_flush_s=0.05, pack_max_bytes=0)  # files: these tests damage them
 
 
 def _filled(root, n=6) -> SsdStore:

@@ -18,7 +18,7 @@ from support import ALL_DTYPES, assert_prefix_hit, chunk_blob, kvd, prefix_snaps
 
 
 def test_spill_and_restore_every_dtype_bf16_blob_is_real_bf16(daemon_factory):
-    d = daemon_factory("--ram-mb", "1")
+    d = daemon_factory("--ram-mb", "1", "--pack-max-kb", "0")  # blobs in files, to open with mx.load
     seqs = [np.arange(512) + 10_000 * i for i in range(12)]  # ~2.5 MiB: most must spill
     # First in, so first out to disk: a chunk of the dtypes mlx has (no float64).
     mlx_only = prefix_snapshot(seqs[0][:256])

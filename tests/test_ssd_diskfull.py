@@ -14,7 +14,10 @@ import subprocess
 
 import pytest
 
+import lmdb
+
 from kvd.store import blobfile
+from kvd.store.pack import Pack
 from kvd.store.tiered import open_store
 
 from support import FakeClock, assert_same, charged, make_entry
@@ -55,15 +58,21 @@ class InjectedDisk:
         self.mnt = mnt
         self._mp = monkeypatch
         self._orig = blobfile._write_all
+        self._orig_pack = Pack.put_many
 
     def fill(self):
         def enospc(fd, mv, hasher):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+        def pack_enospc(pack, items):
+            raise lmdb.Error(f"{pack.path}: {os.strerror(errno.ENOSPC)}")
+
         self._mp.setattr(blobfile, "_write_all", enospc)
+        self._mp.setattr(Pack, "put_many", pack_enospc)
 
     def free(self):
         self._mp.setattr(blobfile, "_write_all", self._orig)
+        self._mp.setattr(Pack, "put_many", self._orig_pack)
 
     def close(self):
         pass
@@ -86,8 +95,10 @@ def _consistent(store):
     assert report.ok, report.summary()
 
 
-def test_enospc_degrades_ram_serves_and_recovers(disk):
-    entries = [make_entry(i, width=1024) for i in range(60)]  # 128 KiB each
+@pytest.mark.parametrize("width", [1024, 64], ids=["files", "packed"])
+def test_enospc_degrades_ram_serves_and_recovers(disk, width):
+    # 128 KiB entries are files; 8 KiB ones go to the pack (an LMDB file).
+    entries = [make_entry(i, width=width) for i in range(60)]
     n = entries[0].nbytes
     clock = FakeClock()
     store = open_store(4 * charged(entries[0]), disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2,

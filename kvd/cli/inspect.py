@@ -96,11 +96,16 @@ def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
     blob whose row was deleted meanwhile is not a failure).
     Returns (checked, [(entry id, reason)])."""
     from kvd.store.check import check
-    from kvd.store.heal import open_readonly
+    from kvd.store.heal import open_pack, open_readonly
 
     index = open_readonly(root)  # IndexDamaged (exit 1, naming --repair) rather than a SIGBUS
     try:
-        report = check(root, index, verify=True, live=True, progress=progress)
+        pack = open_pack(root, readonly=True)  # None if there is none (or it is damaged: its rows then fail)
+        try:
+            report = check(root, index, pack=pack, verify=True, live=True, progress=progress)
+        finally:
+            if pack is not None:
+                pack.close()
     finally:
         index.close()
     return report.rows, report.bad

@@ -89,6 +89,7 @@ def serve(**flags) -> None:
             min_free_bytes=int(cfg.min_free_gb * GiB),
             queue_entries=cfg.spill_queue,
             queue_bytes=cfg.dirty_max_mb * MiB,
+            pack_max_bytes=cfg.pack_max_kb * 1024,
         )
     except (DataDirBusy, IncompatibleIndex) as err:
         log.error("cannot open data dir %s: %s", cfg.data_dir, err)

@@ -270,6 +270,26 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
     return BlobInfo(file_size=st.st_size, disk_bytes=max(disk, st.st_size), checksum=hasher.intdigest())
 
 
+def encode_blob(entry: Entry) -> tuple[bytes, int]:
+    """The bytes `write_blob` would write for `entry`, in memory, and their
+    xxh3-64: what the pack of small blobs stores (kvd/store/pack.py)."""
+    head = encode_header(entry)
+    buf = b"".join([head, *(_buffer(t.data) for t in entry.tensors)])
+    return buf, xxhash.xxh3_64_intdigest(buf)
+
+
+def checked_blob(buf: Any, size: int, checksum: int) -> Entry:
+    """The entry held in `buf` (a whole blob read from anywhere), after
+    checking its size and checksum against the index's. Raises BlobCorrupt."""
+    n = memoryview(buf).nbytes
+    if n != size:
+        raise BlobCorrupt(f"{n} bytes where {size} were recorded")
+    got = xxhash.xxh3_64_intdigest(buf)
+    if got != checksum:
+        raise BlobCorrupt(f"checksum {got:016x} != recorded {checksum:016x}")
+    return parse_blob(buf)
+
+
 def estimate_disk_bytes(entry: Entry, block: int = 4096) -> int:
     """Bytes a blob of `entry` will take on disk, for budgeting before it is written."""
     size = 8 + 1024 + len(entry.meta) * 2 + 128 * len(entry.tensors) + entry.nbytes
@@ -309,11 +329,7 @@ def read_blob(fd: int, size: int, checksum: int, alloc: Callable[[int], Any] | N
 
     Raises BlobCorrupt on any disagreement; OSError for I/O errors.
     """
-    buf = read_all(fd, size, alloc)
-    got = xxhash.xxh3_64_intdigest(buf)
-    if got != checksum:
-        raise BlobCorrupt(f"checksum {got:016x} != recorded {checksum:016x}")
-    return parse_blob(buf)
+    return checked_blob(read_all(fd, size, alloc), size, checksum)
 
 
 def parse_blob(buf: bytearray | bytes) -> Entry:

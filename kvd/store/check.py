@@ -6,8 +6,10 @@ only reads: an LMDB read transaction, a directory walk, and -- with
 `verify` -- every blob read back against its checksum.
 
 What a consistent data dir looks like:
-  1. every row's blob exists and (with `verify`) matches its checksum;
-  2. every blob has a row (no orphans), and no temp file is left behind;
+  1. every row's blob exists (its file, or in the pack) and (with
+     `verify`) matches its checksum;
+  2. every blob, file or packed, has a row (no orphans), and no temp file
+     is left behind;
   3. the LRU order lists exactly the rows, once each;
   4. the totals row equals the rows' count and summed disk bytes;
   5. every row is in the current blob format.
@@ -28,6 +30,7 @@ from typing import Callable
 from kvd.store import blobfile
 from kvd.store.datadir import BLOB_DIR, blob_path, eid_of_blob, is_temp_name
 from kvd.store.index import Index
+from kvd.store.pack import PACKED, Pack
 
 Progress = Callable[[int, int], None]
 
@@ -55,10 +58,11 @@ class CheckReport:
 
 
 def check(
-    root: Path, index: Index, *, verify: bool = True, live: bool = False,
+    root: Path, index: Index, *, pack: Pack | None = None, verify: bool = True, live: bool = False,
     pending: Callable[[bytes], bool] = lambda eid: False, progress: Progress | None = None,
 ) -> CheckReport:
-    """Check the data dir at `root` against `index` (see module docstring).
+    """Check the data dir at `root` against `index` and `pack` (the pack of
+    small blobs, pack.py; None if there is none) -- see module docstring.
 
     `pending(eid)` says an entry is queued for writing (its blob may exist
     before its row). `progress(done, total)` is called as rows are checked.
@@ -72,7 +76,10 @@ def check(
         totals = index.totals(txn)
     report.rows = len(rows)
     for i, (eid, row) in enumerate(rows.items()):
-        reason = _check_blob(blob_path(root, eid), row, verify)
+        if row.state == PACKED:
+            reason = _check_packed(pack, eid, row, verify)
+        else:
+            reason = _check_blob(blob_path(root, eid), row, verify)
         if verify and reason != "missing":
             report.checked += 1
         if reason is not None:
@@ -95,6 +102,9 @@ def check(
             eid = eid_of_blob(name)
             if eid is not None and eid not in rows and not pending(eid):
                 report.orphans.append(eid)
+    for eid in pack.iter_keys() if pack is not None else ():
+        if eid not in rows and not pending(eid):
+            report.orphans.append(eid)
     if report.orphans:
         # A blob written and indexed after the rows were read is not an orphan.
         with index.reading() as txn:
@@ -108,6 +118,18 @@ def check(
     if old:
         report.problems.append(f"{old} rows are in a blob format other than {FORMAT_VERSION}")
     return report
+
+
+def _check_packed(pack: Pack | None, eid: bytes, row, verify: bool) -> str | None:
+    buf = pack.read(eid) if pack is not None else None
+    if buf is None:
+        return "missing"
+    if verify:
+        try:
+            blobfile.checked_blob(buf, row.file_size, row.checksum)
+        except blobfile.BlobCorrupt as exc:
+            return f"corrupt: {exc}"
+    return None
 
 
 def _check_blob(path: Path, row, verify: bool) -> str | None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from kvd.protocol.errors import KvdError
 
 INDEX_DIR = "index"
+PACK_DIR = "pack"  # small blobs, packed into one LMDB file (pack.py)
 BLOB_DIR = "blobs"
 QUARANTINE_DIR = "quarantine"
 LOCK_FILE = "kvd.lock"

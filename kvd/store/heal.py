@@ -36,7 +36,11 @@ its first moment (entries appear as they are indexed); rows already present
 blobs not read again. Once rebuilt, the oldest entries beyond the budget
 are evicted. The `rebuilding` record is deleted last: a stop halfway
 resumes at the next start. One log line at the end says what happened and
-how much was recovered.
+how much was recovered. The pack of small blobs (pack.py) is a separate
+LMDB file: after the shards the rebuild reads every blob in it the same way
+(its recency is the rebuild's time). A damaged pack is moved aside at start
+(`open_pack`, `pack.bad-<UTC time>`) and its entries are lost, the index's
+rows for them then dropped by reconcile.
 
 Damage found while running. After any start (and rebuild) the writer walks
 every key of every table once (`walk_steps`, in steps). LMDB errors that
@@ -72,8 +76,12 @@ import xxhash
 from kvd.protocol.errors import KvdError
 from kvd.store import blobfile
 from kvd.store.blobfile import BlobCorrupt
-from kvd.store.datadir import BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, eid_of_blob, ensure_quarantine, is_temp_name
+from kvd.store.datadir import (
+    BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, PACK_DIR, eid_of_blob, ensure_quarantine, is_temp_name,
+)
 from kvd.store.index import Index, IndexBusy, Row, RowDamaged
+from kvd.store.lmdbenv import DEFAULT_MAP_SIZE
+from kvd.store.pack import PACKED, Pack, packed_disk_bytes
 
 if TYPE_CHECKING:
     from kvd.store.ssd import SsdStore
@@ -353,31 +361,63 @@ def open_readonly(root: Path) -> Index:
 
 def any_blob(root: Path) -> bool:
     blob_root = root / BLOB_DIR
-    if not blob_root.is_dir():
+    if blob_root.is_dir():
+        for shard in os.scandir(blob_root):
+            if shard.is_dir(follow_symlinks=False):
+                with os.scandir(shard.path) as it:
+                    if any(eid_of_blob(e.name) for e in it):
+                        return True
+    try:  # the pack's file is made with its first write: a few pages mean none yet
+        return (root / PACK_DIR / DATA_FILE).stat().st_size > 8 * 4096
+    except OSError:
         return False
-    for shard in os.scandir(blob_root):
-        if shard.is_dir(follow_symlinks=False):
-            with os.scandir(shard.path) as it:
-                if any(eid_of_blob(e.name) for e in it):
-                    return True
-    return False
 
 
-def move_aside(root: Path) -> Path:
-    """Rename root/index to root/index.bad-<UTC time>, keep the newest KEEP_BAD, make a new index dir."""
+def move_aside(root: Path, name: str = INDEX_DIR) -> Path:
+    """Rename root/<name> to root/<name>.bad-<UTC time>, keep the newest
+    KEEP_BAD, make a new, empty root/<name>."""
+    prefix = f"{name}.bad-"
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    dst = root / f"{BAD_PREFIX}{stamp}"
+    dst = root / f"{prefix}{stamp}"
     n = 1
     while dst.exists():
-        dst = root / f"{BAD_PREFIX}{stamp}-{n}"
+        dst = root / f"{prefix}{stamp}-{n}"
         n += 1
-    os.rename(root / INDEX_DIR, dst)
-    (root / INDEX_DIR).mkdir(mode=DIR_MODE)
+    os.rename(root / name, dst)
+    (root / name).mkdir(mode=DIR_MODE)
     blobfile.fsync_dir(root)
-    old = sorted(p for p in root.iterdir() if p.name.startswith(BAD_PREFIX))  # by the UTC time in the name
+    old = sorted(p for p in root.iterdir() if p.name.startswith(prefix))  # by the UTC time in the name
     for p in old[:-KEEP_BAD]:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return dst
+
+
+def open_pack(root: Path, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False) -> Pack | None:
+    """The pack of small blobs (pack.py) of the data dir `root`. One LMDB
+    must not map, or that it refuses, is moved aside and a new one made: the
+    entries in it are lost (reconcile drops their rows). Read-only: None if
+    there is none or it is damaged. Raises lmdb.Error or OSError for an
+    environment LMDB cannot use."""
+    path = root / PACK_DIR
+    if readonly and not (path / DATA_FILE).exists():
+        return None
+    reason = inspect_data_file(path / DATA_FILE)
+    if reason is None:
+        try:
+            path.mkdir(mode=DIR_MODE, exist_ok=True)
+            pack = Pack(path, map_size=map_size, readonly=readonly)
+            len(pack)  # a first read: a damaged root page shows here
+            return pack
+        except DAMAGE as exc:
+            if not is_damage(exc):
+                raise
+            reason = f"LMDB refuses it: {exc}"
+    if readonly:
+        return None
+    moved = move_aside(root, PACK_DIR)
+    log.warning("ssd: the pack of small blobs %s is damaged (%s); moved to %s and started empty: "
+                "the entries it held are lost, their rows are dropped", path, reason, moved)
+    return Pack(path, map_size=map_size)
 
 
 def recover_row(path: str | Path, eid: bytes) -> tuple[Row, bool]:
@@ -391,20 +431,33 @@ def recover_row(path: str | Path, eid: bytes) -> tuple[Row, bool]:
         buf = blobfile.read_all(fd, st.st_size)
     finally:
         os.close(fd)
+    disk = st.st_blocks * 512 if st.st_blocks else st.st_size
+    return row_of_blob(buf, eid, disk_bytes=max(disk, st.st_size), atime=st.st_mtime)
+
+
+def row_of_blob(buf, eid: bytes, *, disk_bytes: int, atime: float, state: str = "ssd") -> tuple[Row, bool]:
+    """The index row for the whole blob `buf` of entry `eid` (see recover_row)."""
     entry = blobfile.parse_blob(buf)
     if entry.id != eid:
         raise BlobCorrupt("blob holds another entry than its name says")
     ok = blobfile.embedded_sum_ok(buf)
     if ok is False:
         raise BlobCorrupt("kvd_sum does not match the blob's bytes")
-    disk = st.st_blocks * 512 if st.st_blocks else st.st_size
     row = Row(
         ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start, length=entry.length,
-        tail=entry.tail, nbytes=entry.nbytes, file_size=st.st_size, disk_bytes=max(disk, st.st_size),
+        tail=entry.tail, nbytes=entry.nbytes, file_size=len(buf), disk_bytes=disk_bytes,
         checksum=xxhash.xxh3_64_intdigest(buf), fmt=blobfile.FORMAT_VERSION,
-        tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=st.st_mtime,
+        tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=atime, state=state,
     )
     return row, ok is True
+
+
+def recover_packed(pack: Pack, eid: bytes, atime: float) -> tuple[Row, bool]:
+    """As recover_row, for a blob in the pack. FileNotFoundError if it holds none."""
+    buf = pack.read(eid)
+    if buf is None:
+        raise FileNotFoundError(eid.hex())
+    return row_of_blob(buf, eid, disk_bytes=packed_disk_bytes(len(buf)), atime=atime, state=PACKED)
 
 
 def quarantine_file(root: Path, path: str | Path, eid_hex: str) -> bool:
@@ -425,6 +478,24 @@ def quarantine_file(root: Path, path: str | Path, eid_hex: str) -> bool:
         except OSError:
             pass
         return False
+
+
+def quarantine_packed(root: Path, pack: Pack, eid: bytes) -> bool:
+    """Move a bad packed blob out of the pack into the quarantine folder
+    (as a file); False if the pack no longer held it. If the folder cannot
+    be made the blob is only deleted."""
+    buf = pack.read(eid)
+    if buf is None:
+        return False
+    qdir = ensure_quarantine(root)
+    if qdir is not None:
+        try:
+            with open(qdir / f"{eid.hex()}.{int(time.time() * 1000)}.safetensors", "xb") as f:
+                f.write(buf)
+        except OSError as exc:
+            log.warning("ssd: cannot keep packed blob %s in the quarantine folder (%s); deleted", eid.hex(), exc)
+    pack.delete_many([eid])
+    return True
 
 
 def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
@@ -500,6 +571,32 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
                 yield
         commit()
         yield
+    # Then the pack of small blobs (pack.py), the same way.
+    pack = store.pack
+    for eid in pack.iter_keys() if pack is not None else ():
+        if eid in store.queue or store.has_row(eid):
+            heal.kept += 1
+            continue
+        try:
+            row, verified = recover_packed(pack, eid, atime=time.time())
+        except FileNotFoundError:
+            continue  # evicted meanwhile
+        except BlobCorrupt as exc:
+            if len(heal.failures) < MAX_FAILURES:
+                heal.failures.append([eid.hex(), f"corrupt: {exc}"])
+            log.warning("ssd: packed blob %s is bad (%s); quarantined while rebuilding the index", eid.hex(), exc)
+            if quarantine_packed(store.root, pack, eid):
+                heal.quarantined += 1
+                store.count("quarantined")
+            continue
+        heal.unverified += not verified
+        pending.append((eid, row))
+        read += 1
+        if len(pending) >= REBUILD_BATCH:
+            commit()
+        if read % STEP_FILES == 0:
+            commit()
+            yield
     commit()
     # Blobs can hold more than the budget (a smaller ssd_gb now, or blobs a
     # crash left unindexed): evict the oldest down to it, as a write would.

@@ -11,7 +11,7 @@ the daemon writes.
 
 Named databases (all keys and values are bytes):
 
-    rows    entry id (33 B)           -> msgpack Row: where/what the blob is
+    rows    entry id (33 B)           -> msgpack Row: where (its file, or the pack)/what the blob is
     lru     atime_us (8 B BE) + eid   -> b""    recency order, oldest first
     tails   parent (32 B) + length (4 B BE) + key (32 B) -> b""
                                                   the tail index, by prefix scan
@@ -44,25 +44,19 @@ flight, resizes, and reopens it.
 from __future__ import annotations
 
 import struct
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
-import lmdb
 import msgpack
 
 from kvd.protocol.errors import KvdError
+from kvd.store.lmdbenv import DEFAULT_MAP_SIZE, Env, IndexBusy
+
+__all__ = ["DEFAULT_MAP_SIZE", "INDEX_FORMAT", "IncompatibleIndex", "Index", "IndexBusy", "Row", "RowDamaged"]
 
 INDEX_FORMAT = 1
-DEFAULT_MAP_SIZE = 1 << 30  # virtual; data.mdb grows only as pages are used
-T = TypeVar("T")
-
-
-class IndexBusy(KvdError):
-    """The index is being resized; the caller should treat its lookup as a miss."""
 
 
 class IncompatibleIndex(KvdError, RuntimeError):
@@ -90,7 +84,7 @@ class Row:
     fmt: int  # blob FORMAT_VERSION
     tensors: list = field(default_factory=list)  # [[name, dtype, shape], ...] summary
     atime: float = 0.0
-    state: str = "ssd"  # reserved for future tier states (e.g. "archived")
+    state: str = "ssd"  # where the blob is: "ssd" its own file, "pack" in the pack (pack.py)
 
     def pack(self) -> bytes:
         # Not dataclasses.asdict: it deep-copies every field, a third of the
@@ -124,28 +118,12 @@ def _tail_key(parent: bytes, length: int, key: bytes) -> bytes:
     return parent + struct.pack(">I", length) + key
 
 
-class Index:
+class Index(Env):
     """The LMDB environment at `path` (a directory). See the module docstring."""
 
     def __init__(self, path: str | Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE):
-        self.path = Path(path)
-        self.readonly = readonly
-        self.env = lmdb.open(
-            str(self.path),
-            map_size=map_size,
-            max_dbs=8,
-            subdir=True,
-            readonly=readonly,
-            create=not readonly,
-            lock=True,
-            sync=True,
-            metasync=True,
-            readahead=False,  # random 4 KiB reads; readahead only pollutes the page cache
-            mode=0o600,
-        )
+        super().__init__(path, readonly=readonly, map_size=map_size, max_dbs=8)
         try:
-            if not readonly:
-                self.env.reader_check()  # clear reader slots left by a killed process
             create = not readonly
             self.rows = self.env.open_db(b"rows", create=create)
             self.lru = self.env.open_db(b"lru", create=create)
@@ -156,9 +134,6 @@ class Index:
         except BaseException:
             self.env.close()
             raise
-        self._gate = threading.Condition()
-        self._readers = 0
-        self._resizing = False
         # Rows found undecodable by any reader; the SSD tier's writer repairs
         # them (`drop_damaged`). A set: adding is atomic under the GIL.
         self.damaged: set[bytes] = set()
@@ -176,63 +151,6 @@ class Index:
                     f"{self.path} has index format {int(raw)}; this kvd reads {INDEX_FORMAT}. "
                     "Use a matching kvd, or delete the data dir to start empty."
                 )
-
-    def close(self) -> None:
-        self.env.close()
-
-    def retire(self, timeout: float = 10.0) -> None:
-        """Close, once the readers inside are out; new readers miss (IndexBusy)."""
-        with self._gate:
-            self._resizing = True
-            self._gate.wait_for(lambda: self._readers == 0, timeout=timeout)
-        self.env.close()
-
-    # -- transactions ----------------------------------------------------
-    @contextmanager
-    def reading(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction. Raises IndexBusy (never blocks) while the map grows."""
-        with self._gate:
-            if self._resizing:
-                raise IndexBusy("index map is being resized")
-            self._readers += 1
-        try:
-            try:
-                txn = self.env.begin()
-            except lmdb.MapResizedError:
-                # Another process (the daemon) grew the map since we opened it.
-                self.env.set_mapsize(0)
-                txn = self.env.begin()
-            with txn:
-                yield txn
-        finally:
-            with self._gate:
-                self._readers -= 1
-                self._gate.notify_all()
-
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run `fn(txn)` in a write transaction and commit; grow the map and
-        re-run on MapFullError. Returns what `fn` returned."""
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    return fn(txn)
-            except lmdb.MapFullError:
-                self._grow()
-
-    def _grow(self) -> None:
-        with self._gate:
-            self._resizing = True
-            try:
-                if not self._gate.wait_for(lambda: self._readers == 0, timeout=10.0):
-                    raise RuntimeError("index resize: readers did not finish within 10 s")
-                new = self.env.info()["map_size"] * 2
-                self.env.set_mapsize(new)
-            finally:
-                self._resizing = False
-
-    @property
-    def map_size(self) -> int:
-        return self.env.info()["map_size"]
 
     # -- reads (any thread, inside `reading()` or a write txn) -------------
     def get(self, txn, eid: bytes) -> Row | None:

@@ -2,7 +2,8 @@
 
 After a crash (or a hand-deleted file, a restored backup) three kinds of
 debris can exist: temp files of writes that never finished, blobs whose
-index row was never committed (orphans), and rows whose blob is gone. The
+index row was never committed (orphans: files, or values in the pack of
+small blobs), and rows whose blob is gone. The
 write order (blob durable before its row; row deleted before its blob)
 means none of them can hold a byte that was ever served, so removing them is
 always safe. The work is a generator of small steps, so the writer thread
@@ -61,11 +62,33 @@ def reconcile_steps(
         if progress:
             progress("blobs", i + 1, len(shards))
         yield
+    # Packed blobs without rows (pack.py): a crash between the pack's commit
+    # and the index's, or a row deleted whose blob delete failed.
+    pack = store.pack
+    last: bytes | None = None
+    while pack is not None:
+        keys, more = pack.keys_after(last, 512)
+        orphans = [eid for eid in keys if eid not in store.queue and not store.has_row(eid)]
+        if orphans:
+            size = 0
+            for eid in orphans:
+                buf = pack.read(eid)
+                size += len(buf) if buf is not None else 0
+            if not dry_run:
+                pack.delete_many(orphans)
+                store.count("orphans_removed", len(orphans))
+            report["orphans_removed"] += len(orphans)
+            report["orphan_bytes"] += size
+        if not more or not keys:
+            break
+        last = keys[-1]
+        yield
     # Rows whose blob is gone. Our own write order never makes these
     # (rows die before blobs, blobs are born before rows); they come from
     # outside interference: a blob deleted by hand, a restored backup.
     last = b""
     done = 0
+    exists = store.blob_exists
     total = store.entries
     while True:
         missing, seen = [], 0
@@ -76,7 +99,7 @@ def reconcile_steps(
                 eid = bytes(cur.key())
                 if eid != last:
                     seen += 1
-                    if not store.path(eid).exists():
+                    if not exists(eid):
                         missing.append(eid)
                 last = eid
                 ok = cur.next()

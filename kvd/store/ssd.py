@@ -100,10 +100,12 @@ from kvd.store.datadir import (
     QUARANTINE_DIR,
     DataDirLock,
     blob_path,
+    eid_of_blob,
     ensure_dirs,
     ensure_quarantine,
 )
 from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row, RowDamaged
+from kvd.store.pack import PACKED, packed_disk_bytes
 from kvd.store.reconcile import reconcile_steps
 from kvd.store.spill import SpillQueue, Writer
 
@@ -147,6 +149,7 @@ class SsdStore(Store):
         retry_s: float = 5.0,
         touch_flush_s: float = 1.0,
         map_size: int = DEFAULT_MAP_SIZE,
+        pack_max_bytes: int = 64 << 10,
         durable: bool = True,
         background: bool = True,
         reconcile: bool = True,
@@ -161,6 +164,8 @@ class SsdStore(Store):
         self.retry_s = retry_s
         self.touch_flush_s = touch_flush_s
         self.durable = durable
+        self.pack_max_bytes = int(pack_max_bytes)  # blobs up to this size go to the pack (pack.py)
+        self._packing: dict[bytes, bytes] = {}  # writer thread: a batch's packed blobs, until synced
         # Where reads land: a callable (size -> writable buffer, or None for a
         # bytearray). The shared-memory plane sets it (kvd/server/shm_setup.py).
         self.read_buffers: Any = None
@@ -169,6 +174,12 @@ class SsdStore(Store):
         try:
             self.index, self.heal = heal.open_index(self.root, map_size=map_size, rebuild=rebuild)
         except BaseException:
+            self._lock_file.release()
+            raise
+        try:
+            self.pack = heal.open_pack(self.root, map_size=map_size)
+        except BaseException:
+            self.index.close()
             self._lock_file.release()
             raise
         with self.index.reading() as txn:
@@ -329,6 +340,16 @@ class SsdStore(Store):
             self._index_error(exc)
             return False
 
+    def blob_exists(self, eid: bytes) -> bool:
+        """Whether `eid`'s blob is there, in the pack or as a file (reconcile)."""
+        try:
+            with self.pack.reading(buffers=True) as txn:
+                if self.pack.has(txn, eid):
+                    return True
+        except (IndexBusy, lmdb.Error):
+            return True  # cannot tell now: never a reason to drop a row
+        return self.path(eid).exists()
+
     def with_rows(self, eids: Iterable[bytes]) -> set[bytes]:
         """Those of `eids` with a committed blob, in one read transaction."""
         try:
@@ -362,15 +383,23 @@ class SsdStore(Store):
         if not self._unlink_lock.acquire(timeout=0.05):
             self._count("busy_misses")
             return None
+        packed = None
         try:
             with self.index.reading() as txn:
                 row = self.index.get(txn, eid)
             if row is None:
                 return None
-            try:
-                fd = os.open(self.path(eid), os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                fd = -1
+            if row.state == PACKED:
+                # Under the lock too: the writer deletes packed blobs under it.
+                packed = self._read_packed(eid)
+                if packed is False:
+                    return None
+                fd = -1 if packed is None else -2
+            else:
+                try:
+                    fd = os.open(self.path(eid), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    fd = -1
         except IndexBusy:
             self._count("busy_misses")
             return None
@@ -382,6 +411,8 @@ class SsdStore(Store):
             return None
         finally:
             self._unlink_lock.release()
+        if fd == -2:
+            return self._checked(eid, row, packed)
         if fd < 0:
             self._mark_bad(eid, "missing")
             return None
@@ -398,6 +429,33 @@ class SsdStore(Store):
             return None
         finally:
             os.close(fd)
+        entry.nbytes = row.nbytes
+        return entry
+
+    def _read_packed(self, eid: bytes):
+        """A copy of `eid`'s packed blob; None if the pack lacks it; False if
+        the pack cannot be read now (resizing, or damaged: counted, a miss)."""
+        try:
+            return self.pack.read(eid, self.read_buffers)
+        except IndexBusy:
+            self._count("busy_misses")
+        except lmdb.Error as exc:
+            with self._mu:
+                self.counters["read_errors"] += 1
+                first = self.counters["read_errors"] == 1
+            if first:
+                log.error("ssd: the pack of small blobs failed a read (%s); serving misses for what it cannot read", exc)
+        return False
+
+    def _checked(self, eid: bytes, row: Row, buf) -> Entry | None:
+        """The entry in a packed blob just read, checked as a file's is (see _read)."""
+        try:
+            entry = blobfile.checked_blob(buf, row.file_size, row.checksum)
+            if entry.id != eid or entry.namespace != row.ns:
+                raise BlobCorrupt("blob holds another entry than its name says")
+        except BlobCorrupt as exc:
+            self._mark_bad(eid, f"corrupt: {exc}")
+            return None
         entry.nbytes = row.nbytes
         return entry
 
@@ -549,8 +607,16 @@ class SsdStore(Store):
                         self._drop(entry, "budget_leased")
                         continue
                 try:
-                    # Synced with the rest of the batch before any row commits (_synced).
-                    info = blobfile.write_blob(self.path(eid), entry, durable=False)
+                    if est <= self.pack_max_bytes:
+                        # Into the pack (pack.py), with the batch's others, at _synced.
+                        buf, checksum = blobfile.encode_blob(entry)
+                        self._packing[eid] = buf
+                        info = blobfile.BlobInfo(len(buf), packed_disk_bytes(len(buf)), checksum)
+                        state = PACKED
+                    else:
+                        # Synced with the rest of the batch before any row commits (_synced).
+                        info = blobfile.write_blob(self.path(eid), entry, durable=False)
+                        state = "ssd"
                 except Unencodable as exc:
                     log.error("ssd: cannot store %s: %s", eid.hex(), exc)
                     self._drop(entry, "unencodable")
@@ -573,7 +639,7 @@ class SsdStore(Store):
                     ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start,
                     length=entry.length, tail=entry.tail, nbytes=entry.nbytes, file_size=info.file_size,
                     disk_bytes=info.disk_bytes, checksum=info.checksum, fmt=blobfile.FORMAT_VERSION,
-                    tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=now,
+                    tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=now, state=state,
                 )))
                 self._recover()
             if written:
@@ -586,39 +652,59 @@ class SsdStore(Store):
             self._count("write_errors")
             self._degrade(f"index write failed: {exc}")
             unindexed = {eid for eid, _ in written}
-            for eid in unindexed:
-                self._unlink(self.path(eid))
+            self._discard(written)
             for entry in batch[:i]:
                 if entry.id in unindexed:
                     self._drop(entry, "write_error")
             for entry in batch[i:]:
                 self._drop(entry, "write_error")
+        finally:
+            self._packing.clear()
+
+    def _discard(self, written: list[tuple[bytes, Row]]) -> None:
+        """Blobs written but never indexed: unlink the files, delete the packed ones."""
+        packed = [eid for eid, row in written if row.state == PACKED]
+        for eid, row in written:
+            if row.state != PACKED:
+                self._unlink(self.path(eid))
+        if packed:
+            try:
+                self.pack.delete_many(packed)
+            except lmdb.Error as exc:  # left behind as orphans: reconcile removes them
+                log.warning("ssd: could not remove %d unindexed packed blobs (%s)", len(packed), exc)
 
     def _synced(self, written: list[tuple[bytes, Row]], batch: list[Entry]) -> list[tuple[bytes, Row]]:
         """Group sync: fsync the blobs of `written` and their folders together,
         in parallel (blobfile.sync_group). Returns those now durable; the
         others are removed and dropped, counted (a disk error degrades)."""
-        if not self.durable or not written:
-            return written
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-fsync")
-        files = [self.path(eid) for eid, _ in written]
-        failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._pool)
-        if not failed:
+        if not written:
             return written
         by_id = {e.id: e for e in batch}
-        kept = []
-        for (eid, row), path in zip(written, files):
-            exc = failed.get(path)
-            if exc is None:
-                kept.append((eid, row))
-                continue
-            self._count("write_errors")
-            self._unlink(path)
-            self._drop(by_id[eid], "write_error")
-            if exc.errno in DISK_ERRNOS:
-                self._degrade(f"fsync failed: {exc}")
-        return kept
+        packed = [(eid, self._packing.pop(eid)) for eid, row in written if row.state == PACKED]
+        lost: set[bytes] = set()
+        if packed:
+            try:
+                self.pack.put_many(packed)  # one synced commit for them all
+            except lmdb.Error as exc:
+                lost.update(eid for eid, _ in packed)
+                for eid, _ in packed:
+                    self._count("write_errors")
+                    self._drop(by_id[eid], "write_error")
+                self._degrade(f"writing to the pack failed: {exc}")
+        files = [self.path(eid) for eid, row in written if row.state != PACKED]
+        if self.durable and files:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-fsync")
+            failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._pool)
+            for path, exc in failed.items():
+                eid = eid_of_blob(path.name)
+                lost.add(eid)
+                self._count("write_errors")
+                self._unlink(path)
+                self._drop(by_id[eid], "write_error")
+                if exc.errno in DISK_ERRNOS:
+                    self._degrade(f"fsync failed: {exc}")
+        return [(eid, row) for eid, row in written if eid not in lost] if lost else written
 
     def settled(self, batch: list[Entry]) -> None:
         """Writer thread, after a batch: tell `on_settled` what became durable."""
@@ -640,8 +726,8 @@ class SsdStore(Store):
             # than leave orphans for reconcile.
             self._count("write_errors")
             self._degrade(f"index commit failed: {exc}")
+            self._discard(written)
             for eid, row in written:
-                self._unlink(self.path(eid))
                 with self._mu:
                     self.counters["drops"] += 1
                     self.drop_reasons["write_error"] = self.drop_reasons.get("write_error", 0) + 1
@@ -725,9 +811,19 @@ class SsdStore(Store):
 
         rows, totals = self.index.write(delete)
         self.entries, self.bytes = totals
-        for eid, _ in rows:
+        packed = []
+        for eid, row in rows:
+            if row.state == PACKED:
+                packed.append(eid)
+                continue
             with self._unlink_lock:
                 self._unlink(self.path(eid))
+        if packed:
+            try:
+                with self._unlink_lock:
+                    self.pack.delete_many(packed)
+            except lmdb.Error as exc:  # their rows are gone: orphans, which reconcile removes
+                log.warning("ssd: could not delete %d packed blobs (%s)", len(packed), exc)
         nbytes = sum(r.disk_bytes for _, r in rows)
         with self._mu:
             self.counters[counter] += len(rows)
@@ -770,8 +866,11 @@ class SsdStore(Store):
         carries if the blob passes its own checksum. False if it does not
         (or predates kvd_sum, or is gone): then it is quarantined."""
         try:
-            row, verified = heal.recover_row(self.path(eid), eid)
-        except (BlobCorrupt, OSError):
+            try:
+                row, verified = heal.recover_row(self.path(eid), eid)
+            except FileNotFoundError:
+                row, verified = heal.recover_packed(self.pack, eid, atime=self._clock())
+        except (BlobCorrupt, OSError, lmdb.Error):
             return False
         if not verified:
             return False
@@ -801,6 +900,11 @@ class SsdStore(Store):
         if reason != "missing":
             with self._unlink_lock:
                 moved = heal.quarantine_file(self.root, src, eid.hex())
+                if not moved:
+                    try:
+                        moved = heal.quarantine_packed(self.root, self.pack, eid)
+                    except lmdb.Error as exc:
+                        log.warning("ssd: could not move packed blob %s out of the pack (%s)", eid.hex(), exc)
             if moved:
                 self._count("quarantined")
         else:
@@ -925,7 +1029,8 @@ class SsdStore(Store):
         store's data dir): a write in flight looks like a temp file."""
         from kvd.store.check import check
 
-        return check(self.root, self.index, verify=verify, pending=self.queue.__contains__, progress=progress)
+        return check(self.root, self.index, pack=self.pack, verify=verify, pending=self.queue.__contains__,
+                     progress=progress)
 
     def recheck(self, eids: list[bytes]) -> tuple[int, int]:
         """Read these blobs again (checksum verified; a failure is quarantined
@@ -1057,6 +1162,8 @@ class SsdStore(Store):
                     "reconciled": self.reconciled.is_set(),
                     "index_rebuild": self.heal.stats() if self.heal else None,
                     "index_map_size": self.index.map_size,
+                    "pack_max_bytes": self.pack_max_bytes,
+                    "pack_file_bytes": self.pack.file_bytes(),
                     "data_dir": str(self.root),
                 }
             },
@@ -1095,6 +1202,7 @@ class SsdStore(Store):
             log.warning("ssd: could not record recent hits at stop (%s)", exc)
         finally:
             self.index.close()
+            self.pack.close()
             heal.clear_start(self.root)  # a clean stop is not a start that died
             self._lock_file.release()
 

@@ -1,0 +1,114 @@
+"""One LMDB environment with a reader gate: what the index and the pack share.
+
+LMDB gives one writer and lock-free MVCC readers. Growing the map
+(`set_mapsize`) needs no transaction open in this process, so `_grow` closes
+a gate that new readers see (they raise IndexBusy and the caller misses
+rather than waits), waits for the readers in flight, resizes, and reopens
+it. `write(fn)` may run `fn` again after growing: `fn` must not touch state
+outside its transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import lmdb
+
+from kvd.protocol.errors import KvdError
+
+DEFAULT_MAP_SIZE = 1 << 30  # virtual; data.mdb grows only as pages are used
+T = TypeVar("T")
+
+
+class IndexBusy(KvdError):
+    """The LMDB map is being resized; the caller should treat its lookup as a miss."""
+
+
+class Env:
+    """The LMDB environment in the directory `path`, synced on every commit."""
+
+    def __init__(self, path: str | Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE, max_dbs: int = 8):
+        self.path = Path(path)
+        self.readonly = readonly
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            max_dbs=max_dbs,
+            subdir=True,
+            readonly=readonly,
+            create=not readonly,
+            lock=True,
+            sync=True,
+            metasync=True,
+            readahead=False,  # random reads; readahead only pollutes the page cache
+            mode=0o600,
+        )
+        try:
+            if not readonly:
+                self.env.reader_check()  # clear reader slots left by a killed process
+        except BaseException:
+            self.env.close()
+            raise
+        self._gate = threading.Condition()
+        self._readers = 0
+        self._resizing = False
+
+    def close(self) -> None:
+        self.env.close()
+
+    def retire(self, timeout: float = 10.0) -> None:
+        """Close, once the readers inside are out; new readers miss (IndexBusy)."""
+        with self._gate:
+            self._resizing = True
+            self._gate.wait_for(lambda: self._readers == 0, timeout=timeout)
+        self.env.close()
+
+    @contextmanager
+    def reading(self, *, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A read transaction. Raises IndexBusy (never blocks) while the map
+        grows. `buffers=True`: values are views into the map, valid inside it."""
+        with self._gate:
+            if self._resizing:
+                raise IndexBusy(f"the LMDB map of {self.path} is being resized")
+            self._readers += 1
+        try:
+            try:
+                txn = self.env.begin(buffers=buffers)
+            except lmdb.MapResizedError:
+                # Another process (the daemon) grew the map since we opened it.
+                self.env.set_mapsize(0)
+                txn = self.env.begin(buffers=buffers)
+            with txn:
+                yield txn
+        finally:
+            with self._gate:
+                self._readers -= 1
+                self._gate.notify_all()
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn(txn)` in a write transaction and commit; grow the map and
+        re-run on MapFullError. Returns what `fn` returned."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+
+    def _grow(self) -> None:
+        with self._gate:
+            self._resizing = True
+            try:
+                if not self._gate.wait_for(lambda: self._readers == 0, timeout=10.0):
+                    raise RuntimeError(f"resizing {self.path}: readers did not finish within 10 s")
+                new = self.env.info()["map_size"] * 2
+                self.env.set_mapsize(new)
+            finally:
+                self._resizing = False
+
+    @property
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]

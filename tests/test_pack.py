@@ -1,0 +1,198 @@
+"""The pack of small blobs (kvd/store/pack.py): small chunks live in one LMDB
+file, not a file each, and keep every promise a blob file keeps: bit-exact
+after a restart, a bad byte is a miss and a quarantine, orphans and lost
+blobs reconciled, a damaged index rebuilt from the pack, a damaged pack
+costing only its own entries."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvd.store import heal
+from kvd.store.datadir import BLOB_DIR, INDEX_DIR, PACK_DIR, QUARANTINE_DIR
+from kvd.store.pack import PACKED, Pack
+from kvd.store.ssd import SsdStore
+from support import (
+    ALL_DTYPES, assert_prefix_hit, assert_same, filled_store, kvd, make_entry, prefix_snapshot, wait_until,
+)
+
+PACK = 64 << 10
+
+
+def _files(root: Path) -> list[Path]:
+    return list((root / BLOB_DIR).rglob("*.safetensors"))
+
+
+def _fill(root: Path, n: int = 10, **kw) -> list:
+    return filled_store(root, [make_entry(i, **kw) for i in range(n)], pack_max_bytes=PACK)
+
+
+def _edit_pack(root: Path, fn) -> None:
+    """Change the pack with the daemon's store closed (as damage from outside would)."""
+    pack = Pack(root / PACK_DIR)
+    try:
+        pack.write(lambda txn: fn(txn, pack.blobs))
+    finally:
+        pack.close()
+
+
+def test_small_chunks_are_packed_and_come_back_bit_exact_after_a_restart(tmp_path):
+    entries = [make_entry(i, dtype_list=ALL_DTYPES, tokens=4, width=16, tail=i == 5) for i in range(12)]
+    big = make_entry(99, width=4096)  # 256 KiB of tensors: over pack_max_bytes, its own file
+    filled_store(tmp_path, entries + [big], pack_max_bytes=PACK)
+    assert [p.name.split(".")[0] for p in _files(tmp_path)] == [big.id.hex()]
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK) as store:
+        wait_until(store.reconciled.is_set, what="the start-up walk and reconcile")
+        assert store.entries == 13 and len(store.pack) == 12
+        with store.index.reading() as txn:
+            assert {store.index.get(txn, e.id).state for e in entries} == {PACKED}
+            assert store.index.get(txn, big.id).state == "ssd"
+        for e in entries + [big]:
+            assert_same(store.get(e.id), e)
+        assert store.tails(entries[4].key) == [(entries[5].length, entries[5].key)]
+        assert store.counters["orphans_removed"] == store.counters["rows_repaired"] == 0
+        report = store.check()
+        assert report.ok and report.checked == 13, report.summary()
+        # Eviction deletes from the pack as it unlinks a file.
+        n, _ = store.evict(0)
+        assert n == 13 and store.entries == 0 and len(store.pack) == 0 and not _files(tmp_path)
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0) as store:
+        assert store.entries == 0 and len(store.pack) == 0 and not _files(tmp_path)
+        assert store.check().ok
+
+
+def test_a_flipped_bit_in_a_packed_blob_is_a_miss_and_a_quarantine(tmp_path):
+    entries = _fill(tmp_path)
+    bad = entries[3]
+
+    def flip(txn, db):
+        raw = bytearray(txn.get(bad.id, db=db))
+        raw[-5] ^= 0x01  # inside tensor data
+        txn.put(bad.id, bytes(raw), db=db)
+
+    _edit_pack(tmp_path, flip)
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, reconcile=False) as store:
+        assert store.contains(bad.id)  # the index cannot know before reading
+        assert store.get(bad.id) is None  # a miss, not an exception
+        store.writer.submit(lambda: None).result()  # the quarantine runs on the writer: a barrier
+        assert store.counters["checksum_failures"] == 1 and store.counters["quarantined"] == 1
+        assert not store.contains(bad.id) and store.entries == 9 and len(store.pack) == 9
+        kept = list((tmp_path / QUARANTINE_DIR).iterdir())
+        assert [p.name.split(".")[0] for p in kept] == [bad.id.hex()]
+        assert len(kept[0].read_bytes()) > 8  # the bad bytes, kept for a post-mortem
+        for e in entries:
+            if e is not bad:
+                assert_same(store.get(e.id), e)
+        assert store.check().ok
+
+
+def test_reconcile_removes_packed_orphans_and_rows_whose_packed_blob_is_gone(tmp_path):
+    entries = _fill(tmp_path, 6)
+    orphan = make_entry(50)
+    from kvd.store import blobfile
+
+    buf, _ = blobfile.encode_blob(orphan)
+    _edit_pack(tmp_path, lambda txn, db: (txn.put(orphan.id, buf, db=db), txn.delete(entries[2].id, db=db)))
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK) as store:
+        report = store.reconcile(dry_run=True)
+        assert report["orphans_removed"] == 1 and report["rows_repaired"] == 1
+        wait_until(store.reconciled.is_set, what="reconcile")
+        assert store.counters["orphans_removed"] == 1 and store.counters["rows_repaired"] == 1
+        assert store.entries == 5 and len(store.pack) == 5 and not store.contains(orphan.id)
+        for e in entries:
+            if e is not entries[2]:
+                assert_same(store.get(e.id), e)
+        assert store.check().ok
+
+
+def test_check_names_a_missing_a_corrupt_and_an_orphan_packed_blob(tmp_path):
+    entries = _fill(tmp_path, 5)
+    orphan = make_entry(60)
+    from kvd.store import blobfile
+    from kvd.store.check import check
+    from kvd.store.index import Index
+
+    buf, _ = blobfile.encode_blob(orphan)
+
+    def spoil(txn, db):
+        txn.delete(entries[0].id, db=db)
+        raw = bytearray(txn.get(entries[1].id, db=db))
+        raw[-1] ^= 0xFF
+        txn.put(entries[1].id, bytes(raw), db=db)
+        txn.put(orphan.id, buf, db=db)
+
+    _edit_pack(tmp_path, spoil)
+    index, pack = Index(tmp_path / INDEX_DIR), Pack(tmp_path / PACK_DIR)
+    try:
+        report = check(tmp_path, index, pack=pack, verify=True)
+    finally:
+        index.close()
+        pack.close()
+    reasons = dict(report.bad)
+    assert reasons[entries[0].id] == "missing" and reasons[entries[1].id].startswith("corrupt")
+    assert report.orphans == [orphan.id] and not report.ok
+
+
+@pytest.mark.parametrize("how", ["truncate", "missing"])
+def test_a_damaged_index_is_rebuilt_from_the_pack(tmp_path, how):
+    entries = _fill(tmp_path, 12, tail=False)
+    big = filled_store(tmp_path, [make_entry(98, width=4096)], pack_max_bytes=PACK)[0]
+    data = tmp_path / INDEX_DIR / "data.mdb"
+    if how == "truncate":
+        os.truncate(data, data.stat().st_size // 2)
+    else:
+        import shutil
+
+        shutil.rmtree(tmp_path / INDEX_DIR)
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False) as store:
+        h = store.heal
+        assert h is not None and h.done
+        assert (h.recovered, h.quarantined, h.unverified) == (13, 0, 0), h.stats()
+        for e in entries + [big]:
+            assert_same(store.get(e.id), e)
+        with store.index.reading() as txn:
+            assert store.index.get(txn, entries[0].id).state == PACKED
+        assert store.check().ok
+
+
+def test_a_damaged_pack_is_moved_aside_and_costs_only_its_own_entries(tmp_path, caplog):
+    entries = _fill(tmp_path, 6)
+    big = filled_store(tmp_path, [make_entry(97, width=4096)], pack_max_bytes=PACK)[0]
+    data = tmp_path / PACK_DIR / "data.mdb"
+    os.truncate(data, 3 * 4096 + 100)  # LMDB would map past the end: SIGBUS, if it were let
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK) as store:
+        assert "pack of small blobs" in caplog.text and "damaged" in caplog.text
+        assert len(list(tmp_path.glob("pack.bad-*"))) == 1
+        wait_until(store.reconciled.is_set, what="reconcile")
+        assert store.counters["rows_repaired"] == 6 and store.entries == 1
+        for e in entries:
+            assert store.get(e.id) is None
+        assert_same(store.get(big.id), big)
+        store.put(entries[0])  # the new pack takes writes
+        assert store.flush(10)
+        assert_same(store.get(entries[0].id), entries[0])
+        assert store.check().ok
+
+
+def test_the_daemon_packs_small_chunks_and_serves_them_after_a_restart(daemon_factory):
+    d = daemon_factory("--ram-mb", "1")
+    seqs = [np.arange(512) + 10_000 * i for i in range(12)]  # 96 chunks of 64 tokens, ~20 KiB each
+    with d.client("packed", strict=True, chunk_tokens=64) as c:
+        for s in seqs:
+            assert c.put(s, prefix_snapshot(s))
+        assert c.stats()["tiers"]["ssd"]["pack_max_bytes"] == 64 << 10
+    assert d.stop() == 0
+    d.start()
+    with d.client("packed", strict=True, chunk_tokens=64) as c:
+        c.gc(ram_bytes=0)
+        for s in seqs:
+            assert_prefix_hit(c.get(s), s)
+        ssd = c.stats()["tiers"]["ssd"]
+        assert ssd["entries"] == 96 and ssd["pack_file_bytes"] > 96 * 4096, ssd
+    assert not _files(d.data_dir)
+    r = kvd("verify", "--data-dir", str(d.data_dir), "--endpoint", d.endpoint)
+    assert r.returncode == 0, r.stdout + r.stderr
