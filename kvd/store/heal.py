@@ -524,6 +524,33 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
         heal.kept += len(rows) - len(added)
 
     read = 0
+
+    def take(eid: bytes, recover, quarantine, what: str) -> bool:
+        """Index one blob (`recover()` -> its row), or quarantine it. True
+        when a step's worth has been read: the caller yields."""
+        nonlocal read
+        try:
+            row, verified = recover()
+        except FileNotFoundError:
+            return False  # evicted or quarantined meanwhile
+        except (BlobCorrupt, OSError) as exc:
+            if len(heal.failures) < MAX_FAILURES:
+                heal.failures.append([eid.hex(), f"corrupt: {exc}"])
+            log.warning("ssd: %s %s is bad (%s); quarantined while rebuilding the index", what, eid.hex(), exc)
+            if quarantine():
+                heal.quarantined += 1
+                store.count("quarantined")
+            return False
+        heal.unverified += not verified
+        pending.append((eid, row))
+        read += 1
+        if len(pending) >= REBUILD_BATCH:
+            commit()
+        if read % STEP_FILES == 0:
+            commit()
+            return True
+        return False
+
     for shard in shards:
         with os.scandir(shard) as it:
             names = [e.name for e in it]
@@ -549,25 +576,7 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
             if (name in indexed) if indexed is not None else store.has_row(eid):
                 heal.kept += 1
                 continue
-            try:
-                row, verified = recover_row(path, eid)
-            except FileNotFoundError:
-                continue  # evicted or quarantined meanwhile
-            except (BlobCorrupt, OSError) as exc:
-                if len(heal.failures) < MAX_FAILURES:
-                    heal.failures.append([eid.hex(), f"corrupt: {exc}"])
-                log.warning("ssd: blob %s is bad (%s); quarantined while rebuilding the index", eid.hex(), exc)
-                if quarantine_file(store.root, path, eid.hex()):
-                    heal.quarantined += 1
-                    store.count("quarantined")
-                continue
-            heal.unverified += not verified
-            pending.append((eid, row))
-            read += 1
-            if len(pending) >= REBUILD_BATCH:
-                commit()
-            if read % STEP_FILES == 0:
-                commit()
+            if take(eid, lambda: recover_row(path, eid), lambda: quarantine_file(store.root, path, eid.hex()), "blob"):
                 yield
         commit()
         yield
@@ -577,25 +586,8 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
         if eid in store.queue or store.has_row(eid):
             heal.kept += 1
             continue
-        try:
-            row, verified = recover_packed(pack, eid, atime=time.time())
-        except FileNotFoundError:
-            continue  # evicted meanwhile
-        except BlobCorrupt as exc:
-            if len(heal.failures) < MAX_FAILURES:
-                heal.failures.append([eid.hex(), f"corrupt: {exc}"])
-            log.warning("ssd: packed blob %s is bad (%s); quarantined while rebuilding the index", eid.hex(), exc)
-            if quarantine_packed(store.root, pack, eid):
-                heal.quarantined += 1
-                store.count("quarantined")
-            continue
-        heal.unverified += not verified
-        pending.append((eid, row))
-        read += 1
-        if len(pending) >= REBUILD_BATCH:
-            commit()
-        if read % STEP_FILES == 0:
-            commit()
+        if take(eid, lambda: recover_packed(pack, eid, atime=time.time()),
+                lambda: quarantine_packed(store.root, pack, eid), "packed blob"):
             yield
     commit()
     # Blobs can hold more than the budget (a smaller ssd_gb now, or blobs a
