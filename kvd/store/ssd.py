@@ -22,7 +22,10 @@ eviction, (b) an explicit admin evict/drop, or (c) failing its checksum.
     the writer holds around each unlink. A reader that saw the row holds an
     open descriptor before the file can be unlinked, and POSIX keeps
     unlinked-but-open files readable: a race ends as a hit, never as a
-    "row said yes, file said no".
+    "row said yes, file said no". A packed blob (pack.py) is read without
+    the lock; one found gone is a fault only if its row is still there, so
+    the race ends as a miss of an entry that was just evicted -- never one
+    a LOOKUP reported (the lease below keeps it).
   * LOOKUP and the GET that follows are separate requests. `lease(eid)`
     (taken by the tiered store *before* `contains` looks) protects the
     entry for `lease_s` seconds: LRU eviction skips leased entries (if only
@@ -383,18 +386,13 @@ class SsdStore(Store):
         if not self._unlink_lock.acquire(timeout=0.05):
             self._count("busy_misses")
             return None
-        packed = None
         try:
             with self.index.reading() as txn:
                 row = self.index.get(txn, eid)
             if row is None:
                 return None
             if row.state == PACKED:
-                # Under the lock too: the writer deletes packed blobs under it.
-                packed = self._read_packed(eid)
-                if packed is False:
-                    return None
-                fd = -1 if packed is None else -2
+                fd = -2  # read below, without the lock (see _read_packed)
             else:
                 try:
                     fd = os.open(self.path(eid), os.O_RDONLY | os.O_CLOEXEC)
@@ -412,7 +410,7 @@ class SsdStore(Store):
         finally:
             self._unlink_lock.release()
         if fd == -2:
-            return self._checked(eid, row, packed)
+            return self._read_packed(eid, row)
         if fd < 0:
             self._mark_bad(eid, "missing")
             return None
@@ -432,23 +430,27 @@ class SsdStore(Store):
         entry.nbytes = row.nbytes
         return entry
 
-    def _read_packed(self, eid: bytes):
-        """A copy of `eid`'s packed blob; None if the pack lacks it; False if
-        the pack cannot be read now (resizing, or damaged: counted, a miss)."""
+    def _read_packed(self, eid: bytes, row: Row) -> Entry | None:
+        """The entry of a packed blob whose row `_read` found, checked as a
+        file's is. Not under `_unlink_lock`: an eviction may delete the row
+        and then the blob meanwhile, so a blob found missing is only a fault
+        if its row is still there."""
         try:
-            return self.pack.read(eid, self.read_buffers)
+            buf = self.pack.read(eid, self.read_buffers)
         except IndexBusy:
             self._count("busy_misses")
-        except lmdb.Error as exc:
+            return None
+        except lmdb.Error as exc:  # a damaged pack: a miss, counted, never INTERNAL
             with self._mu:
                 self.counters["read_errors"] += 1
                 first = self.counters["read_errors"] == 1
             if first:
                 log.error("ssd: the pack of small blobs failed a read (%s); serving misses for what it cannot read", exc)
-        return False
-
-    def _checked(self, eid: bytes, row: Row, buf) -> Entry | None:
-        """The entry in a packed blob just read, checked as a file's is (see _read)."""
+            return None
+        if buf is None:
+            if self.has_row(eid):
+                self._mark_bad(eid, "missing")
+            return None
         try:
             entry = blobfile.checked_blob(buf, row.file_size, row.checksum)
             if entry.id != eid or entry.namespace != row.ns:
@@ -819,9 +821,8 @@ class SsdStore(Store):
             with self._unlink_lock:
                 self._unlink(self.path(eid))
         if packed:
-            try:
-                with self._unlink_lock:
-                    self.pack.delete_many(packed)
+            try:  # no _unlink_lock: readers of packed blobs need none (_read_packed)
+                self.pack.delete_many(packed)
             except lmdb.Error as exc:  # their rows are gone: orphans, which reconcile removes
                 log.warning("ssd: could not delete %d packed blobs (%s)", len(packed), exc)
         nbytes = sum(r.disk_bytes for _, r in rows)
@@ -899,12 +900,13 @@ class SsdStore(Store):
         src = self.path(eid)
         if reason != "missing":
             with self._unlink_lock:
-                moved = heal.quarantine_file(self.root, src, eid.hex())
-                if not moved:
-                    try:
-                        moved = heal.quarantine_packed(self.root, self.pack, eid)
-                    except lmdb.Error as exc:
-                        log.warning("ssd: could not move packed blob %s out of the pack (%s)", eid.hex(), exc)
+                try:  # the pack first (a lookup); a blob it does not hold is a file
+                    moved = packed = heal.quarantine_packed(self.root, self.pack, eid)
+                except lmdb.Error as exc:  # the pack is unreadable: no file to look for either
+                    log.warning("ssd: could not move packed blob %s out of the pack (%s)", eid.hex(), exc)
+                    moved, packed = False, True
+                if not packed:
+                    moved = heal.quarantine_file(self.root, src, eid.hex())
             if moved:
                 self._count("quarantined")
         else:
