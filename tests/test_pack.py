@@ -196,3 +196,31 @@ def test_the_daemon_packs_small_chunks_and_serves_them_after_a_restart(daemon_fa
     assert not _files(d.data_dir)
     r = kvd("verify", "--data-dir", str(d.data_dir), "--endpoint", d.endpoint)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_clean_stop_spares_the_next_start_a_look_through_the_pack(tmp_path):
+    """After a clean close no packed blob lacks a row, and the pack says so
+    (`pack/clean`): the next start's reconcile reads the rows only. Without
+    the mark (a crash, or a process that never looked) it reads the pack."""
+    from kvd.store.pack import CLEAN
+
+    entries = _fill(tmp_path, 4)
+    mark = tmp_path / PACK_DIR / CLEAN
+    orphan = make_entry(70)
+    buf, _ = blobfile.encode_blob(orphan)
+    _edit_pack(tmp_path, lambda txn, db: txn.put(orphan.id, buf, db=db))  # takes the mark away
+    assert not mark.exists()
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK, reconcile=False) as store:
+        assert not store.pack.orphan_free
+    assert not mark.exists()  # closed cleanly, but nobody looked for orphans
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK) as store:
+        assert not mark.exists()  # open for writing: no mark
+        wait_until(store.reconciled.is_set, what="the start-up reconcile")
+        assert store.counters["orphans_removed"] == 1 and store.pack.orphan_free
+        _served_but(store, entries, None)
+    assert mark.exists()
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK) as store:
+        assert store.pack.orphan_free
+        wait_until(store.reconciled.is_set, what="the start-up reconcile")
+        assert store.counters["orphans_removed"] == store.counters["rows_repaired"] == 0
+        _served_but(store, entries, None)

@@ -28,12 +28,15 @@ removes them (counted in `rows_repaired`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from kvd.store.blobfile import fsync_dir
 from kvd.store.lmdbenv import DEFAULT_MAP_SIZE, Env
 
 PACKED = "pack"  # Row.state of an entry whose blob is in the pack
+CLEAN = "clean"  # in the pack's folder while closed cleanly with no blob lacking a row
 BLOCK = 4096
 
 
@@ -53,6 +56,29 @@ class Pack(Env):
         except BaseException:
             self.env.close()
             raise
+        # No blob without a row is in it: the last process to write it said so
+        # at a clean close, or reconcile has looked through it since (it sets
+        # this). The mark is taken away now, and put back by a clean close.
+        self.orphan_free = False
+        if not readonly:
+            try:
+                os.unlink(self.path / CLEAN)
+                self.orphan_free = True
+                fsync_dir(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self, *, clean: bool = False) -> None:
+        """Close; `clean`: every write is committed and none is coming (a
+        clean stop). Marked so only if also `orphan_free`."""
+        self.env.close()
+        if clean and self.orphan_free and not self.readonly:
+            try:
+                with open(self.path / CLEAN, "wb") as f:
+                    os.fsync(f.fileno())
+                fsync_dir(self.path)
+            except OSError:  # a full disk: the next start looks for orphans, that is all
+                pass
 
     def read(self, eid: bytes, alloc: Callable[[int], Any] | None = None) -> Any:
         """A copy of `eid`'s blob (into `alloc(size)` if given and it gives
@@ -100,6 +126,21 @@ class Pack(Env):
                 out.append(bytes(cur.key()))
                 ok = cur.next()
         return out, bool(ok)
+
+    def keys_between(self, lo: bytes | None, hi: bytes | None) -> list[bytes]:
+        """The entry ids k with lo < k <= hi, in order (None: no bound on that side)."""
+        out: list[bytes] = []
+        with self.reading(buffers=True) as txn:
+            cur = txn.cursor(db=self.blobs)
+            ok = cur.set_range(lo) if lo is not None else cur.first()
+            while ok:
+                key = bytes(cur.key())
+                if hi is not None and key > hi:
+                    break
+                if key != lo:
+                    out.append(key)
+                ok = cur.next()
+        return out
 
     def iter_keys(self, step: int = 4096) -> Iterator[bytes]:
         """Every entry id, `step` per read transaction."""

@@ -343,16 +343,6 @@ class SsdStore(Store):
             self._index_error(exc)
             return False
 
-    def blob_exists(self, eid: bytes) -> bool:
-        """Whether `eid`'s blob is there, in the pack or as a file (reconcile)."""
-        try:
-            with self.pack.reading(buffers=True) as txn:
-                if self.pack.has(txn, eid):
-                    return True
-        except (IndexBusy, lmdb.Error):
-            return True  # cannot tell now: never a reason to drop a row
-        return self.path(eid).exists()
-
     def with_rows(self, eids: Iterable[bytes]) -> set[bytes]:
         """Those of `eids` with a committed blob, in one read transaction."""
         try:
@@ -673,6 +663,7 @@ class SsdStore(Store):
             try:
                 self.pack.delete_many(packed)
             except lmdb.Error as exc:  # left behind as orphans: reconcile removes them
+                self.pack.orphan_free = False
                 log.warning("ssd: could not remove %d unindexed packed blobs (%s)", len(packed), exc)
 
     def _synced(self, written: list[tuple[bytes, Row]], batch: list[Entry]) -> list[tuple[bytes, Row]]:
@@ -824,6 +815,7 @@ class SsdStore(Store):
             try:  # no _unlink_lock: readers of packed blobs need none (_read_packed)
                 self.pack.delete_many(packed)
             except lmdb.Error as exc:  # their rows are gone: orphans, which reconcile removes
+                self.pack.orphan_free = False
                 log.warning("ssd: could not delete %d packed blobs (%s)", len(packed), exc)
         nbytes = sum(r.disk_bytes for _, r in rows)
         with self._mu:
@@ -1204,7 +1196,7 @@ class SsdStore(Store):
             log.warning("ssd: could not record recent hits at stop (%s)", exc)
         finally:
             self.index.close()
-            self.pack.close()
+            self.pack.close(clean=True)  # the writer has stopped: nothing more is coming
             heal.clear_start(self.root)  # a clean stop is not a start that died
             self._lock_file.release()
 
