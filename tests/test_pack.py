@@ -196,6 +196,11 @@ def test_the_daemon_packs_small_chunks_and_serves_them_after_a_restart(daemon_fa
     assert not _files(d.data_dir)
     r = kvd("verify", "--data-dir", str(d.data_dir), "--endpoint", d.endpoint)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert d.stop() == 0
+    from kvd.store import offline
+
+    st = offline.stats(d.data_dir)
+    assert st["entries"] == 96 and st["pack"]["file_bytes"] == (d.data_dir / PACK_DIR / "data.mdb").stat().st_size > 96 * 4096
 
 
 def test_a_clean_stop_spares_the_next_start_a_look_through_the_pack(tmp_path):

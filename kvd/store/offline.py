@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from kvd.store.datadir import QUARANTINE_DIR, DataDirLock
+from kvd.store.datadir import PACK_DIR, QUARANTINE_DIR, DataDirLock
 from kvd.store.heal import open_readonly
 
 Progress = Callable[[str, int, int], None]
@@ -47,7 +47,8 @@ def stats(data_dir: str | os.PathLike) -> dict[str, Any]:
     """Entries, bytes and per-namespace usage of the data dir, read-only.
 
     Returns {"entries", "bytes", "namespaces": {ns: {entries, bytes}},
-    "quarantine": {files, bytes}, "index": {map_size, used_bytes}, "locked_by": pid of a live holder (likely the daemon) or None}.
+    "quarantine": {files, bytes}, "index": {map_size, used_bytes}, "pack": {file_bytes} (the
+    pack of small blobs, pack.py), "locked_by": pid of a live holder (likely the daemon) or None}.
     Raises FileNotFoundError if `data_dir` holds no kvd index, IndexDamaged
     if its index is damaged (see heal.py).
     """
@@ -61,6 +62,10 @@ def stats(data_dir: str | os.PathLike) -> dict[str, Any]:
     finally:
         index.close()
     qn, qb = _quarantine_usage(root)
+    try:
+        pack_bytes = (root / PACK_DIR / "data.mdb").stat().st_size
+    except OSError:
+        pack_bytes = 0
     # Report the lock holder without touching the lock: even a brief probe
     # could make a daemon starting at that instant fail with DataDirBusy.
     holder = DataDirLock(root).holder()
@@ -73,6 +78,7 @@ def stats(data_dir: str | os.PathLike) -> dict[str, Any]:
         "namespaces": dict(sorted(namespaces.items())),
         "quarantine": {"files": qn, "bytes": qb},
         "index": info,
+        "pack": {"file_bytes": pack_bytes},
         "locked_by": holder,
     }
 
