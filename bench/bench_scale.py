@@ -22,7 +22,10 @@ so the fill itself takes minutes, not hours), then runs a real daemon on it
 Ratios are against the smallest size. Then (unless --mixed-seconds 0) eight
 client processes run mixed PUT/GET on the largest tier (after --warmup
 seconds that fill the RAM tier) for that long and the ops per window are
-printed, with the last window's ratio to the first. An op counts only if it
+printed, with the last window's ratio to the first. Each client GETs one of
+the prompts it stored, at random: its working set grows with time, so GETs
+turn from RAM hits into SSD hits as the run goes on; `--recent N` keeps it
+to each client's last N prompts instead. An op counts only if it
 did its work: a PUT stored, a GET served whole; PUTs refused (BUSY: the
 daemon over its memory ceiling, or its write-behind backlog full) are
 printed apart.
@@ -178,10 +181,11 @@ def spill_rate(endpoint: str, base: int, n: int = 2000) -> float:
         return n / (time.perf_counter() - t0)
 
 
-def _mixed_worker(endpoint: str, seed: int, seconds: float, window: float, out) -> None:
-    """PUT a new 4-chunk prompt or GET one of its own earlier ones, 50/50. An
-    op counts only if it did its work: a PUT stored (not refused BUSY), a GET
-    served whole (a prompt whose PUT was refused is not asked for)."""
+def _mixed_worker(endpoint: str, seed: int, seconds: float, window: float, out, recent: int = 0) -> None:
+    """PUT a new 4-chunk prompt or GET one of its own earlier ones, 50/50
+    (with `recent`, one of its last `recent` stored). An op counts only if
+    it did its work: a PUT stored (not refused BUSY), a GET served whole (a
+    prompt whose PUT was refused is not asked for)."""
     rng = np.random.default_rng(seed)
     counts: list[int] = []
     refused = 0
@@ -201,7 +205,8 @@ def _mixed_worker(endpoint: str, seed: int, seconds: float, window: float, out) 
                 if now - t0 >= seconds:
                     break
             if stored and rng.random() < 0.5:
-                j = stored[int(rng.integers(0, len(stored)))]
+                pool = stored[-recent:] if recent else stored
+                j = pool[int(rng.integers(0, len(pool)))]
                 hit = c.get([seed, j, 1] * (4 * CT // 3) + [9] * (4 * CT % 3))
                 ops += hit is not None and hit.n == 4 * CT
             else:
@@ -214,9 +219,13 @@ def _mixed_worker(endpoint: str, seed: int, seconds: float, window: float, out) 
     out.put((counts, refused))
 
 
-def mixed(endpoint: str, seconds: float, window: float, clients: int = 8) -> list[int]:
+def mixed(endpoint: str, seconds: float, window: float, clients: int = 8, recent: int = 0) -> list[int]:
     q: mp.Queue = mp.Queue()
-    procs = [mp.Process(target=_mixed_worker, args=(endpoint, 1000 + i, seconds, window, q)) for i in range(clients)]
+    # Seeds of this run's own: a run on a kept data dir PUTs new prompts, not
+    # an earlier run's again (duplicates cost next to nothing).
+    base = 1000 + (int(time.time()) % 100_000) * 100
+    procs = [mp.Process(target=_mixed_worker, args=(endpoint, base + i, seconds, window, q, recent))
+             for i in range(clients)]
     for p in procs:
         p.start()
     results = [q.get() for _ in procs]
@@ -234,6 +243,9 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=40.0, help="seconds of mixed load before the compared windows")
     ap.add_argument("--keep", help="use (and keep) this work dir instead of a temporary one")
+    ap.add_argument("--recent", type=int, default=0,
+                    help="mixed GETs pick among each client's last N prompts (0: any it stored): a working set "
+                         "that stops growing, so a fall over time is the tier's cost, not RAM hits turning into SSD hits")
     ap.add_argument("--daemon-args", default="", help="more `kvd serve` flags, e.g. '--pack-max-kb 0'")
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: measure the data dir as it is (no anchor, no fill), then the mixed load")
@@ -289,11 +301,12 @@ def main() -> None:
             # warm-up, printed but not compared; the issue is decay after it.
             warm = max(1, round(args.warmup / args.window))
             d.start()
-            windows = mixed(d.endpoint, args.mixed_seconds + warm * args.window, args.window)
+            windows = mixed(d.endpoint, args.mixed_seconds + warm * args.window, args.window, recent=args.recent)
             with Client(d.endpoint, namespace=NS, timeout=30) as c:
                 ssd = c.stats()["tiers"]["ssd"]
             d.stop()
-            print(f"mixed, 8 clients, ops per {args.window:.0f} s window on {have} entries: warm-up {windows[:warm]}, "
+            print(f"mixed, 8 clients{f', GETs among the last {args.recent} prompts' if args.recent else ''}, "
+                  f"ops per {args.window:.0f} s window on {have} entries: warm-up {windows[:warm]}, "
                   f"then {windows[warm:]}")
             if len(windows) > warm:
                 print(f"last window / first after warm-up: {windows[-1] / windows[warm]:.2f}x")
