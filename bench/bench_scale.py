@@ -19,6 +19,8 @@ so the fill itself takes minutes, not hours), then runs a real daemon on it
     one-chunk sequences PUT into the RAM tier, then `gc(ram_bytes=0)` until
     the SSD tier holds all of them: blob writes, fsyncs and index commits);
   * stop: SIGTERM until the process exits.
+First, the SSD writer's own rate for such chunks (`write_batch`, 64 a batch,
+every batch synced), each blob a file against packed (pack.py), same run.
 Ratios are against the smallest size. Then (unless --mixed-seconds 0) eight
 client processes run mixed PUT/GET on the largest tier (after --warmup
 seconds that fill the RAM tier) for that long and the ops per window are
@@ -91,6 +93,27 @@ def fill(data: Path, have: int, want: int) -> float:
     finally:
         store.close()
     return time.perf_counter() - t0
+
+
+def writer_rate(workdir: Path, pack_max_bytes: int, n: int = 4096) -> float:
+    """Blobs/s of the SSD writer's own path (`write_batch`, batches of 64, every
+    batch synced) for `n` fresh 256-token chunks, in a data dir of their own."""
+    from kvd.store.ssd import SsdStore
+
+    data = workdir / f"writer-{pack_max_bytes}"
+    shutil.rmtree(data, ignore_errors=True)
+    store = SsdStore(data, budget_bytes=1 << 40, pack_max_bytes=pack_max_bytes, reconcile=False, background=False)
+    try:
+        batch = [Entry(namespace=NS, key=keys.chain(NS, CT, np.full(CT, i, "<u4").tobytes())[0], kind=CHUNK,
+                       parent=keys.root_key(NS, CT), start=0, length=CT, tensors=chunk_tensors(i), meta=b"\x80",
+                       tail=False) for i in range(n)]
+        t0 = time.perf_counter()
+        for i in range(0, n, 64):
+            store.write_batch(batch[i : i + 64])
+        return n / (time.perf_counter() - t0)
+    finally:
+        store.close()
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def snapshot(n_tokens: int, seed: int) -> Snapshot:
@@ -256,6 +279,9 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     data = workdir / "data"
     print(f"bench_scale: {machine()}; 256-token chunks of 4 KiB; daemon --ram-mb 16, write-back; work dir {workdir}")
+    files, packed = writer_rate(workdir, 0), writer_rate(workdir, 64 << 10)
+    print(f"SSD writer (write_batch, 64 a batch, synced): a file each {files:.0f} blobs/s, packed {packed:.0f} "
+          f"blobs/s: {packed / files:.1f}x")
     d = Daemon(workdir, data, args.daemon_args.split())
     try:
         if args.reuse and not args.keep:
