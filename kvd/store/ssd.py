@@ -667,7 +667,8 @@ class SsdStore(Store):
                 log.warning("ssd: could not remove %d unindexed packed blobs (%s)", len(packed), exc)
 
     def _synced(self, written: list[tuple[bytes, Row]], batch: list[Entry]) -> list[tuple[bytes, Row]]:
-        """Group sync: fsync the blobs of `written` and their folders together,
+        """Group sync: commit the packed blobs of `written` to the pack in one
+        synced transaction, and fsync the others' files and folders together,
         in parallel (blobfile.sync_group). Returns those now durable; the
         others are removed and dropped, counted (a disk error degrades)."""
         if not written:
