@@ -94,10 +94,6 @@ class Pack(Env):
             memoryview(buf).cast("B")[:] = view
             return buf
 
-    def has(self, txn, eid: bytes) -> bool:
-        """Inside `reading(buffers=True)`: no copy of the value is made."""
-        return txn.get(eid, db=self.blobs) is not None
-
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         """Commit these (entry id, blob bytes) in one synced transaction."""
         items = list(items)
