@@ -184,6 +184,24 @@ def test_lookup_lease_keeps_entry_until_get(tmp_path, stores):
     assert_same(store.get(entries[0].id), entries[0])  # the GET that follows
 
 
+def test_lease_many_leases_all_but_the_victims_being_evicted(tmp_path):
+    """A LOOKUP leases every id it reports; one whose row is being deleted this
+    instant is reported absent and gets no lease (both of lease_many's paths)."""
+    clock = FakeClock()
+    ssd = SsdStore(tmp_path / "d", 1 << 20, min_free_bytes=0, background=False, clock=clock)
+    try:
+        ids = [bytes([i]) * 33 for i in range(4)]
+        assert ssd.lease_many(ids[:2]) == [True, True]
+        assert ssd.leased(ids[0]) and ssd.leased(ids[1]) and not ssd.leased(ids[2])
+        ssd._evicting.add(ids[3])  # as the writer's eviction marks its victims
+        assert ssd.lease_many(ids) == [True, True, True, False]
+        assert ssd.leased(ids[2]) and not ssd.leased(ids[3])
+        clock.advance(ssd.lease_s + 1)
+        assert not any(ssd.leased(e) for e in ids)
+    finally:
+        ssd.close()
+
+
 def test_contains_never_lies_while_writer_evicts(tmp_path, stores):
     """Reads race spills and evictions: every yes from contains is then served."""
     entries = [make_entry(i, tokens=4) for i in range(300)]

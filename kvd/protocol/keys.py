@@ -68,9 +68,15 @@ def root_key(namespace: str, chunk_tokens: int) -> bytes:
     ).digest()
 
 
+_TAGGED = hashlib.sha256(CHUNK_TAG)  # copied, never updated (see iter_chain)
+
+
 def chunk_key(parent: bytes, chunk: bytes) -> bytes:
     """The key of a chunk: its parent's key and its tokens as u32 LE bytes."""
-    return hashlib.sha256(CHUNK_TAG + parent + chunk).digest()
+    h = _TAGGED.copy()
+    h.update(parent)
+    h.update(chunk)
+    return h.digest()
 
 
 def chunk_spans(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -147,10 +153,14 @@ def iter_chain(namespace: str, chunk_tokens: int, tokens_le: bytes, media: Media
         return
     # No media: `chunk_key` inlined over a memoryview (no slice copies). A
     # LOOKUP of a 32k-token prompt hashes 128 chunks; the per-chunk Python
-    # around the hash was two thirds of its cost.
-    view, step, sha256 = memoryview(tokens_le), 4 * chunk_tokens, hashlib.sha256
+    # around the hash was two thirds of its cost. Each hash starts as a copy
+    # of one that has taken the tag: `hashlib.sha256()` fetches OpenSSL's
+    # digest afresh each time (~0.9 us here, as much as hashing 1 KiB), a copy
+    # does not (~0.35 us): 202 -> 137 us for those 128 chunks.
+    view, step, tagged = memoryview(tokens_le), 4 * chunk_tokens, _TAGGED.copy
     for start in range(0, 4 * n_tokens, step):
-        h = sha256(CHUNK_TAG + parent)
+        h = tagged()
+        h.update(parent)
         h.update(view[start : start + step])
         parent = h.digest()
         yield parent
@@ -162,7 +172,8 @@ def tail_keys(parent: bytes, chunk: bytes) -> Iterator[tuple[int, bytes]]:
     Incremental: one SHA-256 state is extended token by token and copied,
     so all keys cost about as much as hashing the chunk once.
     """
-    h = hashlib.sha256(CHUNK_TAG + parent)
+    h = _TAGGED.copy()
+    h.update(parent)
     for i in range(0, len(chunk) - 4, 4):
         h.update(chunk[i : i + 4])
         yield i // 4 + 1, h.copy().digest()

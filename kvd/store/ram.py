@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
 from kvd.store.overhead import entry_overhead
@@ -88,6 +88,9 @@ class RamStore(Store):
 
     def contains(self, eid: bytes) -> bool:
         return eid in self._entries
+
+    def held(self, eids: Sequence[bytes]) -> list[bool]:
+        return list(map(self._entries.__contains__, eids))
 
     def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
         return sorted(((n, k) for k, n in self._tails.get(parent, {}).items()), reverse=True)

@@ -323,10 +323,12 @@ class SsdStore(Store):
         until = now + self.lease_s
         with self._mu:
             evicting = self._evicting
-            out = [eid not in evicting for eid in eids]
-            for eid, ok in zip(eids, out):
-                if ok:
-                    self._leases[eid] = until
+            if evicting:
+                out = [eid not in evicting for eid in eids]
+                self._leases.update((eid, until) for eid, ok in zip(eids, out) if ok)
+            else:  # the usual case, at C speed: a LOOKUP of 32k tokens leases 256 ids
+                out = [True] * len(eids)
+                self._leases.update(dict.fromkeys(eids, until))
             if len(self._leases) > self._lease_sweep_at:
                 self._leases = {k: t for k, t in self._leases.items() if t > now}
                 self._lease_sweep_at = max(4096, 2 * len(self._leases))

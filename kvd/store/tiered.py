@@ -44,6 +44,7 @@ Policy table (data, not code paths):
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections import OrderedDict
@@ -91,8 +92,7 @@ class TieredStore(Store):
 
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         leased = self.ssd.lease_many(eids)  # lease first, as in `contains`
-        in_ram = self.ram.contains
-        out = [ok and in_ram(eid) for eid, ok in zip(eids, leased)]
+        out = list(map(operator.and_, leased, self.ram.held(eids)))
         rest = [i for i, (ok, have) in enumerate(zip(leased, out)) if ok and not have]
         if rest:
             for i, have in zip(rest, self.ssd.held([eids[i] for i in rest])):
