@@ -42,19 +42,39 @@ def _all_there(d, ns: str, seqs: list[np.ndarray], why: str) -> None:
             assert_prefix_hit(hit, s)
 
 
-@pytest.mark.parametrize("transport", ["frames", "shm"])
+@pytest.mark.parametrize("transport", ["frames", "shm", "remote"])
 def test_write_through_ack_survives_kill_9(daemon_factory, transport):
     """Before: 20 of 20 acknowledged PUTs lost. Now each PUT (or shared-memory
     COMMIT) is answered after fsync + commit, and the daemon is SIGKILLed the
-    moment the answer arrives."""
+    moment the answer arrives. `remote`: with a remote tier behind the local
+    ones too (it once answered at once); the remote server is emptied after
+    each kill, so only the local disk can serve what was acknowledged."""
     runs = RUNS or 20
-    d = daemon_factory("--ram-mb", "64", "--write-through")
+    server = None
+    if transport == "remote":
+        from redis_server import SKIP_REASON, RedisServer, redis_binary
+
+        if redis_binary() is None:
+            pytest.skip(SKIP_REASON)
+        server = RedisServer().start()
+    try:
+        _kill_9_after_each_ack(daemon_factory, runs, "shm" if transport == "shm" else "frames", server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _kill_9_after_each_ack(daemon_factory, runs: int, transport: str, server) -> None:
+    extra = ("--remote-url", server.url) if server is not None else ()
+    d = daemon_factory("--ram-mb", "64", "--write-through", *extra)
     acked: list[np.ndarray] = []
     for i in range(runs):
         s = _seq(i, 256 + 128 * (i % 3))  # one or two chunks, a tail now and then
         with d.client("wt", strict=True, transport=transport) as c:
             assert c.put(s, prefix_snapshot(s))
         d.kill()  # at once: not a moment for a writer to catch up
+        if server is not None:
+            server.client().flushall()
         acked.append(s)
         d.start()
         if i % 5 == 4 or i == runs - 1:

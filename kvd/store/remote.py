@@ -554,6 +554,18 @@ class WithRemote(Store):
             self.remote.offer(entry)
         return outcome
 
+    # Durability is the local tiers' (Store's defaults would answer "nothing to
+    # wait for": a write-through PUT acknowledged before its fsync, and a
+    # write-back backlog that `tick` never fed to the writer).
+    def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
+        return self.local.persist(entries)
+
+    def queued(self, eid: bytes) -> bool:
+        return self.local.queued(eid)
+
+    def tick(self) -> None:
+        self.local.tick()
+
     # -- admin: local tiers only (the server evicts by its own policy) ----------
     def evict(self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ssd") -> tuple[int, int]:
         return self.local.evict(budget_bytes, dry_run=dry_run, tier=tier)
