@@ -311,11 +311,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("write_through", _bool, False,
             "Write every chunk to the SSD tier when it is stored, not only when evicted from RAM."),
     Setting("spill_queue", _int(1), 256,
-            "Most chunks waiting to be written to the SSD tier."),
+            "Most chunks in the SSD writer's queue. In write-back mode more wait in RAM, and a chunk "
+            "RAM lets go enters the queue regardless (dirty_max_mb bounds the bytes of both)."),
     Setting("dirty_max_mb", _int(1), 256,
-            "Bytes of stored chunks not yet on disk that the SSD writer's queue holds, in MiB: in "
-            "write-back mode the backlog a stop has to write; in write-through mode the most that "
-            "PUTs waiting for their fsync may hold (past it a PUT is answered BUSY)."),
+            "Bytes of stored chunks not yet on disk, in MiB: in write-back mode the backlog a stop "
+            "has to write (while it is full a PUT is answered BUSY); in write-through mode the most "
+            "that PUTs waiting for their fsync may hold (past it a PUT is answered BUSY)."),
     Setting("pack_max_kb", _int(0), 64,
             "Chunks whose blob is at most this many KiB are packed into one LMDB file "
             "(data_dir/pack) instead of a file each: a file costs more to create than a small "

@@ -197,6 +197,35 @@ def test_sigterm_with_a_large_dirty_ram_tier_ends_within_stop_timeout(daemon_fac
                 assert_prefix_hit(hit, s)
 
 
+def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemon_factory):
+    """Write-back with a disk slower than the client (a file and an fsync per
+    16-token chunk): a PUT is admitted into an empty backlog however big it
+    is; while `dirty_max_mb` is not on disk yet, the next PUT is answered BUSY
+    and nothing of it is kept; once the writer has caught up, PUTs are taken
+    again, and everything acknowledged is served bit-exact."""
+    d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0")
+    first, second = _seq(300, 32 * 1024), _seq(301, 256)  # 2,048 chunks, then 16
+    with d.client("bp", strict=True, chunk_tokens=16, timeout=60) as c:
+        assert c.put(first, prefix_snapshot(first))
+        dirty = c.stats()["store"]["dirty_bytes"]
+        # Thousands of fsyncs stand between this and a backlog under 1 MiB.
+        assert dirty > 4 << 20, f"the disk kept up ({dirty} bytes dirty): this test needs a bigger backlog"
+        with pytest.raises(Busy, match="not on disk yet"):
+            c.put(second, prefix_snapshot(second))
+        assert c.probe(second).n == 0  # nothing of the refused PUT was kept
+        deadline = time.monotonic() + 120
+        while c.stats()["store"]["dirty_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls the writer's progress; the assertion is below
+        st = c.stats()
+        assert st["store"]["dirty_bytes"] == 0 and st["store"]["backlog_refusals"] >= 1
+        assert st["tiers"]["ssd"]["drops"] == 0
+        assert c.put(second, prefix_snapshot(second))
+        for s in (first, second):
+            hit = c.get(s)
+            assert hit is not None and hit.n == len(s)
+            assert_prefix_hit(hit, s)
+
+
 def test_parking_bounds_settles_and_never_acknowledges_what_failed():
     """The parked-reply book (sans-I/O): bounds, group settling, rule 1, stop."""
     from kvd.server.parking import Parking

@@ -109,6 +109,9 @@ class Daemon:
         self.stop_timeout = stop_timeout
         self.stopping_since: float | None = None  # monotonic time a stop was asked for
         self.write_through = bool(getattr(store, "write_through", False))
+        # Write-back with an SSD tier: a PUT is refused while the dirty backlog
+        # is at its bound (kvd.store.tiered, PUT), never waited for.
+        self._backlog_full = getattr(store, "backlog_full", None)
         self.parking = Parking(parked_max_bytes)
         self.wakeup = Wakeup()
         self._signal_fd = False  # the wakeup pipe is Python's signal wakeup fd
@@ -196,7 +199,9 @@ class Daemon:
 
     def _update_ceiling(self) -> None:
         ram = getattr(self.store, "ram", self.store)
-        self._ceiling = memory_ceiling(getattr(ram, "bytes", 0), self.limits)
+        ssd = getattr(self.store, "ssd", None)
+        spilled = ssd.queue.outside_bytes if ssd is not None else 0  # waiting for the disk, no longer in RAM
+        self._ceiling = memory_ceiling(getattr(ram, "bytes", 0) + spilled, self.limits)
 
     def peer_stats(self) -> dict:
         out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling}
@@ -437,11 +442,13 @@ class Daemon:
             self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
             return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
-            if msg.type in ("PUT", "COMMIT") and self.write_through:
-                nbytes = sum(len(f) for f in frames)
-                why = self.parking.admit(identity, nbytes)
-                if why is not None:
-                    raise E.Busy(f"write-through: {why}; retry later")
+            if msg.type in ("PUT", "COMMIT"):
+                if self.write_through:
+                    why = self.parking.admit(identity, sum(len(f) for f in frames))
+                    if why is not None:
+                        raise E.Busy(f"write-through: {why}; retry later")
+                elif self._backlog_full is not None and (why := self._backlog_full()) is not None:
+                    raise E.Busy(f"write-back: {why}; retry later")
             rtype, fields = self.handler.handle(msg)
             if isinstance(fields, Deferred):
                 self.parking.park(identity, msg.id, fields.fields, fields.eids, sum(len(f) for f in frames), rtype)

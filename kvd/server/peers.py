@@ -210,7 +210,8 @@ BASE_ALLOWANCE = 160 << 20
 
 def memory_ceiling(ram_bytes: int, limits) -> int:
     """Anonymous RSS the daemon allows itself: the RAM tier's bytes (entries'
-    overhead included) + BASE_ALLOWANCE + 3 x max_message_bytes: queued replies
+    overhead included; the caller adds the spill queue's entries RAM no longer
+    holds) + BASE_ALLOWANCE + 3 x max_message_bytes: queued replies
     are held to 2x in total (kvd.server.outbox), 1x is for messages arriving.
     Over it, the gate sheds stalled peers (rule 3)."""
     return ram_bytes + BASE_ALLOWANCE + 3 * limits.max_message_bytes

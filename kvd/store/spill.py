@@ -58,6 +58,11 @@ class SpillQueue:
         # on every LOOKUP that stops short, and the queue holds every write behind.
         self._tails: dict[bytes, dict[bytes, tuple[int, bytes]]] = {}
         self.bytes = 0
+        # Queued entries the RAM tier no longer holds (spilled, or too big for
+        # it): the queue is then their only copy in memory, and the daemon's
+        # memory ceiling counts them (kvd.server.peers.memory_ceiling).
+        self._outside: set[bytes] = set()
+        self.outside_bytes = 0
         self.closed = False
 
     def __len__(self) -> int:
@@ -69,12 +74,15 @@ class SpillQueue:
     def get(self, eid: bytes) -> Entry | None:
         return self._pending.get(eid)
 
-    def offer(self, entry: Entry, *, wait: float = 0.0, force: bool = False) -> bool:
+    def offer(self, entry: Entry, *, wait: float = 0.0, force: bool = False, outside: bool = False) -> bool:
         """Queue `entry` for writing. True if queued (or already queued);
-        False if the queue stayed full for `wait` seconds or is closed."""
+        False if the queue stayed full for `wait` seconds or is closed.
+        `outside`: the RAM tier does not (or no longer) hold it."""
         eid = entry.id
         with self.cond:
             if eid in self._pending:
+                if outside:
+                    self._mark_outside(eid, entry.nbytes)
                 return True
             if not force:
                 # An entry bigger than the whole queue is admitted alone, into
@@ -91,10 +99,25 @@ class SpillQueue:
                 return False
             self._pending[eid] = entry
             self.bytes += entry.nbytes
+            if outside:
+                self._mark_outside(eid, entry.nbytes)
             if entry.tail and entry.kind == CHUNK:
                 self._tails.setdefault(entry.parent, {})[eid] = (entry.length, entry.key)
             self.cond.notify_all()
             return True
+
+    def _mark_outside(self, eid: bytes, nbytes: int) -> None:
+        if eid not in self._outside:
+            self._outside.add(eid)
+            self.outside_bytes += nbytes
+
+    def _forget(self, entry: Entry) -> None:
+        """Bookkeeping for an entry leaving the queue (the caller pops it)."""
+        self.bytes -= entry.nbytes
+        if entry.id in self._outside:
+            self._outside.discard(entry.id)
+            self.outside_bytes -= entry.nbytes
+        self._untail(entry)
 
     def _untail(self, entry: Entry) -> None:
         if entry.tail and entry.kind == CHUNK:
@@ -126,8 +149,7 @@ class SpillQueue:
                 eid = entry.id
                 self._inflight.discard(eid)
                 if self._pending.pop(eid, None) is not None:
-                    self.bytes -= entry.nbytes
-                    self._untail(entry)
+                    self._forget(entry)
             self.cond.notify_all()
 
     def pending_where(self, pred: Callable[[Entry], bool]) -> list[Entry]:
@@ -145,8 +167,7 @@ class SpillQueue:
             gone = [e for eid, e in self._pending.items() if eid not in self._inflight and pred(e)]
             for e in gone:
                 del self._pending[e.id]
-                self.bytes -= e.nbytes
-                self._untail(e)
+                self._forget(e)
             self.cond.notify_all()
         return gone
 

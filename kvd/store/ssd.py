@@ -523,10 +523,10 @@ class SsdStore(Store):
         return sorted(found.items(), reverse=True)
 
     # -- writes (daemon thread: enqueue only) ------------------------------
-    def put(self, entry: Entry) -> PutOutcome:
+    def put(self, entry: Entry, *, force: bool = False) -> PutOutcome:
         """Queue `entry` for writing. DUPLICATE if held (recency refreshed);
         TOO_BIG if over the whole budget; DROPPED (counted) if the queue
-        stayed full for `queue_wait_s`."""
+        stayed full for `queue_wait_s` (`force`: it takes it regardless)."""
         eid = entry.id
         if self.contains(eid):
             with self._mu:
@@ -536,13 +536,14 @@ class SsdStore(Store):
         if blobfile.estimate_disk_bytes(entry) > self.budget_bytes:
             self._drop(entry, "too_big")
             return PutOutcome.TOO_BIG
-        if not self.spill(entry):
+        if not self.spill(entry, force=force):
             return PutOutcome.DROPPED
         return PutOutcome.STORED
 
     def spill(self, entry: Entry, *, force: bool = False) -> bool:
-        """Hand an entry evicted from RAM to this tier. True if it is (or
-        will be) held; False if dropped (counted)."""
+        """Hand an entry evicted from RAM (or too big for it) to this tier.
+        True if it is (or will be) held; False if dropped (counted). `force`
+        queues it past the queue's bounds instead of waiting for room."""
         eid = entry.id
         if self.has_row(eid) and eid not in self._bad:
             # Already on disk (promoted earlier, or written through): a clean
@@ -551,7 +552,8 @@ class SsdStore(Store):
                 self._touched[eid] = self._clock()
                 self.counters["spills_clean"] += 1
             return True
-        if self.queue.offer(entry, wait=self.queue_wait_s, force=force or self.leased(eid)):
+        force = force or self.leased(eid)
+        if self.queue.offer(entry, wait=0.0 if force else self.queue_wait_s, force=force, outside=True):
             return True
         self._drop(entry, "queue_full")
         return False

@@ -10,13 +10,17 @@ spill is "clean" -- a recency update, no write.
 Policy table (data, not code paths):
 
     PUT      RAM, and the SSD write is queued at once (write-behind), so
-             disk follows RAM continuously. Write-back: if the queue -- the
-             dirty backlog, bounded by bytes -- is full, the entry waits in
-             `behind` (oldest first) and `tick()` queues it when the writer
-             has made room. Write-through: the queue takes it regardless
-             (the daemon bounds the PUTs waiting on it) and `persist()` says
-             which entries a PUT must wait for. An entry larger than the whole
-             RAM budget goes to SSD directly.
+             disk follows RAM continuously. Write-back: if the queue is full,
+             the entry waits in `behind` (oldest first) and `tick()` queues it
+             when the writer has made room. The dirty backlog -- the queue
+             and `behind` -- is bounded by bytes (the queue's `max_bytes`,
+             `dirty_max_mb`): while it is at the bound, `backlog_full()` says
+             why and the daemon answers write-back PUTs BUSY, so a stop has at
+             most that much to write and a client storing faster than the disk
+             writes is refused, not everyone stalled. Write-through: the
+             queue takes it regardless (the daemon bounds the PUTs waiting on
+             it) and `persist()` says which entries a PUT must wait for. An
+             entry larger than the whole RAM budget goes to SSD directly.
     GET      RAM, else SSD (its queue, then disk). A GET spanning both is
              served entry by entry: each `get` returns a whole entry.
     PROMOTE  every SSD hit whose entry is at most `promote_max_fraction` of
@@ -29,9 +33,13 @@ Policy table (data, not code paths):
              keeps its own budget): `tier="ram"` shrinks RAM instead, spilling
              every entry not yet on disk into the queue even when it is full
              (an explicit request to move entries down, never to lose them).
-             An LRU eviction of an entry not yet written offers it to the
-             queue, waiting briefly when it is full, and drops it (counted)
-             only if the disk is that far behind.
+             An LRU eviction of an entry waiting in `behind` moves it into
+             the queue at once, past the queue's entry bound (its bytes are
+             in the bounded backlog already): the daemon's thread never
+             waits for the disk. Any other entry not yet written (one a
+             failed write dropped) is offered, waiting briefly when the
+             queue is full, and dropped (counted) if the disk is that far
+             behind.
     DROP     both tiers and the spill queue.
     CLOSE    (persist=True) every RAM entry not on disk -- the dirty
              backlog, normally bounded by the queue -- is queued, oldest
@@ -68,15 +76,24 @@ class TieredStore(Store):
         self.ssd = ssd
         self.write_through = write_through
         self.promote_max_bytes = int(ram.budget_bytes * promote_max_fraction)
-        self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0, "ssd_served_bytes": 0}
+        self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0, "ssd_served_bytes": 0,
+                         "backlog_refusals": 0}
         # Write-back entries in RAM waiting for room in the queue, oldest first.
         self.behind: OrderedDict[bytes, Entry] = OrderedDict()
+        self.behind_bytes = 0
         self._moving_down = False  # an explicit evict(tier="ram") is running
         ram.on_evict = self._on_ram_evict
 
     def _on_ram_evict(self, entry: Entry) -> None:
-        self.behind.pop(entry.id, None)
-        self.ssd.spill(entry, force=self._moving_down)
+        was_behind = self._unbehind(entry.id)
+        self.ssd.spill(entry, force=self._moving_down or was_behind)
+
+    def _unbehind(self, eid: bytes) -> bool:
+        entry = self.behind.pop(eid, None)
+        if entry is None:
+            return False
+        self.behind_bytes -= entry.nbytes
+        return True
 
     def set_settled_callback(self, callback) -> None:
         """`callback(results, degraded)` after each SSD batch (see SsdStore.on_settled)."""
@@ -133,13 +150,27 @@ class TieredStore(Store):
             return self.ssd.put(entry)
         outcome = self.ram.put(entry)
         if outcome is PutOutcome.TOO_BIG:
-            return self.ssd.put(entry)
+            # Into the queue at once, in either mode: write-through bounds what
+            # waits on it, write-back's PUTs were admitted under backlog_full.
+            return self.ssd.put(entry, force=True)
         if outcome is PutOutcome.STORED and self.ram.contains(entry.id):
             if self.write_through:
                 self.ssd.queue.offer(entry, force=True)
             elif self.behind or not self.ssd.queue.offer(entry):
+                self._unbehind(entry.id)
                 self.behind[entry.id] = entry  # after those already waiting: disk order = arrival order
+                self.behind_bytes += entry.nbytes
         return outcome
+
+    def backlog_full(self) -> str | None:
+        """Write-back: why a PUT should be refused now (the dirty backlog is
+        at its bound, see PUT above), or None."""
+        queue = self.ssd.queue
+        dirty = queue.bytes + self.behind_bytes
+        if self.write_through or dirty < queue.max_bytes:
+            return None
+        self.counters["backlog_refusals"] += 1
+        return f"{dirty >> 20} MiB stored are not on disk yet (dirty_max_mb is {queue.max_bytes >> 20}): the disk is behind"
 
     def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
         """Write-through: (ids still being written, ids that cannot be) among
@@ -173,11 +204,11 @@ class TieredStore(Store):
             eid, entry = next(iter(behind.items()))
             if self.ram.contains(eid) and not queue.offer(entry):
                 return
-            behind.popitem(last=False)
+            self._unbehind(eid)
 
     def dirty(self) -> tuple[int, int]:
         """(entries, bytes) acknowledged but not yet on disk: the queue and `behind`."""
-        return len(self.ssd.queue) + len(self.behind), self.ssd.queue.bytes + sum(e.nbytes for e in self.behind.values())
+        return len(self.ssd.queue) + len(self.behind), self.ssd.queue.bytes + self.behind_bytes
 
     # -- admin -----------------------------------------------------------------
     def evict(self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ssd") -> tuple[int, int]:
@@ -198,7 +229,7 @@ class TieredStore(Store):
         _, rb = self.ram.drop(namespace=namespace, older_than=older_than, dry_run=dry_run, ids=ids)
         _, sb = self.ssd.drop(namespace=namespace, older_than=older_than, dry_run=dry_run, ids=ids)
         for eid in ids:
-            self.behind.pop(eid, None)
+            self._unbehind(eid)
         return len(set(ids)), rb + sb
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -278,6 +309,7 @@ class TieredStore(Store):
                 if entry.id not in on_disk:
                     self.ssd.queue.offer(entry, force=True)  # already queued: a no-op
             self.behind.clear()
+            self.behind_bytes = 0
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         self.ssd.close(timeout=left)
 
