@@ -348,6 +348,14 @@ class Core:
                 fresh = self._link(background=background)
                 if fresh is not None:
                     return self._put_shm(fresh, seq, chunks, boundary, nbytes, background, retry=False)
+            if err.name == "BUSY" and "not on disk yet" in err.message:
+                # The daemon's write-back backlog is full: frames would be refused
+                # alike, after copying every byte into them. Not stored.
+                self.counters["put_failed"] += 1
+                self.counters["error_busy"] += 1
+                if self.strict:
+                    raise
+                return False
             self.counters["shm_put_fallback"] += 1
             return None
         link.retain(grant.get("segments"))

@@ -197,7 +197,8 @@ def test_sigterm_with_a_large_dirty_ram_tier_ends_within_stop_timeout(daemon_fac
                 assert_prefix_hit(hit, s)
 
 
-def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemon_factory):
+@pytest.mark.parametrize("transport", ["frames", "shm"])
+def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemon_factory, transport):
     """Write-back with a disk slower than the client (a file and an fsync per
     16-token chunk): a PUT is admitted into an empty backlog however big it
     is; while `dirty_max_mb` is not on disk yet, the next PUT is answered BUSY
@@ -205,7 +206,7 @@ def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemo
     again, and everything acknowledged is served bit-exact."""
     d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0")
     first, second = _seq(300, 32 * 1024), _seq(301, 256)  # 2,048 chunks, then 16
-    with d.client("bp", strict=True, chunk_tokens=16, timeout=60) as c:
+    with d.client("bp", strict=True, chunk_tokens=16, timeout=60, transport=transport) as c:
         assert c.put(first, prefix_snapshot(first))
         dirty = c.stats()["store"]["dirty_bytes"]
         # Thousands of fsyncs stand between this and a backlog under 1 MiB.
@@ -213,6 +214,8 @@ def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemo
         with pytest.raises(Busy, match="not on disk yet"):
             c.put(second, prefix_snapshot(second))
         assert c.probe(second).n == 0  # nothing of the refused PUT was kept
+        if transport == "shm":  # refused at SLOTS, not sent again over frames
+            assert c.counters["shm_puts"] == 1 and c.counters["shm_put_fallback"] == 0
         deadline = time.monotonic() + 120
         while c.stats()["store"]["dirty_bytes"] and time.monotonic() < deadline:
             time.sleep(0.05)  # polls the writer's progress; the assertion is below

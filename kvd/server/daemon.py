@@ -442,12 +442,14 @@ class Daemon:
             self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
             return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
-            if msg.type in ("PUT", "COMMIT"):
-                if self.write_through:
-                    why = self.parking.admit(identity, sum(len(f) for f in frames))
-                    if why is not None:
-                        raise E.Busy(f"write-through: {why}; retry later")
-                elif self._backlog_full is not None and (why := self._backlog_full()) is not None:
+            if msg.type in ("PUT", "COMMIT") and self.write_through:
+                why = self.parking.admit(identity, sum(len(f) for f in frames))
+                if why is not None:
+                    raise E.Busy(f"write-through: {why}; retry later")
+            if msg.type in ("PUT", "SLOTS") and not self.write_through and self._backlog_full is not None:
+                # A shared-memory PUT is refused at SLOTS, before it takes arena
+                # slots; its COMMIT, like a PUT admitted a moment ago, is not.
+                if (why := self._backlog_full()) is not None:
                     raise E.Busy(f"write-back: {why}; retry later")
             rtype, fields = self.handler.handle(msg)
             if isinstance(fields, Deferred):
