@@ -32,20 +32,19 @@ slots) freed in any order. Best fit hands a request the hole its own size
 left behind before it splits a bigger one, so a read buffer does not carve
 up a PUT slot's hole and strand 11 KiB that fits neither; and a segment's
 untouched tail, or a whole free segment kept warm, is split last.
-Address-ordered first fit fragments about as little (Wilson et al.,
-"Dynamic Storage Allocation: A Survey", 1995: both are near-optimal on
-real traces) but needs a tree augmented with each subtree's largest range to
-find in O(log n), which in Python costs more than it saves. The tie to the
-lowest segment keeps live slots packed into old segments, so the newest
-drain and can be removed; the tie to the lowest offset keeps a segment's
-tail whole.
+Address-ordered first fit fragments about as little (Johnstone and Wilson,
+"The Memory Fragmentation Problem: Solved?", 1998: both waste a few percent
+on real programs' traces) but finding it in O(log n) needs a tree augmented
+with each subtree's largest range, many Python steps per operation. Measured
+on the arena's own mix (bench/bench_arena.py), best fit left 120 free ranges
+where first fit left 2,004. The tie to the lowest segment keeps live slots
+packed into old segments, so the newest drain and can be removed.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Iterable
 
 _SLACK = 8  # stale heap entries tolerated beyond the live count before a rebuild
 _NONE: dict[int, int] = {}  # the ranges of a segment dropped since (its stale entries)
@@ -108,7 +107,7 @@ class FreeSpace:
         self._starts.pop(seg, None)
         self._ends.pop(seg, None)
 
-    def ranges(self, seg: int) -> Iterable[tuple[int, int]]:
+    def ranges(self, seg: int) -> list[tuple[int, int]]:
         """The free (offset, size) ranges of a segment, in no particular order."""
         return list(self._starts.get(seg, {}).items())
 
