@@ -11,8 +11,9 @@ slot's pages are reserved when it is allocated (posix_fallocate where it
 exists; a page map per segment skips pages reserved already, a syscall per
 slot on every put otherwise), so memory grows with use, slot by slot (a tight memory cgroup sees no
 jump), and a full tmpfs is an allocation failure, never a SIGBUS on first touch. A *slot* is one
-allocation in a segment: a first-fit free list per segment, coalesced on
-free, every slot starting at a multiple of ALIGN. A segment whose slots are
+allocation in a segment, carved from the smallest free range that holds it
+(best fit, kvd/server/freespace.py: O(log n) however fragmented), merged with
+its free neighbours when freed, every slot starting at a multiple of ALIGN. A segment whose slots are
 all free is removed (unlinked and unmapped) as soon as the arena holds more
 free space than it keeps warm for the next slots (`keep_free`, half its
 capacity: about the RAM tier's budget), so memory the RAM tier gives back
@@ -45,7 +46,6 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import logging
 import math
@@ -65,6 +65,7 @@ from kvd.protocol import dtypes
 from kvd.protocol.codec import Message, Tensor
 from kvd.protocol.errors import BadField, Busy
 from kvd.protocol.shm import ALIGN, Descriptor, LeaseTable, align_up, check_proof, segment_name, stale_segments
+from kvd.server.freespace import FreeSpace
 from kvd.store.base import Entry
 
 log = logging.getLogger("kvd.server")
@@ -112,7 +113,7 @@ class Arena:
         self._sizes: list[int] = []
         self._fds: list[int] = []  # kept open: every slot reserves its range (_reserve)
         self._reserved: list[bytearray] = []  # per segment, per page: 1 once reserved (and not trimmed)
-        self._free_lists: list[list[list[int]]] = []  # per segment: sorted [offset, size]
+        self._space = FreeSpace()  # the free ranges of every segment
         self._sids = 0
         self.used = 0
         self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0}
@@ -127,7 +128,7 @@ class Arena:
             if self.used + size > self.capacity:
                 self.counters["alloc_failures"] += 1
                 return None
-            found = self._first_fit(size)
+            found = self._space.take(size)
             if found is None:
                 found = self._grow(size)
             if found is None:
@@ -145,19 +146,6 @@ class Arena:
         arr = np.frombuffer(self._maps[seg], np.uint8, count=nbytes, offset=off).view(SlotArray)
         arr.slot = slot
         return arr
-
-    def _first_fit(self, size: int) -> tuple[int, int] | None:
-        for seg, free in enumerate(self._free_lists):
-            if self._maps[seg] is None:
-                continue
-            for i, (off, n) in enumerate(free):
-                if n >= size:
-                    if n == size:
-                        del free[i]
-                    else:
-                        free[i] = [off + size, n - size]
-                    return seg, off
-        return None
 
     @property
     def capacity(self) -> int:
@@ -201,7 +189,8 @@ class Arena:
         self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
         self._sizes.append(seg_size)
         self._reserved.append(bytearray(-(-seg_size // _PAGE)))  # pages reserved so far (_reserve)
-        self._free_lists.append([[size, seg_size - size]] if seg_size > size else [])
+        if seg_size > size:
+            self._space.give(seg, size, seg_size - size)
         return seg, 0
 
     def _reserve(self, seg: int, off: int, size: int) -> bool:
@@ -224,11 +213,11 @@ class Arena:
         Returns the bytes handed back."""
         freed = 0
         with self._mu:
-            for seg, free in enumerate(self._free_lists):
-                mm = self._maps[seg]
+            for seg, mm in enumerate(self._maps):
                 if mm is None:
                     continue
-                if len(free) == 1 and free[0] == [0, self._sizes[seg]]:
+                free = self._space.ranges(seg)
+                if free == [(0, self._sizes[seg])]:
                     freed += self._sizes[seg]
                     self._remove(seg)
                     continue
@@ -247,24 +236,16 @@ class Arena:
             self._free_locked(seg, off, size)
 
     def _free_locked(self, seg: int, off: int, size: int, count: bool = True) -> None:
-        if True:
-            if count:
-                self.used -= size
-            free = self._free_lists[seg]
-            i = bisect.bisect_left(free, [off, 0])
-            free.insert(i, [off, size])
-            if i + 1 < len(free) and off + size == free[i + 1][0]:  # merge with the next
-                free[i][1] += free.pop(i + 1)[1]
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # and with the previous
-                free[i - 1][1] += free.pop(i)[1]
-            whole = len(free) == 1 and free[0] == [0, self._sizes[seg]]
-            if whole and sum(self._sizes) - self.used > self.keep_free():
-                self._remove(seg)
+        if count:
+            self.used -= size
+        if self._space.give(seg, off, size) == (0, self._sizes[seg]) and sum(self._sizes) - self.used > self.keep_free():
+            self._remove(seg)  # all free, and more than enough is kept warm elsewhere
 
     def _remove(self, seg: int) -> None:
         """Give an all-free segment back (called under the lock)."""
         mm, self._maps[seg] = self._maps[seg], None
-        self._sizes[seg], self._free_lists[seg], self._reserved[seg] = 0, [], bytearray()
+        self._sizes[seg], self._reserved[seg] = 0, bytearray()
+        self._space.drop(seg)
         try:
             os.unlink(self.folder / segment_name(self.run_id, seg))
         except FileNotFoundError:
