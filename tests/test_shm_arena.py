@@ -249,3 +249,34 @@ def test_arena_agrees_with_the_reference_model(folder, seed):
     assert arena.used == 0 and arena.counters["allocs"] > 1000 and arena.counters["segments_removed"] > 10
     assert _free_ranges(arena._space, ref.live()) == [[(0, ref.sizes[seg])] for seg in ref.live()]
     arena.unlink()
+
+
+def test_a_slot_freed_by_the_garbage_collector_inside_a_locked_section_waits_for_it(tmp_path):
+    """The cyclic collector can run inside the arena's own locked section (it
+    runs wherever objects are made) and finalise a slot caught in a cycle: the
+    non-reentrant lock would deadlock the thread. The free waits until the
+    section ends instead, then counts."""
+    import gc
+    import threading
+
+    arena = Arena(tmp_path, "0000c0de", capacity=1 << 20, segment_bytes=256 << 10)
+    arr = arena.alloc(4096)
+    cycle: list = [arr]
+    cycle.append(cycle)  # only the collector can free it
+    del arr
+    done = threading.Event()
+
+    def inside():
+        nonlocal cycle
+        with arena._locked():
+            cycle = None
+            gc.collect()  # finalises the slot here, lock held
+            assert arena.used == align_up(4096)  # not yet: the section is still running
+        done.set()
+
+    t = threading.Thread(target=inside, daemon=True)
+    t.start()
+    t.join(10)
+    assert done.is_set(), "the thread deadlocked on the arena's lock"
+    assert arena.used == 0
+    assert arena.alloc(4096) is not None

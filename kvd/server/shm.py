@@ -46,6 +46,8 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import logging
 import math
@@ -108,6 +110,13 @@ class Arena:
         self._capacity = capacity if callable(capacity) else (lambda: int(capacity))
         self.segment_bytes = int(segment_bytes)
         self._mu = threading.Lock()
+        # The thread inside `_mu`, and frees that arrived while it was: a
+        # slot's last reference can go inside a locked section of this very
+        # thread (the cyclic garbage collector runs wherever objects are
+        # made), and `_mu` is not reentrant. Such a free waits here (a deque:
+        # appends need no lock) until the section ends.
+        self._owner: int | None = None
+        self._deferred: collections.deque[tuple[int, int, int]] = collections.deque()
         self._maps: list[mmap.mmap | None] = []  # None: removed (indexes are never reused)
         self._bases: list[int] = []  # address of each mapping (to locate views)
         self._sizes: list[int] = []
@@ -123,7 +132,7 @@ class Arena:
     def alloc(self, nbytes: int) -> SlotArray | None:
         """A fresh slot of `nbytes` as a SlotArray, or None if the arena is full."""
         size = align_up(max(1, nbytes))
-        with self._mu:
+        with self._locked():
             self.lean = False
             if self.used + size > self.capacity:
                 self.counters["alloc_failures"] += 1
@@ -212,7 +221,7 @@ class Arena:
         """Give back the pages of every free range and remove all-free segments.
         Returns the bytes handed back."""
         freed = 0
-        with self._mu:
+        with self._locked():
             for seg, mm in enumerate(self._maps):
                 if mm is None:
                     continue
@@ -232,8 +241,22 @@ class Arena:
         return freed
 
     def _free(self, seg: int, off: int, size: int) -> None:
-        with self._mu:
+        if self._owner == threading.get_ident():
+            self._deferred.append((seg, off, size))  # inside our own locked section
+            return
+        with self._locked():
             self._free_locked(seg, off, size)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with self._mu:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                while self._deferred:
+                    self._free_locked(*self._deferred.popleft())
+                self._owner = None
 
     def _free_locked(self, seg: int, off: int, size: int, count: bool = True) -> None:
         if count:
