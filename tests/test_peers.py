@@ -129,6 +129,25 @@ def test_shedding_order_silent_first_then_longest_idle():
     assert gate.victims(stalled_only=True) == [11, 13, 12]  # 10 spoke 1.5 s ago (< stall_seconds)
 
 
+def test_a_request_served_before_its_accepted_event_still_counts():
+    """On a busy machine the gate thread can read a connection's ACCEPTED
+    event after the serving loop has answered that connection: the client
+    then looked silent and was the first to be shed (a good client's next
+    call failed fast, 1 in 10 runs of the fd test beside a suite)."""
+    clock = FakeClock(1000.0)
+    gate = PeerGate(None, max_peers=2, clock=clock, stall_seconds=2.0)
+    gate.touch(20)  # the good client's request, served first
+    clock.advance(1)
+    for fd in (20, 21, 22):  # then the gate reads the ACCEPTED events
+        gate._on_event(zmq.EVENT_ACCEPTED, fd)
+        clock.advance(1)
+    assert gate.victims() == [21, 22, 20]  # silent ones first, the served one last
+    assert gate.peers[20][1] == 1000.0
+    gate._on_event(zmq.EVENT_DISCONNECTED, 20)
+    gate._on_event(zmq.EVENT_ACCEPTED, 20)  # the number reused: a new, silent peer
+    assert gate.peers[20] == [clock(), None]
+
+
 def test_a_peer_that_never_reads_loses_only_its_own_replies(daemon_factory):
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
     ctx = zmq.Context.instance()

@@ -81,7 +81,10 @@ Rules the gate keeps:
    request (the one shed may have held nothing: an idle connection sorts
    before a peer stalled inside a big message).
 4. The serving loop only calls `touch(fd)`; the table is a dict written under
-   the GIL, so no lock is needed between the two threads.
+   the GIL, so no lock is needed between the two threads. A request can be
+   served before the gate has read its connection's ACCEPTED event (the gate
+   waits for the GIL on a busy machine): such a touch is kept until the
+   event comes, so a client that has been served never ranks as silent.
 """
 
 from __future__ import annotations
@@ -259,6 +262,10 @@ class PeerGate(threading.Thread):
         self.clock = clock
         self.peers: dict[int, list] = {}  # fd -> [accepted at, last request at or None]
         self.closing: dict[int, float] = {}  # fd -> shed at: shut down, libzmq has not closed it yet
+        # fd -> last request at, for requests served before this thread read the
+        # connection's ACCEPTED event (rule 4): without it a busy machine made a
+        # client that had completed requests look silent -- the first to shed.
+        self._early: dict[int, float] = {}
         self.listener: int | None = None  # libzmq's listening fd (from LISTENING)
         self._real: int | None = None  # our duplicate of it, which keeps the real listener alive
         self._empty: socket.socket | None = None  # what the listener fd points at while paused
@@ -278,9 +285,15 @@ class PeerGate(threading.Thread):
     # -- the serving loop's side ------------------------------------------
     def touch(self, fd: int | None) -> None:
         """A request completed on `fd` (ZMQ_SRCFD of its frames)."""
-        peer = self.peers.get(fd) if fd is not None else None
+        if fd is None:
+            return
+        peer = self.peers.get(fd)
         if peer is not None:
             peer[1] = self.clock()
+        else:
+            if len(self._early) >= 4096:  # touches of fds shed meanwhile pile up here; forget them
+                self._early.clear()
+            self._early[fd] = self.clock()
 
     def stop(self) -> None:
         self._halt.set()
@@ -387,7 +400,10 @@ class PeerGate(threading.Thread):
         except zmq.ZMQError:
             self._halt.set()
             return False
-        kind, fd = ev["event"], int(ev["value"])
+        self._on_event(ev["event"], int(ev["value"]))
+        return True
+
+    def _on_event(self, kind: int, fd: int) -> None:
         if kind == zmq.EVENT_ACCEPTED:
             if not self.armed.is_set() and self._empty is not None:
                 # libzmq registers its listener with epoll on its I/O thread
@@ -397,7 +413,8 @@ class PeerGate(threading.Thread):
                 # makes one): from now on it stays paused outside _admit.
                 self.pause()
                 self.armed.set()
-            self.peers[fd] = [self.clock(), None]
+            # Served already if the serving loop got its request before this news.
+            self.peers[fd] = [self.clock(), self._early.pop(fd, None)]
             self.closing.pop(fd, None)  # the number was reused: the old one is closed
             self.counters["accepted"] += 1
             self.counters["high_water"] = max(self.counters["high_water"], len(self.peers) + len(self.closing))
@@ -410,7 +427,6 @@ class PeerGate(threading.Thread):
             self._listening(fd)
         elif kind == zmq.EVENT_MONITOR_STOPPED:
             self._halt.set()
-        return True
 
     def victims(self, stalled_only: bool = False) -> list[int]:
         """Peers in shedding order (rule 1); with `stalled_only`, only those
@@ -458,16 +474,6 @@ class PeerGate(threading.Thread):
             return
         _SWAP_FD(self._real, self.listener)
         self.paused = False
-
-    def _drain(self) -> None:
-        """Read every queued monitor event, pausing as soon as the table is
-        over the cap or the fd table nearly full: a burst must not outrun us."""
-        self._check_fds()  # first: the queued events lag libzmq's accepts
-        while self._event():
-            self._check_fds()
-            if len(self.peers) > self.max_peers:
-                self.pause()
-                self._shed_over_cap()
 
     def _balance(self) -> None:
         """Shed down to the cap (the listener is paused outside `_admit`)."""
