@@ -15,9 +15,10 @@ outage and one per recovery:
             the first trip, doubling on each trip after it, at most 30 s.
             Then it pings the daemon with a throwaway strict client: an
             answer closes the breaker (back-off reset, the failures counted
-            so far taken as seen) and calls `on_up` (a hook for clients
-            whose own sockets may still be backing off); silence trips it
-            again.
+            so far taken as seen), tells every client to connect afresh
+            (`retry_now`: their own sockets may still be backing off, and
+            the first calls after the recovery would fail fast) and calls
+            `on_up`; silence trips it again.
 
 The constructor pings once: a daemon that is not there at start is said
 once in the log, and the breaker starts open. `on_down` runs on every
@@ -82,6 +83,8 @@ class Breaker:
         if self._clock() < self.down_until:
             return False
         if self.ping():
+            for client in list(self._clients()):
+                client.retry_now()
             if self._on_up is not None:
                 self._on_up()
             self.down, self.backoff = False, 0.0

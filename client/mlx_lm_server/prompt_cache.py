@@ -111,7 +111,7 @@ class KvdPromptCache:
         self._lock = threading.Lock()  # close() may come from another thread
         self._breaker = Breaker(
             self.endpoint, self.timeout, namespace="mlx-lm-server", log=log, clients=self._clients,
-            fallback="the local prompt cache", on_down=lambda: self._count("kvd_outages"), on_up=self._retry_now,
+            fallback="the local prompt cache", on_down=lambda: self._count("kvd_outages"),
         ) if self.enabled else None
 
     # -- the LRUPromptCache surface ---------------------------------------------
@@ -249,10 +249,6 @@ class KvdPromptCache:
     def _clients(self) -> list[Any]:
         """Every kvd client made so far (of every model_key)."""
         return [client for target in list(self._targets.values()) for client in (target.clients.values() if target else ())]
-
-    def _retry_now(self) -> None:
-        for client in self._clients():
-            client.retry_now()  # their sockets may still be backing off
 
     @property
     def _down_until(self) -> float:
