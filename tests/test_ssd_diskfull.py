@@ -36,7 +36,14 @@ class TmpfsDisk:
 
     def fill(self):
         """Leave ~nothing free: another process ate the disk."""
-        with open(self.mnt / "filler", "wb") as f:
+        try:
+            f = open(self.mnt / "filler", "wb")
+        except OSError as exc:  # seen once in ~25 suites: say what had filled it
+            held = sorted(((p.stat().st_blocks * 512, str(p.relative_to(self.mnt))) for p in self.mnt.rglob("*") if p.is_file()),
+                          reverse=True)
+            raise AssertionError(f"the {FS_BYTES >> 20} MiB disk was full before the filler: {os.statvfs(self.mnt)}; "
+                                 f"largest files {held[:12]} of {len(held)}") from exc
+        with f:
             try:
                 while True:
                     f.write(b"\0" * (64 << 10))
