@@ -9,8 +9,12 @@ makes a down daemon cost each request nothing and the log one line per
 outage and one per recovery:
 
     closed  calls go through. `check()`, after a round of calls, sums the
-            clients' `*_failed` counters; a sum above the last one seen
-            trips the breaker.
+            clients' counts of calls that did not reach the daemon (no
+            answer, an answer that did not decode, a refused handshake); a
+            sum above the last one seen trips the breaker. An error the
+            daemon *answered* (BUSY: its write-behind backlog or a memory
+            bound is full; NOT_PERSISTED; ...) is not an outage: that call
+            missed, the next ones go through.
     open    `usable()` is False until the back-off has passed: 1 s after
             the first trip, doubling on each trip after it, at most 30 s.
             Then it pings the daemon with a throwaway strict client: an
@@ -34,6 +38,8 @@ from typing import Any, Callable, Iterable
 
 from kvd_client._core import Core
 
+# Client counters of calls that did not reach the daemon (kvd_client._errors).
+_OUTAGE = ("error_unavailable", "error_bad_reply", "error_auth_failed")
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 30.0
 
@@ -125,4 +131,4 @@ class Breaker:
             return False
 
     def _failures(self) -> int:
-        return sum(v for c in list(self._clients()) for k, v in list(c.counters.items()) if k.endswith("_failed"))
+        return sum(c.counters.get(k, 0) for c in list(self._clients()) for k in _OUTAGE)

@@ -106,3 +106,28 @@ def test_trip_while_down_logs_nothing_more(daemon_factory, caplog, first):
         b.trip("again", first=first)
     assert b.backoff == 2.0 and events == ["down"]
     assert len(said(caplog)) == 1 and ("why at" in said(caplog)[0]) is first
+
+
+def test_an_answered_busy_is_a_miss_not_an_outage(daemon_factory):
+    """The daemon refusing a PUT (its write-behind backlog full) answered: the
+    breaker stays closed and the next calls go through. (It used to count
+    every `*_failed` and take the daemon for down, serving locally for 1 s+.)"""
+    import numpy as np
+
+    from support import prefix_snapshot
+
+    d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0")
+    clock = Clock()
+    big, small = np.arange(32 * 1024) + 7_000_000, np.arange(256) + 8_000_000
+    with d.client("breaker-test", chunk_tokens=16, timeout=60) as client:
+        b, events = breaker(d.endpoint, clock, clients=[client])
+        assert client.put(big, prefix_snapshot(big))  # admitted into an empty backlog: 2,048 files to write
+        assert client.put(small, prefix_snapshot(small)) is False  # refused meanwhile (thousands of fsyncs behind)
+        assert client.counters["error_busy"] == 1 and client.counters["put_failed"] == 1
+        b.check()
+        assert not b.down and b.usable() and events == []
+        assert client.probe(big).n == len(big)  # the next call goes through
+        d.kill()
+        assert client.ping() is None
+        b.check()
+        assert b.down and events == ["down"]  # no answer at all is an outage
