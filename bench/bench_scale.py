@@ -14,7 +14,8 @@ so the fill itself takes minutes, not hours), then runs a real daemon on it
     LOOKUP p99 during that walk;
   * LOOKUP p50/p99 of that 32k-token prompt (128 chunks walked on the SSD tier)
     once the walk is done, against a PING's p50/p99 on the same socket (the
-    round trip with no work);
+    round trip with no work) and the p99 of a raw ZeroMQ round trip of the
+    same 128 KiB to an echo process (`raw p99`: the floor under any LOOKUP);
   * spill: chunks/s the writer thread writes down to the SSD tier (2,000
     one-chunk sequences PUT into the RAM tier, then `gc(ram_bytes=0)` until
     the SSD tier holds all of them: blob writes, fsyncs and index commits);
@@ -174,6 +175,51 @@ def lookup_latency(endpoint: str, n: int = 300) -> tuple[float, float, float, fl
     return statistics.median(times), times[int(len(times) * 0.99) - 1], statistics.median(pings), pings[int(n * 0.99) - 1]
 
 
+def _echo(endpoint: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        sock.send_multipart(frames, copy=False)
+        if bytes(frames[-1]) == b"stop":
+            break
+    sock.close(linger=0)
+    ctx.term()
+
+
+def raw_round_trip(workdir: Path, nbytes: int, n: int = 1000) -> tuple[float, float]:
+    """(p50, p99) seconds of a raw ZeroMQ DEALER -> ROUTER -> DEALER round trip of
+    `nbytes` in one frame, to an echo in another process over ipc: the floor
+    under a LOOKUP that sends the 32k-token prompt (128 KiB) and gets a small answer."""
+    import zmq
+
+    endpoint = f"ipc://{workdir / 'raw.sock'}"
+    echo = mp.get_context("spawn").Process(target=_echo, args=(endpoint,), daemon=True)
+    echo.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    payload, times = b"\x00" * nbytes, []
+    try:
+        for i in range(n + 50):
+            t0 = time.perf_counter()
+            sock.send(payload, copy=False)
+            sock.recv()
+            if i >= 50:  # warm first
+                times.append(time.perf_counter() - t0)
+        sock.send(b"stop")
+        sock.recv()
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        echo.join(10)
+    times.sort()
+    return statistics.median(times), times[int(n * 0.99) - 1]
+
+
 def walk(endpoint: str) -> tuple[float, float]:
     """(seconds until the SSD tier's start-up walk and reconcile end, LOOKUP p99 meanwhile)."""
     anchor = anchor_tokens()
@@ -302,7 +348,7 @@ def main() -> None:
         have = ANCHOR_TOKENS // CT
         rows = []
         print(f"{'entries':>9} {'fill s':>7} {'restart s':>9} {'walk s':>7} {'p99 ms':>7} {'lookup p50 ms':>13} "
-              f"{'p99 ms':>7} {'ping p50':>8} {'p99':>6} {'spill/s':>8} {'stop s':>7}")
+              f"{'p99 ms':>7} {'ping p50':>8} {'p99':>6} {'raw p99':>7} {'spill/s':>8} {'stop s':>7}")
         for size in sizes:
             fill_s = fill(data, have, size) if size > have and not args.reuse else 0.0
             have = max(have, size)
@@ -312,14 +358,18 @@ def main() -> None:
                     size = have = c.stats()["tiers"]["ssd"]["entries"]
             walk_s, walk_p99 = walk(d.endpoint)
             p50, p99, ping, ping99 = lookup_latency(d.endpoint)
+            _, raw99 = raw_round_trip(workdir, ANCHOR_TOKENS * 4)
             rate = spill_rate(d.endpoint, base=size * 10)
             have += 2000
             stop = d.stop()
-            rows.append((size, restart, p99, rate, stop))
+            rows.append((size, restart, p99, rate, stop, raw99))
             print(f"{size:>9} {fill_s:>7.1f} {restart:>9.2f} {walk_s:>7.1f} {walk_p99 * 1e3:>7.2f} {p50 * 1e3:>13.3f} "
-                  f"{p99 * 1e3:>7.3f} {ping * 1e3:>8.3f} {ping99 * 1e3:>6.3f} {rate:>8.0f} {stop:>7.2f}", flush=True)
+                  f"{p99 * 1e3:>7.3f} {ping * 1e3:>8.3f} {ping99 * 1e3:>6.3f} {raw99 * 1e3:>7.3f} {rate:>8.0f} "
+                  f"{stop:>7.2f}", flush=True)
+        for size, _, p99, _, _, raw99 in rows:
+            print(f"{size:>9}: lookup p99 {p99 / raw99:.2f}x a raw ZeroMQ round trip of the same 128 KiB")
         base = rows[0]
-        for size, restart, p99, rate, stop in rows[1:]:
+        for size, restart, p99, rate, stop, _ in rows[1:]:
             print(f"{size:>9} vs {base[0]}: lookup p99 {p99 / base[2]:.2f}x, spill rate {rate / base[3]:.2f}x, "
                   f"restart {restart / base[1]:.2f}x, stop {stop / base[4]:.2f}x")
         if args.mixed_seconds > 0:
