@@ -25,7 +25,7 @@ import pytest
 
 from kvd_client import Busy, NotPersisted
 
-from support import assert_prefix_hit, kvd, prefix_snapshot
+from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, scrape
 
 RUNS = int(os.environ.get("KVD_DURABILITY_RUNS", "0"))
 
@@ -204,7 +204,8 @@ def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemo
     is; while `dirty_max_mb` is not on disk yet, the next PUT is answered BUSY
     and nothing of it is kept; once the writer has caught up, PUTs are taken
     again, and everything acknowledged is served bit-exact."""
-    d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0")
+    port = free_port()
+    d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0", "--metrics-port", str(port))
     first, second = _seq(300, 32 * 1024), _seq(301, 256)  # 2,048 chunks, then 16
     with d.client("bp", strict=True, chunk_tokens=16, timeout=60, transport=transport) as c:
         assert c.put(first, prefix_snapshot(first))
@@ -216,6 +217,8 @@ def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemo
         assert c.probe(second).n == 0  # nothing of the refused PUT was kept
         if transport == "shm":  # refused at SLOTS, not sent again over frames
             assert c.counters["shm_puts"] == 1 and c.counters["shm_put_fallback"] == 0
+        m = scrape(port)
+        assert m[("kvd_backlog_refusals_total", ())] == 1 and m[("kvd_dirty_bytes", ())] > 0
         deadline = time.monotonic() + 120
         while c.stats()["store"]["dirty_bytes"] and time.monotonic() < deadline:
             time.sleep(0.05)  # polls the writer's progress; the assertion is below

@@ -101,9 +101,13 @@ class DaemonCollector:
                     "degraded", GaugeMetricFamily("kvd_tier_degraded", "1 while the tier is degraded (SSD: disk full, I/O errors; remote: unreachable)", labels=["tier"])
                 ).add_metric([tier], int(values["degraded"]))
         yield from families.values()
-        for key, doc in (("promotions", "SSD hits promoted to RAM"), ("ssd_served_bytes", "Bytes served from the SSD tier")):
+        for key, doc in (("promotions", "SSD hits promoted to RAM"), ("ssd_served_bytes", "Bytes served from the SSD tier"),
+                         ("backlog_refusals", "Write-back PUTs answered BUSY while the dirty backlog was at dirty_max_mb")):
             if key in stats.get("store", {}):
                 yield CounterMetricFamily(f"kvd_{key}", doc, value=stats["store"][key])
+        if "dirty_bytes" in stats.get("store", {}):
+            yield GaugeMetricFamily("kvd_dirty_bytes", "Bytes stored but not on disk yet (the write-behind backlog)",
+                                    value=stats["store"]["dirty_bytes"])
         yield from _extra_families(sections, evictions)
 
         namespaces = stats.get("namespaces", {})
