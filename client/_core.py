@@ -48,7 +48,7 @@ import numpy as np
 from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_keys_dir, is_tcp
 from kvd.protocol import dtypes, keys
 from kvd.protocol.codec import Tensor
-from kvd.protocol.errors import KvdError
+from kvd.protocol.errors import BACKLOG_FULL, KvdError
 from kvd.protocol.limits import Limits
 from kvd_client import _chunking, _explain, _media
 from kvd_client import _shm
@@ -348,7 +348,7 @@ class Core:
                 fresh = self._link(background=background)
                 if fresh is not None:
                     return self._put_shm(fresh, seq, chunks, boundary, nbytes, background, retry=False)
-            if err.name == "BUSY" and "not on disk yet" in err.message:
+            if err.name == "BUSY" and BACKLOG_FULL in err.message:
                 # The daemon's write-back backlog is full: frames would be refused
                 # alike, after copying every byte into them. Not stored.
                 self.counters["put_failed"] += 1

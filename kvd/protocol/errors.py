@@ -147,6 +147,12 @@ class Busy(ServerError):
     code, name = 200, "BUSY"
 
 
+# In the message of a BUSY answered to PUT or SLOTS while a write-back daemon's
+# write-behind backlog is full (PROTOCOL.md §PUT): a client need not resend
+# that PUT over frames, which would be refused alike.
+BACKLOG_FULL = "not on disk yet"
+
+
 class Internal(ServerError):
     """The daemon failed while serving the request (a bug: see its log)."""
 

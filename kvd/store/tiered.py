@@ -60,6 +60,7 @@ from typing import Any, Iterable, Sequence
 
 import lmdb
 
+from kvd.protocol.errors import BACKLOG_FULL
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
 from kvd.store.index import IndexBusy
 from kvd.store.ram import RamStore
@@ -170,7 +171,7 @@ class TieredStore(Store):
         if self.write_through or dirty < queue.max_bytes:
             return None
         self.counters["backlog_refusals"] += 1
-        return f"{dirty >> 20} MiB stored are not on disk yet (dirty_max_mb is {queue.max_bytes >> 20}): the disk is behind"
+        return f"{dirty >> 20} MiB stored are {BACKLOG_FULL} (dirty_max_mb is {queue.max_bytes >> 20}): the disk is behind"
 
     def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
         """Write-through: (ids still being written, ids that cannot be) among
