@@ -12,7 +12,11 @@ is neither in the queue nor in the index.
 When the queue is full, `offer` waits up to `wait` seconds for the writer to
 make room (back-pressure on the caller) and then refuses; the caller counts
 the refusal as a drop. `force=True` admits an entry beyond the bound: the
-tier uses it for entries a LOOKUP has just reported, which must not vanish.
+tier uses it for entries a LOOKUP has just reported, which must not vanish,
+and for write-back entries RAM lets go before they were queued (their bytes
+are bounded upstream: the daemon refuses PUTs while the backlog is full), so
+the daemon's thread never waits here. `outside_bytes` counts queued entries
+RAM no longer holds: the daemon's memory ceiling adds them.
 
 `Writer` is the single thread that mutates the SSD tier: it writes batches
 of queued entries, runs jobs submitted by other threads (quarantine, admin
