@@ -13,6 +13,7 @@ each in its own process and ongoing while the client measures:
   mute-big-gets   a peer pumps GETs of 4 MiB SSD entries, never reading
   huge-headers    a peer sends 4 M-map headers (MALFORMED) back to back
   long-lookups    a peer sends LOOKUPs of 1 M tokens with chunk_tokens=1
+  heavy-peers     8 peers send those LOOKUPs, each as fast as answered
   put-storm       4 clients PUT new prompts of small chunks (16 KiB) as fast
                   as answered: more than the disk can write behind
 
@@ -110,6 +111,7 @@ def setup(ep: str, workdir: Path):
         "mute-big-gets": (PUMP, ep, "1", *gets),
         "huge-headers": (HAMMER, ep, str(header)),
         "long-lookups": (HAMMER, ep, str(lookup)),
+        "heavy-peers": (HAMMER, ep, str(lookup), "8"),
         "put-storm": (STORM, ep, "4"),
     }
     return good, tokens + [0], attacks
@@ -150,7 +152,8 @@ def main() -> None:
           f"per cell; a fresh daemon per attack")
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
           f"{'misses':>7} {'peak MB':>8}" + (f" {'fl p50':>8} {'fl p99':>8} {'fl p99x':>7}" if args.floor else ""))
-    names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "put-storm"]
+    names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "heavy-peers",
+             "put-storm"]
     for name in args.only.split(",") if args.only else names:
         with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
             good, tokens, attacks = setup(ep, workdir)

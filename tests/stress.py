@@ -134,20 +134,25 @@ while True:
         break
 """
 
-# A client that asks the same request again and again and reads every reply:
-# expensive requests (huge headers, long LOOKUPs) sent as fast as answered.
+# N clients (default 1) that ask the same request again and again and read
+# every reply: expensive requests (huge headers, long LOOKUPs) sent as fast
+# as answered.
 HAMMER = r"""
 import select, sys, zmq
 ep = sys.argv[1]
 msg = open(sys.argv[2], "rb").read()  # one frame, from a file (it may be megabytes)
+n = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 ctx = zmq.Context()
-s = ctx.socket(zmq.DEALER)
-s.setsockopt(zmq.LINGER, 0)
-s.connect(ep)
+socks = [ctx.socket(zmq.DEALER) for _ in range(n)]
+for s in socks:
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(ep)
 print("ready", flush=True)
 while not select.select([sys.stdin], [], [], 0)[0]:
-    s.send(msg)
-    s.recv_multipart()
+    for s in socks:
+        s.send(msg, copy=False)
+    for s in socks:
+        s.recv_multipart()
 """
 
 # N clients that each PUT new 1,024-token prompts of small chunks (4 x 256
