@@ -50,17 +50,17 @@ def test_a_request_passed_over_max_passes_times_goes_next():
     assert t.overdue() is None and len(t) == 0
 
 
-def test_room_is_bounded_in_count_and_bytes_and_a_big_request_waits_alone():
+def test_room_is_bounded_in_count_and_bytes():
     t = Turns(max_waiting=3, max_bytes=100)
     for i in range(3):
-        assert t.room()
+        assert t.room(10)
         t.put(b"a", i, 10)
-    assert not t.room()
+    assert not t.room(0)  # three wait
     assert [t.pop() for _ in range(3)] == [0, 1, 2]
-    assert t.room()
-    t.put(b"a", "big", 1000)  # over max_bytes alone: nothing more waits until it is served
-    assert not t.room()
-    assert t.pop() == "big" and t.room() and t.bytes == 0
+    assert t.room(100) and not t.room(101)  # over max_bytes alone: never waits
+    t.put(b"a", "x", 60)
+    assert t.room(40) and not t.room(41)
+    assert t.pop() == "x" and t.bytes == 0
 
 
 def test_forget_drops_decayed_costs():
@@ -131,6 +131,10 @@ def test_a_light_client_is_served_before_peers_that_keep_the_daemon_busy(tmp_pat
             assert [msgpack.unpackb(s.recv_multipart()[0])["id"] for _ in range(2)] == [1, 2]
         assert d.handler.requests["LOOKUP"] == 16 and d.handler.requests["PING"] == 8 and len(d.turns) == 0
         assert d.peer_stats()["deferred"] == 16
+        heavy[0].send_multipart(lookup)  # over max_bytes: it cannot wait, so it is served at once
+        d._serve_waiting(feed(received(1)))
+        assert msgpack.unpackb(heavy[0].recv_multipart()[0])["type"] == "LOOKUP"
+        assert d.peer_stats()["deferred"] == 16 and len(d.turns) == 0
     finally:
         for s in [*heavy, good]:
             s.close(linger=0)

@@ -397,10 +397,13 @@ class Daemon:
                 else:
                     peer = raw[0].bytes
                     if turns.defers(peer, time.monotonic()):
-                        if not turns.room():
+                        nbytes = sum(len(f) for f in raw)
+                        while len(turns) and not turns.room(nbytes):
                             shutdown = self._serve_one(turns.pop()) or shutdown
-                        turns.put(peer, raw, sum(len(f) for f in raw))
-                        continue
+                        if turns.room(nbytes):
+                            turns.put(peer, raw, nbytes)
+                            continue
+                        # too big to wait: served now (its peer has nothing waiting)
             shutdown = self._serve_one(raw) or shutdown
         return shutdown
 

@@ -23,9 +23,10 @@ Rules:
    here, its later ones wait behind it.
 2. Nothing waits for ever: a request that `max_passes` others have been
    served ahead of goes next.
-3. What waits here is bounded: at most `max_waiting` requests whose bytes
-   are under `max_bytes`, plus the one being added (a big PUT waits alone).
-   With no room, the oldest waiting request is served first (`make_room`).
+3. What waits here is bounded: at most `max_waiting` requests, `max_bytes`
+   in all. Without room for one more, the oldest waiting are served first;
+   a request over `max_bytes` alone is served at once, when its peer has
+   nothing waiting.
 4. No I/O and no clock of its own: the loop passes the time (testable with
    any clock).
 """
@@ -74,11 +75,12 @@ class Turns:
         """Must `peer`'s request wait (it is heavy, or its earlier ones wait: rule 1)?"""
         return peer in self._per_peer or self.cost(peer, now) > self.heavy_s
 
-    def room(self) -> bool:
-        return len(self._waiting) < self.max_waiting and self.bytes < self.max_bytes
+    def room(self, nbytes: int) -> bool:
+        """May a request of `nbytes` wait (rule 3)?"""
+        return len(self._waiting) < self.max_waiting and self.bytes + nbytes <= self.max_bytes
 
     def put(self, peer: bytes, request: Any, nbytes: int) -> None:
-        """Keep `request` until its turn (check `room()` first: rule 3)."""
+        """Keep `request` until its turn (check `room()` first)."""
         self._waiting.append((self._served, peer, nbytes, request))
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.bytes += nbytes
