@@ -141,14 +141,18 @@ class Core:
         try:
             return transport.request(mtype, fields, self.timeout if timeout is None else timeout)
         except KvdError as err:
-            self.counters[f"{mtype.lower()}_failed"] += 1
-            self.counters[f"error_{err.name.lower()}"] += 1
-            if self.strict:
-                raise
-            if not self._warned.is_set():
-                self._warned.set()  # say it once; counters keep the tally
-                log.warning("kvd call failed (%s: %s); continuing without the cache", err.name, err)
+            self._failed(mtype, err)
             return None
+
+    def _failed(self, mtype: str, err: KvdError) -> None:
+        """A `mtype` call failed with `err`: counted, raised in strict mode, said once."""
+        self.counters[f"{mtype.lower()}_failed"] += 1
+        self.counters[f"error_{err.name.lower()}"] += 1
+        if self.strict:
+            raise err
+        if not self._warned.is_set():
+            self._warned.set()  # say it once; counters keep the tally
+            log.warning("kvd call failed (%s: %s); continuing without the cache", err.name, err)
 
     def _seq(self, tokens: Sequence[int] | np.ndarray, media: Sequence[Any] = ()) -> dict[str, Any] | None:
         """The sequence fields; None if `media` is given and the daemon cannot key it."""
@@ -351,10 +355,7 @@ class Core:
             if err.name == "BUSY" and BACKLOG_FULL in err.message:
                 # The daemon's write-back backlog is full: frames would be refused
                 # alike, after copying every byte into them. Not stored.
-                self.counters["put_failed"] += 1
-                self.counters["error_busy"] += 1
-                if self.strict:
-                    raise
+                self._failed("PUT", err)
                 return False
             self.counters["shm_put_fallback"] += 1
             return None

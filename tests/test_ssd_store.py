@@ -123,7 +123,7 @@ def test_a_full_queue_moves_evicted_backlog_into_it_without_waiting_or_dropping(
     n = entries[0].nbytes
     store = stores(charged(entries[0]), tmp_path, queue_bytes=2 * n, queue_wait_s=30)
     gate = _block_writer(store.ssd)
-    assert store.backlog_full() is None
+    assert store.refuse_put() is None
     for e in entries:
         store.put(e)  # a wait for queue room would be 30 s each, and the writer never makes room
     ssd = store.ssd.stats()["tiers"]["ssd"]
@@ -133,12 +133,12 @@ def test_a_full_queue_moves_evicted_backlog_into_it_without_waiting_or_dropping(
     assert list(store.behind) == [entries[7].id] and len(store.ssd.queue) == 7
     assert store.ssd.queue.outside_bytes == 7 * n
     assert store.dirty() == (8, 8 * n)
-    assert "not on disk yet" in store.backlog_full()
+    assert "not on disk yet" in store.refuse_put()
     assert store.counters["backlog_refusals"] == 1
     gate.set()
     assert store.flush(10)
     assert store.dirty() == (0, 0) and store.ssd.queue.outside_bytes == 0
-    assert store.backlog_full() is None
+    assert store.refuse_put() is None
     for e in entries:
         assert_same(store.get(e.id), e)
 

@@ -121,7 +121,7 @@ class Daemon:
         self.write_through = bool(getattr(store, "write_through", False))
         # Write-back with an SSD tier: a PUT is refused while the dirty backlog
         # is at its bound (kvd.store.tiered, PUT), never waited for.
-        self._backlog_full = getattr(store, "backlog_full", None)
+        self._refuse_put = getattr(store, "refuse_put", None)
         self.parking = Parking(parked_max_bytes)
         self.wakeup = Wakeup()
         self._signal_fd = False  # the wakeup pipe is Python's signal wakeup fd
@@ -480,10 +480,10 @@ class Daemon:
                 why = self.parking.admit(identity, sum(len(f) for f in frames))
                 if why is not None:
                     raise E.Busy(f"write-through: {why}; retry later")
-            if msg.type in ("PUT", "SLOTS") and not self.write_through and self._backlog_full is not None:
+            if msg.type in ("PUT", "SLOTS") and not self.write_through and self._refuse_put is not None:
                 # A shared-memory PUT is refused at SLOTS, before it takes arena
                 # slots; its COMMIT, like a PUT admitted a moment ago, is not.
-                if (why := self._backlog_full()) is not None:
+                if (why := self._refuse_put()) is not None:
                     raise E.Busy(f"write-back: {why}; retry later")
             rtype, fields = self.handler.handle(msg)
             if isinstance(fields, Deferred):

@@ -14,7 +14,7 @@ Policy table (data, not code paths):
              the entry waits in `behind` (oldest first) and `tick()` queues it
              when the writer has made room. The dirty backlog -- the queue
              and `behind` -- is bounded by bytes (the queue's `max_bytes`,
-             `dirty_max_mb`): while it is at the bound, `backlog_full()` says
+             `dirty_max_mb`): while it is at the bound, `refuse_put()` says
              why and the daemon answers write-back PUTs BUSY, so a stop has at
              most that much to write and a client storing faster than the disk
              writes is refused, not everyone stalled. Write-through: the
@@ -152,7 +152,7 @@ class TieredStore(Store):
         outcome = self.ram.put(entry)
         if outcome is PutOutcome.TOO_BIG:
             # Into the queue at once, in either mode: write-through bounds what
-            # waits on it, write-back's PUTs were admitted under backlog_full.
+            # waits on it, write-back's PUTs were admitted under refuse_put.
             return self.ssd.put(entry, force=True)
         if outcome is PutOutcome.STORED and self.ram.contains(entry.id):
             if self.write_through:
@@ -163,9 +163,9 @@ class TieredStore(Store):
                 self.behind_bytes += entry.nbytes
         return outcome
 
-    def backlog_full(self) -> str | None:
-        """Write-back: why a PUT should be refused now (the dirty backlog is
-        at its bound, see PUT above), or None."""
+    def refuse_put(self) -> str | None:
+        """Write-back: why a PUT is refused now (the dirty backlog is at its
+        bound, see PUT above; the refusal is counted), or None."""
         queue = self.ssd.queue
         dirty = queue.bytes + self.behind_bytes
         if self.write_through or dirty < queue.max_bytes:
