@@ -52,7 +52,7 @@ from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.outbox import Outbox
-from kvd.server.peers import PeerGate, default_max_peers, listen_backlog, memory_ceiling
+from kvd.server.peers import PeerGate, default_max_peers, io_threads, listen_backlog, memory_ceiling
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.turns import Turns
 from kvd.store.base import Store
@@ -62,10 +62,6 @@ log = logging.getLogger("kvd.server")
 # Frames below this size are copied out of ZeroMQ's receive buffers so a small
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
-# libzmq's I/O threads (peers' connections are spread over them): with one,
-# a peer's 4 MiB message being read holds up everyone's small ones behind it
-# (bench_stress: a client's p50 under long LOOKUPs 1.65 -> 1.0-1.35 ms with two).
-_IO_THREADS = 2
 # Unread replies a peer may have queued: a client has one request in flight,
 # so more than a few means it is not reading (kvd.server.outbox).
 _SNDHWM = 16
@@ -145,7 +141,7 @@ class Daemon:
         self._lock.acquire()
         monitor = None
         try:
-            ctx = zmq.Context(io_threads=_IO_THREADS)
+            ctx = zmq.Context(io_threads=io_threads())
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.LINGER, 0)
@@ -396,6 +392,11 @@ class Daemon:
                         break
                 else:
                     peer = raw[0].bytes
+                    if self.outbox is not None and self.outbox.mute(peer):
+                        # It does not read its replies: this request costs nothing more.
+                        self.dropped_replies += 1
+                        turns.charge(peer, 0.0, sum(len(f) for f in raw), time.monotonic())
+                        continue
                     if turns.defers(peer, time.monotonic()):
                         nbytes = sum(len(f) for f in raw)
                         while len(turns) and not turns.room(nbytes):
@@ -442,10 +443,6 @@ class Daemon:
     def _serve_one(self, raw: list[zmq.Frame]) -> bool:
         """Serve one request; True if it asked the daemon to shut down."""
         identity, payload = raw[0].bytes, raw[1:]
-        if self.outbox is not None and self.outbox.mute(identity):
-            self.dropped_replies += 1  # it does not read its replies: this one costs nothing more
-            self.turns.charge(identity, 0.0, sum(len(f) for f in payload), time.monotonic())
-            return False
         fd = payload[0].get(zmq.SRCFD) if payload else None
         if self.gate is not None:
             self.gate.touch(fd)

@@ -227,6 +227,19 @@ def default_max_peers(fd_limit: int | None = None) -> int:
     return max(8, fd_limit // 2 - _RESERVE_FDS)
 
 
+def io_threads(fd_limit: int | None = None) -> int:
+    """libzmq I/O threads for a daemon under a soft fd limit (this process's,
+    if None). Two spread peers' connections, so one peer's big message being
+    read does not hold up everyone's small ones (bench_stress). But with two,
+    the thread that accepts hands new connections to the other and accepts
+    faster: under prlimit 256 the gate's windows let enough through for
+    libzmq to abort on EMFILE (2 in 20 runs, 0 in 20 with one). So two only
+    where the fd table has thousands to spare (service managers' limits)."""
+    if fd_limit is None:
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 2 if fd_limit >= 8192 else 1
+
+
 def listen_backlog(max_peers: int) -> int:
     """The listener's backlog: libzmq's default (100), less under a small cap.
     While the gate has the listener open, what waits there is accepted in one
