@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 
@@ -47,7 +48,14 @@ def test_tail_keys_equal_direct_hashes():
         assert key == keys.chunk_key(parent, chunk[: 4 * n])
 
 
-@pytest.mark.parametrize("bad", [[-1], [2**32], np.array([1.5])])
+@pytest.mark.parametrize("bad", [[-1], [2**32], np.array([1.5]), [1.5], ("7",), np.array([-1]), [[1, 2]]])
 def test_token_ids_must_be_u32(bad):
     with pytest.raises(ValueError):
         keys.token_bytes(bad)
+
+
+def test_a_list_a_tuple_and_an_array_give_the_same_wire_bytes():
+    ids = [0, 1, 2**31, 2**32 - 1, 151_643]
+    wire = struct.pack("<5I", *ids)
+    assert keys.token_bytes(ids) == keys.token_bytes(tuple(ids)) == wire
+    assert keys.token_bytes(np.array(ids, dtype=np.uint64)) == keys.token_bytes(list(np.array(ids))) == wire

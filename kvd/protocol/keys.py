@@ -31,7 +31,9 @@ the same image does, and a sequence without media keeps its old keys.
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -42,6 +44,7 @@ CHUNK_TAG = b"kvd/1 chunk\x00"
 MEDIA_TAG = b"kvd/1 media chunk\x00"
 DIGEST_BYTES = 32
 MAX_MEDIA_SPANS = 65536
+_U32 = array.array("I")  # C unsigned int: 4 bytes wherever kvd runs (checked where used)
 KEY_BYTES = 32
 DEFAULT_CHUNK_TOKENS = 256
 MAX_TOKEN_ID = 2**32 - 1
@@ -52,6 +55,16 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 
     Raises ValueError for ids outside [0, 2**32).
     """
+    if type(tokens) in (list, tuple) and _U32.itemsize == 4:
+        # A model server's prompt is a list of ints: array() converts and
+        # range-checks 32k of them in ~0.2 ms; numpy takes ~0.7-0.9 ms.
+        try:
+            arr32 = array.array("I", tokens)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids must be integers in [0, 2**32)") from None
+        if sys.byteorder != "little":
+            arr32.byteswap()
+        return arr32.tobytes()
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError("tokens must be a flat sequence of ids")
