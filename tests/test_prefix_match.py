@@ -44,3 +44,41 @@ def test_held_agrees_with_contains_and_match_stops_at_the_first_hole(tmp_path, m
         assert [link.end for link in links if link.boundary] == [6 * CT]
     finally:
         store.close()
+
+
+def reference_match(store, ns: str, ct: int, tokens_le: bytes) -> list[tuple]:
+    """One `contains` per chunk, in order: what match() must answer (no tails here)."""
+    n, out, pos = len(tokens_le) // 4, [], 0
+    for key in keys.chain(ns, ct, tokens_le):
+        if not store.contains(entry_id(key, CHUNK)):
+            break
+        end = min(pos + ct, n)
+        out.append((pos, end, key, store.contains(entry_id(key, BOUNDARY))))
+        pos = end
+    return out
+
+
+def test_match_builds_the_links_one_contains_per_chunk_would(monkeypatch):
+    """Random stored prefixes (ending in a tail or not), boundaries and holes,
+    through blocks of every size: the same links as the plain walk."""
+    from kvd.store.ram import RamStore
+
+    rng = np.random.default_rng(7)
+    for blocks in ((4, 16, 64), (3, 8), (1,)):
+        monkeypatch.setattr(prefix, "_BLOCKS", blocks)
+        for trial in range(40):
+            store = RamStore(1 << 30)
+            n = int(rng.integers(1, 30 * CT))
+            tokens = keys.token_bytes(rng.integers(0, 1000, n))
+            parent, pos = keys.root_key("ns", CT), 0
+            keep = int(rng.integers(0, -(-n // CT) + 1))  # chunks stored, the tail included if all are
+            hole = int(rng.integers(0, keep)) if keep and rng.random() < 0.3 else -1
+            for i, key in enumerate(keys.chain("ns", CT, tokens)[:keep]):
+                end = min(pos + CT, n)
+                if i != hole:
+                    store.put(Entry("ns", key, CHUNK, parent, pos, end - pos, (), tail=end - pos < CT))
+                if rng.random() < 0.2:
+                    store.put(Entry("ns", key, BOUNDARY, parent, pos, end - pos, ()))
+                parent, pos = key, end
+            got = [tuple(link) for link in match(store, "ns", CT, tokens)]
+            assert got == reference_match(store, "ns", CT, tokens), (blocks, trial, n, keep, hole)

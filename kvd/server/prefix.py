@@ -47,16 +47,21 @@ def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, med
     sizes = itertools.chain(_BLOCKS, itertools.repeat(_BLOCKS[-1]))
     as_chunk, as_boundary = entry_id(b"", CHUNK), entry_id(b"", BOUNDARY)  # the kind byte after a key
     while block := list(itertools.islice(chain, next(sizes))):
+        nb = len(block)
         held = store.held([k + as_chunk for k in block] + [k + as_boundary for k in block])
-        for j, key in enumerate(block):
-            if not held[j]:
-                break
-            end = min(pos + chunk_tokens, n_tokens)
-            links.append(Link(pos, end, key, held[len(block) + j]))
-            parent, pos = key, end
-        else:
-            continue
-        break
+        hits = held[:nb]
+        k = nb if all(hits) else hits.index(False)  # the block's chunks held before its first miss
+        if k:
+            # Link per chunk, built at C speed (a 32k-token prompt has 128).
+            stop = pos + k * chunk_tokens
+            ends = range(pos + chunk_tokens, stop + chunk_tokens, chunk_tokens)
+            links.extend(map(Link, range(pos, stop, chunk_tokens), ends, block[:k], held[nb : nb + k]))
+            parent, pos = block[k - 1], stop
+            if pos > n_tokens:  # the sequence's last chunk is a tail
+                links[-1] = links[-1]._replace(end=n_tokens)
+                pos = n_tokens
+        if k < nb:
+            break
     if pos < n_tokens:
         remaining = n_tokens - pos
         for length, key in store.tails(parent):
