@@ -291,21 +291,26 @@ class SsdStore(Store):
         kind byte 1 after 0), and a LOOKUP asks about both: one cursor descent
         answers the pair (set_range, then next), half the B-tree walks of two
         gets (~2 us each at a million rows)."""
-        queued, bad = self.queue, self._bad
-        out = [eid in queued for eid in eids]
-        boundary_at = {eid: i for i, eid in enumerate(eids) if eid[-1] == BOUNDARY}
+        out, bad = self.queue.held(eids), self._bad
         try:
             with self.index.reading() as txn:
                 cur = txn.cursor(db=self.index.rows)
-                seek, key, step = cur.set_range, cur.key, cur.next  # bound once: runs per chunk walked
+                # bound once: these run per id (a LOOKUP of 32k tokens asks up to 256)
+                exact, seek, key, step = cur.set_key, cur.set_range, cur.key, cur.next
+                boundary_at: dict[bytes, int] | None = None  # built at the first chunk id
                 done: set[int] = set()
                 for i, eid in enumerate(eids):
-                    if out[i] or i in done or eid in bad:
+                    if out[i] or (bad and eid in bad) or (done and i in done):
+                        continue
+                    if eid[-1] != CHUNK:
+                        out[i] = exact(eid)  # a boundary alone (its chunk is in RAM): one descent
                         continue
                     found = seek(eid) and key()
                     out[i] = found == eid
-                    j = boundary_at.get(eid[:-1] + _BOUNDARY_BYTE) if eid[-1] == CHUNK else None
-                    if j is not None and not out[j] and eids[j] not in bad:
+                    if boundary_at is None:
+                        boundary_at = {e: j for j, e in enumerate(eids) if e[-1] == BOUNDARY}
+                    j = boundary_at.get(eid[:-1] + _BOUNDARY_BYTE)
+                    if j is not None and not out[j] and not (bad and eids[j] in bad):
                         if out[i]:
                             found = step() and key()
                         out[j] = found == eids[j]
@@ -314,7 +319,7 @@ class SsdStore(Store):
             pass
         except lmdb.Error as exc:  # a damaged page: as in `contains`, a miss (and a heal)
             self._index_error(exc)
-            return [eid in self.queue for eid in eids]
+            return self.queue.held(eids)
         return out
 
     def lease_many(self, eids: Sequence[bytes]) -> list[bool]:
