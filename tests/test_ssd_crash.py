@@ -35,7 +35,7 @@ from support import make_entry
 root, run, per_run, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 one = make_entry(0, width=width)
 store = open_store(2 * one.nbytes, root, ssd_bytes=300 * 40960, min_free_bytes=0,
-                   queue_bytes=32 * one.nbytes, queue_wait_s=1.0)
+                   queue_bytes=32 * one.nbytes)
 print("ready", flush=True)
 rng = random.Random(run)
 for i in range(run * per_run, (run + 1) * per_run):

@@ -102,7 +102,7 @@ def test_enospc_degrades_ram_serves_and_recovers(disk, width):
     entries = [make_entry(i, width=width) for i in range(60)]
     n = entries[0].nbytes
     clock = FakeClock()
-    store = open_store(4 * charged(entries[0]), disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, queue_wait_s=2,
+    store = open_store(4 * charged(entries[0]), disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3,
                        clock=clock)
     try:
         for e in entries[:10]:

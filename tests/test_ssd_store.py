@@ -121,11 +121,11 @@ def test_a_full_queue_moves_evicted_backlog_into_it_without_waiting_or_dropping(
     backlog says it is full, and the queue counts what RAM no longer holds."""
     entries = [make_entry(i) for i in range(8)]
     n = entries[0].nbytes
-    store = stores(charged(entries[0]), tmp_path, queue_bytes=2 * n, queue_wait_s=30)
+    store = stores(charged(entries[0]), tmp_path, queue_bytes=2 * n)
     gate = _block_writer(store.ssd)
     assert store.refuse_put() is None
     for e in entries:
-        store.put(e)  # a wait for queue room would be 30 s each, and the writer never makes room
+        store.put(e)  # the writer never makes room: a wait for it would never end
     ssd = store.ssd.stats()["tiers"]["ssd"]
     assert ssd["drops"] == 0
     # RAM holds one entry: 0..6 were let go; 0 and 1 were queued when stored,
@@ -145,7 +145,7 @@ def test_a_full_queue_moves_evicted_backlog_into_it_without_waiting_or_dropping(
 
 def test_the_entry_bound_decides_what_waits_in_ram_and_evictions_still_enter(tmp_path, stores):
     entries = [make_entry(i) for i in range(6)]
-    store = stores(charged(entries[0]), tmp_path, queue_entries=2, queue_wait_s=30)
+    store = stores(charged(entries[0]), tmp_path, queue_entries=2)
     gate = _block_writer(store.ssd)
     store.put(entries[0])
     store.put(entries[1])

@@ -9,9 +9,9 @@ committed, an entry stays in the queue and is served from there: `get` and
 `contains` look in the queue first, so there is no moment at which an entry
 is neither in the queue nor in the index.
 
-When the queue is full, `offer` waits up to `wait` seconds for the writer to
-make room (back-pressure on the caller) and then refuses; the caller counts
-the refusal as a drop. `force=True` admits an entry beyond the bound: the
+When the queue is full, `offer` refuses at once (the daemon's thread never
+waits for the disk); the caller counts the refusal as a drop, or keeps the
+entry and offers it again later. `force=True` admits an entry beyond the bound: the
 tier uses it for entries a LOOKUP has just reported, which must not vanish,
 and for write-back entries RAM lets go before they were queued (their bytes
 are bounded upstream: the daemon refuses PUTs while the backlog is full), so
@@ -82,9 +82,9 @@ class SpillQueue:
     def get(self, eid: bytes) -> Entry | None:
         return self._pending.get(eid)
 
-    def offer(self, entry: Entry, *, wait: float = 0.0, force: bool = False, outside: bool = False) -> bool:
+    def offer(self, entry: Entry, *, force: bool = False, outside: bool = False) -> bool:
         """Queue `entry` for writing. True if queued (or already queued);
-        False if the queue stayed full for `wait` seconds or is closed.
+        False if the queue is full or closed.
         `outside`: the RAM tier does not (or no longer) hold it."""
         eid = entry.id
         with self.cond:
@@ -101,7 +101,7 @@ class SpillQueue:
                         and (self.max_entries is None or len(self._pending) < self.max_entries)
                     )
 
-                if not room() and (wait <= 0 or not self.cond.wait_for(room, timeout=wait)):
+                if not room():
                     return False
             if self.closed:
                 return False

@@ -147,7 +147,6 @@ class SsdStore(Store):
         min_free_bytes: int = DEFAULT_MIN_FREE,
         queue_bytes: int = 256 << 20,
         queue_entries: int | None = None,
-        queue_wait_s: float = 0.5,
         lease_s: float = 30.0,
         retry_s: float = 5.0,
         touch_flush_s: float = 1.0,
@@ -162,7 +161,6 @@ class SsdStore(Store):
         self.root = ensure_dirs(root)
         self.budget_bytes = int(budget_bytes)
         self.min_free_bytes = int(min_free_bytes)
-        self.queue_wait_s = queue_wait_s
         self.lease_s = lease_s
         self.retry_s = retry_s
         self.touch_flush_s = touch_flush_s
@@ -530,8 +528,8 @@ class SsdStore(Store):
     # -- writes (daemon thread: enqueue only) ------------------------------
     def put(self, entry: Entry, *, force: bool = False) -> PutOutcome:
         """Queue `entry` for writing. DUPLICATE if held (recency refreshed);
-        TOO_BIG if over the whole budget; DROPPED (counted) if the queue
-        stayed full for `queue_wait_s` (`force`: it takes it regardless)."""
+        TOO_BIG if over the whole budget; DROPPED (counted) if the queue is
+        full (`force`: it takes it regardless)."""
         eid = entry.id
         if self.contains(eid):
             with self._mu:
@@ -558,7 +556,7 @@ class SsdStore(Store):
                 self.counters["spills_clean"] += 1
             return True
         force = force or self.leased(eid)
-        if self.queue.offer(entry, wait=0.0 if force else self.queue_wait_s, force=force, outside=True):
+        if self.queue.offer(entry, force=force, outside=True):
             return True
         self._drop(entry, "queue_full")
         return False

@@ -330,7 +330,7 @@ def open_store(
     `data_dir=None` gives a RAM-only `RamStore`. Otherwise a `TieredStore`
     over an `SsdStore` at `data_dir` holding at most `ssd_bytes` on disk
     (created 0700 if missing; locked for this process until `close()`).
-    `ssd_options` go to `SsdStore` (queue_bytes, queue_wait_s, lease_s,
+    `ssd_options` go to `SsdStore` (queue_bytes, lease_s,
     retry_s, durable, ...). With `remote_url`, the local store is wrapped
     in `WithRemote` (kvd/store/remote.py): a shared Redis/Valkey tier behind
     it, made with `remote_options` (ttl_s, timeout, part_bytes, ...).
