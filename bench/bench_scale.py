@@ -305,6 +305,16 @@ def mixed(endpoint: str, seconds: float, window: float, clients: int = 8, recent
     return [sum(r[w] for r, _ in results) for w in range(n)]
 
 
+def _timed(f, n: int = 200) -> float:
+    """Median seconds of `f()`."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10000,100000,1000000")
@@ -328,6 +338,11 @@ def main() -> None:
     files, packed = writer_rate(workdir, 0), writer_rate(workdir, 64 << 10)
     print(f"SSD writer (write_batch, 64 a batch, synced): a file each {files:.0f} blobs/s, packed {packed:.0f} "
           f"blobs/s: {packed / files:.1f}x")
+    prompt = anchor_tokens()
+    as_list = prompt.tolist()
+    listed, arr = _timed(lambda: keys.token_bytes(as_list)), _timed(lambda: keys.token_bytes(prompt))
+    print(f"client: a {ANCHOR_TOKENS}-token prompt to wire bytes (keys.token_bytes, p50): from a list "
+          f"{listed * 1e6:.0f} us, from an ndarray {arr * 1e6:.0f} us (in every LOOKUP below: an ndarray)")
     d = Daemon(workdir, data, args.daemon_args.split())
     try:
         if args.reuse and not args.keep:
