@@ -131,9 +131,9 @@ def test_a_light_client_is_served_before_peers_that_keep_the_daemon_busy(tmp_pat
             assert [msgpack.unpackb(s.recv_multipart()[0])["id"] for _ in range(2)] == [1, 2]
         assert d.handler.requests["LOOKUP"] == 16 and d.handler.requests["PING"] == 8 and len(d.turns) == 0
         assert d.peer_stats()["deferred"] == 16
-        heavy[0].send_multipart(lookup)  # over max_bytes: it cannot wait, so it is served at once
+        heavy[0].send_multipart([codec.encode("PING", {}, id=7)[0], bytes(9 << 20)])  # over max_bytes: cannot wait
         d._serve_waiting(feed(received(1)))
-        assert msgpack.unpackb(heavy[0].recv_multipart()[0])["type"] == "LOOKUP"
+        assert msgpack.unpackb(heavy[0].recv_multipart()[0])["id"] == 7  # answered (an error: a PING has no frames)
         assert d.peer_stats()["deferred"] == 16 and len(d.turns) == 0
     finally:
         for s in [*heavy, good]:

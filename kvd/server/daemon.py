@@ -26,10 +26,10 @@ Rules the loop keeps:
 5. Peer connections stay under `max_peers`, far from the fd limit, and
    stalled peers are shed when memory passes the ceiling (kvd.server.peers,
    on a thread of its own).
-6. Of the requests waiting, the peer that has cost the serving thread least
-   lately goes first (kvd.server.turns): a client that asks now and then is
-   not held behind peers that keep the daemon busy. A peer's own requests
-   keep their order.
+6. A peer whose requests have lately cost the serving thread far more than
+   ordinary ones is served when nobody else is waiting (kvd.server.turns):
+   a client is not queued behind peers that keep the daemon busy. A peer's
+   own requests keep their order.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 A ROUTER socket fair-queues its peers: one message from each peer that has
 one waiting, in turn. That is fair in messages, not in work: with eight
-peers sending 4 MiB LOOKUPs, a client's 0.3 ms GET waits behind eight of
-them, every time.
+peers sending requests that take milliseconds each (LOOKUPs of a million
+tokens, GETs read from the SSD tier), a client's 0.3 ms GET waits behind
+eight of them, every time.
 
 So each peer has a *cost*: the serving thread's time its requests took
 beyond `free_s` each, plus the time their bytes took to arrive
@@ -48,7 +49,7 @@ class Turns:
         self,
         *,
         max_waiting: int = 16,
-        max_bytes: int = 4 << 20,
+        max_bytes: int = 8 << 20,
         max_passes: int = 64,
         half_life: float = 0.25,
         free_s: float = 0.0005,
