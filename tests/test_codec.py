@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd.protocol import codec, dtypes, errors
+from kvd.protocol import codec, dtypes, errors, skim
 from kvd.protocol.codec import Tensor
 from kvd.protocol.limits import Limits
 
@@ -128,11 +130,19 @@ def near_valid_headers(draw):
 
 
 def _decode_or_protocol_error(frames):
+    """Each decoder gives a message or a ProtocolError -- the same one whether
+    the header is read whole or top level first (kvd.protocol.skim)."""
+    limits = Limits(max_message_bytes=4096, max_frames=4)
     for decode in (codec.decode_request, codec.decode_reply):
-        try:
-            decode(frames, Limits(max_message_bytes=4096, max_frames=4))
-        except errors.ProtocolError:
-            pass
+        outcomes = []
+        for skim_bytes in (skim.SKIM_BYTES, 0):
+            with mock.patch.object(skim, "SKIM_BYTES", skim_bytes):
+                try:
+                    msg = decode(frames, limits)
+                    outcomes.append((msg.type, msg.id, msg.fields))
+                except errors.ProtocolError as err:
+                    outcomes.append(type(err))
+        assert outcomes[0] == outcomes[1]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

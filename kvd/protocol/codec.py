@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from kvd.protocol import dtypes, keys
+from kvd.protocol import dtypes, keys, skim
 from kvd.protocol import errors as E
 from kvd.protocol.limits import DEFAULT_LIMITS, Limits
 from kvd.protocol.shm import Descriptor
@@ -147,14 +147,22 @@ def _chunk_tokens(v, ctx):
     return v
 
 
-def _tokens(v, ctx):
-    if not isinstance(v, (bytes, bytearray)):
+def _token_view(v, ctx):
+    """A query's tokens, left where they are: a memoryview into the received
+    frame when the header was big (kvd.protocol.skim). The handler reads at
+    most `max_chunks` chunks of them and keeps none."""
+    if not isinstance(v, (bytes, bytearray, memoryview)):
         raise _bad(ctx, f"expected bin (little-endian uint32 token ids), got {type(v).__name__}")
     if len(v) % 4:
         raise _bad(ctx, "token bytes must be a multiple of 4")
     if len(v) // 4 > ctx.limits.max_tokens:
         raise E.TooManyTokens(f"{len(v) // 4} tokens; the limit is {ctx.limits.max_tokens}")
-    return bytes(v)
+    return v
+
+
+def _tokens(v, ctx):
+    """A stored sequence's tokens, as bytes of their own (a PUT's are kept)."""
+    return bytes(_token_view(v, ctx))
 
 
 def _media(v, ctx):
@@ -294,6 +302,7 @@ _BOUNDARY_AT = {"at": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta
 _SLOTS_CHUNK = {"index": _req(_uint), "tensors": _req(_tensor_specs), "meta": _opt(_meta, b"")}
 _SLOTS_BOUNDARY = {"tensors": _req(_tensor_specs), "meta": _opt(_meta, b"")}
 _SEQ = {"ns": _req(_ns), "tokens": _req(_tokens), "chunk_tokens": _opt(_chunk_tokens, 256), "media": _opt(_media)}
+_QUERY = {**_SEQ, "tokens": _req(_token_view)}  # LOOKUP, GET, EXPLAIN: tokens read, never kept
 
 _PUT_REPLY = {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_uint), "dropped": _opt(_uint, 0)}
 
@@ -301,15 +310,15 @@ _PUT_REPLY = {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_
 REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "HELLO": {"versions": _req(_uints), "client": _opt(_str, "")},
     "PING": {},
-    "LOOKUP": {**_SEQ},
+    "LOOKUP": {**_QUERY},
     "GET": {
-        **_SEQ, "max_tokens": _opt(_uint), "need_boundary": _opt(_bool, False), "start": _opt(_uint, 0),
+        **_QUERY, "max_tokens": _opt(_uint), "need_boundary": _opt(_bool, False), "start": _opt(_uint, 0),
         "shm": _opt(_map),  # section 14: proof and releases; the reply may then carry descriptors
     },
     "PUT": {
         **_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_map),
     },
-    "EXPLAIN": {**_SEQ, "need_boundary": _opt(_bool, False), "ns_meta": _opt(_map)},
+    "EXPLAIN": {**_QUERY, "need_boundary": _opt(_bool, False), "ns_meta": _opt(_map)},
     "SLOTS": {
         **_SEQ, "chunks": _req(_array_of(_record(_SLOTS_CHUNK))), "boundary": _opt(_record(_SLOTS_BOUNDARY)),
         "ns_meta": _opt(_map), "shm": _req(_map),
@@ -415,12 +424,18 @@ def _unpackb(buf: Any, limits: Limits) -> Any:
             raise E.MalformedMessage(f"header has more than {limits.max_header_objects} maps and arrays")
         return obj
 
-    n = memoryview(buf).nbytes
-    return msgpack.unpackb(
-        buf, raw=False, strict_map_key=True, use_list=True, object_hook=count, list_hook=count,
+    view = memoryview(buf)
+    n = view.nbytes
+    args = dict(
+        raw=False, strict_map_key=True, use_list=True, object_hook=count, list_hook=count,
         max_bin_len=n, max_str_len=n, max_array_len=limits.max_header_objects,
         max_map_len=limits.max_header_objects, max_ext_len=0,
     )
+    if n >= skim.SKIM_BYTES and view.ndim == 1 and view.itemsize == 1:
+        header = skim.top_level(view, {**args, "max_buffer_size": max(n, skim.READ_BYTES)}, count)
+        if header is not None:
+            return header
+    return msgpack.unpackb(buf, **args)
 
 
 def peek_id(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> int | None:
