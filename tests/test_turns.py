@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgpack
@@ -14,28 +15,30 @@ from kvd.server.turns import BYTE_SECONDS, Turns
 from kvd.store.ram import RamStore
 
 
-def test_only_a_peer_over_the_heavy_cost_waits_and_its_later_requests_wait_behind_it():
-    t = Turns(free_s=0.0005, heavy_s=0.001)
-    t.charge(b"light", 0.0004, 1000, now=0.0)  # an ordinary request costs nothing
-    assert t.cost(b"light", 0.0) == 0.0 and not t.defers(b"light", 0.0)
-    t.charge(b"heavy", 0.0030, 0, now=0.0)
-    assert t.cost(b"heavy", 0.0) == pytest.approx(0.0025) and t.defers(b"heavy", 0.0)
+def test_only_a_peer_whose_requests_cost_over_heavy_s_waits_and_its_later_requests_wait_behind_it():
+    t = Turns(heavy_s=0.001)
+    for i in range(1000):  # many cheap requests, as fast as they come: never heavy
+        t.charge(b"light", 0.0009, 1000, now=i * 0.0001)
+    assert t.cost(b"light") < 0.001 and not t.defers(b"light")
+    t.charge(b"heavy", 0.0001, 4 << 20, now=0.0)  # one 4 MiB request: its bytes cost the most
+    assert t.cost(b"heavy") == pytest.approx(0.0001 + (4 << 20) * BYTE_SECONDS) and t.defers(b"heavy")
     t.put(b"heavy", "h0", 10)
-    t.charge(b"heavy", 0.0, 0, now=100.0)  # long decayed...
-    assert t.defers(b"heavy", 100.0)  # ...but h0 still waits: h1 must wait behind it (rule 1)
+    for _ in range(50):
+        t.charge(b"heavy", 0.0, 0, now=1.0)  # its later requests are cheap...
+    assert t.cost(b"heavy") < 0.001 and t.defers(b"heavy")  # ...but h0 still waits: h1 must wait behind it (rule 1)
     t.put(b"heavy", "h1", 10)
     assert [t.pop(), t.pop(), t.pop()] == ["h0", "h1", None]
-    assert not t.defers(b"heavy", 100.0) and t.bytes == 0 and len(t) == 0
+    assert not t.defers(b"heavy") and t.bytes == 0 and len(t) == 0
 
 
-def test_cost_decays_with_the_half_life_and_counts_bytes():
-    t = Turns(half_life=0.5, free_s=0.0)
+def test_cost_is_a_running_mean_of_cpu_time_and_bytes():
+    t = Turns(weight=0.25)
     t.charge(b"p", 0.008, 0, now=10.0)
-    assert t.cost(b"p", 10.0) == pytest.approx(0.008)
-    assert t.cost(b"p", 10.5) == pytest.approx(0.004)
-    assert t.cost(b"p", 11.5) == pytest.approx(0.001)
-    t.charge(b"q", 0.0, 4 << 20, now=0.0)  # a 4 MiB message that was answered at once
-    assert t.cost(b"q", 0.0) == pytest.approx((4 << 20) * BYTE_SECONDS)
+    assert t.cost(b"p") == pytest.approx(0.008)  # the first request is all it knows
+    t.charge(b"p", 0.0, 0, now=10.0)
+    assert t.cost(b"p") == pytest.approx(0.006)
+    t.charge(b"q", 0.0, 4 << 20, now=0.0)  # a 4 MiB message that cost no CPU
+    assert t.cost(b"q") == pytest.approx((4 << 20) * BYTE_SECONDS)
 
 
 def test_a_request_passed_over_max_passes_times_goes_next():
@@ -63,13 +66,37 @@ def test_room_is_bounded_in_count_and_bytes():
     assert t.pop() == "x" and t.bytes == 0
 
 
-def test_forget_drops_decayed_costs():
-    t = Turns(half_life=0.1, free_s=0.0)
+def test_while_others_are_active_heavy_turns_take_at_most_their_share():
+    t = Turns(share=0.25, active_s=0.05, burst_s=0.002)
+    for name in ("h0", "h1", "h2", "h3"):
+        t.put(b"h", name, 0)
+    assert t.due(0.0) == 0.0 and t.take(0.0) == "h0"  # nobody else about: served in full
+    t.charge(b"h", 0.001, 8 << 20, now=0.0, waited=True)
+    assert t.take(0.0) == "h1"  # ...its cost counted against nothing
+    t.charge(b"h", 0.001, 8 << 20, now=0.0, waited=True)
+    t.charge(b"light", 0.0002, 100, now=1.0)  # a client is served: heavy turns now share
+    assert t.take(1.0) == "h2"  # within the burst
+    cost = 0.001 + (4 << 20) * BYTE_SECONDS
+    t.charge(b"h", 0.001, 4 << 20, now=1.0, waited=True)
+    wait = (cost - 0.002) / 0.25  # until the credit it overdrew is earned back at a quarter of the time
+    assert t.due(1.0) == pytest.approx(1.0 + wait)
+    assert t.take(1.0 + wait * 0.9) is None and t.take(1.0 + wait * 1.01) == "h3"
+    t.put(b"h", "h4", 0)
+    t.charge(b"h", 0.0, 64 << 20, now=1.01, waited=True)  # a turn that overdrew by far...
+    assert t.due(1.01) == pytest.approx(1.05)  # ...waits only while the client is about
+    assert t.take(1.049) is None and t.take(1.05) == "h4"
+    assert t.due(2.0) is None  # nothing waits
+
+
+def test_forget_drops_the_costs_of_silent_peers():
+    t = Turns(forget_s=10.0)
     t.charge(b"gone", 0.01, 0, now=0.0)
-    t.forget(now=0.05)
-    assert t.stats()["peers_with_cost"] == 1
-    t.forget(now=10.0)
-    assert t.stats()["peers_with_cost"] == 0
+    t.charge(b"waits", 0.01, 0, now=0.0)
+    t.put(b"waits", "w", 0)
+    t.forget(now=5.0)
+    assert t.stats()["peers_with_cost"] == 2
+    t.forget(now=10.5)
+    assert t.stats()["peers_with_cost"] == 1 and t.defers(b"waits")  # one with a request waiting is kept
 
 
 # -- in a real daemon -----------------------------------------------------------
@@ -84,7 +111,7 @@ def test_a_light_client_is_served_before_peers_that_keep_the_daemon_busy(tmp_pat
     each waiting ahead of a client's STATS: the STATS is served first, then
     theirs, each peer's in order. (Served as they came, it waited for 16.)"""
     d = Daemon(RamStore(16 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
-    d.turns = Turns(half_life=600.0)  # their cost must not decay while a slow machine runs the test
+    d.turns = Turns(active_s=0.0, max_bytes=8 << 20)  # the order alone: no share (a slow machine would use it up)
     d.bind()
     ctx = zmq.Context.instance()
     heavy = [ctx.socket(zmq.DEALER) for _ in range(8)]
@@ -139,3 +166,28 @@ def test_a_light_client_is_served_before_peers_that_keep_the_daemon_busy(tmp_pat
         for s in [*heavy, good]:
             s.close(linger=0)
         d.close()
+
+
+def test_the_loop_wakes_for_a_waiting_request_when_its_turn_comes(tmp_path):
+    """A heavy peer's request waits while a client is about, and the loop
+    answers it when its turn comes -- not at its next tick (an hour here)."""
+    d = Daemon(RamStore(16 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False, tick=3600.0)
+    d.bind()
+    now = time.monotonic()
+    d.turns.charge(b"heavy", 0.0, 64 << 20, now)  # its requests cost the daemon
+    d.turns.charge(b"light", 0.0005, 0, now)  # a client was served just now...
+    d.turns.charge(b"other", 0.0, 64 << 20, now, waited=True)  # ...and heavy turns overdrew their share
+    loop = threading.Thread(target=d.serve_forever)
+    loop.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.ROUTING_ID, b"heavy")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d.endpoint)
+        assert request(sock, codec.encode("PING", {}, id=5))["id"] == 5
+        assert d.peer_stats()["deferred"] == 1
+    finally:
+        sock.close(linger=0)
+        d.stop()
+        loop.join(10)
+    assert not loop.is_alive()

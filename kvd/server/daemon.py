@@ -26,15 +26,16 @@ Rules the loop keeps:
 5. Peer connections stay under `max_peers`, far from the fd limit, and
    stalled peers are shed when memory passes the ceiling (kvd.server.peers,
    on a thread of its own).
-6. A peer whose requests have lately cost the serving thread far more than
-   ordinary ones is served when nobody else is waiting (kvd.server.turns):
-   a client is not queued behind peers that keep the daemon busy. A peer's
-   own requests keep their order.
+6. A peer whose requests cost far more than ordinary ones is served when
+   nobody else is waiting, and while others are active in at most a share of
+   the time (kvd.server.turns): a client is not queued behind peers that keep
+   the daemon busy. A peer's own requests keep their order.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import select
 import signal
 import threading
@@ -312,11 +313,14 @@ class Daemon:
         try:
             while not self._stop.is_set():
                 wake = next_tick if stop_at is None else min(next_tick, stop_at)
-                timeout_ms = 0 if self.turns else max(0, int((wake - time.monotonic()) * 1000))
+                due = self.turns.due(time.monotonic())
+                if due is not None:
+                    wake = min(wake, due)
+                timeout_ms = max(0, math.ceil((wake - time.monotonic()) * 1000))
                 events = dict(poller.poll(timeout_ms))
                 if self.wakeup.fd in events:
                     self._settle()
-                if (sock in events or self.turns) and self._serve_waiting(lambda: self._recv(sock)) and stop_at is None:
+                if (sock in events or (due is not None and due <= time.monotonic())) and self._serve_waiting(lambda: self._recv(sock)) and stop_at is None:
                     # Keep serving briefly: a peer's unread reply is
                     # discarded when our end of the pipe goes away.
                     stop_at = time.monotonic() + self.shutdown_grace
@@ -382,12 +386,12 @@ class Daemon:
         raises zmq.Again. True if one asked the daemon to shut down."""
         turns, shutdown = self.turns, False
         for _ in range(most):
-            raw = turns.overdue()
+            raw, waited = turns.overdue(), True
             if raw is None:
                 try:
-                    raw = recv()
+                    raw, waited = recv(), False
                 except zmq.Again:
-                    raw = turns.pop()  # nobody else asks: a heavy peer's turn
+                    raw = turns.take(time.monotonic())  # nobody else asks: a heavy peer's turn, if due
                     if raw is None:
                         break
                 else:
@@ -397,15 +401,15 @@ class Daemon:
                         self.dropped_replies += 1
                         turns.charge(peer, 0.0, sum(len(f) for f in raw), time.monotonic())
                         continue
-                    if turns.defers(peer, time.monotonic()):
+                    if turns.defers(peer):
                         nbytes = sum(len(f) for f in raw)
                         while len(turns) and not turns.room(nbytes):
-                            shutdown = self._serve_one(turns.pop()) or shutdown
+                            shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
                         if turns.room(nbytes):
                             turns.put(peer, raw, nbytes)
                             continue
                         # too big to wait: served now (its peer has nothing waiting)
-            shutdown = self._serve_one(raw) or shutdown
+            shutdown = self._serve_one(raw, waited=waited) or shutdown
         return shutdown
 
     def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
@@ -440,14 +444,14 @@ class Daemon:
             parts.append(f"dropped_replies={self.dropped_replies}")
         log.info("activity %s", " ".join(parts))
 
-    def _serve_one(self, raw: list[zmq.Frame]) -> bool:
+    def _serve_one(self, raw: list[zmq.Frame], waited: bool = False) -> bool:
         """Serve one request; True if it asked the daemon to shut down."""
         identity, payload = raw[0].bytes, raw[1:]
         fd = payload[0].get(zmq.SRCFD) if payload else None
         if self.gate is not None:
             self.gate.touch(fd)
         frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         if self.outbox is not None and self.outbox.saturated(identity):
             # Its replies would be dropped or refused anyway: do no work for it.
             reply, shutdown, mtype = self._busy(frames, "replies to this peer are not being read; read them"), False, "BUSY"
@@ -457,7 +461,9 @@ class Daemon:
         if reply is not None:  # None: parked until its entries are on disk
             self._send(identity, reply, frames, fd)
         elapsed = time.perf_counter() - started
-        self.turns.charge(identity, elapsed, sum(len(f) for f in frames), time.monotonic())
+        # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
+        cpu = time.thread_time() - cpu
+        self.turns.charge(identity, cpu, sum(len(f) for f in frames), time.monotonic(), waited=waited)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)

@@ -249,7 +249,7 @@ def listen_backlog(max_peers: int) -> int:
 
 # What the daemon's process holds besides the RAM tier's entries and messages:
 # the interpreter, libzmq, the index's bookkeeping, the EXPLAIN records, the
-# requests of heavy peers waiting their turn (at most 8 MiB, kvd.server.turns).
+# requests of heavy peers waiting their turn (at most 32 MiB, kvd.server.turns).
 BASE_ALLOWANCE = 160 << 20
 
 

@@ -8,22 +8,27 @@ peers sending requests that take milliseconds each (LOOKUPs of a million
 tokens, GETs read from the SSD tier), a client's 0.3 ms GET waits behind
 eight of them, every time.
 
-So each peer has a *cost*: the serving thread's time its requests took
-beyond `free_s` each, plus the time their bytes took to arrive
-(`BYTE_SECONDS` per byte: a 4 MiB header costs libzmq's I/O thread far more
-than it costs the loop), decayed with a half-life of `half_life` seconds.
-Ordinary requests (a GET of a RAM hit, a PUT of a few chunks, a PING) cost
-nothing; a peer whose cost is over `heavy_s` is *heavy*. The loop serves
-what it receives at once, in the socket's order, except a heavy peer's
-requests: those wait here, and get their turn when the socket has nothing
-else. So a heavy peer is served in full whenever nobody else asks, and
-never ahead of a peer that is not heavy.
+So each peer has a *cost*: what one of its requests costs, on average (the
+newest weighs `weight`): the serving thread's CPU time -- not wall time: on
+a busy machine every request takes longer, the cheap ones too -- plus the
+time its bytes took to arrive (`BYTE_SECONDS` per byte: a 4 MiB header costs
+libzmq's I/O thread far more than it costs the loop). Ordinary requests (a
+GET of a RAM hit, a PUT of a few chunks, a PING) cost well under `heavy_s`,
+however many a peer sends; a peer whose cost is over it is *heavy*. The loop
+serves what it receives at once, in the socket's order, except a heavy
+peer's requests: those wait here, and get their turn when the socket has
+nothing else. While other peers are active (one was served in the last
+`active_s`), heavy peers' turns take at most `share` of the time: after one
+that cost c, the next waits until c / share has passed. A peer waiting for
+its reply sends nothing more, so this also slows what heavy peers send,
+which is most of what they cost. With nobody else about, heavy peers are
+served in full.
 
 Rules:
 1. A peer's requests are served in the order they came: once one waits
    here, its later ones wait behind it.
 2. Nothing waits for ever: a request that `max_passes` others have been
-   served ahead of goes next.
+   served ahead of goes next, share or not.
 3. What waits here is bounded: at most `max_waiting` requests, `max_bytes`
    in all. Without room for one more, the oldest waiting are served first;
    a request over `max_bytes` alone is served at once, when its peer has
@@ -43,38 +48,46 @@ BYTE_SECONDS = 0.5e-9
 
 
 class Turns:
-    """Heavy peers' requests waiting for a quiet moment, and each peer's cost."""
+    """Heavy peers' requests waiting for their turn, and each peer's cost."""
 
     def __init__(
         self,
         *,
         max_waiting: int = 16,
-        max_bytes: int = 8 << 20,
+        max_bytes: int = 32 << 20,
         max_passes: int = 64,
-        half_life: float = 0.25,
-        free_s: float = 0.0005,
+        weight: float = 0.25,
         heavy_s: float = 0.001,
+        share: float = 0.25,
+        active_s: float = 0.05,
+        burst_s: float = 0.002,
+        forget_s: float = 10.0,
     ):
         self.max_waiting = max_waiting
         self.max_bytes = max_bytes
         self.max_passes = max_passes
-        self.half_life = half_life
-        self.free_s = free_s
+        self.weight = weight
         self.heavy_s = heavy_s
+        self.share = share
+        self.active_s = active_s
+        self.burst_s = burst_s
+        self.forget_s = forget_s
         self.bytes = 0
         self._served = 0  # requests served so far: a waiting request's passes are this minus its mark
         self._waiting: deque[tuple[int, bytes, int, Any]] = deque()  # (mark, peer, nbytes, request), oldest first
         self._per_peer: dict[bytes, int] = {}
-        self._cost: dict[bytes, tuple[float, float]] = {}  # peer -> (cost, when it was that); only peers with a cost
+        self._cost: dict[bytes, tuple[float, float]] = {}  # peer -> (mean cost of a request, when it last sent one)
+        self._light_at = float("-inf")  # when a peer that is not heavy was last served
+        self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
         self.counters = {"deferred": 0, "overdue": 0}
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     # -- the loop's questions ------------------------------------------------------
-    def defers(self, peer: bytes, now: float) -> bool:
+    def defers(self, peer: bytes) -> bool:
         """Must `peer`'s request wait (it is heavy, or its earlier ones wait: rule 1)?"""
-        return peer in self._per_peer or self.cost(peer, now) > self.heavy_s
+        return peer in self._per_peer or self.cost(peer) > self.heavy_s
 
     def room(self, nbytes: int) -> bool:
         """May a request of `nbytes` wait (rule 3)?"""
@@ -94,8 +107,26 @@ class Turns:
             return self.pop()
         return None
 
+    def due(self, now: float) -> float | None:
+        """When the oldest waiting request may have a quiet socket's turn: `now`
+        or later (others are active and heavy peers used their share); None if
+        nothing waits."""
+        if not self._waiting:
+            return None
+        if now - self._light_at >= self.active_s:
+            return now
+        credit = self._credit_at(now)
+        if credit > 0:
+            return now
+        return min(now - credit / self.share, self._light_at + self.active_s)
+
+    def take(self, now: float) -> Any | None:
+        """The socket is quiet: the oldest waiting request, if it is due."""
+        due = self.due(now)
+        return self.pop() if due is not None and due <= now else None
+
     def pop(self) -> Any | None:
-        """The oldest waiting request (the socket is quiet, or room is needed), or None."""
+        """The oldest waiting request, or None."""
         if not self._waiting:
             return None
         _, peer, nbytes, request = self._waiting.popleft()
@@ -108,24 +139,32 @@ class Turns:
         return request
 
     # -- costs ---------------------------------------------------------------------
-    def cost(self, peer: bytes, now: float) -> float:
-        """`peer`'s decayed cost at `now`, in seconds."""
+    def cost(self, peer: bytes) -> float:
+        """What one of `peer`'s requests costs, on average, in seconds."""
         got = self._cost.get(peer)
-        if got is None:
-            return 0.0
-        value, at = got
-        return value * 0.5 ** ((now - at) / self.half_life) if now > at else value
+        return 0.0 if got is None else got[0]
 
-    def charge(self, peer: bytes, seconds: float, nbytes: int, now: float) -> None:
-        """`peer`'s request took `seconds` of the serving thread and carried `nbytes`."""
+    def charge(self, peer: bytes, seconds: float, nbytes: int, now: float, *, waited: bool = False) -> None:
+        """`peer`'s request took `seconds` of the serving thread's CPU and
+        carried `nbytes`; `waited`: it had waited here."""
         self._served += 1
-        extra = seconds - self.free_s + nbytes * BYTE_SECONDS
-        if extra > 0:
-            self._cost[peer] = (self.cost(peer, now) + extra, now)
+        cost = seconds + nbytes * BYTE_SECONDS
+        got = self._cost.get(peer)
+        mean = cost if got is None else got[0] + self.weight * (cost - got[0])
+        self._cost[peer] = (mean, now)
+        if waited:
+            if now - self._light_at < self.active_s:  # others are about: this turn uses heavy peers' share
+                self._credit = (self._credit_at(now) - cost, now)
+        elif seconds > 0 and mean <= self.heavy_s:  # (0: a muted peer's request, dropped unserved)
+            self._light_at = now
+
+    def _credit_at(self, now: float) -> float:
+        credit, at = self._credit
+        return min(self.burst_s, credit + max(0.0, now - at) * self.share)
 
     def forget(self, now: float) -> None:
-        """Drop the costs that have decayed to nothing (peers come and go: the map must not grow)."""
-        for peer in [p for p in self._cost if self.cost(p, now) < self.heavy_s / 64]:
+        """Drop the costs of peers silent for `forget_s` (peers come and go: the map must not grow)."""
+        for peer in [p for p, (_, at) in self._cost.items() if now - at > self.forget_s and p not in self._per_peer]:
             del self._cost[peer]
 
     def stats(self) -> dict[str, int]:
