@@ -88,6 +88,21 @@ def test_while_others_are_active_heavy_turns_take_at_most_their_share():
     assert t.due(2.0) is None  # nothing waits
 
 
+def test_a_peer_alone_is_not_held_back_by_its_own_cheap_requests():
+    t = Turns(share=0.25, active_s=0.05)
+    t.charge(b"p", 0.0002, 0, now=0.0)  # a cheap request of its own...
+    t.charge(b"p", 0.0, 64 << 20, now=0.0)  # ...then it turns heavy
+    t.put(b"p", "a", 0)
+    t.put(b"p", "b", 0)
+    assert t.take(0.001) == "a"
+    t.charge(b"p", 0.0, 64 << 20, now=0.001, waited=True)
+    assert t.due(0.001) == 0.001 and t.take(0.001) == "b"  # nobody else about: no share to keep
+    t.charge(b"q", 0.0002, 0, now=0.002)  # another client is served
+    t.put(b"p", "c", 0)
+    t.charge(b"p", 0.0, 64 << 20, now=0.002, waited=True)
+    assert t.due(0.002) == pytest.approx(0.052) and t.take(0.002) is None
+
+
 def test_forget_drops_the_costs_of_silent_peers():
     t = Turns(forget_s=10.0)
     t.charge(b"gone", 0.01, 0, now=0.0)

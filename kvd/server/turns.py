@@ -77,7 +77,8 @@ class Turns:
         self._waiting: deque[tuple[int, bytes, int, Any]] = deque()  # (mark, peer, nbytes, request), oldest first
         self._per_peer: dict[bytes, int] = {}
         self._cost: dict[bytes, tuple[float, float]] = {}  # peer -> (mean cost of a request, when it last sent one)
-        self._light_at = float("-inf")  # when a peer that is not heavy was last served
+        # The last two peers served that are not heavy, and when: (peer, time), newest first.
+        self._light: list[tuple[bytes, float]] = [(b"", float("-inf"))] * 2
         self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
         self.counters = {"deferred": 0, "overdue": 0}
 
@@ -113,12 +114,13 @@ class Turns:
         nothing waits."""
         if not self._waiting:
             return None
-        if now - self._light_at >= self.active_s:
+        until = self._others_until(self._waiting[0][1])
+        if now >= until:
             return now
         credit = self._credit_at(now)
         if credit > 0:
             return now
-        return min(now - credit / self.share, self._light_at + self.active_s)
+        return min(now - credit / self.share, until)
 
     def take(self, now: float) -> Any | None:
         """The socket is quiet: the oldest waiting request, if it is due."""
@@ -153,10 +155,14 @@ class Turns:
         mean = cost if got is None else got[0] + self.weight * (cost - got[0])
         self._cost[peer] = (mean, now)
         if waited:
-            if now - self._light_at < self.active_s:  # others are about: this turn uses heavy peers' share
+            if now < self._others_until(peer):  # others are about: this turn uses heavy peers' share
                 self._credit = (self._credit_at(now) - cost, now)
         elif seconds > 0 and mean <= self.heavy_s:  # (0: a muted peer's request, dropped unserved)
-            self._light_at = now
+            self._light = [(peer, now), self._light[1 if self._light[0][0] == peer else 0]]
+
+    def _others_until(self, peer: bytes) -> float:
+        """Until when peers other than `peer` count as active (one was served lately)."""
+        return max((at for who, at in self._light if who != peer), default=float("-inf")) + self.active_s
 
     def _credit_at(self, now: float) -> float:
         credit, at = self._credit
