@@ -431,7 +431,7 @@ def _unpackb(buf: Any, limits: Limits) -> Any:
         max_bin_len=n, max_str_len=n, max_array_len=limits.max_header_objects,
         max_map_len=limits.max_header_objects, max_ext_len=0,
     )
-    if n >= skim.SKIM_BYTES and view.ndim == 1 and view.itemsize == 1:
+    if n >= skim.SKIM_BYTES and view.ndim == 1 and view.format == "B":
         header = skim.top_level(view, {**args, "max_buffer_size": max(n, skim.READ_BYTES)}, count)
         if header is not None:
             return header
