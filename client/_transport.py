@@ -93,6 +93,12 @@ class Transport:
                 # A refused CURVE handshake is silent at the socket (it just
                 # never becomes writable); the monitor tells it from a daemon
                 # that is down, so the caller gets AuthenticationFailed.
+                # libzmq's I/O thread -- shared by every socket of this
+                # process's context -- *blocks* sending an event the monitor
+                # cannot take (its reader closed, or 1,000 unread): so events
+                # are read at every request, a refused socket is closed rather
+                # than left to retry, and the monitor is never closed before
+                # the socket it watches (_reset, __del__).
                 self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
             sock.connect(self.endpoint)
             self._sock, self._fresh = sock, True
@@ -109,6 +115,12 @@ class Transport:
             else:
                 self._auth_error = zmq.Event(event).name
         return self._auth_error
+
+    def _refusal(self, why: str) -> AuthenticationFailed:
+        return AuthenticationFailed(
+            f"the daemon at {self.endpoint} refused the CURVE handshake ({why}): "
+            + ("this client has no keys" if self.curve is None else "its key is not authorized there, or the server key is wrong")
+        )
 
     def _reset(self) -> None:
         if self._monitor is not None:
@@ -132,6 +144,14 @@ class Transport:
         with self._lock:
             self._reset()
 
+    def __del__(self) -> None:
+        # Dropped without close(): without this the monitor's reader could be
+        # freed before the socket it watches (see _socket).
+        try:
+            self._reset()
+        except Exception:
+            pass
+
     def request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
         """Send a request and return its decoded reply.
 
@@ -145,7 +165,10 @@ class Transport:
             raise DaemonUnavailable(f"client busy for {timeout:.1f}s (another call in flight)")
         try:
             self._check_safe()
+            if self._sock is None and self._auth_error is not None and time.monotonic() < self._down_until:
+                raise self._refusal(self._auth_error)  # refused a moment ago: not retried before retry_interval
             sock = self._socket()
+            self._handshake_refused()  # read the monitor's events at every request: none may pile up
             now = time.monotonic()
             if not self._fresh and now < self._down_until:
                 wait = 0.0
@@ -156,10 +179,8 @@ class Transport:
                 self._fresh = False
                 refused = self._handshake_refused()
                 if refused is not None:
-                    raise AuthenticationFailed(
-                        f"the daemon at {self.endpoint} refused the CURVE handshake ({refused}): "
-                        + ("this client has no keys" if self.curve is None else "its key is not authorized there, or the server key is wrong")
-                    )
+                    self._reset()  # not left retrying a handshake that is refused
+                    raise self._refusal(refused)
                 raise DaemonUnavailable(f"no daemon at {self.endpoint}")
             self._fresh = False
             rid = next(self._ids)
