@@ -7,6 +7,7 @@ import numpy as np
 
 from kvd.protocol import keys
 from kvd.server import prefix
+from kvd.server.chains import Chains
 from kvd.server.prefix import match
 from kvd.store.base import BOUNDARY, CHUNK, Entry, Tensor, entry_id
 from kvd.store.tiered import open_store
@@ -80,5 +81,15 @@ def test_match_builds_the_links_one_contains_per_chunk_would(monkeypatch):
                 if rng.random() < 0.2:
                     store.put(Entry("ns", key, BOUNDARY, parent, pos, end - pos, ()))
                 parent, pos = key, end
-            got = [tuple(link) for link in match(store, "ns", CT, tokens)]
-            assert got == reference_match(store, "ns", CT, tokens), (blocks, trial, n, keep, hole)
+            want = reference_match(store, "ns", CT, tokens)
+            assert [tuple(link) for link in match(store, "ns", CT, tokens)] == want, (blocks, trial, n, keep, hole)
+            # With a memo that knows some of the keys (a prefix of the query, the
+            # query cut mid-chunk, or one that parts from it), asked first in one block.
+            chains = Chains()
+            cut = int(rng.integers(0, n + 1))
+            other = tokens[: 4 * cut] + keys.token_bytes(rng.integers(0, 1000, int(rng.integers(0, 3 * CT))))
+            chains.chain("ns", CT, other)
+            for known_block in (256, 2):
+                monkeypatch.setattr(prefix, "_KNOWN_BLOCK", known_block)
+                got = [tuple(link) for link in match(store, "ns", CT, tokens, chains=chains)]
+                assert got == want, (blocks, trial, n, keep, hole, cut, known_block)

@@ -164,14 +164,20 @@ def iter_chain(namespace: str, chunk_tokens: int, tokens_le: bytes, media: Media
             parent = span_key(parent, tokens_le, start, min(start + chunk_tokens, n_tokens), media)
             yield parent
         return
-    # No media: `chunk_key` inlined over a memoryview (no slice copies). A
-    # LOOKUP of a 32k-token prompt hashes 128 chunks; the per-chunk Python
-    # around the hash was two thirds of its cost. Each hash starts as a copy
-    # of one that has taken the tag: `hashlib.sha256()` fetches OpenSSL's
-    # digest afresh each time (~0.9 us here, as much as hashing 1 KiB), a copy
-    # does not (~0.35 us): 202 -> 137 us for those 128 chunks.
+    yield from chain_from(parent, chunk_tokens, tokens_le, 0)
+
+
+def chain_from(parent: bytes, chunk_tokens: int, tokens_le, first: int) -> Iterator[bytes]:
+    """Keys of chunks `first`, `first` + 1, ... of a sequence without media,
+    `parent` being the key of chunk `first` - 1 (or the root)."""
+    # `chunk_key` inlined over a memoryview (no slice copies). A LOOKUP of a
+    # 32k-token prompt hashes 128 chunks; the per-chunk Python around the hash
+    # was two thirds of its cost. Each hash starts as a copy of one that has
+    # taken the tag: `hashlib.sha256()` fetches OpenSSL's digest afresh each
+    # time (~0.9 us here, as much as hashing 1 KiB), a copy does not (~0.35
+    # us): 202 -> 137 us for those 128 chunks.
     view, step, tagged = memoryview(tokens_le), 4 * chunk_tokens, _TAGGED.copy
-    for start in range(0, 4 * n_tokens, step):
+    for start in range(first * step, len(view) - len(view) % 4, step):
         h = tagged()
         h.update(parent)
         h.update(view[start : start + step])

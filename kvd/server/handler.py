@@ -33,6 +33,7 @@ from kvd.protocol import keys
 from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
 from kvd.protocol.errors import BadField, NotPersisted, UnsupportedVersion
 from kvd.protocol.limits import Limits
+from kvd.server.chains import Chains
 from kvd.server.evictions import EvictionRecord
 from kvd.server.explain import SequenceRecord, explain
 from kvd.server.prefix import Link, match
@@ -89,6 +90,7 @@ class Handler:
         self.evictions = EvictionRecord()
         self.evictions.attach(store)
         self.sequences = SequenceRecord()  # for EXPLAIN: recent token ids and namespace metadata
+        self.chains = Chains()  # recent sequences' keys: LOOKUP, GET pages and PUT of a prompt hash it once
         # Sections other parts of the daemon add to STATS (memory pressure,
         # quotas): name -> callable returning a map, run under the daemon's lock.
         self.stats_sections: dict[str, Any] = {}
@@ -137,7 +139,7 @@ class Handler:
 
     def on_lookup(self, msg: Message):
         ns = msg["ns"]
-        links = match(self.store, ns, msg["chunk_tokens"], self._walked(msg), _media(msg))
+        links = match(self.store, ns, msg["chunk_tokens"], self._walked(msg), _media(msg), self.chains)
         n = links[-1].end if links else 0
         c = self.ns_counters[ns]
         c["lookups"] += 1
@@ -146,7 +148,7 @@ class Handler:
 
     def on_get(self, msg: Message):
         ns, tokens_le = msg["ns"], self._walked(msg)
-        links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg))
+        links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg), self.chains)
         cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
         need_boundary, start = msg["need_boundary"], msg["start"]
         c = self.ns_counters[ns]
@@ -237,7 +239,7 @@ class Handler:
                 f"{n_tokens} tokens in chunks of {ct} are {-(-n_tokens // ct)} chunks; the limit is "
                 f"{self.limits.max_chunks} (use a larger chunk_tokens or a shorter sequence)"
             )
-        chain = keys.chain(ns, ct, tokens_le, _media(msg))
+        chain = self.chains.chain(ns, ct, tokens_le, _media(msg))
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
         held: list[Entry] = []  # stored or already there: write-through waits for them

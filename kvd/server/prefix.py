@@ -14,12 +14,14 @@ import itertools
 from typing import NamedTuple
 
 from kvd.protocol import keys
+from kvd.server.chains import Chains
 from kvd.store.base import BOUNDARY, CHUNK, Store, entry_id
 
 
 # Chunks asked about at once: a few first (a new prompt misses on its first
 # chunk, and a block costs hashing every chunk in it: ~3 us each), then more.
 _BLOCKS = (4, 16, 64)
+_KNOWN_BLOCK = 256
 
 
 class Link(NamedTuple):
@@ -33,18 +35,28 @@ class Link(NamedTuple):
     boundary: bool  # the store holds boundary state at `end`
 
 
-def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, media: keys.Media = ()) -> list[Link]:
+def match(
+    store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, media: keys.Media = (), chains: Chains | None = None
+) -> list[Link]:
     """The chain of stored chunks that prefixes the query (tail included);
-    `media` spans (checked) are part of the keys (keys.span_key)."""
+    `media` spans (checked) are part of the keys (keys.span_key). `chains`:
+    recent sequences' keys, so a query that shares chunks with one is not
+    hashed again (chains.py)."""
     n_tokens = len(tokens_le) // 4
     parent = keys.root_key(namespace, chunk_tokens)
     links: list[Link] = []
     pos = 0
-    chain = keys.iter_chain(namespace, chunk_tokens, tokens_le, media)  # lazily: a miss ends the hashing
+    if chains is None:
+        known, rest = [], keys.iter_chain(namespace, chunk_tokens, tokens_le, media)
+    else:
+        known, rest = chains.walk(namespace, chunk_tokens, tokens_le, media)
+    chain = itertools.chain(known, rest)  # lazily: a miss ends the hashing
     # Ask the store about a block of chunks (and their boundaries) at a time:
     # one index transaction per block, and a miss early in a long query does
-    # not pay for the chunks after it.
-    sizes = itertools.chain(_BLOCKS, itertools.repeat(_BLOCKS[-1]))
+    # not pay for hashing the chunks after it. Keys known already cost
+    # nothing to ask about: they go in the first block (up to _KNOWN_BLOCK).
+    first = max(_BLOCKS[0], min(len(known), _KNOWN_BLOCK))
+    sizes = itertools.chain((first,), _BLOCKS[1:], itertools.repeat(_BLOCKS[-1]))
     as_chunk, as_boundary = entry_id(b"", CHUNK), entry_id(b"", BOUNDARY)  # the kind byte after a key
     while block := list(itertools.islice(chain, next(sizes))):
         nb = len(block)
@@ -55,7 +67,9 @@ def match(store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, med
             # Link per chunk, built at C speed (a 32k-token prompt has 128).
             stop = pos + k * chunk_tokens
             ends = range(pos + chunk_tokens, stop + chunk_tokens, chunk_tokens)
-            links.extend(map(Link, range(pos, stop, chunk_tokens), ends, block[:k], held[nb : nb + k]))
+            # (tuple.__new__ builds a Link in C; Link(...) runs a Python __new__.)
+            fields = zip(range(pos, stop, chunk_tokens), ends, block[:k], held[nb : nb + k])
+            links.extend(map(tuple.__new__, itertools.repeat(Link), fields))
             parent, pos = block[k - 1], stop
             if pos > n_tokens:  # the sequence's last chunk is a tail
                 links[-1] = links[-1]._replace(end=n_tokens)

@@ -110,12 +110,8 @@ class TieredStore(Store):
 
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         leased = self.ssd.lease_many(eids)  # lease first, as in `contains`
-        out = list(map(operator.and_, leased, self.ram.held(eids)))
-        rest = [i for i, (ok, have) in enumerate(zip(leased, out)) if ok and not have]
-        if rest:
-            for i, have in zip(rest, self.ssd.held([eids[i] for i in rest])):
-                out[i] = have
-        return out
+        out = self.ssd.held(eids, also=self.ram.held(eids))  # in RAM, or on the SSD tier
+        return out if all(leased) else list(map(operator.and_, leased, out))
 
     def get(self, eid: bytes) -> Entry | None:
         entry = self.ram.get(eid)
