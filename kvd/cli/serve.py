@@ -35,6 +35,7 @@ def serve(**flags) -> None:
     Exits 4 if another daemon holds the endpoint or the data dir, 78 for a
     bad configuration.
     """
+    from kvd.server.collector import Collector
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
     from kvd.server.governor import from_config as governor_for
@@ -124,7 +125,10 @@ def serve(**flags) -> None:
         cfg.quota.attach(store)
     governor = governor_for(cfg, store, ram_mb * MiB)
 
+    collector = Collector()  # the cyclic GC on our ticks (collector.py)
+
     def on_tick() -> None:
+        collector.tick()
         notifier.tick()
         if governor is not None:
             with daemon.lock:  # the metrics thread reads the RAM tier under it
@@ -150,6 +154,7 @@ def serve(**flags) -> None:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report
     if governor is not None:
         daemon.handler.stats_sections["pressure"] = governor.stats
+    daemon.handler.stats_sections["gc"] = lambda stats: collector.stats()
     try:
         daemon.bind()
     except (EndpointError, Exception) as err:  # zmq.ZMQError: address in use, permission, ...
@@ -170,6 +175,7 @@ def serve(**flags) -> None:
         cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port, cfg.pressure_source,
         BY_NAME["remote_url"].shown(cfg.remote_url) or "none",
     )
+    collector.start()
     try:
         daemon.serve_forever()
     finally:
