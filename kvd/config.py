@@ -353,6 +353,9 @@ SETTINGS: tuple[Setting, ...] = (
             "(segments in <socket>.shm/; tcp:// never gets it)."),
     Setting("shm_lease_s", _float(0.0, exclusive=True), 30.0,
             "Seconds a client may hold shared-memory slots it was handed before they are reclaimed."),
+    Setting("gc_on_tick", _bool, True,
+            "Collect cyclic garbage on the daemon's tick and freeze what survives, so no request waits for a "
+            "scan of the whole RAM tier (false: CPython's own collector)."),
     Setting("remote_url", _remote_url, None,
             "Shared remote tier behind RAM and SSD: redis://[user:password@]host:port[/db], rediss:// (TLS; "
             "ssl_* query parameters go to the client), valkey://, valkeys://, unix://PATH; \"none\" = off. "

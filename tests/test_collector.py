@@ -85,3 +85,10 @@ def test_kvd_serve_collects_on_its_tick_and_says_so(daemon_factory):
         assert first["running"] and first["frozen"] > 1000 and first["full_collections"] == 0
         wait_until(lambda: c.stats()["gc"]["young_collections"] > first["young_collections"], what="a tick's collection")
         assert 0 < c.stats()["gc"]["next_full_s"] <= 600
+
+
+def test_no_gc_on_tick_leaves_cpythons_collector(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--no-gc-on-tick")
+    with d.client("gc") as c:
+        gc_stats = c.stats()["gc"]
+    assert not gc_stats["running"] and gc_stats["young_collections"] == 0 and gc_stats["next_full_s"] is None

@@ -175,7 +175,8 @@ def serve(**flags) -> None:
         cfg.max_message_mb, cfg.chunk_tokens, cfg.metrics_port, cfg.pressure_source,
         BY_NAME["remote_url"].shown(cfg.remote_url) or "none",
     )
-    collector.start()
+    if cfg.gc_on_tick:
+        collector.start()
     try:
         daemon.serve_forever()
     finally:
