@@ -130,3 +130,12 @@ def test_two_walks_of_the_same_tokens_taken_in_turns_record_each_key_once():
     assert got_a == want and got_b == want[:8]
     known, rest = chains.walk("ns", CT, tokens)
     assert known == want and list(rest) == []
+
+
+def test_the_memo_forgets_what_it_drops():
+    chains = Chains(max_bytes=1 << 20, max_seqs=3)
+    for i in range(20):
+        tokens = toks([i % 5] * (i % 7 + 1) + list(range(i)))
+        assert chains.chain("ns", CT, tokens) == keys.chain("ns", CT, tokens)
+        assert sorted(map(id, chains._seqs)) == sorted(id(s) for same in chains._heads.values() for s in same)
+        assert len(chains._seqs) <= 3

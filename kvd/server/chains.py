@@ -66,6 +66,9 @@ class Chains:
     def __init__(self, max_bytes: int = 8 << 20, max_seqs: int = 32):
         self.max_bytes, self.max_seqs = max_bytes, max_seqs
         self._seqs: list[_Seq] = []  # most recent last
+        # Only a sequence with the same first chunk can share any: found by
+        # it, not by trying them all (a new prompt costs one dict lookup).
+        self._heads: dict[tuple[str, int, bytes], list[_Seq]] = {}
         self.bytes = 0
         self.hashed = self.reused = 0  # chunks hashed / answered from the memo
 
@@ -82,8 +85,8 @@ class Chains:
             return [], keys.iter_chain(ns, chunk_tokens, tokens_le, media)
         tokens = bytes(tokens_le)  # often a view of the received frame: ours now (~3 us per 128 KiB)
         best, m = None, 0
-        for seq in self._seqs:
-            if seq.ns == ns and seq.ct == chunk_tokens and (k := seq.shared(tokens)) > m:
+        for seq in self._heads.get((ns, chunk_tokens, tokens[: 4 * chunk_tokens]), ()):
+            if (k := seq.shared(tokens)) > m:
                 best, m = seq, k
         seq = self._keep(best, m, ns, chunk_tokens, tokens)
         self.reused += m
@@ -108,20 +111,31 @@ class Chains:
         over the budget."""
         if best is not None and best.tokens.startswith(tokens):
             seq = best  # the same tokens, or more
-            self._seqs.remove(seq)
+            self._drop(seq)
             if len(seq.tokens) == len(tokens):
                 seq.tokens = tokens  # the same: keys this walk hashes are recorded
         elif best is not None and tokens.startswith(best.tokens):
             seq = best  # these extend it: its keys hold up to its last whole chunk
-            self._seqs.remove(seq)
-            self.bytes -= seq.cost
+            self._drop(seq)
             del seq.keys[m:]
             seq.tokens = tokens
-            self.bytes += seq.cost
         else:
             seq = _Seq(ns, ct, tokens, best.keys[:m] if best is not None else [])
-            self.bytes += seq.cost
-        self._seqs.append(seq)
+        self._add(seq)
         while len(self._seqs) > 1 and (self.bytes > self.max_bytes or len(self._seqs) > self.max_seqs):
-            self.bytes -= self._seqs.pop(0).cost
+            self._drop(self._seqs[0])
         return seq
+
+    def _add(self, seq: _Seq) -> None:
+        self._seqs.append(seq)
+        self._heads.setdefault((seq.ns, seq.ct, seq.tokens[: 4 * seq.ct]), []).append(seq)
+        self.bytes += seq.cost
+
+    def _drop(self, seq: _Seq) -> None:
+        self._seqs.remove(seq)
+        head = (seq.ns, seq.ct, seq.tokens[: 4 * seq.ct])
+        same = self._heads[head]
+        same.remove(seq)
+        if not same:
+            del self._heads[head]
+        self.bytes -= seq.cost
