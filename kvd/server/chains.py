@@ -33,8 +33,10 @@ class _Seq:
 
     @property
     def cost(self) -> int:
-        """Bytes held: the tokens, and keys for all their chunks."""
-        return len(self.tokens) + _KEY_COST * (1 + len(self.tokens) // (4 * self.ct))
+        """Bytes held: the tokens, their first chunk again (the index by it),
+        and keys for all their chunks."""
+        n, step = len(self.tokens), 4 * self.ct
+        return n + min(n, step) + _KEY_COST * (1 + n // step)
 
     def shared(self, tokens: bytes) -> int:
         """How many leading chunks `tokens` has in common with this sequence
