@@ -18,6 +18,7 @@ The daemon processes themselves are fixtures in conftest.py.
 from __future__ import annotations
 
 import hashlib
+import math
 import socket
 import subprocess
 import sys
@@ -249,3 +250,17 @@ def charged(entry) -> int:
     from kvd.store.overhead import entry_overhead
 
     return entry.nbytes + entry_overhead(entry)
+
+
+def plain(x):
+    """Comparable as data: NaN equals NaN (damaged bytes can decode to one), views are
+    bytes; containers keep their type."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(plain(v) for v in x) if type(x) in (list, tuple) else x
+    if isinstance(x, memoryview):
+        return bytes(x)
+    if isinstance(x, float) and math.isnan(x):
+        return "NaN"
+    return x

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from unittest import mock
 
 import msgpack
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from kvd.protocol import codec, dtypes, errors, skim
 from kvd.protocol.codec import Tensor
 from kvd.protocol.limits import Limits
+from support import plain
 
 
 def put_frames(tensors, **extra):
@@ -130,19 +130,6 @@ def near_valid_headers(draw):
     return header
 
 
-def _plain(x):
-    """Comparable as data: NaN equals NaN (a map field may hold one), views are bytes."""
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, memoryview):
-        return bytes(x)
-    if isinstance(x, float) and math.isnan(x):
-        return "NaN"
-    return x
-
-
 def _decode_or_protocol_error(frames):
     """Each decoder gives a message or a ProtocolError -- the same one whether
     the header is read whole or top level first (kvd.protocol.skim)."""
@@ -153,7 +140,7 @@ def _decode_or_protocol_error(frames):
             with mock.patch.object(skim, "SKIM_BYTES", skim_bytes):
                 try:
                     msg = decode(frames, limits)
-                    outcomes.append((msg.type, msg.id, _plain(msg.fields)))
+                    outcomes.append((msg.type, msg.id, plain(msg.fields)))
                 except errors.ProtocolError as err:
                     outcomes.append(type(err))
         assert outcomes[0] == outcomes[1]

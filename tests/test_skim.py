@@ -3,7 +3,6 @@ msgpack would give, with a query's tokens left in the received frame."""
 
 from __future__ import annotations
 
-import math
 from unittest import mock
 
 import msgpack
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvd.protocol import codec, errors, keys, skim
 from kvd.protocol.limits import Limits
+from support import plain
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=40)
@@ -32,19 +32,6 @@ def whole(buf: bytes, limits: Limits = Limits()):
 def skimmed(buf: bytes, limits: Limits = Limits()):
     with mock.patch.object(skim, "SKIM_BYTES", 0):
         return codec._unpackb(memoryview(buf), limits)
-
-
-def plain(x):
-    """Comparable as data: NaN equals NaN (damaged bytes decode to NaNs), views are bytes."""
-    if isinstance(x, dict):
-        return {k: plain(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [plain(v) for v in x]
-    if isinstance(x, memoryview):
-        return bytes(x)
-    if isinstance(x, float) and math.isnan(x):
-        return "NaN"
-    return x
 
 
 def outcome(read, buf):
