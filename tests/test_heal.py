@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import lmdb
@@ -221,6 +222,45 @@ def test_a_garbage_row_is_a_miss_then_rebuilt_from_its_blob_or_quarantined(tmp_p
         store.close()
     with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False) as store:
         assert store.check().ok, store.check().summary()
+
+
+def test_many_garbage_rows_are_mended_in_one_sweep_of_the_index(tmp_path, monkeypatch):
+    # A damaged stretch of a big index holds many rows: mending them one at a
+    # time would scan and recount the whole index once each.
+    entries = filled_store(tmp_path, [make_entry(i, tail=i % 3 == 0, parent=bytes(32)) for i in range(40)],
+                           pack_max_bytes=64 << 10)
+    victims = entries[::2]  # 20 rows of garbage, tails among them
+    for e in victims:
+        _garble_row(tmp_path, e.id)
+    flipped = victims[::4]  # 5 of them with a damaged blob as well
+    for e in flipped:
+        _flip_blob(tmp_path, e.id, packed=True)
+    scans = []
+    recount = Index.recount
+    monkeypatch.setattr(Index, "recount", lambda self, txn: (scans.append(1), recount(self, txn))[1])
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0, reconcile=False)
+    try:
+        gate = threading.Event()
+        store.writer.submit(gate.wait)  # the writer is busy while every bad row is found
+        assert all(store.get(e.id) is None for e in victims)  # misses, not exceptions
+        assert store.counters["bad_rows"] == len(victims)
+        gate.set()
+        store.writer.submit(lambda: None).result()  # a barrier: the repair jobs ran before it
+        assert len(scans) == 1
+        mended = len(victims) - len(flipped)
+        assert store.counters["rows_repaired"] == mended and store.counters["quarantined"] == len(flipped)
+        assert store.entries == 40 - len(flipped)
+        for e in entries:
+            if e in flipped:
+                assert not store.contains(e.id) and store.get(e.id) is None
+            else:
+                assert_same(store.get(e.id), e)
+    finally:
+        store.close()
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False) as store:
+        report = store.check()
+        assert report.ok, report.summary()
+        assert store.entries == 40 - len(flipped)
 
 
 def test_eviction_steps_over_a_garbage_row(tmp_path):

@@ -229,3 +229,22 @@ def test_a_clean_stop_spares_the_next_start_a_look_through_the_pack(tmp_path):
         wait_until(store.reconciled.is_set, what="the start-up reconcile")
         assert store.counters["orphans_removed"] == store.counters["rows_repaired"] == 0
         _served_but(store, entries, None)
+
+
+def test_prefetch_reads_and_changes_nothing_and_a_retired_env_is_ignored(tmp_path):
+    # SsdStore.write_batch asks for the pages its inserts will touch first
+    # (Env.prefetch): only a hint, so it must neither change nor break anything.
+    from concurrent.futures import ThreadPoolExecutor
+
+    pack = Pack(tmp_path / PACK_DIR)
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            pack.put_many((bytes([i]) * 33, bytes([i]) * 5000) for i in range(20))
+            keys = [bytes([i]) * 33 for i in range(40)]  # half of them absent
+            futures = pack.prefetch(pack.blobs, keys, pool, per_task=3)
+            assert len(futures) == 14 and [f.result() for f in futures] == [None] * 14
+            assert len(pack) == 20 and pack.read(keys[7]) == bytes([7]) * 5000 and pack.read(keys[30]) is None
+        finally:
+            pack.retire()
+        # A retired (or resizing) environment: every read is refused, and the hint is dropped.
+        assert [f.result() for f in pack.prefetch(pack.blobs, keys, pool)] == [None] * 5

@@ -11,9 +11,10 @@ outside its transaction.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import lmdb
 
@@ -97,6 +98,26 @@ class Env:
                     return fn(txn)
             except lmdb.MapFullError:
                 self._grow()
+
+    def prefetch(self, db, keys: Sequence[bytes], pool: Executor, per_task: int = 8) -> list[Future]:
+        """Bring in, several at a time, the pages that writing `keys` into
+        `db` will touch: a lookup walks down to the leaf where a missing key
+        would go. A write transaction faults its pages in one at a time, so
+        when the B-tree has outgrown the page cache every random insert waits
+        for its own disk read; these reads wait together (`pool`'s threads,
+        LMDB lookups release the GIL). Wait on the futures returned before
+        writing. Only a hint: nothing is changed, and a failure is ignored
+        (the write then reads the pages itself)."""
+
+        def walk(part: Sequence[bytes]) -> None:
+            try:
+                with self.reading(buffers=True) as txn:
+                    for key in part:
+                        txn.get(key, db=db)
+            except (IndexBusy, lmdb.Error):
+                pass
+
+        return [pool.submit(walk, keys[i : i + per_task]) for i in range(0, len(keys), per_task)]
 
     def _grow(self) -> None:
         with self._gate:

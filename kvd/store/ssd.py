@@ -61,6 +61,10 @@ entries are durable (the daemon answers write-through PUTs from that). A
 blob whose fsync fails is removed and dropped, never indexed. `close(timeout)`
 stops writing at its deadline: the batch in hand commits what is already
 written, and the rest is counted (`unpersisted`) and logged in one line.
+Before it writes, a batch has its index and pack pages read in by helper
+threads, several at a time (`Env.prefetch`): once the index outgrows the
+page cache, each random insert would otherwise wait for a disk read of its
+own, one after another.
 
 Recency. A disk hit records (eid, time) in memory; the writer flushes these
 into the LRU order every `touch_flush_s` and before choosing victims, so the
@@ -70,9 +74,11 @@ Start-up. Open LMDB (clearing stale reader slots), read the totals row, and
 serve. An index that is truncated, zeroed or not LMDB is moved aside and
 rebuilt from the blobs on the writer thread, before reconcile (heal.py).
 A row whose bytes do not decode is a miss; the writer drops it and every
-trace of it (`Index.drop_damaged`), then reads the blob: one that passes its
-own checksum (kvd_sum) gets its row back from what it carries (counted in
-`rows_repaired`, served again at once), any other is quarantined. Damage
+trace of it (`Index.drop_damaged`, with every other row found bad so far:
+one scan of the index for all of them), then reads the blob: one that
+passes its own checksum (kvd_sum) gets its row back from what it carries
+(counted in `rows_repaired`, served again at once), any other is
+quarantined. Damage
 LMDB itself reports is a heal (heal.py): what was hidden for a bad row then
 is forgotten, since the rebuild checks every blob anyway. Reconcile --
 removing leftover temp files, blobs without rows (a crash between rename
@@ -199,7 +205,7 @@ class SsdStore(Store):
         self.writes_stopped = False  # close() ran out of time: write nothing more
         self.abandoned: list[Entry] = []  # entries a stopped writer left unwritten
         self.unpersisted = 0  # entries close() had to leave unwritten
-        self._pool: ThreadPoolExecutor | None = None  # group sync's fsyncs (blobfile.sync_group)
+        self._pool: ThreadPoolExecutor | None = None  # the writer's helper threads (_threads)
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
@@ -552,6 +558,7 @@ class SsdStore(Store):
         i = 0
         try:
             self._flush_touches()
+            self._prefetch(batch)
             planned = 0
             for i, entry in enumerate(batch):
                 if self.writes_stopped:
@@ -645,6 +652,27 @@ class SsdStore(Store):
         finally:
             self._packing.clear()
 
+    def _prefetch(self, batch: list[Entry]) -> None:
+        """Read in, in parallel, the index and pack pages this batch's inserts
+        will touch (Env.prefetch): once the index outgrows the page cache,
+        each random insert would otherwise wait for a disk read of its own."""
+        if len(batch) < 2:
+            return
+        pool = self._threads()
+        eids = [e.id for e in batch]
+        futures = self.index.prefetch(self.index.rows, eids, pool)
+        packed = [e.id for e in batch if e.nbytes <= self.pack_max_bytes]
+        if packed:
+            futures += self.pack.prefetch(self.pack.blobs, packed, pool)
+        for fut in futures:
+            fut.result()
+
+    def _threads(self) -> ThreadPoolExecutor:
+        """The writer's helper threads: group sync's fsyncs, prefetching reads."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-io")
+        return self._pool
+
     def _discard(self, written: list[tuple[bytes, Row]]) -> None:
         """Blobs written but never indexed: unlink the files, delete the packed ones."""
         packed = [eid for eid, row in written if row.state == PACKED]
@@ -679,9 +707,7 @@ class SsdStore(Store):
                 self._degrade(f"writing to the pack failed: {exc}")
         files = [self.path(eid) for eid, row in written if row.state != PACKED]
         if self.durable and files:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-fsync")
-            failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._pool)
+            failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._threads())
             for path, exc in failed.items():
                 eid = eid_of_blob(path.name)
                 lost.add(eid)
@@ -835,44 +861,63 @@ class SsdStore(Store):
 
     def _quarantine(self, eid: bytes) -> None:
         reason = self._bad.get(eid)
-        if reason is None:  # forgotten by a heal since: the rebuild checks its blob
+        if reason is None:  # forgotten by a heal since, or mended with others (_repair_rows)
             return
         try:
-            if reason.startswith("bad row") and self._repair_row(eid):
-                return
-            self._quarantine_now(eid, reason)
+            if reason.startswith("bad row"):
+                self._repair_rows()
+            else:
+                self._quarantine_now(eid, reason)
         except lmdb.Error as exc:
             if not heal.is_damage(exc):
                 raise
             # Left hidden: the heal forgets it, and the rebuild reads its blob.
             self.want_heal(f"dropping the row of {eid.hex()} failed: {exc}")
 
-    def _repair_row(self, eid: bytes) -> bool:
-        """The row of `eid` did not decode: give it back the row its blob
-        carries if the blob passes its own checksum. False if it does not
-        (or predates kvd_sum, or is gone): then it is quarantined."""
+    def _repair_rows(self) -> None:
+        """Every row found undecodable so far, at once: drop them with every
+        trace (one scan and one recount of the index for all of them, not
+        one each: a damaged stretch of a big index holds many rows), then
+        give each its row back from its blob if the blob passes its own
+        checksum, in one commit; quarantine the others' blobs."""
+        with self._mu:
+            bad = [eid for eid, why in self._bad.items() if why.startswith("bad row")]
+        if not bad:
+            return
+        self.entries, self.bytes = self.index.write(
+            lambda txn: (self.index.drop_damaged(txn, bad), self.index.totals(txn))[1])
+        for eid in bad:
+            self.index.damaged.discard(eid)
+        rows, lost = [], []
+        for eid in bad:
+            row = self._recovered_row(eid)
+            (rows if row is not None else lost).append((eid, row))
+        if rows:
+            def put(txn):
+                added = sum(self.index.put_row(txn, eid, row) for eid, row in rows)
+                return added, self.index.totals(txn)
+
+            added, (self.entries, self.bytes) = self.index.write(put)
+            self._count("rows_repaired", added)
+        for eid, _ in lost:
+            self._quarantine_blob(eid)
+        with self._mu:
+            for eid in bad:
+                self._bad.pop(eid, None)
+        log.warning("ssd: %d index rows did not decode: %d rebuilt from their blobs (checksum verified), "
+                    "%d blobs quarantined", len(bad), len(rows), len(lost))
+
+    def _recovered_row(self, eid: bytes) -> Row | None:
+        """The row the blob of `eid` carries, if the blob passes its own
+        checksum; None if it does not (or predates kvd_sum, or is gone)."""
         try:
             try:
                 row, verified = heal.recover_row(self.path(eid), eid)
             except FileNotFoundError:
                 row, verified = heal.recover_packed(self.pack, eid, atime=self._clock())
         except (BlobCorrupt, OSError, lmdb.Error):
-            return False
-        if not verified:
-            return False
-
-        def put(txn):
-            self.index.delete_row(txn, eid)  # the bad bytes and every trace of them
-            self.index.put_row(txn, eid, row)
-            return self.index.totals(txn)
-
-        self.entries, self.bytes = self.index.write(put)
-        self.index.damaged.discard(eid)
-        self._count("rows_repaired")
-        with self._mu:
-            self._bad.pop(eid, None)
-        log.warning("ssd: the index row of %s did not decode; rebuilt it from its blob (checksum verified)", eid.hex())
-        return True
+            return None
+        return row if verified else None
 
     def _quarantine_now(self, eid: bytes, reason: str) -> None:
         def delete(txn):
@@ -882,22 +927,25 @@ class SsdStore(Store):
         _, totals = self.index.write(delete)
         self.index.damaged.discard(eid)
         self.entries, self.bytes = totals
-        src = self.path(eid)
         if reason != "missing":
-            with self._unlink_lock:
-                try:  # the pack first (a lookup); a blob it does not hold is a file
-                    moved = packed = heal.quarantine_packed(self.root, self.pack, eid)
-                except lmdb.Error as exc:  # the pack is unreadable: no file to look for either
-                    log.warning("ssd: could not move packed blob %s out of the pack (%s)", eid.hex(), exc)
-                    moved, packed = False, True
-                if not packed:
-                    moved = heal.quarantine_file(self.root, src, eid.hex())
-            if moved:
-                self._count("quarantined")
+            self._quarantine_blob(eid)
         else:
             self._count("rows_repaired")
         with self._mu:
             self._bad.pop(eid, None)
+
+    def _quarantine_blob(self, eid: bytes) -> None:
+        """Move the blob of `eid` (its row is gone) into the quarantine folder."""
+        with self._unlink_lock:
+            try:  # the pack first (a lookup); a blob it does not hold is a file
+                moved = packed = heal.quarantine_packed(self.root, self.pack, eid)
+            except lmdb.Error as exc:  # the pack is unreadable: no file to look for either
+                log.warning("ssd: could not move packed blob %s out of the pack (%s)", eid.hex(), exc)
+                moved, packed = False, True
+            if not packed:
+                moved = heal.quarantine_file(self.root, self.path(eid), eid.hex())
+        if moved:
+            self._count("quarantined")
 
     def _repair_damaged(self) -> None:
         """Rows some reader found undecodable (eviction, a drop, a check):
