@@ -884,12 +884,19 @@ class SsdStore(Store):
             bad = [eid for eid, why in self._bad.items() if why.startswith("bad row")]
         if not bad:
             return
-        self.entries, self.bytes = self.index.write(
-            lambda txn: (self.index.drop_damaged(txn, bad), self.index.totals(txn))[1])
+        def drop(txn):
+            gone = self.index.drop_damaged(txn, bad)
+            # A row that decodes after all is left as it is (nothing to mend).
+            sound = {eid for eid in bad if eid not in gone and self.index.has(txn, eid)}
+            return sound, self.index.totals(txn)
+
+        sound, (self.entries, self.bytes) = self.index.write(drop)
         for eid in bad:
             self.index.damaged.discard(eid)
         rows, lost = [], []
         for eid in bad:
+            if eid in sound:
+                continue
             row = self._recovered_row(eid)
             (rows if row is not None else lost).append((eid, row))
         if rows:
@@ -905,7 +912,7 @@ class SsdStore(Store):
             for eid in bad:
                 self._bad.pop(eid, None)
         log.warning("ssd: %d index rows did not decode: %d rebuilt from their blobs (checksum verified), "
-                    "%d blobs quarantined", len(bad), len(rows), len(lost))
+                    "%d blobs quarantined", len(bad) - len(sound), len(rows), len(lost))
 
     def _recovered_row(self, eid: bytes) -> Row | None:
         """The row the blob of `eid` carries, if the blob passes its own
