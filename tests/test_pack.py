@@ -248,3 +248,34 @@ def test_prefetch_reads_and_changes_nothing_and_a_retired_env_is_ignored(tmp_pat
             pack.retire()
         # A retired (or resizing) environment: every read is refused, and the hint is dropped.
         assert [f.result() for f in pack.prefetch(pack.blobs, keys, pool)] == [None] * 5
+
+
+def test_the_writer_reads_ahead_only_while_its_batches_wait_for_the_disk(tmp_path, monkeypatch):
+    # A cold page cache cannot be made on demand (dropping caches needs root
+    # and a host that obeys): the process's major-fault count is injected.
+    calls = []
+    prefetch = Index.prefetch
+    monkeypatch.setattr(Index, "prefetch", lambda self, *a, **kw: (calls.append(1), prefetch(self, *a, **kw))[1])
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, reconcile=False, background=False) as store:
+        def batch(i: int, *, disk_reads: int) -> None:
+            # The count before the batch, then after it: `disk_reads` more.
+            counts = iter([1000 * i, 1000 * i + disk_reads])
+            store.major_faults = lambda: next(counts)
+            entries = [make_entry(i * 100 + j) for j in range(16)]
+            store.write_batch(entries)
+            for e in entries:
+                assert_same(store.get(e.id), e)
+
+        batch(0, disk_reads=0)
+        assert not store.prefetching and not calls
+        batch(1, disk_reads=1)  # 1 of 16 entries: the cache holds the index
+        assert not store.prefetching
+        batch(2, disk_reads=5)
+        assert store.prefetching and not calls  # from the next batch on
+        batch(3, disk_reads=5)
+        assert calls and store.prefetching
+        n = len(calls)
+        batch(4, disk_reads=0)  # the pages are cached again
+        assert len(calls) == n + 1 and not store.prefetching
+        batch(5, disk_reads=0)
+        assert len(calls) == n + 1

@@ -61,10 +61,10 @@ entries are durable (the daemon answers write-through PUTs from that). A
 blob whose fsync fails is removed and dropped, never indexed. `close(timeout)`
 stops writing at its deadline: the batch in hand commits what is already
 written, and the rest is counted (`unpersisted`) and logged in one line.
-Before it writes, a batch has its index and pack pages read in by helper
-threads, several at a time (`Env.prefetch`): once the index outgrows the
-page cache, each random insert would otherwise wait for a disk read of its
-own, one after another.
+Once the index outgrows the page cache, each random insert would wait for
+a disk read of its own, one after another: so while batches cause page
+faults that wait for the disk, a batch has its index and pack pages read
+in first by helper threads, several at a time (`Env.prefetch`).
 
 Recency. A disk hit records (eid, time) in memory; the writer flushes these
 into the LRU order every `touch_flush_s` and before choosing victims, so the
@@ -92,6 +92,7 @@ import errno
 import logging
 import operator
 import os
+import resource
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -206,6 +207,8 @@ class SsdStore(Store):
         self.abandoned: list[Entry] = []  # entries a stopped writer left unwritten
         self.unpersisted = 0  # entries close() had to leave unwritten
         self._pool: ThreadPoolExecutor | None = None  # the writer's helper threads (_threads)
+        self.prefetching = False  # read a batch's pages in ahead (write_batch)
+        self.major_faults: Callable[[], int] = _major_faults
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
@@ -556,9 +559,11 @@ class SsdStore(Store):
     def write_batch(self, batch: list[Entry]) -> None:
         written: list[tuple[bytes, Row]] = []
         i = 0
+        faults = self.major_faults()
         try:
             self._flush_touches()
-            self._prefetch(batch)
+            if self.prefetching:
+                self._prefetch(batch)
             planned = 0
             for i, entry in enumerate(batch):
                 if self.writes_stopped:
@@ -651,6 +656,10 @@ class SsdStore(Store):
                 self._drop(entry, "write_error")
         finally:
             self._packing.clear()
+        # Read ahead while the batch's pages come from the disk (several a
+        # batch: the index has outgrown the page cache), not while they are
+        # cached: then the helper threads only cost CPU (~20% of a batch's).
+        self.prefetching = self.major_faults() - faults >= max(1, len(batch) // 8)
 
     def _prefetch(self, batch: list[Entry]) -> None:
         """Read in, in parallel, the index and pack pages this batch's inserts
@@ -1253,6 +1262,11 @@ class SsdStore(Store):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _major_faults() -> int:
+    """Page faults this process has waited on a disk read for (Linux and macOS)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
 def _take_while_old(index: Index, txn, cutoff: float) -> Iterator[tuple[bytes, Row]]:
