@@ -109,7 +109,10 @@ class Transport:
         if self._monitor is None:
             return self._auth_error
         while self._monitor.poll(0):
-            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                break
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._auth_error = None
             else:
@@ -194,7 +197,14 @@ class Transport:
                 if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                     self._reset()
                     raise DaemonUnavailable(f"no reply from {self.endpoint} within {timeout:.1f}s")
-                raw = sock.recv_multipart(copy=False)
+                try:
+                    # Never a blocking recv: with ZMQ_IMMEDIATE, a connection
+                    # that drops (the daemon killed) takes its pipe's unread
+                    # messages with it at once, so a message poll() saw may be
+                    # gone by now, and a blocking recv would wait for ever.
+                    raw = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
                 try:
                     reply = codec.decode_reply([f.buffer for f in raw], _REPLY_LIMITS)
                 except ProtocolError as err:

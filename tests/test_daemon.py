@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -224,6 +226,51 @@ def test_daemon_killed_then_restarted_same_client(kvd_daemon):
         time.sleep(0.05)
     assert c.put(toks, snapshot_for(300))  # RAM tier: empty after restart, refilled
     assert c.get(toks).n == 300
+    c.close()
+
+
+def test_a_reply_that_vanishes_after_poll_is_a_timeout_never_a_hang(kvd_daemon, monkeypatch):
+    # With ZMQ_IMMEDIATE, a connection that drops (the daemon killed -9 just as
+    # it answered) discards its pipe's unread messages at once: poll() may have
+    # seen a reply that recv() then no longer finds. That moment cannot be hit
+    # on demand, so the socket lies about it here: poll says a reply is in,
+    # and there is none (the real daemon behind it is busy: it never answers).
+    from kvd_client._transport import Transport
+
+    real_socket = Transport._socket
+
+    class Lying:
+        def __init__(self, sock):
+            self._sock = sock
+
+        def poll(self, timeout, flags=zmq.POLLIN):
+            return zmq.POLLIN if flags == zmq.POLLIN else self._sock.poll(timeout, flags)
+
+        def __getattr__(self, name):
+            return getattr(self._sock, name)
+
+    monkeypatch.setattr(Transport, "_socket", lambda self: Lying(real_socket(self)))
+    c = Client(kvd_daemon.endpoint, namespace="vanish", timeout=0.5, strict=True)
+    done = threading.Event()
+    outcome = []
+
+    def call():
+        try:
+            c.ping()
+        except DaemonUnavailable as exc:
+            outcome.append(exc)
+        done.set()
+
+    assert c.ping() is not None  # connected (a lying poll costs a live daemon nothing)
+    kvd_daemon.proc.send_signal(signal.SIGSTOP)  # nothing is answered
+    try:
+        threading.Thread(target=call, daemon=True).start()
+        assert done.wait(10), "the client hung in a blocking recv"
+    finally:
+        kvd_daemon.proc.send_signal(signal.SIGCONT)
+    assert len(outcome) == 1 and "no reply" in str(outcome[0])
+    monkeypatch.undo()
+    assert c.ping() is not None  # the same client, a fresh socket: served again
     c.close()
 
 

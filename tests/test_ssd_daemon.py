@@ -131,6 +131,7 @@ def test_kill_9_during_heavy_spill_then_every_reported_chunk_is_exact(daemon_fac
         d.kill()
         stop.set()
         t.join(10)
+        assert not t.is_alive(), "a client call hung across the kill -9"
         cursor += 37
         d.start()
         with d.client("crash", strict=True) as c:
