@@ -893,6 +893,7 @@ class SsdStore(Store):
             bad = [eid for eid, why in self._bad.items() if why.startswith("bad row")]
         if not bad:
             return
+
         def drop(txn):
             gone = self.index.drop_damaged(txn, bad)
             # A row that decodes after all is left as it is (nothing to mend).
