@@ -148,7 +148,7 @@ def test_a_request_served_before_its_accepted_event_still_counts():
     assert gate.peers[20] == [clock(), None]
 
 
-def test_a_peer_that_never_reads_loses_only_its_own_replies(daemon_factory):
+def test_a_peer_that_never_reads_loses_its_own_replies_then_its_connection(daemon_factory):
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
     ctx = zmq.Context.instance()
     mute = ctx.socket(zmq.DEALER)
@@ -159,16 +159,31 @@ def test_a_peer_that_never_reads_loses_only_its_own_replies(daemon_factory):
     ping = codec.encode("PING", {}, id=1)
     good = d.client("good", strict=True, chunk_tokens=16)
     try:
-        for i in range(20_000):
-            mute.send_multipart(ping)
-            if i % 2000 == 0:
-                round_trip(good, i // 2000 + 1)
+        for rounds in range(1, 200):  # pump, never reading, until the daemon has hung up on it
+            try:
+                for _ in range(2000):
+                    mute.send_multipart(ping, flags=zmq.NOBLOCK)
+            except zmq.Again:  # its pipe is full: the daemon is not taking more from it, or has hung up
+                pass
+            round_trip(good, rounds)  # served all along
+            peers = good.stats()["peers"]
+            if peers["cut_muted"]:
+                break
+        else:
+            pytest.fail(f"not cut off after 400,000 requests: {peers}")
+        # A peer whose input is stopped never sees the hang-up (libzmq stops
+        # polling it): it stays silent for good, its sends refused.
+        with pytest.raises(zmq.Again):
+            for _ in range(10_000):
+                mute.send_multipart(ping, flags=zmq.NOBLOCK)
         round_trip(good, 99)
         peers = good.stats()["peers"]
     finally:
         mute.close()
     assert peers["dropped_full"] > 0  # the mute peer's replies, not ours
-    assert peers["muted"] > 0  # and, once it was known not to read, its requests unread
+    assert peers["muted"] >= 1000  # and, once it was known not to read, its requests unread...
+    assert peers["cut_muted"] == 1  # ...then, after a thousand of them, its connection
+    assert peers["cut_off"] == 0  # (not for the bytes it held: a PING's reply is small)
     assert d.proc.poll() is None
 
 
@@ -195,6 +210,44 @@ def test_a_peer_marked_full_is_muted_but_probed_every_tenth_of_a_second():
         assert box.counters["muted"] == 3
         box.full.clear()  # as a successful send does (rule 1): heard again
         assert not box.mute(identity)
+    finally:
+        router.close(0)
+        dealer.close(0)
+
+
+def test_a_muted_peer_that_goes_on_sending_is_cut_off_once():
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 1)
+        router.bind("inproc://outbox-cut")
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.connect("inproc://outbox-cut")
+        dealer.send(b"hello")
+        identity = router.recv_multipart()[0]
+        cut: list[int] = []
+        box = Outbox(router, peer_bytes=1 << 20, total_bytes=2 << 20, clock=FakeClock(0.0),
+                     disconnect=lambda fd: cut.append(fd) or True)
+        while box.send(identity, [b"reply"], busy=lambda: [b"busy"]) != "dropped":
+            pass  # the dealer never reads: its pipe fills
+        for _ in range(999):
+            assert box.mute(identity, 7)
+        assert cut == [] and box.counters["cut_muted"] == 0
+        assert box.mute(identity, 7) and cut == [7] and box.counters["cut_muted"] == 1  # the thousandth
+        assert box.mute(identity, 7) and cut == [7]  # once: what it sent before the cut is dropped unread
+        for _ in range(1000):  # it reads again: a send gets through (once libzmq has heard)
+            while dealer.poll(0):
+                dealer.recv()
+            if box.send(identity, [b"reply"], busy=lambda: [b"busy"]) == "sent":
+                break
+            dealer.poll(1)
+        assert identity not in box.full and identity not in box.mutes  # heard again: the count starts over
+        while box.send(identity, [b"reply"], busy=lambda: [b"busy"]) != "dropped":
+            pass
+        for _ in range(999):
+            assert box.mute(identity, 8)
+        assert cut == [7]
     finally:
         router.close(0)
         dealer.close(0)

@@ -41,16 +41,30 @@ def test_cost_is_a_running_mean_of_cpu_time_and_bytes():
     assert t.cost(b"q") == pytest.approx((4 << 20) * BYTE_SECONDS)
 
 
-def test_a_request_passed_over_max_passes_times_goes_next():
+def test_a_request_passed_over_max_passes_times_goes_next_one_at_a_time():
     t = Turns(max_passes=4)
-    t.put(b"heavy", "h", 0)
+    for name in ("h0", "h1", "h2"):  # three heavy peers' requests, waiting since the same moment
+        t.put(name.encode(), name, 0)
     for i in range(3):
         assert t.overdue() is None
-        t.charge(b"light", 0.0, 0, now=0.0)  # one request served ahead of it
+        t.charge(b"light", 0.0, 0, now=0.0)  # one request served ahead of them
     assert t.overdue() is None
     t.charge(b"light", 0.0, 0, now=0.0)
-    assert t.overdue() == "h" and t.counters["overdue"] == 1
-    assert t.overdue() is None and len(t) == 0
+    assert t.overdue() == "h0" and t.counters["overdue"] == 1
+    # h1 was passed over as often, but goes only after max_passes more: the
+    # heavy requests are spread among the others, not served in one burst
+    assert t.overdue() is None
+    t.charge(b"h0", 0.003, 0, now=0.0, waited=True)
+    for i in range(3):
+        t.charge(b"light", 0.0, 0, now=0.0)
+        assert t.overdue() is None
+    t.charge(b"light", 0.0, 0, now=0.0)
+    assert t.overdue() == "h1"
+    # a turn given any other way (a quiet socket's) restarts the count too
+    t.charge(b"h1", 0.003, 0, now=0.0, waited=True)
+    for i in range(3):
+        t.charge(b"light", 0.0, 0, now=0.0)
+    assert t.take(0.0) == "h2" and t.overdue() is None and len(t) == 0
 
 
 def test_room_is_bounded_in_count_and_bytes():

@@ -396,7 +396,7 @@ class Daemon:
                         break
                 else:
                     peer = raw[0].bytes
-                    if self.outbox is not None and self.outbox.mute(peer):
+                    if self.outbox is not None and self.outbox.mute(peer, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None):
                         # It does not read its replies: this request costs nothing more.
                         self.dropped_replies += 1
                         turns.charge(peer, 0.0, sum(len(f) for f in raw), time.monotonic())

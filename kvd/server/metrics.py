@@ -152,7 +152,7 @@ def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
 
 _PEER_COUNTERS = (
     "accepted", "shed_over_cap", "shed_for_memory", "pauses", "refused_over_budget", "cut_off", "dropped_full", "dropped_gone",
-    "muted", "deferred", "overdue",
+    "muted", "cut_muted", "deferred", "overdue",
 )
 
 

@@ -44,6 +44,13 @@ Rules the outbox keeps:
    (no decoding, no reply to build and fail to send -- ~40 us each before,
    which 16 peers pumping PINGs turned into every other client's wait),
    except one every `_PROBE` seconds, whose reply tests whether it reads again.
+   A muted peer that goes on sending -- `_CUT_MUTED` requests dropped while
+   it was full -- is cut off like a hog (`disconnect(fd)`): dropping costs a
+   few microseconds, but a peer that pumps requests and never reads sends
+   tens of thousands a second, and the loop dropping them is then a busy
+   thread the scheduler preempts, with everyone's requests behind it
+   (measured: a client's p99 4-6x its idle one under `bench_stress.py --only
+   mute-big-gets`). It may reconnect: a new peer, muted again once it fills.
 4. Bookkeeping is bounded: finished trackers are pruned on every send to their
    peer and by `sweep()` (the loop calls it every tick); the set of full peers
    is cleared if it ever grows past `_MAX_FULL` (the cost: one more short
@@ -64,6 +71,7 @@ _SETTLE = 0.010  # most time given to pyzmq's garbage thread before a refusal
 _SETTLE_SHARE = 0.05  # of the loop's time, at most, spent in such waits
 _SETTLE_BANK = 0.05  # seconds of waiting that may be banked
 _PROBE = 0.1  # seconds between requests served to a peer marked full (rule 3)
+_CUT_MUTED = 1000  # requests dropped from a full peer before it is cut off (rule 3)
 
 
 def _nbytes(frame) -> int:
@@ -97,7 +105,8 @@ class Outbox:
         self.queued_bytes = 0
         self.clock = clock
         self.full: dict[bytes, float] = {}  # peers whose pipe is full -> when one was last let through (rule 3)
-        self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget", "cut_off", "muted"), 0)
+        self.mutes: dict[bytes, int] = {}  # full peers -> requests dropped since (rule 3)
+        self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget", "cut_off", "muted", "cut_muted"), 0)
 
     # -- budgets -------------------------------------------------------------
     def _prune(self, identity: bytes) -> int:
@@ -140,16 +149,20 @@ class Outbox:
             mine = self._prune(identity)
         return mine
 
-    def mute(self, identity: bytes) -> bool:
+    def mute(self, identity: bytes, fd: int | None = None) -> bool:
         """True if a request from this peer is to be dropped unread (rule 3):
         its pipe is full and another of its requests went through less than
-        `_PROBE` seconds ago. Counted."""
+        `_PROBE` seconds ago. Counted; the `_CUT_MUTED`th cuts the peer off
+        (`fd`: the connection the request came on)."""
         probed = self.full.get(identity)
         if probed is None:
             return False
         now = self.clock()
         if now - probed < _PROBE:
             self.counters["muted"] += 1
+            n = self.mutes[identity] = self.mutes.get(identity, 0) + 1
+            if n == _CUT_MUTED and fd is not None and self.disconnect is not None and self.disconnect(fd):
+                self.counters["cut_muted"] += 1  # what it still sent is dropped: it stays full
             return True
         self.full[identity] = now  # this one is served: its reply's send probes the pipe
         return False
@@ -221,7 +234,8 @@ class Outbox:
         try:
             try:
                 self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
-                self.full.pop(identity, None)
+                if self.full.pop(identity, None) is not None:
+                    self.mutes.pop(identity, None)
                 return True
             except zmq.Again:
                 if identity in self.full:
@@ -231,10 +245,12 @@ class Outbox:
         except zmq.Again:
             if len(self.full) >= _MAX_FULL:
                 self.full.clear()
+                self.mutes.clear()
             self.full.setdefault(identity, self.clock())
             self.counters["dropped_full"] += 1
         except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
             self.full.pop(identity, None)
+            self.mutes.pop(identity, None)
             self.counters["dropped_gone"] += 1
         return False
 
