@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -11,6 +15,7 @@ import zmq
 
 from kvd.protocol import codec, keys
 from kvd.server.daemon import Daemon
+from kvd.server.peers import origin
 from kvd.server.turns import BYTE_SECONDS, Turns
 from kvd.store.ram import RamStore
 
@@ -135,6 +140,19 @@ def request(sock: zmq.Socket, frames: list[bytes]) -> dict:
     return msgpack.unpackb(sock.recv_multipart()[0])
 
 
+# A client in a process of its own (costs are charged per process): sends
+# one request (hex), prints the reply's type and what the daemon had served.
+CLIENT = r"""
+import sys, msgpack, zmq
+s = zmq.Context().socket(zmq.DEALER)
+s.connect(sys.argv[1])
+s.send(bytes.fromhex(sys.argv[2]))
+reply = msgpack.unpackb(s.recv())
+served = reply.get("stats", {}).get("server", {}).get("requests", {})
+print(reply["type"], served.get("LOOKUP", 0), served.get("PING", 0), flush=True)
+"""
+
+
 def test_a_light_client_is_served_before_peers_that_keep_the_daemon_busy(tmp_path):
     """Eight peers whose 4 MiB LOOKUPs have cost the daemon have two requests
     each waiting ahead of a client's STATS: the STATS is served first, then
@@ -144,7 +162,6 @@ def test_a_light_client_is_served_before_peers_that_keep_the_daemon_busy(tmp_pat
     d.bind()
     ctx = zmq.Context.instance()
     heavy = [ctx.socket(zmq.DEALER) for _ in range(8)]
-    good = ctx.socket(zmq.DEALER)
 
     def received(n: int) -> list:
         """The next n messages from the daemon's real socket, in its order."""
@@ -163,7 +180,7 @@ def test_a_light_client_is_served_before_peers_that_keep_the_daemon_busy(tmp_pat
         return recv
 
     try:
-        for s in [*heavy, good]:
+        for s in heavy:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(d.endpoint)
         lookup = codec.encode("LOOKUP", {"ns": "x", "tokens": keys.token_bytes(range(1 << 20)), "chunk_tokens": 1}, id=0)
@@ -171,28 +188,27 @@ def test_a_light_client_is_served_before_peers_that_keep_the_daemon_busy(tmp_pat
             s.send_multipart(lookup)
             d._serve_waiting(feed(received(1)))
             assert msgpack.unpackb(s.recv_multipart()[0])["type"] == "LOOKUP"
-        assert d.turns.stats()["peers_with_cost"] == 8
+        assert d.turns.stats()["peers_with_cost"] == 1  # eight connections of one process: one origin
         for s in heavy:
             s.send_multipart(codec.encode("PING", {}, id=1))
             s.send_multipart(codec.encode("LOOKUP", {"ns": "x", "tokens": keys.token_bytes(range(4096)), "chunk_tokens": 1}, id=2))
         waiting = received(16)
-        good.send_multipart(codec.encode("STATS", {}, id=9))
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, d.endpoint, codec.encode("STATS", {}, id=9)[0].hex()],
+                                  stdout=subprocess.PIPE, text=True)
         waiting += received(1)  # the STATS arrives last
         d._serve_waiting(feed(waiting))
-        stats = msgpack.unpackb(good.recv_multipart()[0])
-        assert stats["type"] == "STATS"
-        served = stats["stats"]["server"]["requests"]
-        assert served["LOOKUP"] == 8 and "PING" not in served  # none of the 16 went first
+        assert client.stdout.readline().split() == ["STATS", "8", "0"]  # none of the 16 went first
+        client.wait(10)
         for s in heavy:  # and then every one of them, each peer's in order
             assert [msgpack.unpackb(s.recv_multipart()[0])["id"] for _ in range(2)] == [1, 2]
         assert d.handler.requests["LOOKUP"] == 16 and d.handler.requests["PING"] == 8 and len(d.turns) == 0
-        assert d.peer_stats()["deferred"] == 16
+        assert d.peer_stats()["deferred"] == 7 + 16  # (the first LOOKUPs of the 2nd to 8th connection too: one origin)
         heavy[0].send_multipart([codec.encode("PING", {}, id=7)[0], bytes(9 << 20)])  # over max_bytes: cannot wait
         d._serve_waiting(feed(received(1)))
         assert msgpack.unpackb(heavy[0].recv_multipart()[0])["id"] == 7  # answered (an error: a PING has no frames)
-        assert d.peer_stats()["deferred"] == 16 and len(d.turns) == 0
+        assert d.peer_stats()["deferred"] == 7 + 16 and len(d.turns) == 0
     finally:
-        for s in [*heavy, good]:
+        for s in heavy:
             s.close(linger=0)
         d.close()
 
@@ -203,7 +219,7 @@ def test_the_loop_wakes_for_a_waiting_request_when_its_turn_comes(tmp_path):
     d = Daemon(RamStore(16 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False, tick=3600.0)
     d.bind()
     now = time.monotonic()
-    d.turns.charge(b"heavy", 0.0, 64 << 20, now)  # its requests cost the daemon
+    d.turns.charge(b"pid %d" % os.getpid(), 0.0, 64 << 20, now)  # this process's requests cost the daemon
     d.turns.charge(b"light", 0.0005, 0, now)  # a client was served just now...
     d.turns.charge(b"other", 0.0, 64 << 20, now, waited=True)  # ...and heavy turns overdrew their share
     loop = threading.Thread(target=d.serve_forever)
@@ -220,3 +236,41 @@ def test_the_loop_wakes_for_a_waiting_request_when_its_turn_comes(tmp_path):
         d.stop()
         loop.join(10)
     assert not loop.is_alive()
+
+
+def test_costs_are_charged_to_the_process_or_host_at_the_other_end():
+    a, b = socket.socketpair(socket.AF_UNIX)
+    listener = socket.create_server(("127.0.0.1", 0))
+    tcp = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    try:
+        assert origin(a.fileno()) == origin(b.fileno()) == b"pid %d" % os.getpid()
+        assert origin(accepted.fileno()) == b"host 127.0.0.1"
+        dead = a.fileno()
+        a.close()
+        assert origin(dead) is None  # gone: the daemon then charges the connection itself
+    finally:
+        for s in (b, tcp, accepted, listener):
+            s.close()
+
+
+def test_a_peer_that_reconnects_for_every_request_is_still_heavy(tmp_path):
+    """Its cost belongs to its process, not to each new connection (which
+    would start with none: served at once every time)."""
+    d = Daemon(RamStore(16 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
+    d.bind()
+    ctx = zmq.Context.instance()
+    lookup = codec.encode("LOOKUP", {"ns": "x", "tokens": keys.token_bytes(range(1 << 20)), "chunk_tokens": 1}, id=0)
+    try:
+        for i in range(3):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(d.endpoint)
+            sock.send_multipart(lookup)
+            assert d._sock.poll(10_000)
+            d._serve_waiting(lambda: d._recv(d._sock))
+            assert msgpack.unpackb(sock.recv_multipart()[0])["type"] == "LOOKUP"
+            sock.close(linger=0)
+            assert d.peer_stats()["deferred"] == i  # the first was served at once; the others waited their turn
+    finally:
+        d.close()

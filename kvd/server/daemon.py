@@ -53,7 +53,7 @@ from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.outbox import Outbox
-from kvd.server.peers import PeerGate, default_max_peers, io_threads, listen_backlog, memory_ceiling
+from kvd.server.peers import PeerGate, default_max_peers, io_threads, listen_backlog, memory_ceiling, origin
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.turns import Turns
 from kvd.store.base import Store
@@ -99,6 +99,7 @@ class Daemon:
         self.dropped_replies = 0
         self.latency = Latency()
         self.turns = Turns()
+        self._origins: dict[int, tuple[bytes, bytes]] = {}  # fd -> (identity, origin) of the connection on it
         self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
         # metrics exporter) take it to see the handler and store at rest.
@@ -395,22 +396,34 @@ class Daemon:
                     if raw is None:
                         break
                 else:
-                    peer = raw[0].bytes
-                    if self.outbox is not None and self.outbox.mute(peer, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None):
+                    peer, fd = raw[0].bytes, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None
+                    if self.outbox is not None and self.outbox.mute(peer, fd):
                         # It does not read its replies: this request costs nothing more.
                         self.dropped_replies += 1
-                        turns.charge(peer, 0.0, sum(len(f) for f in raw), time.monotonic())
+                        turns.charge(self._origin(peer, fd), 0.0, sum(len(f) for f in raw), time.monotonic())
                         continue
-                    if turns.defers(peer):
+                    if turns.defers(peer, self._origin(peer, fd)):
                         nbytes = sum(len(f) for f in raw)
                         while len(turns) and not turns.room(nbytes):
                             shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
                         if turns.room(nbytes):
-                            turns.put(peer, raw, nbytes)
+                            turns.put(peer, raw, nbytes, self._origin(peer, fd))
                             continue
                         # too big to wait: served now (its peer has nothing waiting)
             shutdown = self._serve_one(raw, waited=waited) or shutdown
         return shutdown
+
+    def _origin(self, identity: bytes, fd: int | None) -> bytes:
+        """Whom a request's cost is charged to (kvd.server.turns): the process
+        or host at the other end of its connection, found once per connection
+        (a new one on a reused fd has a new identity); the connection itself
+        if that is unknown."""
+        if fd is None:
+            return identity
+        known = self._origins.get(fd)
+        if known is None or known[0] != identity:
+            known = self._origins[fd] = (identity, origin(fd) or identity)
+        return known[1]
 
     def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
         """One message, part by part (ZeroMQ delivers a message whole, so once
@@ -463,7 +476,7 @@ class Daemon:
         elapsed = time.perf_counter() - started
         # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
         cpu = time.thread_time() - cpu
-        self.turns.charge(identity, cpu, sum(len(f) for f in frames), time.monotonic(), waited=waited)
+        self.turns.charge(self._origin(identity, fd), cpu, sum(len(f) for f in frames), time.monotonic(), waited=waited)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)

@@ -94,6 +94,7 @@ import os
 import resource
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Callable
@@ -268,6 +269,31 @@ def _sockname(fd: int):
         return s.getsockname()
     finally:
         s.detach()
+
+
+def origin(fd: int) -> bytes | None:
+    """Who is at the other end of connection `fd`, to charge its requests'
+    cost to (kvd.server.turns): the process over a unix socket, the host
+    over TCP. None if the fd is gone or says nothing."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if s.family == socket.AF_UNIX:
+            return b"pid %d" % _peer_pid(s)
+        return b"host " + str(s.getpeername()[0]).encode()
+    except (OSError, ValueError, struct.error):
+        return None
+    finally:
+        s.detach()
+
+
+def _peer_pid(s: socket.socket) -> int:
+    """The pid of a unix socket's peer (the one OS-specific call of origin())."""
+    if hasattr(socket, "SO_PEERCRED"):  # Linux: struct ucred {pid, uid, gid}
+        return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    return struct.unpack("i", s.getsockopt(0, 2, 4))[0]  # macOS: SOL_LOCAL, LOCAL_PEERPID
 
 
 def _shutdown(fd: int) -> None:
