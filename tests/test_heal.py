@@ -9,6 +9,7 @@ kind of damage and fetch every stored sequence back bit-exact.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -224,7 +225,7 @@ def test_a_garbage_row_is_a_miss_then_rebuilt_from_its_blob_or_quarantined(tmp_p
         assert store.check().ok, store.check().summary()
 
 
-def test_many_garbage_rows_are_mended_in_one_sweep_of_the_index(tmp_path, monkeypatch):
+def test_many_garbage_rows_are_mended_in_one_sweep_of_the_index(tmp_path, monkeypatch, caplog):
     # A damaged stretch of a big index holds many rows: mending them one at a
     # time would scan and recount the whole index once each.
     entries = filled_store(tmp_path, [make_entry(i, tail=i % 3 == 0, parent=bytes(32)) for i in range(40)],
@@ -247,6 +248,9 @@ def test_many_garbage_rows_are_mended_in_one_sweep_of_the_index(tmp_path, monkey
         gate.set()
         store.writer.submit(lambda: None).result()  # a barrier: the repair jobs ran before it
         assert len(scans) == 1
+        # Two warnings for twenty rows: the first one found, and the sweep's sum.
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "index row" in r.getMessage()]
+        assert len(warned) == 2 and "20 index rows did not decode: 15 rebuilt" in warned[1], warned
         mended = len(victims) - len(flipped)
         assert store.counters["rows_repaired"] == mended and store.counters["quarantined"] == len(flipped)
         assert store.entries == 40 - len(flipped)

@@ -214,6 +214,7 @@ class SsdStore(Store):
         self._touched: dict[bytes, float] = {}
         self._errnos_logged: set[int | None] = set()
         self._bad: dict[bytes, str] = {}  # eid -> reason, awaiting quarantine
+        self._bad_rows_told = False  # a bad row was logged since the last sweep (_repair_rows sums up the rest)
         self._leases: dict[bytes, float] = {}
         self._evicting: set[bytes] = set()  # victims whose rows are being deleted
         self._lease_sweep_at = 4096
@@ -456,14 +457,19 @@ class SsdStore(Store):
             if eid in self._bad:
                 return
             self._bad[eid] = reason
+            first_row = False
             if reason.startswith("bad row"):
                 self.counters["bad_rows"] += 1
+                first_row, self._bad_rows_told = not self._bad_rows_told, True
             elif reason != "missing":
                 self.counters["checksum_failures"] += 1
         if self.observer is not None:
             self.observer(eid, None, "quarantined", reason.split(":")[0])
         if reason.startswith("bad row"):
-            log.warning("ssd: the index row of %s is bad; serving a miss, checking its blob", eid.hex())
+            # A damaged page holds many rows: one line here, the sweep's line sums them all up.
+            (log.warning if first_row else log.debug)(
+                "ssd: the index row of %s is bad; serving a miss, checking its blob (and any more found before it is mended)",
+                eid.hex())
         else:
             log.warning("ssd: blob %s is bad (%s); quarantining, serving a miss", eid.hex(), reason)
         self.writer.submit(lambda: self._quarantine(eid))
@@ -891,6 +897,7 @@ class SsdStore(Store):
         checksum, in one commit; quarantine the others' blobs."""
         with self._mu:
             bad = [eid for eid, why in self._bad.items() if why.startswith("bad row")]
+            self._bad_rows_told = False  # rows found bad from now on are news again
         if not bad:
             return
 
