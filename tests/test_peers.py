@@ -253,6 +253,30 @@ def test_a_muted_peer_that_goes_on_sending_is_cut_off_once():
         dealer.close(0)
 
 
+def test_a_cut_that_fails_is_tried_again_a_thousand_drops_later():
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 1)
+        router.bind("inproc://outbox-retry")
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.connect("inproc://outbox-retry")
+        dealer.send(b"hello")
+        identity = router.recv_multipart()[0]
+        answers, tried = [False, True], []  # the gate does not know the fd yet, then does
+        box = Outbox(router, peer_bytes=1 << 20, total_bytes=2 << 20, clock=FakeClock(0.0),
+                     disconnect=lambda fd: tried.append(fd) or answers.pop(0))
+        while box.send(identity, [b"reply"], busy=lambda: [b"busy"]) != "dropped":
+            pass
+        for _ in range(3000):
+            assert box.mute(identity, 7)
+        assert tried == [7, 7] and box.counters["cut_muted"] == 1  # at 1,000 (refused) and 2,000; not at 3,000
+    finally:
+        router.close(0)
+        dealer.close(0)
+
+
 def test_a_client_paging_through_big_replies_is_never_refused(daemon_factory):
     # Pages of one ~3 MiB chunk each under 4 MiB messages: every page is close to
     # the per-peer reply budget, and the next is asked for at once.

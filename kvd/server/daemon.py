@@ -99,7 +99,7 @@ class Daemon:
         self.dropped_replies = 0
         self.latency = Latency()
         self.turns = Turns()
-        self._origins: dict[int, tuple[bytes, bytes]] = {}  # fd -> (identity, origin) of the connection on it
+        self._origins: dict[int, tuple[bytes, bytes | None]] = {}  # fd -> (identity, origin) of the connection on it
         self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
         # metrics exporter) take it to see the handler and store at rest.
@@ -398,31 +398,30 @@ class Daemon:
                 else:
                     peer, fd = raw[0].bytes, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None
                     if self.outbox is not None and self.outbox.mute(peer, fd):
-                        # It does not read its replies: this request costs nothing more.
+                        # It does not read its replies: this request costs nothing more
+                        # (and is not charged: a mean pulled down by cheap drops would hide its process's heavy requests).
                         self.dropped_replies += 1
-                        turns.charge(self._origin(peer, fd), 0.0, sum(len(f) for f in raw), time.monotonic())
                         continue
                     if turns.defers(peer, self._origin(peer, fd)):
                         nbytes = sum(len(f) for f in raw)
                         while len(turns) and not turns.room(nbytes):
                             shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
                         if turns.room(nbytes):
-                            turns.put(peer, raw, nbytes, self._origin(peer, fd))
+                            turns.put(peer, raw, nbytes)
                             continue
                         # too big to wait: served now (its peer has nothing waiting)
             shutdown = self._serve_one(raw, waited=waited) or shutdown
         return shutdown
 
-    def _origin(self, identity: bytes, fd: int | None) -> bytes:
-        """Whom a request's cost is charged to (kvd.server.turns): the process
-        or host at the other end of its connection, found once per connection
-        (a new one on a reused fd has a new identity); the connection itself
-        if that is unknown."""
+    def _origin(self, identity: bytes, fd: int | None) -> bytes | None:
+        """The process at the other end of a request's connection, whose cost
+        a new connection starts from (kvd.server.turns); found once per
+        connection (a new one on a reused fd has a new identity). None if unknown."""
         if fd is None:
-            return identity
+            return None
         known = self._origins.get(fd)
         if known is None or known[0] != identity:
-            known = self._origins[fd] = (identity, origin(fd) or identity)
+            known = self._origins[fd] = (identity, origin(fd))
         return known[1]
 
     def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
@@ -476,7 +475,8 @@ class Daemon:
         elapsed = time.perf_counter() - started
         # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
         cpu = time.thread_time() - cpu
-        self.turns.charge(self._origin(identity, fd), cpu, sum(len(f) for f in frames), time.monotonic(), waited=waited)
+        self.turns.charge(identity, cpu, sum(len(f) for f in frames), time.monotonic(), waited=waited,
+                          origin=self._origin(identity, fd))
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)

@@ -106,6 +106,7 @@ class Outbox:
         self.clock = clock
         self.full: dict[bytes, float] = {}  # peers whose pipe is full -> when one was last let through (rule 3)
         self.mutes: dict[bytes, int] = {}  # full peers -> requests dropped since (rule 3)
+        self.cut_muted: set[bytes] = set()  # full peers cut off for it (rule 3)
         self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget", "cut_off", "muted", "cut_muted"), 0)
 
     # -- budgets -------------------------------------------------------------
@@ -152,8 +153,8 @@ class Outbox:
     def mute(self, identity: bytes, fd: int | None = None) -> bool:
         """True if a request from this peer is to be dropped unread (rule 3):
         its pipe is full and another of its requests went through less than
-        `_PROBE` seconds ago. Counted; the `_CUT_MUTED`th cuts the peer off
-        (`fd`: the connection the request came on)."""
+        `_PROBE` seconds ago. Counted; every `_CUT_MUTED`th tries to cut the
+        peer off (`fd`: the connection the request came on)."""
         probed = self.full.get(identity)
         if probed is None:
             return False
@@ -161,8 +162,13 @@ class Outbox:
         if now - probed < _PROBE:
             self.counters["muted"] += 1
             n = self.mutes[identity] = self.mutes.get(identity, 0) + 1
-            if n == _CUT_MUTED and fd is not None and self.disconnect is not None and self.disconnect(fd):
-                self.counters["cut_muted"] += 1  # what it still sent is dropped: it stays full
+            if n % _CUT_MUTED == 0 and fd is not None and self.disconnect is not None and identity not in self.cut_muted:
+                # Again every _CUT_MUTED until it works (the gate may not know the
+                # fd yet), never after: what it still sent is dropped (it stays
+                # full), and its fd's number may soon be another peer's.
+                if self.disconnect(fd):
+                    self.cut_muted.add(identity)
+                    self.counters["cut_muted"] += 1
             return True
         self.full[identity] = now  # this one is served: its reply's send probes the pipe
         return False
@@ -236,6 +242,7 @@ class Outbox:
                 self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
                 if self.full.pop(identity, None) is not None:
                     self.mutes.pop(identity, None)
+                    self.cut_muted.discard(identity)
                 return True
             except zmq.Again:
                 if identity in self.full:
@@ -246,11 +253,13 @@ class Outbox:
             if len(self.full) >= _MAX_FULL:
                 self.full.clear()
                 self.mutes.clear()
+                self.cut_muted.clear()
             self.full.setdefault(identity, self.clock())
             self.counters["dropped_full"] += 1
         except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
             self.full.pop(identity, None)
             self.mutes.pop(identity, None)
+            self.cut_muted.discard(identity)
             self.counters["dropped_gone"] += 1
         return False
 

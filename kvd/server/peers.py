@@ -95,6 +95,7 @@ import resource
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Callable
@@ -272,28 +273,30 @@ def _sockname(fd: int):
 
 
 def origin(fd: int) -> bytes | None:
-    """Who is at the other end of connection `fd`, to charge its requests'
-    cost to (kvd.server.turns): the process over a unix socket, the host
-    over TCP. None if the fd is gone or says nothing."""
+    """The process at the other end of unix-socket connection `fd`, whose
+    cost a new connection of it starts from (kvd.server.turns). None if it
+    cannot be told: the fd is gone or not a unix socket (over TCP a host may
+    be many clients), or the peer is outside our pid namespace (pid 0)."""
     try:
         s = socket.socket(fileno=fd)
     except OSError:
         return None
     try:
-        if s.family == socket.AF_UNIX:
-            return b"pid %d" % _peer_pid(s)
-        return b"host " + str(s.getpeername()[0]).encode()
-    except (OSError, ValueError, struct.error):
-        return None
+        pid = _peer_pid(s) if s.family == socket.AF_UNIX else 0
+    except (OSError, struct.error):
+        pid = 0
     finally:
         s.detach()
+    return b"pid %d" % pid if pid > 0 else None
 
 
 def _peer_pid(s: socket.socket) -> int:
-    """The pid of a unix socket's peer (the one OS-specific call of origin())."""
-    if hasattr(socket, "SO_PEERCRED"):  # Linux: struct ucred {pid, uid, gid}
+    """The pid of a unix socket's peer, 0 if unknown (the one OS-specific call of origin())."""
+    if sys.platform == "linux":  # struct ucred {pid, uid, gid}
         return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-    return struct.unpack("i", s.getsockopt(0, 2, 4))[0]  # macOS: SOL_LOCAL, LOCAL_PEERPID
+    if sys.platform == "darwin":  # SOL_LOCAL, LOCAL_PEERPID
+        return struct.unpack("i", s.getsockopt(0, 2, 4))[0]
+    return 0
 
 
 def _shutdown(fd: int) -> None:

@@ -24,13 +24,15 @@ its reply sends nothing more, so this also slows what heavy peers send,
 which is most of what they cost. With nobody else about, heavy peers are
 served in full.
 
-A cost belongs to a peer's *origin*, not to its connection: the process at
-the other end of a unix socket, the host of a TCP one (the daemon finds it
-once per connection, kvd.server.peers.origin). Otherwise a new connection
-starts with no cost, and a peer that reconnects for every request -- a
-new identity each time -- would never be heavy (measured: 1,100 LOOKUPs of
-4 MiB on fresh connections, 5 of them deferred; a client's p99 4.4x idle).
-Order (rule 1) stays per connection.
+A cost belongs to a connection, and also to its *origin*, the process at
+the other end of a unix socket (the daemon finds it once per connection,
+kvd.server.peers.origin): a connection with no requests served yet is
+charged its origin's cost. Otherwise every new connection would start light,
+and a peer that reconnects for every request -- a new identity each time --
+would never be heavy (measured: 1,100 LOOKUPs of 4 MiB on fresh connections,
+5 of them deferred). Once it has its own, a connection's cost is its own: a
+client's fetch is not held back by the 256 MiB upload its process runs on
+another connection (kvd_client does both).
 
 Rules:
 1. A peer's requests are served in the order they came: once one waits
@@ -87,9 +89,10 @@ class Turns:
         self.bytes = 0
         self._served = 0  # requests served so far: a waiting request's passes are this minus its mark
         self._turn = 0  # _served after the last waiting request's turn (rule 2)
-        self._waiting: deque[tuple[int, bytes, bytes, int, Any]] = deque()  # (mark, peer, origin, nbytes, request), oldest first
+        self._waiting: deque[tuple[int, bytes, int, Any]] = deque()  # (mark, peer, nbytes, request), oldest first
         self._per_peer: dict[bytes, int] = {}
-        self._cost: dict[bytes, tuple[float, float]] = {}  # origin -> (mean cost of a request, when it last sent one)
+        self._cost: dict[bytes, tuple[float, float]] = {}  # peer -> (mean cost of a request, when it last sent one)
+        self._origin_cost: dict[bytes, tuple[float, float]] = {}  # origin -> the same, over all its connections
         # The last two peers served that are not heavy, and when: (peer, time), newest first.
         self._light: list[tuple[bytes, float]] = [(b"", float("-inf"))] * 2
         self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
@@ -100,17 +103,17 @@ class Turns:
 
     # -- the loop's questions ------------------------------------------------------
     def defers(self, peer: bytes, origin: bytes | None = None) -> bool:
-        """Must `peer`'s request wait (its origin -- `peer` itself if None --
-        is heavy, or its earlier ones wait: rule 1)?"""
-        return peer in self._per_peer or self.cost(peer if origin is None else origin) > self.heavy_s
+        """Must `peer`'s request wait (it is heavy -- by its origin's cost if it
+        has none of its own yet -- or its earlier ones wait: rule 1)?"""
+        return peer in self._per_peer or self.cost(peer, origin) > self.heavy_s
 
     def room(self, nbytes: int) -> bool:
         """May a request of `nbytes` wait (rule 3)?"""
         return len(self._waiting) < self.max_waiting and self.bytes + nbytes <= self.max_bytes
 
-    def put(self, peer: bytes, request: Any, nbytes: int, origin: bytes | None = None) -> None:
+    def put(self, peer: bytes, request: Any, nbytes: int) -> None:
         """Keep `request` until its turn (check `room()` first)."""
-        self._waiting.append((self._served, peer, peer if origin is None else origin, nbytes, request))
+        self._waiting.append((self._served, peer, nbytes, request))
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.bytes += nbytes
         self.counters["deferred"] += 1
@@ -128,7 +131,7 @@ class Turns:
         nothing waits."""
         if not self._waiting:
             return None
-        until = self._others_until(self._waiting[0][2])
+        until = self._others_until(self._waiting[0][1])
         if now >= until:
             return now
         credit = self._credit_at(now)
@@ -145,7 +148,7 @@ class Turns:
         """The oldest waiting request, or None."""
         if not self._waiting:
             return None
-        _, peer, _, nbytes, request = self._waiting.popleft()
+        _, peer, nbytes, request = self._waiting.popleft()
         self._turn = self._served + 1  # passes count from after this turn (its own charge is none)
         left = self._per_peer[peer] - 1
         if left:
@@ -156,38 +159,49 @@ class Turns:
         return request
 
     # -- costs ---------------------------------------------------------------------
-    def cost(self, origin: bytes) -> float:
-        """What one request from `origin` costs, on average, in seconds."""
-        got = self._cost.get(origin)
+    def cost(self, peer: bytes, origin: bytes | None = None) -> float:
+        """What one of `peer`'s requests costs, on average, in seconds; its
+        origin's cost while it has none of its own."""
+        got = self._cost.get(peer)
+        if got is None and origin is not None:
+            got = self._origin_cost.get(origin)
         return 0.0 if got is None else got[0]
 
-    def charge(self, origin: bytes, seconds: float, nbytes: int, now: float, *, waited: bool = False) -> None:
-        """A request from `origin` took `seconds` of the serving thread's CPU
-        and carried `nbytes`; `waited`: it had waited here."""
+    def charge(self, peer: bytes, seconds: float, nbytes: int, now: float, *, waited: bool = False,
+               origin: bytes | None = None) -> None:
+        """`peer`'s request took `seconds` of the serving thread's CPU and
+        carried `nbytes`; `waited`: it had waited here. Charged to `origin` too."""
         self._served += 1
         cost = seconds + nbytes * BYTE_SECONDS
-        got = self._cost.get(origin)
-        mean = cost if got is None else got[0] + self.weight * (cost - got[0])
-        self._cost[origin] = (mean, now)
+        mean = self._average(self._cost, peer, cost, now)
+        if origin is not None:
+            self._average(self._origin_cost, origin, cost, now)
         if waited:
-            if now < self._others_until(origin):  # others are about: this turn uses heavy peers' share
+            if now < self._others_until(peer):  # others are about: this turn uses heavy peers' share
                 self._credit = (self._credit_at(now) - cost, now)
-        elif seconds > 0 and mean <= self.heavy_s:  # (0: a muted peer's request, dropped unserved)
-            self._light = [(origin, now), self._light[1 if self._light[0][0] == origin else 0]]
+        elif seconds > 0 and mean <= self.heavy_s:
+            self._light = [(peer, now), self._light[1 if self._light[0][0] == peer else 0]]
 
-    def _others_until(self, origin: bytes) -> float:
-        """Until when origins other than `origin` count as active (one was served lately)."""
-        return max((at for who, at in self._light if who != origin), default=float("-inf")) + self.active_s
+    def _average(self, costs: dict[bytes, tuple[float, float]], key: bytes, cost: float, now: float) -> float:
+        got = costs.get(key)
+        mean = cost if got is None else got[0] + self.weight * (cost - got[0])
+        costs[key] = (mean, now)
+        return mean
+
+    def _others_until(self, peer: bytes) -> float:
+        """Until when peers other than `peer` count as active (one was served lately)."""
+        return max((at for who, at in self._light if who != peer), default=float("-inf")) + self.active_s
 
     def _credit_at(self, now: float) -> float:
         credit, at = self._credit
         return min(self.burst_s, credit + max(0.0, now - at) * self.share)
 
     def forget(self, now: float) -> None:
-        """Drop the costs of origins silent for `forget_s` (peers come and go: the map must not grow)."""
-        waiting = {w[2] for w in self._waiting}
-        for origin in [o for o, (_, at) in self._cost.items() if now - at > self.forget_s and o not in waiting]:
-            del self._cost[origin]
+        """Drop the costs of peers and origins silent for `forget_s` (peers come and go: the maps must not grow)."""
+        for peer in [p for p, (_, at) in self._cost.items() if now - at > self.forget_s and p not in self._per_peer]:
+            del self._cost[peer]
+        for origin in [o for o, (_, at) in self._origin_cost.items() if now - at > self.forget_s]:
+            del self._origin_cost[origin]
 
     def stats(self) -> dict[str, int]:
         return {"waiting_turn": len(self._waiting), "peers_with_cost": len(self._cost), **self.counters}
