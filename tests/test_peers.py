@@ -8,6 +8,7 @@ other client wait ~100 ms per reply.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -187,17 +188,33 @@ def test_a_peer_that_never_reads_loses_its_own_replies_then_its_connection(daemo
     assert d.proc.poll() is None
 
 
-def test_a_peer_marked_full_is_muted_but_probed_every_tenth_of_a_second():
+@contextlib.contextmanager
+def a_peer_that_does_not_read(name: str):
+    """(router, dealer, the dealer's identity): a ROUTER with room for one
+    reply per peer, and a DEALER that takes one and reads none."""
     ctx = zmq.Context.instance()
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     try:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, 1)
-        router.bind("inproc://outbox-mute")
+        router.bind(f"inproc://outbox-{name}")
         dealer.setsockopt(zmq.RCVHWM, 1)
-        dealer.connect("inproc://outbox-mute")
+        dealer.connect(f"inproc://outbox-{name}")
         dealer.send(b"hello")
-        identity = router.recv_multipart()[0]
+        yield router, dealer, router.recv_multipart()[0]
+    finally:
+        router.close(0)
+        dealer.close(0)
+
+
+def fill(box: Outbox, identity: bytes) -> None:
+    """Send replies until the peer's pipe is full (it never reads)."""
+    while box.send(identity, [b"reply"], busy=lambda: [b"busy"]) != "dropped":
+        pass
+
+
+def test_a_peer_marked_full_is_muted_but_probed_every_tenth_of_a_second():
+    with a_peer_that_does_not_read("mute") as (router, dealer, identity):
         clock = FakeClock(0.0)
         box = Outbox(router, peer_bytes=1 << 20, total_bytes=2 << 20, clock=clock)
         assert not box.mute(identity)
@@ -210,27 +227,14 @@ def test_a_peer_marked_full_is_muted_but_probed_every_tenth_of_a_second():
         assert box.counters["muted"] == 3
         box.full.clear()  # as a successful send does (rule 1): heard again
         assert not box.mute(identity)
-    finally:
-        router.close(0)
-        dealer.close(0)
 
 
 def test_a_muted_peer_that_goes_on_sending_is_cut_off_once():
-    ctx = zmq.Context.instance()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    try:
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.SNDHWM, 1)
-        router.bind("inproc://outbox-cut")
-        dealer.setsockopt(zmq.RCVHWM, 1)
-        dealer.connect("inproc://outbox-cut")
-        dealer.send(b"hello")
-        identity = router.recv_multipart()[0]
+    with a_peer_that_does_not_read("cut") as (router, dealer, identity):
         cut: list[int] = []
         box = Outbox(router, peer_bytes=1 << 20, total_bytes=2 << 20, clock=FakeClock(0.0),
                      disconnect=lambda fd: cut.append(fd) or True)
-        while box.send(identity, [b"reply"], busy=lambda: [b"busy"]) != "dropped":
-            pass  # the dealer never reads: its pipe fills
+        fill(box, identity)
         for _ in range(999):
             assert box.mute(identity, 7)
         assert cut == [] and box.counters["cut_muted"] == 0
@@ -243,38 +247,21 @@ def test_a_muted_peer_that_goes_on_sending_is_cut_off_once():
                 break
             dealer.poll(1)
         assert identity not in box.full and identity not in box.mutes  # heard again: the count starts over
-        while box.send(identity, [b"reply"], busy=lambda: [b"busy"]) != "dropped":
-            pass
+        fill(box, identity)
         for _ in range(999):
             assert box.mute(identity, 8)
         assert cut == [7]
-    finally:
-        router.close(0)
-        dealer.close(0)
 
 
 def test_a_cut_that_fails_is_tried_again_a_thousand_drops_later():
-    ctx = zmq.Context.instance()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    try:
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.SNDHWM, 1)
-        router.bind("inproc://outbox-retry")
-        dealer.setsockopt(zmq.RCVHWM, 1)
-        dealer.connect("inproc://outbox-retry")
-        dealer.send(b"hello")
-        identity = router.recv_multipart()[0]
+    with a_peer_that_does_not_read("retry") as (router, dealer, identity):
         answers, tried = [False, True], []  # the gate does not know the fd yet, then does
         box = Outbox(router, peer_bytes=1 << 20, total_bytes=2 << 20, clock=FakeClock(0.0),
                      disconnect=lambda fd: tried.append(fd) or answers.pop(0))
-        while box.send(identity, [b"reply"], busy=lambda: [b"busy"]) != "dropped":
-            pass
+        fill(box, identity)
         for _ in range(3000):
             assert box.mute(identity, 7)
         assert tried == [7, 7] and box.counters["cut_muted"] == 1  # at 1,000 (refused) and 2,000; not at 3,000
-    finally:
-        router.close(0)
-        dealer.close(0)
 
 
 def test_a_client_paging_through_big_replies_is_never_refused(daemon_factory):
