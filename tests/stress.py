@@ -105,13 +105,18 @@ def status(pid: int, field: str) -> int:
     raise KeyError(field)
 
 # N DEALERs that send the given one-frame requests (hex) in a loop, never
-# reading a reply, until stdin closes: a flood that lasts.
+# reading a reply, until stdin closes: a flood that lasts. Like a client that
+# stopped reading, a pump whose sends all fail waits until one could go (here
+# in a poll) instead of spinning: a spinning pump is a CPU hog on top of the
+# flood, which costs the machine a core whatever the daemon does.
 PUMP = r"""
-import select, sys, zmq
+import sys, zmq
 ep, n = sys.argv[1], int(sys.argv[2])
 msgs = [bytes.fromhex(h) for h in sys.argv[3:]]
 ctx = zmq.Context()
 socks = []
+poller = zmq.Poller()
+poller.register(0, zmq.POLLIN)  # stdin: closed when the attack ends
 for _ in range(n):
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.RCVHWM, 1)
@@ -120,9 +125,11 @@ for _ in range(n):
     s.setsockopt(zmq.LINGER, 0)
     s.connect(ep)
     socks.append(s)
+    poller.register(s, zmq.POLLOUT)
 print(n, flush=True)
 sent = 0
 while True:
+    before = sent
     for s in socks:
         for msg in msgs:
             try:
@@ -130,7 +137,7 @@ while True:
                 sent += 1
             except zmq.Again:
                 pass
-    if select.select([sys.stdin], [], [], 0 if sent % 64 else 0.001)[0]:
+    if 0 in dict(poller.poll(0 if sent != before else 1000)):
         break
 """
 
