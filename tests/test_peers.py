@@ -9,7 +9,9 @@ other client wait ~100 ms per reply.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -19,7 +21,7 @@ import zmq
 
 from kvd.protocol import codec
 from kvd.server.outbox import Outbox
-from kvd.server.peers import PeerGate, default_max_peers, listen_backlog
+from kvd.server.peers import PeerGate, connection_id, default_max_peers, listen_backlog
 from kvd_client import HostTensor, Snapshot
 
 from stress import FLOOD
@@ -147,6 +149,30 @@ def test_a_request_served_before_its_accepted_event_still_counts():
     gate._on_event(zmq.EVENT_DISCONNECTED, 20)
     gate._on_event(zmq.EVENT_ACCEPTED, 20)  # the number reused: a new, silent peer
     assert gate.peers[20] == [clock(), None]
+
+
+def test_a_cut_of_a_gone_peer_spares_the_new_peer_on_its_fd_number():
+    """The outbox asks to cut a peer by the fd and connection id its requests
+    came with, maybe long after: a peer that left since, whose fd number is a
+    new peer's now, must not cost the newcomer its connection."""
+    gate = PeerGate(None, max_peers=8)
+    old, old_end = socket.socketpair()
+    new, new_end = socket.socketpair()
+    fd = old.fileno()
+    try:
+        old_id = connection_id(fd)
+        os.dup2(new.fileno(), fd)  # the old connection closes; the number is the new one's
+        gate.peers[fd] = [0.0, None]
+        assert old_end.recv(1) == b""  # (the old one is gone)
+        assert not gate.shed(fd, old_id)
+        assert fd in gate.peers
+        new_end.sendall(b"x")
+        assert new.recv(1) == b"x"  # still connected
+        assert gate.shed(fd, connection_id(fd))  # asked about the new one: cut
+        assert new_end.recv(1) == b""
+    finally:
+        for s in (old, old_end, new, new_end):
+            s.close()
 
 
 def test_a_peer_that_never_reads_loses_its_own_replies_then_its_connection(daemon_factory):

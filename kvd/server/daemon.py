@@ -41,7 +41,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import zmq
 
@@ -53,7 +53,7 @@ from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.outbox import Outbox
-from kvd.server.peers import PeerGate, default_max_peers, io_threads, listen_backlog, memory_ceiling, origin
+from kvd.server.peers import PeerGate, connection_id, default_max_peers, io_threads, listen_backlog, memory_ceiling, origin
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.turns import Turns
 from kvd.store.base import Store
@@ -66,6 +66,14 @@ _KEEP_FRAME_BYTES = 64 * 1024
 # Unread replies a peer may have queued: a client has one request in flight,
 # so more than a few means it is not reading (kvd.server.outbox).
 _SNDHWM = 16
+
+
+class _Conn(NamedTuple):
+    """A peer connection, as its first request found it."""
+
+    identity: bytes
+    origin: bytes | None  # the process at the other end, whose cost a new connection starts from (kvd.server.turns)
+    where: tuple[int, int | None]  # (fd, connection_id): what the outbox names when it asks the gate to cut it off
 
 
 class Daemon:
@@ -99,7 +107,7 @@ class Daemon:
         self.dropped_replies = 0
         self.latency = Latency()
         self.turns = Turns()
-        self._origins: dict[int, tuple[bytes, bytes | None]] = {}  # fd -> (identity, origin) of the connection on it
+        self._conns: dict[int, _Conn] = {}  # fd -> the connection on it, as of its identity's first request
         self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
         # metrics exporter) take it to see the handler and store at rest.
@@ -187,7 +195,7 @@ class Daemon:
         self.gate = PeerGate(
             monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling, over_unit=m
         )
-        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self.gate.shed)
+        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=lambda conn: self.gate.shed(*conn))
         self.gate.start()
         self._arm_gate(ctx)
 
@@ -396,13 +404,14 @@ class Daemon:
                     if raw is None:
                         break
                 else:
-                    peer, fd = raw[0].bytes, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None
-                    if self.outbox is not None and self.outbox.mute(peer, fd):
+                    peer = raw[0].bytes
+                    conn = self._conn(peer, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None)
+                    if self.outbox is not None and self.outbox.mute(peer, conn and conn.where):
                         # It does not read its replies: this request costs nothing more
                         # (and is not charged: a mean pulled down by cheap drops would hide its process's heavy requests).
                         self.dropped_replies += 1
                         continue
-                    if turns.defers(peer, self._origin(peer, fd)):
+                    if turns.defers(peer, conn and conn.origin):
                         nbytes = sum(len(f) for f in raw)
                         while len(turns) and not turns.room(nbytes):
                             shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
@@ -413,16 +422,16 @@ class Daemon:
             shutdown = self._serve_one(raw, waited=waited) or shutdown
         return shutdown
 
-    def _origin(self, identity: bytes, fd: int | None) -> bytes | None:
-        """The process at the other end of a request's connection, whose cost
-        a new connection starts from (kvd.server.turns); found once per
-        connection (a new one on a reused fd has a new identity). None if unknown."""
+    def _conn(self, identity: bytes, fd: int | None) -> _Conn | None:
+        """The connection a request came on (`fd`: its ZMQ_SRCFD), looked at
+        once per connection (a new one on a reused fd has a new identity).
+        None if unknown."""
         if fd is None:
             return None
-        known = self._origins.get(fd)
-        if known is None or known[0] != identity:
-            known = self._origins[fd] = (identity, origin(fd))
-        return known[1]
+        known = self._conns.get(fd)
+        if known is None or known.identity != identity:
+            known = self._conns[fd] = _Conn(identity, origin(fd), (fd, connection_id(fd)))
+        return known
 
     def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
         """One message, part by part (ZeroMQ delivers a message whole, so once
@@ -460,6 +469,7 @@ class Daemon:
         """Serve one request; True if it asked the daemon to shut down."""
         identity, payload = raw[0].bytes, raw[1:]
         fd = payload[0].get(zmq.SRCFD) if payload else None
+        conn = self._conn(identity, fd)
         if self.gate is not None:
             self.gate.touch(fd)
         frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
@@ -471,12 +481,12 @@ class Daemon:
             with self.lock:
                 reply, shutdown, mtype = self._handle(frames, identity)
         if reply is not None:  # None: parked until its entries are on disk
-            self._send(identity, reply, frames, fd)
+            self._send(identity, reply, frames, conn and conn.where)
         elapsed = time.perf_counter() - started
         # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
         cpu = time.thread_time() - cpu
         self.turns.charge(identity, cpu, sum(len(f) for f in frames), time.monotonic(), waited=waited,
-                          origin=self._origin(identity, fd))
+                          origin=conn and conn.origin)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)
@@ -527,9 +537,9 @@ class Daemon:
         self.handler.errors[err.name] += 1
         return codec.encode_error(err, id=codec.peek_id(request) if request else 0)
 
-    def _send(self, identity: bytes, frames: list, request: list | None = None, fd: int | None = None) -> None:
+    def _send(self, identity: bytes, frames: list, request: list | None = None, where: tuple | None = None) -> None:
         assert self.outbox is not None
-        outcome = self.outbox.send(identity, frames, busy=lambda: self._busy(request, "too many reply bytes are queued for peers"), fd=fd)
+        outcome = self.outbox.send(identity, frames, busy=lambda: self._busy(request, "too many reply bytes are queued for peers"), where=where)
         if outcome == "dropped":
             self.dropped_replies += 1
             self.ratelog.warning("reply dropped", "reply dropped (peer gone or not reading)")

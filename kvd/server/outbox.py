@@ -34,7 +34,8 @@ Rules the outbox keeps:
    time (`_SETTLE_SHARE`, at most 50 ms banked), so no peer, however it
    reads or does not, can make the loop sleep more than that.
    When the total is reached, the peer holding the most is cut off
-   (`disconnect(fd)`, the fd its last request came on): libzmq drops what
+   (`disconnect(where)`, the connection its last request came on: the daemon
+   names it by fd and connection id, kvd.server.peers rule 2): libzmq drops what
    was queued for it, and the others' replies flow again. Without that, a
    few peers that never read would get everyone else's big replies refused.
 3. `saturated(identity)` tells the serving loop, before any work is done,
@@ -45,7 +46,7 @@ Rules the outbox keeps:
    which 16 peers pumping PINGs turned into every other client's wait),
    except one every `_PROBE` seconds, whose reply tests whether it reads again.
    A muted peer that goes on sending -- `_CUT_MUTED` requests dropped while
-   it was full -- is cut off like a hog (`disconnect(fd)`): dropping costs a
+   it was full -- is cut off like a hog (`disconnect(where)`): dropping costs a
    few microseconds, but a peer that pumps requests and never reads sends
    tens of thousands a second, and the loop dropping them is then a busy
    thread the scheduler preempts, with everyone's requests behind it
@@ -88,12 +89,12 @@ class Outbox:
         peer_bytes: int,
         total_bytes: int,
         retry_ms: int = 2,
-        disconnect: Callable[[int], bool] | None = None,
+        disconnect: Callable[[object], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.sock = sock
         self.disconnect = disconnect
-        self.fds: dict[bytes, int] = {}  # identity -> fd of its last request, while it has bytes queued
+        self.conns: dict[bytes, object] = {}  # identity -> the connection of its last request, while it has bytes queued
         self.cut: set[bytes] = set()  # peers cut off whose queued bytes libzmq has not freed yet
         self._bank = _SETTLE_BANK  # seconds of settle waits available (rule 2)
         self._bank_at = time.monotonic()
@@ -122,7 +123,7 @@ class Outbox:
             self.queued[identity] = live
         else:
             del self.queued[identity]
-            self.fds.pop(identity, None)
+            self.conns.pop(identity, None)
             self.cut.discard(identity)
         return sum(n for _, n in live)
 
@@ -150,11 +151,12 @@ class Outbox:
             mine = self._prune(identity)
         return mine
 
-    def mute(self, identity: bytes, fd: int | None = None) -> bool:
+    def mute(self, identity: bytes, where=None) -> bool:
         """True if a request from this peer is to be dropped unread (rule 3):
         its pipe is full and another of its requests went through less than
         `_PROBE` seconds ago. Counted; every `_CUT_MUTED`th tries to cut the
-        peer off (`fd`: the connection the request came on)."""
+        peer off (`where`: the connection the request came on, as
+        `disconnect` takes it)."""
         probed = self.full.get(identity)
         if probed is None:
             return False
@@ -162,11 +164,11 @@ class Outbox:
         if now - probed < _PROBE:
             self.counters["muted"] += 1
             n = self.mutes[identity] = self.mutes.get(identity, 0) + 1
-            if n % _CUT_MUTED == 0 and fd is not None and self.disconnect is not None and identity not in self.cut_muted:
+            if n % _CUT_MUTED == 0 and where is not None and self.disconnect is not None and identity not in self.cut_muted:
                 # Again every _CUT_MUTED until it works (the gate may not know the
                 # fd yet), never after: what it still sent is dropped (it stays
-                # full), and its fd's number may soon be another peer's.
-                if self.disconnect(fd):
+                # full), and trying again and again is not free.
+                if self.disconnect(where):
                     self.cut_muted.add(identity)
                     self.counters["cut_muted"] += 1
             return True
@@ -197,19 +199,19 @@ class Outbox:
             return True
         leaving = sum(self._held(i) for i in self.cut)
         while leaving < over and self.disconnect is not None:
-            hogs = [i for i in self.queued if i not in self.cut and i != asking and i in self.fds]
+            hogs = [i for i in self.queued if i not in self.cut and i != asking and i in self.conns]
             if not hogs:
                 break
             hog = max(hogs, key=self._held)
             self.cut.add(hog)  # tried once, whatever the outcome
-            if self.disconnect(self.fds[hog]):
+            if self.disconnect(self.conns[hog]):
                 self.counters["cut_off"] += 1
                 leaving += self._held(hog)
         return leaving >= over
 
-    def send(self, identity: bytes, frames: list, busy: Callable[[], list], fd: int | None = None) -> str:
+    def send(self, identity: bytes, frames: list, busy: Callable[[], list], where=None) -> str:
         """Send one reply; returns "sent", "busy" (replaced by `busy()`), or "dropped".
-        `fd` is the connection the request came on (ZMQ_SRCFD), if known."""
+        `where` is the connection the request came on, as `disconnect` takes it, if known."""
         size = sum(_nbytes(f) for f in frames)
         outcome = "sent"
         tracked = size >= TRACK_BYTES
@@ -232,8 +234,8 @@ class Outbox:
         if trackers:
             self.queued[identity].append((zmq.MessageTracker(*trackers), size))
             self.queued_bytes += size
-            if fd is not None:
-                self.fds[identity] = fd
+            if where is not None:
+                self.conns[identity] = where
         return outcome
 
     def _send(self, identity: bytes, parts: list) -> bool:

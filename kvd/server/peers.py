@@ -58,6 +58,9 @@ Rules the gate keeps:
    the daemon's own endpoint (getsockname): the monitor's news lags, an fd
    number is reused as soon as libzmq closes it, and it must never cut a
    connection that is not a peer's (the metrics server's, a remote tier's).
+   A cut asked for by the outbox names the connection too (`connection_id`,
+   taken at its first request): a peer gone since, whose fd number another
+   peer has now, is not the newcomer.
 3. Input allowance: bytes a peer has sent of a message not yet complete live
    inside libzmq, where nothing can count them (ZMQ_MAXMSGSIZE bounds one
    frame, not a message of many frames). The gate samples the daemon's
@@ -288,6 +291,16 @@ def origin(fd: int) -> bytes | None:
     finally:
         s.detach()
     return b"pid %d" % pid if pid > 0 else None
+
+
+def connection_id(fd: int) -> int | None:
+    """What tells the connection on `fd` from a later one on the same number:
+    its socket's inode (Linux: from a counter, never reused while the
+    system runs; macOS: unique among open sockets). None if `fd` is closed."""
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
 
 
 def _peer_pid(s: socket.socket) -> int:
@@ -569,8 +582,13 @@ class PeerGate(threading.Thread):
                 del self.closing[fd]
 
     # -- shedding ---------------------------------------------------------------
-    def shed(self, fd: int) -> bool:
-        """Cut one peer off now (the outbox's hogs); True if it was one of ours."""
+    def shed(self, fd: int, conn_id: int | None = None) -> bool:
+        """Cut one peer off now (the outbox's hogs); True if it was one of ours.
+        `conn_id`: the connection_id its request came with. The outbox's news
+        can be old: the peer may be gone and its fd number another peer's
+        since (rule 2 checks only that it is one of ours)."""
+        if conn_id is not None and connection_id(fd) != conn_id:
+            return False
         return self._shed(fd)
 
     def _shed(self, fd: int) -> bool:
