@@ -349,6 +349,12 @@ def main() -> None:
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kvd-scale-", dir="/tmp"))
     workdir.mkdir(parents=True, exist_ok=True)
     data = workdir / "data"
+    if args.reuse and not args.keep:
+        ap.error("--reuse needs --keep DIR (a work dir an earlier run kept)")
+    if args.keep and not args.reuse and data.exists():
+        # The fill counts entries from a fresh dir's (the anchor's): on a used one
+        # every row would be mislabelled.
+        ap.error(f"{data} exists: --reuse to measure it as it is, or --keep an empty dir")
     print(f"bench_scale: {machine()}; 256-token chunks of 4 KiB; daemon --ram-mb 16, write-back; work dir {workdir}")
     files, packed = writer_rate(workdir, 0), writer_rate(workdir, 64 << 10)
     print(f"SSD writer (write_batch, 64 a batch, synced): a file each {files:.0f} blobs/s, packed {packed:.0f} "
@@ -360,8 +366,6 @@ def main() -> None:
           f"{listed * 1e6:.0f} us, from an ndarray {arr * 1e6:.0f} us (in every LOOKUP below: an ndarray)")
     d = Daemon(workdir, data, args.daemon_args.split())
     try:
-        if args.reuse and not args.keep:
-            ap.error("--reuse needs --keep DIR (a work dir an earlier run kept)")
         if not args.reuse:
             # The anchor: a 32k-token prompt stored first, spilled, so every size has it on SSD.
             d.proc = subprocess.Popen(
