@@ -16,6 +16,8 @@ each in its own process and ongoing while the client measures:
   heavy-peers     8 peers send those LOOKUPs, each as fast as answered
   put-storm       4 clients PUT new prompts of small chunks (16 KiB) as fast
                   as answered: more than the disk can write behind
+  churn           4 peers each connect, PING, read the reply and hang up, as
+                  fast as they can: every request on a new connection
 
 Each attack gets a fresh daemon (damage must not carry over from one row to
 the next): the client measures idle, then the attack runs `--warmup` seconds
@@ -44,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from _util import MiB, machine  # noqa: E402
-from stress import FLOOD, HAMMER, PARTIAL, PUMP, STORM, attack, status  # noqa: E402
+from stress import CHURN, FLOOD, HAMMER, PARTIAL, PUMP, STORM, attack, status  # noqa: E402
 
 from kvd.protocol import codec, keys  # noqa: E402
 from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
@@ -113,6 +115,7 @@ def setup(ep: str, workdir: Path):
         "long-lookups": (HAMMER, ep, str(lookup)),
         "heavy-peers": (HAMMER, ep, str(lookup), "8"),
         "put-storm": (STORM, ep, "4"),
+        "churn": (CHURN, ep, "4", ping),
     }
     return good, tokens + [0], attacks
 
@@ -153,7 +156,7 @@ def main() -> None:
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
           f"{'misses':>7} {'peak MB':>8}" + (f" {'fl p50':>8} {'fl p99':>8} {'fl p99x':>7}" if args.floor else ""))
     names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "heavy-peers",
-             "put-storm"]
+             "put-storm", "churn"]
     for name in args.only.split(",") if args.only else names:
         with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
             good, tokens, attacks = setup(ep, workdir)

@@ -141,6 +141,35 @@ while True:
         break
 """
 
+# N peers that each connect, send one request (hex), read the reply and hang
+# up, again and again until stdin closes: every request on a new connection.
+CHURN = r"""
+import select, sys, threading, zmq
+ep, n, msg = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+ctx = zmq.Context()
+stop = threading.Event()
+def churn():
+    while not stop.is_set():
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 1000)
+        s.connect(ep)
+        s.send(msg)
+        try:
+            s.recv_multipart()
+        except zmq.Again:
+            pass
+        s.close()
+threads = [threading.Thread(target=churn) for _ in range(n)]
+for t in threads:
+    t.start()
+print(n, flush=True)
+select.select([sys.stdin], [], [])
+stop.set()
+for t in threads:
+    t.join(10)
+"""
+
 # N clients (default 1) that ask the same request again and again and read
 # every reply: expensive requests (huge headers, long LOOKUPs) sent as fast
 # as answered.

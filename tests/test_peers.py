@@ -151,6 +151,52 @@ def test_a_request_served_before_its_accepted_event_still_counts():
     assert gate.peers[20] == [clock(), None]
 
 
+def test_under_a_big_cap_the_listener_stays_open_until_half_full(tmp_path):
+    """Rule 5: admitting in windows of microseconds costs a core when peers
+    keep connecting; under a big cap the listener stays open while the table
+    is under half full, and is paused at the first accept past that."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "l.sock"))
+    listener.listen(8)
+    listener.setblocking(False)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(str(tmp_path / "l.sock"))  # waits in the backlog: the listener is readable while open
+
+    def open_() -> bool:
+        try:
+            listener.accept()[0].close()
+        except BlockingIOError:  # the empty socket stands in for it
+            return False
+        client.close()
+        return True
+
+    big, small = PeerGate(None, max_peers=8192), PeerGate(None, max_peers=4095)
+    try:
+        for gate in (big, small):
+            gate.fd_alarm = 1 << 30
+            gate._listening(listener.fileno())
+            gate._on_event(zmq.EVENT_ACCEPTED, 10)  # the first accept arms it: paused
+            gate._steer()
+            assert gate.paused is (gate is small)
+            gate.resume()
+        for fd in range(11, 10 + 4095):  # with fd 10: 4,095 peers
+            big._on_event(zmq.EVENT_ACCEPTED, fd)
+        big._steer()
+        assert not big.paused  # 4,095 peers: under half of 8,192
+        big._on_event(zmq.EVENT_ACCEPTED, 5000)
+        assert big.paused and not open_()  # the 4,096th: paused at once
+        big._on_event(zmq.EVENT_DISCONNECTED, 11)
+        big._steer()
+        assert not big.paused and open_()  # under the mark again: open for real
+    finally:
+        for gate in (big, small):
+            gate.resume()
+            gate._empty.close()
+            os.close(gate._real)
+        listener.close()
+        client.close()
+
+
 def test_a_cut_of_a_gone_peer_spares_the_new_peer_on_its_fd_number():
     """The outbox asks to cut a peer by the fd and connection id its requests
     came with, maybe long after: a peer that left since, whose fd number is a

@@ -133,6 +133,16 @@ def test_forget_drops_the_costs_of_silent_peers():
     assert t.stats()["peers_with_cost"] == 1 and t.defers(b"waits")  # one with a request waiting is kept
 
 
+def test_forget_goes_by_each_peers_last_request_not_its_first():
+    t = Turns(forget_s=10.0)
+    t.charge(b"early", 0.01, 0, now=0.0, origin=b"pid 1")
+    t.charge(b"middle", 0.01, 0, now=1.0, origin=b"pid 2")
+    t.charge(b"early", 0.01, 0, now=5.0, origin=b"pid 1")  # asked again
+    t.forget(now=12.0)
+    assert t.cost(b"early") > 0 and t.cost(b"middle") == 0
+    assert t.cost(b"new", b"pid 1") > 0 and t.cost(b"new", b"pid 2") == 0
+
+
 # -- in a real daemon -----------------------------------------------------------
 def request(sock: zmq.Socket, frames: list[bytes]) -> dict:
     sock.send_multipart(frames)

@@ -14,7 +14,8 @@ microseconds, not after the request the serving loop is busy with. It reads
 the ROUTER socket's monitor (LISTENING, ACCEPTED, DISCONNECTED, CLOSED, each
 with an fd) and keeps a table fd -> (accepted at, last request at).
 
-The listener is *paused* except while the gate admits connections. To
+The listener is *paused* except while the gate admits connections (or,
+under a big cap, while the table is under half full: rule 5). To
 pause, the gate keeps a duplicate of libzmq's listening fd and dup2()s a
 private, empty listening socket over that fd number. libzmq's epoll still
 watches the real listener (the registration belongs to the open file, which
@@ -88,6 +89,17 @@ Rules the gate keeps:
    served before the gate has read its connection's ACCEPTED event (the gate
    waits for the GIL on a busy machine): such a touch is kept until the
    event comes, so a client that has been served never ranks as silent.
+5. With thousands of fds to spare (`max_peers` of 4,096 or more: service
+   managers' limits) the listener stays open while fewer than half the cap
+   are connected, and libzmq accepts at its own pace; the gate pauses it at
+   the first ACCEPTED event past that mark, and from there on admits in
+   windows as above. A burst the gate is late for then has at least half the
+   cap in fds before EMFILE (with the default cap 1.5 x max_peers, over
+   6,000), against ~170 accepts measured before its first wake-up. Windows
+   cost CPU when connections keep coming: the gate spins opening them, and
+   libzmq's I/O thread spins on the paused listener (measured: a peer
+   reconnecting ~900 times a second kept the daemon at a full core). Under
+   smaller caps (`prlimit --nofile=256`) it never stays open.
 """
 
 from __future__ import annotations
@@ -113,6 +125,7 @@ log = logging.getLogger("kvd.server")
 _RESERVE_FDS = 64
 _WINDOW = 0.005  # seconds one PeerGate._admit may spin before polling again
 _QUICK_TRIES = 16  # windows of microseconds before one of up to a millisecond
+_OPEN_MIN_PEERS = 4096  # caps from which the listener may stay open while under half full (rule 5)
 
 
 def _readable(fd: int) -> bool:
@@ -340,6 +353,8 @@ class PeerGate(threading.Thread):
         self.monitor = monitor
         self._monitor_fd = monitor.getsockopt(zmq.FD) if monitor is not None else -1
         self.max_peers = max_peers
+        # Rule 5: under this many peers (and closing), the listener stays open.
+        self.open_below = max_peers // 2 if max_peers >= _OPEN_MIN_PEERS else 0
         self.ceiling = ceiling
         self.stall_seconds = stall_seconds
         self.over_unit = max(1, over_unit)
@@ -396,7 +411,8 @@ class PeerGate(threading.Thread):
             while not self._halt.is_set():
                 # Watch for waiting connections only while there is room for
                 # them (else a waiting connection would wake us in a loop).
-                want = self._real is not None and self.armed.is_set() and self._room() > 0
+                self._steer()
+                want = self._real is not None and self.armed.is_set() and self.paused and self._room() > 0
                 if want != watching:
                     if want:
                         poller.register(self._real, zmq.POLLIN)
@@ -428,6 +444,15 @@ class PeerGate(threading.Thread):
             if self._real is not None:
                 os.close(self._real)
                 self._real = None
+
+    def _open_ok(self) -> bool:
+        """May the listener stay open (rule 5)?"""
+        return len(self.peers) + len(self.closing) < self.open_below
+
+    def _steer(self) -> None:
+        """Outside `_admit`: the listener open under rule 5's mark, else paused."""
+        if self.armed.is_set():
+            self.resume() if self._open_ok() else self.pause()
 
     def _room(self) -> int:
         """Connections libzmq may still accept: the cap less the peers, and less
@@ -505,8 +530,8 @@ class PeerGate(threading.Thread):
             self.closing.pop(fd, None)  # the number was reused: the old one is closed
             self.counters["accepted"] += 1
             self.counters["high_water"] = max(self.counters["high_water"], len(self.peers) + len(self.closing))
-            if fd >= self.fd_alarm:
-                self.pause()  # the table is nearly full whatever our count says
+            if fd >= self.fd_alarm or not self._open_ok():
+                self.pause()  # past rule 5's mark, or the table is nearly full whatever our count says
         elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
             if self.peers.pop(fd, None) is not None or self.closing.pop(fd, None) is not None:
                 self.counters["disconnected"] += 1
