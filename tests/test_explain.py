@@ -146,6 +146,31 @@ def test_sequence_record_is_bounded_and_keeps_one_record_per_growing_conversatio
     assert diff_fields({"a": 1, "kv": {"bits": 8, "gs": 64}}, {"a": 1, "kv": {"bits": None, "gs": 64}}) == {"kv.bits": [8, None]}
 
 
+def test_metadata_json_cannot_spell_is_shown_not_an_internal_error(kvd_daemon):
+    """A namespace's metadata is any small map a peer sends, bytes keys too: an
+    EXPLAIN comparing it used to answer INTERNAL to every other namespace."""
+    from kvd.protocol import codec
+
+    from support import ask_raw
+
+    toks = keys.token_bytes(range(8))
+    put = codec.encode("PUT", {"ns": "A", "tokens": toks, "chunk_tokens": 4, "ns_meta": {"x": {b"k": 1}},
+                               "chunks": [{"index": 0, "tensors": [codec.Tensor("k", "float32", (4,), bytes(16))]}]}, id=1)
+    assert ask_raw(kvd_daemon.endpoint, put)["stored"] == 1
+    ask = codec.encode("EXPLAIN", {"ns": "B", "tokens": toks, "chunk_tokens": 4, "ns_meta": {"x": 1}}, id=2)
+    reply = ask_raw(kvd_daemon.endpoint, ask)  # an ERROR reply raises here
+    assert reply["reason"] == "other_namespace" and reply["detail"]["fields"]["x"] == [1, "{b'k': 1}"]
+
+
+def test_namespace_metadata_is_kept_packed_and_bounded_in_bytes():
+    rec = SequenceRecord(max_namespaces=10_000)
+    big = {"x": "y" * 60_000}
+    for i in range(200):  # 12 MB of metadata offered, at most 8 MiB kept
+        assert rec.note_meta(f"ns{i}", big)
+    assert rec.meta("ns199") == big and rec.meta("ns0") is None
+    assert rec._meta_bytes <= 8 << 20 and rec.stats()["namespaces_with_metadata"] == rec._meta_bytes // 60_000
+
+
 def test_explain_is_sans_io_over_any_store():
     ram = RamStore(1 << 20)
     fields = {"ns": "x", "chunk_tokens": 4, "tokens": keys.token_bytes(range(10)), "need_boundary": False}

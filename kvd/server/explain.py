@@ -59,6 +59,9 @@ from kvd.server.prefix import match
 from kvd.store.base import CHUNK, Store, entry_id
 
 MAX_NS_META_BYTES = 64 * 1024
+# All namespaces' metadata together, packed: it is kept packed (a 64 KiB map of
+# empty maps is ~4.5 MiB of Python objects) and unpacked when an EXPLAIN reads it.
+MAX_ALL_META_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -76,7 +79,10 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _short(v: Any) -> Any:
-    text = json.dumps(v, sort_keys=True, default=repr)
+    try:
+        text = json.dumps(v, sort_keys=True, default=repr)
+    except (TypeError, ValueError):  # keys JSON has no words for (bytes, ...): their repr
+        text = v = repr(v)
     return v if len(text) <= 120 else text[:117] + "..."
 
 
@@ -106,7 +112,8 @@ class SequenceRecord:
         self._clock = clock
         self._seqs: OrderedDict[bytes, _Seq] = OrderedDict()  # last chain key -> sequence
         self.tokens = 0
-        self.ns_meta: OrderedDict[str, dict] = OrderedDict()
+        self._ns_meta: OrderedDict[str, bytes] = OrderedDict()  # packed, oldest first
+        self._meta_bytes = 0
 
     def saw_put(self, ns: str, chunk_tokens: int, tokens_le: bytes, chain: list[bytes], ns_meta: Any = None) -> None:
         if ns_meta is not None:
@@ -128,19 +135,27 @@ class SequenceRecord:
             self.tokens -= len(old.tokens)
 
     def note_meta(self, ns: str, meta: Any) -> bool:
-        """Keep `meta` as `ns`'s metadata if it is a small map. True if kept."""
+        """Keep `meta` as `ns`'s metadata if it is a small map. True if kept.
+        The oldest go past `max_namespaces` or MAX_ALL_META_BYTES in all."""
         if not isinstance(meta, dict):
             return False
         try:
-            if len(msgpack.packb(meta, use_bin_type=True)) > MAX_NS_META_BYTES:
-                return False
+            packed = msgpack.packb(meta, use_bin_type=True)
         except (TypeError, ValueError):
             return False
-        self.ns_meta.pop(ns, None)
-        self.ns_meta[ns] = meta
-        if len(self.ns_meta) > self.max_namespaces:
-            self.ns_meta.popitem(last=False)
+        if len(packed) > MAX_NS_META_BYTES:
+            return False
+        self._meta_bytes -= len(self._ns_meta.pop(ns, b""))
+        self._ns_meta[ns] = packed
+        self._meta_bytes += len(packed)
+        while len(self._ns_meta) > self.max_namespaces or self._meta_bytes > MAX_ALL_META_BYTES:
+            self._meta_bytes -= len(self._ns_meta.popitem(last=False)[1])
         return True
+
+    def meta(self, ns: str) -> dict | None:
+        """`ns`'s metadata, or None."""
+        packed = self._ns_meta.get(ns)
+        return None if packed is None else msgpack.unpackb(packed, raw=False, strict_map_key=False)
 
     def longest(self, query: np.ndarray, want: Callable[[_Seq], bool]) -> tuple[int, _Seq | None]:
         """The recorded sequence (of those `want` accepts) sharing the most
@@ -155,7 +170,7 @@ class SequenceRecord:
 
     def stats(self) -> dict[str, Any]:
         return {"sequences": len(self._seqs), "tokens": self.tokens, "max_tokens": self.max_tokens,
-                "namespaces_with_metadata": len(self.ns_meta)}
+                "namespaces_with_metadata": len(self._ns_meta)}
 
 
 def _ago(t: float, now: float) -> str:
@@ -216,7 +231,7 @@ def explain(store: Store, evictions: EvictionRecord, record: SequenceRecord, fie
         if other.ns == ns:
             why = f"with chunk_tokens={other.chunk_tokens}, not {ct}"
         else:
-            mine, theirs = record.ns_meta.get(ns), record.ns_meta.get(other.ns)
+            mine, theirs = record.meta(ns), record.meta(other.ns)
             if mine is not None and theirs is not None:
                 detail["fields"] = diff_fields(mine, theirs)
                 names = ", ".join(detail["fields"]) or "none (same components)"
