@@ -95,6 +95,22 @@ def test_same_frame_twice_rejected():
         codec.decode_request([msgpack.packb(header, use_bin_type=True), b"\x00"])
 
 
+@pytest.mark.parametrize("names", [("k", "k"), ("__metadata__",), ("k", "v", "k")])
+def test_a_chunk_s_tensor_names_are_distinct_and_not_the_blob_header_s(names):
+    """A chunk is one safetensors file: a PUT that cannot become one used to be
+    acknowledged, then dropped by the SSD writer (lost at the next spill)."""
+    tensors = [Tensor(n, "uint8", (1,), b"\x00") for n in names]
+    with pytest.raises(errors.BadField, match="tensor names"):
+        codec.decode_request(put_frames(tensors))
+    with pytest.raises(errors.BadField, match="tensor names"):
+        codec.decode_request(put_frames([Tensor("ok", "uint8", (1,), b"\x00")], boundary={"tensors": tensors}))
+    slots = {"ns": "m", "tokens": b"\x00" * 4, "shm": {}, "chunks": [{"index": 0, "tensors": [
+        {"name": n, "dtype": "uint8", "shape": [1]} for n in names]}]}
+    with pytest.raises(errors.BadField, match="tensor names"):
+        codec.decode_request([msgpack.packb({"v": 1, "type": "SLOTS", "id": 1, **slots}, use_bin_type=True)])
+    assert len(codec.decode_request(put_frames([Tensor(n + "x", "uint8", (1,), b"\x00") for n in set(names)])).fields["chunks"][0]["tensors"]) == len(set(names))
+
+
 def test_error_reply_round_trip_maps_to_the_same_class():
     for code, cls in errors.ERRORS.items():
         reply = codec.decode_reply(codec.encode_error(cls("why"), id=5))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from kvd.protocol import keys
 from kvd.protocol.codec import Message, Tensor
+from kvd.protocol.errors import BadField
 from kvd.protocol.limits import Limits
 from kvd.server.handler import Handler
 from kvd.store import RamStore
@@ -61,3 +63,96 @@ def test_fast_tier_serves_one_page():
     h.handle(put_msg(toks, 16))
     _, reply = h.handle(get_msg(toks, 16))
     assert reply["end"] == reply["n"] == len(toks) and len(reply["chunks"]) == 50
+
+
+# -- what the red-team pass of session 13 found (each failed before its fix) --------
+def wide_put(tokens: np.ndarray, ct: int, floats: int, indexes=None, boundary_floats: int = 0) -> Message:
+    """A PUT whose chunks hold `floats` float32 each (and a boundary of `boundary_floats`)."""
+    spans = keys.chunk_spans(len(tokens), ct)
+    chunks = [{"index": i, "tensors": [Tensor("x", "float32", (floats,), np.full(floats, i, np.float32))], "meta": b""}
+              for i in (range(len(spans)) if indexes is None else indexes)]
+    fields = {"ns": "n", "tokens": keys.token_bytes(tokens), "chunk_tokens": ct, "chunks": chunks}
+    if boundary_floats:
+        fields["boundary"] = {"tensors": [Tensor("b", "float32", (boundary_floats,), np.zeros(boundary_floats, np.float32))],
+                              "meta": b""}
+    return Message("PUT", fields)
+
+
+def page_bytes(reply: dict) -> int:
+    """A GET reply's size on the wire, as the client's decoder counts it."""
+    from kvd.protocol import codec
+
+    return sum(memoryview(f).nbytes for f in codec.encode("GET", reply, id=1))
+
+
+def test_a_put_refused_for_a_bad_index_stores_nothing():
+    h = Handler(RamStore(1 << 30), Limits())
+    toks = np.arange(12)
+    with pytest.raises(BadField, match="past the last chunk"):
+        h.handle(wide_put(toks, 4, 4, indexes=[0, 7]))
+    assert h.handle(Message("LOOKUP", {"ns": "n", "tokens": keys.token_bytes(toks), "chunk_tokens": 4}))[1]["n"] == 0
+    assert h.store.stats()["tiers"]["ram"]["entries"] == 0
+
+
+def test_a_get_page_never_exceeds_max_message_bytes():
+    limits = Limits(max_message_bytes=1 << 20)
+    h = Handler(RamStore(1 << 30), limits)
+    toks = np.arange(64)
+    # 16 chunks of 192 KiB: five to a page at most, each page under the limit.
+    h.handle(wide_put(toks, 4, 48 * 1024))
+    start, pages = 0, 0
+    while True:
+        reply = h.handle(get_msg(toks, 4, start, max_tokens=64))[1]
+        assert reply["n"] == 64 and reply["chunks"] and page_bytes(reply) <= limits.max_message_bytes
+        pages += 1
+        if reply["end"] >= 64:
+            break
+        start = reply["end"]
+    assert pages == 4
+    # A boundary that does not fit beside the last page's five chunks comes with a later page.
+    toks = np.arange(60)
+    h.handle(wide_put(toks, 4, 48 * 1024, boundary_floats=200 * 1024))
+    start, boundary, got = 0, None, []
+    while True:
+        reply = h.handle(get_msg(toks, 4, start, max_tokens=60))[1]
+        assert reply["n"] == 60 and reply["chunks"] and page_bytes(reply) <= limits.max_message_bytes
+        got += [c["start"] for c in reply["chunks"]]
+        boundary = reply.get("boundary")
+        if reply["end"] >= 60:
+            break
+        start = reply["end"]
+    assert got == list(range(0, 60, 4)) and boundary is not None and boundary["at"] == 60
+
+
+def test_a_chunk_too_big_for_any_message_ends_the_prefix_before_it():
+    """Stored under a larger max_message_bytes, then the daemon restarted with a
+    smaller one: GET served a page the client refused (or BUSY) for ever."""
+    h = Handler(RamStore(1 << 30), Limits())
+    toks = np.arange(12)
+    h.handle(wide_put(toks[:8], 4, 1024))  # two small chunks, then a big one
+    h.handle(wide_put(toks, 4, 512 * 1024, indexes=[2]))
+    h.limits = Limits(max_message_bytes=1 << 20)
+    reply = h.handle(get_msg(toks, 4, max_tokens=12))[1]
+    assert reply["n"] == reply["end"] == 8 and len(reply["chunks"]) == 2
+
+
+def test_a_get_page_starts_at_a_chunk_start():
+    h = Handler(RamStore(1 << 30), Limits())
+    toks = np.arange(12)
+    h.handle(wide_put(toks, 4, 4))
+    with pytest.raises(BadField, match="chunk's start"):
+        h.handle(get_msg(toks, 4, start=5))
+
+
+def test_counters_are_kept_for_the_most_recently_used_namespaces_only():
+    from kvd.server.handler import _MAX_NS_COUNTERS
+
+    h = Handler(RamStore(1 << 30), Limits())
+    ask = lambda ns: h.handle(Message("LOOKUP", {"ns": ns, "tokens": b"", "chunk_tokens": 4}))  # noqa: E731
+    ask("kept")
+    for i in range(_MAX_NS_COUNTERS + 100):
+        ask(f"ns{i}")
+        if i % 1000 == 0:
+            ask("kept")  # used now and then: never the oldest
+    assert len(h.ns_counters) == _MAX_NS_COUNTERS
+    assert "ns0" not in h.ns_counters and h.ns_counters["kept"]["lookups"] == 6

@@ -243,16 +243,24 @@ def _tensor(v, ctx) -> Tensor:
     return Tensor(name, dtype, tuple(shape), data)
 
 
+def _named(tensors: list[Tensor], ctx) -> list[Tensor]:
+    """One chunk's tensors become one safetensors blob: names unique, none its header's."""
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        raise _bad(ctx, "tensor names must be unique within a chunk and not '__metadata__'")
+    return tensors
+
+
 def _tensors(v, ctx):
     if not isinstance(v, list):
         raise _bad(ctx, "expected an array of tensors")
-    return [_tensor(t, ctx) for t in v]
+    return _named([_tensor(t, ctx) for t in v], ctx)
 
 
 def _tensor_specs(v, ctx):
     if not isinstance(v, list):
         raise _bad(ctx, "expected an array of tensors")
-    return [_tensor_spec(t, ctx) for t in v]
+    return _named([_tensor_spec(t, ctx) for t in v], ctx)
 
 
 def _descriptor(v, ctx) -> Descriptor:

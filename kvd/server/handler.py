@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any
 
 from kvd import __version__
@@ -56,8 +56,20 @@ def _media(msg: Message) -> tuple[keys.MediaSpan, ...]:
 
 log = logging.getLogger("kvd.server")
 
-# Room left in a GET page for the header and framing overhead.
-_PAGE_SLACK = 1 << 20
+# A GET page's header besides its chunks (n, end, a boundary's keys, ...), and
+# what each chunk and tensor adds to it (msgpack keys and small ints; names and
+# metas are counted by their length).
+_PAGE_HEADER = 4096
+_CHUNK_HEADER = 64
+_TENSOR_HEADER = 64
+# Namespaces whose counters STATS reports: the most recently used. (A peer can
+# name a new namespace in every request; each costs ~500 bytes here.)
+_MAX_NS_COUNTERS = 4096
+
+
+def _reply_bytes(e: Entry) -> int:
+    """What an entry adds to a reply page: its bytes and its part of the header."""
+    return e.nbytes + len(e.meta) + _CHUNK_HEADER + sum(_TENSOR_HEADER + len(t.name) + 9 * len(t.shape) for t in e.tensors)
 
 
 class ShutdownRequested(Exception):
@@ -86,7 +98,7 @@ class Handler:
         self.page_seconds = 0.02  # reading time after which a GET page is cut (>= 1 chunk)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
-        self.ns_counters: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.ns_counters: dict[str, Counter[str]] = {}  # the _MAX_NS_COUNTERS most recently used, oldest first
         self.evictions = EvictionRecord()
         self.evictions.attach(store)
         self.sequences = SequenceRecord()  # for EXPLAIN: recent token ids and namespace metadata
@@ -98,6 +110,16 @@ class Handler:
         # on an ipc endpoint; None: GET serves frames, SLOTS/COMMIT are refused.
         self.shm: Any = None
         self.shm_proven = False  # the request being served proved same host, same user
+
+    def counters(self, ns: str) -> Counter[str]:
+        """`ns`'s counters, now the most recently used."""
+        c = self.ns_counters.pop(ns, None)
+        if c is None:
+            c = Counter()
+            if len(self.ns_counters) >= _MAX_NS_COUNTERS:
+                del self.ns_counters[next(iter(self.ns_counters))]
+        self.ns_counters[ns] = c
+        return c
 
     def handle(self, msg: Message) -> tuple[str, dict[str, Any]]:
         self.requests[msg.type] += 1
@@ -141,17 +163,19 @@ class Handler:
         ns = msg["ns"]
         links = match(self.store, ns, msg["chunk_tokens"], self._walked(msg), _media(msg), self.chains)
         n = links[-1].end if links else 0
-        c = self.ns_counters[ns]
+        c = self.counters(ns)
         c["lookups"] += 1
         c["lookup_hits" if n else "lookup_misses"] += 1
         return "LOOKUP", {"n": n, "boundaries": [link.end for link in links if link.boundary]}
 
     def on_get(self, msg: Message):
         ns, tokens_le = msg["ns"], self._walked(msg)
+        if msg["start"] % msg["chunk_tokens"]:
+            raise BadField(f"start {msg['start']} is not a chunk's start (chunk_tokens {msg['chunk_tokens']})")
         links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg), self.chains)
         cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
         need_boundary, start = msg["need_boundary"], msg["start"]
-        c = self.ns_counters[ns]
+        c = self.counters(ns)
         if start == 0:
             c["gets"] += 1
 
@@ -189,7 +213,9 @@ class Handler:
             if not ends:
                 return [], 0, None
             n = ends[-1]
-        budget = self.limits.max_message_bytes - _PAGE_SLACK
+        # A page holds at most max_message_bytes (the client refuses more): a
+        # chunk that cannot fit in one ends the prefix served before it.
+        budget = self.limits.max_message_bytes - _PAGE_HEADER
         deadline = time.perf_counter() + self.page_seconds
         chunks: list[Entry] = []
         size = 0
@@ -201,13 +227,14 @@ class Handler:
             if chunks and time.perf_counter() > deadline:
                 break  # slow reads (disk): let other requests in; the client continues
             entry = self.store.get(entry_id(link.key, CHUNK))
-            if entry is None:  # lost since matching (e.g. a failed checksum): serve less
+            cost = 0 if entry is None else _reply_bytes(entry)
+            if entry is None or cost > budget:  # lost since matching (e.g. a failed checksum), or too big to send: serve less
                 n = link.start
                 break
-            if chunks and size + entry.nbytes > budget:
+            if chunks and size + cost > budget:
                 break  # page full: the client continues from chunks[-1].end
             chunks.append(entry)
-            size += entry.nbytes
+            size += cost
 
         def reaches(pos: int) -> bool:
             return bool(chunks) and chunks[-1].end >= pos
@@ -218,7 +245,10 @@ class Handler:
                 at_n = next((link for link in usable if link.end == n and link.boundary), None)
                 if at_n is not None:
                     boundary = self.store.get(entry_id(at_n.key, BOUNDARY))
-            return [e for e in chunks if e.start < n], n, boundary
+            page = [e for e in chunks if e.start < n]
+            if boundary is not None:
+                page, boundary = self._fit(page, boundary, budget)
+            return page, n, boundary
         for link in reversed(usable):
             if not (link.boundary and link.end <= n):
                 continue
@@ -228,8 +258,24 @@ class Handler:
                 return chunks, link.end, None  # boundary comes with a later page
             boundary = self.store.get(entry_id(link.key, BOUNDARY))
             if boundary is not None:
-                return [e for e in chunks if e.start < link.end], link.end, boundary
+                page, fits = self._fit([e for e in chunks if e.start < link.end], boundary, budget)
+                if fits is not None or len(page) < len([e for e in chunks if e.start < link.end]):
+                    return page, link.end, fits  # the boundary with this page, or with a later one
+            # No boundary here (or too big for a message beside one chunk): an earlier one.
         return [], 0, None
+
+    @staticmethod
+    def _fit(page: list[Entry], boundary: Entry, budget: int) -> tuple[list[Entry], Entry | None]:
+        """(page, boundary) within `budget`: the page's last chunks leave for a
+        later page (which then carries the boundary) until both fit; the boundary
+        is left out if even one chunk and it do not fit."""
+        size, need = sum(map(_reply_bytes, page)), _reply_bytes(boundary)
+        if size + need <= budget:
+            return page, boundary
+        page = list(page)
+        while len(page) > 1 and size + need > budget:
+            size -= _reply_bytes(page.pop())
+        return page, None
 
     def on_put(self, msg: Message):
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
@@ -240,13 +286,18 @@ class Handler:
                 f"{self.limits.max_chunks} (use a larger chunk_tokens or a shorter sequence)"
             )
         chain = self.chains.chain(ns, ct, tokens_le, _media(msg))
+        # Everything checked before anything is stored: a PUT refused leaves the store as it was.
+        for chunk in msg["chunks"]:
+            if chunk["index"] >= len(chain):
+                raise BadField(f"chunk index {chunk['index']} is past the last chunk ({len(chain) - 1}) of {n_tokens} tokens")
+        boundary = msg.get("boundary")
+        if boundary is not None and not chain:
+            raise BadField("boundary state needs at least one token")
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
         held: list[Entry] = []  # stored or already there: write-through waits for them
         for chunk in msg["chunks"]:
             i = chunk["index"]
-            if i >= len(chain):
-                raise BadField(f"chunk index {i} is past the last chunk ({len(chain) - 1}) of {n_tokens} tokens")
             start = i * ct
             length = min(ct, n_tokens - start)
             entry = Entry(
@@ -258,10 +309,7 @@ class Handler:
             counts[outcome] += 1
             if outcome in ("stored", "duplicate"):
                 held.append(entry)
-        boundary = msg.get("boundary")
         if boundary is not None:
-            if not chain:
-                raise BadField("boundary state needs at least one token")
             i = len(chain) - 1
             entry = Entry(
                 namespace=ns, key=chain[i], kind=BOUNDARY, parent=chain[i - 1] if i else root,
@@ -272,7 +320,7 @@ class Handler:
             if outcome in ("stored", "duplicate"):
                 held.append(entry)
         self.sequences.saw_put(ns, ct, tokens_le, chain, msg.get("ns_meta"))
-        c = self.ns_counters[ns]
+        c = self.counters(ns)
         c["puts"] += 1
         c["chunks_stored"] += counts["stored"]
         c["chunks_duplicate"] += counts["duplicate"]
@@ -301,7 +349,7 @@ class Handler:
         return "COMMIT", self.on_put(put)[1]
 
     def on_explain(self, msg: Message):
-        self.ns_counters[msg["ns"]]["explains"] += 1
+        self.counters(msg["ns"])["explains"] += 1
         fields = {**msg.fields, "tokens": self._walked(msg)}
         return "EXPLAIN", explain(self.store, self.evictions, self.sequences, fields, media=_media(msg))
 
