@@ -8,7 +8,7 @@ the middle of 150 MiB messages. Another daemon, with an SSD tier, takes a
 peer that GETs big SSD entries and never reads. Throughout, a well-behaved
 client's round trips must be bit-exact; at the end the daemon is alive, its
 anonymous RSS within the documented ceiling (README "Memory":
-RAM tier bytes + 160 MiB + 3 x max_message_bytes) and its counters say each
+RAM tier bytes + 160 MiB + 4 x max_message_bytes at 16 MiB messages) and its counters say each
 defence fired. KVD_STRESS_LONG=1 repeats the rounds with larger attacks.
 
 Latency under each attack is measured by bench/bench_stress.py, not here.
@@ -123,7 +123,7 @@ def test_one_daemon_survives_every_hostile_pattern(daemon_factory):
     good.round_trip()
     stats = good.c.stats()
     peers = stats["peers"]
-    ceiling = stats["tiers"]["ram"]["bytes"] + BASE_ALLOWANCE + 3 * MSG_MB * MiB
+    ceiling = stats["tiers"]["ram"]["bytes"] + BASE_ALLOWANCE + 4 * MSG_MB * MiB  # 16 MiB messages: min(1x, 64 MiB) for shm PUTs
     assert peers["rss_ceiling_bytes"] <= ceiling + 16 * MiB  # the documented formula (the RAM tier moves a little)
     assert status(pid, "RssAnon") <= peers["rss_ceiling_bytes"]
     assert peers["shed_over_cap"] > 0 and peers["high_water"] < 512 - 16  # fds: shed, never near EMFILE

@@ -23,10 +23,13 @@ I/O, so the daemon, the client and the vectors share one definition:
   with a deadline (injected clock). A slot being written is never served; a
   commit turns it readable only while its lease is live; an expired lease frees
   its unwritten slots and unpins its readable ones. Eviction must ask `pinned`.
+  Ending the expired leases costs only what expired, however many are live
+  (a heap of deadlines: every request runs it).
 """
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import re
 from dataclasses import dataclass, field
@@ -98,11 +101,19 @@ class Lease:
 
 
 class LeaseTable:
-    """Which slots are pinned by whom, until when. Pure state; the caller owns the clock."""
+    """Which slots are pinned by whom, until when. Pure state; the caller owns the clock.
+
+    Deadlines sit in a min-heap beside the table, so `expire` pops only the
+    leases past theirs: O(expired * log n), not a scan of every live lease
+    (it runs before every request). A released lease leaves its heap entry
+    behind (skipped when popped); once those outnumber the live leases the
+    heap is rebuilt from the table, so it never holds more than about twice
+    the live leases (amortized O(1) per release). Nothing moves a deadline."""
 
     def __init__(self, lease_seconds: float):
         self.lease_seconds = lease_seconds
         self._leases: dict[int, Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease id); may hold ended ones
         self._next = 1
 
     def grant(self, now: float, *, write: list[int] = (), read: list[int] = ()) -> Lease:
@@ -110,6 +121,7 @@ class LeaseTable:
                       {**{s: WRITING for s in write}, **{s: READABLE for s in read}})
         self._next += 1
         self._leases[lease.lease_id] = lease
+        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
         return lease
 
     def __contains__(self, lease_id: int) -> bool:
@@ -128,17 +140,35 @@ class LeaseTable:
             raise BadField(f"slot {slot} is not being written under lease {lease_id}")
         lease.slots[slot] = READABLE
 
+    @staticmethod
+    def _unwritten(lease: Lease) -> list[int]:
+        return sorted(s for s, st in lease.slots.items() if st == WRITING)
+
     def release(self, lease_id: int) -> list[int]:
         """End a lease now; returns its slots never committed (the caller frees them)."""
         lease = self._leases.pop(lease_id, None)
-        return [] if lease is None else sorted(s for s, st in lease.slots.items() if st == WRITING)
+        if lease is None:
+            return []
+        if len(self._deadlines) > 2 * len(self._leases) + 64:  # mostly ended leases: rebuild
+            self._deadlines = [(l.deadline, i) for i, l in self._leases.items()]
+            heapq.heapify(self._deadlines)
+        return self._unwritten(lease)
+
+    def expire_leases(self, now: float) -> list[Lease]:
+        """End every lease past its deadline and return them (oldest deadline
+        first). Touches only those, and heap entries of leases already released."""
+        ended: list[Lease] = []
+        heap = self._deadlines
+        while heap and now >= heap[0][0]:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                ended.append(lease)
+        return ended
 
     def expire(self, now: float) -> list[int]:
         """End every lease past its deadline; returns the uncommitted slots to free."""
-        freed: list[int] = []
-        for lease_id in [i for i, l in self._leases.items() if now >= l.deadline]:
-            freed += self.release(lease_id)
-        return sorted(freed)
+        return sorted(s for lease in self.expire_leases(now) for s in self._unwritten(lease))
 
     def pinned(self, slot: int) -> bool:
         """Eviction asks this first: a slot under any lease (live or not yet expired) stays."""

@@ -269,15 +269,19 @@ def listen_backlog(max_peers: int) -> int:
 # the interpreter, libzmq, the index's bookkeeping, the EXPLAIN records, the
 # requests of heavy peers waiting their turn (at most 32 MiB, kvd.server.turns).
 BASE_ALLOWANCE = 160 << 20
+# Shared-memory PUTs awaiting their COMMIT keep their requests (tokens, metas):
+# at most this or max_message_bytes, whichever is less (kvd.server.shm rule 3).
+PENDING_ALLOWANCE = 64 << 20
 
 
 def memory_ceiling(ram_bytes: int, limits) -> int:
     """Anonymous RSS the daemon allows itself: the RAM tier's bytes (entries'
     overhead included; the caller adds the spill queue's entries RAM no longer
     holds) + BASE_ALLOWANCE + 3 x max_message_bytes: queued replies
-    are held to 2x in total (kvd.server.outbox), 1x is for messages arriving.
-    Over it, the gate sheds stalled peers (rule 3)."""
-    return ram_bytes + BASE_ALLOWANCE + 3 * limits.max_message_bytes
+    are held to 2x in total (kvd.server.outbox), 1x is for messages arriving
+    -- + what shared-memory PUTs awaiting COMMIT hold (PENDING_ALLOWANCE or
+    1x, whichever is less). Over it, the gate sheds stalled peers (rule 3)."""
+    return ram_bytes + BASE_ALLOWANCE + 3 * limits.max_message_bytes + min(limits.max_message_bytes, PENDING_ALLOWANCE)
 
 
 def _sockname(fd: int):

@@ -40,6 +40,14 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
 3. SLOTS grants write slots under a write lease; nothing of them is in the
    store until COMMIT, so a half-written slot is never served. An expired
    or released lease drops its references: an uncommitted grant is freed.
+   A grant keeps its request (tokens, metas, ns_meta) until then, so grants
+   awaiting COMMIT are bounded, all peers together: at most
+   `PENDING_LEASES`, holding at most min(max_message_bytes, PENDING_BYTES)
+   (`_held_bytes`). Past either, SLOTS is BUSY (the client sends frames);
+   a grant already made is never taken back for a newer one. A SLOTS that
+   places nothing (no chunks, no boundary) is BAD_FIELD: that is a PUT.
+   Read leases are bounded too (`READ_LEASES` live at once): past that a
+   GET is served as frames, as when the arena has no room.
 4. At start the folder is swept of every other run's segments (a killed
    predecessor's); at a clean stop this run's own are removed.
 """
@@ -60,6 +68,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import msgpack
 import numpy as np
 
 from kvd.endpoint import check_run_dir
@@ -68,6 +77,7 @@ from kvd.protocol.codec import Message, Tensor
 from kvd.protocol.errors import BadField, Busy
 from kvd.protocol.shm import ALIGN, Descriptor, LeaseTable, align_up, check_proof, segment_name, stale_segments
 from kvd.server.freespace import FreeSpace
+from kvd.server.peers import PENDING_ALLOWANCE
 from kvd.store.base import Entry
 
 log = logging.getLogger("kvd.server")
@@ -75,6 +85,34 @@ log = logging.getLogger("kvd.server")
 _PAGE = mmap.PAGESIZE
 SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
 NONCE_FILE = "nonce"
+
+# Grants awaiting COMMIT, all peers together (module docstring, rule 3). A
+# model server has one or two in flight, each holding its tokens (4 MiB for
+# the most a request may carry, 1 M) and ~1 KiB per chunk and tensor.
+PENDING_LEASES = 1024
+PENDING_BYTES = PENDING_ALLOWANCE  # and never more than max_message_bytes (the memory ceiling counts it)
+# Read leases live at once, all peers together: a client releases its GET's
+# lease with its next request; one that never does gets frames past this
+# (each lease costs ~0.5 KiB here, and pins its slots in the arena).
+READ_LEASES = 4096
+# What a pending grant holds besides its tokens, metas and ns_meta (CPython
+# 3.11, x86-64, measured with tracemalloc, rounded up): the lease and the PUT
+# message with its maps; per chunk its map, its slot and slot array; per
+# tensor its Tensor, shape and view of the slot (plus the name's bytes).
+_PER_GRANT = 2048
+_PER_CHUNK = 1536
+_PER_TENSOR = 640
+_PER_SPAN = 512  # a media span: its map, two ints and a 32-byte hash
+
+
+def _held_bytes(msg: Message, meta_bytes: int) -> int:
+    """What a grant's pending PUT keeps in memory until COMMIT or expiry (an estimate
+    that errs high): tokens, media, ns_meta (`meta_bytes`: it is kept packed), and
+    every chunk's meta and tensors. O(chunks + tensors), whatever the maps hold."""
+    parts = list(msg["chunks"]) + ([msg["boundary"]] if msg.get("boundary") is not None else [])
+    return (_PER_GRANT + len(msg["tokens"]) + _PER_SPAN * len(msg.get("media") or ()) + meta_bytes
+            + sum(_PER_CHUNK + len(p.get("meta") or b"")
+                  + sum(_PER_TENSOR + len(t.name) for t in p["tensors"]) for p in parts))
 
 
 class Slot:
@@ -342,7 +380,9 @@ class ShmPlane:
     """Proof, leases and the GET/SLOTS/COMMIT halves of the plane (module docstring)."""
 
     def __init__(self, folder: Path, *, capacity: int, lease_seconds: float,
-                 clock: Callable[[], float] = time.monotonic, segment_bytes: int = SEGMENT_BYTES):
+                 clock: Callable[[], float] = time.monotonic, segment_bytes: int = SEGMENT_BYTES,
+                 max_pending: int = PENDING_LEASES, max_pending_bytes: int = PENDING_BYTES,
+                 max_read_leases: int = READ_LEASES):
         self.folder = folder
         self.run_id = secrets.token_hex(4)
         folder.mkdir(mode=0o700, exist_ok=True)
@@ -360,8 +400,12 @@ class ShmPlane:
         self._clock = clock
         self._held: dict[int, list[Slot]] = {}  # lease id -> the slots it keeps alive
         self._pending: dict[int, Message] = {}  # write lease -> the PUT it will commit
+        self._pending_cost: dict[int, int] = {}  # write lease -> what its PUT holds (_held_bytes)
+        self.pending_bytes = 0
+        self.max_pending, self.max_pending_bytes = max_pending, max_pending_bytes
+        self.max_read_leases = max_read_leases
         self.counters = {"gets": 0, "refused": 0, "grants": 0, "commits": 0, "expired": 0, "released": 0,
-                         "adopted_bytes": 0}
+                         "adopted_bytes": 0, "busy_pending": 0, "frames_over_leases": 0}
 
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
@@ -369,16 +413,21 @@ class ShmPlane:
 
     # -- leases ----------------------------------------------------------------
     def expire(self) -> None:
-        """End leases past their deadline (run before every request)."""
-        self.leases.expire(self._clock())
-        for lid in [lid for lid in self._held if lid not in self.leases]:
-            self._drop(lid)
+        """End leases past their deadline (run before every request): costs
+        what expired, not what is live (LeaseTable.expire_leases)."""
+        for lease in self.leases.expire_leases(self._clock()):
+            self._forget(lease.lease_id)
             self.counters["expired"] += 1
 
     def _drop(self, lid: int) -> None:
         self.leases.release(lid)
+        self._forget(lid)
+
+    def _forget(self, lid: int) -> None:
+        """Let go of what a lease the table no longer has kept alive."""
         self._held.pop(lid, None)
-        self._pending.pop(lid, None)
+        if self._pending.pop(lid, None) is not None:
+            self.pending_bytes -= self._pending_cost.pop(lid)
 
     def _lease(self, slots: list[Slot], *, write: bool) -> int:
         sids = [s.sid for s in slots]
@@ -407,7 +456,12 @@ class ShmPlane:
     def describe_get(self, reply: dict[str, Any], entries: list[Entry]) -> dict[str, Any]:
         """Turn a GET reply's tensors into descriptors under one read lease.
         Entries not yet in the arena are copied in (and keep living there);
-        a tensor the arena has no room for stays a frame."""
+        a tensor the arena has no room for stays a frame, and so does the
+        whole reply while READ_LEASES read leases are live."""
+        if len(self._held) - len(self._pending) >= self.max_read_leases:
+            self.counters["frames_over_leases"] += 1
+            reply["shm"] = {"run": self.run_id, "lease_s": self.leases.lease_seconds, "segments": self.arena.live()}
+            return reply
         swap: dict[int, Tensor] = {}
         for entry in entries:
             swap.update(self._adopt(entry))
@@ -463,14 +517,26 @@ class ShmPlane:
 
     # -- PUT: SLOTS then COMMIT ----------------------------------------------------
     def grant(self, msg: Message, max_bytes: int) -> dict[str, Any]:
-        """Write slots for a PUT's tensors, under a write lease."""
+        """Write slots for a PUT's tensors, under a write lease. BUSY past the
+        bound on grants awaiting COMMIT (module docstring, rule 3)."""
         specs = [c["tensors"] for c in msg["chunks"]]
         if msg.get("boundary") is not None:
             specs.append(msg["boundary"]["tensors"])
+        if not specs:
+            raise BadField("SLOTS without chunks or boundary places nothing; send a PUT")
         sizes = [[math.prod(t.shape) * dtypes.itemsize(t.dtype) for t in ts] for ts in specs]
         total = sum(align_up(n) for ns in sizes for n in ns)
         if total > max_bytes:
             raise BadField(f"SLOTS asks for {total} bytes; one request may cover {max_bytes}")
+        # ns_meta waits packed: decoded, a 64 KiB map of maps is ~70x that.
+        meta = msg.get("ns_meta")
+        packed_meta = None if meta is None else msgpack.packb(meta, use_bin_type=True)
+        cost = _held_bytes(msg, len(packed_meta or b""))
+        if (len(self._pending) >= self.max_pending
+                or self.pending_bytes + cost > min(max_bytes, self.max_pending_bytes)):
+            self.counters["busy_pending"] += 1
+            raise Busy(f"{len(self._pending)} shared-memory PUTs ({self.pending_bytes} bytes) await their COMMIT; "
+                       "send this PUT over frames")
         # One slot per entry, so an entry's bytes are freed with it, not
         # with the last survivor of the batch it came in.
         slots: list[Slot] = []
@@ -494,7 +560,11 @@ class ShmPlane:
         if msg.get("boundary") is not None:
             fields["boundary"] = {**msg["boundary"], "tensors": filled[-1]}
         fields.pop("shm", None)
+        if packed_meta is not None:
+            fields["ns_meta"] = packed_meta
         self._pending[lid] = Message("PUT", fields, msg.id)
+        self._pending_cost[lid] = cost
+        self.pending_bytes += cost
         self.counters["grants"] += 1
         reply: dict[str, Any] = {"lease": lid, "run": self.run_id, "lease_s": self.leases.lease_seconds,
                                  "chunks": out[:len(msg["chunks"])], "segments": self.arena.live()}
@@ -513,16 +583,21 @@ class ShmPlane:
             self.leases.commit(lease_id, slot.sid, now)  # BadField past the deadline
         self._drop(lease_id)  # the store's entries now keep the slots alive
         self.counters["commits"] += 1
+        if msg.get("ns_meta") is not None:
+            msg.fields["ns_meta"] = msgpack.unpackb(msg["ns_meta"], raw=False, strict_map_key=False)
         return msg
 
     def stats(self) -> dict[str, Any]:
         return {"run": self.run_id, "dir": str(self.folder), "lease_s": self.leases.lease_seconds,
-                "leases": len(self._held), **self.arena.stats(), **self.counters}
+                "leases": len(self._held), "pending": len(self._pending), "pending_bytes": self.pending_bytes,
+                **self.arena.stats(), **self.counters}
 
     def close(self) -> None:
         """A clean stop leaves nothing: segments, nonce, folder."""
         self._held.clear()
         self._pending.clear()
+        self._pending_cost.clear()
+        self.pending_bytes = 0
         self.arena.unlink()
         try:
             os.unlink(self.folder / NONCE_FILE)
