@@ -252,3 +252,30 @@ def test_read_leases_are_bounded_then_gets_are_frames(plane):
     over = get()
     assert "lease" not in over["shm"] and over["chunks"][0]["tensors"][0] is entry  # a frame
     assert p.stats()["frames_over_leases"] == 1 and p.stats()["leases"] == 3
+
+
+def test_a_writer_late_past_its_lease_never_writes_over_another_entry(plane):
+    """A client stopped mid-copy (SIGSTOP, swapped out) writes on when it
+    resumes, whatever the deadline: its slot, freed when the lease ended, was
+    another client's entry by then (red-team: 70-95 % of a 192 MiB entry
+    overwritten). Now the segment is retired, never allocated from again."""
+    import mmap as _mmap
+
+    clock = FakeClock(0.0)
+    p = plane(clock=clock)
+    seg, off, length = p.grant(_slots(), 1 << 30)["chunks"][0][0]
+    with open(p.folder / shm.segment_name(p.run_id, seg), "r+b") as f:
+        late = _mmap.mmap(f.fileno(), 0)  # mapped as the client maps it, at its grant
+    clock.advance(101)  # past the lease: it ends uncommitted
+    p.expire()
+    assert seg not in p.arena.live() and p.stats()["segments_retired"] == 1
+    other = p.grant(_slots(), 1 << 30)
+    oseg, ooff, olen = other["chunks"][0][0]
+    with open(p.folder / shm.segment_name(p.run_id, oseg), "r+b") as f:
+        mine = _mmap.mmap(f.fileno(), 0)
+    mine[ooff:ooff + olen] = b"\x11" * olen
+    stored = p.commit(other["lease"])["chunks"][0]["tensors"][0]
+    late[off:off + length] = b"\xaa" * length  # the late writer resumes
+    assert bytes(stored.data) == b"\x11" * olen
+    late.close()
+    mine.close()

@@ -47,7 +47,11 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
    a grant already made is never taken back for a newer one. A SLOTS that
    places nothing (no chunks, no boundary) is BAD_FIELD: that is a PUT.
    Read leases are bounded too (`READ_LEASES` live at once): past that a
-   GET is served as frames, as when the arena has no room.
+   GET is served as frames, as when the arena has no room. A write lease
+   that ends uncommitted retires its slots' segments (`Arena.retire`):
+   nothing is allocated there again, since a writer stopped mid-copy
+   (SIGSTOP, swapped out) writes on when it resumes, past any deadline; the
+   segment goes when its last live slot does.
 4. At start the folder is swept of every other run's segments (a killed
    predecessor's); at a clean stop this run's own are removed.
 """
@@ -161,9 +165,15 @@ class Arena:
         self._fds: list[int] = []  # kept open: every slot reserves its range (_reserve)
         self._reserved: list[bytearray] = []  # per segment, per page: 1 once reserved (and not trimmed)
         self._space = FreeSpace()  # the free ranges of every segment
+        self._seg_used: list[int] = []  # bytes of live slots, per segment
+        # Segments nothing is allocated from again: a write lease on them ended
+        # uncommitted, and its writer may still be writing (ShmPlane.expire).
+        # Each is removed once its last live slot is freed.
+        self._retired: set[int] = set()
         self._sids = 0
         self.used = 0
         self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0}
+        self.segments_retired = 0
         self.lean = False  # keep no free memory warm (give_back), until the next alloc
 
     # -- allocation ----------------------------------------------------------
@@ -187,6 +197,7 @@ class Arena:
                 self.counters["alloc_failures"] += 1
                 return None
             self.used += size
+            self._seg_used[seg] += size
             self.counters["allocs"] += 1
             self._sids += 1
             slot = Slot(self, seg, off, size, self._sids)
@@ -236,6 +247,7 @@ class Arena:
         self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
         self._sizes.append(seg_size)
         self._reserved.append(bytearray(-(-seg_size // _PAGE)))  # pages reserved so far (_reserve)
+        self._seg_used.append(0)
         if seg_size > size:
             self._space.give(seg, size, seg_size - size)
         return seg, 0
@@ -299,12 +311,34 @@ class Arena:
     def _free_locked(self, seg: int, off: int, size: int, count: bool = True) -> None:
         if count:
             self.used -= size
+            self._seg_used[seg] -= size
+        if seg in self._retired:
+            if not self._seg_used[seg]:
+                self._remove(seg)  # its late writer, if any, writes to a file no one reads
+            return
         if self._space.give(seg, off, size) == (0, self._sizes[seg]) and sum(self._sizes) - self.used > self.keep_free():
             self._remove(seg)  # all free, and more than enough is kept warm elsewhere
+
+    def retire(self, segs) -> None:
+        """Allocate from these segments never again: a slot in each was granted
+        to a writer whose lease ended before it committed, and a writer that was
+        stopped mid-copy (SIGSTOP, swapped out) writes on when it resumes, into
+        whatever the range holds by then. Live slots there stay valid; each
+        segment goes once its last one is freed."""
+        with self._locked():
+            for seg in segs:
+                if seg in self._retired or self._maps[seg] is None:
+                    continue
+                self._retired.add(seg)
+                self._space.drop(seg)
+                self.segments_retired += 1
+                if not self._seg_used[seg]:
+                    self._remove(seg)
 
     def _remove(self, seg: int) -> None:
         """Give an all-free segment back (called under the lock)."""
         mm, self._maps[seg] = self._maps[seg], None
+        self._retired.discard(seg)
         self._sizes[seg], self._reserved[seg] = 0, bytearray()
         self._space.drop(seg)
         try:
@@ -348,7 +382,7 @@ class Arena:
 
     def stats(self) -> dict[str, Any]:
         return {"segments": len(self.live()), "mapped_bytes": sum(self._sizes), "used_bytes": self.used,
-                "capacity_bytes": self.capacity, **self.counters}
+                "capacity_bytes": self.capacity, "segments_retired": self.segments_retired, **self.counters}
 
     def unlink(self) -> None:
         """Remove this run's segment files (mappings stay valid until unmapped)."""
@@ -416,6 +450,8 @@ class ShmPlane:
         """End leases past their deadline (run before every request): costs
         what expired, not what is live (LeaseTable.expire_leases)."""
         for lease in self.leases.expire_leases(self._clock()):
+            if lease.lease_id in self._pending:  # granted, never committed: its writer may be late, not gone
+                self.arena.retire({slot.seg for slot in self._held.get(lease.lease_id, ())})
             self._forget(lease.lease_id)
             self.counters["expired"] += 1
 
