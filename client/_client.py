@@ -54,8 +54,10 @@ class Client(Core):
 
     def fetch(self, tokens: Sequence[int], *, media: Sequence[Any] = ()) -> tuple[list[Any] | None, int]:
         """(mlx-lm cache objects covering tokens[:n], n) with 1 <= n <= len(tokens) - 1,
-        built on this thread; (None, 0) on a miss. See MlxMethods.fetch."""
-        return self.mlx.fetch(tokens, media=media)
+        built on this thread; (None, 0) on a miss. See MlxMethods.fetch.
+        Within one `timeout` in all, whichever `get`s it makes."""
+        with self._budget():
+            return self.mlx.fetch(tokens, media=media)
 
     def explain(self, tokens: Sequence[int], *, need_boundary: bool | None = None, media: Sequence[Any] = ()):
         """Why the daemon holds only so much of `tokens` (an `Explanation`, or None
@@ -67,7 +69,8 @@ class Client(Core):
 
     def lookup(self, tokens: Sequence[int], *, media: Sequence[Any] = ()) -> int:
         """The n that `fetch(tokens, media=media)` would return now, without moving tensors (0 on a miss)."""
-        return self.mlx.lookup(tokens, media=media)
+        with self._budget():
+            return self.mlx.lookup(tokens, media=media)
 
     def flush_stores(self, timeout: float | None = None) -> bool:
         """Wait until every queued store has been put (or failed). False on timeout."""

@@ -14,9 +14,29 @@ says 0, `get` says miss, `put` says not stored -- and is counted in
 Caller mistakes (a tensor that does not span the tokens) still raise
 ValueError: those are bugs to fix, not weather to ride out.
 
-`timeout` bounds every call except a PUT, whose deadline grows with its size
-(the caller knows it is sending that much). Pick it to cover the largest GET
-page you expect: the default 5 s covers a 512 MiB page at 100 MiB/s.
+`timeout` bounds every public call as a whole -- all the requests it makes
+(HELLO, LOOKUP, every GET page, every PUT batch, SLOTS, COMMIT), and the wait
+for another thread's request on the same socket -- except a PUT, whose budget
+grows with its size (the caller knows it is sending that much). Each request
+is given what is left of its call's budget (`_budget`, one per public call,
+per thread; calls made inside another, as `fetch`'s `get`s, share the outer
+one). A call that runs out midway is a miss like any failed call. Pick
+`timeout` to cover the largest GET you expect: the default 5 s covers 512 MiB
+at 100 MiB/s.
+
+A request that gets no answer in time counts as an outage
+(`error_unavailable`, which the adapters' breaker trips on), as it always
+has, unless the daemon already answered an earlier request of the same call
+and this one was allowed less than `timeout`: then the daemon is slow, not
+gone, and the call is counted `error_out_of_time` (still `<type>_failed`,
+still a miss, `DaemonUnavailable` in strict mode) without tripping it. The
+same holds for a call whose budget is spent before a request could be sent.
+
+The daemon's limits and features (from HELLO) are forgotten whenever the
+daemon may have changed under the client: a request that got no answer or a
+bad one, a refused shared-memory proof (a new run), a message refused as too
+large (MESSAGE_TOO_LARGE, TOO_MANY_FRAMES: it restarted with smaller limits).
+The next call asks HELLO again.
 
 `put` first asks how much of the sequence the daemon already holds and sends
 only the chunks after that, so a shared prefix crosses the wire once. Chunks
@@ -34,6 +54,8 @@ cannot use shm (arena full, daemon restarted) goes over frames instead.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import threading
@@ -48,10 +70,11 @@ import numpy as np
 from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_keys_dir, is_tcp
 from kvd.protocol import dtypes, keys
 from kvd.protocol.codec import Tensor
-from kvd.protocol.errors import BACKLOG_FULL, KvdError
+from kvd.protocol.errors import BACKLOG_FULL, KvdError, MessageTooLarge, TooManyFrames
 from kvd.protocol.limits import Limits
 from kvd_client import _chunking, _explain, _media
 from kvd_client import _shm
+from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
 from kvd_client._tensors import Hit, Snapshot
 from kvd_client._transport import Transport
 
@@ -59,6 +82,30 @@ log = logging.getLogger("kvd_client")
 
 _HEADER_SLACK = 1 << 20  # bytes kept free in each PUT for header and framing
 TRANSPORTS = ("auto", "frames", "shm")
+
+
+class _Budget:
+    """The time left to one public call (module docstring)."""
+
+    __slots__ = ("deadline", "answered")
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+        self.answered = False  # has the daemon answered a request of this call?
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _budgeted(method):
+    """Run a public call within one budget of the client's `timeout`."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._budget():
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +172,7 @@ class Core:
         self._shm_offer: dict[str, Any] | None = None  # HELLO's `shm` map
         self._shm_link: _shm.Link | None = None
         self._shm_lock = threading.Lock()
+        self._tls = threading.local()  # .budget: the _Budget of this thread's current public call
 
     # -- plumbing ----------------------------------------------------------
     def _background_transport(self) -> Transport:
@@ -133,13 +181,59 @@ class Core:
                 self._bg_transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout), curve=self._curve)
             return self._bg_transport
 
+    @contextlib.contextmanager
+    def _budget(self, seconds: float | None = None):
+        """The budget of the public call about to run on this thread: a new one
+        of `seconds` (default `timeout`), or the enclosing call's if any."""
+        outer = getattr(self._tls, "budget", None)
+        if outer is not None:
+            yield outer
+            return
+        budget = self._tls.budget = _Budget(self.timeout if seconds is None else seconds)
+        try:
+            yield budget
+        finally:
+            self._tls.budget = None
+
+    def _request(self, mtype: str, fields: dict[str, Any] | None = None, timeout: float | None = None, *,
+                 background: bool = False):
+        """One request within the current call's budget (`timeout`, if given,
+        caps it further). Raises the KvdError; an unanswered request is
+        DaemonUnavailable with `out_of_time` set when it is not an outage
+        (module docstring)."""
+        budget = getattr(self._tls, "budget", None)
+        if budget is None:  # a request outside any public call (tests, old callers): one budget of its own
+            with self._budget():
+                return self._request(mtype, fields, timeout, background=background)
+        allowed = budget.left() if timeout is None else min(timeout, budget.left())
+        if allowed <= 0:
+            err = DaemonUnavailable(f"{mtype}: the call ran out of its {self.timeout:.1f}s before sending it")
+            err.out_of_time = True
+            raise err
+        transport = self._background_transport() if background else self._transport
+        try:
+            reply = transport.request(mtype, fields, allowed)
+        except (DaemonUnavailable, BadReply, AuthenticationFailed) as err:
+            self._forget_daemon()  # it may come back another daemon, with other limits
+            if isinstance(err, DaemonUnavailable) and budget.answered and allowed < self.timeout:
+                err.out_of_time = True  # answering, but slowly: this call's budget ran out, not the daemon
+            raise
+        except (MessageTooLarge, TooManyFrames):
+            self._forget_daemon()  # a restart with smaller limits: learn them again
+            budget.answered = True
+            raise
+        except KvdError:
+            budget.answered = True  # an ERROR reply is an answer
+            raise
+        budget.answered = True
+        return reply
+
     def _call(
         self, mtype: str, fields: dict[str, Any] | None = None, timeout: float | None = None, *, background: bool = False
     ):
         """One request; in non-strict mode a failure returns None (and is counted)."""
-        transport = self._background_transport() if background else self._transport
         try:
-            return transport.request(mtype, fields, self.timeout if timeout is None else timeout)
+            return self._request(mtype, fields, timeout, background=background)
         except KvdError as err:
             self._failed(mtype, err)
             return None
@@ -147,7 +241,8 @@ class Core:
     def _failed(self, mtype: str, err: KvdError) -> None:
         """A `mtype` call failed with `err`: counted, raised in strict mode, said once."""
         self.counters[f"{mtype.lower()}_failed"] += 1
-        self.counters[f"error_{err.name.lower()}"] += 1
+        name = "out_of_time" if getattr(err, "out_of_time", False) else err.name.lower()
+        self.counters[f"error_{name}"] += 1
         if self.strict:
             raise err
         if not self._warned.is_set():
@@ -167,23 +262,31 @@ class Core:
     def _media_ok(self) -> bool:
         """Does the daemon key media (HELLO `features`)? An old one would ignore the
         field and serve another image's cache: never send it media."""
-        if self._features is None:
+        features = self._features
+        if features is None:
             reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
             if reply is None:
                 return False  # unreachable now: ask again next time
-            self._hello(reply)
-        if "media" not in self._features:
+            features = self._hello(reply)[1]
+        if "media" not in features:
             self.counters["media_unsupported"] += 1
             return False
         return True
 
-    def _hello(self, reply) -> None:
-        self._limits = Limits.from_wire(reply["limits"])
-        self._features = frozenset(reply.get("features") or ())
+    def _hello(self, reply) -> tuple[Limits, frozenset[str]]:
+        limits = self._limits = Limits.from_wire(reply["limits"])
+        features = self._features = frozenset(reply.get("features") or ())
         offer = reply.get("shm")
         with self._shm_lock:
             if offer != self._shm_offer:
                 self._shm_offer, self._shm_link = offer, None
+        return limits, features
+
+    def _forget_daemon(self) -> None:
+        """The daemon may have changed (restarted, other limits): ask HELLO again next time.
+        The shared-memory link stays until the daemon refuses its proof."""
+        self._limits = None
+        self._features = None
 
     def _hello_now(self, *, background: bool = False) -> bool:
         reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
@@ -211,18 +314,21 @@ class Core:
         """Forget the link and ask HELLO again on the next call (a restarted daemon)."""
         with self._shm_lock:
             self._shm_offer, self._shm_link = None, None
-        self._features = None
+        self._forget_daemon()
 
+    @_budgeted
     def limits(self, *, background: bool = False) -> Limits:
         """The daemon's advertised limits (from HELLO; defaults if it is unreachable)."""
-        if self._limits is None:
+        limits = self._limits
+        if limits is None:
             reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
             if reply is None:
                 return Limits()
-            self._hello(reply)
-        return self._limits
+            limits = self._hello(reply)[0]
+        return limits
 
     # -- public calls ----------------------------------------------------------
+    @_budgeted
     def hello(self) -> dict[str, Any] | None:
         """The daemon's HELLO reply fields (version, server, limits), or None."""
         reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
@@ -230,11 +336,13 @@ class Core:
             self._hello(reply)
         return None if reply is None else dict(reply.fields)
 
+    @_budgeted
     def ping(self) -> float | None:
         """Round-trip time in seconds, or None if the daemon did not answer."""
         t0 = time.perf_counter()
         return None if self._call("PING") is None else time.perf_counter() - t0
 
+    @_budgeted
     def probe(self, tokens: Sequence[int] | np.ndarray, *, media: Sequence[Any] = ()) -> Probe:
         """How many leading tokens of `tokens` are stored (0 if unreachable).
 
@@ -268,6 +376,13 @@ class Core:
         _chunking.check_snapshot(snapshot, n_tokens, self.chunk_tokens)
         if n_tokens == 0:
             return False
+        # A PUT's size is known, so its budget grows with it (at 256 MiB/s, a
+        # quarter of the slowest transport measured); GET keeps `timeout`.
+        with self._budget(self.timeout + snapshot.nbytes / 2**28):
+            return self._put(tokens, snapshot, background, media)
+
+    def _put(self, tokens, snapshot: Snapshot, background: bool, media: Sequence[Any]) -> bool:
+        n_tokens = len(tokens)
         seq = self._seq(tokens, media or snapshot.media)
         if seq is None:
             self.counters["put_not_stored"] += 1
@@ -324,10 +439,8 @@ class Core:
             if done is not None:
                 return done
             chunks = [{**c, "tensors": [_chunking.contiguous(t) for t in c["tensors"]]} for c in chunks]
-        # A PUT's size is known, so its deadline grows with it (at 256 MiB/s,
-        # a quarter of the slowest transport measured); GET keeps `timeout`.
         fields = {**seq, "chunks": chunks, "boundary": boundary, "ns_meta": _explain.components_for(self.namespace)}
-        reply = self._call("PUT", fields, self.timeout + nbytes / 2**28, background=background)
+        reply = self._call("PUT", fields, background=background)
         if reply is None:
             return False
         self.counters["chunks_sent"] += len(chunks)
@@ -342,11 +455,14 @@ class Core:
         fields = {**seq, "chunks": [{**c, "tensors": spec(c["tensors"])} for c in chunks],
                   "boundary": None if boundary is None else {**boundary, "tensors": spec(boundary["tensors"])},
                   "ns_meta": ns_meta, "shm": link.field()}
-        transport = self._background_transport() if background else self._transport
         sent_at = time.monotonic()
         try:
-            grant = transport.request("SLOTS", fields, self.timeout)
+            grant = self._request("SLOTS", fields, background=background)
         except KvdError as err:
+            if isinstance(err, (DaemonUnavailable, BadReply, AuthenticationFailed)):
+                # No answer (or out of time): frames would fare no better. Not stored.
+                self._failed("PUT", err)
+                return False
             if err.name == "BAD_FIELD" and retry:
                 self._shm_reset()  # proof refused: a restarted daemon; read its new nonce once
                 fresh = self._link(background=background)
@@ -377,8 +493,7 @@ class Core:
             self.counters["shm_put_abandoned"] += 1
             log.debug("shm put abandoned: %s", err)
             return False
-        reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field()}, self.timeout,
-                           background=background)
+        reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field()}, background=background)
         if reply is None:
             return False
         self.counters["shm_puts"] += 1
@@ -386,6 +501,7 @@ class Core:
         self.counters["bytes_sent"] += nbytes
         return reply["too_big"] == 0 and reply["dropped"] == 0
 
+    @_budgeted
     def get(
         self, tokens: Sequence[int] | np.ndarray, *, max_tokens: int | None = None, need_boundary: bool = False,
         media: Sequence[Any] = (), alloc: Any = None,
@@ -420,6 +536,10 @@ class Core:
     def _get(self, seq, cap: int, need_boundary: bool, link: _shm.Link | None, leases: list[int], alloc=None) -> Hit | None:
         chunks: list[dict[str, Any]] = []
         n, start, boundary = cap, 0, None
+        # The link the leases came from, and when the first was asked for: its
+        # views are checked against it at the end, even if a later page found
+        # the daemon restarted (frames served the rest; `link` is None then).
+        leased_from = link
         first_sent: float | None = None
         while True:
             fields = {**seq, "max_tokens": n, "need_boundary": need_boundary, "start": start}
@@ -480,7 +600,7 @@ class Core:
             bmeta = msgpack.unpackb(boundary["meta"], raw=False) if boundary["meta"] else {}
             hit.boundary_meta = bmeta.get("meta", {})
         if first_sent is not None:
-            if not link.in_time(first_sent):
+            if not leased_from.in_time(first_sent):
                 # The copy may have raced a slot reused after our lease ended.
                 self.counters["shm_late"] += 1
                 self.counters["get_miss"] += 1
@@ -490,6 +610,7 @@ class Core:
         self.counters["tokens_fetched"] += n
         return hit
 
+    @_budgeted
     def explain(
         self, tokens: Sequence[int] | np.ndarray, *, need_boundary: bool = False, media: Sequence[Any] = ()
     ) -> _explain.Explanation | None:
@@ -498,6 +619,7 @@ class Core:
         return _explain.explain(self, tokens, need_boundary, media)
 
     # -- admin -------------------------------------------------------------------
+    @_budgeted
     def stats(self, namespace: str | None = None) -> dict[str, Any] | None:
         """The daemon's STATS map, or None if it did not answer."""
         reply = self._call("STATS", {"ns": namespace})
@@ -506,9 +628,11 @@ class Core:
     def gc(self, **fields: Any) -> dict[str, Any] | None:
         """Run GC (fields as in the GC message: ram_bytes, ssd_bytes, ns, older_than,
         orphans, dry_run). Returns the reply fields, or None."""
-        reply = self._call("GC", fields, timeout=max(self.timeout, 60.0))
+        with self._budget(max(self.timeout, 60.0)):
+            reply = self._call("GC", fields)
         return None if reply is None else dict(reply.fields)
 
+    @_budgeted
     def shutdown(self) -> bool:
         """Ask the daemon to stop cleanly. True if it acknowledged."""
         return self._call("SHUTDOWN") is not None
@@ -517,6 +641,7 @@ class Core:
     def retry_now(self) -> None:
         """Forget that the daemon was down: the next call connects afresh.
         For a caller that has just seen the daemon answer again."""
+        self._forget_daemon()  # it may be another daemon now
         self._transport.retry_now()
         if self._bg_transport is not None:
             self._bg_transport.retry_now()

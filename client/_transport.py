@@ -15,11 +15,18 @@ finds POLLOUT ready). A request that timed out after being sent leaves the
 socket in an unknown state, so the socket is closed and a fresh one made:
 that also makes a restarted daemon reachable again without the caller
 doing anything.
+
+ZeroMQ contexts and sockets do not survive os.fork(): a child using its
+parent's socket can block for ever. A Transport remembers the pid that made
+its socket; in another process it abandons the inherited context, socket and
+lock (never closing them: that could block, or disturb the parent's own
+connection) and makes its own.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from typing import Any
@@ -42,6 +49,21 @@ _HANDSHAKE_EVENTS = (
 )
 _REPLY_LIMITS = Limits(max_message_bytes=1 << 40, max_header_bytes=1 << 30, max_frames=1 << 20)
 
+# Sockets and monitors inherited across a fork: kept referenced, never closed
+# in the child (pyzmq's close is a no-op there anyway; dropping them would
+# only warn).
+_ABANDONED: list[Any] = []
+_fork_lock = threading.Lock()
+
+
+def _renew_fork_lock() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()  # the parent's may have been held by a thread the child does not have
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_fork_lock)
+
 
 class Transport:
     """A thread-safe request/reply channel to one endpoint."""
@@ -55,6 +77,7 @@ class Transport:
         self._auth_error: str | None = None
         self.connect_wait = connect_wait
         self.retry_interval = retry_interval
+        self._pid = os.getpid()
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -78,6 +101,19 @@ class Transport:
         except UnsafeEndpoint:
             self._reset()  # never keep a connection to what we now refuse
             raise
+
+    def _after_fork(self) -> None:
+        """In a forked child: abandon what the parent made, start afresh (module docstring)."""
+        with _fork_lock:
+            if self._pid == os.getpid():
+                return  # another thread of this child did it
+            _ABANDONED.extend(x for x in (self._monitor, self._sock) if x is not None)
+            self._monitor = self._sock = None
+            self._auth_error = None
+            self._ctx = zmq.Context.instance()  # pyzmq makes a new one in a new process
+            self._lock = threading.Lock()  # the parent's may be held by a thread that did not fork
+            self._fresh, self._down_until = True, 0.0
+            self._pid = os.getpid()
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -126,6 +162,8 @@ class Transport:
         )
 
     def _reset(self) -> None:
+        if self._pid != os.getpid():
+            return  # the parent's socket: never touched here (see _after_fork)
         if self._monitor is not None:
             assert self._sock is not None
             self._sock.disable_monitor()
@@ -139,11 +177,15 @@ class Transport:
         """The daemon is known to be back (someone else reached it): drop the
         socket, so the next request connects afresh (allowing `connect_wait`)
         instead of failing fast or waiting out ZeroMQ's reconnect back-off."""
+        if self._pid != os.getpid():
+            self._after_fork()
         with self._lock:
             self._reset()
             self._down_until = 0.0
 
     def close(self) -> None:
+        if self._pid != os.getpid():
+            self._after_fork()
         with self._lock:
             self._reset()
 
@@ -163,6 +205,9 @@ class Transport:
         our CURVE handshake), DaemonUnavailable (no connection or no reply
         within `timeout`), the KvdError subclass of an ERROR reply, or BadReply.
         """
+        if self._pid != os.getpid():
+            self._after_fork()
+        timeout = max(0.0, timeout)
         deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             raise DaemonUnavailable(f"client busy for {timeout:.1f}s (another call in flight)")

@@ -1,0 +1,232 @@
+"""The client against real daemons that restart, stall or change limits, and
+across os.fork(): every public call still misses or answers exactly, within
+its `timeout` (plus a margin), and never raises.
+
+Faults are real: daemons killed and started again, stopped with SIGSTOP and
+continued with SIGCONT by a timer thread. Hooks on the client only time them
+(after the first GET page; as each request is sent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from kvd_client import HostTensor, Snapshot
+from kvd_client._breaker import Breaker
+
+LOG = logging.getLogger("kvd_client.test_client_faults")
+TO = 1.0  # the client timeout of the timing tests
+STALL = 0.8 * TO  # how long the daemon is stopped as each request is sent
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 50_000, size=n).tolist()
+
+
+def _snap(n: int, width: int, seed: int) -> Snapshot:
+    """About 4 * width bytes per token: k float16 and v bfloat16, (1, 2, n, width)."""
+    rng = np.random.default_rng(seed)
+    k = rng.integers(0, 65535, size=(1, 2, n, width), dtype=np.uint16).view(np.float16)
+    v = rng.integers(0, 65535, size=(1, 2, n, width), dtype=np.uint16)
+    return Snapshot(sliced={"k": (HostTensor.from_numpy(k), 2), "v": (HostTensor.bfloat16(v), 2)}, meta={"x": 1})
+
+
+def _exact(hit, snap: Snapshot, n: int) -> bool:
+    if hit is None or hit.n != n:
+        return False
+    for name, (want, _) in snap.sliced.items():
+        got = hit.sliced[name]
+        if got.dtype != want.dtype:
+            return False
+        if got.array.view(np.uint8).tobytes() != np.ascontiguousarray(want.array[:, :, :n]).view(np.uint8).tobytes():
+            return False
+    return True
+
+
+# -- 1. a restart between two pages of a shared-memory GET ---------------------
+
+
+def test_daemon_restarted_between_two_shm_get_pages_is_exact_not_a_crash(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--max-message-mb", "1", "--write-through")
+    toks, snap = _tokens(4096, 1), _snap(4096, 128, 1)  # 4 MiB: six pages under 1 MiB
+    c = d.client("restart-pages", timeout=20.0)  # the restart itself is timed inside the call
+    assert c.put(toks, snap) and c.counters["shm_puts"] >= 1  # maps the segments page 1 is served from
+    real_call, pages = c._call, []
+
+    def call(mtype, fields=None, timeout=None, **kw):
+        reply = real_call(mtype, fields, timeout, **kw)
+        if mtype == "GET":
+            pages.append(None if reply is None else reply.get("shm"))
+            if len(pages) == 1:
+                d.kill()  # -9: the new daemon refuses page 1's proof; its data dir serves the rest
+                d.start()
+                # ZeroMQ reconnects by itself (back-off up to 0.5 s); until then a request fails fast.
+                assert c._transport._sock.poll(5000, zmq.POLLOUT)
+        return reply
+
+    c._call = call
+    hit = c.get(toks)
+    assert len(pages) > 2 and pages[0] is not None and pages[0].get("lease") is not None  # page 1: a shm lease
+    assert all(p is None for p in pages[1:])  # the others: frames, from the new daemon
+    assert _exact(hit, snap, 4096)
+    c._call = real_call
+    assert _exact(c.get(toks), snap, 4096)
+    assert c.counters["shm_gets"] == 2  # a new link to the new daemon
+    c.close()
+
+
+# -- 2. one budget per public call ---------------------------------------------
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+class Stall:
+    """Stops the daemon as each request is sent, and continues it STALL s later
+    (a timer thread): a daemon that answers every request, slowly."""
+
+    def __init__(self, proc):
+        self.pid = proc.pid
+        self.requests = 0
+        self.timers: list[threading.Timer] = []
+
+    def hook(self, request):
+        def slow(mtype, fields, timeout):
+            self.requests += 1
+            os.kill(self.pid, signal.SIGSTOP)
+            if os.path.exists(f"/proc/{self.pid}/stat"):
+                deadline = time.monotonic() + 5
+                while _state(self.pid) not in ("T", "t") and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            timer = threading.Timer(STALL, os.kill, (self.pid, signal.SIGCONT))
+            self.timers.append(timer)
+            timer.start()
+            return request(mtype, fields, timeout)
+
+        return slow
+
+    def end(self) -> None:
+        for t in self.timers:
+            t.join()
+        os.kill(self.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def slow_daemon(daemon_factory):
+    return daemon_factory("--ram-mb", "64", "--max-message-mb", "1")
+
+
+@pytest.mark.parametrize("transport", ["frames", "shm"])
+def test_a_many_page_get_from_a_slow_daemon_ends_within_its_timeout(slow_daemon, transport):
+    toks, snap = _tokens(4096, 3), _snap(4096, 128, 3)  # six pages
+    with slow_daemon.client("slow-get", timeout=TO, transport=transport) as c:
+        assert c.put(toks, snap) and _exact(c.get(toks), snap, 4096)
+        clock = [1000.0]
+        breaker = Breaker(slow_daemon.endpoint, TO, namespace="slow-get", clients=lambda: [c], fallback="nothing",
+                          log=LOG, clock=lambda: clock[0])
+        stall = Stall(slow_daemon.proc)
+        c._transport.request = stall.hook(c._transport.request)
+        t0 = time.monotonic()
+        try:
+            hit = c.get(toks)
+            took = time.monotonic() - t0
+        finally:
+            stall.end()
+        assert hit is None and took < 2 * TO, f"get took {took:.2f}s over {stall.requests} requests"
+        # It answered every request it had time for: a miss, not an outage.
+        assert c.counters["error_out_of_time"] == 1 and c.counters["error_unavailable"] == 0
+        breaker.check()
+        assert not breaker.down
+        del c._transport.request
+        assert _exact(c.get(toks), snap, 4096)  # continued: served again
+
+
+@pytest.mark.parametrize("transport", ["frames", "shm"])
+def test_a_many_batch_put_to_a_slow_daemon_ends_within_its_budget(slow_daemon, transport):
+    toks, snap = _tokens(4096, 31), _snap(4096, 128, 31)  # 4 MiB: five PUT batches under 1 MiB over frames
+    budget = TO + snap.nbytes / 2**28
+    with slow_daemon.client("slow-put", timeout=TO, transport=transport) as c:
+        assert c.hello() is not None
+        stall = Stall(slow_daemon.proc)
+        c._transport.request = stall.hook(c._transport.request)
+        t0 = time.monotonic()
+        try:
+            ok = c.put(toks, snap)
+            took = time.monotonic() - t0
+        finally:
+            stall.end()
+        assert ok is False and took < budget + TO, f"put took {took:.2f}s over {stall.requests} requests"
+        assert c.counters["put_not_stored"] == 1 and c.counters["error_unavailable"] == 0
+        del c._transport.request
+        assert c.put(toks, snap) and _exact(c.get(toks), snap, 4096)
+
+
+# -- 3. a restart with a smaller message limit ---------------------------------
+
+
+def test_a_daemon_restarted_with_a_smaller_message_limit_is_stored_to_again(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--max-message-mb", "8")
+    with d.client("limits", timeout=5.0, transport="frames") as c:
+        assert c.put(_tokens(2048, 40), _snap(2048, 1024, 40))  # 8 MiB-limit batches; limits cached
+        assert c.limits().max_message_bytes == 8 << 20
+        d.stop()
+        d.args = ["--ram-mb", "64", "--max-message-mb", "1"]
+        d.start()
+        assert c._transport._sock.poll(5000, zmq.POLLOUT)  # reconnected (ZeroMQ's back-off: up to 0.5 s)
+        stored = []
+        for i in range(3):
+            toks, snap = _tokens(2048, 41 + i), _snap(2048, 256, 41 + i)  # 4 MiB, 256 KiB a chunk
+            stored.append(c.put(toks, snap))
+            if stored[-1]:
+                assert _exact(c.get(toks), snap, 2048)
+        # The first may be refused (TOO_LARGE: the client cannot know before it); never the next.
+        assert stored[1:] == [True, True], stored
+        assert c.limits().max_message_bytes == 1 << 20
+
+
+# -- 4. a client used across os.fork() -----------------------------------------
+
+
+def test_a_client_used_in_a_forked_child_answers_within_its_timeout(kvd_daemon):
+    toks, snap = _tokens(512, 16), _snap(512, 64, 16)
+    c = kvd_daemon.client("fork", timeout=TO)
+    assert c.put(toks, snap) and _exact(c.get(toks), snap, 512)  # sockets made and used before the fork
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave, never return into pytest
+        code = 1
+        try:
+            os.close(r)
+            t0 = time.monotonic()
+            result = {"exact": _exact(c.get(toks), snap, 512), "ping": c.ping() is not None,
+                      "took": time.monotonic() - t0}
+            os.write(w, json.dumps(result).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + 10 * TO
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() > deadline:  # hung: the old client blocked in poll() for ever
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    with os.fdopen(r, "rb") as f:
+        report = f.read()
+    assert report, "the child hung or died without answering"
+    result = json.loads(report)
+    assert result["exact"] and result["ping"] and result["took"] < 2 * TO, result
+    assert _exact(c.get(toks), snap, 512)  # the parent's client is untouched
+    c.close()
