@@ -90,9 +90,12 @@ class Link:
     def view(self, desc: Descriptor) -> memoryview:
         """The bytes a descriptor names; ShmUnavailable if it does not fit its segment."""
         mm = self._segment(desc.segment)
-        if desc.offset + desc.length > len(mm):
-            raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {len(mm)} bytes")
-        return memoryview(mm)[desc.offset:desc.offset + desc.length]
+        try:
+            if desc.offset + desc.length > len(mm):
+                raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {len(mm)} bytes")
+            return memoryview(mm)[desc.offset:desc.offset + desc.length]
+        except ValueError as err:  # closed meanwhile by another thread's retain(): a miss, not a crash
+            raise ShmUnavailable(f"segment {desc.segment} of run {self.run}: {err}") from None
 
     def resolve(self, tensors: list[Tensor]) -> list[Tensor]:
         """Tensors whose data is a Descriptor, viewed in place (no copy)."""

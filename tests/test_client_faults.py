@@ -230,3 +230,26 @@ def test_a_client_used_in_a_forked_child_answers_within_its_timeout(kvd_daemon):
     assert result["exact"] and result["ping"] and result["took"] < 2 * TO, result
     assert _exact(c.get(toks), snap, 512)  # the parent's client is untouched
     c.close()
+
+
+def test_a_segment_unmapped_by_another_thread_is_a_miss_not_a_crash(tmp_path):
+    """Red-team suspicion: one thread's retain() (an older reply's segment list)
+    can close a mapping another thread has just looked up, before it takes its
+    view. The view then met a closed mmap: ValueError, out of the non-strict get."""
+    import mmap
+    import os
+
+    from kvd.protocol.shm import Descriptor, segment_name
+    from kvd_client import _shm
+
+    folder = tmp_path / "plane"
+    folder.mkdir(mode=0o700)
+    (folder / "nonce").write_bytes(os.urandom(32))
+    (folder / segment_name("0123abcd", 0)).write_bytes(bytes(8192))
+    link = _shm.Link({"dir": str(folder), "run": "0123abcd", "lease_s": 30})
+    assert bytes(link.view(Descriptor(0, 4096, 16))) == bytes(16)
+    mm = link._segment(0)
+    mm.close()  # what retain() on another thread does between _segment() and the view
+    link._maps[0] = mm
+    with pytest.raises(_shm.ShmUnavailable):
+        link.view(Descriptor(0, 4096, 16))
