@@ -253,3 +253,50 @@ def test_a_segment_unmapped_by_another_thread_is_a_miss_not_a_crash(tmp_path):
     link._maps[0] = mm
     with pytest.raises(_shm.ShmUnavailable):
         link.view(Descriptor(0, 4096, 16))
+
+
+def test_the_background_writer_works_in_a_forked_child_whatever_the_parent_held():
+    """The writer thread is not copied by fork(), and its queue's lock is copied
+    as it was: held, if the parent's writer held it at that moment. A store in
+    the child then blocked the generation thread for ever."""
+    from kvd_client.mlx_lm._writer import Writer
+
+    class Snap:
+        nbytes = 16
+
+    r, w = os.pipe()
+    writer = Writer(lambda tokens, snap: os.write(w, b"p") == 1, lambda name, n: None)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another thread inside the writer's lock at the fork, as the writer thread may be
+        with writer._cv:
+            inside.set()
+            leave.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            ok = writer.submit([1, 2], Snap()) and writer.flush(2.0)
+            os.write(w, b"ok" if ok else b"no")
+            code = 0
+        finally:
+            os._exit(code)
+    leave.set()
+    holder.join()
+    os.close(w)
+    deadline = time.monotonic() + 10
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() > deadline:  # hung on the lock it inherited
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    with os.fdopen(r, "rb") as f:
+        assert f.read() == b"pok"  # the child's put ran, then its flush returned
+    assert writer.submit([3], Snap()) and writer.flush(2.0)  # the parent's writer is untouched
+    writer.close()

@@ -20,11 +20,16 @@ Rules kept:
   in another process. The thread is a daemon: whatever is still queued when
   the interpreter exits is lost (it is a cache), so flush or close first if
   it matters.
+* In a child made by os.fork() the writer thread does not exist, and the
+  queue's lock may be held for ever (if the thread held it at the fork): the
+  first call there starts a writer of its own, with an empty queue (what was
+  queued is the parent's to put).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from typing import Any, Callable
@@ -32,6 +37,16 @@ from typing import Any, Callable
 log = logging.getLogger("kvd_client")
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
+_fork_lock = threading.Lock()
+
+
+def _renew_fork_lock() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()  # the parent's may have been held by a thread the child does not have
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_fork_lock)
 
 
 class Writer:
@@ -44,6 +59,10 @@ class Writer:
         self._put = put
         self._count = count
         self._max = max_pending_bytes
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
         self._cv = threading.Condition()
         self._queue: deque[tuple[Any, Any, int]] = deque()
         self._pending_bytes = 0
@@ -52,8 +71,16 @@ class Writer:
         self._thread = threading.Thread(target=self._run, name="kvd-writer", daemon=True)
         self._thread.start()
 
+    def _here(self) -> None:
+        """In a forked child, a writer of its own (module docstring)."""
+        if self._pid != os.getpid():
+            with _fork_lock:
+                if self._pid != os.getpid():
+                    self._start()
+
     def submit(self, tokens: Any, snapshot: Any) -> bool:
         """Queue a snapshot; False (and counted) if the queue is full or closed."""
+        self._here()
         nbytes = snapshot.nbytes
         with self._cv:
             if self._closed:
@@ -69,12 +96,13 @@ class Writer:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queue is drained and no put is running. False on timeout."""
+        self._here()
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
     def close(self, timeout: float | None = 5.0) -> None:
         """Finish queued puts (up to `timeout`), then stop the thread."""
-        self.flush(timeout)
+        self.flush(timeout)  # (in a forked child: first a writer of its own)
         with self._cv:
             self._closed = True
             dropped = len(self._queue)
