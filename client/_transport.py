@@ -56,9 +56,17 @@ _ABANDONED: list[Any] = []
 _fork_lock = threading.Lock()
 
 
+def fork_lock() -> threading.Lock:
+    """The lock under which a forked child's first caller remakes what the
+    parent's threads owned (here a Transport's socket; the mlx adapter's
+    writer too). A new one in each child: the parent's may have been held by
+    a thread the child does not have."""
+    return _fork_lock
+
+
 def _renew_fork_lock() -> None:
     global _fork_lock
-    _fork_lock = threading.Lock()  # the parent's may have been held by a thread the child does not have
+    _fork_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -104,7 +112,7 @@ class Transport:
 
     def _after_fork(self) -> None:
         """In a forked child: abandon what the parent made, start afresh (module docstring)."""
-        with _fork_lock:
+        with fork_lock():
             if self._pid == os.getpid():
                 return  # another thread of this child did it
             _ABANDONED.extend(x for x in (self._monitor, self._sock) if x is not None)

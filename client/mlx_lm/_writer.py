@@ -34,19 +34,11 @@ import threading
 from collections import deque
 from typing import Any, Callable
 
+from kvd_client._transport import fork_lock
+
 log = logging.getLogger("kvd_client")
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
-_fork_lock = threading.Lock()
-
-
-def _renew_fork_lock() -> None:
-    global _fork_lock
-    _fork_lock = threading.Lock()  # the parent's may have been held by a thread the child does not have
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_renew_fork_lock)
 
 
 class Writer:
@@ -74,7 +66,7 @@ class Writer:
     def _here(self) -> None:
         """In a forked child, a writer of its own (module docstring)."""
         if self._pid != os.getpid():
-            with _fork_lock:
+            with fork_lock():
                 if self._pid != os.getpid():
                     self._start()
 
