@@ -1,8 +1,9 @@
 """The shared-memory plane's sans-I/O rules (kvd/protocol/shm.py): names that
 let a starting daemon sweep only a previous run's leftovers, descriptors that
 can never point outside their segment, the run-dir nonce proof, and the lease
-table's guarantees (a half-written slot is never served, an expired lease frees
-what it was writing, eviction never frees a pinned slot). Injected clock only."""
+table's rules (a commit only while the lease lives, an expired lease frees
+what it was writing). Injected clock only; the daemon's side (a leased slot
+outlives eviction) is test_shm_daemon.py's."""
 
 from __future__ import annotations
 
@@ -55,26 +56,26 @@ def test_proof_needs_the_exact_nonce():
     assert not shm.check_proof(b"short", b"short")  # a daemon never accepts a weak nonce
 
 
-def test_half_written_slot_is_never_served_and_expiry_frees_it():
+def test_a_commit_is_taken_once_while_live_and_expiry_frees_only_unwritten_slots():
     t = shm.LeaseTable(lease_seconds=10)
     lease = t.grant(now=100.0, write=[1, 2])
-    assert t.pinned(1) and not t.servable(1) and not t.servable(2)
     t.commit(lease.lease_id, 1, now=105.0)
-    assert t.servable(1) and not t.servable(2)
     with pytest.raises(BadField):  # committing twice, or a slot not being written
         t.commit(lease.lease_id, 1, now=105.0)
-    assert t.expire(now=109.999) == []  # not yet
+    with pytest.raises(BadField):
+        t.commit(lease.lease_id, 3, now=105.0)
+    assert t.expire(now=109.999) == [] and lease.lease_id in t  # not yet
     with pytest.raises(BadField):  # a commit after the deadline is refused
         t.commit(lease.lease_id, 2, now=110.0)
     assert t.expire(now=110.0) == [2]  # the half-written slot is freed, the committed one kept
-    assert not t.pinned(1) and not t.pinned(2) and t.servable(2)
+    assert lease.lease_id not in t
 
 
-def test_eviction_never_frees_a_read_pinned_slot_until_release():
+def test_read_leases_end_at_release_or_deadline_and_free_nothing():
     t = shm.LeaseTable(lease_seconds=5)
     a = t.grant(now=0.0, read=[7])
     b = t.grant(now=1.0, read=[7])
-    assert t.release(a.lease_id) == [] and t.pinned(7)  # b still reads it
-    assert t.expire(now=5.5) == [] and t.pinned(7)
-    assert t.expire(now=6.0) == [] and not t.pinned(7)
+    assert t.release(a.lease_id) == [] and a.lease_id not in t and b.lease_id in t
+    assert t.expire(now=5.5) == [] and b.lease_id in t
+    assert t.expire(now=6.0) == [] and b.lease_id not in t
     assert t.release(b.lease_id) == []  # releasing twice is harmless

@@ -22,7 +22,9 @@ I/O, so the daemon, the client and the vectors share one definition:
 - Leases. A GET's descriptors and a PUT's slots are handed out under a lease
   with a deadline (injected clock). A slot being written is never served; a
   commit turns it readable only while its lease is live; an expired lease frees
-  its unwritten slots and unpins its readable ones. Eviction must ask `pinned`.
+  its unwritten slots and unpins its readable ones. The caller keeps a
+  lease's slots alive until it ends (the daemon's leases hold the slot
+  objects, so eviction drops the store's reference, never the memory).
   Ending the expired leases costs only what expired, however many are live
   (a heap of deadlines: every request runs it).
 """
@@ -169,11 +171,3 @@ class LeaseTable:
     def expire(self, now: float) -> list[int]:
         """End every lease past its deadline; returns the uncommitted slots to free."""
         return sorted(s for lease in self.expire_leases(now) for s in self._unwritten(lease))
-
-    def pinned(self, slot: int) -> bool:
-        """Eviction asks this first: a slot under any lease (live or not yet expired) stays."""
-        return any(slot in l.slots for l in self._leases.values())
-
-    def servable(self, slot: int) -> bool:
-        """A slot still being written under some lease is never served."""
-        return not any(l.slots.get(slot) == WRITING for l in self._leases.values())
