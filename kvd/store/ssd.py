@@ -281,16 +281,7 @@ class SsdStore(Store):
     def contains(self, eid: bytes) -> bool:
         if eid in self.queue:
             return True
-        if eid in self._bad:
-            return False
-        try:
-            with self.index.reading() as txn:
-                return self.index.has(txn, eid)
-        except IndexBusy:
-            return False
-        except lmdb.Error as exc:
-            self._index_error(exc)
-            return False
+        return eid not in self._bad and self.has_row(eid)
 
     def held(self, eids: Sequence[bytes], also: Sequence[bool] | None = None) -> list[bool]:
         """`contains` for each of `eids`, from one read transaction; where
