@@ -126,6 +126,38 @@ def test_quantized_and_plain_caches_use_their_own_namespaces(kvd_daemon, llama):
     a.close(), b.close()
 
 
+def _served(model, cache, rest, settings, n=4):
+    """What mlx_lm.server computes for `rest` on `cache` with its KV settings
+    (mlx-lm's own generate_step): the greedy tokens and each logprob row's bytes."""
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(rest), model, prompt_cache=cache, max_tokens=n, prefill_step_size=64, **settings)
+    return [(int(tok), bytes(memoryview(lp.astype(mx.float32)))) for tok, lp in steps]
+
+
+@pytest.mark.parametrize("start", [150, 300])
+def test_a_kv_bits_server_reuses_a_plain_cache_only_below_its_quantized_start(kvd_daemon, llama, start):
+    """A server without --kv-bits stores a plain 300-token cache; a --kv-bits
+    server quantizes at --quantized-kv-start, so it never holds a plain cache
+    that long. Below its start the plain hit (256 tokens) is what it would hold
+    itself and answers bit-exact; at 150 it would not be (logprobs off by
+    ~0.06 on this model), so it is not used."""
+    settings = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=start)
+    plain, quant = _server(kvd_daemon, llama), _server(kvd_daemon, llama, **settings)
+    system = prompt(300, seed=1)
+    plain.insert_cache(KEY, system, _filled(llama, system))
+    assert plain.flush(10)
+    query = system[:280] + prompt(30, seed=2)
+
+    cache, rest = quant.fetch_nearest_cache(KEY, query)
+    if start == 150:
+        assert cache is None and rest == query and quant.counters["kvd_misses"] == 1
+    else:
+        assert type(cache[0]).__name__ == "KVCache" and cache[0].offset == 256 and rest == query[256:]
+        assert _served(llama, cache, rest, settings) == _served(llama, make_prompt_cache(llama), query, settings)
+    plain.close(), quant.close()
+
+
 def test_no_daemon_is_local_only_and_said_once(daemon_factory, llama, caplog):
     absent = daemon_factory(start=False)
     with caplog.at_level(logging.WARNING):

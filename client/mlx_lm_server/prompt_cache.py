@@ -31,7 +31,8 @@ Which namespace? `resolve(model_key)` returns the loaded model (a
 and, when the server quantizes its KV cache (--kv-bits), a second one for
 quantized caches: mlx-lm keeps a plain KVCache below --quantized-kv-start and
 quantizes it above, and one namespace holds one layout. A fetch asks both
-and takes the longer. Keys with a draft model (its cache rides along in the
+and takes the longer; from the plain one, never a prefix as long as
+--quantized-kv-start (this server quantizes before it holds one). Keys with a draft model (its cache rides along in the
 same list) or with image placeholders (negative ids) stay local only.
 
 kvd trouble never breaks a request. The client itself degrades to misses;
@@ -64,10 +65,25 @@ class ModelRef:
 
 
 class _Target:
-    """The kvd clients of one model_key: 'plain' always, 'quantized' with --kv-bits."""
+    """The kvd clients of one model_key: 'plain' always, 'quantized' with --kv-bits.
 
-    def __init__(self, clients: dict[str, Any]):
+    `plain_below`: with --kv-bits, mlx-lm quantizes the whole cache once it
+    holds --quantized-kv-start tokens, so this server never has a plain cache
+    that long. A longer plain one (stored by a server without --kv-bits, or
+    with a later start) is a state it cannot reach itself: its output would
+    differ from its own prefill's. Plain hits are kept below that length.
+    """
+
+    def __init__(self, clients: dict[str, Any], plain_below: int | None = None):
         self.clients = clients
+        self.plain_below = plain_below
+
+    def queries(self, tokens: list[int]) -> list[tuple[Any, list[int]]]:
+        """(client, the tokens to ask it about) for each namespace."""
+        return [
+            (client, tokens[: self.plain_below] if kind == "plain" and self.plain_below is not None else tokens)
+            for kind, client in self.clients.items()
+        ]
 
     def for_cache(self, prompt_cache: Sequence[Any]) -> Any:
         from mlx_lm.models.cache import QuantizedKVCache
@@ -141,13 +157,13 @@ class KvdPromptCache:
         if target is None:
             return cache, rest
         try:
-            best, best_n = None, have
-            for client in target.clients.values():
-                n = client.lookup(tokens)
+            best, best_n, asked = None, have, tokens
+            for client, query in target.queries(tokens):
+                n = client.lookup(query)  # < len(query): a hit leaves a token to feed
                 if n > best_n:
-                    best, best_n = client, n
+                    best, best_n, asked = client, n, query
             if best is not None:
-                got, n = best.fetch(tokens)
+                got, n = best.fetch(asked)
                 if got is not None and have < n < len(tokens):
                     self._count("kvd_hits")
                     self._count("kvd_tokens", n)
@@ -222,8 +238,9 @@ class KvdPromptCache:
             ref = self.resolve(model_key)
             if ref is None:
                 return None
-            spaces = {"plain": namespace_for(ref.model)}
+            spaces, plain_below = {"plain": namespace_for(ref.model)}, None
             if ref.kv_bits is not None:
+                plain_below = ref.quantized_kv_start
                 spaces["quantized"] = namespace_for(
                     ref.model, kv_bits=ref.kv_bits, kv_group_size=ref.kv_group_size,
                     quantized_kv_start=ref.quantized_kv_start,
@@ -235,7 +252,8 @@ class KvdPromptCache:
             log.exception("kvd: cannot derive a namespace for %s; local prompt cache only", model_key)
             return None
         log.info("kvd: model %s uses namespace %s", model_key, ", ".join(spaces.values()))
-        return _Target({kind: Client(self.endpoint, namespace=ns, timeout=self.timeout) for kind, ns in spaces.items()})
+        clients = {kind: Client(self.endpoint, namespace=ns, timeout=self.timeout) for kind, ns in spaces.items()}
+        return _Target(clients, plain_below)
 
     def _held(self, client: Any, tokens: Sequence[int], prompt_cache: Sequence[Any]) -> bool:
         """Does kvd already hold all of `tokens` (and the boundary, if needed)?
