@@ -14,7 +14,10 @@ so vllm-mlx's whole command line works as documented upstream. The kvd flags
 `install()` runs before vllm-mlx parses its flags and builds its engine.
 vllm-mlx's prefix caches exist under `--continuous-batching` (its batched
 engine); the simple engine has none, and then kvd is simply not used.
-At exit, queued uploads are finished (bounded by the kvd timeout).
+At exit, queued uploads are finished (bounded by the kvd timeout), on SIGTERM
+too: uvicorn hands SIGTERM back to the handler it found once its graceful
+shutdown is done, and the default one would kill the process before any
+atexit function ran, so ours exits instead (status 0, as after Ctrl-C).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
+import signal
 import sys
 from typing import Sequence
 
@@ -46,7 +50,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             logging.basicConfig(level=logging.INFO)
         if kv_vllm.install(flags.endpoint, timeout=flags.timeout):
             atexit.register(kv_vllm.close_all)
+            signal.signal(signal.SIGTERM, _exit)
     from vllm_mlx import cli
 
     sys.argv = ["vllm-mlx", *rest]
     cli.main()
+
+
+def _exit(*_) -> None:
+    # Unwinds the main thread (locks released on the way), then atexit runs close_all.
+    sys.exit(0)
