@@ -98,8 +98,8 @@ class Writer:
         with self._cv:
             self._closed = True
             dropped = len(self._queue)
+            self._pending_bytes -= sum(nbytes for _, _, nbytes in self._queue)  # a put running keeps its own
             self._queue.clear()
-            self._pending_bytes = 0
             self._cv.notify_all()
         if dropped:
             self._count("store_dropped", dropped)
