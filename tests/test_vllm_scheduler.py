@@ -70,6 +70,24 @@ def test_quantized_kv_comes_back_quantized_and_bit_exact_with_the_warm_cache(mod
     assert len(spaces) == 2 and sum(c.get("fetch_hit", 0) for c in spaces.values()) == 1
 
 
+def test_a_hit_too_big_for_vllm_ram_is_fetched_once_then_only_what_fits(model_dir, kvd_daemon, tmp_path):
+    """kvd holds 4,096 tokens of a prompt (~2 MiB of KV); vllm-mlx's cache in
+    the second process is 1 MiB and refuses that entry. The refusal is
+    remembered: the next request fetches the prefix that fits and reuses it
+    (before, every request fetched the whole hit again and threw it away)."""
+    ep = kvd_daemon.endpoint
+    long = tokens(4096, seed=4)
+    run_child(tmp_path, "big", spec(model_dir, ep, [long + USER_A]))
+    small = run_child(tmp_path, "small", spec(model_dir, ep, [long + USER_B, long + USER_A], cache_memory_mb=1))
+    cold = run_child(tmp_path, "cold", spec(model_dir, None, [long + USER_A], cache_memory_mb=1))
+
+    counted = small["kvd"]["cache"]
+    assert counted["kvd_not_admitted"] == 1 and counted["kvd_hits"] == 1, counted
+    first, second = small["results"]
+    assert first["cached"] == 0 and 0 < second["cached"] < 4096 and second["cached"] % 256 == 0
+    assert second["tokens"] == cold["results"][0]["tokens"]
+
+
 def test_a_daemon_that_is_down_costs_a_miss_not_an_error(model_dir, tmp_path):
     dead = f"ipc://{tmp_path}/nobody.sock"
     got = run_child(tmp_path, "down", spec(model_dir, dead, [SYSTEM + USER_A, SYSTEM + USER_B]))

@@ -26,6 +26,9 @@ own matching, trimming, quantizing and eviction) as it is:
                             exactly the object it would get from a warm RAM
                             cache (dequantized, cloned and trimmed by
                             vllm-mlx), and the next request finds it in RAM.
+                            A hit too big for vllm-mlx's RAM is refused
+                            there; later fetches from that namespace then
+                            ask only for the prefix that fits.
 
 Requests with media on the MLLM route are keyed by their media's content
 (`_media`): their keys here are *salted* token tuples, their keys in kvd the
@@ -83,6 +86,10 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
             super().__init__(model, config, *args, **kwargs)
             self.kvd_counters: dict[str, int] = {}
             self._kvd = Link(settings.endpoint, settings.timeout, lambda: namespaces(model, self._config))
+            # namespace -> the most tokens an entry fetched from it may have: one
+            # that was longer did not fit vllm-mlx's RAM (it refused the entry),
+            # and would be fetched and refused again at every request.
+            self._kvd_fit: dict[str, int] = {}
             registry.append(self)
 
         # -- read --------------------------------------------------------------
@@ -132,6 +139,11 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
                     n = client.lookup(tokens, **extra)
                     if n > best_n:
                         best, best_n = client, n
+                fit = self._kvd_fit.get(best.namespace) if best is not None else None
+                if fit is not None and best_n > fit:
+                    best_n = fit  # the prefix it holds that fits (fetch below asks no further)
+                    if best_n <= have:
+                        best = None
                 if best is None or best_n < self._config.min_prefix_tokens:
                     self._count("kvd_misses")
                     return False
@@ -140,7 +152,7 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
                     # could not resume from it (see fetch), so move nothing.
                     self._count("kvd_media_partial")
                     return False
-                got, n = best.fetch(tokens, **extra)
+                got, n = best.fetch(tokens[: best_n + 1], **extra)  # n <= best_n: a token is always left
                 if got is None or n <= have:
                     self._count("kvd_misses")
                     return False
@@ -148,6 +160,9 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
                 # The base class's commit: this entry came from kvd, no write-through.
                 if not base.commit_prepared(self, entry, evict_prefixes=False):
                     self._count("kvd_not_admitted")
+                    limit, size = getattr(self, "_max_memory", None), getattr(entry, "memory_bytes", 0)
+                    if isinstance(limit, int) and size > limit:  # too big: ask for what fits, pro rata
+                        self._kvd_fit[best.namespace] = min(n - 1, n * limit // size)
                     return False
                 self._count("kvd_hits")
                 self._count("kvd_tokens", n)
