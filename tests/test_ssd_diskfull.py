@@ -9,6 +9,7 @@ KVD_TEST_NO_MOUNT=1 to run that variant as root.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import subprocess
 
@@ -156,5 +157,37 @@ def test_min_free_guard_keeps_space_for_others(disk):
         assert ssd["drop_reasons"]["low_space"] >= 1
         assert st.f_bavail * st.f_frsize >= store.ssd.min_free_bytes - (256 << 10)  # never ate into the reserve
         assert ssd["write_errors"] == 0  # the guard stopped writes before the disk refused them
+    finally:
+        store.close(persist=False)
+
+
+def test_a_full_disk_stays_one_degraded_episode_until_space_returns(disk, caplog):
+    # Small chunks go to the pack: each retry encodes them in memory first,
+    # which once counted as "recovered" before the pack's commit failed again.
+    entries = [make_entry(i, width=64) for i in range(40)]
+    clock = FakeClock()
+    store = open_store(1, disk.mnt / "kvd", ssd_bytes=1 << 30, min_free_bytes=0, retry_s=0.3, clock=clock)
+    try:
+        store.put(entries[0])
+        assert store.flush(10) and store.ssd.entries == 1
+        disk.fill()
+        caplog.set_level(logging.WARNING, logger="kvd.store.ssd")
+        since = None
+        for r in range(4):  # four retries, the disk full throughout
+            clock.advance(0.35)
+            for e in entries[1 + 5 * r : 6 + 5 * r]:
+                store.put(e)
+            assert store.flush(10)
+            ssd = store.stats()["tiers"]["ssd"]
+            assert ssd["degraded"], f"retry {r}: not degraded on a full disk"
+            since = since or ssd["degraded_since"]
+            assert ssd["degraded_since"] == since
+        said = [r.getMessage() for r in caplog.records if "degraded" in r.getMessage() or "recovered" in r.getMessage()]
+        assert len(said) == 1 and "degraded" in said[0], said
+        disk.free()
+        clock.advance(0.35)
+        store.put(entries[30])
+        assert store.flush(10)
+        assert store.ssd.degraded is None and "recovered" in caplog.records[-1].getMessage()
     finally:
         store.close(persist=False)

@@ -43,7 +43,9 @@ commits), before it commits any of their rows. A blob renamed but not yet
 synced has no row, so a power cut then leaves at worst a blob without a row,
 which reconcile removes, never a row pointing at a partial file.
 
-Reading (`read_blob`) checks the size and the xxh3-64 of the whole file
+Reading opens with `open_blob`, which refuses (BlobCorrupt) anything under
+a blob's name that is not a regular file, without blocking on a FIFO or
+following a symlink. `read_blob` then checks the size and the xxh3-64 of the whole file
 against what the index recorded, then parses; any disagreement raises
 `BlobCorrupt`, which the tier turns into a quarantine and a miss.
 """
@@ -51,8 +53,10 @@ against what the index recorded, then parses; any disagreement raises
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
+import stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -64,7 +68,7 @@ import xxhash
 from kvd.protocol import dtypes
 from kvd.protocol.errors import KvdError
 from kvd.store.base import Entry, Tensor
-from kvd.store.datadir import DIR_MODE, FILE_MODE, TMP_SUFFIX
+from kvd.store.datadir import FILE_MODE, TMP_SUFFIX, ensure_folder
 
 FORMAT_VERSION = 1
 
@@ -189,7 +193,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def _sync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         full_fsync(fd)
     finally:
@@ -226,6 +230,14 @@ def _write_all(fd: int, mv: memoryview, hasher) -> None:
         mv = mv[n:]
 
 
+def _missing_or_symlink(path: Path) -> bool:
+    """One lstat, as the is_dir it replaces."""
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return True
+
+
 def temp_path(path: Path) -> Path:
     return path.parent / f".{path.stem}.{os.getpid()}{TMP_SUFFIX}"
 
@@ -239,13 +251,18 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
     """
     head = encode_header(entry)
     parent = path.parent
-    if not parent.is_dir():
-        parent.mkdir(mode=DIR_MODE, exist_ok=True)
-        if durable:
-            fsync_dir(parent.parent)
+    if _missing_or_symlink(parent):
+        # A shard's first blob, or blobs/ removed under us: made again; a
+        # symlink to elsewhere is moved aside (datadir.ensure_folder). Shard
+        # folders live at root/blobs/<2 hex>. (A file there fails this one
+        # write, ENOTDIR: the caller's per-path error.)
+        root = parent.parent.parent
+        ensure_folder(root, f"{parent.parent.name}/{parent.name}", sync=fsync_dir if durable else None)
     tmp = temp_path(path)
     hasher = xxhash.xxh3_64()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    # O_NOFOLLOW | O_NONBLOCK: whatever a stranger left under the temp name
+    # (a symlink, a FIFO that would block the open) fails this one write.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
     try:
         try:
             _write_all(fd, memoryview(head), hasher)
@@ -321,6 +338,31 @@ def _pread_into(fd: int, mv: memoryview, pos: int) -> int:
     chunk = os.pread(fd, min(len(mv) - pos, 64 << 20), pos)
     mv[pos : pos + len(chunk)] = chunk
     return len(chunk)
+
+
+def open_blob(path: str | os.PathLike) -> int:
+    """An fd to read the blob file at `path`, known to be a regular file.
+
+    Anything else under a blob's name is not a blob, and some would hurt: a
+    FIFO blocks open() (and then every read) until a writer comes, a symlink
+    leads anywhere. So the open neither blocks nor follows a symlink, and
+    fstat decides. Raises BlobCorrupt for those, OSError otherwise
+    (FileNotFoundError when there is none)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink (or a loop of them)
+            raise BlobCorrupt("a symlink, not a blob file") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise BlobCorrupt(f"not a regular file (mode {stat.filemode(mode)})")
+    return fd
 
 
 def read_blob(fd: int, size: int, checksum: int, alloc: Callable[[int], Any] | None = None) -> Entry:

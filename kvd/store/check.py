@@ -94,7 +94,8 @@ def check(
     if live:
         return report
     blob_root = root / BLOB_DIR
-    for shard in sorted(p for p in blob_root.iterdir() if p.is_dir()) if blob_root.is_dir() else []:
+    shards = [p for p in blob_root.iterdir() if p.is_dir() and not p.is_symlink()] if blob_root.is_dir() else []
+    for shard in sorted(shards):
         for name in os.listdir(shard):
             if is_temp_name(name):
                 report.temps.append(str(shard / name))
@@ -134,9 +135,11 @@ def _check_packed(pack: Pack | None, eid: bytes, row, verify: bool) -> str | Non
 
 def _check_blob(path: Path, row, verify: bool) -> str | None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = blobfile.open_blob(path)  # a FIFO under the name: corrupt, never a hang
     except FileNotFoundError:
         return "missing"
+    except (blobfile.BlobCorrupt, OSError) as exc:
+        return f"corrupt: {exc}"
     try:
         if verify:
             blobfile.read_blob(fd, row.file_size, row.checksum)

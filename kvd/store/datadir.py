@@ -28,9 +28,11 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from kvd.protocol.errors import KvdError
 
@@ -77,7 +79,10 @@ def ensure_dirs(root: str | os.PathLike) -> Path:
         if sub == QUARANTINE_DIR:
             ensure_quarantine(root)  # only kept for a post-mortem: never a reason not to start
             continue
-        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        if sub == BLOB_DIR:
+            ensure_blob_dirs(root)
+        else:
+            path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         # mkdir's mode is masked by the umask and ignored for existing dirs:
         # tighten explicitly (a dir made by hand with 0755 gets fixed too),
         # but never grant: a folder its owner made read-only stays so, and
@@ -88,22 +93,66 @@ def ensure_dirs(root: str | os.PathLike) -> Path:
     return root
 
 
+def ensure_folder(root: Path, rel: str, *, sync: Callable[[Path], None] | None = None) -> Path:
+    """root/rel as a real folder of ours: made again (with its parents) if it
+    is missing, and if something else took its name -- a file, or a symlink,
+    which kvd would otherwise write into and delete from wherever it points --
+    that is moved aside into the data dir (`<rel with - for />.not-a-dir-<time>`,
+    never inside blobs/, where a walk would look into it) and a new one made.
+    `sync(parent)` is called for each folder made (to fsync it into its
+    parent). Returns the path.
+    Raises OSError if it cannot be made (the caller's disk error)."""
+    path = Path(root) / rel
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        return path
+    if st is not None:
+        aside = Path(root) / f"{rel.replace('/', '-')}.not-a-dir-{int(time.time())}"
+        os.rename(path, aside)
+        log.warning("ssd: %s was not a folder (%s); moved it to %s and made a new one",
+                    path, "a symlink" if stat.S_ISLNK(st.st_mode) else "a file", aside)
+    elif "/" in rel:
+        ensure_folder(root, rel.rsplit("/", 1)[0], sync=sync)
+    try:
+        path.mkdir(mode=DIR_MODE)
+    except FileExistsError:  # made meanwhile by someone else: look again
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise
+        return path
+    if sync is not None:
+        sync(path.parent)
+    return path
+
+
+def ensure_blob_dirs(root: Path) -> None:
+    """blobs/ as a real folder, and any symlink in it named like a shard
+    moved aside: walks (reconcile, `kvd gc --orphans`) would otherwise
+    delete "orphans" in whatever it points at. One scandir of blobs/. (A
+    file under a shard's name is left: writes there fail, one path each.)"""
+    ensure_folder(root, BLOB_DIR)
+    with os.scandir(Path(root) / BLOB_DIR) as it:
+        odd = [e.name for e in it if _is_shard_name(e.name) and e.is_symlink()]
+    for name in odd:
+        ensure_folder(root, f"{BLOB_DIR}/{name}")
+
+
+def _is_shard_name(name: str) -> bool:
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
 def ensure_quarantine(root: Path) -> Path | None:
     """The quarantine folder, made again if it is missing or something else
     took its name (that is moved aside as `quarantine.not-a-dir-<time>`).
     None, logged, if it cannot be made: quarantining then removes blobs."""
     qdir = Path(root) / QUARANTINE_DIR
     try:
-        if qdir.is_dir() and not qdir.is_symlink():
-            mode = qdir.stat().st_mode & 0o777
-            if mode & 0o077:
-                os.chmod(qdir, mode & DIR_MODE)
-            return qdir
-        if qdir.exists() or qdir.is_symlink():
-            aside = qdir.with_name(f"{QUARANTINE_DIR}.not-a-dir-{int(time.time())}")
-            os.rename(qdir, aside)
-            log.warning("ssd: %s was not a folder; moved it to %s and made a new one", qdir, aside)
-        qdir.mkdir(mode=DIR_MODE)
+        ensure_folder(root, QUARANTINE_DIR)
+        mode = qdir.stat().st_mode & 0o777
+        if mode & 0o077:
+            os.chmod(qdir, mode & DIR_MODE)
         return qdir
     except OSError as exc:
         log.error("ssd: cannot make the quarantine folder %s: %s", qdir, exc)

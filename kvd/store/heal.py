@@ -266,9 +266,10 @@ def replace_index(root: Path, reason: str, *, map_size: int, quiet: bool = False
     path = root / INDEX_DIR
     moved = move_aside(root)
     index = Index(path, map_size=map_size)
-    heal = Heal(reason, moved_to=str(moved))
+    heal = Heal(reason, moved_to=str(moved) if moved else None)
     log.log(logging.INFO if quiet else logging.WARNING,
-            "ssd: index %s is damaged (%s); moved to %s, rebuilding it from the blobs", path, reason, moved)
+            "ssd: index %s is damaged (%s); %s, rebuilding it from the blobs", path, reason,
+            f"moved to {moved}" if moved else "its folder was gone")
     index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
     return index, heal
 
@@ -373,9 +374,10 @@ def any_blob(root: Path) -> bool:
         return False
 
 
-def move_aside(root: Path, name: str = INDEX_DIR) -> Path:
+def move_aside(root: Path, name: str = INDEX_DIR) -> Path | None:
     """Rename root/<name> to root/<name>.bad-<UTC time>, keep the newest
-    KEEP_BAD, make a new, empty root/<name>."""
+    KEEP_BAD, make a new, empty root/<name>. Returns where it went: None if
+    there was none (removed by hand under a running daemon)."""
     prefix = f"{name}.bad-"
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dst = root / f"{prefix}{stamp}"
@@ -383,7 +385,10 @@ def move_aside(root: Path, name: str = INDEX_DIR) -> Path:
     while dst.exists():
         dst = root / f"{prefix}{stamp}-{n}"
         n += 1
-    os.rename(root / name, dst)
+    try:
+        os.rename(root / name, dst)
+    except FileNotFoundError:
+        dst = None
     (root / name).mkdir(mode=DIR_MODE)
     blobfile.fsync_dir(root)
     old = sorted(p for p in root.iterdir() if p.name.startswith(prefix))  # by the UTC time in the name
@@ -420,12 +425,26 @@ def open_pack(root: Path, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = 
     return Pack(path, map_size=map_size)
 
 
+def replace_pack(root: Path, reason: str, *, map_size: int) -> Pack:
+    """While running: the pack's file is no longer the one the open pack
+    maps (removed, replaced, cut short; see Env.file_fault). Move what is at
+    root/pack aside (the old environment's lock file with it, so the new one
+    never shares it) and open a new, empty pack. The entries of the old one
+    are lost: their rows then name nothing, and reconcile drops them."""
+    moved = move_aside(root, PACK_DIR)
+    log.warning("ssd: the pack of small blobs %s cannot be used any more (%s); %s, started a new one: "
+                "the entries it held are lost", root / PACK_DIR, reason,
+                f"moved what was left to {moved}" if moved else "its folder was gone")
+    return Pack(root / PACK_DIR, map_size=map_size)
+
+
 def recover_row(path: str | Path, eid: bytes) -> tuple[Row, bool]:
     """The index row for the blob at `path`, after checking it: it parses,
     holds entry `eid`, and matches its own kvd_sum. Returns (row, verified):
     verified is False for a blob written before kvd_sum existed.
-    Raises BlobCorrupt, or OSError (FileNotFoundError if it vanished)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    Raises BlobCorrupt (also for anything not a regular file), or OSError
+    (FileNotFoundError if it vanished)."""
+    fd = blobfile.open_blob(path)  # a FIFO or a symlink under the name: BlobCorrupt, never a hang
     try:
         st = os.fstat(fd)
         buf = blobfile.read_all(fd, st.st_size)

@@ -6,10 +6,20 @@ a gate that new readers see (they raise IndexBusy and the caller misses
 rather than waits), waits for the readers in flight, resizes, and reopens
 it. `write(fn)` may run `fn` again after growing: `fn` must not touch state
 outside its transaction.
+
+The file under the map. LMDB keeps its data.mdb open and mapped: if the
+file is removed (`rm -rf` of its folder) commits go on, synced, into an
+inode nobody will ever open again; if it is cut short, the next read of a
+page past its end is a SIGBUS. Neither is reported by LMDB. So the
+environment remembers which file it opened (st_dev, st_ino), and
+`file_fault()` -- one stat -- says whether the path still names that file
+and whether it still holds every page in use; the SSD tier asks before it
+acknowledges a batch and on its writer's tick (ssd.py).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
@@ -21,6 +31,7 @@ import lmdb
 from kvd.protocol.errors import KvdError
 
 DEFAULT_MAP_SIZE = 1 << 30  # virtual; data.mdb grows only as pages are used
+DATA_FILE = "data.mdb"
 T = TypeVar("T")
 
 
@@ -50,6 +61,8 @@ class Env:
         try:
             if not readonly:
                 self.env.reader_check()  # clear reader slots left by a killed process
+            self._file = _identity(os.stat(self.path / DATA_FILE))
+            self._page = self.env.stat()["psize"]
         except BaseException:
             self.env.close()
             raise
@@ -59,6 +72,24 @@ class Env:
 
     def close(self) -> None:
         self.env.close()
+
+    def file_fault(self) -> str | None:
+        """Why the data.mdb at this environment's path is no longer the file
+        it maps (removed, replaced) or no longer holds every page in use (cut
+        short: a read there would be a SIGBUS); None while all is well. One
+        stat. Call it from the thread that writes (or with none writing)."""
+        try:
+            st = os.stat(self.path / DATA_FILE)
+        except (FileNotFoundError, NotADirectoryError):
+            return "was removed"
+        except OSError:
+            return None  # the disk's own trouble: the writes that meet it say so
+        if _identity(st) != self._file:
+            return "was replaced by another file"
+        need = (self.env.info()["last_pgno"] + 1) * self._page
+        if st.st_size < need:
+            return f"was cut short ({st.st_size} bytes, {need} in use)"
+        return None
 
     def retire(self, timeout: float = 10.0) -> None:
         """Close, once the readers inside are out; new readers miss (IndexBusy)."""
@@ -133,3 +164,7 @@ class Env:
     @property
     def map_size(self) -> int:
         return self.env.info()["map_size"]
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino

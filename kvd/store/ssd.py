@@ -52,12 +52,29 @@ RAM tier go on. Every `retry_s` one write is attempted; success clears it.
 A failed write removes its temp file, so nothing on disk is harmed. Any
 other OSError (a shard directory replaced by a file, a permission changed by
 hand) concerns one path: that entry is dropped and counted, logged once per
-errno, and the tier goes on.
+errno, and the tier goes on -- unless the same errno comes from
+PATH_ERRORS_DEGRADE writes in a row, which is no longer one path. The tier
+recovers only after a batch committed something without a new error (an
+entry encoded in memory proves nothing about the disk). The same disk
+errors met elsewhere degrade too: reading a blob (a miss; the blob is kept,
+it may be intact), recording hits, an admin job's writes (answered Busy).
+A blob read that fails for any other reason (the name is a FIFO, a folder,
+a symlink; a shard folder became a file) hides and quarantines the entry.
+Folders the tier writes in are made again if removed under it, and a
+symlink in their place is moved aside, never written through
+(datadir.ensure_folder).
 
 Durability. The writer writes a batch's blobs, fsyncs them and their folders
 together (group sync, blobfile.sync_group), then commits all their rows in
 one synced LMDB transaction; only then does it tell `on_settled` which
 entries are durable (the daemon answers write-through PUTs from that). A
+commit into an index or pack whose file was removed or replaced under the
+daemon is durable nowhere: before settling, one stat each says whether the
+files at their paths are still the ones mapped (Env.file_fault); if not,
+the batch is reported not durable, the tier degrades, and the pack is
+replaced at once, the index healed (rebuilt from the blobs). The writer's
+tick looks too, so a file cut short is replaced before most readers meet
+the missing pages (a SIGBUS; a read in the meantime still meets it). A
 blob whose fsync fails is removed and dropped, never indexed. `close(timeout)`
 stops writing at its deadline: the batch in hand commits what is already
 written, and the rest is counted (`unpersisted`) and logged in one line.
@@ -113,6 +130,8 @@ from kvd.store.datadir import (
     blob_path,
     eid_of_blob,
     ensure_dirs,
+    ensure_blob_dirs,
+    ensure_folder,
     ensure_quarantine,
 )
 from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row, RowDamaged
@@ -125,6 +144,10 @@ log = logging.getLogger("kvd.store.ssd")
 DEFAULT_MIN_FREE = 2 << 30
 # Errors that mean "the disk cannot take writes now", as opposed to a bug.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
+# Blob writes failing one after another with the same other errno (ENOENT,
+# EACCES, ...): past this many it is the folder or the disk, not one path.
+PATH_ERRORS_DEGRADE = 3
+FILE_CHECK_S = 0.1  # how often the writer looks at the index's and the pack's files (Env.file_fault)
 
 _COUNTERS = (
     "hits", "misses", "queue_hits", "spills", "spill_bytes", "spills_clean", "duplicates",
@@ -219,9 +242,13 @@ class SsdStore(Store):
         self._evicting: set[bytes] = set()  # victims whose rows are being deleted
         self._lease_sweep_at = 4096
         self._next_touch_flush = 0.0
+        self._next_file_check = 0.0
         self.degraded: str | None = None
         self.degraded_since: float | None = None
         self._retry_at = 0.0
+        self._degrades = 0  # _degrade calls: a batch that made one does not also recover
+        self._path_errors: tuple[int | None, int] = (None, 0)  # one errno, how many writes in a row
+        self._unsettled: set[bytes] = set()  # of the batch in hand: committed, yet not durable (_check_files)
         self.queue = SpillQueue(queue_bytes, queue_entries)
         self.reconciled = threading.Event()
         # A rebuild runs before reconcile: until it is done, blobs without
@@ -367,6 +394,7 @@ class SsdStore(Store):
         if not self._unlink_lock.acquire(timeout=0.05):
             self._count("busy_misses")
             return None
+        fault: BaseException | None = None
         try:
             with self.index.reading() as txn:
                 row = self.index.get(txn, eid)
@@ -376,9 +404,9 @@ class SsdStore(Store):
                 fd = -2  # read below, without the lock (see _read_packed)
             else:
                 try:
-                    fd = os.open(self.path(eid), os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    fd = -1
+                    fd = blobfile.open_blob(self.path(eid))
+                except (BlobCorrupt, OSError) as exc:
+                    fd, fault = -1, exc
         except IndexBusy:
             self._count("busy_misses")
             return None
@@ -393,7 +421,7 @@ class SsdStore(Store):
         if fd == -2:
             return self._read_packed(eid, row)
         if fd < 0:
-            self._mark_bad(eid, "missing")
+            self._open_failed(eid, fault)
             return None
         try:
             entry = blobfile.read_blob(fd, row.file_size, row.checksum, self.read_buffers)
@@ -403,13 +431,34 @@ class SsdStore(Store):
             self._mark_bad(eid, f"corrupt: {exc}")
             return None
         except OSError as exc:
-            self._count("read_errors")
-            self._mark_bad(eid, f"read error: {exc}")
+            self._read_failed(eid, exc)
             return None
         finally:
             os.close(fd)
         entry.nbytes = row.nbytes
         return entry
+
+    def _open_failed(self, eid: bytes, exc: BaseException | None) -> None:
+        """A blob file that would not open: a miss, and what it says about it."""
+        if isinstance(exc, FileNotFoundError):
+            self._mark_bad(eid, "missing")
+        elif isinstance(exc, BlobCorrupt):  # a FIFO, a folder, a symlink: not a blob
+            self._mark_bad(eid, f"corrupt: {exc}")
+        else:
+            self._read_failed(eid, exc)
+
+    def _read_failed(self, eid: bytes, exc: OSError) -> None:
+        """An I/O error reading a blob file. The disk's own (EIO, ...): a miss,
+        and the tier degraded -- the blob may well be intact, so it stays
+        (quarantining on a transient error would lose it). Anything else
+        concerns this one path (a symlink loop, a shard folder replaced by a
+        file): the entry is hidden and its blob quarantined, so the same
+        GET does not fail again and again."""
+        self._count("read_errors")
+        if exc.errno in DISK_ERRNOS:
+            self._degrade(f"read failed: {exc}")
+        else:
+            self._mark_bad(eid, f"read error: {exc}")
 
     def _read_packed(self, eid: bytes, row: Row) -> Entry | None:
         """The entry of a packed blob whose row `_read` found, checked as a
@@ -557,8 +606,10 @@ class SsdStore(Store):
         written: list[tuple[bytes, Row]] = []
         i = 0
         faults = self.major_faults()
+        degrades, committed = self._degrades, 0
         try:
             self._flush_touches()
+            self._blob_root_ok()
             if self.prefetching:
                 self._prefetch(batch)
             planned = 0
@@ -582,8 +633,7 @@ class SsdStore(Store):
                 if self.quotas is not None and not self.quotas.make_room_ssd(self, entry, est, written):
                     # As below: this batch's own uncommitted blobs may be what stands in the way.
                     if written:
-                        written = self._synced(written, batch)
-                        self._commit(written)
+                        committed += self._commit(self._synced(written, batch))
                         written, planned = [], 0
                     if not self.quotas.make_room_ssd(self, entry, est, written):
                         self._drop(entry, "quota")
@@ -593,8 +643,7 @@ class SsdStore(Store):
                     # way (a batch bigger than the budget): commit them, so they
                     # become evictable like any other, and try once more.
                     if written:
-                        written = self._synced(written, batch)
-                        self._commit(written)
+                        committed += self._commit(self._synced(written, batch))
                         written, planned = [], 0
                     if not self._make_room(est, set()):
                         self._drop(entry, "budget_leased")
@@ -615,18 +664,9 @@ class SsdStore(Store):
                     self._drop(entry, "unencodable")
                     continue
                 except OSError as exc:
-                    self._count("write_errors")
-                    self._drop(entry, "write_error")
-                    if exc.errno in DISK_ERRNOS:
-                        self._degrade(f"write failed: {exc}")
-                    else:
-                        # Not the disk: something about this one path (a shard dir
-                        # replaced by a file, a permission changed by hand). The
-                        # tier goes on writing everything else.
-                        if exc.errno not in self._errnos_logged:  # once per kind; counters keep the tally
-                            self._errnos_logged.add(exc.errno)
-                            log.warning("ssd: cannot write %s (%s); dropped, the tier goes on", eid.hex(), exc)
+                    self._write_failed(entry, exc)
                     continue
+                self._path_errors = (None, 0)
                 planned += info.disk_bytes
                 written.append((eid, Row(
                     ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start,
@@ -634,10 +674,14 @@ class SsdStore(Store):
                     disk_bytes=info.disk_bytes, checksum=info.checksum, fmt=blobfile.FORMAT_VERSION,
                     tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=now, state=state,
                 )))
-                self._recover()
             if written:
-                written = self._synced(written, batch)
-                self._commit(written)
+                committed += self._commit(self._synced(written, batch))
+            if committed:
+                self._check_files(batch)
+            # Recovered only once the disk took something: an encoded blob in
+            # memory proves nothing (a full disk flapped "recovered"/"degraded").
+            if committed and self._degrades == degrades:
+                self._recover()
         except lmdb.Error as exc:
             # The index refused a write mid-batch (LMDB on a full disk, most
             # often). Blobs written but not yet indexed must not stay on disk,
@@ -657,6 +701,74 @@ class SsdStore(Store):
         # batch: the index has outgrown the page cache), not while they are
         # cached: then the helper threads only cost CPU (~20% of a batch's).
         self.prefetching = self.major_faults() - faults >= max(1, len(batch) // 8)
+
+    def _write_failed(self, entry: Entry, exc: OSError) -> None:
+        """A blob file that could not be written: dropped, counted. The disk's
+        own errors degrade the tier. Any other concerns one path (a shard
+        folder replaced by a file, a permission changed by hand) and the tier
+        goes on writing everything else -- unless the same errno keeps coming
+        from path after path: then it is not about one path."""
+        self._count("write_errors")
+        self._drop(entry, "write_error")
+        if exc.errno in DISK_ERRNOS:
+            self._degrade(f"write failed: {exc}")
+            return
+        last, n = self._path_errors
+        n = n + 1 if exc.errno == last else 1
+        self._path_errors = (exc.errno, n)
+        if n >= PATH_ERRORS_DEGRADE:
+            self._degrade(f"{n} writes in a row failed: {exc}")
+        elif exc.errno not in self._errnos_logged:  # once per kind; counters keep the tally
+            self._errnos_logged.add(exc.errno)
+            log.warning("ssd: cannot write %s (%s); dropped, the tier goes on", entry.id.hex(), exc)
+
+    def _blob_root_ok(self) -> None:
+        """blobs/ is a real folder (one lstat a batch): made again if it was
+        removed under us, moved aside if it became a symlink (see
+        datadir.ensure_folder). A failure is the disk's: write_blob meets it."""
+        try:
+            ensure_folder(self.root, BLOB_DIR, sync=blobfile.fsync_dir)
+        except OSError:
+            pass
+
+    def _check_files(self, batch: list[Entry]) -> None:
+        """Before a batch is settled: are the index and the pack still the
+        files at their paths (Env.file_fault, one stat each)? A commit into
+        a removed file is lost at the next start, so then nothing of the
+        batch counts as durable (write-through PUTs are not acknowledged),
+        the tier degrades, and the file is replaced: the pack at once, the
+        index by a heal (which rebuilds it from the blobs)."""
+        why = self._file_faults()
+        if why is not None:
+            self._unsettled.update(e.id for e in batch)
+            self._degrade(why)
+
+    def _file_faults(self) -> str | None:
+        """Replace the pack or heal the index if its file is not the one it
+        maps any more; what was wrong, or None. Writer thread."""
+        why = None
+        fault = self.pack.file_fault()
+        if fault is not None:
+            why = f"the pack's data.mdb {fault}"
+            self._replace_pack(why)
+        fault = self.index.file_fault()
+        if fault is not None:  # until the heal has swapped it, every batch goes into that file
+            why = f"the index's data.mdb {fault}"
+            self.want_heal(why)
+        return why
+
+    def _replace_pack(self, why: str) -> None:
+        old = self.pack
+        try:
+            self.pack = heal.replace_pack(self.root, why, map_size=old.map_size)
+        except (OSError, lmdb.Error) as exc:
+            self._degrade(f"cannot replace the pack: {exc}")
+            return
+        old.retire()
+        # Rows that named the old pack's blobs name nothing now: reconcile drops them.
+        if self._reconcile is None:
+            self._reconcile = self._reconcile_steps({})
+            self.reconciled.clear()
 
     def _prefetch(self, batch: list[Entry]) -> None:
         """Read in, in parallel, the index and pack pages this batch's inserts
@@ -726,13 +838,15 @@ class SsdStore(Store):
 
     def settled(self, batch: list[Entry]) -> None:
         """Writer thread, after a batch: tell `on_settled` what became durable."""
+        unsettled, self._unsettled = self._unsettled, set()
         if self.on_settled is None:
             return
-        durable = self.with_rows(e.id for e in batch)
+        durable = self.with_rows(e.id for e in batch) - unsettled
         self.on_settled([(e.id, e.id in durable) for e in batch], self.degraded)
 
-    def _commit(self, written: list[tuple[bytes, Row]]) -> None:
-        """Commit rows for durable blobs; on failure remove the blobs (counted)."""
+    def _commit(self, written: list[tuple[bytes, Row]]) -> int:
+        """Commit rows for durable blobs; on failure remove the blobs (counted).
+        Returns how many rows were committed."""
         def commit(txn):
             added = [(eid, row) for eid, row in written if self.index.put_row(txn, eid, row)]
             return added, self.index.totals(txn)
@@ -749,11 +863,12 @@ class SsdStore(Store):
                 with self._mu:
                     self.counters["drops"] += 1
                     self.drop_reasons["write_error"] = self.drop_reasons.get("write_error", 0) + 1
-            return
+            return 0
         self.entries, self.bytes = totals
         with self._mu:
             self.counters["spills"] += len(added)
             self.counters["spill_bytes"] += sum(r.disk_bytes for _, r in added)
+        return len(added)
 
     def _space_ok(self, need: int) -> bool:
         if self.min_free_bytes <= 0:
@@ -769,6 +884,7 @@ class SsdStore(Store):
         return False
 
     def _degrade(self, reason: str) -> None:
+        self._degrades += 1
         self._retry_at = self._clock() + self.retry_s
         if self.degraded is None:
             self.degraded_since = self._clock()
@@ -974,6 +1090,13 @@ class SsdStore(Store):
         """Writer-thread periodic work. True if more is waiting right now."""
         if self._heal_wanted is not None and self._rebuild is None:
             self._heal_now()
+        if time.monotonic() >= self._next_file_check:
+            # Cut short, a file LMDB maps is a SIGBUS at the next read of a
+            # page past its end: replace it before a reader gets there (a
+            # mitigation only: a read may come first).
+            self._next_file_check = time.monotonic() + FILE_CHECK_S
+            if self._file_faults() is not None:
+                return True
         now = self._clock()
         try:
             if now >= self._next_touch_flush:
@@ -981,7 +1104,10 @@ class SsdStore(Store):
                 self._flush_touches()
         except lmdb.Error as exc:
             if not heal.is_damage(exc):
-                raise
+                # The disk refuses writes (read-only, full): those hits' recency
+                # is lost, nothing else. Degraded, said once; the tier keeps serving.
+                self._degrade(f"recording hits failed: {exc}")
+                return False
             self.want_heal(f"recording hits failed: {exc}")
             return True
         if self.index.damaged:
@@ -1020,13 +1146,21 @@ class SsdStore(Store):
     def _admin(self, fn: Callable[[], Any]) -> Any:
         """Run an admin job on the writer. An index found damaged meanwhile
         is healed (see want_heal) and the caller told to retry: Busy on the
-        wire, IndexDamaged offline -- never an internal error."""
+        wire, IndexDamaged offline -- never an internal error. A disk that
+        refuses the job's writes (read-only, full, failing) degrades the tier
+        and is Busy too (offline: the error as it is)."""
         def guarded():
             try:
                 return fn()
+            except OSError as exc:
+                if exc.errno not in DISK_ERRNOS or not self.writer.alive:
+                    raise
+                raise self._refused(exc) from None
             except lmdb.Error as exc:
                 if not heal.is_damage(exc):
-                    raise
+                    if not self.writer.alive:
+                        raise
+                    raise self._refused(exc) from None
                 if not self.writer.alive:
                     raise heal.IndexDamaged(f"the index of {self.root} is damaged ({exc}); "
                                             "run `kvd verify --repair` to rebuild it from the blobs") from None
@@ -1034,6 +1168,11 @@ class SsdStore(Store):
                 raise Busy("the SSD tier's index is damaged and being rebuilt from the blobs; retry later") from None
 
         return self.writer.submit(guarded).result()
+
+    def _refused(self, exc: Exception) -> Busy:
+        """The error to answer an admin job whose writes the disk refused; degrades the tier."""
+        self._degrade(f"an admin request failed: {exc}")
+        return Busy(f"the disk refuses writes ({exc}); retry later")
 
     def _finish_rebuild(self) -> None:
         """Run what is left of an index rebuild now (writer thread, or none running)."""
@@ -1050,6 +1189,9 @@ class SsdStore(Store):
         """Run a full reconcile now (on the writer). Returns counts removed (or that would be)."""
         def run():
             report: dict[str, int] = {}
+            # The walk deletes what it takes for orphans: never in a folder
+            # a symlink leads to (datadir.ensure_folder).
+            ensure_blob_dirs(self.root)
             if self._rebuild is not None:
                 # Blobs not yet indexed are not orphans, and finishing the
                 # rebuild here would hold the caller (the daemon's thread, for
@@ -1228,9 +1370,12 @@ class SsdStore(Store):
         persisted (counted in `unpersisted`) and lost."""
         self.unpersisted = 0
         if self.writer.alive:
-            if not self.writer.flush(timeout):
+            # The whole of it within `timeout`: writing gets most, and the
+            # batch in hand what is left to finish (commit what it wrote).
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if not self.writer.flush(None if timeout is None else timeout - min(1.0, 0.2 * timeout)):
                 self.writes_stopped = True
-            self.writer.stop(timeout=None if timeout is None else 2.0)
+            self.writer.stop(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             if self.writer.alive:
                 # Still inside one write (a slow disk): leave the index to the
                 # process exit rather than close it under the writer; LMDB and
