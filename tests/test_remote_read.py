@@ -20,7 +20,7 @@ from kvd.protocol.codec import Tensor
 from kvd.store import RamStore
 from kvd.store.base import BOUNDARY, CHUNK, Entry
 from kvd.store.remote import RemoteTier, WithRemote
-from kvd.store.remote_get import get_many
+from kvd.store.remote_get import Refused, get_many
 from redis_server import SKIP_REASON, RedisServer, redis_binary
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
@@ -59,14 +59,49 @@ def test_get_many_reads_values_of_every_size_bit_exact(server):
     assert get_many(r, []) == []
 
 
-def test_get_many_error_reply_raises_and_the_client_recovers(server):
+def test_get_many_an_error_reply_is_that_keys_refusal_and_the_rest_is_read(server):
     r = redis.Redis.from_url(server.url, max_connections=1)
     r.set(b"gm:ok", b"x" * 100_000)
     r.hset(b"gm:hash", b"f", b"v")  # GET of a hash: WRONGTYPE
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-        get_many(r, [b"gm:hash", b"gm:ok"])
-    assert r.get(b"gm:ok") == b"x" * 100_000  # a fresh connection, not the half-read one
-    assert [bytes(v) for v in get_many(r, [b"gm:ok"])] == [b"x" * 100_000]
+    got = get_many(r, [b"gm:hash", b"gm:ok", b"gm:hash"])
+    assert isinstance(got[0], Refused) and "WRONGTYPE" in got[0].reason and not got[0].unread
+    assert bytes(got[1]) == b"x" * 100_000 and isinstance(got[2], Refused)
+    assert r.get(b"gm:ok") == b"x" * 100_000  # the one pooled connection is in step
+
+
+def test_get_many_refuses_a_value_of_another_length_before_allocating_it(server):
+    """Each part's length is known from its header: it is asked for with
+    GETRANGE, so the server sends at most that many bytes whatever the key
+    holds, and a shorter reply is refused from its "$n" line, nothing
+    allocated for it; after a long one (left unread) the keys after it are
+    asked again on a fresh connection, less the refused key's group (the
+    other parts of a value already refused)."""
+    r = redis.Redis.from_url(server.url, max_connections=1)
+    small, short = b"s" * 1000, b"S" * (3 * MiB)
+    r.mset({b"gm:a": small, b"gm:short": short, b"gm:mate": b"m" * (4 * MiB), b"gm:c": small, b"gm:tiny": b"t"})
+    r.setrange(b"gm:huge", 300 * MiB - 1, b"x")  # 300 MiB on the server: never sent
+    asked = []
+
+    def alloc(n):
+        asked.append(n)
+        return np.empty(n, np.uint8)
+
+    names = [b"gm:a", b"gm:short", b"gm:mate", b"gm:c", b"gm:none", b"gm:tiny", b"gm:huge", b"gm:a"]
+    sizes = [1000, 4 * MiB, 4 * MiB, 1000, 1000, 1000, 1000, 1000]
+    got = get_many(r, names, alloc, sizes=sizes, groups=[0, 1, 1, 2, 3, 4, 5, 6])
+    assert asked == [1000, 1000, 1000, 1000]  # never 3 MiB, never 300 MiB
+    assert bytes(got[0]) == small and bytes(got[3]) == small and bytes(got[7]) == small
+    assert got[4] is None  # a missing key reads as empty, which no part is
+    assert isinstance(got[1], Refused) and got[1].unread and "3145728-byte" in got[1].reason
+    assert isinstance(got[2], Refused) and not got[2].unread  # its group-mate, not asked again
+    assert isinstance(got[5], Refused) and not got[5].unread  # a short one is read past: the connection goes on
+    assert bytes(got[6]) == b"\0" * 1000  # bytes past a part's length are never sent (the checksum judges these)
+    assert r.get(b"gm:c") == small  # the pool's connection is in step
+    # without sizes, `most` bounds every value: GET, and nothing allocated past it
+    got = get_many(r, [b"gm:short", b"gm:a"], alloc, most=MiB)
+    assert isinstance(got[0], Refused) and got[0].unread and bytes(got[1]) == small and asked[-1] == 1000
+    with pytest.raises(ValueError):
+        get_many(r, [b"gm:a"], sizes=[0])  # GETRANGE 0 -1 would be the whole value
 
 
 def test_get_many_reads_resp3_nulls(server):
@@ -117,7 +152,7 @@ def test_a_chain_is_streamed_ahead_and_served_bit_exact(server):
         first = store.get(chain[0].id)
         assert first is not None and _same(first, chain[0])
         assert store._ahead, "the next batches are queued on the reader threads"
-        ahead = sum(len(asked) for asked, _ in store._ahead)
+        ahead = sum(len(b.ids) for b in store._ahead)
         assert ahead * 256 * 1024 <= 2 * MiB + 256 * 1024
         got_b = store.get(bound.id)  # read alone: the stream keeps going
         assert got_b is not None and _same(got_b, bound) and store._ahead
@@ -148,8 +183,10 @@ def test_a_hole_in_a_streamed_chain_is_a_miss_never_an_error(server):
 
 
 def test_a_reply_longer_than_any_value_is_refused_before_allocating():
-    """A server (or something posing as one) announcing a huge bulk reply is a
-    protocol error: nothing is allocated for it (get_many then drops the connection)."""
+    """A server (or something posing as one) announcing a huge bulk reply:
+    that key is refused unread, nothing allocated for it (get_many then drops
+    the connection). An error reply about a key is that key's refusal; one
+    about the whole server (LOADING, ...) raises."""
     import socket
 
     from kvd.store import remote_get
@@ -158,11 +195,11 @@ def test_a_reply_longer_than_any_value_is_refused_before_allocating():
     with ours, theirs:
         theirs.sendall(b"$%d\r\n" % (remote_get.MAX_VALUE + 1))
         asked = []
-        with pytest.raises(redis.ConnectionError, match="over"):
-            remote_get._Replies(ours).bulk(lambda n: asked.append(n))
-        assert asked == []
-        theirs.sendall(b"$5\r\nhello\r\n$-1\r\n-ERR no\r\n")  # and what is a value still reads
-        replies = remote_get._Replies(ours)
-        assert bytes(replies.bulk(remote_get.np_alloc)) == b"hello" and replies.bulk(remote_get.np_alloc) is None
-        with pytest.raises(redis.ResponseError, match="no"):
-            replies.bulk(remote_get.np_alloc)
+        got = remote_get._Replies(ours).value(lambda n: asked.append(n))
+        assert isinstance(got, Refused) and got.unread and "over" in got.reason and asked == []
+        theirs.sendall(b"$5\r\nhello\r\n$-1\r\n-ERR no\r\n-LOADING Redis is loading the dataset in memory\r\n")
+        replies = remote_get._Replies(ours)  # and what is a value still reads
+        assert bytes(replies.value(remote_get.np_alloc)) == b"hello" and replies.value(remote_get.np_alloc) is None
+        assert replies.value(remote_get.np_alloc) == Refused("error reply: ERR no")
+        with pytest.raises(redis.ResponseError, match="LOADING"):
+            replies.value(remote_get.np_alloc)

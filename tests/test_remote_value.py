@@ -100,9 +100,42 @@ def test_any_size_splits_into_parts_and_joins_back(size, part_bytes):
     data = bytes(i % 256 for i in range(size))
     e = rv.RemoteEntry("ns", b"k" * 32, 0, b"p" * 32, 0, 4, (Tensor("t", "uint8", (size,), data),))
     values = rv.encode(e, part_bytes)
-    assert len(values) == max(1, -(-size // part_bytes))
-    got = rv.decode(rv.read_head(values[0]), values[1:], key=b"k" * 32, kind=0)
+    used = max(part_bytes, -(-size // rv.MAX_PARTS))  # raised where the entry would need too many parts
+    assert len(values) == max(1, -(-size // used)) <= rv.MAX_PARTS
+    head = rv.read_head(values[0])
+    assert head.part_lengths() == [len(v) for v in values[1:]]  # what a reader asks each part to be
+    got = rv.decode(head, values[1:], key=b"k" * 32, kind=0)
     assert bytes(got.tensors[0].data) == data
+
+
+def _planted(size: int, parts: int, part_bytes: int) -> bytes:
+    """A main value whose header passes every field check, with what a hostile writer chooses."""
+    import struct
+
+    import msgpack
+    import xxhash
+
+    header = msgpack.packb({
+        "v": 1, "ns": "ns", "key": b"k" * 32, "kind": 0, "parent": b"p" * 32, "start": 0, "length": 4,
+        "tail": False, "meta": b"", "tensors": [["x", "uint8", [size]]], "size": size, "parts": parts,
+        "part_bytes": part_bytes,
+    }, use_bin_type=True)
+    return struct.pack("<4sQI", b"KVR1", xxhash.xxh3_64(header).intdigest(), len(header)) + header + b"\0"
+
+
+def test_a_header_promising_too_much_is_refused_before_any_part_is_asked_for():
+    # a million one-byte parts: refused from the header alone
+    with pytest.raises(rv.BadRemoteValue, match="parts is over"):
+        rv.read_head(_planted(1 << 20, 1 << 20, 1))
+    assert rv.read_head(_planted(rv.MAX_PARTS, rv.MAX_PARTS, 1)).parts == rv.MAX_PARTS
+    # more payload than the reader takes, however it is split
+    big = 600 << 20
+    with pytest.raises(rv.BadRemoteValue, match="over the largest entry"):
+        rv.read_head(_planted(big, 1, big), max_size=512 << 20)
+    assert rv.read_head(_planted(big, 1, big)).size == big  # no bound given: the field checks alone
+    # each part's exact length, so a reply of another length is refused from its "$n" line
+    assert rv.read_head(_planted(10, 4, 3)).part_lengths() == [3, 3, 1]
+    assert rv.max_main_bytes(100) == 16 + rv.MAX_HEADER_BYTES + 100
 
 
 # -- remote_url -------------------------------------------------------------------
@@ -113,9 +146,20 @@ def test_any_size_splits_into_parts_and_joins_back(size, part_bytes):
     ("rediss://u:p@h:6380", "rediss://u:p@h:6380"),
     ("valkey://h:6379", "redis://h:6379"),
     ("valkeys://u:p@h/1?ssl_cert_reqs=required", "rediss://u:p@h/1?ssl_cert_reqs=required"),
+    ("unix:///p", "unix:///p"),  # an empty host part keeps its "//": redis-py refuses "unix:/p"
+    ("unix://default:p@/run/redis.sock?db=1", "unix://default:p@/run/redis.sock?db=1"),
+    ("VALKEY://h", "redis://h"),
 ])
 def test_url_forms_map_to_the_client_library(url, client):
     assert remote_url.check(url) == url and remote_url.client_url(url) == client
+
+
+def test_the_unix_form_opens_a_client_on_that_socket():
+    import redis
+
+    pool = redis.Redis.from_url(remote_url.client_url("unix:///run/kvd-test/redis.sock")).connection_pool
+    assert pool.connection_kwargs["path"] == "/run/kvd-test/redis.sock"
+    assert BY_NAME["remote_url"].shown(resolve({"remote_url": "unix:///p/r.sock"}, environ={}).remote_url) == "unix:///p/r.sock"
 
 
 @pytest.mark.parametrize("url, shown", [
@@ -124,6 +168,8 @@ def test_url_forms_map_to_the_client_library(url, client):
     ("valkeys://alice:hunter2@h:6380/0", "valkeys://alice:***@h:6380/0"),
     ("redis://hunter2@h", "redis://***@h"),
     ("redis://h/0?password=hunter2&ssl_ca_certs=/ca.pem", "redis://h/0?password=***&ssl_ca_certs=/ca.pem"),
+    ("unix://default:hunter2@/run/redis.sock", "unix://default:***@/run/redis.sock"),
+    ("redis://default:hunter2%23x@h:6379/0", "redis://default:***@h:6379/0"),  # percent-encoded: a valid URL
 ])
 def test_secrets_are_redacted(url, shown):
     assert remote_url.redact(url) == shown
@@ -132,11 +178,29 @@ def test_secrets_are_redacted(url, shown):
     assert "hunter2" not in repr(cfg) and BY_NAME["remote_url"].shown(cfg.remote_url) == shown
 
 
-@pytest.mark.parametrize("bad", ["http://h:1", "redis://", "redis://:pw@h:notaport", "h:6379"])
+@pytest.mark.parametrize("bad", ["http://h:1", "redis://", "redis://:pw@h:notaport", "h:6379", "unix://", "x:pw@h"])
 def test_bad_urls_are_config_errors_that_never_echo_the_password(bad):
     with pytest.raises(ConfigError) as info:
         resolve({"remote_url": bad}, environ={})
     assert "pw" not in str(info.value)
+
+
+@pytest.mark.parametrize("url, secret", [
+    ("redis://default:Se#cr3tXYZ@cache-host:6379/0", "cr3tXYZ"),
+    ("redis://default:ab/S3cretQQ@cache-host:6379/0", "S3cretQQ"),
+    ("redis://default:8841#Zq9-secret@127.0.0.1:1/0", "Zq9-secret"),  # "8841" parses as a port
+    ("rediss://alice:a?b@c#d@h/0", "b@c#d"),
+    ("valkey://:x/y?z@h", "y?z"),
+])
+def test_a_password_with_url_delimiters_is_never_shown(url, secret):
+    """'#', '/' and '?' end urlsplit's host part early: the password must be
+    masked all the same, and the URL refused (it must be percent-encoded)."""
+    shown = remote_url.redact(url)
+    assert secret not in shown and "***@" in shown
+    with pytest.raises(ConfigError) as info:
+        resolve({"remote_url": url}, environ={})
+    assert secret not in str(info.value) and "percent-encoded" in str(info.value)
+    assert "cache-host" not in str(info.value)  # the URL is not repeated at all
 
 
 def test_none_turns_the_tier_off():

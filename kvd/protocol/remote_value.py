@@ -23,6 +23,11 @@ Rules:
    entry the key names; it never raises anything else, whatever the input.
 2. Tensors are views into the values' bytes (no copy); only a tensor that
    straddles two parts is joined.
+3. A header bounds what reading the rest costs before any of it is asked
+   for: `read_head` refuses a `size` over the reader's largest entry and more
+   than MAX_PARTS parts, and `Head.part_lengths` gives each part's exact
+   length, so a reply of any other length is refused from its length alone.
+   A writer raises its part size when an entry would need more parts.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ _FIXED = struct.Struct("<4sQI")  # magic, checksum, header length
 MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; meta is small
 MAX_TENSORS = 4096
 MAX_RANK = 8
+MAX_PARTS = 1024  # parts of one value: 512 MiB in the smallest part size (1 MiB) needs 512
 KINDS = (0, 1)  # CHUNK, BOUNDARY (kvd.store.base)
 
 
@@ -85,10 +91,12 @@ def tails_key(parent: bytes) -> bytes:
 
 def encode(entry: RemoteEntry, part_bytes: int) -> list[bytes]:
     """The values of `entry`: [main value, part 1, part 2, ...], each holding
-    at most `part_bytes` of payload (the main value also holds the header)."""
+    at most `part_bytes` of payload (the main value also holds the header);
+    more if the entry would otherwise need over MAX_PARTS parts."""
     if part_bytes < 1:
         raise ValueError("part_bytes must be >= 1")
     size = sum(t.nbytes for t in entry.tensors)
+    part_bytes = max(part_bytes, -(-size // MAX_PARTS))  # readers refuse more than MAX_PARTS parts
     parts = max(1, -(-size // part_bytes))
     header = msgpack.packb({
         "v": VERSION, "ns": entry.namespace, "key": entry.key, "kind": entry.kind, "parent": entry.parent,
@@ -116,10 +124,25 @@ class Head:
     def parts(self) -> int:
         return self.fields["parts"]
 
+    @property
+    def size(self) -> int:
+        return self.fields["size"]
 
-def read_head(value: bytes | memoryview) -> Head:
+    def part_lengths(self) -> list[int]:
+        """The exact length of each part 1.. the header promises (part 0 is in the main value)."""
+        size, pb = self.fields["size"], self.fields["part_bytes"]
+        return [min(pb, size - i * pb) for i in range(1, self.fields["parts"])]
+
+
+def max_main_bytes(max_size: int) -> int:
+    """The longest main value an entry of at most `max_size` payload bytes can have."""
+    return _FIXED.size + MAX_HEADER_BYTES + max_size
+
+
+def read_head(value: bytes | memoryview, max_size: int | None = None) -> Head:
     """The header of a main value (so the caller knows how many parts to
-    fetch). Raises BadRemoteValue."""
+    fetch, and each one's length). Raises BadRemoteValue, also for a payload
+    over `max_size` bytes (the largest entry the reader takes)."""
     view = memoryview(value).cast("B")
     if len(view) < _FIXED.size:
         raise BadRemoteValue(f"value of {len(view)} bytes is shorter than its fixed prefix")
@@ -134,6 +157,8 @@ def read_head(value: bytes | memoryview) -> Head:
     except Exception as exc:  # msgpack raises several types for garbage
         raise BadRemoteValue(f"header is not msgpack: {exc}") from None
     _check_fields(fields)
+    if max_size is not None and fields["size"] > max_size:
+        raise BadRemoteValue(f"header: size {fields['size']} is over the largest entry taken here ({max_size})")
     return Head(fields, checksum, header, view[_FIXED.size + hlen :])
 
 
@@ -152,6 +177,7 @@ def _check_fields(f: Any) -> None:
     need(len(f["key"]) == 32 and len(f["parent"]) == 32, "key and parent must be 32 bytes")
     need(f["kind"] in KINDS, f"kind {f['kind']} unknown")
     need(f["part_bytes"] >= 1 and f["parts"] == max(1, -(-f["size"] // f["part_bytes"])), "parts do not match size")
+    need(f["parts"] <= MAX_PARTS, f"{f['parts']} parts is over {MAX_PARTS}")
     need(len(f["tensors"]) <= MAX_TENSORS, "too many tensors")
     total = 0
     for t in f["tensors"]:

@@ -13,16 +13,24 @@ or a RamStore) and is itself a `Store`:
     LOOKUP   `held`: the local answer; the ids the local tiers lack are asked
              of the remote in ONE pipelined round trip of EXISTS (a block of
              at most 64 chunks and their boundaries, see kvd.server.prefix).
-             Tails hanging off the last matched chunk: one HGETALL of the
-             parent's tail hash.
+             Tails hanging off the last matched chunk: `tails_for` asks the
+             parent's tail hash (HMGET) only for the tails the query could
+             match; `tails` (no query) one bounded HSCAN page. A listed tail
+             is remembered only once the matcher asks for it (`contains`):
+             a popular prefix's thousands of tails never crowd out the ids a
+             LOOKUP promised.
     GET      local, else the remote: the wanted chunk and the remote-known
-             chunks after it in the same chain are a *stream*, fetched in
-             pipelined batches on the reader threads (kvd.store.remote_get:
-             each value read from the socket straight into its buffer, a
-             shared-memory slot when the daemon has an arena), checked
-             (remote_value.decode), promoted into the local tiers and served.
-             A value that fails its checks is a miss plus a counter
-             (`checksum_failures`), never served.
+             chunks after it in the chain the GET's own walk asked about
+             (`held` records each walk's chunks in order) are a *stream*,
+             fetched in pipelined batches on the reader threads
+             (kvd.store.remote_get: each value read from the socket straight
+             into its buffer, a shared-memory slot when the daemon has an
+             arena), checked (remote_value.decode), promoted into the local
+             tiers and served. A value that fails its checks -- a header
+             promising more than this daemon takes, a reply of a length the
+             header did not promise, a key of another Redis type -- is a miss
+             plus a counter (`checksum_failures`), never served, never a
+             reason to mark the server down.
     EVICT    left to the server (`maxmemory-policy allkeys-lru`), plus an
              optional TTL on every key. `kvd gc` touches only local tiers.
 
@@ -32,25 +40,44 @@ takes batches of `batch_entries` and writes each as one pipeline of SETs
 (parts and tail-hash updates included). Entries promoted from the remote are
 never offered back.
 
-Failure rule: any error talking to the server (refused, reset, timeout,
-out of memory) makes the tier *degraded*: one warning line for the episode,
-reads skip the remote at once (a local miss is then just a miss), and the
-writer probes with PING on a backoff (0.25 s doubling to 10 s); the first
-good PING ends the episode with one info line and writes resume. A read on
-the daemon's loop thread waits at most `timeout` seconds per round trip
-(socket timeouts; redis-py's own retries are off), once per episode.
+Failure rules:
+1. Unreachable (refused, reset, timeout, a reply too slow, a server that is
+   loading): the tier is *degraded*: one warning line for the episode, reads
+   skip the remote at once (a local miss is then just a miss), and the writer
+   probes with PING on a backoff (0.25 s doubling to 10 s); the first good
+   PING ends the episode with one info line and writes resume. An episode
+   that starts again within a minute of the last one's end resumes its
+   backoff instead of starting over: a server that fails every request it is
+   given but answers PING is probed ever less often.
+2. Full (a write answered OOM, or READONLY, MISCONF, NOPERM: the server
+   refuses writes but answers reads): reads go on; the writer keeps its
+   backlog and retries ONE entry on the same doubling backoff, then writes
+   one entry at a time while they are taken; `batch_entries` taken in a row
+   end the episode. One warning line when writes are first refused, one info
+   line when they are taken again; `writes_refused` in the stats meanwhile.
+3. An error reply about one key (WRONGTYPE: another program's key of another
+   type under our name) is that key's refusal: a miss and `checksum_failures`
+   on a read, a lost tail shortcut on a write; never rule 1.
+A read on the daemon's loop thread waits at most `timeout` seconds in all
+(for a batch on the reader threads as for its own round trips; every
+pipeline of GETs has that deadline however slowly its bytes trickle in), once
+per episode: a wait that runs out is a miss, the batch is abandoned (its
+connection dropped, never read by another) and rule 1 applies.
 
 Read-ahead: a stream's batches are queued on two reader threads up to ~2 x
-`fetch_bytes` ahead of the GET that consumes them (the first batch is one
-entry until entry sizes are known: nothing overlaps it), and topped up after
-every GET, so the server's reply, the checksum and the page's trip to the
-client overlap instead of taking turns. Two threads, two connections: while
-one reads a batch, the other's GETs are already with the server, which
-otherwise sits idle between one batch's last byte and the next request
-(measured: ~15-20 ms per 32 MiB value on loopback). Promotion into the local tiers stays
-on the loop thread, which alone touches them. A GET of an id no queued batch
-holds starts a new stream (the old one's unstarted batches are cancelled);
-boundary state is read alone on the loop thread and leaves the stream be.
+`fetch_bytes` ahead of the GET that consumes them, and topped up after every
+GET, so the server's reply, the checksum and the page's trip to the client
+overlap instead of taking turns. Batch sizes follow the entries of THIS
+stream: its first batch is one entry (nothing overlaps it, and another
+model's entries say nothing about this one's), then as many as fit in
+`fetch_bytes` / 4 by the largest entry the stream has shown. Two threads,
+two connections: while one reads a batch, the other's GETs are already with
+the server, which otherwise sits idle between one batch's last byte and the
+next request (measured: ~15-20 ms per 32 MiB value on loopback). Promotion
+into the local tiers stays on the loop thread, which alone touches them. A
+GET of an id no queued batch holds starts a new stream (the old one's batches
+are abandoned); boundary state is read alone on the loop thread and leaves
+the stream be.
 
 Thread rules: the loop thread reads with its own connections, the reader
 threads (read-ahead) with the same pool, the writer thread with another; they
@@ -66,16 +93,22 @@ import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from kvd.protocol import remote_value as rv
-from kvd.store.base import BOUNDARY, CHUNK, Entry, PutOutcome, Store
-from kvd.store.remote_get import Alloc, get_many, np_alloc
+from kvd.protocol.limits import DEFAULT_LIMITS
+from kvd.store.base import BOUNDARY, CHUNK, Entry, PutOutcome, Store, entry_id
+from kvd.store.remote_get import SERVER_ERRORS, Alloc, Deadline, Refused, get_many, np_alloc
 from kvd.store.remote_url import client_url, redact
 
 log = logging.getLogger("kvd.store.remote")
 
 MiB = 1 << 20
+_BACKOFF_FIRST, _BACKOFF_MAX = 0.25, 10.0  # seconds between probes (rule 1) and write retries (rule 2)
+_CALM_S = 60.0  # healthy this long after an episode: the next one's backoff starts afresh
+_TAILS_LISTED = 512  # tails one HSCAN page may give (`tails` without a query): a bounded reply
+_TAILS_ASKED = 1024  # candidate tails one HMGET asks about (`tails_for`)
 
 
 def _client(url: str, timeout: float):
@@ -96,12 +129,45 @@ def _errors() -> tuple[type[BaseException], ...]:
     return (redis.RedisError, OSError)
 
 
+def _reply_code(exc: BaseException) -> str:
+    """The code of an error reply ("OOM", "WRONGTYPE", ...); "" for errors that
+    are not replies. (redis-py strips the codes it maps to a class of its own.)"""
+    import redis
+    from redis import exceptions as ex
+
+    if not isinstance(exc, redis.ResponseError):
+        return ""
+    for cls, code in ((ex.OutOfMemoryError, "OOM"), (ex.ReadOnlyError, "READONLY"),
+                      (ex.NoPermissionError, "NOPERM"), (ex.MasterDownError, "MASTERDOWN")):
+        if isinstance(exc, cls):
+            return code
+    return _message(exc).split(" ", 1)[0]
+
+
+def _message(exc: BaseException) -> str:
+    """Past redis-py's "Command # n (<the command, its value too>) of pipeline caused error: "."""
+    return str(exc).rpartition("caused error: ")[2]
+
+
+def _reply_text(exc: BaseException) -> str:
+    """An error reply as the server sent it, code first."""
+    code, text = _reply_code(exc), _message(exc)
+    return text if text.startswith(code) else f"{code} {text}"
+
+
+def _about_the_server(exc: BaseException) -> bool:
+    """Rule 1 (unreachable) rather than rule 3 (one key's error reply)."""
+    code = _reply_code(exc)
+    return not code or code in SERVER_ERRORS
+
+
 class RemoteTier:
     """The connection to the server: write-behind thread, reads, counters."""
 
     def __init__(
         self, url: str, *, ttl_s: int = 0, timeout: float = 0.5, part_bytes: int = 32 * MiB,
         batch_entries: int = 32, backlog_bytes: int = 1024 * MiB, fetch_bytes: int = 64 * MiB,
+        max_entry_bytes: int = DEFAULT_LIMITS.max_message_bytes,
     ):
         self.url = url
         self.shown_url = redact(url)
@@ -111,6 +177,9 @@ class RemoteTier:
         self.batch_entries = batch_entries
         self.backlog_bytes = backlog_bytes
         self.fetch_bytes = fetch_bytes
+        # The largest entry this daemon takes (its max_message_bytes): a header
+        # promising more is refused before any of its parts is asked for.
+        self.max_entry_bytes = max_entry_bytes
         self._errors = _errors()
         # Where fetched values land (their tensors are views into them): the
         # daemon points this at its shared-memory arena when it has one.
@@ -124,9 +193,14 @@ class RemoteTier:
         self.degraded = False
         self.degraded_since: float | None = None
         self.degraded_reason = ""
+        self.writes_refused = ""  # rule 2: why the server refuses writes ("" while it takes them)
         self._episode_errors = 0
-        self._backoff = 0.25
+        self._refusals = 0
+        self._taken_in_row = 0
+        self._backoff = _BACKOFF_FIRST  # rule 1's probes
+        self._write_backoff = _BACKOFF_FIRST  # rule 2's write retries
         self._retry_at = 0.0
+        self._healthy_since = float("-inf")  # when the last episode ended
         self._stop = False
         self.counters = {
             "hits": 0, "misses": 0, "checksum_failures": 0, "bytes_in": 0, "bytes_out": 0, "written": 0,
@@ -137,8 +211,9 @@ class RemoteTier:
         self._thread = threading.Thread(target=self._run, name="kvd-remote", daemon=True)
         self._thread.start()
 
-    # -- the failure rule ------------------------------------------------------
+    # -- the failure rules ------------------------------------------------------
     def _failed(self, exc: BaseException, where: str) -> None:
+        """Rule 1: the server is unreachable (or too slow)."""
         with self.cond:
             self.counters["errors"] += 1
             self._episode_errors += 1
@@ -147,7 +222,8 @@ class RemoteTier:
                 self.degraded_since = time.time()
                 self.degraded_reason = f"{where}: {type(exc).__name__}: {exc}"
                 self.counters["degraded_episodes"] += 1
-                self._backoff = 0.25
+                calm = time.monotonic() - self._healthy_since >= _CALM_S
+                self._backoff = _BACKOFF_FIRST if calm else min(self._backoff * 2, _BACKOFF_MAX)
                 self._retry_at = time.monotonic() + self._backoff
                 log.warning(
                     "remote tier %s unavailable (%s: %s: %s); serving from local tiers, retrying with backoff",
@@ -159,8 +235,42 @@ class RemoteTier:
         with self.cond:
             if self.degraded:
                 log.info("remote tier %s is back (%d errors in the episode)", self.shown_url, self._episode_errors)
+                self._healthy_since = time.monotonic()
             self.degraded = False
             self._episode_errors = 0
+
+    def _refused(self, reason: str) -> None:
+        """Rule 2: the server refuses writes; the batch stays in the backlog."""
+        with self.cond:
+            self.counters["errors"] += 1
+            self._refusals += 1
+            self._taken_in_row = 0
+            if not self.writes_refused:
+                self.writes_refused = reason
+                self._write_backoff = _BACKOFF_FIRST
+                log.warning(
+                    "remote tier %s refuses writes (%s); reads go on, writes are retried with backoff",
+                    self.shown_url, reason,
+                )
+            else:
+                self._write_backoff = min(self._write_backoff * 2, _BACKOFF_MAX)
+            self._retry_at = time.monotonic() + self._write_backoff
+            self.cond.notify_all()
+
+    def _taken(self) -> None:
+        """A write was taken. After refusals, writes go on one entry at a time
+        (at once, no backoff), and the episode ends only when a batch's worth
+        of them in a row were taken: a nearly full server that takes a small
+        write between refusals is one episode, not one per small write."""
+        with self.cond:
+            if not self.writes_refused:
+                return
+            self._taken_in_row += 1
+            self._retry_at = time.monotonic()
+            if self._taken_in_row >= self.batch_entries:
+                log.info("remote tier %s takes writes again (%d refused in the episode)", self.shown_url, self._refusals)
+                self.writes_refused = ""
+                self._refusals = 0
 
     @property
     def usable(self) -> bool:
@@ -184,14 +294,20 @@ class RemoteTier:
                 self.counters["backlog_dropped"] += 1
             self.cond.notify_all()
 
+    def _wait(self) -> float | None:
+        """Under the condition: seconds until the writer has work (0: now; None: until told)."""
+        if self.degraded:
+            return max(0.0, self._retry_at - time.monotonic())
+        if len(self._backlog) <= len(self._inflight):
+            return None
+        if self.writes_refused:
+            return max(0.0, self._retry_at - time.monotonic())
+        return 0.0
+
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self._stop and (
-                    (self.degraded and time.monotonic() < self._retry_at)
-                    or (not self.degraded and len(self._backlog) <= len(self._inflight))
-                ):
-                    wait = self._retry_at - time.monotonic() if self.degraded else None
+                while not self._stop and (wait := self._wait()) != 0.0:
                     self.cond.wait(timeout=wait)
                 if self._stop:
                     return
@@ -199,16 +315,21 @@ class RemoteTier:
             if degraded:
                 self._probe()
                 continue
-            batch = self._take()
+            # A server refusing writes is asked again with one entry, not the batch.
+            batch = self._take(1 if self.writes_refused else self.batch_entries)
             try:
-                self._write(batch)
+                refusal = self._write(batch)
             except self._errors as exc:
                 self._failed(exc, "write")
             except Exception:  # a bug: log it, drop the batch, keep the thread
                 log.exception("remote writer: unexpected error (batch dropped)")
                 self._done(batch, written=False)
             else:
-                self._done(batch, written=True)
+                if refusal:
+                    self._refused(refusal)
+                else:
+                    self._taken()
+                    self._done(batch, written=True)
             finally:
                 with self.cond:
                     self._inflight.difference_update(e.id for e in batch)
@@ -221,15 +342,15 @@ class RemoteTier:
             with self.cond:
                 self.counters["errors"] += 1
                 self._episode_errors += 1
-                self._backoff = min(self._backoff * 2, 10.0)
+                self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
                 self._retry_at = time.monotonic() + self._backoff
                 log.debug("remote probe failed: %s", exc)
             return
         self._recovered()
 
-    def _take(self) -> list[Entry]:
+    def _take(self, most: int) -> list[Entry]:
         with self.cond:
-            batch = [e for eid, e in self._backlog.items() if eid not in self._inflight][: self.batch_entries]
+            batch = [e for eid, e in self._backlog.items() if eid not in self._inflight][:most]
             self._inflight.update(e.id for e in batch)
         return batch
 
@@ -241,7 +362,9 @@ class RemoteTier:
                     self.counters["written" if written else "backlog_dropped"] += 1
             self.cond.notify_all()
 
-    def _write(self, batch: list[Entry]) -> None:
+    def _write(self, batch: list[Entry]) -> str:
+        """Write `batch` in one pipeline. Returns "" when the server took it,
+        else why it refused (rule 2). Raises the connection's errors (rule 1)."""
         pipe = self._writer.pipeline(transaction=False)
         ex = self.ttl_s or None
         nbytes = 0
@@ -258,14 +381,27 @@ class RemoteTier:
                 pipe.hset(tk, e.key.hex(), e.length)
                 if ex:
                     pipe.expire(tk, ex)
-        pipe.execute()
+        # Each command's error reply comes back in its place: one key of another
+        # type (rule 3) must not hold back the batch, nor read as "unreachable".
+        replies = pipe.execute(raise_on_error=False)
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if any(_about_the_server(exc) for exc in errors):
+            raise next(exc for exc in errors if _about_the_server(exc))
+        refusals = [exc for exc in errors if _reply_code(exc) != "WRONGTYPE"]
+        if refusals:
+            return _reply_text(refusals[0])
+        if errors:  # a tails key of another type: the tail shortcut is lost, the values are written
+            self._add("errors", len(errors))
+            log.warning("remote write: %d key(s) of another type left as they are (%s)", len(errors), _reply_text(errors[0]))
         self.counters["bytes_out"] += nbytes
+        return ""
 
     def flush(self, timeout: float) -> bool:
-        """Wait until the backlog is written (True) or `timeout` passes."""
+        """Wait until the backlog is written (True) or `timeout` passes (or the
+        server is down or refusing writes: False)."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            while self._backlog and not self.degraded:
+            while self._backlog and not self.degraded and not self.writes_refused:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -287,12 +423,13 @@ class RemoteTier:
                 pass
 
     # -- reads (the daemon's loop thread) ---------------------------------------
-    def read_ahead(self, eids: Sequence[bytes]) -> Future:
-        """`fetch(eids)` on the reader thread; the Future's result is its dict.
-        Batches start in the order queued, two at a time (two threads, so
-        the server always holds the next request); the caller bounds how
-        many it queues (WithRemote._read_more) and consumes them in order."""
-        return self._reads.submit(self.fetch, list(eids))
+    def read_ahead(self, eids: Sequence[bytes], stop: threading.Event) -> Future:
+        """`fetch(eids, stop)` on the reader thread; the Future's result is its
+        dict. Batches start in the order queued, two at a time (two threads, so
+        the server always holds the next request); the caller bounds how many
+        it queues (WithRemote._read_more), consumes them in order and sets
+        `stop` to abandon one."""
+        return self._reads.submit(self.fetch, list(eids), stop)
 
     def exists(self, eids: Sequence[bytes]) -> list[bool]:
         """Which of `eids` the server holds, in one round trip; all False when degraded."""
@@ -310,60 +447,63 @@ class RemoteTier:
         return [bool(n) for n in found]
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
-        """(length, key) of the tails the server lists under `parent`."""
+        """(length, key) of tails the server lists under `parent`: one HSCAN
+        page (at most ~_TAILS_LISTED of them, however many the hash holds)."""
         if self.degraded:
             return []
         try:
-            raw = self._reader.hgetall(rv.tails_key(parent))
+            _, fields = self._reader.hscan(rv.tails_key(parent), 0, count=_TAILS_LISTED)
         except self._errors as exc:
-            self._failed(exc, "tails")
+            self._tails_failed(parent, exc)
+            return []
+        return [t for k, v in list(fields.items())[:_TAILS_LISTED] if (t := _tail(k, v)) is not None]
+
+    def tails_among(self, parent: bytes, candidates: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        """Which of `candidates` ((length, key) a tail of the query would have)
+        the server lists under `parent`: one HMGET of just those fields."""
+        if self.degraded or not candidates:
+            return []
+        try:
+            values = self._reader.hmget(rv.tails_key(parent), [key.hex() for _, key in candidates])
+        except self._errors as exc:
+            self._tails_failed(parent, exc)
             return []
         out = []
-        for k, v in raw.items():
-            try:
-                key, n = bytes.fromhex(k.decode()), int(v)
-            except ValueError:
-                continue
-            if len(key) == 32 and n > 0:
-                out.append((n, key))
+        for (n, key), v in zip(candidates, values):
+            t = None if v is None else _tail(key.hex().encode(), v)
+            if t is not None and t[0] == n:
+                out.append(t)
         return out
 
-    def fetch(self, eids: Sequence[bytes]) -> dict[bytes, Entry]:
+    def _tails_failed(self, parent: bytes, exc: BaseException) -> None:
+        if _about_the_server(exc):
+            self._failed(exc, "tails")
+        else:  # rule 3: a key of another type under the tails hash's name
+            self._add("checksum_failures")
+            log.warning("remote tails %s refused: %s", rv.tails_key(parent).decode(), exc)
+
+    def fetch(self, eids: Sequence[bytes], stop: threading.Event | None = None) -> dict[bytes, Entry]:
         """The entries of `eids` the server holds intact: one pipelined GET of
-        the main values, one more for the parts of split ones, each value read
-        into a buffer from `self.alloc`. Misses and bad values are counted;
-        nothing here raises."""
+        the main values, one more for the parts of split ones (each asked for
+        with the length its header promises), each value read into a buffer
+        from `self.alloc`, all within one `timeout` (or until `stop` is set).
+        Misses and bad values are counted; nothing here raises."""
         if not eids or self.degraded:
             return {}
+        deadline = Deadline(self.timeout, stop)
         try:
-            mains = get_many(self._reader, [rv.value_key(eid[:32], eid[32]) for eid in eids], self.alloc)
-            heads: dict[bytes, rv.Head] = {}
-            for eid, value in zip(eids, mains):
-                if value is None:
-                    self._add("misses")
-                    continue
-                self._add("bytes_in", len(value))
-                try:
-                    heads[eid] = rv.read_head(value)
-                except rv.BadRemoteValue as exc:
-                    self._bad(eid, exc)
-            split = [(eid, h) for eid, h in heads.items() if h.parts > 1]
-            parts: dict[bytes, list] = {}
-            if split:
-                names = []
-                for eid, h in split:
-                    main = rv.value_key(eid[:32], eid[32])
-                    names += [rv.part_key(main, i) for i in range(1, h.parts)]
-                got = iter(get_many(self._reader, names, self.alloc))
-                for eid, h in split:
-                    parts[eid] = [next(got) for _ in range(1, h.parts)]
-                    self._add("bytes_in", sum(len(p) for p in parts[eid] if p is not None))
+            heads = self._heads(eids, deadline)
+            parts = self._parts(heads, deadline)
         except self._errors as exc:
-            self._failed(exc, "fetch")
+            if stop is None or not stop.is_set():  # abandoned by the loop thread: not the server's fault
+                self._failed(exc, "fetch")
             return {}
         out: dict[bytes, Entry] = {}
         for eid, h in heads.items():
+            refused = next((p for p in parts.get(eid, ()) if isinstance(p, Refused)), None)
             try:
+                if refused is not None:
+                    raise rv.BadRemoteValue(f"part refused: {refused.reason}")
                 r = rv.decode(h, parts.get(eid, []), key=eid[:32], kind=eid[32])
             except rv.BadRemoteValue as exc:
                 self._bad(eid, exc)
@@ -375,9 +515,48 @@ class RemoteTier:
             )
         return out
 
-    def _bad(self, eid: bytes, exc: BaseException) -> None:
+    def _heads(self, eids: Sequence[bytes], deadline: Deadline) -> dict[bytes, rv.Head]:
+        """The headers of `eids`' main values (the misses and refusals counted)."""
+        keys = [rv.value_key(eid[:32], eid[32]) for eid in eids]
+        mains = get_many(self._reader, keys, self.alloc, most=rv.max_main_bytes(self.max_entry_bytes), deadline=deadline)
+        heads: dict[bytes, rv.Head] = {}
+        for eid, value in zip(eids, mains):
+            if value is None:
+                self._add("misses")
+            elif isinstance(value, Refused):
+                self._bad(eid, value.reason)
+            else:
+                self._add("bytes_in", len(value))
+                try:
+                    heads[eid] = rv.read_head(value, self.max_entry_bytes)
+                except rv.BadRemoteValue as exc:
+                    self._bad(eid, exc)
+        return heads
+
+    def _parts(self, heads: dict[bytes, rv.Head], deadline: Deadline) -> dict[bytes, list[Any]]:
+        """Parts 1.. of the split values among `heads`, each of exactly its promised length (else Refused)."""
+        split = [(eid, h) for eid, h in heads.items() if h.parts > 1]
+        if not split:
+            return {}
+        names: list[bytes] = []
+        sizes: list[int] = []
+        groups: list[int] = []
+        for n, (eid, h) in enumerate(split):
+            main = rv.value_key(eid[:32], eid[32])
+            lengths = h.part_lengths()
+            names += [rv.part_key(main, i) for i in range(1, h.parts)]
+            sizes += lengths
+            groups += [n] * len(lengths)
+        got = iter(get_many(self._reader, names, self.alloc, sizes=sizes, groups=groups, deadline=deadline))
+        parts: dict[bytes, list[Any]] = {}
+        for eid, h in split:
+            parts[eid] = [next(got) for _ in range(1, h.parts)]
+            self._add("bytes_in", sum(len(p) for p in parts[eid] if p is not None and not isinstance(p, Refused)))
+        return parts
+
+    def _bad(self, eid: bytes, why: object) -> None:
         self._add("checksum_failures")
-        log.warning("remote value %s refused: %s", rv.value_key(eid[:32], eid[32]).decode(), exc)
+        log.warning("remote value %s refused: %s", rv.value_key(eid[:32], eid[32]).decode(), why)
 
     def _add(self, name: str, n: int = 1) -> None:
         """Count under the condition: two reader threads and the loop thread read at once."""
@@ -390,8 +569,17 @@ class RemoteTier:
         return {
             **self.counters, "backlog": backlog, "backlog_bytes": nbytes, "backlog_max_bytes": self.backlog_bytes,
             "degraded": self.degraded, "degraded_since": self.degraded_since, "degraded_reason": self.degraded_reason,
-            "url": self.shown_url, "ttl_s": self.ttl_s,
+            "writes_refused": self.writes_refused, "url": self.shown_url, "ttl_s": self.ttl_s,
         }
+
+
+def _tail(field: bytes, value: bytes) -> tuple[int, bytes] | None:
+    """(length, key) of one field of a tails hash, or None if it is not one."""
+    try:
+        key, n = bytes.fromhex(field.decode()), int(value)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return (n, key) if len(key) == 32 and n > 0 else None
 
 
 def _remote_entry(e: Entry) -> rv.RemoteEntry:
@@ -401,24 +589,43 @@ def _remote_entry(e: Entry) -> rv.RemoteEntry:
     )
 
 
+class _Batch(NamedTuple):
+    """A batch of a stream queued on the reader threads."""
+
+    ids: list[bytes]
+    fut: Future
+    stop: threading.Event  # set: abandon it (a new stream, or the loop stopped waiting)
+
+
 class WithRemote(Store):
     """A local store with the remote tier behind it; see the module docstring."""
 
     _KNOWN_MAX = 1 << 16  # remote-known ids remembered between LOOKUP and GET
+    _WALK_MAX = 1 << 16  # chunk ids of the walks since the last GET (a walk is at most max_chunks)
 
     def __init__(self, local: Store, remote: RemoteTier):
         self.local = local
         self.remote = remote
-        # id -> namespace-free chain order: ids the server said it holds, in
-        # the order they were asked (chain order), so a GET can fetch the
-        # ones after the wanted entry in the same round trip.
+        # Ids the server said it holds (EXISTS), and tails a walk matched: a
+        # GET of anything else does not ask the server.
         self._known: OrderedDict[bytes, None] = OrderedDict()
+        # The chunk ids the walks since the last `get` found held, each walk
+        # in chain order (the matcher asks block after block, and only while
+        # every chunk so far is held). A GET walks its own query right before
+        # its first `get`, so its walk is the last one here: a stream is the
+        # wanted id and what follows it in that walk, never another client's
+        # chain asked about in between.
+        self._walk: list[bytes] = []
+        self._walk_ended = False  # a `get` came: the next `held` starts the list again
+        # Tails the last `tails`/`tails_for` listed from the server: remembered
+        # (into _known) only when the matcher asks about one, i.e. it matched.
+        self._offered: dict[bytes, None] = {}
         self._fetched: dict[bytes, Entry] = {}
-        # The GET stream being read: ids still to queue, and the batches
-        # queued on the reader threads (ids, their fetch), oldest first.
+        # The GET stream being read: ids still to queue, the batches queued on
+        # the reader threads (oldest first), and the largest entry it has shown.
         self._stream: list[bytes] = []
-        self._ahead: deque[tuple[list[bytes], Future]] = deque()
-        self._last_size = 0
+        self._ahead: deque[_Batch] = deque()
+        self._stream_size = 0
 
     # The governor, quotas and the eviction record find the local tiers here.
     @property
@@ -453,20 +660,59 @@ class WithRemote(Store):
             self._remember(eids[i] for i, f in zip(ask, found) if f)
             for i, f in zip(ask, found):
                 out[i] = f
+        self._record_walk(eids, out)
         return out
 
+    def _record_walk(self, eids: Sequence[bytes], out: list[bool]) -> None:
+        """Append the chunks of `eids` held before the first that is not (chain order)."""
+        if self._walk_ended:
+            self._walk, self._walk_ended = [], False
+        for eid, have in zip(eids, out):
+            if eid[32] != CHUNK:
+                continue
+            if not have:
+                break
+            self._walk.append(eid)
+        if len(self._walk) > self._WALK_MAX:
+            del self._walk[: len(self._walk) - self._WALK_MAX]
+
     def contains(self, eid: bytes) -> bool:
-        return self.local.contains(eid) or eid in self._known or eid in self._fetched
+        if self.local.contains(eid) or eid in self._known or eid in self._fetched:
+            return True
+        if eid in self._offered:  # a listed tail the matcher found to be the query's: GET may fetch it
+            self._remember([eid])
+            return True
+        return False
 
     def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
-        found = {key: n for n, key in self.local.tails(parent)}
-        for n, key in self.remote.tails(parent):
+        """The local tails under `parent`, and one bounded page of the server's."""
+        local = list(self.local.tails(parent))
+        return self._offer(local, self.remote.tails(parent) if self.remote.usable else [])
+
+    def tails_for(self, parent: bytes, candidates: Iterable[tuple[int, bytes]]) -> Iterable[tuple[int, bytes]]:
+        """`tails(parent)` for one query: `candidates` are the (length, key) a
+        tail of that query could have (lengths 1 .. min(tokens left,
+        chunk_tokens - 1), keys as the matcher hashes them; read lazily, at
+        most _TAILS_ASKED). The server is asked about those fields only, so
+        the reply stays small however many tails a popular prefix collected."""
+        local = list(self.local.tails(parent))
+        remote: list[tuple[int, bytes]] = []
+        if self.remote.usable:
+            asked = [(n, key) for (n, key), _ in zip(candidates, range(_TAILS_ASKED))]
+            remote = self.remote.tails_among(parent, asked)
+        return self._offer(local, remote)
+
+    def _offer(self, local: list[tuple[int, bytes]], remote: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        found = {key: n for n, key in local}
+        self._offered = {}
+        for n, key in remote:
             if key not in found:
                 found[key] = n
-                self._remember([key + bytes((CHUNK,))])
+                self._offered[entry_id(key, CHUNK)] = None
         return sorted(((n, key) for key, n in found.items()), reverse=True)
 
     def get(self, eid: bytes) -> Entry | None:
+        self._walk_ended = True
         entry = self.local.get(eid)
         if entry is not None:
             return entry
@@ -475,32 +721,50 @@ class WithRemote(Store):
             return entry
         if eid not in self._known or not self.remote.usable:
             return None
-        if eid[32] == BOUNDARY and not any(eid in ids for ids, _ in self._ahead):
-            # Boundary state comes last in a GET: read it here, alone, and
-            # leave the chunk stream (if any) running.
+        if eid[32] == BOUNDARY and not any(eid in b.ids for b in self._ahead):
+            # Boundary state comes last in a GET: read it here, alone (within
+            # the tier's timeout), and leave the chunk stream (if any) running.
             return self._consume([eid], self.remote.fetch([eid]), stream=False).get(eid)
-        if not any(eid in ids for ids, _ in self._ahead):
+        if not any(eid in b.ids for b in self._ahead):
             # A new stream: `eid` and the remote-known chunks after it in its
-            # chain, read in batches on the reader threads. Batches of an
-            # earlier stream not started yet are dropped (the two running
-            # ones finish first).
-            for _, fut in self._ahead:
-                fut.cancel()
-            self._ahead.clear()
+            # walk, read in batches on the reader threads. An earlier stream's
+            # batches are abandoned.
+            self._abandon()
             self._stream = self._chain_after(eid)
+            self._stream_size = 0
             self._read_more()
         # Batches before the one holding `eid` belong to the same stream (the
         # client skipped ahead): promoted like the rest, then `eid`'s batch.
+        deadline = time.monotonic() + self.remote.timeout
         got: dict[bytes, Entry] = {}
         while self._ahead:
-            asked, fut = self._ahead.popleft()
-            got = self._consume(asked, fut.result())  # waits bounded by the socket timeouts
-            if eid in asked:
+            batch = self._ahead.popleft()
+            try:
+                result = batch.fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                # The loop thread serves everyone: it waits no longer (rule 1).
+                # The batch's connection is dropped unread by its reader.
+                batch.stop.set()
+                self._abandon()
+                for fid in batch.ids:
+                    self._known.pop(fid, None)
+                self.remote._failed(TimeoutError(f"no reply in {self.remote.timeout:g}s"), "fetch")
+                return None
+            got = self._consume(batch.ids, result)
+            if eid in batch.ids:
                 break
         # Keep the reader busy while this page travels to the client: the
         # server's reply and the transfer to the client overlap.
         self._read_more()
         return got.get(eid)
+
+    def _abandon(self) -> None:
+        """Drop the stream: batches not started never start, running ones stop at their next read."""
+        for batch in self._ahead:
+            batch.fut.cancel()
+            batch.stop.set()
+        self._ahead.clear()
+        self._stream = []
 
     def _consume(self, asked: list[bytes], got: dict[bytes, Entry], *, stream: bool = True) -> dict[bytes, Entry]:
         """Promote a fetched batch into the local tiers; ids the server did not
@@ -511,7 +775,8 @@ class WithRemote(Store):
         if stream and len(got) < len(asked):
             self._stream = []  # a hole in the chain: nothing after it is served
         for fid, e in got.items():
-            self._last_size = max(self._last_size, e.nbytes)
+            if stream:
+                self._stream_size = max(self._stream_size, e.nbytes)
             # Promote: the local tiers keep it (RAM, spilling colder entries);
             # one they cannot take now is still served from _fetched.
             if self.local.put(e) is PutOutcome.STORED:
@@ -522,30 +787,30 @@ class WithRemote(Store):
 
     def _read_more(self) -> None:
         """Queue batches of the stream on the reader threads, up to ~2 x
-        `fetch_bytes` read ahead. Until an entry's size is known, one entry:
-        the first round trip is the one nothing overlaps, so it stays short."""
+        `fetch_bytes` read ahead, each ~`fetch_bytes` / 4 by the largest entry
+        this stream has shown. Until it has shown one, one entry: the first
+        round trip is the one nothing overlaps, so it stays short."""
         if not self.remote.usable:
             return
-        size = self._last_size
-        per_batch = max(1, (self.remote.fetch_bytes // 4) // size) if size else 1
+        size, budget = self._stream_size, self.remote.fetch_bytes
+        per_batch = max(1, (budget // 4) // size) if size else 1
         while self._stream and (
-            not self._ahead
-            or (size and sum(len(ids) for ids, _ in self._ahead) * size < 2 * self.remote.fetch_bytes)
+            not self._ahead or (size and sum(len(b.ids) for b in self._ahead) * size < 2 * budget)
         ):
             ids, self._stream = self._stream[:per_batch], self._stream[per_batch:]
-            self._ahead.append((ids, self.remote.read_ahead(ids)))
+            stop = threading.Event()
+            self._ahead.append(_Batch(ids, self.remote.read_ahead(ids, stop), stop))
 
     def _chain_after(self, eid: bytes) -> list[bytes]:
-        """`eid`, then the remote-known chunk ids asked after it (chain order)."""
+        """`eid`, then the remote-known chunks after it in the last walk that holds it."""
         if eid[32] == BOUNDARY:
             return [eid]
-        ids, seen = [eid], False
-        for k in self._known:
-            if k == eid:
-                seen = True
-            elif seen and k[32] == CHUNK:
-                ids.append(k)
-        return ids
+        walk = self._walk
+        try:
+            at = len(walk) - 1 - walk[::-1].index(eid)
+        except ValueError:  # a tail found through the tails hash: it ends its chain
+            return [eid]
+        return [eid] + [k for k in walk[at + 1 :] if k in self._known]
 
     # -- writes --------------------------------------------------------------
     def put(self, entry: Entry) -> PutOutcome:

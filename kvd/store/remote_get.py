@@ -11,24 +11,79 @@ the tensors of the entry are views into it.
 
 Only the replies are read here; the connection (TLS, AUTH/ACL, SELECT,
 timeouts) is redis-py's, borrowed from the client's pool for one pipeline and
-given back. A connection an error leaves mid-reply is disconnected, never
-returned half read. Replies handled: a bulk string (RESP2 `$n`), a null
-(`$-1`, RESP3 `_`), an error (`-...`: redis.ResponseError, like the
-library's pipeline raises). Anything else -- a RESP3 push frame between
-replies included -- is a protocol error (redis.ConnectionError): the
-connection is dropped and the tier's failure rule applies (degraded, retried).
+given back. A connection left mid-reply is disconnected, never returned half
+read. Replies handled, per key:
+
+    $n <bytes>   a value: read into a buffer from `alloc` -- unless `n` is not
+                 the length the caller expects (or over its bound): then
+                 Refused before anything is allocated for it. A short one is
+                 read past; a long one is left unread, its connection
+                 dropped, and the keys after it asked again on a fresh
+                 connection (less the refused key's group: the other parts of
+                 a refused entry are not worth reading)
+    $-1, _       absent: None
+    -ERR ...     an error about that key (WRONGTYPE: another program's key of
+                 another type): Refused; the connection stays in step. Only
+                 the errors that say the whole server cannot answer
+                 (SERVER_ERRORS: loading, busy scripting, ...) raise
+                 redis.ResponseError, like the library's pipeline
+    anything else (a RESP3 push frame between replies included): a protocol
+                 error (redis.ConnectionError), the connection dropped
+
+A key whose exact length the caller knows (a part: its header says) is asked
+with GETRANGE 0 <length-1>, not GET: whatever the key holds, the server sends
+(and copies into its own reply buffers) at most that many bytes. A missing
+key then reads as empty, which no part is: None. Bytes a part has past its
+length are never seen; the value's checksum judges the bytes that are.
+
+A `Deadline` bounds the whole pipeline, not each recv: a link that trickles
+bytes in just often enough never trips a socket timeout, so the time left is
+checked before every recv (and the socket's timeout lowered to it). Another
+thread may abandon the read through the deadline's stop flag.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import threading
+import time
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
 Alloc = Callable[[int], Any]  # nbytes -> a writable uint8 buffer of exactly nbytes
 
 _MAX_LINE = 1 << 16  # a reply's header line ($<len>, -ERR ...) is short
+_SKIP_MAX = 1 << 16  # a refused value this short is read past; a longer one costs its connection
 MAX_VALUE = 512 << 20  # the server's own default proto-max-bulk-len: a longer "$n" is not a value it keeps
+# Error replies that are about the server, not the key: it answers no key now.
+SERVER_ERRORS = ("LOADING", "BUSY", "MASTERDOWN", "NOAUTH")
+
+
+class Refused(NamedTuple):
+    """A reply that is not a value the caller takes (a miss to count, never served)."""
+
+    reason: str
+    unread: bool = False  # its bytes are still in the socket: the connection cannot go on
+
+
+class Deadline:
+    """The time a pipeline may take in all, and a flag to abandon it sooner."""
+
+    def __init__(self, seconds: float, stop: threading.Event | None = None):
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self.stop = stop
+
+    def left(self) -> float:
+        """Seconds left; raises redis.TimeoutError when none are (or the read was abandoned)."""
+        import redis
+
+        if self.stop is not None and self.stop.is_set():
+            raise redis.TimeoutError("read abandoned")
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise redis.TimeoutError(f"the replies took more than {self.seconds:g}s in all")
+        return left
 
 
 def np_alloc(nbytes: int) -> np.ndarray:
@@ -36,28 +91,64 @@ def np_alloc(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, np.uint8)
 
 
-def get_many(client: Any, keys: Sequence[bytes], alloc: Alloc = np_alloc) -> list[Any]:
-    """GET every key of `keys` in one pipeline on a connection of `client`'s
-    pool: per key its value (a buffer from `alloc`) or None. Raises what the
-    connection raises (redis.RedisError, OSError, timeouts)."""
+def get_many(
+    client: Any, keys: Sequence[bytes], alloc: Alloc = np_alloc, *, sizes: Sequence[int] | None = None,
+    most: int = MAX_VALUE, deadline: Deadline | None = None, groups: Sequence[Hashable] | None = None,
+) -> list[Any]:
+    """GET every key of `keys` pipelined on connections of `client`'s pool:
+    per key its value (a buffer from `alloc`), None (absent) or a Refused.
+    `sizes[i]` (>= 1): the exact length key i's value must have, asked for
+    with GETRANGE (else GET, at most `most` bytes); `groups[i]`: keys of one
+    group are refused together.
+    Raises what the connection raises (redis.RedisError, OSError), and
+    redis.TimeoutError past `deadline`."""
+    if sizes is not None and min(sizes, default=1) < 1:
+        raise ValueError("sizes must be >= 1 (GETRANGE 0 -1 is the whole value)")
+    out: list[Any] = [None] * len(keys)
+    todo = list(range(len(keys)))
+    while todo:
+        stopped = _pipeline(client, keys, todo, out, alloc, sizes, most, deadline)
+        if stopped is None:
+            break
+        bad, todo = todo[stopped], todo[stopped + 1 :]
+        if groups is not None:
+            for i in [i for i in todo if groups[i] == groups[bad]]:
+                out[i] = Refused("another part of the value was refused")
+            todo = [i for i in todo if groups[i] != groups[bad]]
+    return out
+
+
+def _pipeline(client: Any, keys: Sequence[bytes], todo: list[int], out: list[Any], alloc: Alloc,
+              sizes: Sequence[int] | None, most: int, deadline: Deadline | None) -> int | None:
+    """One pipeline of GETs for the keys `todo` names, replies into `out`.
+    Returns None when every reply was read, or the position in `todo` of a
+    value refused unread (its connection is then dropped)."""
     import redis
 
     pool = client.connection_pool
     conn = pool.get_connection()
+    in_step = False
     try:
-        conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]), check_health=False)
+        commands = [("GET", keys[i]) if sizes is None else ("GETRANGE", keys[i], 0, sizes[i] - 1) for i in todo]
+        conn.send_packed_command(conn.pack_commands(commands), check_health=False)
         sock = conn._sock  # set by connect(); redis-py's own parser holds nothing unread between replies
         if sock is None:
             raise redis.ConnectionError("connection closed while sending")
-        replies = _Replies(sock)
-        out = [replies.bulk(alloc) for _ in keys]
-        if replies.pending():
-            raise redis.ConnectionError("bytes after the last reply")
-        return out
-    except BaseException:
-        conn.disconnect()  # mid-reply or out of step: never back into the pool as is
-        raise
+        replies = _Replies(sock, deadline)
+        try:
+            for pos, i in enumerate(todo):
+                out[i] = reply = replies.value(alloc, None if sizes is None else sizes[i], most)
+                if isinstance(reply, Refused) and reply.unread:
+                    return pos
+            if replies.pending():
+                raise redis.ConnectionError("bytes after the last reply")
+        finally:
+            replies.restore()
+        in_step = True
+        return None
     finally:
+        if not in_step:
+            conn.disconnect()  # mid-reply or out of step: never back into the pool as is
         pool.release(conn)
 
 
@@ -65,18 +156,38 @@ class _Replies:
     """Reads RESP replies from a socket: header lines through a small buffer,
     bulk bodies with recv_into straight into their destination."""
 
-    def __init__(self, sock: Any):
+    def __init__(self, sock: Any, deadline: Deadline | None = None):
         self.sock = sock
+        self.deadline = deadline
+        self.timeout = sock.gettimeout()  # the connection's own: restored for the pool
+        self.lowered = False
         self.buf = bytearray()
         self.pos = 0
 
     def pending(self) -> int:
         return len(self.buf) - self.pos
 
+    def _arm(self) -> None:
+        """Before every recv: fail past the deadline, and let no recv outlast it."""
+        if self.deadline is None:
+            return
+        left = self.deadline.left()
+        if self.timeout is None or left < self.timeout:
+            self.sock.settimeout(left)
+            self.lowered = True
+
+    def restore(self) -> None:
+        if self.lowered:
+            try:
+                self.sock.settimeout(self.timeout)
+            except OSError:  # closed meanwhile
+                pass
+
     def _fill(self) -> None:
         if self.pos:
             del self.buf[: self.pos]
             self.pos = 0
+        self._arm()
         chunk = self.sock.recv(1 << 16)
         if not chunk:
             import redis
@@ -97,20 +208,29 @@ class _Replies:
                 raise redis.ConnectionError("reply header line too long")
             self._fill()
 
-    def bulk(self, alloc: Alloc) -> Any:
+    def value(self, alloc: Alloc, size: int | None = None, most: int = MAX_VALUE) -> Any:
+        """The next reply: a buffer from `alloc`, None, or Refused (see the module docstring)."""
         import redis
 
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"-":
-            raise redis.ResponseError(rest.decode("utf-8", "replace"))
+            message = rest.decode("utf-8", "replace")
+            if message.split(" ", 1)[0] in SERVER_ERRORS:
+                raise redis.ResponseError(message)
+            return Refused(f"error reply: {message}")
         if kind == b"_" or (kind == b"$" and rest == b"-1"):
             return None
         if kind != b"$" or not rest.isdigit():
             raise redis.ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
         n = int(rest)
-        if n > MAX_VALUE:
-            raise redis.ConnectionError(f"a {n}-byte value is over {MAX_VALUE} bytes")
+        if size is not None and n == 0:
+            self._skip(0)
+            return None  # GETRANGE of a missing key
+        if size is not None and n != size:
+            return self._refuse(f"a {n}-byte value where {size} bytes are expected", n)
+        if n > most:
+            return self._refuse(f"a {n}-byte value is over {most} bytes", n)
         dest = alloc(n)
         view = memoryview(dest).cast("B")
         have = min(self.pending(), n)
@@ -118,13 +238,27 @@ class _Replies:
         self.pos += have
         got = have
         while got < n:
+            self._arm()
             k = self.sock.recv_into(view[got:])
             if not k:
                 raise redis.ConnectionError("server closed the connection mid-value")
             got += k
-        while self.pending() < 2:
-            self._fill()
-        if self.buf[self.pos : self.pos + 2] != b"\r\n":
-            raise redis.ConnectionError("bulk reply not terminated by CRLF")
-        self.pos += 2
+        self._skip(0)
         return dest
+
+    def _refuse(self, reason: str, n: int) -> Refused:
+        """Refuse an n-byte value without allocating for it: read past a short one, leave a long one unread."""
+        if n > _SKIP_MAX:
+            return Refused(reason, unread=True)
+        self._skip(n)
+        return Refused(reason)
+
+    def _skip(self, n: int) -> None:
+        """Read past `n` bytes of a bulk reply and its CRLF."""
+        import redis
+
+        while self.pending() < n + 2:
+            self._fill()
+        if self.buf[self.pos + n : self.pos + n + 2] != b"\r\n":
+            raise redis.ConnectionError("bulk reply not terminated by CRLF")
+        self.pos += n + 2

@@ -1,0 +1,420 @@
+"""The remote tier against a server that is hostile, full, slow or shared.
+
+Everything here is real: a redis-server (tests/redis_server.py), values
+planted straight into it the way another program (or an attacker with write
+access) would, a TCP relay thread that trickles the server's replies, and
+for the end-to-end case two `kvd serve` daemons. What is asserted:
+
+- a planted value that promises too much (a million parts; parts of 64 MiB
+  where its header says 1 byte) is a miss plus `checksum_failures`: no part
+  is asked for beyond what the header allows, nothing allocated beyond it;
+- a key of another Redis type is that key's miss, never a degraded tier;
+- a full server (OOM) keeps reads on, backs off its writes, one log line;
+- a link that trickles bytes costs a read at most `timeout` in all;
+- a GET streams only its own walk's chain, sized by its own entries, and
+  a popular prefix's thousands of tails neither crowd out what a LOOKUP
+  promised nor travel whole.
+Waits are bounded polls or the tier's own condition, never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import xxhash
+
+from kvd.protocol import keys
+from kvd.protocol import remote_value as rv
+from kvd.protocol.codec import Tensor
+from kvd.store import RamStore
+from kvd.store.base import CHUNK, Entry, entry_id
+from kvd.store.remote import RemoteTier, WithRemote
+from redis_server import SKIP_REASON, RedisServer, redis_binary
+from support import assert_prefix_hit, prefix_snapshot
+
+pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RedisServer().start()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def r(server):
+    client = server.client()
+    client.flushall()
+    client.config_resetstat()
+    return client
+
+
+def calls(r, command: str) -> int:
+    return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def wait_for(what, cond, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = what()
+        if cond(value) or time.monotonic() > deadline:
+            assert cond(value), value
+            return value
+        time.sleep(0.02)
+
+
+def chain(n: int, nbytes: int, seed: int, ns: str = "h") -> list[Entry]:
+    rng = np.random.default_rng(seed)
+    parent, out = rng.bytes(32), []
+    for i in range(n):
+        key = rng.bytes(32)
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        out.append(Entry(ns, key, CHUNK, parent, i * 16, 16, (Tensor("t", "uint8", (nbytes,), data),)))
+        parent = key
+    return out
+
+
+def tail_of(parent: Entry, nbytes: int, seed: int, length: int = 5) -> Entry:
+    rng = np.random.default_rng(seed)
+    return Entry(parent.namespace, rng.bytes(32), CHUNK, parent.key, parent.start + 16, length,
+                 (Tensor("t", "uint8", (nbytes,), rng.integers(0, 256, nbytes, dtype=np.uint8)),), tail=True)
+
+
+def same(a: Entry | None, b: Entry) -> bool:
+    return a is not None and a.id == b.id and all(
+        bytes(memoryview(x.data).cast("B")) == bytes(memoryview(y.data).cast("B")) for x, y in zip(a.tensors, b.tensors)
+    )
+
+
+def write(url: str, entries) -> None:
+    writer = RemoteTier(url, timeout=5.0)
+    try:
+        for e in entries:
+            writer.offer(e)
+        assert writer.flush(30)
+    finally:
+        writer.close()
+
+
+def planted(key: bytes, *, size: int, parts: int, part_bytes: int) -> bytes:
+    """A main value whose header passes every field check, promising what a hostile writer likes."""
+    header = msgpack.packb({
+        "v": 1, "ns": "h", "key": key, "kind": 0, "parent": b"\0" * 32, "start": 0, "length": 16, "tail": False,
+        "meta": b"", "tensors": [["x", "uint8", [size]]], "size": size, "parts": parts, "part_bytes": part_bytes,
+    }, use_bin_type=True)
+    return struct.pack("<4sQI", b"KVR1", xxhash.xxh3_64(header).intdigest(), len(header)) + header + b"\0"
+
+
+# -- values that promise too much ----------------------------------------------------
+
+
+def test_a_header_promising_a_million_parts_is_refused_without_asking_for_one(server, r):
+    good = chain(2, 4096, seed=1)
+    write(server.url, good)
+    bad = b"\x11" * 32
+    r.set(rv.value_key(bad, CHUNK), planted(bad, size=1 << 20, parts=1 << 20, part_bytes=1))
+    tier = RemoteTier(server.url, timeout=5.0)
+    try:
+        r.config_resetstat()
+        t = time.monotonic()
+        got = tier.fetch([entry_id(bad), *(e.id for e in good)])
+        took = time.monotonic() - t
+        assert set(got) == {e.id for e in good} and all(same(got[e.id], e) for e in good)
+        c = tier.counters
+        assert c["checksum_failures"] == 1 and c["hits"] == 2 and c["errors"] == 0 and not tier.degraded
+        assert calls(r, "get") == 3 and calls(r, "getrange") == 0  # the three main values: no part asked for
+        assert took < 1.0  # the old reader built a million key names and pipelined a million GETs
+    finally:
+        tier.close()
+
+
+def test_parts_longer_than_their_header_says_are_never_sent_nor_allocated(server, r):
+    """Part keys holding 64 MiB each behind a header promising 1-byte parts:
+    each part is asked for with its exact length (GETRANGE), so the server
+    sends one byte, the checksum refuses the value, nothing big is allocated."""
+    key = b"\x22" * 32
+    main = rv.value_key(key, CHUNK)
+    for i in (1, 2):
+        r.setrange(rv.part_key(main, i), 64 * MiB - 1, b"x")
+    r.set(main, planted(key, size=3, parts=3, part_bytes=1))
+    good = chain(1, 4096, seed=2)
+    write(server.url, good)
+    tier = RemoteTier(server.url, timeout=5.0)
+    asked: list[int] = []
+
+    def alloc(n):
+        asked.append(n)
+        return np.empty(n, np.uint8)
+
+    tier.alloc = alloc
+    try:
+        got = tier.fetch([entry_id(key), good[0].id])
+        assert list(got) == [good[0].id] and same(got[good[0].id], good[0])
+        assert max(asked) < 64 * 1024 and tier.counters["bytes_in"] < MiB
+        assert tier.counters["checksum_failures"] == 1 and not tier.degraded
+    finally:
+        tier.close()
+
+
+def test_a_payload_over_the_largest_entry_is_refused_from_its_header(server, r):
+    big = chain(1, 2 * MiB, seed=3)
+    write(server.url, big)
+    tier = RemoteTier(server.url, timeout=5.0, max_entry_bytes=MiB)
+    try:
+        assert tier.fetch([big[0].id]) == {}
+        assert tier.counters["checksum_failures"] == 1 and calls(r, "getrange") == 0 and not tier.degraded
+    finally:
+        tier.close()
+
+
+# -- keys of another type ----------------------------------------------------------
+
+
+def test_a_key_of_another_type_is_that_keys_miss_never_a_degraded_tier(server, r, caplog):
+    entries = chain(3, 4096, seed=4)
+    tail = tail_of(entries[-1], 512, seed=5)
+    write(server.url, [*entries, tail])
+    r.delete(rv.value_key(entries[1].key, CHUNK))
+    r.hset(rv.value_key(entries[1].key, CHUNK), "x", "y")  # a hash where a value should be
+    r.delete(rv.tails_key(entries[-1].key))
+    r.set(rv.tails_key(entries[-1].key), b"not a hash")  # a string where the tails hash should be
+    tier = RemoteTier(server.url, timeout=5.0)
+    try:
+        got = tier.fetch([e.id for e in entries])
+        assert set(got) == {entries[0].id, entries[2].id}
+        assert tier.tails(entries[-1].key) == [] and tier.tails_among(entries[-1].key, [(5, tail.key)]) == []
+        c = tier.counters
+        assert c["checksum_failures"] == 3 and c["errors"] == 0 and not tier.degraded and c["degraded_episodes"] == 0
+        # a writer meeting the string where its tails hash goes writes its values all the same
+        later = tail_of(entries[-1], 256, seed=6, length=7)
+        tier.offer(later)
+        assert tier.flush(10) and tier.counters["written"] == 1 and not tier.degraded and not tier.writes_refused
+        assert r.exists(rv.value_key(later.key, CHUNK))
+    finally:
+        tier.close()
+    assert "unavailable" not in caplog.text
+
+
+def test_a_daemon_on_a_unix_socket_serves_past_a_key_of_another_type(daemon_factory):
+    """End to end: the documented `unix:///path` form starts a daemon; a chunk
+    key replaced by a hash is a miss for that prompt only, and another
+    namespace's prompt right after it is served."""
+    server = RedisServer()
+    sock = str(server.dir / "redis.sock")
+    server.extra += ["--unixsocket", sock, "--unixsocketperm", "700"]
+    server.start()
+    try:
+        url = f"unix://{sock}"
+        a = daemon_factory("--ram-mb", "64", "--remote-url", url)
+        b = daemon_factory("--ram-mb", "64", "--remote-url", url)
+        x, y = list(range(1000, 1800)), list(range(5000, 5600))
+        with a.client("rt", strict=True) as ca, a.client("other", strict=True) as co:
+            assert ca.put(x, prefix_snapshot(x)) and co.put(y, prefix_snapshot(y))
+            wait_for(lambda: ca.stats()["tiers"]["remote"], lambda s: s["backlog"] == 0 and s["written"] == 7)
+        k1 = keys.chain("rt", 256, keys.token_bytes(x))[1]
+        rc = server.client()
+        rc.delete(rv.value_key(k1, CHUNK))
+        rc.hset(rv.value_key(k1, CHUNK), "x", "y")
+        with b.client("rt", strict=True) as cb, b.client("other", strict=True) as cbo:
+            hx = cb.get(x)
+            assert hx is not None and hx.n == 256  # chunk 0, then the bad chunk 1 is a miss
+            hy = cbo.get(y)
+            assert hy is not None and hy.n == 600
+            assert_prefix_hit(hy, y)
+            s = cb.stats()["tiers"]["remote"]
+            assert s["checksum_failures"] == 1 and s["errors"] == 0 and not s["degraded"] and s["url"] == url
+    finally:
+        server.close()
+
+
+# -- a full server -------------------------------------------------------------------
+
+
+def test_a_full_server_keeps_reads_on_and_backs_off_its_writes(caplog):
+    caplog.set_level(logging.INFO, logger="kvd.store.remote")
+    server = RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction").start()
+    try:
+        readable = chain(1, 4096, seed=7)
+        write(server.url, readable)
+        tier = RemoteTier(server.url, timeout=2.0, batch_entries=4)
+        try:
+            for e in chain(24, 256 * 1024, seed=8):  # 6 MiB for a 2 MiB server
+                tier.offer(e)
+            wait_for(lambda: tier.writes_refused, bool)
+            t0, errors0 = time.monotonic(), tier.counters["errors"]
+            # reads go on meanwhile, from the loop thread's own connection
+            assert tier.exists([readable[0].id]) == [True] and same(tier.fetch([readable[0].id])[readable[0].id], readable[0])
+            # three more refusals take 0.25 + 0.5 + 1 s of growing backoff, not 3 x 0.27 s
+            wait_for(lambda: tier.counters["errors"], lambda n: n >= errors0 + 3)
+            assert time.monotonic() - t0 >= 1.5
+            assert tier.counters["degraded_episodes"] == 0 and not tier.degraded
+            assert tier.writes_refused.startswith("OOM") and tier.stats()["backlog"] > 0
+            server.client().config_set("maxmemory", "0")  # room again: the backlog drains by itself
+            wait_for(lambda: tier.stats(), lambda s: s["backlog"] == 0, timeout=20)
+            assert not tier.writes_refused and tier.counters["degraded_episodes"] == 0
+        finally:
+            tier.close()
+    finally:
+        server.close()
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvd.store.remote"]
+    assert sum("refuses writes" in line for line in lines) == 1
+    assert sum("takes writes again" in line for line in lines) == 1
+    assert not any("unavailable" in line for line in lines)
+
+
+# -- a slow link ---------------------------------------------------------------------
+
+
+class Relay:
+    """A TCP relay to the server whose replies trickle: `rate` bytes/s in
+    16 KiB steps, so every recv returns long before a socket timeout."""
+
+    def __init__(self, port: int, rate: int):
+        self.port, self.rate = port, rate
+        self.listen = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listen.getsockname()[1]}/0"
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.listen.accept()
+            except OSError:
+                return
+            u = socket.create_connection(("127.0.0.1", self.port))
+            self.socks += [c, u]
+            threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
+
+    def _pump(self, src, dst, slow: bool) -> None:
+        try:
+            while data := src.recv(16 << 10 if slow else 1 << 16):
+                dst.sendall(data)
+                if slow and self.rate:
+                    time.sleep(len(data) / self.rate)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listen.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_a_trickling_link_costs_a_read_at_most_the_timeout_in_all(server, r):
+    entries = chain(4, 4 * MiB, seed=9)
+    write(server.url, entries)
+    relay = Relay(server.port, rate=1 * MiB)  # 4 MiB values: 4 s each
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(relay.url, timeout=0.4))
+    try:
+        ids = [e.id for e in entries]
+        assert store.held(ids) == [True] * 4
+        t = time.monotonic()
+        assert store.get(ids[0]) is None  # a miss, not a 4 s wait on the loop thread
+        assert time.monotonic() - t < 1.2
+        assert store.remote.degraded and store.remote.counters["degraded_episodes"] == 1
+        t = time.monotonic()
+        assert store.get(ids[1]) is None and time.monotonic() - t < 0.1  # degraded: not asked at all
+        # The link comes back to full speed: the late connection was dropped,
+        # nothing of its reply is read as another's.
+        relay.rate = 0
+        wait_for(lambda: store.remote.degraded, lambda d: not d)
+        assert store.held(ids) == [True] * 4
+        for e in entries:
+            assert same(store.get(e.id), e)
+    finally:
+        store.close()
+        relay.close()
+
+
+# -- what a GET streams -------------------------------------------------------------------
+
+
+def test_a_get_streams_its_own_chain_only(server, r):
+    """Two clients' walks interleave (P's LOOKUP, Q's LOOKUP, P's GET): the GET
+    streams P's chunks, not Q's, and not the tails listed under P's last chunk."""
+    p, q = chain(4, 8192, seed=10, ns="p"), chain(4, 8192, seed=11, ns="q")
+    tails = [tail_of(p[-1], 8192, seed=100 + i) for i in range(10)]
+    write(server.url, [*p, *q, *tails])
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, timeout=5.0))
+    try:
+        def walk(c):  # what kvd.server.prefix asks: a block's chunks, then their boundaries
+            return store.held([e.id for e in c] + [e.key + b"\x01" for e in c])[: len(c)]
+
+        assert walk(p) == [True] * 4 and len(list(store.tails(p[-1].key))) == 10
+        assert walk(q) == [True] * 4
+        assert walk(p) == [True] * 4  # the GET's own walk
+        for e in p:
+            assert same(store.get(e.id), e)
+        assert not store._ahead and not store._stream  # nothing more queued
+        c = store.remote.counters
+        assert c["hits"] == 4 and c["promotions"] == 4
+        assert all(store.local.get(e.id) is None for e in [*q, *tails])  # never fetched, never promoted
+    finally:
+        store.close()
+
+
+def test_read_ahead_is_sized_by_the_streams_own_entries(server, r):
+    small, big = chain(2, 4096, seed=12, ns="small"), chain(8, MiB, seed=13, ns="big")
+    write(server.url, [*small, *big])
+    store = WithRemote(RamStore(256 * MiB), RemoteTier(server.url, timeout=5.0, fetch_bytes=4 * MiB))
+    batches: list[int] = []
+    read_ahead = store.remote.read_ahead
+    store.remote.read_ahead = lambda ids, *stop: (batches.append(len(ids)), read_ahead(ids, *stop))[1]
+    try:
+        for c in (small, big):
+            assert store.held([e.id for e in c]) == [True] * len(c)
+            for e in c:
+                assert same(store.get(e.id), e)
+        # small: one entry, then the other. big: one entry (its size unknown; a
+        # 4 KiB entry of another stream says nothing), then fetch_bytes / 4 / 1 MiB = 1 each
+        assert batches == [1, 1] + [1] * 8
+    finally:
+        store.close()
+
+
+def test_a_popular_prefix_with_many_tails_still_serves_what_lookup_promised(server, r):
+    """70,000 tails under one parent: LOOKUP's chunk ids are not pushed out by
+    them, the reply listing them is bounded, and a query's own tail is found
+    among them by asking for its candidate fields only."""
+    system = chain(2, 4096, seed=14)
+    mine = tail_of(system[-1], 2048, seed=15, length=3)
+    write(server.url, [*system, mine])
+    pipe = r.pipeline(transaction=False)
+    for i in range(70_000):  # earlier conversations' tails, their entries long evicted
+        pipe.hset(rv.tails_key(system[-1].key), (i + 1).to_bytes(32, "big").hex(), 1 + i % 255)
+    pipe.execute()
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, timeout=5.0))
+    try:
+        ids = [e.id for e in system]
+        assert store.held(ids) == [True, True]
+        listed = list(store.tails(system[-1].key))
+        assert 0 < len(listed) <= 512  # one bounded page, not 70,000 fields
+        for e in system:  # what the LOOKUP promised, served
+            assert same(store.get(e.id), e)
+        # A query that goes on 3 tokens past the parent: candidates of length 1..3, one of them ours.
+        assert store.held(ids) == [True, True]
+        candidates = [(1, b"\x01" * 32), (2, b"\x02" * 32), (3, mine.key)]
+        assert list(store.tails_for(system[-1].key, iter(candidates))) == [(3, mine.key)]
+        assert store.contains(mine.id)  # the matcher found it: now GET may fetch it
+        assert same(store.get(mine.id), mine)
+        assert store.remote.counters["hits"] == 3 and store.remote.counters["errors"] == 0
+    finally:
+        store.close()
