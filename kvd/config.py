@@ -364,7 +364,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("remote_ttl_s", _int(0), 0,
             "Seconds each remote key lives (0 = until the server's maxmemory-policy evicts it)."),
     Setting("remote_timeout_s", _float(0.0, exclusive=True), 0.5,
-            "Seconds one round trip to the remote may take before the tier is marked degraded."),
+            "Seconds a read of the remote may take in all (a batch, however its bytes trickle in) before the tier is marked degraded."),
     Setting("remote_part_mb", _int(1, 512), 32,
             "Largest remote value in MiB; bigger entries are split into parts."),
     Setting("remote_backlog_mb", _int(1), 1024,

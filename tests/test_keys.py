@@ -59,3 +59,12 @@ def test_a_list_a_tuple_and_an_array_give_the_same_wire_bytes():
     wire = struct.pack("<5I", *ids)
     assert keys.token_bytes(ids) == keys.token_bytes(tuple(ids)) == wire
     assert keys.token_bytes(np.array(ids, dtype=np.uint64)) == keys.token_bytes(list(np.array(ids))) == wire
+
+
+def test_tail_candidates_are_the_span_keys_of_every_tail_length():
+    tokens_le = keys.token_bytes(list(range(40)))
+    parent = bytes(range(32))
+    media = (keys.MediaSpan(34, 38, b"\x07" * 32),)
+    for spans in ((), media):
+        got = list(keys.tail_candidates(parent, tokens_le, 30, 9, spans))
+        assert got == [(n, keys.span_key(parent, tokens_le, 30, 30 + n, spans)) for n in range(1, 10)]

@@ -259,6 +259,9 @@ def test_a_full_server_keeps_reads_on_and_backs_off_its_writes(caplog):
             assert time.monotonic() - t0 >= 1.5
             assert tier.counters["degraded_episodes"] == 0 and not tier.degraded
             assert tier.writes_refused.startswith("OOM") and tier.stats()["backlog"] > 0
+            from kvd.cli.admin import render_stats  # what `kvd stats` shows an operator
+
+            assert "WRITES REFUSED: OOM" in render_stats({"tiers": {"remote": tier.stats()}})
             server.client().config_set("maxmemory", "0")  # room again: the backlog drains by itself
             wait_for(lambda: tier.stats(), lambda s: s["backlog"] == 0, timeout=20)
             assert not tier.writes_refused and tier.counters["degraded_episodes"] == 0
@@ -416,5 +419,34 @@ def test_a_popular_prefix_with_many_tails_still_serves_what_lookup_promised(serv
         assert store.contains(mine.id)  # the matcher found it: now GET may fetch it
         assert same(store.get(mine.id), mine)
         assert store.remote.counters["hits"] == 3 and store.remote.counters["errors"] == 0
+    finally:
+        store.close()
+
+
+def test_the_matcher_finds_its_own_tail_among_seventy_thousand(server, r):
+    """A LOOKUP that goes on past a stored tail (a conversation's next turn)
+    finds that tail, hanging off a prefix with 70,000 others, by asking for it
+    by name (tail_candidates -> tails_for): it is matched, and the reply
+    was never the whole hash. (With one HSCAN page of ~512 of them, it was
+    found about once in 140.)"""
+    from kvd.server.prefix import match
+
+    ct, toks = 16, list(range(100, 140))  # two chunks, then 8 tokens: the stored 3-token tail and more
+    tokens_le = keys.token_bytes(toks)
+    k1, k2 = list(keys.iter_chain("t", ct, tokens_le[: 4 * 32]))
+    tail = keys.span_key(k2, tokens_le, 32, 35)
+    data = (Tensor("t", "uint8", (64,), np.arange(64, dtype=np.uint8)),)
+    stored = [Entry("t", k1, CHUNK, keys.root_key("t", ct), 0, 16, data), Entry("t", k2, CHUNK, k1, 16, 16, data),
+              Entry("t", tail, CHUNK, k2, 32, 3, data, tail=True)]
+    write(server.url, stored)
+    pipe = r.pipeline(transaction=False)
+    for i in range(70_000):
+        pipe.hset(rv.tails_key(k2), (i + 1).to_bytes(32, "big").hex(), 1 + i % 15)
+    pipe.execute()
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, timeout=5.0))
+    try:
+        links = match(store, "t", ct, tokens_le)
+        assert [(link.start, link.end, link.key) for link in links] == [(0, 16, k1), (16, 32, k2), (32, 35, tail)]
+        assert same(store.get(entry_id(tail, CHUNK)), stored[2])
     finally:
         store.close()

@@ -49,6 +49,8 @@ def render_stats(stats: dict) -> str:
             f"{t.get('evictions', 0):>11}"
         )
         extra = [f"{k}={t[k]}" for k in _TIER_EXTRAS if k in t]
+        if t.get("writes_refused"):  # the remote server takes reads, refuses writes (full)
+            extra.append(f"WRITES REFUSED: {t['writes_refused']}")
         if t.get("degraded"):
             extra.append(f"DEGRADED since {time.strftime('%H:%M:%S', time.localtime(t.get('degraded_since') or 0))}: {t.get('degraded_reason')}")
         if extra:

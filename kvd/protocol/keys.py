@@ -196,3 +196,14 @@ def tail_keys(parent: bytes, chunk: bytes) -> Iterator[tuple[int, bytes]]:
     for i in range(0, len(chunk) - 4, 4):
         h.update(chunk[i : i + 4])
         yield i // 4 + 1, h.copy().digest()
+
+
+def tail_candidates(parent: bytes, tokens_le: bytes, start: int, most: int, media: Media = ()) -> Iterator[tuple[int, bytes]]:
+    """(n, key) of every chunk a stored tail of the sequence could be under
+    `parent`: positions [start, start + n) for n = 1 .. `most`, lazily (one
+    running hash without media: ~0.1 ms for 255)."""
+    if any(m.start < start + most and m.end > start for m in media):
+        for n in range(1, most + 1):
+            yield n, span_key(parent, tokens_le, start, start + n, media)
+        return
+    yield from tail_keys(parent, tokens_le[4 * start : 4 * (start + most)] + bytes(4))  # the pad: n runs to `most`

@@ -5,7 +5,9 @@ store does not hold. A stored *tail* (the short last chunk of some earlier
 sequence) can still extend the match past that point: the store's tail index
 lists the tails hanging off the last matched key, and a tail matches if the
 query continues with exactly its tokens -- checked by hashing those tokens
-under the same parent, never by trusting lengths alone.
+under the same parent, never by trusting lengths alone. The store is given
+the keys such tails would have (`tails_for`): the shared remote tier, whose
+tail lists grow with every conversation, asks for those alone.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def match(
             break
     if pos < n_tokens:
         remaining = n_tokens - pos
-        for length, key in store.tails(parent):
+        candidates = keys.tail_candidates(parent, tokens_le, pos, min(remaining, chunk_tokens - 1), media)
+        for length, key in store.tails_for(parent, candidates):
             if length <= remaining and length < chunk_tokens:
                 if keys.span_key(parent, tokens_le, pos, pos + length, media) == key:
                     if store.contains(entry_id(key, CHUNK)):

@@ -104,6 +104,12 @@ class Store(abc.ABC):
         """(length, key) of every held tail chunk (shorter than a full chunk)
         whose parent is `parent`."""
 
+    def tails_for(self, parent: bytes, candidates: Iterable[tuple[int, bytes]]) -> Iterable[tuple[int, bytes]]:
+        """`tails(parent)` for one query, whose possible tails are `candidates`
+        ((length, key), lazily): a store whose tail lists can be huge (the
+        shared remote tier) asks about those only. Others list them all."""
+        return self.tails(parent)
+
     @abc.abstractmethod
     def evict(self, budget_bytes: int, *, dry_run: bool = False, tier: str = "ram") -> tuple[int, int]:
         """Evict LRU entries of `tier` ("ram" or "ssd") until at most
