@@ -450,3 +450,24 @@ def test_the_matcher_finds_its_own_tail_among_seventy_thousand(server, r):
         assert same(store.get(entry_id(tail, CHUNK)), stored[2])
     finally:
         store.close()
+
+
+def test_closing_with_the_server_hung_takes_the_budget_not_the_socket_timeout():
+    """The write-behind copy is a cache, never a promise: a stop gives it what
+    is left of its own bound (WithRemote.close), not a 2 s flush and then the
+    writer's socket timeout on top (4 s here)."""
+    import signal
+
+    server = RedisServer().start()
+    tier = RemoteTier(server.url, timeout=4.0)
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        tier.offer(chain(1, 4096, seed=21)[0])  # the writer sends it and waits on the hung server
+        wait_for(lambda: tier.stats(), lambda st: st["backlog"] == 1)
+        t0 = time.monotonic()
+        tier.close(0.5)
+        took = time.monotonic() - t0
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.close()
+    assert took < 1.5, f"close took {took:.1f}s for a budget of 0.5 s"

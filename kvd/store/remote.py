@@ -408,14 +408,18 @@ class RemoteTier:
                 self.cond.wait(timeout=left)
             return not self._backlog
 
-    def close(self, flush_timeout: float = 2.0) -> None:
-        """Write what is waiting (bounded by `flush_timeout`), then stop."""
-        self.flush(flush_timeout)
+    def close(self, budget: float = 3.0) -> None:
+        """Write what is waiting, then stop: all of it within about `budget`
+        seconds (the copy on the server is a cache, never a promise: what is
+        not written by then is dropped). Reads in flight end by their own
+        deadline (remote_timeout_s); nothing waits for them here."""
+        deadline = time.monotonic() + budget
+        self.flush(budget / 2)
         with self.cond:
             self._stop = True
             self.cond.notify_all()
-        self._thread.join(self.timeout + 1.0)
-        self._reads.shutdown(wait=True, cancel_futures=True)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._reads.shutdown(wait=False, cancel_futures=True)
         for client in (self._reader, self._writer):
             try:
                 client.close()
@@ -854,7 +858,12 @@ class WithRemote(Store):
         return stats
 
     def close(self, **kwargs: Any) -> None:
+        """The local tiers first, within their `timeout`; then the remote, in
+        what they left of it plus 0.25 s (serve.py keeps a margin of at least
+        that past `timeout`), at most 3 s."""
+        timeout, start = kwargs.get("timeout"), time.monotonic()
         try:
             self.local.close(**kwargs)
         finally:
-            self.remote.close()
+            left = 3.0 if timeout is None else timeout - (time.monotonic() - start)
+            self.remote.close(min(3.0, max(0.0, left) + 0.25))
