@@ -34,7 +34,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvd.endpoint import CurveKeys, UnsafeEndpoint, check_run_dir, check_socket, ipc_path, is_default_run_dir, is_tcp
+from kvd.endpoint import (
+    CurveKeys, UnsafeEndpoint, check_run_dir, check_socket, endpoint_locked, ipc_path, is_default_run_dir, is_tcp,
+)
 from kvd.protocol import codec
 from kvd.protocol.codec import Message
 from kvd.protocol.errors import KvdError, ProtocolError, from_code
@@ -95,6 +97,17 @@ class Transport:
         self._ipc = ipc_path(endpoint)
         # The run dir is checked only if it is a default one (kvd.endpoint rule 5).
         self._run_dir = self._ipc.parent if self._ipc is not None and is_default_run_dir(self._ipc.parent) else None
+
+    def _absent(self) -> str:
+        """Why no connection: an ipc daemon that holds its endpoint's lock is
+        there but does not answer (stopped, or too busy to take one)."""
+        try:
+            running = endpoint_locked(self.endpoint)
+        except (KvdError, OSError):
+            running = None
+        if running:
+            return f"the daemon at {self.endpoint} does not answer (stopped, or too busy to take a connection)"
+        return f"no daemon at {self.endpoint}"
 
     def _check_safe(self) -> None:
         """Refuse (UnsafeEndpoint) a run dir or socket file another user may
@@ -237,7 +250,7 @@ class Transport:
                 if refused is not None:
                     self._reset()  # not left retrying a handshake that is refused
                     raise self._refusal(refused)
-                raise DaemonUnavailable(f"no daemon at {self.endpoint}")
+                raise DaemonUnavailable(self._absent())
             self._fresh = False
             rid = next(self._ids)
             frames = codec.encode(mtype, fields, id=rid)

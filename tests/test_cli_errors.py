@@ -42,6 +42,20 @@ def test_a_bad_endpoint_flag_is_one_line_and_exit_78(tmp_path):
     assert_one_line_error(r, exits.CONFIG, "env:KVD_ENDPOINT", "limit")
 
 
+def test_a_stopped_daemon_is_said_to_be_there_but_not_answering(kvd_daemon):
+    """SIGSTOPped (or too busy to take a connection): it holds its endpoint's
+    lock, so the command says it does not answer, not that there is none."""
+    import signal
+
+    kvd_daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = run_kvd("stats", "--endpoint", kvd_daemon.endpoint, "--timeout", "0.5")
+    finally:
+        kvd_daemon.proc.send_signal(signal.SIGCONT)
+    assert_one_line_error(r, exits.UNAVAILABLE, "does not answer", kvd_daemon.endpoint)
+    assert "is `kvd serve` running" not in r.stderr
+
+
 def test_export_to_an_unwritable_path_is_one_line_and_exit_1(kvd_daemon, tmp_path):
     mx = pytest.importorskip("mlx.core")
     from mlx_lm.models.cache import KVCache

@@ -34,7 +34,7 @@ def describe(err: BaseException) -> tuple[int, str] | None:
     if isinstance(err, AuthenticationFailed):
         return REFUSED, f"{err} (see `kvd keys`)"
     if isinstance(err, DaemonUnavailable):
-        return UNAVAILABLE, f"{err} (is `kvd serve` running?)"
+        return UNAVAILABLE, f"{err} (is `kvd serve` running?)" if str(err).startswith("no daemon") else str(err)
     # UnsafeEndpoint (a run dir or socket another user may own) is an
     # EndpointError: 78, since restarting will not make the directory ours.
     if isinstance(err, (ConfigError, EndpointError)) and not isinstance(err, EndpointBusy):
