@@ -8,7 +8,9 @@ bottom of the layers and imports neither the server nor the client.
 Rules it keeps:
 1. An endpoint is `ipc://<path>` or `tcp://<host>:<port>`; anything else is
    an `EndpointError` before a socket is made (ZeroMQ would raise a bare
-   ZMQError, or in the client's case fail on first use).
+   ZMQError, or in the client's case fail on first use). A Linux abstract
+   socket (`ipc://@name`) is refused too: with no file it has no owner or
+   mode, so nothing would keep another user from either end of it.
 2. An ipc socket path fits in sun_path (108 bytes on Linux, 104 on macOS,
    NUL included); a longer one is refused up front, not truncated.
 3. The per-user default is an ipc socket in a 0700 run directory of the
@@ -171,6 +173,14 @@ def check_endpoint(endpoint: str) -> str:
         raise EndpointError(
             f"endpoint {endpoint!r} is not ipc:///path/to/socket or tcp://host:port"
         )
+    if endpoint.startswith("ipc://@"):
+        # Linux abstract sockets have no file, so no owner or mode: any user
+        # could connect to the daemon, or serve the name first and take what
+        # a client sends it.
+        raise EndpointError(
+            f"endpoint {endpoint!r} is an abstract socket, which keeps no other user out: "
+            "use ipc:///path/to/socket"
+        )
     path = ipc_path(endpoint)
     if path is not None and len(str(path).encode()) > MAX_IPC_PATH:
         raise EndpointError(
@@ -226,7 +236,9 @@ class EndpointLock:
         else:
             run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         lock_path = _lock_path(self.path)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = _open_lock(lock_path, os.O_RDWR | os.O_CREAT)
+        if fd is None:
+            raise UnsafeEndpoint(f"refusing the kvd lock file {lock_path}: it is not a regular file of ours")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -266,9 +278,11 @@ def endpoint_locked(endpoint: str) -> bool | None:
     if is_default_run_dir(path.parent):
         check_run_dir(path.parent)
     try:
-        fd = os.open(_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_lock(_lock_path(path), os.O_RDONLY)
     except FileNotFoundError:
         return False
+    if fd is None:
+        return None  # not a lock of ours: nothing it says can be believed
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
@@ -276,6 +290,19 @@ def endpoint_locked(endpoint: str) -> bool | None:
         return True
     finally:
         os.close(fd)
+
+
+def _open_lock(path: Path, flags: int) -> int | None:
+    """An fd of the lock file at `path`, or None if it is not a regular file
+    of ours: in a shared directory another user may have put a FIFO there
+    (an open would block for good; O_NONBLOCK stops that) or a file of theirs.
+    Raises OSError (FileNotFoundError without O_CREAT)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        return None
+    return fd
 
 
 def _read_pid(path: Path) -> int | None:

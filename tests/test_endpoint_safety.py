@@ -112,3 +112,46 @@ def test_daemon_makes_the_default_run_dir_private_and_refuses_a_loose_one(daemon
         assert c.counters["error_unsafe_endpoint"] == 1
     with pytest.raises(UnsafeEndpoint, match="has mode 0755"):
         Client(namespace="x", timeout=1, strict=True).ping()
+
+
+def test_an_abstract_socket_is_refused_by_client_daemon_and_cli(tmp_path):
+    """`ipc://@name` has no file, so no owner or mode: another user could
+    connect to the daemon or serve the name first (a red-team pass read a
+    cache across users both ways). Refused before any socket is made."""
+    import subprocess
+
+    from kvd.endpoint import EndpointError, check_endpoint
+
+    with pytest.raises(EndpointError, match="abstract socket"):
+        check_endpoint("ipc://@kvd-test")
+    with pytest.raises(EndpointError):
+        Client("ipc://@kvd-test", namespace="x")
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--endpoint", "ipc://@kvd-test", "--data-dir", "none"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78 and "abstract socket" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_fifo_under_the_lock_files_name_never_blocks(tmp_path):
+    """In a shared folder another user may plant a FIFO as `<socket>.lock`:
+    a client asking whether a daemon holds it, and a daemon taking it, must
+    not block in open(); the client misses within its timeout, the daemon
+    refuses the lock."""
+    import subprocess
+    import time
+
+    from kvd.endpoint import EndpointLock, UnsafeEndpoint, endpoint_locked
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    endpoint = f"ipc://{run}/kvd.sock"
+    os.mkfifo(run / "kvd.sock.lock", 0o600)
+    assert endpoint_locked(endpoint) is None
+    with Client(endpoint, namespace="x", timeout=1.0) as c:
+        t0 = time.monotonic()
+        assert c.get(list(range(300))) is None
+        assert time.monotonic() - t0 < 5
+    with pytest.raises(UnsafeEndpoint, match="not a regular file"):
+        EndpointLock(endpoint).acquire()
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--endpoint", endpoint, "--data-dir", "none"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78 and "not a regular file" in r.stderr, r.stderr
