@@ -36,6 +36,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvd.endpoint import (
     CurveKeys, UnsafeEndpoint, check_run_dir, check_socket, endpoint_locked, ipc_path, is_default_run_dir, is_tcp,
+    peer_uid,
 )
 from kvd.protocol import codec
 from kvd.protocol.codec import Message
@@ -85,6 +86,7 @@ class Transport:
         self.curve = curve
         self._monitor: zmq.Socket | None = None
         self._auth_error: str | None = None
+        self._peer_fd: int | None = None  # of the last connection made, until checked
         self.connect_wait = connect_wait
         self.retry_interval = retry_interval
         self._pid = os.getpid()
@@ -130,7 +132,7 @@ class Transport:
                 return  # another thread of this child did it
             _ABANDONED.extend(x for x in (self._monitor, self._sock) if x is not None)
             self._monitor = self._sock = None
-            self._auth_error = None
+            self._auth_error = self._peer_fd = None
             self._ctx = zmq.Context.instance()  # pyzmq makes a new one in a new process
             self._lock = threading.Lock()  # the parent's may be held by a thread that did not fork
             self._fresh, self._down_until = True, 0.0
@@ -146,7 +148,13 @@ class Transport:
             if self.curve is not None:
                 sock.curve_publickey, sock.curve_secretkey = self.curve.public, self.curve.secret
                 sock.curve_serverkey = self.curve.server
-            if is_tcp(self.endpoint):
+            if self._ipc is not None:
+                # Who serves the socket is checked per connection, not only
+                # by the path: ZeroMQ reconnects in the background, and a
+                # connection made while another user squatted the path
+                # outlives their moving it away (_check_peer).
+                self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            elif is_tcp(self.endpoint):
                 # A refused CURVE handshake is silent at the socket (it just
                 # never becomes writable); the monitor tells it from a daemon
                 # that is down, so the caller gets AuthenticationFailed.
@@ -167,14 +175,30 @@ class Transport:
             return self._auth_error
         while self._monitor.poll(0):
             try:
-                event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))["event"]
+                message = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))
             except zmq.Again:
                 break
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            event = message["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._peer_fd = message["value"]  # the latest: a DEALER of one endpoint has one connection
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._auth_error = None
             else:
                 self._auth_error = zmq.Event(event).name
         return self._auth_error
+
+    def _check_peer(self) -> None:
+        """Refuse (UnsafeEndpoint) the connection the socket made last if the
+        process at its other end runs as another user (root excepted)."""
+        self._handshake_refused()  # reads the connection events too
+        fd, self._peer_fd = self._peer_fd, None
+        uid = None if fd is None else peer_uid(fd)
+        if uid is not None and uid not in (os.getuid(), 0):
+            self._reset()
+            raise UnsafeEndpoint(
+                f"refusing the kvd socket {self._ipc}: the process serving it runs as uid {uid}, "
+                f"not as you (uid {os.getuid()})"
+            )
 
     def _refusal(self, why: str) -> AuthenticationFailed:
         return AuthenticationFailed(
@@ -237,7 +261,7 @@ class Transport:
             if self._sock is None and self._auth_error is not None and time.monotonic() < self._down_until:
                 raise self._refusal(self._auth_error)  # refused a moment ago: not retried before retry_interval
             sock = self._socket()
-            self._handshake_refused()  # read the monitor's events at every request: none may pile up
+            self._check_peer()  # reads the monitor's events: none may pile up
             now = time.monotonic()
             if not self._fresh and now < self._down_until:
                 wait = 0.0
@@ -251,6 +275,7 @@ class Transport:
                     self._reset()  # not left retrying a handshake that is refused
                     raise self._refusal(refused)
                 raise DaemonUnavailable(self._absent())
+            self._check_peer()  # a connection made while we waited
             self._fresh = False
             rid = next(self._ids)
             frames = codec.encode(mtype, fields, id=rid)

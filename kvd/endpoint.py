@@ -26,7 +26,9 @@ Rules it keeps:
    (`check_run_dir`) and refuse with UnsafeEndpoint naming the path and the
    fault; nobody "repairs" a directory another user may own. A socket file is
    used only if it is a socket owned by this uid (`check_socket`), on every
-   ipc endpoint, default or not. The daemon creates the directory 0700 and
+   ipc endpoint, default or not; and a connection only if its peer runs as
+   this uid or root (`peer_uid`; the client checks each one it makes, since
+   one made in the background outlives the path it was made to). The daemon creates the directory 0700 and
    binds inside it under umask 077 (`kvd serve` sets it at start), so the
    socket never exists with a mode another user could use: there is no
    chmod after bind, and no window.
@@ -290,6 +292,32 @@ def endpoint_locked(endpoint: str) -> bool | None:
         return True
     finally:
         os.close(fd)
+
+
+def peer_uid(fd: int) -> int | None:
+    """The uid of the process at the other end of the unix-socket connection
+    `fd`; None if it cannot be told (not a unix socket, closed, another OS).
+    The one OS-specific call here: Linux SO_PEERCRED, macOS LOCAL_PEERCRED."""
+    import socket
+    import struct
+
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if s.family != socket.AF_UNIX:
+            return None
+        if sys.platform == "linux":  # struct ucred {pid, uid, gid}
+            return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        if sys.platform == "darwin":  # SOL_LOCAL, LOCAL_PEERCRED: struct xucred {version (0), uid, ...}
+            version, uid = struct.unpack_from("=2I", s.getsockopt(0, 1, 76))
+            return uid if version == 0 else None
+        return None
+    except (OSError, struct.error):
+        return None
+    finally:
+        s.detach()  # libzmq owns the fd
 
 
 def _open_lock(path: Path, flags: int) -> int | None:

@@ -398,3 +398,83 @@ def test_other_user_is_never_given_a_shared_memory_segment(users, daemons, umask
     assert (got["nonce"], got["list"], got["segment"]) == ("denied", "denied", "denied")
     assert got["get"] == [[300, False, False], [300, False, False]]  # served, over frames only
     assert got["slots"] == "BAD_FIELD"
+
+
+SWAP_A = """
+import json, os, time, numpy as np
+from kvd_client import Client
+from kvd_client._tensors import HostTensor, Snapshot
+s = np.arange(512)
+snap = Snapshot({"k": (HostTensor.from_numpy(np.arange(512 * 4, dtype=np.float32).reshape(1, 512, 4)), 1)})
+out = []
+c = Client(ENDPOINT, namespace="mine", strict=True, timeout=1)
+for step in ("before", "after"):
+    try:
+        out.append(["ok", c.put(s, snap)])
+    except Exception as e:
+        out.append([type(e).__name__, str(e)])
+    if step == "before":  # no daemon yet; ZeroMQ goes on reconnecting in the background
+        open(FLAGS + "/a-waiting", "w").close()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(FLAGS + "/b-moved") and time.monotonic() < deadline:
+            time.sleep(0.02)
+print(json.dumps(out))
+"""
+
+SWAP_B = """
+import os, socket, sys, threading, time
+path, flags, mine = sys.argv[1], sys.argv[2], sys.argv[3]
+deadline = time.monotonic() + 30
+while not os.path.exists(flags + "/a-waiting") and time.monotonic() < deadline:
+    time.sleep(0.02)
+ls = socket.socket(socket.AF_UNIX)
+ls.bind(path)
+os.chmod(path, 0o777)
+ls.listen(8)
+ls.settimeout(20)
+conn, _ = ls.accept()  # A's background reconnect
+os.unlink(path)  # gone from the path; the connection stays
+up = socket.socket(socket.AF_UNIX)
+up.connect(mine)  # relayed to B's own daemon, which answers as kvd does
+open(flags + "/b-moved", "w").close()
+got = [0]
+def pump(src, dst, count):
+    try:
+        while True:
+            data = src.recv(65536)
+            if not data:
+                break
+            if count:
+                got[0] += len(data)
+            dst.sendall(data)
+    except OSError:
+        pass
+threading.Thread(target=pump, args=(up, conn, False), daemon=True).start()
+conn.settimeout(5)
+pump(conn, up, True)
+print(got[0])
+"""
+
+
+def test_a_connection_to_a_socket_another_user_served_is_refused(users, daemons):
+    """B serves A's endpoint path for a moment: A's client, reconnecting in
+    the background, connects; B removes the path, so the file checks pass at
+    A's next request. The connection's peer is checked too: A refuses it
+    and sends nothing (a red-team pass had A's puts land in B's daemon)."""
+    base, a, b = users
+    shared = base / "swap"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    sock, mine, log = shared / "kvd.sock", b.home / "swap.sock", base / "swap-b.log"
+    daemons.append(proc := b.serve("077", "--endpoint", f"ipc://{mine}", "--data-dir", "none", log=log))
+    _wait_socket(mine, proc, log)
+    attacker = subprocess.Popen(b.argv("077", str(SYSTEM_PY), "-I", "-S", "-c", SWAP_B, str(sock), str(shared), str(mine)),
+                                env=b.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    daemons.append(attacker)
+    got = _result(a.python("077", f"ENDPOINT = 'ipc://{sock}'\nFLAGS = '{shared}'\n" + SWAP_A))
+    out, err = attacker.communicate(timeout=60)
+    assert attacker.returncode == 0, err
+    assert got[0][0] == "DaemonUnavailable"
+    assert got[1][0] == "UnsafeEndpoint" and f"runs as uid {b.uid}" in got[1][1], got
+    assert int(out.strip()) < 1024  # ZeroMQ's greeting and handshake only: no request (a put is ~12 KiB)
+    assert _requests(b, "077", f"ipc://{mine}") == {"STATS": 1}  # B's daemon saw nothing of A's
