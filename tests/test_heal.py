@@ -69,12 +69,15 @@ def _damage(data_dir: Path, how: str) -> None:
         path.write_bytes(b"SQLite format 3\0" + os.urandom(8000))
     elif how == "missing":
         shutil.rmtree(data_dir / INDEX_DIR)
+    elif how == "fifo":  # an open() of it would block for ever
+        path.unlink()
+        os.mkfifo(path)
     else:
         raise AssertionError(how)
 
 
 @pytest.mark.parametrize("how", ["truncate-0", "truncate-mid-meta", "truncate-mid-page", "truncate-last-page",
-                                 "zeroed", "garbage-meta", "not-lmdb"])
+                                 "zeroed", "garbage-meta", "not-lmdb", "fifo"])
 def test_inspect_names_each_damage(tmp_path, how):
     filled_store(tmp_path, [make_entry(i) for i in range(40)])
     assert heal.inspect_data_file(tmp_path / DATA) is None
@@ -85,7 +88,7 @@ def test_inspect_names_each_damage(tmp_path, how):
 # -- the rebuild, store level ---------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["truncate-mid-page", "garbage-meta", "missing"])
+@pytest.mark.parametrize("how", ["truncate-mid-page", "garbage-meta", "missing", "fifo"])
 def test_rebuild_recovers_every_intact_blob_and_quarantines_the_rest(tmp_path, how):
     entries = filled_store(tmp_path, [make_entry(i, tail=i == 9) for i in range(10)])
     bad = entries[3]
@@ -120,6 +123,23 @@ def test_rebuild_recovers_every_intact_blob_and_quarantines_the_rest(tmp_path, h
         assert store.heal is None and store.entries == 9
     finally:
         store.close()
+
+
+def test_offline_commands_never_block_on_a_fifo_in_the_data_dir(tmp_path):
+    """A FIFO as the index's data.mdb or as kvd.lock: the offline commands say
+    what they found (or read on) within their timeout, never block in open()."""
+    filled_store(tmp_path, [make_entry(i) for i in range(4)])
+    _damage(tmp_path, "fifo")
+    r = kvd("stats", "--offline", "--data-dir", str(tmp_path), "--endpoint", f"ipc://{tmp_path}/none.sock", timeout=30)
+    assert r.returncode == 1 and "not a regular file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (tmp_path / DATA).unlink()
+    shutil.rmtree(tmp_path / INDEX_DIR)
+    filled_store(tmp_path, [make_entry(i) for i in range(4)])
+    lock = tmp_path / "kvd.lock"
+    lock.unlink(missing_ok=True)
+    os.mkfifo(lock)
+    r = kvd("ls", "--offline", "--data-dir", str(tmp_path), "--endpoint", f"ipc://{tmp_path}/none.sock", timeout=30)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_stopped_rebuild_resumes_at_the_next_start(tmp_path):

@@ -121,3 +121,24 @@ def test_wrong_shaped_chunks_from_a_peer_are_a_miss_for_fetch(kvd_daemon, llama)
         # The model's layout is still the one the namespace records.
         cache, n = owner.fetch(toks + [1])
         assert n == 2 * CHUNK and cache[0].keys.shape == hit.sliced["0.k"].shape
+
+
+@pytest.mark.parametrize("meta", [
+    {"fmt": 1, "layers": [{"k": "qkv"}], "bnd": False},  # a quantized layer without its group size
+    {"fmt": 1, "layers": ["kv"], "bnd": False},  # a layer that is not a spec
+    {"fmt": 1, "layers": [{"k": "list", "sub": None}], "bnd": False},  # a list layer without its parts
+])
+def test_meta_no_snapshot_of_kvd_has_is_a_miss_for_fetch(kvd_daemon, meta):
+    """Any process of the user may PUT an entry whose meta describes no cache
+    kvd makes: a model server's fetch counts it invalid and misses (it had
+    raised KeyError/TypeError out of the rebuild)."""
+    toks = list(range(100, 108))
+    snap = Snapshot(meta=meta, start=0)
+    parts = ["0.k.q", "0.k.s", "0.k.b", "0.v.q", "0.v.s", "0.v.b"] if meta["layers"][0] == {"k": "qkv"} else ["0.k", "0.v"]
+    for name in parts:
+        snap.sliced[name] = (HostTensor("float16", np.zeros((1, 2, 8, 4), np.float16)), 2)
+    with kvd_daemon.client("garbage", strict=True) as c:
+        assert c.put(np.array(toks), snap)
+    with kvd_daemon.client("garbage") as c:
+        assert c.fetch(toks + [1]) == (None, 0)
+        assert c.counters["fetch_invalid"] == 1

@@ -265,9 +265,13 @@ class MlxMethods:
         layers = meta.get("layers")
         if meta.get("fmt") != F.FORMAT or not isinstance(layers, list) or not layers:
             return False
+        try:
+            need = F.needs_boundary(layers)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False  # not layers kvd describes: nothing to learn (rebuild refuses them)
         if F.layout_for(self.namespace) != layers:
             F.remember(self.namespace, layers)
-        return F.needs_boundary(layers)
+        return need
 
 
 def _held_start(client: Any, tokens: Any, media: Sequence[Any] = ()) -> int:

@@ -40,10 +40,15 @@ def rebuild(hit: Hit, blocks: Any = None) -> list[Any]:
     import mlx.core as mx
 
     layers = _layers(hit.meta)
-    if F.needs_boundary(layers) and hit.boundary is None:
-        raise F.SnapshotMismatch("the model has recurrent/windowed layers but the hit carries no boundary state")
-    b = _Builder(hit, blocks)
-    caches = [b.layer(str(i), spec) for i, spec in enumerate(layers)]
+    try:
+        if F.needs_boundary(layers) and hit.boundary is None:
+            raise F.SnapshotMismatch("the model has recurrent/windowed layers but the hit carries no boundary state")
+        b = _Builder(hit, blocks)
+        caches = [b.layer(str(i), spec) for i, spec in enumerate(layers)]
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        # Any process of the user may have written this entry: meta that does
+        # not describe a cache kvd makes is unusable, never an error to raise.
+        raise F.SnapshotMismatch(f"snapshot meta does not describe its layers ({type(exc).__name__}: {exc})") from None
     mx.eval(*b.arrays)
     return caches
 
@@ -52,7 +57,7 @@ def _layers(meta: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(meta, dict) or meta.get("fmt") != F.FORMAT:
         raise F.SnapshotMismatch(f"not a kvd mlx snapshot of format {F.FORMAT}: fmt={meta.get('fmt') if isinstance(meta, dict) else None!r}")
     layers = meta.get("layers")
-    if not isinstance(layers, list) or not layers:
+    if not isinstance(layers, list) or not layers or not all(isinstance(spec, dict) for spec in layers):
         raise F.SnapshotMismatch("snapshot meta has no layer list")
     return layers
 

@@ -199,7 +199,10 @@ class DataDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "DataDirLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device: not a lock of ours
+            os.close(fd)
+            raise OSError(errno.EINVAL, "the data dir's lock is not a regular file", str(self.path))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -218,10 +221,20 @@ class DataDirLock:
         return self
 
     def holder(self) -> int | None:
+        """The pid the lock file names, if it is a regular file that names one
+        (read without blocking: a FIFO planted there would hang an open)."""
         try:
-            return int(self.path.read_text().strip() or 0) or None
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return int(os.read(fd, 64).strip() or 0) or None
         except (OSError, ValueError):
             return None
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         if self._fd is not None:

@@ -60,8 +60,10 @@ walk heals the index before opening it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import shutil
 import struct
 import time
@@ -143,19 +145,27 @@ def inspect_data_file(path: Path) -> str | None:
     A missing file is fine (LMDB creates it); an empty one is reported.
     """
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return "data.mdb is empty (0 bytes)"
-            first = f.read(_META_END)
-            metas = [_meta(first, 0)]
-            if isinstance(metas[0], str):
-                return metas[0]
-            psize = metas[0]["psize"]
-            f.seek(psize)
-            metas.append(_meta(f.read(_META_END), 1))
+        # Neither blocks (a FIFO under the name would hang open()) nor follows a symlink.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "data.mdb is a symlink, not a regular file"
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return f"data.mdb is not a regular file (mode {stat.filemode(st.st_mode)})"
+        size = st.st_size
+        if size == 0:
+            return "data.mdb is empty (0 bytes)"
+        metas = [_meta(f.read(_META_END), 0)]
+        if isinstance(metas[0], str):
+            return metas[0]
+        psize = metas[0]["psize"]
+        f.seek(psize)
+        metas.append(_meta(f.read(_META_END), 1))
     if isinstance(metas[1], str):
         return metas[1]
     if metas[1]["psize"] not in (0, psize):
