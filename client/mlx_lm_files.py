@@ -38,8 +38,10 @@ the calling thread; it imports mlx lazily, like the rest of the adapter.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,10 +85,13 @@ def parse_tokens(text: str) -> list[int]:
     """
     text = text.strip()
     if text.startswith("["):
-        ids = json.loads(text)
+        try:
+            ids = json.loads(text)
+        except RecursionError:  # "[[[[...": json recurses once per bracket
+            raise ValueError("not a flat JSON list of token ids (nested too deeply)") from None
     else:
         ids = [int(t) for t in text.replace(",", " ").split()]
-    if not all(isinstance(t, int) and 0 <= t < 2**32 for t in ids):
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**32 for t in ids):
         raise ValueError("token ids must be integers in [0, 2**32)")
     return list(ids)
 
@@ -103,17 +108,37 @@ def read(path: str | os.PathLike) -> CacheFile:
     except Exception as err:
         raise CacheFileError(f"{path}: not a safetensors file mlx can load ({err})") from None
     if meta.get("2.0") == "":
-        return _read_032(path, meta)
-    if "2.0" in meta:
-        return _read_031(arrays, meta)
-    raise CacheFileError(f"{path}: no mlx-lm prompt-cache metadata (class names) in it")
+        cf = _read_032(path, meta)
+    elif "2.0" in meta:
+        cf = _read_031(arrays, meta)
+    else:
+        raise CacheFileError(f"{path}: no mlx-lm prompt-cache metadata (class names) in it")
+    for i, layer in enumerate(cf.cache):
+        try:
+            _check_layer(layer, mx)
+        except CacheFileError as err:
+            raise CacheFileError(f"{path}: layer {i} ({type(layer).__name__}): {err}") from None
+    return cf
 
 
 def write(path: str | os.PathLike, cache: Sequence[Any], metadata: dict[str, str] | None = None) -> None:
-    """Write `cache` with the installed `save_prompt_cache`, atomically (temp file + rename)."""
+    """Write `cache` with the installed `save_prompt_cache`, atomically (temp file + rename).
+
+    Raises CacheFileError if `path` exists and is not a regular file (a FIFO,
+    a device, a directory) or is a symlink: the rename would replace that
+    node, not write through it. OSError if the folder cannot be written.
+    """
     from mlx_lm.models.cache import save_prompt_cache
 
     path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise CacheFileError(f"{path} is a symlink; kvd export replaces only a regular file (give the target's path)")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise CacheFileError(f"{path} exists and is not a regular file; kvd export writes only new or regular files")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".safetensors", dir=path.parent or ".")
     os.close(fd)
     try:
@@ -145,10 +170,18 @@ def kv_options(cache: Sequence[Any]) -> dict[str, Any]:
 
 
 def load_model(path: str) -> tuple[Any, Any]:
-    """(model, tokenizer) of a local mlx-lm model directory (mlx_lm.utils.load)."""
+    """(model, tokenizer) of a local mlx-lm model directory (mlx_lm.utils.load).
+
+    Raises NotADirectoryError unless `path` is an existing directory: given
+    anything else, mlx_lm.utils.load would download it from the Hugging Face
+    Hub, and a file's metadata must never make kvd fetch and run a model.
+    """
+    local = Path(os.path.expanduser(str(path)))
+    if not local.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a local model directory (kvd never downloads one)", str(path))
     from mlx_lm.utils import load
 
-    return load(path)
+    return load(str(local.resolve()))  # an existing path: mlx-lm reads it, never the Hub
 
 
 def namespace_of(
@@ -198,6 +231,96 @@ def cache_tokens(cache: Sequence[Any]) -> int | None:
             if isinstance(offset, int) and getattr(layer, "keys", None) is not None:
                 return offset
     return None
+
+
+# -- what a layer must hold ---------------------------------------------------------
+# Both loaders set attributes from whatever the file says: `load_prompt_cache`
+# passes its scalars through as saved (a string, None, a float), and a crafted
+# file can put a number where keys go. Everything downstream (the snapshot,
+# the daemon's arithmetic) assumes the shapes and types mlx-lm itself makes,
+# so a layer is checked here, once, and a file that breaks them is refused.
+_MAX_DIM = 1 << 31  # no shape or scalar in a real cache comes near it
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = _MAX_DIM) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        shown = repr(value) if len(repr(value)) <= 40 else type(value).__name__
+        raise CacheFileError(f"{what} must be an integer in [{lo}, {hi}], got {shown}")
+    return value
+
+
+def _array(value: Any, what: str, mx: Any, ndim: int | None = 4) -> Any:
+    if not isinstance(value, mx.array):
+        raise CacheFileError(f"{what} must be an array, got {type(value).__name__}")
+    if ndim is not None and value.ndim != ndim:
+        raise CacheFileError(f"{what} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    return value
+
+
+def _kv_pair(keys: Any, values: Any, mx: Any, quantized: bool = False) -> int | None:
+    """Rows (T) of a keys/values pair after checking them; None for an empty layer."""
+    if keys is None and values is None:
+        return None
+    if quantized:
+        sides = []
+        for name, side in (("keys", keys), ("values", values)):
+            if not isinstance(side, (tuple, list)) or len(side) != 3:
+                n = len(side) if isinstance(side, (tuple, list)) else type(side).__name__
+                raise CacheFileError(f"quantized {name} must be 3 arrays (data, scales, biases), got {n}")
+            arrs = [_array(a, f"quantized {name}[{j}]", mx) for j, a in enumerate(side)]
+            if len({tuple(a.shape[:3]) for a in arrs}) != 1:
+                raise CacheFileError(f"quantized {name}: its arrays disagree on (batch, heads, rows)")
+            sides.append(arrs[0])
+        k, v = sides
+    else:
+        k, v = _array(keys, "keys", mx), _array(values, "values", mx)
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
+        raise CacheFileError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} disagree on (batch, heads, rows)")
+    return int(k.shape[2])
+
+
+def _check_layer(c: Any, mx: Any) -> None:
+    """Raise CacheFileError (saying what is wrong, not where) unless `c` holds what a cache of its class made by mlx-lm holds."""
+    from mlx_lm.models import cache as C
+
+    kind = type(c)
+    if kind in (C.KVCache, getattr(C, "ConcatenateKVCache", None)):
+        rows = _kv_pair(c.keys, c.values, mx)
+        _int(c.offset, "offset", 0, rows or 0)
+    elif kind is C.QuantizedKVCache:
+        _int(c.group_size, "group_size", 1, 1 << 16)
+        _int(c.bits, "bits", 1, 32)
+        rows = _kv_pair(c.keys, c.values, mx, quantized=True)
+        _int(c.offset, "offset", 0, rows or 0)
+    elif kind is C.RotatingKVCache:
+        rows = _kv_pair(c.keys, c.values, mx)
+        max_size = _int(c.max_size, "max_size", 1)
+        _int(c.keep, "keep", 0, max_size)
+        _int(c.offset, "offset", 0)
+        _int(c._idx, "_idx", 0, rows or 0)
+    elif kind is getattr(C, "ChunkedKVCache", None):
+        rows = _kv_pair(c.keys, c.values, mx)
+        _int(c.chunk_size, "chunk_size", 1)
+        start = _int(c.start_position, "start_position", 0)
+        _int(c.offset, "offset", start, start + (rows or 0))
+    elif isinstance(c, C.ArraysCache):
+        if not isinstance(c.cache, list):
+            raise CacheFileError(f"its entries must be a list, got {type(c.cache).__name__}")
+        for j, entry in enumerate(c.cache):
+            if entry is not None:
+                _array(entry, f"entry {j}", mx, ndim=None)
+        for name in ("left_padding", "lengths"):
+            if getattr(c, name, None) is not None:
+                _array(getattr(c, name), name, mx, ndim=None)
+    elif kind is getattr(C, "CacheList", None):
+        if not isinstance(c.caches, (list, tuple)):
+            raise CacheFileError(f"its caches must be a list, got {type(c.caches).__name__}")
+        for j, sub in enumerate(c.caches):
+            try:
+                _check_layer(sub, mx)
+            except CacheFileError as err:
+                raise CacheFileError(f"cache {j} ({type(sub).__name__}): {err}") from None
+    # Other classes: the client's adapter says whether it can store them (UnsupportedCache).
 
 
 # -- 0.32 ------------------------------------------------------------------------

@@ -58,6 +58,21 @@ class ConfigError(KvdError, ValueError):
 # returns the typed value or raises ValueError with a short reason. -------------
 
 
+# Bounds of the sizes and durations: past them a value is a typo, and byte
+# counts past 2**63 no longer fit the wire's integers (STATS, GC) or the
+# store's arithmetic; seconds past ~11 days overflow poll and lock timeouts.
+MAX_MB = 1 << 40  # MiB settings: 2**60 bytes
+MAX_GB = 1 << 30  # GiB settings: 2**60 bytes
+MAX_KB = 1 << 30  # KiB settings: 2**40 bytes
+MAX_SECONDS = 1e6
+
+
+def _short(raw: Any) -> str:
+    """repr of a raw value, cut short (an integer of 400 digits is not an error message)."""
+    text = repr(raw) if not isinstance(raw, int) or abs(raw) < 10**30 else f"an integer of {len(str(abs(raw)))} digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _int(minimum: int = 0, maximum: int | None = None) -> Callable[[Any], int]:
     def parse(raw: Any) -> int:
         if isinstance(raw, bool):
@@ -74,26 +89,30 @@ def _int(minimum: int = 0, maximum: int | None = None) -> Callable[[Any], int]:
         value = raw
         if value < minimum or (maximum is not None and value > maximum):
             hi = "" if maximum is None else f" and <= {maximum}"
-            raise ValueError(f"must be >= {minimum}{hi}, got {value}")
+            raise ValueError(f"must be >= {minimum}{hi}, got {_short(value)}")
         return value
 
     parse.kind = "int"  # type: ignore[attr-defined]
     return parse
 
 
-def _float(minimum: float = 0.0, *, exclusive: bool = False) -> Callable[[Any], float]:
+def _float(minimum: float = 0.0, *, exclusive: bool = False, maximum: float | None = None) -> Callable[[Any], float]:
     def parse(raw: Any) -> float:
         if isinstance(raw, bool):
             raise ValueError("expected a number, got a boolean")
         try:
             value = float(str(raw).strip()) if isinstance(raw, str) else float(raw)
         except (TypeError, ValueError):
-            raise ValueError(f"expected a number, got {raw!r}") from None
+            raise ValueError(f"expected a number, got {_short(raw)}") from None
+        except OverflowError:  # an integer too big for a float (TOML allows any number of digits)
+            raise ValueError(f"must be a finite number, got {_short(raw)}") from None
         if not math.isfinite(value):
-            raise ValueError(f"must be a finite number, got {raw!r}")
+            raise ValueError(f"must be a finite number, got {_short(raw)}")
         if value < minimum or (exclusive and value == minimum):
             op = ">" if exclusive else ">="
             raise ValueError(f"must be {op} {minimum:g}, got {value:g}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"must be <= {maximum:g}, got {value:g}")
         return value
 
     parse.kind = "float"  # type: ignore[attr-defined]
@@ -166,7 +185,7 @@ def _ram_mb(raw: Any) -> int | str:
     if isinstance(raw, str) and raw.strip().lower() == "auto":
         return "auto"
     try:
-        return _int(1)(raw)
+        return _int(1, MAX_MB)(raw)
     except ValueError as exc:
         raise ValueError(f"{exc} (or \"auto\")") from None
 
@@ -291,40 +310,40 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ram_mb", _ram_mb, 1024,
             "Size of the RAM tier in MiB, or \"auto\": an eighth of the memory the daemon may use "
             "(physical, or its cgroup's limit if lower), 256 MiB to 32 GiB."),
-    Setting("ram_floor_mb", _int(0), 64,
+    Setting("ram_floor_mb", _int(0, MAX_MB), 64,
             "Least the RAM tier keeps, in MiB, when it yields to memory pressure."),
     Setting("pressure_source", _pressure_source, "auto",
             "What the RAM tier yields to: \"auto\" (this machine: PSI, MemAvailable, cgroup limits; "
             "macOS: the kernel's pressure level), \"off\", or \"file:PATH\" (a file whose first word "
             "is normal, warn or critical)."),
-    Setting("pressure_poll_s", _float(0.0, exclusive=True), 1.0,
+    Setting("pressure_poll_s", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 1.0,
             "Seconds between memory-pressure samples."),
-    Setting("pressure_calm_s", _float(0.0), 30.0,
+    Setting("pressure_calm_s", _float(0.0, maximum=MAX_SECONDS), 30.0,
             "Seconds without memory pressure before the RAM tier grows back, a quarter at a time."),
     Setting("data_dir", _optional_path, lambda env: default_data_dir(env),
             "Folder of the SSD tier; \"none\" keeps chunks in RAM only.",
             default_doc="~/Library/Caches/kvd on macOS, $XDG_CACHE_HOME/kvd or ~/.cache/kvd elsewhere"),
-    Setting("ssd_gb", _float(0.0), 16.0,
+    Setting("ssd_gb", _float(0.0, maximum=MAX_GB), 16.0,
             "Size cap of the SSD tier in GiB."),
-    Setting("min_free_gb", _float(0.0), 2.0,
+    Setting("min_free_gb", _float(0.0, maximum=MAX_GB), 2.0,
             "Stop writing to the SSD tier when its disk has less free space than this, in GiB."),
     Setting("write_through", _bool, False,
             "Write every chunk to the SSD tier when it is stored, not only when evicted from RAM."),
     Setting("spill_queue", _int(1), 256,
             "Most chunks in the SSD writer's queue. In write-back mode more wait in RAM, and a chunk "
             "RAM lets go enters the queue regardless (dirty_max_mb bounds the bytes of both)."),
-    Setting("dirty_max_mb", _int(1), 256,
+    Setting("dirty_max_mb", _int(1, MAX_MB), 256,
             "Bytes of stored chunks not yet on disk, in MiB: in write-back mode the backlog a stop "
             "has to write (while it is full a PUT is answered BUSY); in write-through mode the most "
             "that PUTs waiting for their fsync may hold (past it a PUT is answered BUSY)."),
-    Setting("pack_max_kb", _int(0), 64,
+    Setting("pack_max_kb", _int(0, MAX_KB), 64,
             "Chunks whose blob is at most this many KiB are packed into one LMDB file "
             "(data_dir/pack) instead of a file each: a file costs more to create than a small "
             "chunk costs to write. 0: every chunk its own file."),
-    Setting("stop_timeout", _float(0.0, exclusive=True), 10.0,
+    Setting("stop_timeout", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 10.0,
             "Seconds a stop (SIGTERM, `kvd stop`) may take: what is not on disk by then is logged "
             "and lost, and the daemon exits 0. The service files allow a little more."),
-    Setting("max_message_mb", _int(1), 512,
+    Setting("max_message_mb", _int(1, MAX_MB), 512,
             "Largest message the daemon accepts, in MiB (advertised to clients)."),
     Setting("max_peers", _int(0), 0,
             "Most client connections served at once; past it the longest-idle are shed. "
@@ -337,7 +356,7 @@ SETTINGS: tuple[Setting, ...] = (
             default_doc="none (stderr)"),
     Setting("metrics_port", _int(0, 65535), 0,
             "TCP port for Prometheus metrics (0 = off)."),
-    Setting("timeout", _float(0.0, exclusive=True), 5.0,
+    Setting("timeout", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 5.0,
             "Seconds a client, or a kvd command, waits for one request's answer."),
     Setting("chunk_tokens", _int(1), 256,
             "Tokens per cached chunk (prefixes are matched chunk by chunk)."),
@@ -351,7 +370,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shm", _bool, True,
             "Offer the shared-memory data plane to clients of an ipc:// endpoint on this host "
             "(segments in <socket>.shm/; tcp:// never gets it)."),
-    Setting("shm_lease_s", _float(0.0, exclusive=True), 30.0,
+    Setting("shm_lease_s", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 30.0,
             "Seconds a client may hold shared-memory slots it was handed before they are reclaimed."),
     Setting("gc_on_tick", _bool, True,
             "Collect cyclic garbage on the daemon's tick and freeze what survives, so no request waits for a "
@@ -363,11 +382,11 @@ SETTINGS: tuple[Setting, ...] = (
             default_doc="none (off)", redact=_redact_url),
     Setting("remote_ttl_s", _int(0), 0,
             "Seconds each remote key lives (0 = until the server's maxmemory-policy evicts it)."),
-    Setting("remote_timeout_s", _float(0.0, exclusive=True), 0.5,
+    Setting("remote_timeout_s", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 0.5,
             "Seconds a read of the remote may take in all (a batch, however its bytes trickle in) before the tier is marked degraded."),
     Setting("remote_part_mb", _int(1, 512), 32,
             "Largest remote value in MiB; bigger entries are split into parts."),
-    Setting("remote_backlog_mb", _int(1), 1024,
+    Setting("remote_backlog_mb", _int(1, MAX_MB), 1024,
             "Most MiB of entries waiting to be written to the remote (the oldest are dropped past it); "
             "keep it above the largest PUT (max_message_mb)."),
     Setting("remote_batch", _int(1), 32,

@@ -152,6 +152,13 @@ def test_data_dir_none_and_relative_paths(env, tmp_path):
         ({}, {}, {"ssd_gb": -1}, "ssd_gb (from file:"),
         ({}, {}, {"data_dir": 5}, "data_dir (from file:"),
         ({}, {}, {"ram_gb": 5}, "unknown setting(s) ram_gb"),
+        # Past a bound: no OverflowError later, in a float() or a poll, a lock, an encoder.
+        ({}, {}, {"ssd_gb": 10**400}, "ssd_gb (from file:"),
+        ({}, {}, {"timeout": 10**400}, "timeout (from file:"),
+        ({"timeout": 3e6}, {}, {}, "timeout (from flag:--timeout): must be <= 1e+06"),
+        ({}, {"KVD_STOP_TIMEOUT": "1e300"}, {}, "stop_timeout (from env:KVD_STOP_TIMEOUT): must be <="),
+        ({}, {"KVD_DIRTY_MAX_MB": str(10**15)}, {}, "dirty_max_mb (from env:KVD_DIRTY_MAX_MB)"),
+        ({"ram_mb": 10**15}, {}, {}, "ram_mb (from flag:--ram-mb)"),
     ],
 )
 def test_bad_values_name_setting_and_source(env, tmp_path, flags, environ, file_values, needle):

@@ -133,3 +133,10 @@ def test_two_namespaces_one_flooding_through_a_daemon(daemon_factory, tmp_path):
     assert "flood-*" in table and "/ 1.0 MiB" in table, table
     cfg = kvd("config", "--config", str(d.config)).stdout
     assert '[quota."flood-*"]\nram_mb = 1' in cfg
+
+
+@pytest.mark.parametrize("limits", [{"ssd_gb": float("inf")}, {"ssd_gb": float("nan")}, {"ssd_gb": 10**400},
+                                    {"ram_mb": 10**30}, {"ssd_gb": 1e300}])
+def test_quota_limits_must_be_finite_and_bounded(limits):
+    with pytest.raises(ValueError, match="quota 'x'"):
+        Quotas.from_table({"x": limits})

@@ -7,6 +7,7 @@ Each sends its request once; errors become one line and an exit code
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
@@ -23,6 +24,7 @@ from kvd.cli.common import (
     settings,
     size,
 )
+from kvd.config import MAX_GB, MAX_MB
 from kvd.protocol.limits import MiB
 
 # What an operator looks at per tier, beyond the columns (`--json` has everything).
@@ -144,12 +146,21 @@ def _watch(cfg, namespace, every: float, count: int | None) -> None:
             pass
 
 
+def _finite(ctx, param, value):
+    """click's FloatRange lets nan through (every comparison with it is false)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number.")
+    return value
+
+
 @main.command()
 @data_dir_options
-@click.option("--ram-mb", type=click.IntRange(min=0), default=None, help="Evict the RAM tier down to this many MiB.")
-@click.option("--ssd-gb", type=click.FloatRange(min=0), default=None, help="Evict the SSD tier down to this many GiB.")
+@click.option("--ram-mb", type=click.IntRange(min=0, max=MAX_MB), default=None, help="Evict the RAM tier down to this many MiB.")
+@click.option("--ssd-gb", type=click.FloatRange(min=0, max=MAX_GB), callback=_finite, default=None,
+              help="Evict the SSD tier down to this many GiB.")
 @click.option("--namespace", default=None, help="Drop every entry of this namespace.")
-@click.option("--older-than", type=click.FloatRange(min=0), default=None, help="Drop entries last used more than this many seconds ago.")
+@click.option("--older-than", type=click.FloatRange(min=0), callback=_finite, default=None,
+              help="Drop entries last used more than this many seconds ago.")
 @click.option("--orphans/--no-orphans", default=None, help="Remove orphaned and quarantined blobs and stray temp files.")
 @click.option("--verify", is_flag=True, help="Offline only: re-read every blob and quarantine those failing their checksum.")
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")

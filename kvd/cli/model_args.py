@@ -6,6 +6,8 @@ the CLI never imports mlx), the namespace derived from it, and the tokens.
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +16,27 @@ import click
 from kvd.cli import exits
 from kvd.cli.common import daemon_options, fail
 
+def regular_file(ctx, param, value):
+    """click callback: the path must be a regular file. click.Path(exists=True,
+    dir_okay=False) lets a FIFO or a device through, and reading one blocks for ever."""
+    if value is not None and not stat.S_ISREG(os.stat(value).st_mode):
+        raise click.BadParameter(f"{value} is not a regular file.")
+    return value
+
+
+def _local_dir(ctx, param, value):
+    """click callback: --model must be an existing directory (mlx-lm would download any other name)."""
+    if value is not None and not os.path.isdir(os.path.expanduser(value)):
+        raise click.BadParameter(f"{value} is not a local model directory (kvd never downloads models).")
+    return value
+
+
 _namespace = click.option("--namespace", default=None, help="kvd namespace to use as is.")
-_model = click.option("--model", "model_path", default=None, help="Local mlx-lm model directory; the namespace is derived from it.")
-_tokens_file = click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
+_model = click.option("--model", "model_path", default=None, callback=_local_dir,
+                      help="Local mlx-lm model directory; the namespace is derived from it.")
+_tokens_file = click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), callback=regular_file, default=None,
                             help="Token ids (JSON list or whitespace separated).")
-_prompt_file = click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+_prompt_file = click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), callback=regular_file, default=None,
                             help="Prompt text, tokenized like mlx_lm.cache_prompt (needs the model).")
 _kv = [
     click.option("--kv-bits", type=int, default=None, help="KV quantization bits the model's server uses [import: from the file]."),
@@ -40,17 +58,26 @@ def adapter_call(fn):
     daemon's errors and its absence map to exit codes in kvd.cli.exits)."""
     from kvd_client.mlx_lm import SnapshotMismatch, UnsupportedCache
 
+    from kvd.protocol.errors import KvdError
+
     try:
         return fn()
     except (UnsupportedCache, SnapshotMismatch) as err:  # ours, not the daemon's
         fail(exits.FAILED, f"the cache does not fit this namespace: {err}")
+    except (ValueError, TypeError, AttributeError) as err:
+        # A backstop: a cache the file readers let through but the snapshot
+        # cannot take (kvd's own errors keep their exit codes in kvd.cli.exits).
+        if isinstance(err, KvdError):
+            raise
+        fail(exits.FAILED, f"the cache cannot be stored: {type(err).__name__}: {err}")
 
 
 class Model:
     """The model named by --model (or the file's metadata), loaded once, lazily."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, origin: str = "--model"):
         self.path = path
+        self.origin = origin  # where the name came from, for messages
         self._loaded: tuple[Any, Any] | None = None
 
     def load(self) -> tuple[Any, Any]:
@@ -59,6 +86,8 @@ class Model:
 
             try:
                 self._loaded = load_model(self.path)
+            except NotADirectoryError as err:
+                fail(exits.FAILED, f"model {self.path} (named by {self.origin}): {err.strerror}: give --namespace, or --model DIR")
             except Exception as err:
                 fail(exits.FAILED, f"cannot load model {self.path}: {err}")
         return self._loaded

@@ -23,14 +23,16 @@ import click
 
 from kvd.cli import exits, main
 from kvd.cli.common import fail, settings
-from kvd.cli.model_args import Model, adapter_call, model_options, model_tokens_namespace, namespace_of, read_tokens
+from kvd.cli.model_args import (
+    Model, adapter_call, model_options, model_tokens_namespace, namespace_of, read_tokens, regular_file,
+)
 
 def _report(as_json: bool, result: dict[str, Any], line: str) -> None:
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else line)
 
 
 @main.command("import")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=click.Path(exists=True, dir_okay=False), callback=regular_file)
 @model_options
 def import_(file, namespace, model_path, tokens_file, prompt_file,
             kv_bits, kv_group_size, quantized_kv_start, max_kv_size, as_json, **flags) -> None:
@@ -40,15 +42,21 @@ def import_(file, namespace, model_path, tokens_file, prompt_file,
     flags (no namespace or no tokens to be found), 3 if no daemon answers.
     """
     from kvd_client import Client
-    from kvd_client.mlx_lm_files import MODEL_KEY, NAMESPACE_KEY, CacheFileError, read
+    from kvd_client.mlx_lm_files import MODEL_KEY, NAMESPACE_KEY, TOKENS_KEY, CacheFileError, read
 
     cfg = settings(flags)
     try:
         cf = read(file)
     except CacheFileError as err:
         fail(exits.FAILED, str(err))
-    model = Model(model_path or cf.metadata.get(MODEL_KEY))
-    tokens = cf.tokens if not (tokens_file or prompt_file) else read_tokens(tokens_file, prompt_file, model)
+    model = Model(model_path, "--model") if model_path else Model(cf.metadata.get(MODEL_KEY), "the file's metadata")
+    if tokens_file or prompt_file:
+        tokens = read_tokens(tokens_file, prompt_file, model)
+    else:
+        try:
+            tokens = cf.tokens
+        except ValueError as err:
+            fail(exits.FAILED, f"{file}: file metadata {TOKENS_KEY}: {err}")
     if tokens is None:
         raise click.UsageError("the file holds no token ids: give --tokens-file (or --prompt-file)")
     held = cf.n_tokens
@@ -86,7 +94,7 @@ def export(output, namespace, model_path, tokens_file, prompt_file,
     """
     from kvd_client import Client
     from kvd_client.mlx_lm import SnapshotMismatch, rebuild
-    from kvd_client.mlx_lm_files import export_metadata, write
+    from kvd_client.mlx_lm_files import CacheFileError, export_metadata, write
 
     cfg = settings(flags)
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
@@ -104,6 +112,8 @@ def export(output, namespace, model_path, tokens_file, prompt_file,
         fail(exits.FAILED, f"kvd's entry cannot be rebuilt: {err}")
     try:
         write(output, cache, export_metadata(tokens[: hit.n], namespace, model_path))
+    except CacheFileError as err:
+        fail(exits.FAILED, f"cannot export: {err}")
     except OSError as err:
         fail(exits.FAILED, f"cannot write {output}: {err.strerror or err}")
     result = {"output": str(output), "tokens": hit.n, "requested": len(tokens), "layers": len(cache), "namespace": namespace}

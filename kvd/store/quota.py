@@ -37,11 +37,20 @@ and on the writer thread for SSD.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 MiB = 1 << 20
 GiB = 1 << 30
+_MAX_MB = 1 << 40  # as kvd.config's MAX_MB / MAX_GB (the store does not import the config)
+_MAX_GB = 1 << 30
+
+
+def _short(raw: Any) -> str:
+    """repr of a limit, cut short: an integer of 400 digits is no error message."""
+    text = repr(raw)
+    return text if len(text) <= 40 else f"a number of {len(text)} characters"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +100,15 @@ class Quotas:
                 raise ValueError(f"quota {pattern!r}: unknown key(s) {', '.join(unknown)}; known: ram_mb, ssd_gb")
             ram = limits.get("ram_mb")
             ssd = limits.get("ssd_gb")
-            if ram is not None and (isinstance(ram, bool) or not isinstance(ram, int) or ram < 0):
-                raise ValueError(f"quota {pattern!r}: ram_mb must be an integer >= 0, got {ram!r}")
-            if ssd is not None and (isinstance(ssd, bool) or not isinstance(ssd, (int, float)) or not ssd >= 0):
-                raise ValueError(f"quota {pattern!r}: ssd_gb must be a number >= 0, got {ssd!r}")
+            # Bounded (2**60 bytes each) so a byte count always fits the wire's
+            # integers, and finite: inf or an integer of 400 digits is a typo.
+            if ram is not None and (isinstance(ram, bool) or not isinstance(ram, int) or not 0 <= ram <= _MAX_MB):
+                raise ValueError(f"quota {pattern!r}: ram_mb must be an integer >= 0 and <= {_MAX_MB}, got {_short(ram)}")
+            if ssd is not None and (
+                isinstance(ssd, bool) or not isinstance(ssd, (int, float))
+                or not (isinstance(ssd, int) or math.isfinite(ssd)) or not 0 <= ssd <= _MAX_GB
+            ):
+                raise ValueError(f"quota {pattern!r}: ssd_gb must be a number >= 0 and <= {_MAX_GB}, got {_short(ssd)}")
             rules.append(Rule(pattern, None if ram is None else ram * MiB, None if ssd is None else int(ssd * GiB)))
         return cls(rules)
 
