@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from support import free_port
 
 SKIP_REASON = "no redis-server or valkey-server on PATH (.ci/run installs Debian's redis-server)"
@@ -108,3 +110,11 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", name="server")
+def module_server():
+    """One server for a test module (import this into it)."""
+    s = RedisServer().start()
+    yield s
+    s.close()

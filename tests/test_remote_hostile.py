@@ -36,19 +36,14 @@ from kvd.protocol.codec import Tensor
 from kvd.store import RamStore
 from kvd.store.base import CHUNK, Entry, entry_id
 from kvd.store.remote import RemoteTier, WithRemote
-from redis_server import SKIP_REASON, RedisServer, redis_binary
-from support import assert_prefix_hit, prefix_snapshot
+from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary  # noqa: F401 (a fixture)
+from support import assert_prefix_hit, prefix_snapshot, wait_until
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
 
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = RedisServer().start()
-    yield s
-    s.close()
 
 
 @pytest.fixture
@@ -61,16 +56,6 @@ def r(server):
 
 def calls(r, command: str) -> int:
     return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
-
-
-def wait_for(what, cond, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = what()
-        if cond(value) or time.monotonic() > deadline:
-            assert cond(value), value
-            return value
-        time.sleep(0.02)
 
 
 def chain(n: int, nbytes: int, seed: int, ns: str = "h") -> list[Entry]:
@@ -220,7 +205,7 @@ def test_a_daemon_on_a_unix_socket_serves_past_a_key_of_another_type(daemon_fact
         x, y = list(range(1000, 1800)), list(range(5000, 5600))
         with a.client("rt", strict=True) as ca, a.client("other", strict=True) as co:
             assert ca.put(x, prefix_snapshot(x)) and co.put(y, prefix_snapshot(y))
-            wait_for(lambda: ca.stats()["tiers"]["remote"], lambda s: s["backlog"] == 0 and s["written"] == 7)
+            wait_until(lambda: (lambda s: s["backlog"] == 0 and s["written"] == 7)(ca.stats()["tiers"]["remote"]))
         k1 = keys.chain("rt", 256, keys.token_bytes(x))[1]
         rc = server.client()
         rc.delete(rv.value_key(k1, CHUNK))
@@ -250,12 +235,12 @@ def test_a_full_server_keeps_reads_on_and_backs_off_its_writes(caplog):
         try:
             for e in chain(24, 256 * 1024, seed=8):  # 6 MiB for a 2 MiB server
                 tier.offer(e)
-            wait_for(lambda: tier.writes_refused, bool)
+            wait_until(lambda: tier.writes_refused)
             t0, errors0 = time.monotonic(), tier.counters["errors"]
             # reads go on meanwhile, from the loop thread's own connection
             assert tier.exists([readable[0].id]) == [True] and same(tier.fetch([readable[0].id])[readable[0].id], readable[0])
             # three more refusals take 0.25 + 0.5 + 1 s of growing backoff, not 3 x 0.27 s
-            wait_for(lambda: tier.counters["errors"], lambda n: n >= errors0 + 3)
+            wait_until(lambda: tier.counters["errors"] >= errors0 + 3)
             assert time.monotonic() - t0 >= 1.5
             assert tier.counters["degraded_episodes"] == 0 and not tier.degraded
             assert tier.writes_refused.startswith("OOM") and tier.stats()["backlog"] > 0
@@ -263,7 +248,7 @@ def test_a_full_server_keeps_reads_on_and_backs_off_its_writes(caplog):
 
             assert "WRITES REFUSED: OOM" in render_stats({"tiers": {"remote": tier.stats()}})
             server.client().config_set("maxmemory", "0")  # room again: the backlog drains by itself
-            wait_for(lambda: tier.stats(), lambda s: s["backlog"] == 0, timeout=20)
+            wait_until(lambda: tier.stats()["backlog"] == 0, timeout=20)
             assert not tier.writes_refused and tier.counters["degraded_episodes"] == 0
         finally:
             tier.close()
@@ -338,7 +323,7 @@ def test_a_trickling_link_costs_a_read_at_most_the_timeout_in_all(server, r):
         # The link comes back to full speed: the late connection was dropped,
         # nothing of its reply is read as another's.
         relay.rate = 0
-        wait_for(lambda: store.remote.degraded, lambda d: not d)
+        wait_until(lambda: not store.remote.degraded)
         assert store.held(ids) == [True] * 4
         for e in entries:
             assert same(store.get(e.id), e)
@@ -463,7 +448,7 @@ def test_closing_with_the_server_hung_takes_the_budget_not_the_socket_timeout():
     server.proc.send_signal(signal.SIGSTOP)
     try:
         tier.offer(chain(1, 4096, seed=21)[0])  # the writer sends it and waits on the hung server
-        wait_for(lambda: tier.stats(), lambda st: st["backlog"] == 1)
+        wait_until(lambda: tier.stats()["backlog"] == 1)
         t0 = time.monotonic()
         tier.close(0.5)
         took = time.monotonic() - t0

@@ -21,18 +21,13 @@ from kvd.store import RamStore
 from kvd.store.base import BOUNDARY, CHUNK, Entry
 from kvd.store.remote import RemoteTier, WithRemote
 from kvd.store.remote_get import Refused, get_many
-from redis_server import SKIP_REASON, RedisServer, redis_binary
+from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
 
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = RedisServer().start()
-    yield s
-    s.close()
 
 
 def test_get_many_reads_values_of_every_size_bit_exact(server):
