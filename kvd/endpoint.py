@@ -183,6 +183,10 @@ def check_endpoint(endpoint: str) -> str:
             f"endpoint {endpoint!r} is an abstract socket, which keeps no other user out: "
             "use ipc:///path/to/socket"
         )
+    if transport == "tcp":
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise EndpointError(f"endpoint {endpoint!r} needs a host and a port from 1 to 65535 (tcp://host:port)")
     path = ipc_path(endpoint)
     if path is not None and len(str(path).encode()) > MAX_IPC_PATH:
         raise EndpointError(

@@ -155,3 +155,15 @@ def test_a_fifo_under_the_lock_files_name_never_blocks(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--endpoint", endpoint, "--data-dir", "none"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 78 and "not a regular file" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("bad", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://127.0.0.1", "tcp://:5599",
+                                 "tcp://127.0.0.1:x"])
+def test_a_tcp_endpoint_needs_a_host_and_a_real_port(bad):
+    """A port past 65535 was accepted, and the daemon served on whatever libzmq made of it."""
+    from kvd.endpoint import EndpointError, check_endpoint
+
+    with pytest.raises(EndpointError, match="port from 1 to 65535"):
+        check_endpoint(bad)
+    assert check_endpoint("tcp://127.0.0.1:5599") == "tcp://127.0.0.1:5599"
+    assert check_endpoint("tcp://[::1]:5599") == "tcp://[::1]:5599"
