@@ -118,3 +118,16 @@ def module_server():
     s = RedisServer().start()
     yield s
     s.close()
+
+
+def write_entries(url: str, entries) -> None:
+    """Store `entries` on the server at `url` as a daemon's write-behind does, and wait for it."""
+    from kvd.store.remote import RemoteTier
+
+    writer = RemoteTier(url, timeout=5.0)
+    try:
+        for e in entries:
+            writer.offer(e)
+        assert writer.flush(30)
+    finally:
+        writer.close()

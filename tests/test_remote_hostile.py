@@ -37,6 +37,7 @@ from kvd.store import RamStore
 from kvd.store.base import CHUNK, Entry, entry_id
 from kvd.store.remote import RemoteTier, WithRemote
 from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary  # noqa: F401 (a fixture)
+from redis_server import write_entries as write
 from support import assert_prefix_hit, prefix_snapshot, wait_until
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
@@ -79,16 +80,6 @@ def same(a: Entry | None, b: Entry) -> bool:
     return a is not None and a.id == b.id and all(
         bytes(memoryview(x.data).cast("B")) == bytes(memoryview(y.data).cast("B")) for x, y in zip(a.tensors, b.tensors)
     )
-
-
-def write(url: str, entries) -> None:
-    writer = RemoteTier(url, timeout=5.0)
-    try:
-        for e in entries:
-            writer.offer(e)
-        assert writer.flush(30)
-    finally:
-        writer.close()
 
 
 def planted(key: bytes, *, size: int, parts: int, part_bytes: int) -> bytes:
