@@ -133,13 +133,14 @@ def daemon_factory():
         return d
 
     yield make
-    from kvd.server.shm import plane_dir
+    from kvd.server.shm import plane_dirs
 
     for d in started:
         d.stop()
         # A daemon a test killed -9 leaves its shared-memory segments until
         # the next start on its endpoint, which a temp endpoint never sees.
-        shutil.rmtree(plane_dir(d.workdir / "kvd.sock"), ignore_errors=True)
+        for folder in plane_dirs(d.workdir / "kvd.sock"):
+            shutil.rmtree(folder, ignore_errors=True)
     for path in dirs:
         shutil.rmtree(path, ignore_errors=True)
 

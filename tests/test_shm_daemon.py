@@ -11,6 +11,7 @@ Leases are short (`--shm-lease-s`) and every wait polls STATS to a deadline.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import zmq
 from kvd.protocol import codec
 from kvd.protocol.errors import BadField
 from kvd.protocol.shm import parse_segment_name
-from kvd.server.shm import plane_dir
+from kvd.server.shm import plane_dirs, plane_prefix
 from kvd_client import Client
 from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled, wait_until
 
@@ -64,7 +65,9 @@ def test_segments_are_private_and_named_for_this_run(kvd_daemon):
         assert c.put(np.arange(300), prefix_snapshot(np.arange(300)))
         s = _shm_stats(c)
     folder = Path(s["dir"])
-    assert folder == plane_dir(kvd_daemon.workdir / "kvd.sock")
+    prefix = plane_prefix(kvd_daemon.workdir / "kvd.sock")
+    assert folder.parent == prefix.parent and re.fullmatch(re.escape(prefix.name) + "-[0-9a-f]{16}", folder.name)
+    assert plane_dirs(kvd_daemon.workdir / "kvd.sock") == [folder]
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
     names = sorted(os.listdir(folder))
     assert names == ["kvd-%s-0" % s["run"], "nonce"]
@@ -189,24 +192,23 @@ def test_commit_after_the_lease_ended_is_refused(short_lease):
 
 def test_daemon_killed_with_slots_mapped(daemon_factory):
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
-    folder = plane_dir(d.workdir / "kvd.sock")
     toks = np.arange(512)
     c = d.client("crash", timeout=1.0)
     try:
         assert c.put(toks, prefix_snapshot(toks))
         assert_prefix_hit(c.get(toks), toks)
-        old_run = c.stats()["shm"]["run"]
+        old = c.stats()["shm"]
+        old_run, folder = old["run"], Path(old["dir"])
         d.kill()
         assert c.get(toks) is None  # a miss, not a crash; the old mapping is still valid memory
         assert any(parse_segment_name(n) == (old_run, 0) for n in os.listdir(folder))
         d.start()
-        new_run = None
-        names = os.listdir(folder)
         c.retry_now()
         assert c.get(toks) is None  # the new run holds nothing (RAM only); the stale proof gets frames
-        new_run = c.stats()["shm"]["run"]
-        assert new_run != old_run
-        assert not [n for n in names if (p := parse_segment_name(n)) and p[0] == old_run]  # swept at start
+        new = c.stats()["shm"]
+        assert new["run"] != old_run and new["dir"] != str(folder)
+        assert not folder.exists()  # the killed run's folder was swept at start
+        assert plane_dirs(d.workdir / "kvd.sock") == [Path(new["dir"])]
         assert c.put(toks, prefix_snapshot(toks))
         assert_prefix_hit(c.get(toks), toks)
         assert c.counters["shm_gets"] == 2 and c.counters["shm_puts"] == 2
@@ -214,6 +216,37 @@ def test_daemon_killed_with_slots_mapped(daemon_factory):
         c.close()
     d.stop()
     assert not folder.exists()  # a clean stop removes its own segments, nonce and folder
+
+
+def test_planted_folder_names_neither_stop_the_plane_nor_get_removed(daemon_factory, tmp_path):
+    """The plane's folder is drawn afresh at each start: names planted where it
+    would go (the fixed name daemons before 0.2 used, as a file; the new
+    pattern as a symlink) do not turn it off, and only folders of ours are
+    swept -- a legacy one with a killed run's segment is."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", start=False)
+    sock = d.workdir / "kvd.sock"
+    prefix = plane_prefix(sock)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "kvd-0badc0de-0").write_bytes(b"not the daemon's")
+    link = prefix.with_name(prefix.name + "-" + "f" * 16)
+    link.symlink_to(target)
+    legacy = prefix  # a killed pre-0.2 daemon's folder: ours, with a segment and a nonce
+    legacy.mkdir(mode=0o700)
+    (legacy / "kvd-0badc0de-0").write_bytes(b"x")
+    (legacy / "nonce").write_bytes(b"n")
+    try:
+        d.start()
+        with d.client("plant", strict=True) as c:
+            assert c.put(np.arange(300), prefix_snapshot(np.arange(300)))
+            assert_prefix_hit(c.get(np.arange(300)), np.arange(300))
+            assert c.counters["shm_puts"] == 1 and c.counters["shm_gets"] == 1
+            folder = Path(_shm_stats(c)["dir"])
+        assert folder not in (link, legacy) and not legacy.exists()
+        assert link.is_symlink() and (target / "kvd-0badc0de-0").read_bytes() == b"not the daemon's"
+        assert plane_dirs(sock) == [folder]
+    finally:
+        link.unlink()
 
 
 def test_old_clients_without_shm_keep_working(kvd_daemon):

@@ -388,9 +388,9 @@ def test_other_user_is_never_given_a_shared_memory_segment(users, daemons, umask
             "print(1)")
     r = a.python(umask, code)
     assert r.returncode == 0, r.stderr
-    from kvd.server.shm import plane_dir
+    from kvd.server.shm import plane_dirs
 
-    folder = plane_dir(sock, uid=a.uid)
+    [folder] = plane_dirs(sock, uid=a.uid)
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700 and os.lstat(folder).st_uid == a.uid
     sock.chmod(0o666)  # A's operator opens the socket to other users: still no segment for B
     got = _result(b.python(umask, f"ENDPOINT = 'ipc://{sock}'\n" + SHM_PEEK))
@@ -398,6 +398,57 @@ def test_other_user_is_never_given_a_shared_memory_segment(users, daemons, umask
     assert (got["nonce"], got["list"], got["segment"]) == ("denied", "denied", "denied")
     assert got["get"] == [[300, False, False], [300, False, False]]  # served, over frames only
     assert got["slots"] == "BAD_FIELD"
+
+
+SHM_PUT = """
+import json, numpy as np
+from kvd_client import Client
+from kvd_client._tensors import HostTensor, Snapshot
+c = Client(ENDPOINT, namespace="a", strict=True, chunk_tokens=256)
+t = np.arange(300)
+snap = Snapshot({"k": (HostTensor.from_numpy(np.ones((1, 300, 4), np.float32)), 1)})
+ok = c.put(t, snap)
+print(json.dumps({"ok": ok, "shm_puts": c.counters["shm_puts"], "dir": c.stats()["shm"]["dir"]}))
+"""
+
+
+def test_other_user_cannot_take_the_shared_memory_folder_first(users, daemons):
+    """B makes the names A's plane folder could have first: the fixed one
+    daemons before 0.2 used and one of the new pattern. A's daemon still
+    gets shared memory, in a folder it made; a restart after A's daemon is
+    killed sweeps A's old folder and never B's."""
+    from kvd.server.shm import plane_dirs, plane_prefix
+
+    base, a, b = users
+    shared = base / "shmsquat"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    sock = shared / "kvd.sock"
+    prefix = plane_prefix(sock, uid=a.uid)
+    squats = [prefix, prefix.with_name(prefix.name + "-" + "0" * 16)]
+    for path in squats:
+        r = subprocess.run(b.argv("022", "mkdir", "-m", "700", str(path)), env=b.env(), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    log = base / "shmsquat.log"
+    try:
+        folders = []
+        for _ in range(2):
+            sock.unlink(missing_ok=True)  # the killed daemon's socket would look like readiness
+            daemons.append(proc := a.serve("022", "--endpoint", f"ipc://{sock}", "--data-dir", "none", log=log))
+            _wait_socket(sock, proc, log)
+            got = _result(a.python("022", f"ENDPOINT = 'ipc://{sock}'\n" + SHM_PUT))
+            assert got["ok"] and got["shm_puts"] == 1, log.read_text(errors="replace")
+            folder = Path(got["dir"])
+            assert folder not in squats and os.lstat(folder).st_uid == a.uid
+            folders.append(folder)
+            proc.kill()
+            proc.wait()
+        assert folders[0] != folders[1]
+        assert plane_dirs(sock, uid=a.uid) == [folders[1]]  # the first run's swept by the second's start
+        assert all(os.lstat(p).st_uid == b.uid for p in squats)  # B's names untouched
+    finally:
+        for path in [*squats, *plane_dirs(sock, uid=a.uid)]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 SWAP_A = """

@@ -5,8 +5,10 @@ Theory of operation
 The arena is a set of segment files in a private 0700 folder, each created
 0600 and mapped with `mmap` (the same on macOS and Linux). The folder must be
 memory, not disk, or the kernel writes every slot back to the drive: on Linux
-it is `/dev/shm/kvd-<uid>-<hash of the socket path>` (tmpfs), elsewhere
-`<socket>.shm/` beside the socket (`plane_dir`). Segments are sparse; each
+it is `/dev/shm/kvd-<uid>-<hash of the socket path>-<random>` (tmpfs), elsewhere
+`<socket>.shm-<random>` beside the socket (`new_plane_dir`): a name drawn at each
+start, so no other user can take it first, and found again by its prefix so the
+next start sweeps what a killed run left (`sweep_plane_dirs`). Segments are sparse; each
 slot's pages are reserved when it is allocated (posix_fallocate where it
 exists; a page map per segment skips pages reserved already, a syscall per
 slot on every put otherwise), so memory grows with use, slot by slot (a tight memory cgroup sees no
@@ -65,7 +67,9 @@ import logging
 import math
 import mmap
 import os
+import re
 import secrets
+import stat
 import sys
 import threading
 import time
@@ -79,7 +83,9 @@ from kvd.endpoint import check_run_dir
 from kvd.protocol import dtypes
 from kvd.protocol.codec import Message, Tensor
 from kvd.protocol.errors import BadField, Busy
-from kvd.protocol.shm import ALIGN, Descriptor, LeaseTable, align_up, check_proof, segment_name, stale_segments
+from kvd.protocol.shm import (
+    ALIGN, Descriptor, LeaseTable, align_up, check_proof, parse_segment_name, segment_name, stale_segments,
+)
 from kvd.server.freespace import FreeSpace
 from kvd.server.peers import PENDING_ALLOWANCE
 from kvd.store.base import Entry
@@ -89,6 +95,7 @@ log = logging.getLogger("kvd.server")
 _PAGE = mmap.PAGESIZE
 SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
 NONCE_FILE = "nonce"
+_RUN_DIR = re.compile(r"-[0-9a-f]{16}")  # a run's folder: the prefix and this
 
 # Grants awaiting COMMIT, all peers together (module docstring, rule 3). A
 # model server has one or two in flight, each holding its tokens (4 MiB for
@@ -401,13 +408,71 @@ def _tmpfs(path: str) -> bool:
         return False
 
 
-def plane_dir(socket_path: Path, uid: int | None = None) -> Path:
-    """The folder of an ipc endpoint's segments (module docstring): one per
-    endpoint, so a restarted daemon finds and sweeps its predecessor's."""
+def plane_prefix(socket_path: Path, uid: int | None = None) -> Path:
+    """What the folders of an ipc endpoint's runs are named from (module
+    docstring): on Linux `/dev/shm/kvd-<uid>-<12 hex of the socket path's
+    hash>`, elsewhere `<socket>.shm` beside the socket."""
     if sys.platform.startswith("linux") and _tmpfs("/dev/shm"):
         digest = hashlib.sha256(os.fsencode(os.path.abspath(socket_path))).hexdigest()[:12]
         return Path("/dev/shm") / f"kvd-{os.getuid() if uid is None else uid}-{digest}"
     return socket_path.with_name(socket_path.name + ".shm")
+
+
+def plane_dirs(socket_path: Path, uid: int | None = None) -> list[Path]:
+    """The folders runs on this endpoint made and left (a daemon killed; the
+    live one's too): named from the prefix (or the prefix alone, as daemons
+    before 0.2 named theirs), directories, and owned by `uid` (default: ours).
+    A name another user made is never ours to touch."""
+    prefix = plane_prefix(socket_path, uid)
+    uid = os.getuid() if uid is None else uid
+    try:
+        names = os.listdir(prefix.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name != prefix.name and not _RUN_DIR.fullmatch(name.removeprefix(prefix.name)):
+            continue
+        try:
+            st = os.lstat(prefix.parent / name)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+            found.append(prefix.parent / name)
+    return sorted(found)
+
+
+def sweep_plane_dirs(socket_path: Path) -> int:
+    """Remove the folders killed runs on this endpoint left (call it holding
+    the endpoint's lock: no other daemon serves it): their segments and
+    nonce, then the folder. Anything else in one stays, and so does that
+    folder. Returns how many folders went."""
+    gone = 0
+    for folder in plane_dirs(socket_path):
+        try:
+            for name in os.listdir(folder):
+                if parse_segment_name(name) is not None or name == NONCE_FILE or name.startswith(NONCE_FILE + "."):
+                    os.unlink(folder / name)
+            folder.rmdir()
+            gone += 1
+        except OSError as err:
+            log.warning("shared memory: cannot remove %s, a stopped run's folder: %s", folder, err)
+    return gone
+
+
+def new_plane_dir(socket_path: Path) -> Path:
+    """A folder for this run's segments, made here, 0700: the prefix and 16
+    random hex digits. Another user cannot have made it first (a name taken
+    is passed over for another)."""
+    prefix = plane_prefix(socket_path)
+    for _ in range(8):
+        folder = prefix.with_name(f"{prefix.name}-{secrets.token_hex(8)}")
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"no free folder name beside {prefix}")
 
 
 class ShmPlane:

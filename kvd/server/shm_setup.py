@@ -6,7 +6,7 @@ import logging
 import time
 
 from kvd.endpoint import ipc_path
-from kvd.server.shm import ShmPlane, plane_dir
+from kvd.server.shm import ShmPlane, new_plane_dir, sweep_plane_dirs
 
 log = logging.getLogger("kvd.server")
 
@@ -42,14 +42,18 @@ def _arena_or_heap(arena_alloc, heap_alloc):
 
 
 def open_plane(daemon) -> None:
-    """Create the plane in `<socket>.shm/` and let the handler and the SSD tier use it.
-    A failure only costs the plane: the daemon serves frames and says why."""
+    """Sweep what killed runs on this endpoint left, create the plane in a
+    folder of its own (kvd.server.shm.new_plane_dir) and let the handler and
+    the SSD tier use it. The daemon holds the endpoint's lock. A failure only
+    costs the plane: the daemon serves frames and says why."""
     path = ipc_path(daemon.endpoint)
     if path is None:  # an abstract socket has no folder to hold a private nonce
         return
     try:
+        if swept := sweep_plane_dirs(path):
+            log.info("shared memory: removed %d folder(s) stopped runs left", swept)
         seg = segment_bytes(daemon.store)
-        plane = ShmPlane(plane_dir(path), capacity=arena_capacity(daemon.store, seg), lease_seconds=daemon.shm_lease_s,
+        plane = ShmPlane(new_plane_dir(path), capacity=arena_capacity(daemon.store, seg), lease_seconds=daemon.shm_lease_s,
                          segment_bytes=seg)
     except Exception as err:  # an unsafe folder, a full disk: frames still work
         log.warning("shared memory disabled: %s", err)
