@@ -16,6 +16,7 @@ import numpy as np
 
 from kvd.protocol import dtypes
 from kvd.protocol.codec import Tensor
+from kvd.protocol.shm import Descriptor
 from kvd_client._tensors import HostTensor, Snapshot
 
 # Version of the client's chunk meta map (not of the wire protocol).
@@ -70,12 +71,59 @@ def boundary_tensors(snapshot: Snapshot) -> list[Tensor]:
 
 def to_host(t: Tensor, *, copy: bool = False) -> HostTensor:
     """A received wire tensor as a HostTensor viewing the frame (no copy), or
-    copied out (`copy`: bytes in shared memory live only as long as a lease)."""
-    arr = np.frombuffer(t.data, dtype=dtypes.container(t.dtype)).reshape(t.shape)
-    return HostTensor(t.dtype, arr.copy() if copy else arr)
+    copied out (`copy`: bytes in shared memory live only as long as a lease).
+    ValueError for a shape numpy cannot hold (a dimension of 2**64-1 beside a 0)."""
+    return HostTensor(t.dtype, _array(t).copy() if copy else _array(t))
 
 
-def check_served(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tuple[dict[str, int], dict]:
+def _array(t: Tensor) -> np.ndarray:
+    """The bytes of a received tensor as an array of its shape; ValueError if
+    they are not bytes here (a descriptor) or numpy cannot take the shape."""
+    if isinstance(t.data, Descriptor) or t.data is None:
+        raise ValueError(f"tensor {t.name!r} has no bytes here (a shared-memory descriptor without a link)")
+    try:
+        return np.frombuffer(t.data, dtype=dtypes.container(t.dtype)).reshape(t.shape)
+    except (ValueError, OverflowError, TypeError) as err:
+        raise ValueError(f"tensor {t.name!r}: {t.dtype}{list(t.shape)} cannot be held: {err}") from None
+
+
+def unpack_meta(raw: bytes) -> dict:
+    """A chunk's or boundary's meta map ({} for none). ValueError unless it is
+    exactly one msgpack map: served meta is not trusted (module `check_served`)."""
+    if not raw:
+        return {}
+    try:
+        value = msgpack.unpackb(raw, raw=False)
+    except Exception as err:  # msgpack raises a zoo of types for garbage
+        raise ValueError(f"meta is not one msgpack value ({type(err).__name__})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"meta is a {type(value).__name__}, not a map")
+    return value
+
+
+def boundary_state(boundary: dict[str, Any], *, copy: bool) -> tuple[dict[str, HostTensor], dict]:
+    """A served boundary's tensors (copied out with `copy`) and caller meta.
+    ValueError for names twice, meta that is not a map, a shape numpy cannot hold."""
+    check_boundary(boundary["tensors"])
+    meta = unpack_meta(boundary["meta"]).get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError("boundary meta's 'meta' is not a map")
+    return {t.name: to_host(t, copy=copy) for t in boundary["tensors"]}, meta
+
+
+def has_descriptor(reply_chunks: list[dict[str, Any]], boundary: dict[str, Any] | None) -> bool:
+    """Whether any tensor of a GET page is a shared-memory descriptor."""
+    groups = [c["tensors"] for c in reply_chunks] + ([boundary["tensors"]] if boundary is not None else [])
+    return any(isinstance(t.data, Descriptor) for ts in groups for t in ts)
+
+
+def page_bytes(reply_chunks: list[dict[str, Any]], boundary: dict[str, Any] | None) -> int:
+    """Tensor bytes a GET page carries, in frames or named by descriptors."""
+    groups = [c["tensors"] for c in reply_chunks] + ([boundary["tensors"]] if boundary is not None else [])
+    return sum(t.nbytes for ts in groups for t in ts)
+
+
+def check_served(chunks: list[dict[str, Any]], n: int, chunk_tokens: int, *, checked: int = 0) -> tuple[dict[str, int], dict]:
     """Raise ValueError unless the served chunks form one consistent layout.
 
     The daemon is not trusted to keep a namespace's chunks alike: any
@@ -86,9 +134,11 @@ def check_served(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tup
     axes, caller meta) and tensor names in every chunk; per name one dtype
     and one rank, the token axis exactly as long as its chunk, and every
     other axis the same in every chunk. Returns (axes, caller meta).
+    `checked`: how many leading chunks an earlier call already passed (a
+    GET's pages are checked as they come; each chunk is looked at once).
     """
-    head = msgpack.unpackb(chunks[0]["meta"], raw=False) if chunks[0]["meta"] else {}
-    if not isinstance(head, dict) or not isinstance(head.get("axes", {}), dict):
+    head = unpack_meta(chunks[0]["meta"])
+    if not isinstance(head.get("axes", {}), dict):
         raise ValueError("chunk meta is not a map of token axes")
     axes: dict[str, int] = head.get("axes", {})
     first = {t.name: t for t in chunks[0]["tensors"]}
@@ -97,8 +147,8 @@ def check_served(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tup
     for name, t in first.items():
         if not isinstance(axes[name], int) or not 0 <= axes[name] < len(t.shape):
             raise ValueError(f"tensor {name!r}: token axis {axes[name]!r} out of range for shape {tuple(t.shape)}")
-    expect = 0
-    for chunk in chunks:
+    expect = 0 if not checked else chunks[checked - 1]["start"] + chunks[checked - 1]["length"]
+    for chunk in chunks[checked:]:
         start, length = chunk["start"], chunk["length"]
         if start != expect or not 0 < length <= chunk_tokens:
             raise ValueError(f"chunk at {start} (length {length}) does not follow token {expect} in chunks of {chunk_tokens}")
@@ -120,7 +170,10 @@ def check_served(chunks: list[dict[str, Any]], n: int, chunk_tokens: int) -> tup
                 raise ValueError(f"tensor {name!r} changes shape between chunks ({tuple(ref.shape)} -> {tuple(t.shape)} at {start})")
     if expect < n:
         raise ValueError(f"chunks cover {expect} tokens, the reply serves {n}")
-    return axes, head.get("meta", {})
+    meta = head.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError("chunk meta's 'meta' is not a map")
+    return axes, meta
 
 
 def check_boundary(tensors: list[Tensor]) -> None:
@@ -176,7 +229,7 @@ def join(
             stop = min(start + t.shape[axis], n)
             if stop <= start:
                 continue
-            src = np.frombuffer(t.data, dtype=dtypes.container(t.dtype)).reshape(t.shape)
+            src = _array(t)
             take = (slice(None),) * axis + (slice(0, stop - start),)
             put = (slice(None),) * axis + (slice(start, stop),)
             out[name][put] = src[take]

@@ -50,6 +50,14 @@ section 14: same host, same user, ipc only) or "auto" (the default): shm when
 the daemon offers it on an ipc endpoint, else frames. A GET or PUT that
 cannot use shm (arena full, daemon restarted) goes over frames instead.
 `counters` say which path each call took (shm_gets, shm_puts).
+
+Answers are checked, not believed (PROTOCOL.md section 11): a LOOKUP past
+the query (`UNBELIEVED`: `put` then sends every chunk), a GET page that does
+not continue from where the last ended or carries more than the advertised
+`max_message_bytes`, descriptors in a reply to a request that offered no
+shared memory -- each is BadReply, a miss in the default mode. Pages are
+checked for one layout as they arrive, so a daemon cannot make the client
+hold pages it will refuse at the end.
 """
 
 from __future__ import annotations
@@ -97,6 +105,27 @@ class _Budget:
         return self.deadline - time.monotonic()
 
 
+def _page_problem(reply, start: int, max_bytes: int) -> str | None:
+    """Why a GET page cannot be true, or None: it must continue from `start`
+    (chunks contiguous, `end` where the last ends, past `start`) -- else the
+    client would ask the same page again and again, holding each -- and carry
+    at most `max_bytes` of tensors."""
+    chunks = reply["chunks"]
+    if not chunks:
+        return None  # nothing served: the caller misses
+    expect = start
+    for c in chunks:
+        if c["start"] != expect or c["length"] == 0:
+            return f"GET page from {start}: a chunk at {c['start']} (length {c['length']}) does not follow {expect}"
+        expect = c["start"] + c["length"]
+    if reply["end"] != expect:
+        return f"GET page from {start}: end {reply['end']} is not where its chunks end ({expect})"
+    nbytes = _chunking.page_bytes(chunks, reply.get("boundary"))
+    if nbytes > max_bytes:
+        return f"GET page of {nbytes} tensor bytes; the daemon's limit is {max_bytes}"
+    return None
+
+
 def _budgeted(method):
     """Run a public call within one budget of the client's `timeout`."""
 
@@ -115,6 +144,11 @@ class Probe:
 
     n: int
     boundaries: tuple[int, ...] = ()
+
+
+# What a LOOKUP answer that cannot be true is taken for: nothing held (a named
+# sentinel, so `put` can tell it from a real answer of 0).
+UNBELIEVED = Probe(0)
 
 
 class Core:
@@ -179,6 +213,8 @@ class Core:
         with self._bg_lock:
             if self._bg_transport is None:
                 self._bg_transport = Transport(self.endpoint, connect_wait=min(0.25, self.timeout), curve=self._curve)
+                if self._limits is not None:
+                    self._bg_transport.set_limits(self._limits)
             return self._bg_transport
 
     @contextlib.contextmanager
@@ -264,23 +300,40 @@ class Core:
         field and serve another image's cache: never send it media."""
         features = self._features
         if features is None:
-            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
-            if reply is None:
+            if self._hello_call() is None:
                 return False  # unreachable now: ask again next time
-            features = self._hello(reply)[1]
+            features = self._features or frozenset()
         if "media" not in features:
             self.counters["media_unsupported"] += 1
             return False
         return True
 
-    def _hello(self, reply) -> tuple[Limits, frozenset[str]]:
-        limits = self._limits = Limits.from_wire(reply["limits"])
-        features = self._features = frozenset(reply.get("features") or ())
+    def _hello_call(self, *, background: bool = False):
+        """Ask HELLO and learn its answer; None if that failed (counted, raised in strict mode)."""
+        try:
+            reply = self._request("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
+            self._hello(reply)
+        except KvdError as err:
+            self._failed("HELLO", err)
+            return None
+        return reply
+
+    def _hello(self, reply) -> None:
+        """Learn a HELLO reply's limits, features and shm offer. BadReply for
+        limits no daemon could keep (the transport bounds replies by them)."""
+        limits = Limits.from_wire(reply["limits"])
+        if any(v < 1 for v in limits.to_wire().values()):
+            self._forget_daemon()
+            raise BadReply(f"HELLO advertised limits below 1: {limits}")
+        self._transport.set_limits(limits)
+        if self._bg_transport is not None:
+            self._bg_transport.set_limits(limits)
+        self._limits = limits
+        self._features = frozenset(reply.get("features") or ())
         offer = reply.get("shm")
         with self._shm_lock:
             if offer != self._shm_offer:
                 self._shm_offer, self._shm_link = offer, None
-        return limits, features
 
     def _forget_daemon(self) -> None:
         """The daemon may have changed (restarted, other limits): ask HELLO again next time.
@@ -289,10 +342,7 @@ class Core:
         self._features = None
 
     def _hello_now(self, *, background: bool = False) -> bool:
-        reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
-        if reply is not None:
-            self._hello(reply)
-        return reply is not None
+        return self._hello_call(background=background) is not None
 
     def _link(self, *, background: bool = False) -> _shm.Link | None:
         """The shared-memory link to use now, or None for frames."""
@@ -321,19 +371,16 @@ class Core:
         """The daemon's advertised limits (from HELLO; defaults if it is unreachable)."""
         limits = self._limits
         if limits is None:
-            reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"}, background=background)
-            if reply is None:
+            if self._hello_call(background=background) is None:
                 return Limits()
-            limits = self._hello(reply)[0]
+            limits = self._limits or Limits()
         return limits
 
     # -- public calls ----------------------------------------------------------
     @_budgeted
     def hello(self) -> dict[str, Any] | None:
         """The daemon's HELLO reply fields (version, server, limits), or None."""
-        reply = self._call("HELLO", {"versions": [1], "client": "kvd_client"})
-        if reply is not None:
-            self._hello(reply)
+        reply = self._hello_call()
         return None if reply is None else dict(reply.fields)
 
     @_budgeted
@@ -354,10 +401,23 @@ class Core:
         seq = self._seq(tokens, media)
         if seq is None:
             return Probe(0)
-        reply = self._call("LOOKUP", seq)
+        return self._lookup(seq, len(tokens)) or Probe(0)
+
+    def _lookup(self, seq: dict[str, Any], n_tokens: int, *, background: bool = False) -> Probe | None:
+        """LOOKUP, its answer checked against the query; None if it got no
+        answer. An answer past the query or with boundaries not ascending
+        within (0, n] is BadReply (counted, raised in strict mode) and gives
+        UNBELIEVED, a Probe of 0: believed, it would make `put` skip chunks
+        the daemon does not hold."""
+        reply = self._call("LOOKUP", seq, background=background)
         if reply is None:
-            return Probe(0)
-        return Probe(reply["n"], tuple(reply["boundaries"]))
+            return None
+        n, bounds = reply["n"], list(reply["boundaries"])
+        if n > n_tokens or any(not 0 < b <= n for b in bounds) or bounds != sorted(set(bounds)):
+            self._forget_daemon()
+            self._failed("LOOKUP", BadReply(f"LOOKUP of {n_tokens} tokens answered n={n}, boundaries {bounds[:8]}"))
+            return UNBELIEVED  # `put` then sends every chunk: nothing is known to be held
+        return Probe(n, tuple(bounds))
 
     def put(
         self, tokens: Sequence[int] | np.ndarray, snapshot: Snapshot, *, background: bool = False, media: Sequence[Any] = ()
@@ -387,13 +447,15 @@ class Core:
         if seq is None:
             self.counters["put_not_stored"] += 1
             return False
-        have = self._call("LOOKUP", seq, background=background)
+        have = self._lookup(seq, n_tokens, background=background)
         if have is None:
             self.counters["put_not_stored"] += 1
             return False
+        if have is UNBELIEVED:
+            self.counters["put_lookup_unbelieved"] += 1
         spans = keys.chunk_spans(n_tokens, self.chunk_tokens)
-        held = len(spans) if have["n"] == n_tokens else have["n"] // self.chunk_tokens
-        want_boundary = bool(snapshot.boundary) and n_tokens not in have["boundaries"]
+        held = len(spans) if have.n == n_tokens else have.n // self.chunk_tokens
+        want_boundary = bool(snapshot.boundary) and n_tokens not in have.boundaries
         todo = list(enumerate(spans))[held:]
         # Chunks before `snapshot.start` were held when the snapshot was taken;
         # if the daemon lost any since, this snapshot cannot restore them.
@@ -541,6 +603,10 @@ class Core:
         # the daemon restarted (frames served the rest; `link` is None then).
         leased_from = link
         first_sent: float | None = None
+        # A page carries at most the advertised max_message_bytes of tensors
+        # (PROTOCOL.md section 5 GET), in frames or in shared memory alike.
+        limits = self._limits or Limits()
+        checked = 0  # chunks whose layout is checked (pages, below)
         while True:
             fields = {**seq, "max_tokens": n, "need_boundary": need_boundary, "start": start}
             if link is not None:
@@ -550,15 +616,21 @@ class Core:
             if reply is None or reply["n"] == 0 or (start and reply["n"] < start):
                 self.counters["get_miss"] += 1
                 return None
+            problem = _page_problem(reply, start, limits.max_message_bytes)
+            if problem is not None:
+                return self._unbelievable(problem)
             if link is not None:
                 offered = reply.get("shm")
                 if offered is None or offered.get("run") != link.run:
                     self._shm_reset()  # proof refused: the daemon restarted; frames served this page
                     link = None
                 else:
+                    lease = offered.get("lease")
+                    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, int) or lease < 0):
+                        return self._unbelievable(f"GET page's shm lease {lease!r} is not a lease id")
                     link.retain(offered.get("segments"))
-                    if offered.get("lease") is not None:
-                        leases.append(offered["lease"])
+                    if lease is not None:
+                        leases.append(lease)
                         first_sent = sent_at if first_sent is None else first_sent
                     try:
                         for c in reply["chunks"]:
@@ -570,12 +642,21 @@ class Core:
                         self.counters["get_miss"] += 1
                         log.debug("shm get failed: %s", err)
                         return None
+            if link is None and _chunking.has_descriptor(reply["chunks"], reply.get("boundary")):
+                return self._unbelievable("GET page names shared memory, but this request offered none")
             n = min(n, reply["n"])
             chunks.extend(reply["chunks"])
             boundary = reply.get("boundary")
             if reply["end"] >= n or not reply["chunks"]:
                 break
             start = reply["end"]
+            try:
+                # Each page is checked as it comes, so what is held meanwhile is
+                # what the first chunk's layout implies, never unrelated pages.
+                _chunking.check_served(chunks, 0, self.chunk_tokens, checked=checked)
+            except ValueError as err:
+                return self._inconsistent(err)
+            checked = len(chunks)
         if not chunks or chunks[-1]["start"] + chunks[-1]["length"] < n:
             self.counters["get_miss"] += 1
             return None
@@ -584,21 +665,14 @@ class Core:
             return None
         try:
             sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc)
-            if boundary is not None:
-                _chunking.check_boundary(boundary["tensors"])
-        except ValueError as err:
-            self.counters["get_inconsistent"] += 1
-            if self.strict:
-                raise
-            log.warning("kvd served inconsistent chunks: %s", err)
-            return None
-        hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
-        if boundary is not None and boundary["at"] == n:
-            import msgpack
-
-            hit.boundary = {t.name: _chunking.to_host(t, copy=first_sent is not None) for t in boundary["tensors"]}
-            bmeta = msgpack.unpackb(boundary["meta"], raw=False) if boundary["meta"] else {}
-            hit.boundary_meta = bmeta.get("meta", {})
+            hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
+            if boundary is not None and boundary["at"] == n:
+                hit.boundary, hit.boundary_meta = _chunking.boundary_state(boundary, copy=first_sent is not None)
+        except (ValueError, OverflowError) as err:
+            return self._inconsistent(err)
+        except MemoryError:
+            # Well-formed but too big to hold here (an absurd layout): a miss, not a crash.
+            return self._unbelievable(f"GET of {n} tokens: the served tensors do not fit in memory")
         if first_sent is not None:
             if not leased_from.in_time(first_sent):
                 # The copy may have raced a slot reused after our lease ended.
@@ -609,6 +683,21 @@ class Core:
         self.counters["get_hit"] += 1
         self.counters["tokens_fetched"] += n
         return hit
+
+    def _inconsistent(self, err: Exception) -> None:
+        """Served chunks that do not form one layout: a miss (ValueError in strict mode)."""
+        self.counters["get_inconsistent"] += 1
+        if self.strict:
+            raise err if isinstance(err, ValueError) else ValueError(str(err))
+        log.warning("kvd served inconsistent chunks: %s", err)
+        return None
+
+    def _unbelievable(self, problem: str) -> None:
+        """A GET answer no well-behaved daemon gives: a miss, BadReply in strict mode."""
+        self.counters["get_miss"] += 1
+        self._forget_daemon()
+        self._failed("GET", BadReply(problem))
+        return None
 
     @_budgeted
     def explain(

@@ -18,12 +18,25 @@ later than ours, both on the same monotonic clock.
 
 Writes: SLOTS returns descriptors; the caller copies its bytes in and sends
 COMMIT. Past its deadline a writer stops before touching a slot again.
+
+Rules (the daemon is not trusted to be well-behaved, PROTOCOL.md section 11):
+1. Every fault of the link -- a bad offer, a nonce or segment that is not a
+   regular file of ours, a segment id out of range, a mapping that fails --
+   is ShmUnavailable, never another exception: the caller falls back to
+   frames or misses.
+2. The nonce and segments are opened O_NONBLOCK | O_NOFOLLOW and checked with
+   fstat before a byte is read: a FIFO would block open() for ever, a symlink
+   could lead anywhere, and an empty or special file cannot be mapped.
+3. A descriptor is only ever a view inside its segment's actual size.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import re
+import stat
 import threading
 import time
 from pathlib import Path
@@ -33,6 +46,10 @@ from kvd.endpoint import check_run_dir
 from kvd.protocol.codec import Tensor
 from kvd.protocol.errors import KvdError
 from kvd.protocol.shm import Descriptor, segment_name
+
+_NONCE_BYTES = 64  # the daemon writes >= 16; more than this is not a nonce of ours
+_MAX_LEASE_S = 3600.0  # an offer of longer leases is not believed
+_OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ShmUnavailable(KvdError):
@@ -46,12 +63,24 @@ class Link:
     """Proof, mappings and pending releases for one daemon run (module docstring)."""
 
     def __init__(self, offer: dict[str, Any]):
-        self.dir = Path(str(offer.get("dir", "")))
-        self.run = str(offer.get("run", ""))
-        self.lease_s = float(offer.get("lease_s", 0) or 0)
+        """Raises ShmUnavailable (a bad offer, no nonce of ours) or UnsafeEndpoint."""
+        folder, run, lease_s = offer.get("dir"), offer.get("run"), offer.get("lease_s")
+        if not isinstance(folder, str) or not os.path.isabs(folder) or "\0" in folder:
+            raise ShmUnavailable(f"shm offer: dir {folder!r} is not an absolute path")
+        if not isinstance(run, str) or not re.fullmatch(r"[0-9a-f]{8}", run):
+            raise ShmUnavailable(f"shm offer: run {run!r} is not 8 hex digits")
+        if (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not math.isfinite(lease_s)
+                or not 0 < lease_s <= _MAX_LEASE_S):
+            raise ShmUnavailable(f"shm offer: lease_s {lease_s!r} is not a number of seconds")
+        self.dir, self.run, self.lease_s = Path(folder), run, float(lease_s)
         check_run_dir(self.dir)  # UnsafeEndpoint unless ours and private
-        with open(self.dir / "nonce", "rb") as f:  # PermissionError for another uid
-            self.nonce = f.read(64)
+        fd = self._open("nonce", os.O_RDONLY)
+        try:
+            self.nonce = os.read(fd, _NONCE_BYTES)
+        except OSError as err:
+            raise ShmUnavailable(f"cannot read the nonce in {self.dir}: {err}") from None
+        finally:
+            os.close(fd)
         self._maps: dict[int, mmap.mmap] = {}
         self._mu = threading.Lock()
         self._release: list[int] = []
@@ -67,6 +96,23 @@ class Link:
             with self._mu:
                 self._release.append(lease)
 
+    def _open(self, name: str, flags: int) -> int:
+        """An fd of `name` in the folder, only if a non-empty regular file of
+        our uid (rule 2; kvd.endpoint's lock file is opened the same way)."""
+        try:
+            fd = os.open(self.dir / name, flags | _OPEN_FLAGS)
+        except (OSError, ValueError) as err:  # another uid's, gone, a symlink (ELOOP)
+            raise ShmUnavailable(f"{name} in {self.dir}: {err}") from None
+        try:
+            st = os.fstat(fd)
+        except OSError as err:
+            os.close(fd)
+            raise ShmUnavailable(f"{name} in {self.dir}: {err}") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size == 0:
+            os.close(fd)
+            raise ShmUnavailable(f"{name} in {self.dir} is not a non-empty regular file of ours")
+        return fd
+
     def _segment(self, seg: int) -> mmap.mmap:
         mm = self._maps.get(seg)
         if mm is None:
@@ -74,14 +120,17 @@ class Link:
                 mm = self._maps.get(seg)
                 if mm is None:
                     try:
-                        fd = os.open(self.dir / segment_name(self.run, seg), os.O_RDWR | os.O_CLOEXEC)
-                    except (FileNotFoundError, ValueError) as err:
+                        name = segment_name(self.run, seg)
+                    except KvdError as err:  # an index out of range
                         raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
+                    fd = self._open(name, os.O_RDWR)
                     try:
                         # No MAP_POPULATE: it would allocate a sparse segment's holes,
                         # charged to this process instead of the daemon's cgroup.
                         # Mappings persist, so each page faults in once per client.
                         mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+                    except (OSError, ValueError, OverflowError) as err:  # ENOMEM for a huge sparse file
+                        raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
                     finally:
                         os.close(fd)
                     self._maps[seg] = mm
@@ -105,8 +154,8 @@ class Link:
     def retain(self, live: Any) -> None:
         """Unmap segments the daemon has removed (`live`: its current list), so
         their memory is freed; a mapping still viewed goes when the view does."""
-        if not isinstance(live, list):
-            return
+        if not isinstance(live, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in live):
+            return  # not a list of segment ids: nothing to learn from it
         keep = set(live)
         with self._mu:
             for seg in [s for s in self._maps if s not in keep]:

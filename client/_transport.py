@@ -16,6 +16,17 @@ socket in an unknown state, so the socket is closed and a fresh one made:
 that also makes a restarted daemon reachable again without the caller
 doing anything.
 
+Nothing a daemon sends is trusted to be small (PROTOCOL.md section 11):
+a reply is bounded by what the daemon advertised in HELLO (`reply_limits`;
+before HELLO, the defaults). ZMQ_MAXMSGSIZE drops a connection whose peer
+sends a frame larger than that, before libzmq buffers it; ZMQ_RCVHWM keeps
+at most a few unread messages (one request is in flight per socket, so
+anything more is unsolicited); and a reply is received part by part, so
+one of too many frames (or past the deadline) is abandoned -- the socket
+closed -- instead of being turned into a million Python objects. A message
+whose id is not the request's is dropped even if it cannot be decoded: a
+daemon's stale or unsolicited garbage never fails the next request.
+
 ZeroMQ contexts and sockets do not survive os.fork(): a child using its
 parent's socket can block for ever. A Transport remembers the pid that made
 its socket; in another process it abandons the inherited context, socket and
@@ -41,16 +52,42 @@ from kvd.endpoint import (
 from kvd.protocol import codec
 from kvd.protocol.codec import Message
 from kvd.protocol.errors import KvdError, ProtocolError, from_code
-from kvd.protocol.limits import Limits
+from kvd.protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
 
-# Replies are decoded with generous limits: the daemon is trusted to respect
-# its own advertised limits, and we must accept a full page of chunks.
 _HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-_REPLY_LIMITS = Limits(max_message_bytes=1 << 40, max_header_bytes=1 << 30, max_frames=1 << 20)
+# A reply is bounded by the limits the daemon advertised (module docstring),
+# with room for its header beside a full page of tensor bytes: a GET page
+# holds up to max_message_bytes of tensors (PROTOCOL.md section 5 GET).
+_HEADER_FLOOR, _HEADER_CEILING = 1 << 20, 64 << 20  # a header bound we accept from HELLO
+_MESSAGE_FLOOR, _MESSAGE_CEILING = 1 << 20, 1 << 40
+_REPLY_FRAMES = 1 << 20  # a page of many tiny tensors may have more than max_frames (a request bound)
+_TENSOR_ENTRY = 32  # header bytes of the smallest tensor that refers to a frame: so many frames at most
+_FRAME_SLACK = 1 << 20  # MAXMSGSIZE over the largest frame a reply may hold
+_RCVHWM = 2  # unread messages kept: the reply, and one stale reply to a request that timed out
+_SMALL_FRAME = 1 << 16  # smaller parts are copied out, not kept as zmq.Frame objects
+_CHECK_EVERY = 1024  # parts received between two looks at the clock
+
+
+def reply_limits(advertised: Limits) -> Limits:
+    """The bounds a reply from a daemon advertising `advertised` is decoded
+    under: its message and header limits (clamped to sane ranges), the
+    header allowed beside a full page of tensor bytes."""
+    header = min(max(advertised.max_header_bytes, _HEADER_FLOOR), _HEADER_CEILING)
+    message = min(max(advertised.max_message_bytes, _MESSAGE_FLOOR), _MESSAGE_CEILING)
+    frames = min(_REPLY_FRAMES, 1 + header // _TENSOR_ENTRY)
+    return Limits(max_message_bytes=message + header, max_header_bytes=header, max_frames=frames)
+
+
+def _max_frame(limits: Limits) -> int:
+    """ZMQ_MAXMSGSIZE (a bound per frame, not per message) for these reply limits."""
+    return limits.max_message_bytes - limits.max_header_bytes + _FRAME_SLACK
+
+
+_DEFAULT_REPLY_LIMITS = reply_limits(DEFAULT_LIMITS)
 
 # Sockets and monitors inherited across a fork: kept referenced, never closed
 # in the child (pyzmq's close is a no-op there anyway; dropping them would
@@ -94,6 +131,8 @@ class Transport:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
+        self._reply_limits = _DEFAULT_REPLY_LIMITS
+        self._sock_max_frame = 0  # the MAXMSGSIZE last set on the socket
         self._fresh = True  # socket never connected yet: allow connect_wait
         self._down_until = 0.0
         self._ipc = ipc_path(endpoint)
@@ -145,6 +184,9 @@ class Transport:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+            self._sock_max_frame = _max_frame(self._reply_limits)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._sock_max_frame)
+            sock.setsockopt(zmq.RCVHWM, _RCVHWM)
             if self.curve is not None:
                 sock.curve_publickey, sock.curve_secretkey = self.curve.public, self.curve.secret
                 sock.curve_serverkey = self.curve.server
@@ -218,6 +260,12 @@ class Transport:
             self._sock.close(linger=0)
             self._sock = None
 
+    def set_limits(self, advertised: Limits) -> None:
+        """Bound replies by what the daemon advertised in HELLO, from the next
+        request on (MAXMSGSIZE applies to connections made after it is set: a
+        socket that must accept larger frames is remade)."""
+        self._reply_limits = reply_limits(advertised)
+
     def retry_now(self) -> None:
         """The daemon is known to be back (someone else reached it): drop the
         socket, so the next request connects afresh (allowing `connect_wait`)
@@ -242,6 +290,42 @@ class Transport:
         except Exception:
             pass
 
+    def _receive(self, sock: zmq.Socket, deadline: float, limits: Limits) -> list[Any] | None:
+        """The buffers of the next message, received part by part; None if
+        there is none after all. A message of more frames or bytes than
+        `limits` allow is BadReply, one still arriving at `deadline`
+        DaemonUnavailable; either way the socket is closed, which drops the
+        rest of it without reading it."""
+        parts: list[Any] = []
+        total = 0
+        while True:
+            try:
+                # Never a blocking recv: with ZMQ_IMMEDIATE, a connection
+                # that drops (the daemon killed) takes its pipe's unread
+                # messages with it at once, so a message poll() saw may be
+                # gone by now, and a blocking recv would wait for ever.
+                frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if not parts:
+                    return None
+                self._reset()
+                raise DaemonUnavailable(f"the connection to {self.endpoint} dropped mid-reply") from None
+            size = len(frame)
+            total += size
+            # Small parts as bytes while receiving (an empty one is a shared
+            # object): a hostile reply of many frames costs a pointer each
+            # until refused; views are made only for a message within bounds.
+            parts.append(frame.bytes if size < _SMALL_FRAME else frame.buffer)
+            if not frame.more:
+                return [memoryview(p) if isinstance(p, bytes) else p for p in parts]
+            if len(parts) >= limits.max_frames or total > limits.max_message_bytes:
+                self._reset()
+                raise BadReply(f"reply from {self.endpoint} over {limits.max_frames} frames or "
+                               f"{limits.max_message_bytes} bytes")
+            if len(parts) % _CHECK_EVERY == 0 and time.monotonic() > deadline:
+                self._reset()
+                raise DaemonUnavailable(f"reply from {self.endpoint} still arriving at the deadline")
+
     def request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
         """Send a request and return its decoded reply.
 
@@ -258,6 +342,16 @@ class Transport:
             raise DaemonUnavailable(f"client busy for {timeout:.1f}s (another call in flight)")
         try:
             self._check_safe()
+            limits = self._reply_limits
+            if self._sock is not None and self._sock_max_frame != _max_frame(limits):
+                if _max_frame(limits) > self._sock_max_frame:
+                    self._reset()  # its connection would drop the larger replies the daemon may now send
+                else:
+                    # Tighter: for the connections ZeroMQ makes from now on. Not
+                    # remade now: a daemon that is slow to accept would turn
+                    # into an outage, and replies are decoded under `limits` anyway.
+                    self._sock.setsockopt(zmq.MAXMSGSIZE, _max_frame(limits))
+                    self._sock_max_frame = _max_frame(limits)
             if self._sock is None and self._auth_error is not None and time.monotonic() < self._down_until:
                 raise self._refusal(self._auth_error)  # refused a moment ago: not retried before retry_interval
             sock = self._socket()
@@ -288,17 +382,14 @@ class Transport:
                 if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                     self._reset()
                     raise DaemonUnavailable(f"no reply from {self.endpoint} within {timeout:.1f}s")
-                try:
-                    # Never a blocking recv: with ZMQ_IMMEDIATE, a connection
-                    # that drops (the daemon killed) takes its pipe's unread
-                    # messages with it at once, so a message poll() saw may be
-                    # gone by now, and a blocking recv would wait for ever.
-                    raw = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                raw = self._receive(sock, deadline, limits)
+                if raw is None:
                     continue
                 try:
-                    reply = codec.decode_reply([f.buffer for f in raw], _REPLY_LIMITS)
+                    reply = codec.decode_reply(raw, limits)
                 except ProtocolError as err:
+                    if codec.peek_id(raw[:1], limits) not in (rid, None):
+                        continue  # stale or unsolicited garbage: not this request's answer
                     self._reset()
                     raise BadReply(f"undecodable reply: {err}") from None
                 if reply.id != rid:

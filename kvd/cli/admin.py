@@ -21,7 +21,10 @@ from kvd.cli.common import (
     data_dir_to_read,
     fail,
     rate,
+    reply_json,
+    secs,
     settings,
+    shown,
     size,
 )
 from kvd.config import MAX_GB, MAX_MB
@@ -39,7 +42,7 @@ def render_stats(stats: dict) -> str:
     """The human table of a STATS map."""
     server = stats.get("server", {})
     lines = [
-        f"kvd {server.get('version', '?')}  pid {server.get('pid', '?')}  up {server.get('uptime', 0):.0f}s  {server.get('endpoint', '')}",
+        f"kvd {server.get('version', '?')}  pid {server.get('pid', '?')}  up {secs(server.get('uptime', 0))}  {server.get('endpoint', '')}",
         *([f"WARNING: {stats['security']['warning']}"] if stats.get("security", {}).get("warning") else []),
         "",
         f"{'tier':<6}{'entries':>10}{'bytes':>12}{'budget':>12}{'hits':>10}{'misses':>10}{'hit rate':>10}{'evictions':>11}",
@@ -127,7 +130,7 @@ def stats(as_json, namespace, offline, watch, count, **flags) -> None:
         return
     with admin_client(cfg) as client:
         result = client.stats(namespace)
-    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_stats(result))
+    click.echo(reply_json("STATS", result) if as_json else shown("STATS", render_stats, result))
 
 
 def _watch(cfg, namespace, every: float, count: int | None) -> None:
@@ -136,7 +139,7 @@ def _watch(cfg, namespace, every: float, count: int | None) -> None:
     with admin_client(cfg) as client:
         try:
             while count is None or n < count:
-                table = render_stats(client.stats(namespace))
+                table = shown("STATS", render_stats, client.stats(namespace))
                 stamp = time.strftime("%H:%M:%S")
                 click.echo(f"\x1b[H\x1b[2J{table}\n\n(every {every:g}s, {stamp}; Ctrl-C to stop)")
                 n += 1
@@ -195,13 +198,16 @@ def gc(ram_mb, ssd_gb, namespace, older_than, orphans, verify, dry_run, as_json,
             result, where = client.gc(**fields), "daemon"
         except DaemonUnavailable:  # any other error is the daemon's answer: exit 4
             result, where = _offline_gc(cfg, fields, verify, selected, as_json), "data dir"
-    if as_json:
-        click.echo(json.dumps(result, indent=2, sort_keys=True))
-        return
+    click.echo(reply_json("GC", result) if as_json else shown("GC", render_gc, result, dry_run, where))
+
+
+def render_gc(report: dict, dry_run: bool, where: str) -> str:
+    """The human lines of a GC report (the daemon's, or `_offline_gc`'s of the same shape)."""
     verb = "would remove" if dry_run else "removed"
-    click.echo(f"{verb} {result['entries']} entries, {size(result['bytes'])} (via the {where})")
-    for what, d in (result.get("details") or {}).items():
-        click.echo(f"  {what}: " + ", ".join(f"{k} {v}" for k, v in d.items()))
+    lines = [f"{verb} {report.get('entries', '?')} entries, {size(report.get('bytes'))} (via the {where})"]
+    for what, d in (report.get("details") or {}).items():
+        lines.append(f"  {what}: " + (", ".join(f"{k} {v}" for k, v in d.items()) if isinstance(d, dict) else str(d)))
+    return "\n".join(lines)
 
 
 def _offline_gc(cfg, fields: dict, verify: bool, selected: bool, quiet: bool) -> dict:

@@ -10,15 +10,23 @@ Offline commands (`verify`, `stats --offline`, `ls --offline`) read the data
 dir of the daemon that is running, when one answers -- its STATS reply names
 it (`server.data_dir`) -- unless `--data-dir` is given; with no daemon they
 read the configured one. They always say which folder they read, and why.
+
+Replies: a daemon's STATS and GC maps are drawn by code that trusts their
+shape, yet the process at the endpoint may be a buggy, older or newer kvd.
+`shown` and `reply_json` are the one guard: a map that breaks the drawing is one
+line and exit 1, never a traceback. A number that is not one draws as "?"
+(`size`, `rate`, `ago`, `secs`), so one odd field does not cost the view.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import TYPE_CHECKING, Any, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
 import click
 
+from kvd.cli import exits
 from kvd.config import Config, config_options, resolve
 
 if TYPE_CHECKING:
@@ -49,6 +57,27 @@ def fail(code: int, message: str) -> NoReturn:
     raise SystemExit(code)
 
 
+#: What drawing a map of the wrong shape raises: a missing key, a list where a map
+#: was expected, a string formatted as a number, a time past time_t, ...
+MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError)
+
+
+def shown(what: str, render: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`render(*args, **kwargs)` of the daemon's `what` reply (STATS, GC), or exit 1
+    with one line if the reply's map breaks it."""
+    try:
+        return render(*args, **kwargs)
+    except MALFORMED as err:
+        fail(exits.FAILED, f"the daemon sent a malformed {what} reply ({type(err).__name__}: {err}); "
+                           "is it another version of kvd?")
+
+
+def reply_json(what: str, reply: Any) -> str:
+    """The daemon's `what` reply as indented JSON; bytes (which JSON has not) as their repr.
+    Exits 1 with one line if it cannot be written (keys of mixed types)."""
+    return shown(what, json.dumps, reply, indent=2, sort_keys=True, default=repr)
+
+
 def daemon_data_dir(cfg: Config) -> tuple[bool, str | None]:
     """(a daemon answered, its data dir or None if it keeps RAM only), asked with one STATS."""
     from kvd_client import DaemonUnavailable
@@ -58,7 +87,10 @@ def daemon_data_dir(cfg: Config) -> tuple[bool, str | None]:
             stats = client.stats()
         except DaemonUnavailable:
             return False, None
-    return True, (stats.get("server") or {}).get("data_dir")
+    path = shown("STATS", lambda: (stats.get("server") or {}).get("data_dir"))
+    if path is not None and not isinstance(path, str):
+        fail(exits.FAILED, f"the daemon sent a malformed STATS reply (data_dir {path!r}); is it another version of kvd?")
+    return True, path
 
 
 def data_dir_to_read(cfg: Config) -> str | None:
@@ -78,7 +110,19 @@ def data_dir_to_read(cfg: Config) -> str | None:
     return path
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def secs(s: Any) -> str:
+    """`12s`; "?" if `s` is not a number."""
+    return f"{s:.0f}s" if _number(s) else "?"
+
+
 def size(n: float) -> str:
+    """`1.5 MiB`; "?" if `n` is not a number."""
+    if not _number(n):
+        return "?"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -87,8 +131,11 @@ def size(n: float) -> str:
 
 
 def ago(ts: float) -> str:
+    """`3m ago`; "-" for never, "?" if `ts` is not a number."""
     if not ts:
         return "-"
+    if not _number(ts):
+        return "?"
     s = max(0.0, time.time() - ts)
     for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
         if s >= n:
@@ -97,4 +144,7 @@ def ago(ts: float) -> str:
 
 
 def rate(hits: int, misses: int) -> str:
+    """Hits as a share of lookups: `87.5%`; "-" with none, "?" if either is not a number."""
+    if not (_number(hits) and _number(misses)):
+        return "?"
     return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"

@@ -14,7 +14,7 @@ import json
 import click
 
 from kvd.cli import main
-from kvd.cli.common import settings
+from kvd.cli.common import settings, shown
 from kvd.cli.model_args import adapter_call, model_options, model_tokens_namespace
 
 
@@ -62,4 +62,4 @@ def explain_cmd(namespace, model_path, tokens_file, prompt_file, kv_bits, kv_gro
                                "message": e.message, "boundaries": list(e.boundaries), "detail": e.detail},
                               indent=2, sort_keys=True, default=repr))
     else:
-        click.echo(render(namespace, e))
+        click.echo(shown("EXPLAIN", render, namespace, e))

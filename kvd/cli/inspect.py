@@ -16,7 +16,9 @@ from kvd.cli.common import (
     data_dir_options,
     data_dir_to_read,
     fail,
+    reply_json,
     settings,
+    shown,
     size,
 )
 
@@ -48,7 +50,13 @@ def ls(offline, as_json, **flags) -> None:
     else:
         with admin_client(cfg) as client:
             stats = client.stats()
-        namespaces, quotas = stats["namespaces"], stats.get("quotas", {})
+        namespaces, quotas = shown("STATS", lambda: (stats.get("namespaces", {}), stats.get("quotas") or {}))
+    rows = shown("STATS", ls_rows, namespaces, quotas)
+    click.echo(reply_json("STATS", rows) if as_json else shown("STATS", render_ls, rows, quotas))
+
+
+def ls_rows(namespaces: dict, quotas: dict) -> dict:
+    """{namespace: row} of the namespaces holding entries, from STATS' (or the index's) maps."""
     rows = {}
     for ns, v in namespaces.items():
         if not v.get("entries", 0):
@@ -60,10 +68,7 @@ def ls(offline, as_json, **flags) -> None:
         if v.get("quota") in quotas:
             q = quotas[v["quota"]]
             row["quota"] = {"pattern": v["quota"], **{k: q[k] for k in ("ram_bytes", "ram_quota_bytes", "ssd_bytes", "ssd_quota_bytes")}}
-    if as_json:
-        click.echo(json.dumps(rows, indent=2, sort_keys=True))
-        return
-    click.echo(render_ls(rows, quotas))
+    return rows
 
 
 def _against(used: int, quota: int | None) -> str:
@@ -167,7 +172,8 @@ def verify(dry_run, repair, as_json, **flags) -> None:
         if answered and theirs is not None and Path(theirs).resolve() == root.resolve():
             with admin_client(cfg) as client:  # the daemon owns these blobs: it re-checks, then quarantines
                 reply = client.gc(recheck=ids)
-            quarantined, how = reply["details"]["recheck"]["failed"], "quarantined by the daemon"
+            quarantined = shown("GC", lambda: int(reply["details"]["recheck"]["failed"]))
+            how = "quarantined by the daemon"
         else:  # no daemon serves this folder (one that does holds its lock: DataDirBusy, exit 4)
             quarantined, how = _quarantine_offline(root, ids), "quarantined in the data dir"
     report = {

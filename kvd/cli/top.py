@@ -23,11 +23,15 @@ from typing import Any
 import click
 
 from kvd.cli import main
-from kvd.cli.common import admin_client, daemon_options, rate, settings, size
+from kvd.cli.common import admin_client, daemon_options, rate, secs, settings, shown, size
 
 
 def _delta(cur: dict, prev: dict | None, key: str) -> float:
     return cur.get(key, 0) - (prev or {}).get(key, 0)
+
+
+def _clock(ts: Any) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if isinstance(ts, (int, float)) else "?"
 
 
 def _per_s(n: float, dt: float) -> str:
@@ -65,15 +69,16 @@ def render(stats: dict, prev: dict | None = None, dt: float = 0.0, *, top_n: int
     now = time.time() if now is None else now
     server = stats.get("server", {})
     lines = [
-        f"kvd top   kvd {server.get('version', '?')}  pid {server.get('pid', '?')}  up {server.get('uptime', 0):.0f}s  "
+        f"kvd top   kvd {server.get('version', '?')}  pid {server.get('pid', '?')}  up {secs(server.get('uptime', 0))}  "
         f"{server.get('endpoint', '')}  {time.strftime('%H:%M:%S', time.localtime(now))}"
     ]
     p = stats.get("pressure")
     if p:
+        level = str(p.get("level", "?"))
         lines.append(
-            f"memory pressure  {p['level'].upper() if p['level'] != 'normal' else 'normal'}  ({p['reason']})  "
-            f"RAM budget {size(p['ram_budget_bytes'])} of {size(p['ram_max_bytes'])} (floor {size(p['ram_floor_bytes'])}; "
-            f"shrinks {p['shrinks']}, grows {p['grows']})"
+            f"memory pressure  {level.upper() if level != 'normal' else 'normal'}  ({p.get('reason', '?')})  "
+            f"RAM budget {size(p.get('ram_budget_bytes'))} of {size(p.get('ram_max_bytes'))} "
+            f"(floor {size(p.get('ram_floor_bytes'))}; shrinks {p.get('shrinks', '?')}, grows {p.get('grows', '?')})"
         )
     else:
         lines.append("memory pressure  not watched (pressure_source = off)")
@@ -131,14 +136,14 @@ def render(stats: dict, prev: dict | None = None, dt: float = 0.0, *, top_n: int
                                         if ev.get("counts") else "")]
     runs: list[list] = []  # consecutive events alike (same tier, what, why, namespace) on one line
     for e in ev.get("recent", []):
-        key = (e["tier"], e["what"], e["why"], e["namespace"])
+        key = tuple(str(e.get(k, "?")) for k in ("tier", "what", "why", "namespace"))
         if runs and runs[-1][0] == key:
             runs[-1][2] += 1
         else:
-            runs.append([key, e["when"], 1])
+            runs.append([key, e.get("when"), 1])
     for (tier, what, why, ns), when, times in runs[:6]:
         ns = ns if len(ns) <= 40 else ns[:37] + "..."
-        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(when))}  {tier:<4} {what:<12}{why:<12}{ns}"
+        lines.append(f"  {_clock(when)}  {tier:<4} {what:<12}{why:<12}{ns}"
                      + (f"  x{times}" if times > 1 else ""))
     if not ev.get("recent"):
         lines.append("  none")
@@ -197,7 +202,7 @@ def top(interval, count, **flags) -> None:
             while True:
                 stats = client.stats()
                 t = time.monotonic()
-                frame = render(stats, prev, t - prev_t if prev else 0.0)
+                frame = shown("STATS", render, stats, prev, t - prev_t if prev else 0.0)
                 if tty_out:
                     click.echo("\x1b[H\x1b[2J" + frame + f"\n\n(every {interval:g}s; q to quit)", nl=False)
                 else:
