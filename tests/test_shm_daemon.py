@@ -309,6 +309,45 @@ def test_the_plane_is_put_back_after_its_folder_is_removed(daemon_factory):
     assert "INTERNAL" not in d.log_path.read_text(errors="replace")
 
 
+@pytest.mark.skipif(not shm_server._SEALED, reason="segments are Linux memfds")
+@pytest.mark.parametrize("impostor", ["a file", "a memfd of the same name elsewhere"])
+def test_a_client_writes_only_into_the_daemons_own_segments(daemon_factory, impostor):
+    """A segment's name replaced by a file (rename over it) got a fresh
+    client's PUT acknowledged with zeros stored (red-team). A client now
+    follows a segment's name only to the daemon's memfd of that name; else
+    the PUT goes over frames, and what is stored is what was put."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    toks, other = np.arange(512), np.arange(2000, 2512)
+    with d.client("imp", strict=True) as c:
+        assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
+        folder, run = Path(_shm_stats(c)["dir"]), _shm_stats(c)["run"]
+    name = folder / f"kvd-{run}-0"
+    size = os.stat(name).st_size
+    keep = None
+    if impostor == "a file":
+        fake = folder / "impostor"
+        fake.write_bytes(b"")
+        os.truncate(fake, size)
+        os.replace(fake, name)
+    else:
+        keep = os.memfd_create(name.name)
+        os.ftruncate(keep, size)
+        os.unlink(name)
+        os.symlink(f"/proc/{os.getpid()}/fd/{keep}", name)
+    try:
+        with d.client("imp", strict=True) as c:  # a fresh link: maps segment 0 anew
+            assert c.put(other, prefix_snapshot(other))
+            # Over frames; or over shm if the daemon's repair (each second)
+            # put the real name back first: exact bytes either way.
+            assert c.counters["shm_put_abandoned"] + c.counters["shm_puts"] == 1
+        with d.client("imp", strict=True, transport="frames") as f:
+            assert_prefix_hit(f.get(other), other)
+            assert_prefix_hit(f.get(toks), toks)
+    finally:
+        if keep is not None:
+            os.close(keep)
+
+
 def test_old_clients_without_shm_keep_working(kvd_daemon):
     """A kvd/1 client that never asks for shm: plain GET, frames back."""
     toks = np.arange(300)

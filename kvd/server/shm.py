@@ -631,7 +631,10 @@ class ShmPlane:
 
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
-        return {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds, "pid": os.getpid()}
+        offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
+        if _SEALED:  # segments are links into /proc/<pid>/fd: clients open nothing else (rule 5)
+            offer["pid"] = os.getpid()
+        return offer
 
     # -- leases ----------------------------------------------------------------
     def expire(self) -> None:
