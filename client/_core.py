@@ -551,10 +551,12 @@ class Core:
                 dst = np.frombuffer(link.view(desc), dtype=dtypes.container(t.dtype)).reshape(t.shape)
                 np.copyto(dst, np.asarray(t.data).view(dst.dtype).reshape(t.shape))
         except _shm.ShmUnavailable as err:
-            # Never COMMIT what may be half-written: the lease expires and frees it.
+            # Never COMMIT what may be half-written: the lease expires and
+            # frees it. The PUT goes over frames instead (a segment removed
+            # under the daemon, say: it puts its name back within a second).
             self.counters["shm_put_abandoned"] += 1
             log.debug("shm put abandoned: %s", err)
-            return False
+            return None
         reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field()}, background=background)
         if reply is None:
             return False
@@ -638,10 +640,13 @@ class Core:
                         if reply.get("boundary") is not None:
                             reply["boundary"]["tensors"] = link.resolve(reply["boundary"]["tensors"])
                     except _shm.ShmUnavailable as err:
+                        # A segment that cannot be mapped (removed or replaced
+                        # under the daemon, which puts names back within a
+                        # second): this call goes over frames, from the start.
                         self._shm_reset()
-                        self.counters["get_miss"] += 1
-                        log.debug("shm get failed: %s", err)
-                        return None
+                        self.counters["shm_get_fallback"] += 1
+                        log.debug("shm get failed, over frames instead: %s", err)
+                        return self._get(seq, cap, need_boundary, None, leases, alloc)
             if link is None and _chunking.has_descriptor(reply["chunks"], reply.get("boundary")):
                 return self._unbelievable("GET page names shared memory, but this request offered none")
             n = min(n, reply["n"])

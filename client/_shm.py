@@ -26,7 +26,12 @@ Rules (the daemon is not trusted to be well-behaved, PROTOCOL.md section 11):
    frames or misses.
 2. The nonce and segments are opened O_NONBLOCK | O_NOFOLLOW and checked with
    fstat before a byte is read: a FIFO would block open() for ever, a symlink
-   could lead anywhere, and an empty or special file cannot be mapped.
+   could lead anywhere, and an empty or special file cannot be mapped. The
+   one symlink followed is a segment's to the daemon's own memfd (on Linux
+   the daemon's segments are memfds sealed against shrinking, named by links
+   to /proc/<its pid>/fd/<fd>; kvd.server.shm rule 5): the link must point
+   into the pid the offer names, and what opens must be the memfd of that
+   segment's name.
 3. A descriptor is only ever a view inside its segment's actual size.
 """
 
@@ -72,6 +77,8 @@ class Link:
         if (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not math.isfinite(lease_s)
                 or not 0 < lease_s <= _MAX_LEASE_S):
             raise ShmUnavailable(f"shm offer: lease_s {lease_s!r} is not a number of seconds")
+        pid = offer.get("pid")
+        self.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
         self.dir, self.run, self.lease_s = Path(folder), run, float(lease_s)
         check_run_dir(self.dir)  # UnsafeEndpoint unless ours and private
         fd = self._open("nonce", os.O_RDONLY)
@@ -96,13 +103,34 @@ class Link:
             with self._mu:
                 self._release.append(lease)
 
-    def _open(self, name: str, flags: int) -> int:
+    def _open(self, name: str, flags: int, *, memfd: bool = False) -> int:
         """An fd of `name` in the folder, only if a non-empty regular file of
-        our uid (rule 2; kvd.endpoint's lock file is opened the same way)."""
+        our uid (rule 2; kvd.endpoint's lock file is opened the same way);
+        with `memfd`, also through a link to the daemon's memfd of that name."""
+        path = self.dir / name
         try:
-            fd = os.open(self.dir / name, flags | _OPEN_FLAGS)
+            target = os.readlink(path) if memfd and self.pid is not None else None
+        except OSError as err:  # not a symlink (EINVAL), or gone
+            raise ShmUnavailable(f"{name} in {self.dir} is not a link to the daemon's memory: {err}") from None
+        try:
+            if target is None:
+                fd = os.open(path, flags | _OPEN_FLAGS)
+            elif re.fullmatch(rf"/proc/{self.pid}/fd/\d+", target):
+                fd = os.open(target, flags | os.O_NONBLOCK | os.O_CLOEXEC)  # a magic link: followed
+            else:
+                raise ShmUnavailable(f"{name} in {self.dir} links to {target!r}, not into the daemon's /proc/{self.pid}/fd")
         except (OSError, ValueError) as err:  # another uid's, gone, a symlink (ELOOP)
             raise ShmUnavailable(f"{name} in {self.dir}: {err}") from None
+        if target is not None:
+            # What opened, not what the link said a moment before: the
+            # daemon's fd number may have been another segment's by then.
+            try:
+                opened = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError as err:
+                opened = str(err)
+            if opened != f"/memfd:{name} (deleted)":
+                os.close(fd)
+                raise ShmUnavailable(f"{name} in {self.dir} opened {opened!r}, not the daemon's segment")
         try:
             st = os.fstat(fd)
         except OSError as err:
@@ -123,7 +151,7 @@ class Link:
                         name = segment_name(self.run, seg)
                     except KvdError as err:  # an index out of range
                         raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
-                    fd = self._open(name, os.O_RDWR)
+                    fd = self._open(name, os.O_RDWR, memfd=True)
                     try:
                         # No MAP_POPULATE: it would allocate a sparse segment's holes,
                         # charged to this process instead of the daemon's cgroup.

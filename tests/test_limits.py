@@ -41,6 +41,33 @@ def test_a_header_of_millions_of_empty_maps_is_malformed_at_bounded_memory(kvd_d
     assert kvd_daemon.client("x").ping() is not None  # and it goes on serving
 
 
+@pytest.mark.parametrize("item", ["ab", None], ids=["short strings", "nils"])
+def test_a_header_of_millions_of_scalars_is_malformed_at_bounded_memory(kvd_daemon, item):
+    """Scalars are not containers: a 16 MiB header of arrays of two-byte
+    strings decoded to ~330 MB before anything counted them (red-team)."""
+    x = [[item] * 65_536 for _ in range(80)]  # 5.2 M items, 5-16 MiB of msgpack
+    header = msgpack.packb({"v": 1, "type": "PING", "id": 7, "x": x})
+    assert len(header) < Limits().max_header_bytes
+    reply = ask(kvd_daemon.endpoint, [header])
+    assert reply["name"] == "MALFORMED" and "items" in reply["message"]
+    assert peak_rss(kvd_daemon.proc.pid) < CEILING
+    assert kvd_daemon.client("x").ping() is not None
+
+
+def test_the_largest_well_formed_put_header_is_within_the_item_bound():
+    """Every tensor a message may carry, each of the greatest rank: decodes."""
+    limits = Limits()
+    n = limits.max_frames - 1
+    per = n // limits.max_chunks + 1
+    chunks = [{"index": i, "meta": b"", "tensors": [
+        {"name": f"layers.{j}.k", "dtype": "uint8", "shape": [1] * limits.max_rank, "frame": 1 + i * per + j}
+        for j in range(min(per, n - i * per))]} for i in range(-(-n // per))]
+    fields = {"ns": "n", "tokens": bytes(4 * len(chunks)), "chunk_tokens": 1, "chunks": chunks}
+    frames = [msgpack.packb({"v": 1, "type": "PUT", "id": 1, **fields})] + [b"\0"] * n
+    msg = codec.decode_request(frames, limits)
+    assert sum(len(c["tensors"]) for c in msg["chunks"]) == n
+
+
 def test_millions_of_empty_frames_are_too_many_at_bounded_memory(kvd_daemon):
     header = codec.encode("PING", {}, id=9)[0]
     reply = ask(kvd_daemon.endpoint, [header] + [b""] * 1_500_000)

@@ -25,6 +25,7 @@ import zmq
 from kvd.protocol import codec
 from kvd.protocol.errors import BadField
 from kvd.protocol.shm import parse_segment_name
+from kvd.server import shm as shm_server
 from kvd.server.shm import plane_dirs, plane_prefix
 from kvd_client import Client
 from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled, wait_until
@@ -72,8 +73,9 @@ def test_segments_are_private_and_named_for_this_run(kvd_daemon):
     names = sorted(os.listdir(folder))
     assert names == ["kvd-%s-0" % s["run"], "nonce"]
     for name in names:
-        st = os.lstat(folder / name)
+        st = os.stat(folder / name)  # a segment's name may be a symlink to the daemon's memfd
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert stat.S_ISREG(os.lstat(folder / "nonce").st_mode)
 
 
 def test_forged_proof_gets_frames_and_no_slots(kvd_daemon):
@@ -247,6 +249,103 @@ def test_planted_folder_names_neither_stop_the_plane_nor_get_removed(daemon_fact
         assert plane_dirs(sock) == [folder]
     finally:
         link.unlink()
+
+
+@pytest.mark.skipif(not shm_server._SEALED, reason="sealed segments are Linux memfds")
+def test_no_process_can_cut_a_segment_short_under_the_daemon(daemon_factory):
+    """Truncating a segment file used to kill the daemon with SIGBUS (its
+    spill writer, or libzmq sending a frame from the slot) and every client
+    that touched it. Segments are memfds sealed against shrinking now."""
+    d = daemon_factory("--ram-mb", "64")
+    toks = np.arange(512)
+    with d.client("cut", strict=True, transport="shm") as c:
+        assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
+        folder = Path(_shm_stats(c)["dir"])
+        segs = [n for n in os.listdir(folder) if parse_segment_name(n)]
+        assert segs
+        for name in segs:
+            assert os.readlink(folder / name).startswith(f"/proc/{d.proc.pid}/fd/")
+            with pytest.raises(PermissionError):
+                os.truncate(folder / name, 0)
+            fd = os.open(folder / name, os.O_RDWR)
+            try:
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, 4096)
+            finally:
+                os.close(fd)
+        wait_spilled(c, 2)  # the spill writer read the slots
+        assert_prefix_hit(c.get(toks), toks)
+    with d.client("cut", strict=True, transport="frames") as f:
+        assert_prefix_hit(f.get(toks), toks)  # sent from the slots by libzmq
+    assert d.proc.poll() is None
+
+
+@pytest.mark.skipif(not shm_server._SEALED, reason="names are put back for memfd segments (Linux)")
+def test_the_plane_is_put_back_after_its_folder_is_removed(daemon_factory):
+    """`rm -rf` of the plane's folder (a tmp cleaner, systemd's RemoveIPC) made
+    the next segment fail to grow: INTERNAL for SLOTS and shm GETs of frame-PUT
+    entries, and good SSD blobs quarantined when a cold read into the arena
+    failed. The folder, nonce and names now come back within a second, and
+    nothing fails meanwhile."""
+    d = daemon_factory("--ram-mb", "64")
+    toks = np.arange(512)
+    with d.client("gone", strict=True) as c:
+        assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
+        folder = Path(_shm_stats(c)["dir"])
+        wait_spilled(c, 2)
+    import shutil
+
+    shutil.rmtree(folder)
+    with d.client("gone", strict=True, transport="frames") as w:
+        wait_until(lambda: _shm_stats(w)["names_repaired"] >= 1, what="the plane's names put back")
+    assert (folder / "nonce").is_file() and stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+    with d.client("gone", strict=True) as c:  # a new link: reads the nonce again
+        assert_prefix_hit(c.get(toks), toks)
+        more = np.arange(1000, 1600)
+        assert c.put(more, prefix_snapshot(more))
+        assert_prefix_hit(c.get(more), more)
+        assert c.counters["shm_gets"] == 2 and c.counters["shm_puts"] == 1
+        assert c.stats()["tiers"]["ssd"]["quarantined"] == 0
+    assert "INTERNAL" not in d.log_path.read_text(errors="replace")
+
+
+@pytest.mark.skipif(not shm_server._SEALED, reason="segments are Linux memfds")
+@pytest.mark.parametrize("impostor", ["a file", "a memfd of the same name elsewhere"])
+def test_a_client_writes_only_into_the_daemons_own_segments(daemon_factory, impostor):
+    """A segment's name replaced by a file (rename over it) got a fresh
+    client's PUT acknowledged with zeros stored (red-team). A client now
+    follows a segment's name only to the daemon's memfd of that name; else
+    the PUT goes over frames, and what is stored is what was put."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    toks, other = np.arange(512), np.arange(2000, 2512)
+    with d.client("imp", strict=True) as c:
+        assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
+        folder, run = Path(_shm_stats(c)["dir"]), _shm_stats(c)["run"]
+    name = folder / f"kvd-{run}-0"
+    size = os.stat(name).st_size
+    keep = None
+    if impostor == "a file":
+        fake = folder / "impostor"
+        fake.write_bytes(b"")
+        os.truncate(fake, size)
+        os.replace(fake, name)
+    else:
+        keep = os.memfd_create(name.name)
+        os.ftruncate(keep, size)
+        os.unlink(name)
+        os.symlink(f"/proc/{os.getpid()}/fd/{keep}", name)
+    try:
+        with d.client("imp", strict=True) as c:  # a fresh link: maps segment 0 anew
+            assert c.put(other, prefix_snapshot(other))
+            # Over frames; or over shm if the daemon's repair (each second)
+            # put the real name back first: exact bytes either way.
+            assert c.counters["shm_put_abandoned"] + c.counters["shm_puts"] == 1
+        with d.client("imp", strict=True, transport="frames") as f:
+            assert_prefix_hit(f.get(other), other)
+            assert_prefix_hit(f.get(toks), toks)
+    finally:
+        if keep is not None:
+            os.close(keep)
 
 
 def test_old_clients_without_shm_keep_working(kvd_daemon):

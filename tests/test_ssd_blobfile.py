@@ -119,3 +119,33 @@ def test_garbage_is_either_parsed_or_blob_corrupt(tmp_path):
             blobfile.parse_blob(buf)
         except BlobCorrupt:
             pass
+
+
+def test_a_tensor_changed_while_written_still_makes_a_good_blob(tmp_path, monkeypatch):
+    """A tensor in shared memory can change while the spill writer writes it
+    (a client writing into its slot after COMMIT). The checksum was taken of
+    the memory before the write, so the file held other bytes than its
+    checksum said: a good blob quarantined later, an acknowledged entry lost
+    (red-team). Each piece is now copied first, then hashed and written."""
+    src = np.arange(3 * (1 << 20), dtype=np.uint8)  # 3 MiB: several pieces
+    entry = Entry(namespace="ns", key=b"k" * 32, kind=0, parent=b"p" * 32, start=0, length=4,
+                  tensors=(Tensor("k", "uint8", (src.size,), src),))
+    real_write, calls = os.write, [0]
+
+    def write(fd, data):
+        calls[0] += 1
+        if calls[0] == 2:  # the header went first: now the tensor's first piece
+            src[:] = 0xAA  # the client writes on, in the middle of the spill
+        return real_write(fd, data)
+
+    monkeypatch.setattr(blobfile.os, "write", write)
+    path, info = _write(tmp_path, entry)
+    monkeypatch.undo()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = blobfile.read_blob(fd, info.file_size, info.checksum)  # BlobCorrupt before
+    finally:
+        os.close(fd)
+    data = np.frombuffer(memoryview(got.tensors[0].data).cast("B"), np.uint8)
+    assert data.size == src.size and info.checksum == xxhash.xxh3_64_intdigest(path.read_bytes())
+    assert (data[: 1 << 20] == np.arange(1 << 20, dtype=np.uint8)).all()  # the piece as copied

@@ -423,13 +423,19 @@ def _unpackb(buf: Any, limits: Limits) -> Any:
     otherwise become 16 M Python objects (GBs) before any rule could reject
     it. Every container counts against `limits.max_header_objects` (msgpack
     calls the hooks as each one completes, so decoding stops within that
-    many), strings and byte strings against the header size."""
-    budget = [limits.max_header_objects]
+    many), and so do their items against `limits.max_header_items` (every
+    scalar is an item of some container: a nil or a short string costs ~8-60
+    bytes decoded, for one to three on the wire); strings and byte strings
+    against the header size."""
+    budget = [limits.max_header_objects, limits.max_header_items]
 
     def count(obj):
         budget[0] -= 1
+        budget[1] -= len(obj)
         if budget[0] < 0:
             raise E.MalformedMessage(f"header has more than {limits.max_header_objects} maps and arrays")
+        if budget[1] < 0:
+            raise E.MalformedMessage(f"header has more than {limits.max_header_items} items in its maps and arrays")
         return obj
 
     view = memoryview(buf)

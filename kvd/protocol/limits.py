@@ -26,6 +26,16 @@ class Limits:
         `max_frames`. Bounds what decoding a header can cost in memory."""
         return 4 * self.max_frames + 4096
 
+    @property
+    def max_header_items(self) -> int:
+        """Array elements and map entries one header may hold, all its
+        containers together (derived, not advertised). A PUT needs ~10 per
+        tensor (its map's entries, its shape: ~14 at `max_rank`) and a few per
+        chunk. Without this bound a 16 MiB header of arrays of two-byte
+        strings decoded to ~330 MB (each string an object, ~60 bytes with its
+        slot); with it a header costs at most ~70 MB however it is filled."""
+        return 16 * (self.max_frames + self.max_chunks)
+
     def to_wire(self) -> dict[str, int]:
         return asdict(self)
 

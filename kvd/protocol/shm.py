@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import hmac
 import re
+import secrets
 from dataclasses import dataclass, field
 
 from kvd.protocol.errors import BadField
@@ -116,12 +117,19 @@ class LeaseTable:
         self.lease_seconds = lease_seconds
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease id); may hold ended ones
-        self._next = 1
+
+    def _new_id(self) -> int:
+        """A lease id no live lease has: random 63-bit, so a client's stale or
+        mistyped id (or one a buggy peer counts up to) names no one else's
+        lease; sequential ids had let a peer commit another's half-written
+        grant, or release another's read lease."""
+        while (lid := secrets.randbits(63) | 1) in self._leases:
+            pass
+        return lid
 
     def grant(self, now: float, *, write: list[int] = (), read: list[int] = ()) -> Lease:
-        lease = Lease(self._next, now + self.lease_seconds,
+        lease = Lease(self._new_id(), now + self.lease_seconds,
                       {**{s: WRITING for s in write}, **{s: READABLE for s in read}})
-        self._next += 1
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
         return lease

@@ -50,18 +50,29 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
    places nothing (no chunks, no boundary) is BAD_FIELD: that is a PUT.
    Read leases are bounded too (`READ_LEASES` live at once): past that a
    GET is served as frames, as when the arena has no room. A write lease
-   that ends uncommitted retires its slots' segments (`Arena.retire`):
-   nothing is allocated there again, since a writer stopped mid-copy
-   (SIGSTOP, swapped out) writes on when it resumes, past any deadline; the
-   segment goes when its last live slot does.
+   that ends uncommitted loses its slots (`Arena.lose`): their ranges are
+   never allocated again, since a writer stopped mid-copy (SIGSTOP, swapped
+   out) writes on when it resumes, past any deadline; their pages are handed
+   back at once, and the segment goes when nothing but lost ranges is left.
 4. At start the folder is swept of every other run's segments (a killed
    predecessor's); at a clean stop this run's own are removed.
+5. No process can shrink a segment under the daemon (`_new_segment`). On
+   Linux a segment is a memfd sealed against shrinking, named in the folder
+   by a symlink to `/proc/<pid>/fd/<fd>` (which only processes allowed to
+   inspect the daemon, i.e. of its uid, can open): a file cut short under a
+   mapping turns the next touch of its pages into SIGBUS, in the daemon's
+   spill writer or libzmq's sending thread, and in every client. A segment
+   dies with the daemon and its clients' mappings, never left in /dev/shm.
+   Elsewhere a segment is a file 0600 in the folder (README, known limits).
+   Names removed or replaced under the daemon (a tmp cleaner, systemd's
+   RemoveIPC) are put back within a second (`ShmPlane.repair`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import hashlib
 import logging
 import math
@@ -129,13 +140,14 @@ def _held_bytes(msg: Message, meta_bytes: int) -> int:
 class Slot:
     """One allocation; its bytes return to the arena when this object dies."""
 
-    __slots__ = ("arena", "seg", "off", "size", "sid")
+    __slots__ = ("arena", "seg", "off", "size", "sid", "lost")
 
     def __init__(self, arena: "Arena", seg: int, off: int, size: int, sid: int):
         self.arena, self.seg, self.off, self.size, self.sid = arena, seg, off, size, sid
+        self.lost = False  # its range is never allocated again (Arena.lose)
 
     def __del__(self):
-        self.arena._free(self.seg, self.off, self.size)
+        self.arena._free(self.seg, self.off, self.size, self.lost)
 
 
 class SlotArray(np.ndarray):
@@ -165,7 +177,7 @@ class Arena:
         # made), and `_mu` is not reentrant. Such a free waits here (a deque:
         # appends need no lock) until the section ends.
         self._owner: int | None = None
-        self._deferred: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._deferred: collections.deque[tuple[int, int, int, bool]] = collections.deque()
         self._maps: list[mmap.mmap | None] = []  # None: removed (indexes are never reused)
         self._bases: list[int] = []  # address of each mapping (to locate views)
         self._sizes: list[int] = []
@@ -173,14 +185,14 @@ class Arena:
         self._reserved: list[bytearray] = []  # per segment, per page: 1 once reserved (and not trimmed)
         self._space = FreeSpace()  # the free ranges of every segment
         self._seg_used: list[int] = []  # bytes of live slots, per segment
-        # Segments nothing is allocated from again: a write lease on them ended
-        # uncommitted, and its writer may still be writing (ShmPlane.expire).
-        # Each is removed once its last live slot is freed.
-        self._retired: set[int] = set()
+        # Bytes of lost ranges, per segment and in all: a write lease there
+        # ended uncommitted, and its writer may still be writing (`lose`).
+        self._seg_lost: list[int] = []
+        self.lost_bytes = 0
         self._sids = 0
         self.used = 0
-        self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0}
-        self.segments_retired = 0
+        self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0,
+                         "grow_failures": 0, "lost_slots": 0, "names_repaired": 0}
         self.lean = False  # keep no free memory warm (give_back), until the next alloc
 
     # -- allocation ----------------------------------------------------------
@@ -194,7 +206,12 @@ class Arena:
                 return None
             found = self._space.take(size)
             if found is None:
-                found = self._grow(size)
+                try:
+                    found = self._grow(size)
+                except OSError as err:  # no memory for a segment, the folder gone: frames instead
+                    self.counters["grow_failures"] += 1
+                    log.warning("cannot add a shared-memory segment: %s", err)
+                    found = None
             if found is None:
                 self.counters["alloc_failures"] += 1
                 return None
@@ -237,17 +254,16 @@ class Arena:
 
     def _grow(self, size: int) -> tuple[int, int] | None:
         seg_size = max(self.segment_bytes, size)
-        if sum(self._sizes) + seg_size > self.capacity:
+        if sum(self._sizes) - self.lost_bytes + seg_size > self.capacity:
             return None
         seg = len(self._maps)
-        path = self.folder / segment_name(self.run_id, seg)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        name = segment_name(self.run_id, seg)
+        fd = _new_segment(self.folder, name, seg_size)  # sparse: slots reserve their pages (_reserve)
         try:
-            os.ftruncate(fd, seg_size)  # sparse: slots reserve their pages (_reserve)
             mm = mmap.mmap(fd, seg_size, flags=mmap.MAP_SHARED)
         except BaseException:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
+            _unlink(self.folder / name)
             raise
         self._fds.append(fd)
         self._maps.append(mm)
@@ -255,6 +271,7 @@ class Arena:
         self._sizes.append(seg_size)
         self._reserved.append(bytearray(-(-seg_size // _PAGE)))  # pages reserved so far (_reserve)
         self._seg_used.append(0)
+        self._seg_lost.append(0)
         if seg_size > size:
             self._space.give(seg, size, seg_size - size)
         return seg, 0
@@ -288,21 +305,27 @@ class Arena:
                     self._remove(seg)
                     continue
                 for off, n in free:
-                    lo = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
-                    hi = (off + n) // mmap.PAGESIZE * mmap.PAGESIZE
-                    if hi > lo and hasattr(mmap, "MADV_REMOVE"):
-                        mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
-                        self._reserved[seg][lo // _PAGE:hi // _PAGE] = bytes((hi - lo) // _PAGE)
-                        freed += hi - lo
+                    freed += self._punch(seg, off, n)
         self.counters["trimmed_bytes"] += freed
         return freed
 
-    def _free(self, seg: int, off: int, size: int) -> None:
+    def _punch(self, seg: int, off: int, n: int) -> int:
+        """Hand back the whole pages inside [off, off + n) of a segment (under
+        the lock); returns how many bytes. A later touch finds zeros."""
+        lo = -(-off // _PAGE) * _PAGE
+        hi = (off + n) // _PAGE * _PAGE
+        if hi <= lo or not hasattr(mmap, "MADV_REMOVE"):
+            return 0
+        self._maps[seg].madvise(mmap.MADV_REMOVE, lo, hi - lo)
+        self._reserved[seg][lo // _PAGE:hi // _PAGE] = bytes((hi - lo) // _PAGE)
+        return hi - lo
+
+    def _free(self, seg: int, off: int, size: int, lost: bool = False) -> None:
         if self._owner == threading.get_ident():
-            self._deferred.append((seg, off, size))  # inside our own locked section
+            self._deferred.append((seg, off, size, lost))  # inside our own locked section
             return
         with self._locked():
-            self._free_locked(seg, off, size)
+            self._free_locked(seg, off, size, lost=lost)
 
     @contextlib.contextmanager
     def _locked(self):
@@ -312,46 +335,50 @@ class Arena:
                 yield
             finally:
                 while self._deferred:
-                    self._free_locked(*self._deferred.popleft())
+                    seg, off, size, lost = self._deferred.popleft()
+                    self._free_locked(seg, off, size, lost=lost)
                 self._owner = None
 
-    def _free_locked(self, seg: int, off: int, size: int, count: bool = True) -> None:
+    def _free_locked(self, seg: int, off: int, size: int, count: bool = True, lost: bool = False) -> None:
         if count:
             self.used -= size
             self._seg_used[seg] -= size
-        if seg in self._retired:
-            if not self._seg_used[seg]:
-                self._remove(seg)  # its late writer, if any, writes to a file no one reads
+        if self._maps[seg] is None:
             return
-        if self._space.give(seg, off, size) == (0, self._sizes[seg]) and sum(self._sizes) - self.used > self.keep_free():
+        if lost:
+            # Never allocated again: its writer may still be writing. The
+            # pages go back now (the writer's later touches cost its own).
+            self._seg_lost[seg] += size
+            self.lost_bytes += size
+            self._punch(seg, off, size)
+            self.counters["lost_slots"] += 1
+        elif self._space.give(seg, off, size) == (0, self._sizes[seg]) and self._spare() > self.keep_free():
             self._remove(seg)  # all free, and more than enough is kept warm elsewhere
+            return
+        if self._seg_lost[seg] and not self._seg_used[seg]:
+            self._remove(seg)  # nothing but lost ranges and free ones: its late writer writes to memory no one reads
 
-    def retire(self, segs) -> None:
-        """Allocate from these segments never again: a slot in each was granted
-        to a writer whose lease ended before it committed, and a writer that was
-        stopped mid-copy (SIGSTOP, swapped out) writes on when it resumes, into
-        whatever the range holds by then. Live slots there stay valid; each
-        segment goes once its last one is freed."""
-        with self._locked():
-            for seg in segs:
-                if seg in self._retired or self._maps[seg] is None:
-                    continue
-                self._retired.add(seg)
-                self._space.drop(seg)
-                self.segments_retired += 1
-                if not self._seg_used[seg]:
-                    self._remove(seg)
+    def _spare(self) -> int:
+        """Free bytes in the segments (lost ranges are not)."""
+        return sum(self._sizes) - self.used - self.lost_bytes
+
+    def lose(self, slots) -> None:
+        """Allocate these slots' ranges never again: they were granted to a
+        writer whose lease ended before it committed, and a writer stopped
+        mid-copy (SIGSTOP, swapped out) writes on when it resumes, into
+        whatever the range would hold by then. Their pages are handed back
+        when the slots are freed; the rest of each segment stays in use."""
+        for slot in slots:
+            slot.lost = True
 
     def _remove(self, seg: int) -> None:
         """Give an all-free segment back (called under the lock)."""
         mm, self._maps[seg] = self._maps[seg], None
-        self._retired.discard(seg)
+        self.lost_bytes -= self._seg_lost[seg]
+        self._seg_lost[seg] = 0
         self._sizes[seg], self._reserved[seg] = 0, bytearray()
         self._space.drop(seg)
-        try:
-            os.unlink(self.folder / segment_name(self.run_id, seg))
-        except FileNotFoundError:
-            pass
+        _unlink(self.folder / segment_name(self.run_id, seg))
         try:
             mm.close()
         except BufferError:  # a view still exports it: the mapping goes with that view
@@ -389,15 +416,29 @@ class Arena:
 
     def stats(self) -> dict[str, Any]:
         return {"segments": len(self.live()), "mapped_bytes": sum(self._sizes), "used_bytes": self.used,
-                "capacity_bytes": self.capacity, "segments_retired": self.segments_retired, **self.counters}
+                "capacity_bytes": self.capacity, "lost_bytes": self.lost_bytes, **self.counters}
 
     def unlink(self) -> None:
-        """Remove this run's segment files (mappings stay valid until unmapped)."""
+        """Remove this run's segment names (mappings stay valid until unmapped)."""
         for seg in self.live():
-            try:
-                os.unlink(self.folder / segment_name(self.run_id, seg))
-            except FileNotFoundError:
-                pass
+            _unlink(self.folder / segment_name(self.run_id, seg))
+
+    def repair(self) -> int:
+        """Put back the names of live segments removed or replaced under us
+        (rule 5; a file's name, off Linux, cannot be made again); returns how
+        many. Under the lock: a segment removed meanwhile is not named again."""
+        fixed = 0
+        if not _SEALED:
+            return 0
+        with self._locked():
+            for seg in self.live():
+                path = self.folder / segment_name(self.run_id, seg)
+                if not _names(path, self._fds[seg]):
+                    _unlink(path)
+                    _name_segment(path, self._fds[seg])
+                    fixed += 1
+        self.counters["names_repaired"] += fixed
+        return fixed
 
 
 def _tmpfs(path: str) -> bool:
@@ -406,6 +447,57 @@ def _tmpfs(path: str) -> bool:
             return any(line.split()[1:3] == [path, "tmpfs"] for line in f if len(line.split()) > 2)
     except OSError:
         return False
+
+
+_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
+_SEALED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and _SEALS
+
+
+def _new_segment(folder: Path, name: str, size: int) -> int:
+    """A new segment of `size` bytes (sparse), open read-write, named `name`
+    in `folder`: the one OS-specific step of the arena (module docstring,
+    rule 5). Linux: a memfd sealed against shrinking, named by a symlink to
+    /proc/<pid>/fd/<fd>. Elsewhere: a file 0600."""
+    path = folder / name
+    if not _SEALED:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        return fd
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        _name_segment(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _name_segment(path: Path, fd: int) -> None:
+    """Make `path` name the segment open on `fd` (a memfd: a symlink to it)."""
+    os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether the symlink `path` still names the memfd open on `fd`."""
+    try:
+        return os.readlink(path) == f"/proc/{os.getpid()}/fd/{fd}"
+    except OSError:
+        return False
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def plane_prefix(socket_path: Path, uid: int | None = None) -> Path:
@@ -489,11 +581,7 @@ class ShmPlane:
         for name in stale_segments(os.listdir(folder), self.run_id):
             os.unlink(folder / name)
         self.nonce = secrets.token_bytes(32)
-        tmp = folder / f"{NONCE_FILE}.{self.run_id}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.nonce)
-        os.replace(tmp, folder / NONCE_FILE)
+        self._write_nonce()
         self.arena = Arena(folder, self.run_id, capacity, segment_bytes)
         self.leases = LeaseTable(lease_seconds)
         self._clock = clock
@@ -506,9 +594,47 @@ class ShmPlane:
         self.counters = {"gets": 0, "refused": 0, "grants": 0, "commits": 0, "expired": 0, "released": 0,
                          "adopted_bytes": 0, "busy_pending": 0, "frames_over_leases": 0}
 
+    def _write_nonce(self) -> None:
+        tmp = self.folder / f"{NONCE_FILE}.{self.run_id}"
+        _unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.nonce)
+        os.replace(tmp, self.folder / NONCE_FILE)
+
+    def repair(self) -> None:
+        """Put back what was removed or replaced under the daemon (rule 5): the
+        folder, the nonce, the segments' names. Call it on the loop's thread
+        (a second apart is plenty). A folder that is no longer ours stays as
+        it is: the plane is then of no use to clients (they refuse it), and
+        frames serve them."""
+        try:
+            st = os.lstat(self.folder)
+        except FileNotFoundError:
+            os.mkdir(self.folder, 0o700)
+            st = os.lstat(self.folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return
+        try:
+            fd = os.open(self.folder / NONCE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                same = stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 64) == self.nonce
+            finally:
+                os.close(fd)
+        except OSError:
+            same = False
+        if not same:
+            if os.path.isdir(self.folder / NONCE_FILE) and not os.path.islink(self.folder / NONCE_FILE):
+                return  # a folder of that name: not ours to empty
+            self._write_nonce()
+        self.arena.repair()
+
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
-        return {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
+        offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
+        if _SEALED:  # segments are links into /proc/<pid>/fd: clients open nothing else (rule 5)
+            offer["pid"] = os.getpid()
+        return offer
 
     # -- leases ----------------------------------------------------------------
     def expire(self) -> None:
@@ -516,7 +642,7 @@ class ShmPlane:
         what expired, not what is live (LeaseTable.expire_leases)."""
         for lease in self.leases.expire_leases(self._clock()):
             if lease.lease_id in self._pending:  # granted, never committed: its writer may be late, not gone
-                self.arena.retire({slot.seg for slot in self._held.get(lease.lease_id, ())})
+                self.arena.lose(self._held.get(lease.lease_id, ()))
             self._forget(lease.lease_id)
             self.counters["expired"] += 1
 

@@ -41,6 +41,9 @@ def _arena_or_heap(arena_alloc, heap_alloc):
     return alloc
 
 
+REPAIR_S = 1.0  # seconds between checks of the plane's folder, nonce and names (ShmPlane.repair)
+
+
 def open_plane(daemon) -> None:
     """Sweep what killed runs on this endpoint left, create the plane in a
     folder of its own (kvd.server.shm.new_plane_dir) and let the handler and
@@ -61,7 +64,7 @@ def open_plane(daemon) -> None:
     daemon.handler.shm = plane
     ram = getattr(daemon.store, "ram", daemon.store)
     full_budget = getattr(ram, "budget_bytes", 0)
-    last = [0.0]
+    last, checked = [0.0], [time.monotonic()]
     ticked = daemon.on_tick
 
     def on_tick() -> None:
@@ -73,6 +76,12 @@ def open_plane(daemon) -> None:
             last[0] = now
             with daemon.lock:
                 plane.arena.trim()
+        if now - checked[0] >= REPAIR_S:  # names removed under us (a tmp cleaner, RemoveIPC) come back
+            checked[0] = now
+            try:
+                plane.repair()
+            except OSError as err:
+                daemon.ratelog.warning("shm repair", "shared memory: cannot restore the plane's folder: %s", err)
 
     daemon.on_tick = on_tick
     ssd = getattr(daemon.store, "ssd", None)

@@ -223,11 +223,22 @@ def sync_group(files: list[Path], dirs: set[Path], pool) -> dict[Path, OSError]:
     return failed
 
 
-def _write_all(fd: int, mv: memoryview, hasher) -> None:
-    hasher.update(mv)
-    while mv:
-        n = os.write(fd, mv)
-        mv = mv[n:]
+_BOUNCE_BYTES = 1 << 20
+
+
+def _write_all(fd: int, mv: memoryview, hasher, bounce: memoryview) -> None:
+    """Write `mv` to `fd`, hashing exactly what is written: each piece is
+    copied into `bounce` (ours alone) first, then hashed and written from
+    there. A tensor in shared memory can change under us -- a client writing
+    into its slot after COMMIT -- and a checksum of other bytes than the
+    file's would make a good blob look corrupt (quarantined, a lost entry)."""
+    for pos in range(0, len(mv), len(bounce)):
+        piece = bounce[: min(len(bounce), len(mv) - pos)]
+        piece[:] = mv[pos : pos + len(piece)]
+        hasher.update(piece)
+        while piece:
+            n = os.write(fd, piece)
+            piece = piece[n:]
 
 
 def _missing_or_symlink(path: Path) -> bool:
@@ -265,9 +276,10 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
     try:
         try:
-            _write_all(fd, memoryview(head), hasher)
+            bounce = memoryview(bytearray(min(_BOUNCE_BYTES, max(len(head), entry.nbytes))))
+            _write_all(fd, memoryview(head), hasher, bounce)
             for t in entry.tensors:
-                _write_all(fd, _buffer(t.data), hasher)
+                _write_all(fd, _buffer(t.data), hasher, bounce)
             if durable:
                 full_fsync(fd)
             st = os.fstat(fd)
