@@ -23,12 +23,17 @@ Rules it keeps:
 6. A few settings are TOML tables, read from the config file only (`TABLES`):
    `[quota."pattern"]` rows (kvd/store/quota.py). `Config.<table>` is their
    parsed value; `kvd config` prints them back.
+7. Whatever a config file holds -- not UTF-8, nested a thousand deep, a FIFO,
+   /dev/zero -- reading it gives a dict or one ConfigError, never a hang or
+   a traceback. A setting may also `check` its final value against the
+   machine (`log_file` must be a file whose folder exists).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -135,8 +140,16 @@ _bool.kind = "bool"  # type: ignore[attr-defined]
 
 def _str(raw: Any) -> str:
     if not isinstance(raw, str) or not raw.strip():
-        raise ValueError(f"expected a non-empty string, got {raw!r}")
+        raise ValueError(f"expected a non-empty string, got {_short(raw)}")
+    _no_nul(raw)
     return raw.strip()
+
+
+def _no_nul(text: str) -> None:
+    # No path, name or URL the OS is handed can hold one: open() and bind()
+    # would fail far from here, with a traceback.
+    if "\0" in text:
+        raise ValueError(f"must not contain a NUL character, got {_short(text)}")
 
 
 _str.kind = "str"  # type: ignore[attr-defined]
@@ -171,12 +184,28 @@ def _optional_path(raw: Any) -> str | None:
     if not isinstance(raw, (str, os.PathLike)):
         raise ValueError(f"expected a path or \"none\", got {raw!r}")
     text = os.fspath(raw).strip()
+    if isinstance(text, bytes):
+        raise ValueError(f"expected a path or \"none\", got {_short(raw)}")
     if text.lower() in _NONE_WORDS:
         return None
+    _no_nul(text)
     return os.path.expanduser(text)
 
 
 _optional_path.kind = "path"  # type: ignore[attr-defined]
+
+
+def _log_file_usable(path: str | None) -> None:
+    """`log_file`, once absolute: a file `kvd serve` can open for appending
+    (or create), so a bad one is a configuration error `kvd config` shows too,
+    not a failure at start."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder; name a file, e.g. {os.path.join(path, 'kvd.log')}")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"{path}: its folder {folder} does not exist")
 
 
 def _ram_mb(raw: Any) -> int | str:
@@ -273,6 +302,9 @@ class Setting:
     doc: str
     default_doc: str = ""  # how --help describes a computed default
     redact: Callable[[Any], Any] | None = None  # how to show a value that may hold a secret
+    # Checks the final value (a path made absolute) against the machine;
+    # raises ValueError. Parsers see the raw value only.
+    check: Callable[[Any], None] | None = None
 
     def shown(self, value: Any) -> Any:
         """`value` as `kvd config`, logs and reprs may show it (secrets hidden)."""
@@ -352,8 +384,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_level", _log_level, "info",
             "Log level: " + ", ".join(LOG_LEVELS) + "."),
     Setting("log_file", _optional_path, None,
-            "Log to this file instead of stderr (\"none\" = stderr).",
-            default_doc="none (stderr)"),
+            "Log to this file instead of stderr (\"none\" = stderr); its folder must exist.",
+            default_doc="none (stderr)", check=_log_file_usable),
     Setting("metrics_port", _int(0, 65535), 0,
             "TCP port for Prometheus metrics (0 = off)."),
     Setting("timeout", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 5.0,
@@ -464,17 +496,56 @@ def _parse(setting: Setting, raw: Any, source: str, base_dir: Path | None = None
         raise ConfigError(f"{setting.name} (from {source}): {exc}") from None
     if setting.kind == "path" and value is not None and not os.path.isabs(value):
         value = os.path.abspath(os.path.join(base_dir or os.getcwd(), value))
+    if setting.check is not None:
+        try:
+            setting.check(value)
+        except ValueError as exc:
+            raise ConfigError(f"{setting.name} (from {source}): {exc}") from None
     return value
 
 
+# A config file is a few hundred bytes; past this it is not one (or it is
+# /dev/zero), and it is not read whole.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _not_a_file(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
 def _read_file(path: Path) -> dict[str, Any]:
+    # Rule 7: whatever the file holds, reading it ends in a dict or one
+    # ConfigError. Opened non-blocking so a FIFO cannot hang `kvd serve`,
+    # and only a regular file of at most MAX_CONFIG_BYTES is read.
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"config file {path}: is {_not_a_file(st.st_mode)}, not a file")
+            if st.st_size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"config file {path}: {st.st_size} bytes, more than a config file "
+                                  f"may be ({MAX_CONFIG_BYTES} bytes)")
+            raw = os.read(fd, MAX_CONFIG_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}: not valid TOML: not UTF-8 (byte {raw[exc.start]:#04x} on line {line})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of [ or {
+        raise ConfigError(f"config file {path}: not valid TOML for kvd: arrays or tables nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than int() converts (4,300)
+        raise ConfigError(f"config file {path}: not valid TOML for kvd: {str(exc).split(';')[0][:120]}") from None
     unknown = sorted(set(data) - set(BY_NAME) - set(TABLES))
     if unknown:
         raise ConfigError(
@@ -500,9 +571,15 @@ def find_config_file(
     else:
         path = default_config_path(environ)
         return (path if path.is_file() else None), "default"
-    if not path.is_file():
-        where = "--config" if how == "flag" else f"${CONFIG_ENV}"
-        raise ConfigError(f"config file {path} (from {where}) does not exist")
+    where = "--config" if how == "flag" else f"${CONFIG_ENV}"
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise ConfigError(f"config file {path} (from {where}) does not exist") from None
+        raise ConfigError(f"config file {path} (from {where}): cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"config file {path} (from {where}) is {_not_a_file(mode)}, not a file")
     return path, how
 
 

@@ -61,7 +61,11 @@ def serve(**flags) -> None:
     except ConfigError as err:
         click.echo(f"kvd: {err}", err=True)
         raise SystemExit(EXIT_CONFIG)
-    setup_logging(cfg.log_level, cfg.log_file)
+    try:
+        setup_logging(cfg.log_level, cfg.log_file)
+    except OSError as err:  # not ours to write (the settings table checked the rest): a setting to change
+        click.echo(f"kvd: log_file {cfg.log_file}: cannot open: {err.strerror or err}", err=True)
+        raise SystemExit(EXIT_CONFIG)
     log = logging.getLogger("kvd.server")
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
@@ -167,7 +171,16 @@ def serve(**flags) -> None:
     if cfg.metrics_port:
         from kvd.server.metrics import serve_metrics
 
-        metrics = serve_metrics(daemon, cfg.metrics_port)
+        try:
+            metrics = serve_metrics(daemon, cfg.metrics_port)
+        except OSError as err:
+            # Taken, or not ours to bind: a setting to change, not a crash to
+            # restart (78). Let go of what a stop lets go of -- the endpoint,
+            # its lock, the store -- so the next start finds them free.
+            log.error("cannot serve metrics on 127.0.0.1:%d (metrics_port): %s", cfg.metrics_port, err.strerror or err)
+            daemon.close()
+            store.close()
+            raise SystemExit(EXIT_CONFIG)
     daemon.install_signal_handlers()
     log.info(
         "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d "

@@ -3,7 +3,8 @@
 launchd on macOS (~/Library/LaunchAgents/io.kvd.daemon.plist), a systemd user
 unit on Linux (~/.config/systemd/user/kvd.service). Exit codes: 0 done (status:
 the daemon answers), 1 a launchctl/systemctl command failed or this OS is not
-supported, 2 bad usage, 3 (status) no daemon answers, 78 bad configuration.
+supported, 2 bad usage (a SERVE_ARG with a control character, or not UTF-8),
+3 (status) no daemon answers, 78 bad configuration.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _carry_out(plan: svc.Plan, dry_run: bool) -> None:
         click.echo(f"kvd service {plan.action}: {exc}", err=True)
         raise SystemExit(svc.EXIT_FAILED)
     verb = "installed and started" if plan.action == "install" else "stopped and removed"
-    click.echo(f"kvd service {verb}: {plan.path}")
+    note = svc.mode_note(plan.mode) if plan.content is not None else ""
+    click.echo(f"kvd service {verb}: {plan.path}{note}")
 
 
 @main.group()
@@ -64,6 +66,11 @@ def install_cmd(dry_run: bool, init: str | None, serve_args: tuple[str, ...]) ->
     `kvd service install -- --ram-mb 8192`. Re-installing replaces the file
     and restarts a running daemon.
     """
+    try:
+        svc.check_serve_args(serve_args)  # before anything reads them (a unit file is UTF-8, line by line)
+    except ValueError as exc:
+        click.echo(f"kvd service install: {exc}", err=True)
+        raise SystemExit(svc.EXIT_USAGE)
     _carry_out(svc.install_plan(_target(init), serve_args, stop_timeout=_stop_timeout(serve_args)), dry_run)
 
 

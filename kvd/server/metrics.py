@@ -1,18 +1,24 @@
 """Prometheus metrics on a loopback HTTP port (`kvd serve --metrics-port`).
 
-The exporter owns no counters of its own: at each scrape it reads the
-daemon's (handler counters, latency histograms, store stats) under the
-daemon's lock, so a scrape after a known sequence of requests shows exactly
-those requests, and nothing is counted twice.
+The exporter owns no counters of its own: a scrape copies the daemon's
+(handler counters, latency histograms, store stats) under the daemon's lock
+and renders them outside it, so nothing is counted twice, and a scrape after
+a known sequence of requests shows exactly those requests -- unless the
+daemon is so large that a build is expensive: then one build serves the
+scrapes of the next second (the rules above `_Exposition`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvd import __version__
 from kvd.server.latency import BUCKETS
@@ -33,6 +39,9 @@ _NS_COUNTERS = (
     "gets", "hits", "misses", "tokens_served", "lookups", "lookup_hits", "lookup_misses", "puts",
     "chunks_stored", "chunks_duplicate", "chunks_too_big", "chunks_dropped",
 )
+# Namespaces with series of their own (see the rules above `_Exposition`):
+# a scrape of 4,096 namespaces with long names was 17 MB.
+MAX_NAMESPACE_SERIES = 1024
 
 
 class DaemonCollector:
@@ -47,7 +56,8 @@ class DaemonCollector:
             stats = d.store.stats()
             requests = dict(d.handler.requests)
             errors = dict(d.handler.errors)
-            ns_counters = {ns: dict(c) for ns, c in d.handler.ns_counters.items()}
+            # Oldest first (handler.py): the tail is the most recently used.
+            ns_counters = {ns: dict(c) for ns, c in list(d.handler.ns_counters.items())[-MAX_NAMESPACE_SERIES:]}
             latency = d.latency.snapshot()
             dropped = d.dropped_replies
             sections = {name: section(stats) for name, section in d.handler.stats_sections.items()}
@@ -111,24 +121,144 @@ class DaemonCollector:
         yield from _extra_families(sections, evictions)
 
         namespaces = stats.get("namespaces", {})
+        yield GaugeMetricFamily("kvd_namespaces", "Namespaces holding entries (the kvd_namespace_* series cover "
+                                f"the {MAX_NAMESPACE_SERIES} most recently used)", value=len(namespaces))
+        shown = _recent_namespaces(ns_counters, namespaces)
         entries = GaugeMetricFamily("kvd_namespace_entries", "Entries held, by namespace", labels=["namespace"])
         nbytes = GaugeMetricFamily("kvd_namespace_bytes", "Bytes held, by namespace", labels=["namespace"])
-        for ns, v in namespaces.items():
-            entries.add_metric([ns], v.get("entries", 0))
-            nbytes.add_metric([ns], v.get("bytes", 0))
+        for ns in shown:
+            if ns in namespaces:
+                entries.add_metric([ns], namespaces[ns].get("entries", 0))
+                nbytes.add_metric([ns], namespaces[ns].get("bytes", 0))
         yield entries
         yield nbytes
         for key in _NS_COUNTERS:
             fam = CounterMetricFamily(f"kvd_namespace_{key}", f"{key.replace('_', ' ')} by namespace", labels=["namespace"])
-            for ns, c in sorted(ns_counters.items()):
-                fam.add_metric([ns], c.get(key, 0))
+            for ns in shown:
+                if ns in ns_counters:
+                    fam.add_metric([ns], ns_counters[ns].get(key, 0))
             yield fam
+
+
+def _recent_namespaces(ns_counters: dict[str, Any], held: dict[str, Any], most: int | None = None) -> list[str]:
+    """The namespaces that get series, sorted: those with requests since the
+    start, most recent first (`ns_counters` is oldest first), then those only
+    held, by last use; at most `most` (MAX_NAMESPACE_SERIES)."""
+    most = MAX_NAMESPACE_SERIES if most is None else most
+    chosen = list(ns_counters)[-most:] if most else []
+    if len(chosen) < most:
+        seen = set(chosen)
+        rest = sorted((ns for ns in held if ns not in seen), key=lambda ns: held[ns].get("last_used", 0.0), reverse=True)
+        chosen += rest[: most - len(chosen)]
+    return sorted(chosen)
+
+
+# -- the HTTP side -------------------------------------------------------------
+#
+# The exporter shares the process (and the GIL) with the serving thread, and
+# a scrape of a daemon holding thousands of namespaces is megabytes of text.
+# So it keeps these rules:
+# 1. One build at a time: scrapes that arrive while one is being built wait
+#    for it and share it.
+# 2. A build that was expensive (over CHEAP_BUILD_S) is served again for
+#    REUSE_S: a scrape may then be up to that old. A cheap one is not reused,
+#    so a scrape after a known sequence of requests still shows exactly them.
+# 3. Per-namespace series are bounded (MAX_NAMESPACE_SERIES, the most
+#    recently used); `kvd_namespaces` counts them all, `kvd stats` lists them.
+# 4. At most MAX_CONNECTIONS connections are served at once, each a thread
+#    whose socket times out after IDLE_TIMEOUT_S: idle or trickling clients
+#    cannot hold threads and file descriptors the model servers need. Past
+#    the cap a connection is answered 503 and closed at once.
+
+REUSE_S = 1.0
+CHEAP_BUILD_S = 0.05
+MAX_CONNECTIONS = 16
+IDLE_TIMEOUT_S = 10.0
+
+
+class _Exposition:
+    """The rendered /metrics body, built by one scrape and shared (rules 1 and 2)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._body = b""
+        self._built_at = -math.inf  # monotonic time the body was finished
+        self._cost = 0.0  # seconds its build took
+
+    def get(self) -> bytes:
+        arrived = time.monotonic()
+        with self._lock:
+            now = time.monotonic()
+            if self._built_at >= arrived:  # built while we waited: share it
+                return self._body
+            if self._cost >= CHEAP_BUILD_S and now - self._built_at < REUSE_S:
+                return self._body
+            self._body = generate_latest(self._registry)
+            self._built_at = time.monotonic()
+            self._cost = self._built_at - now
+            return self._body
+
+
+class _Handler(BaseHTTPRequestHandler):
+    timeout = IDLE_TIMEOUT_S  # socket timeout for every read and write (StreamRequestHandler)
+    server: "_Server"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = self.server.exposition.get()
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # a line per scrape on the daemon's log is noise
+
+
+_BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64  # a burst waits in the kernel, costing no fd of ours
+
+    def __init__(self, addr: tuple[str, int], exposition: _Exposition):
+        self.exposition = exposition
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+        super().__init__(addr, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # rule 4: full, refuse at once
+            self.refused += 1
+            try:
+                request.setblocking(False)
+                request.send(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class MetricsServer:
     """The HTTP exporter thread; `shutdown()` stops it."""
 
-    def __init__(self, httpd, thread):
+    def __init__(self, httpd: _Server, thread: threading.Thread):
         self._httpd, self._thread = httpd, thread
 
     @property
@@ -145,7 +275,9 @@ def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
     """Start the exporter on addr:port (loopback by default). Raises OSError if the port is taken."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(daemon))
-    httpd, thread = start_http_server(port, addr=addr, registry=registry)
+    httpd = _Server((addr, port), _Exposition(registry))
+    thread = threading.Thread(target=httpd.serve_forever, name="kvd-metrics", daemon=True)
+    thread.start()
     log.info("metrics on http://%s:%d/metrics", addr, httpd.server_port)
     return MetricsServer(httpd, thread)
 

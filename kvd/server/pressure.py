@@ -11,7 +11,9 @@ the `pressure_source` setting:
     off         none: the RAM tier keeps its budget
     file:PATH   the first word of PATH ("normal", "warn" or "critical"; a
                 missing file is "normal"): the documented hook for tests and
-                for operators who compute pressure elsewhere
+                for operators who compute pressure elsewhere. Only a regular
+                file's first 4 KiB are read, without blocking: a FIFO, a
+                device or a folder reads as "normal", with a warning
 
 `read_system` is the only OS-specific part:
 
@@ -40,7 +42,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +53,8 @@ from typing import Callable
 LEVELS = ("normal", "warn", "critical")
 MiB = 1 << 20
 GiB = 1 << 30
+
+log = logging.getLogger("kvd.server")
 
 # measure -> (warn enter, warn leave, critical enter, critical leave); higher is worse.
 THRESHOLDS = {
@@ -268,20 +274,69 @@ def system_source() -> Source:
     return lambda previous="normal": Sample("normal", f"no pressure source on {sys.platform}")
 
 
+# The level file is read on the serving thread, under the daemon's lock
+# (the governor's tick): whatever PATH turns out to be, a sample must not
+# block or grow. A FIFO with no writer would block a plain open() or read()
+# forever, /dev/zero never ends, and a huge file would be read whole. So the
+# file is opened non-blocking, must be a regular file, and only its first
+# FILE_READ_MAX bytes are read: the first word is all that counts.
+FILE_READ_MAX = 4096
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def read_level_file(path: str | os.PathLike) -> tuple[str, str | None]:
+    """(the first FILE_READ_MAX bytes of `path` decoded, undecodable bytes
+    replaced; None), or ("", what PATH is instead of a regular file). Never
+    blocks on a FIFO or a device. Raises FileNotFoundError, or OSError if
+    it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            return "", f"{_file_kind(mode)}, not a regular file"
+        data = os.read(fd, FILE_READ_MAX)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace"), None
+
+
 def file_source(path: str | os.PathLike) -> Source:
-    """A source reading its level from a file: the testing and integration hook."""
+    """A source reading its level from a file: the testing and integration hook.
+
+    Anything but a readable regular file -- absent, unreadable, a FIFO, a
+    device, a folder -- reads as "normal" with the reason in the sample (shown
+    by `kvd stats`); a problem is logged once as a warning, again only after
+    the file has been read well in between."""
     path = Path(path)
+    warned: list[str] = []  # the problem last logged; cleared by a good read
+
+    def trouble(reason: str) -> Sample:
+        if not warned or warned[0] != reason:
+            log.warning("pressure source %s: %s (reading it as normal)", path, reason)
+            warned[:] = [reason]
+        return Sample("normal", f"{path}: {reason}")
 
     def sample(previous: str = "normal") -> Sample:
         try:
-            words = path.read_text().split()
+            text, problem = read_level_file(path)
         except FileNotFoundError:
-            return Sample("normal", f"{path}: absent")
+            return Sample("normal", f"{path}: absent")  # the documented "no pressure": not worth a warning
         except OSError as exc:
-            return Sample("normal", f"{path}: unreadable ({exc.strerror})")
+            return trouble(f"unreadable ({exc.strerror or exc})")
+        if problem is not None:
+            return trouble(problem)
+        warned.clear()
+        words = text.split()
         level = words[0].lower() if words else "normal"
         if level not in LEVELS:
-            return Sample("normal", f"{path}: unknown level {words[0]!r}")
+            return Sample("normal", f"{path}: unknown level {words[0][:40]!r}")
         return Sample(level, f"{path}: {' '.join(words)[:80]}")
 
     return sample

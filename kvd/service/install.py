@@ -11,7 +11,9 @@ install into a fake home without calling launchctl or systemctl.
 Rules:
 1. The service runs the interpreter kvd is installed into (`sys.executable`,
    not resolved through symlinks: a virtualenv's python must stay the venv's).
-2. Files are written atomically (temp file, then rename), mode 0644.
+2. Files are written atomically (temp file, then rename), mode 0644 -- or
+   0600 when the serve arguments hold a secret (a remote_url's password):
+   launchd and a user's systemd read them as that user.
 3. Install is idempotent: a re-install replaces the file and restarts a
    running daemon; uninstall of something not installed succeeds.
 4. Commands whose failure only means "already in that state" (bootout of an
@@ -34,6 +36,7 @@ from kvd.service import launchd, systemd
 # CLI exit codes, the same numbers as kvd.cli.exits (this layer does not import the CLI).
 EXIT_OK = 0
 EXIT_FAILED = 1  # a launchctl/systemctl command failed, or no known init system
+EXIT_USAGE = 2  # a SERVE_ARG no service file can carry (check_serve_args)
 EXIT_NOT_ANSWERING = 3  # status: no daemon answered at the endpoint
 
 INIT_SYSTEMS = ("launchd", "systemd")
@@ -70,6 +73,7 @@ class Plan:
     action: str
     path: Path  # the service file
     content: bytes | None = None  # None: remove `path` instead of writing it
+    mode: int = 0o644  # of the file written (rule 2)
     mkdirs: list[Path] = field(default_factory=list)
     before: list[Command] = field(default_factory=list)  # run before the file step
     after: list[Command] = field(default_factory=list)  # run after the file step
@@ -82,7 +86,7 @@ class Plan:
         if self.content is None:
             lines.append(f"$ rm -f {_shell_quote(str(self.path))}")
         else:
-            lines.append(f"# write {self.path}:")
+            lines.append(f"# write {self.path}{mode_note(self.mode)}:")
             lines.append(self.content.decode().rstrip("\n"))
             lines.append(f"# end of {self.path}")
         lines += [f"$ {c}{'' if c.check else '   # may fail harmlessly'}" for c in self.after]
@@ -154,16 +158,53 @@ class Target:
         return f"gui/{self.uid}"
 
 
+def mode_note(mode: int) -> str:
+    """What the install says about a file's mode: only 0600 is worth a word."""
+    return " (mode 0600: it holds a password)" if mode == 0o600 else ""
+
+
+def holds_secret(args: Sequence[str]) -> bool:
+    """Whether a serve argument looks like a URL with credentials: userinfo
+    before an `@` (redis://:password@host), or a password= parameter. Text
+    only, and generous: a false alarm costs a 0600 file, nothing more."""
+    for arg in args:
+        _, sep, rest = str(arg).partition("://")
+        if sep and ("@" in rest or "password=" in rest.lower()):
+            return True
+    return False
+
+
+def check_serve_args(args: Sequence[str]) -> None:
+    """Raise ValueError, naming it, for an argument no service file can
+    carry: a control character (a newline would add lines of its own to a
+    unit file) or text that is not UTF-8. A usage error (EXIT_USAGE)."""
+    for i, arg in enumerate(args, 1):
+        try:
+            systemd.check_arg(str(arg))
+        except ValueError as exc:
+            arg = str(arg)
+            shown = repr(arg if len(arg) <= 40 else arg[:37] + "...")  # repr escapes what the check refused
+            raise ValueError(f"serve argument {i} {shown} {exc}") from None
+
+
 def install_plan(t: Target, extra_args: Sequence[str] = (), stop_timeout: float = systemd.DEFAULT_STOP_TIMEOUT) -> Plan:
     """Return the Plan that installs and starts the service for Target `t`;
     the service manager waits a little more than `stop_timeout` (the daemon's
-    setting in effect) before it kills a stopping daemon."""
+    setting in effect) before it kills a stopping daemon. The file is 0600
+    if `extra_args` hold a secret (rule 2).
+
+    Raises ValueError for an argument no service file can carry
+    (check_serve_args).
+    """
+    check_serve_args(extra_args)
+    mode = 0o600 if holds_secret(extra_args) else 0o644
     path = t.service_path
     if t.init == "launchd":
         label = f"{t.launchd_domain}/{launchd.LABEL}"
         return Plan(
             "launchd", "install", path,
             content=launchd.render_plist(home=t.home, python=t.python, extra_args=extra_args, stop_timeout=stop_timeout),
+            mode=mode,
             mkdirs=[path.parent, Path(launchd.log_dir(t.home))],
             # A loaded agent keeps its old definition: unload it first.
             before=[Command(("launchctl", "bootout", label), check=False)],
@@ -176,6 +217,7 @@ def install_plan(t: Target, extra_args: Sequence[str] = (), stop_timeout: float 
     return Plan(
         "systemd", "install", path,
         content=systemd.render_unit(t.python, extra_args=extra_args, stop_timeout=stop_timeout).encode(),
+        mode=mode,
         mkdirs=[path.parent],
         after=[
             Command(ctl + ("daemon-reload",)),
@@ -212,15 +254,17 @@ def _run_all(cmds: Sequence[Command], runner: Runner) -> None:
             raise CommandFailed(f"`{c}` exited {r.returncode}" + (f": {detail}" if detail else ""))
 
 
-def _write_atomic(path: Path, content: bytes) -> None:
+def _write_atomic(path: Path, content: bytes, mode: int = 0o644) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    tmp.unlink(missing_ok=True)  # a leftover of a crashed run keeps its old mode: start afresh
+    # Created 0600 and opened up after: a secret is never readable by others, not even for a moment.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(content)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # the umask must not make a plist launchd refuses
+        os.chmod(tmp, mode)  # the umask must not make a plist launchd refuses
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -236,7 +280,7 @@ def apply(plan: Plan, runner: Runner | None = None) -> None:
     if plan.content is None:
         plan.path.unlink(missing_ok=True)
     else:
-        _write_atomic(plan.path, plan.content)
+        _write_atomic(plan.path, plan.content, plan.mode)
     _run_all(plan.after, runner)
 
 

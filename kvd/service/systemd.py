@@ -116,10 +116,29 @@ WantedBy=default.target
 """
 
 
+def check_arg(arg: str) -> None:
+    """Raise ValueError if `arg` cannot be one word of a service's command
+    line: a control character (a newline would end ExecStart= and start a
+    line of the unit's own), or text that is not UTF-8 (a unit file is)."""
+    bad = next((c for c in arg if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(f"holds a control character ({bad!r}), which a service's command line cannot carry")
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that were not UTF-8, carried in by surrogateescape
+        raise ValueError("is not UTF-8, which a service file must be") from None
+
+
 def _exec_arg(arg: str) -> str:
-    """Quote one ExecStart= word: `%` is a specifier, spaces split words."""
-    arg = arg.replace("%", "%%")
-    if any(c in arg for c in " \t\"'\\;$"):
+    """Quote one ExecStart= word (systemd.service(5), "Command lines").
+
+    `%` starts a specifier and `$` a variable (`$VAR`, `${VAR}`), inside
+    quotes too: each is doubled to stand for itself. Spaces split words and
+    `\\` escapes, so a word holding either, a quote or `;` is double-quoted.
+    Raises ValueError (check_arg) for what no quoting can carry."""
+    check_arg(arg)
+    arg = arg.replace("%", "%%").replace("$", "$$")
+    if arg == "" or any(c in arg for c in " \t\"'\\;$"):
         arg = '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return arg
 
