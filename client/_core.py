@@ -90,6 +90,7 @@ log = logging.getLogger("kvd_client")
 
 _HEADER_SLACK = 1 << 20  # bytes kept free in each PUT for header and framing
 TRANSPORTS = ("auto", "frames", "shm")
+SHM_COOL_S = 30.0  # frames only, after a segment could not be opened or mapped (Core._shm_broke)
 
 
 class _Budget:
@@ -206,6 +207,7 @@ class Core:
         self._shm_offer: dict[str, Any] | None = None  # HELLO's `shm` map
         self._shm_link: _shm.Link | None = None
         self._shm_lock = threading.Lock()
+        self._shm_cool_until = 0.0  # time.monotonic() before which calls use frames (_shm_broke)
         self._tls = threading.local()  # .budget: the _Budget of this thread's current public call
 
     # -- plumbing ----------------------------------------------------------
@@ -350,6 +352,8 @@ class Core:
             return None
         if self._features is None:  # one HELLO learns the offer
             self._hello_now(background=background)
+        if time.monotonic() < self._shm_cool_until:
+            return None  # a segment could not be mapped lately: frames for a while (_shm_broke)
         with self._shm_lock:
             if self._shm_link is None and self._shm_offer:
                 try:
@@ -359,6 +363,16 @@ class Core:
                     log.debug("shared memory unavailable: %s", err)
                     self._shm_offer = None
             return self._shm_link
+
+    def _shm_broke(self, link: _shm.Link) -> None:
+        """After a call the plane could not serve: if a segment could not be
+        opened or mapped (not a lease running out), use frames for
+        SHM_COOL_S. A client that can never open the daemon's segments (no
+        /proc, a sandbox) would otherwise take a grant it cannot fill, lost
+        to everyone until its lease ends, at every PUT."""
+        if link.broken:
+            self._shm_cool_until = time.monotonic() + SHM_COOL_S
+            self.counters["shm_cooling"] += 1
 
     def _shm_reset(self) -> None:
         """Forget the link and ask HELLO again on the next call (a restarted daemon)."""
@@ -556,6 +570,7 @@ class Core:
             # under the daemon, say: it puts its name back within a second).
             self.counters["shm_put_abandoned"] += 1
             log.debug("shm put abandoned: %s", err)
+            self._shm_broke(link)
             return None
         reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field()}, background=background)
         if reply is None:
@@ -643,6 +658,7 @@ class Core:
                         # A segment that cannot be mapped (removed or replaced
                         # under the daemon, which puts names back within a
                         # second): this call goes over frames, from the start.
+                        self._shm_broke(link)
                         self._shm_reset()
                         self.counters["shm_get_fallback"] += 1
                         log.debug("shm get failed, over frames instead: %s", err)

@@ -79,6 +79,14 @@ class Link:
             raise ShmUnavailable(f"shm offer: lease_s {lease_s!r} is not a number of seconds")
         pid = offer.get("pid")
         self.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+        self.broken = False  # a segment could not be opened or mapped (Core cools off from shm)
+        if self.pid is not None and offer.get("pidns") is not None:
+            try:
+                mine = os.readlink("/proc/self/ns/pid")
+            except OSError:
+                mine = None
+            if mine != offer.get("pidns"):  # /proc/<its pid> is not the daemon here: its segments cannot open
+                raise ShmUnavailable(f"the daemon runs in another pid namespace ({offer.get('pidns')!r}, here {mine!r})")
         self.dir, self.run, self.lease_s = Path(folder), run, float(lease_s)
         check_run_dir(self.dir)  # UnsafeEndpoint unless ours and private
         fd = self._open("nonce", os.O_RDONLY)
@@ -150,14 +158,20 @@ class Link:
                     try:
                         name = segment_name(self.run, seg)
                     except KvdError as err:  # an index out of range
+                        self.broken = True
                         raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
-                    fd = self._open(name, os.O_RDWR, memfd=True)
+                    try:
+                        fd = self._open(name, os.O_RDWR, memfd=True)
+                    except ShmUnavailable:
+                        self.broken = True
+                        raise
                     try:
                         # No MAP_POPULATE: it would allocate a sparse segment's holes,
                         # charged to this process instead of the daemon's cgroup.
                         # Mappings persist, so each page faults in once per client.
                         mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
                     except (OSError, ValueError, OverflowError) as err:  # ENOMEM for a huge sparse file
+                        self.broken = True
                         raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
                     finally:
                         os.close(fd)

@@ -235,7 +235,8 @@ def test_boundary_state_that_does_not_decode_is_a_miss(fakes, case):
 
 
 @pytest.mark.parametrize("over", [{"lease_s": "abc"}, {"lease_s": [1]}, {"lease_s": float("inf")},
-                                  {"run": "../../x"}, {"run": 7}, {"dir": "relative/path"}, {"dir": None}])
+                                  {"run": "../../x"}, {"run": 7}, {"dir": "relative/path"}, {"dir": None},
+                                  {"pid": 1, "pidns": "pid:[1]"}])
 def test_a_bad_shm_offer_falls_back_to_frames(fakes, plane, over):
     d = plane()
     _, c = fakes(_frames_get, shm=_offer(d, **over), client={"transport": "auto"})
@@ -288,6 +289,9 @@ def test_a_bad_put_grant_is_never_committed_and_the_put_goes_over_frames(fakes, 
     snap = Snapshot(sliced={"k": (HostTensor.from_numpy(np.ones((L, 4), np.float16)), 0)})
     assert c.put(TOKENS, snap) is True
     assert c.counters["shm_put_abandoned"] == 1 and f.count("COMMIT") == 0 and f.count("PUT") == 1
+    # A segment it cannot map: frames for a while, not a grant taken (and lost) at every PUT.
+    assert c.put(TOKENS, snap) is True
+    assert f.count("SLOTS") == 1 and f.count("PUT") == 2 and c.counters["shm_cooling"] == 1
 
 
 # -- 6. a descriptor larger than a page may be -----------------------------------

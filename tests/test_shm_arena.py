@@ -281,3 +281,19 @@ def test_a_slot_freed_by_the_garbage_collector_inside_a_locked_section_waits_for
     assert done.is_set(), "the thread deadlocked on the arena's lock"
     assert arena.used == 0
     assert arena.alloc(4096) is not None
+
+
+def test_a_failing_segment_is_logged_now_and_then_not_at_every_allocation(tmp_path, caplog):
+    """Every allocation that could not add a segment logged a warning (one per
+    SLOTS, GET copy-in and cold read: a flood); now the 1st, 2nd, 4th, 8th..."""
+    import logging
+    import shutil
+
+    folder = tmp_path / "plane"
+    folder.mkdir()
+    arena = Arena(folder, "aaaaaaaa", capacity=64 << 20, segment_bytes=1 << 20)
+    shutil.rmtree(folder)  # a segment can no longer be made (or named) there
+    with caplog.at_level(logging.WARNING, logger="kvd.server"):
+        assert all(arena.alloc(4096) is None for _ in range(100))
+    lines = [r for r in caplog.records if "cannot add a shared-memory segment" in r.getMessage()]
+    assert arena.counters["grow_failures"] == 100 and len(lines) == 7  # 1, 2, 4, ..., 64

@@ -104,6 +104,12 @@ from kvd.store.base import Entry
 log = logging.getLogger("kvd.server")
 
 _PAGE = mmap.PAGESIZE
+_MAX_SEGMENTS = 999_999  # segment indexes a run may use (kvd.protocol.shm.segment_name)
+
+
+def _now_and_then(n: int) -> bool:
+    """Log the 1st, 2nd, 4th, 8th, ... of a repeated failure: a few lines, never a flood."""
+    return n & (n - 1) == 0
 SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
 NONCE_FILE = "nonce"
 _RUN_DIR = re.compile(r"-[0-9a-f]{16}")  # a run's folder: the prefix and this
@@ -165,6 +171,7 @@ class Arena:
 
     def __init__(self, folder: Path, run_id: str, capacity: int | Callable[[], int], segment_bytes: int = SEGMENT_BYTES):
         self.folder, self.run_id = folder, run_id
+        self.sealed = _probe_memfd()  # segments are sealed memfds (rule 5), else files
         # Bytes the arena may use: a number, or a callable read at each
         # allocation (the daemon's follows the RAM tier's budget as memory
         # pressure moves it, so under pressure shm PUTs fall back to frames).
@@ -190,6 +197,7 @@ class Arena:
         self._seg_lost: list[int] = []
         self.lost_bytes = 0
         self._sids = 0
+        self._reserve_failures = 0
         self.used = 0
         self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0,
                          "grow_failures": 0, "lost_slots": 0, "names_repaired": 0}
@@ -210,7 +218,9 @@ class Arena:
                     found = self._grow(size)
                 except OSError as err:  # no memory for a segment, the folder gone: frames instead
                     self.counters["grow_failures"] += 1
-                    log.warning("cannot add a shared-memory segment: %s", err)
+                    if _now_and_then(self.counters["grow_failures"]):
+                        log.warning("cannot add a shared-memory segment (%d times so far): %s",
+                                    self.counters["grow_failures"], err)
                     found = None
             if found is None:
                 self.counters["alloc_failures"] += 1
@@ -254,11 +264,13 @@ class Arena:
 
     def _grow(self, size: int) -> tuple[int, int] | None:
         seg_size = max(self.segment_bytes, size)
-        if sum(self._sizes) - self.lost_bytes + seg_size > self.capacity:
+        # Lost ranges count: their pages were handed back, but a late writer
+        # may fault them in again, and each segment costs descriptors.
+        if sum(self._sizes) + seg_size > self.capacity or len(self._maps) >= _MAX_SEGMENTS:
             return None
         seg = len(self._maps)
         name = segment_name(self.run_id, seg)
-        fd = _new_segment(self.folder, name, seg_size)  # sparse: slots reserve their pages (_reserve)
+        fd = _new_segment(self.folder, name, seg_size, self.sealed)  # sparse: slots reserve their pages (_reserve)
         try:
             mm = mmap.mmap(fd, seg_size, flags=mmap.MAP_SHARED)
         except BaseException:
@@ -286,7 +298,10 @@ class Arena:
         try:
             os.posix_fallocate(self._fds[seg], off, size)
         except OSError as err:
-            log.warning("cannot reserve %d bytes of shared memory: %s", size, err)
+            self._reserve_failures += 1
+            if _now_and_then(self._reserve_failures):
+                log.warning("cannot reserve %d bytes of shared memory (%d times so far): %s",
+                            size, self._reserve_failures, err)
             return False
         pages[lo:hi] = b"\x01" * (hi - lo)
         return True
@@ -428,14 +443,17 @@ class Arena:
         (rule 5; a file's name, off Linux, cannot be made again); returns how
         many. Under the lock: a segment removed meanwhile is not named again."""
         fixed = 0
-        if not _SEALED:
+        if not self.sealed:
             return 0
         with self._locked():
             for seg in self.live():
                 path = self.folder / segment_name(self.run_id, seg)
                 if not _names(path, self._fds[seg]):
-                    _unlink(path)
-                    _name_segment(path, self._fds[seg])
+                    try:
+                        _unlink(path)
+                        _name_segment(path, self._fds[seg])
+                    except OSError:  # a folder under that name: not ours to empty; the next segment's
+                        continue
                     fixed += 1
         self.counters["names_repaired"] += fixed
         return fixed
@@ -453,13 +471,33 @@ _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
 _SEALED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and _SEALS
 
 
-def _new_segment(folder: Path, name: str, size: int) -> int:
+def _probe_memfd() -> bool:
+    """Whether this process may make sealed memfds (a seccomp filter may
+    forbid memfd_create: then segments are files, as off Linux)."""
+    if not _SEALED:
+        return False
+    try:
+        fd = os.memfd_create("kvd-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as err:
+        log.warning("shared memory: memfd_create refused (%s); segments are files in the folder", err)
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        return True
+    except OSError as err:
+        log.warning("shared memory: memfds cannot be sealed (%s); segments are files in the folder", err)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _new_segment(folder: Path, name: str, size: int, sealed: bool) -> int:
     """A new segment of `size` bytes (sparse), open read-write, named `name`
     in `folder`: the one OS-specific step of the arena (module docstring,
-    rule 5). Linux: a memfd sealed against shrinking, named by a symlink to
-    /proc/<pid>/fd/<fd>. Elsewhere: a file 0600."""
+    rule 5). `sealed` (Linux, `_probe_memfd`): a memfd sealed against
+    shrinking, named by a symlink to /proc/<pid>/fd/<fd>. Else: a file 0600."""
     path = folder / name
-    if not _SEALED:
+    if not sealed:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -632,8 +670,10 @@ class ShmPlane:
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
         offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
-        if _SEALED:  # segments are links into /proc/<pid>/fd: clients open nothing else (rule 5)
+        if self.arena.sealed:  # segments are links into /proc/<pid>/fd: clients open nothing else (rule 5)
             offer["pid"] = os.getpid()
+            with contextlib.suppress(OSError):  # a client in another pid namespace cannot open them
+                offer["pidns"] = os.readlink("/proc/self/ns/pid")
         return offer
 
     # -- leases ----------------------------------------------------------------
