@@ -28,21 +28,12 @@ from kvd.config import ConfigError, resolve
 from kvd.server import metrics, pressure
 from kvd.service import install as svc
 from kvd.service import systemd
-from support import free_port, scrape
+from support import free_port, scrape, wait_until
+from test_service_install import home  # noqa: F401  (the fixture `svc_home` builds on)
+from test_service_systemd_live import MANAGER_UP
 
 REPO = Path(__file__).resolve().parent.parent
 ANALYZE = shutil.which("systemd-analyze")
-
-
-def _wait(pred, timeout: float = 20.0, what: str = "condition"):
-    """Poll `pred` (another process acts on its own clock) until it returns a truthy value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 # -- 1. --pressure-source file:PATH -------------------------------------------------
@@ -55,7 +46,7 @@ def test_pressure_fifo_neither_freezes_the_daemon_nor_its_stop(daemon_factory, t
     try:
         with d.client("p", timeout=1.0) as c:
             # Several samples taken (each one read the FIFO), and every STATS answered meanwhile.
-            st = _wait(lambda: (s := c.stats()) and s["pressure"]["samples"] >= 5 and s, what="5 pressure samples")
+            st = wait_until(lambda: (s := c.stats()) and s["pressure"]["samples"] >= 5 and s, what="5 pressure samples")
             assert st["pressure"]["level"] == "normal"
             assert "FIFO" in st["pressure"]["reason"], st["pressure"]
             assert c.ping() is not None
@@ -226,7 +217,7 @@ def test_idle_metrics_connections_are_capped(daemon_factory):
         for s in socks:
             s.close()
     # Once they are gone, a scrape is served again.
-    _wait(lambda: _try_scrape(port), timeout=10, what="a scrape after the idle clients left")
+    wait_until(lambda: _try_scrape(port), timeout=10, what="a scrape after the idle clients left")
 
 
 def _try_scrape(port: int):
@@ -349,16 +340,10 @@ def test_a_log_file_serve_cannot_open_is_one_line_exit_78(tmp_path):
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "home"
-    h.mkdir()
-    monkeypatch.setenv("HOME", str(h))
-    for k in list(os.environ):
-        if k.startswith(("XDG_", "KVD_")):
-            monkeypatch.delenv(k)
-    calls = []
-    monkeypatch.setattr(svc, "run_command", lambda argv: calls.append(tuple(argv)) or svc.Result(0))
-    return h
+def svc_home(home, monkeypatch):
+    """test_service_install's `home`, with systemctl/launchctl never run."""
+    monkeypatch.setattr(svc, "run_command", lambda argv: svc.Result(0))
+    return home
 
 
 def _cli(*args):
@@ -372,12 +357,12 @@ def _exec_start(text: str) -> str:
 
 @pytest.mark.parametrize("init", ["systemd", "launchd"])
 @pytest.mark.parametrize("arg", ["info\nExecStartPre=/usr/bin/touch /tmp/owned\n#", "a\rb", "a\x00b", "a\x7fb", "/tmp/\udcff"])
-def test_install_refuses_arguments_no_service_file_can_carry(home, init, arg):
+def test_install_refuses_arguments_no_service_file_can_carry(svc_home, init, arg):
     r = _cli("install", "--init", init, "--", "--log-level", arg)
     assert r.exit_code == exits.USAGE, r.output
     assert "Traceback" not in r.output and r.output.count("\n") == 1, r.output
     assert "serve argument 2" in r.output
-    assert not any(home.rglob("*.service")) and not any(home.rglob("*.plist"))  # nothing written
+    assert not any(svc_home.rglob("*.service")) and not any(svc_home.rglob("*.plist"))  # nothing written
 
 
 def test_exec_start_escapes_dollar_percent_and_empty_words():
@@ -402,10 +387,10 @@ def test_systemd_analyze_verify_hostile_but_legal_arguments(tmp_path):
 
 
 @pytest.mark.parametrize("init", ["systemd", "launchd"])
-def test_a_password_in_the_arguments_makes_the_file_0600(home, init):
+def test_a_password_in_the_arguments_makes_the_file_0600(svc_home, init):
     r = _cli("install", "--init", init, "--", "--remote-url", "redis://:s3cret@127.0.0.1:6379")
     assert r.exit_code == 0, r.output
-    (path,) = [p for p in home.rglob("*") if p.suffix in (".service", ".plist")]
+    (path,) = [p for p in svc_home.rglob("*") if p.suffix in (".service", ".plist")]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and b"s3cret" in path.read_bytes()
     assert "mode 0600: it holds a password" in r.output
     r = _cli("install", "--init", init, "--dry-run", "--", "--remote-url=rediss://u:s3cret@h:6380")
@@ -422,16 +407,7 @@ def test_holds_secret():
     assert not svc.holds_secret(["--remote-url", "redis://h:6379", "--data-dir", "/a@b"])
 
 
-_LIVE = r"""
-set -u
-mkdir -p "$WORK/fakerun/system"
-mount -t tmpfs tmpfs "$WORK/fakerun" && mkdir -p "$WORK/fakerun/system" && mount --bind "$WORK/fakerun" /run/systemd || { echo "SKIP=mount"; exit 0; }
-export XDG_RUNTIME_DIR="$WORK/run" HOME="$WORK/home"
-"$MANAGER" --user --log-target=kmsg >/dev/null 2>&1 &
-MPID=$!
-trap 'kill $MPID 2>/dev/null' EXIT
-for i in $(seq 50); do [ -S "$XDG_RUNTIME_DIR/systemd/private" ] && break; sleep 0.1; done
-[ -S "$XDG_RUNTIME_DIR/systemd/private" ] || { echo "SKIP=manager"; exit 0; }
+_LIVE = MANAGER_UP + r"""
 systemctl --user daemon-reload
 timeout 60 systemctl --user start kvd.service; echo "START=$?"
 P=$(systemctl --user show kvd.service -p MainPID --value)

@@ -40,7 +40,8 @@ pytestmark = [
                        reason="kvd serve does not use kvd.service.notify.Notifier yet"),
 ]
 
-SCRIPT = r"""
+# Mounts a private /run/systemd, starts a systemd user manager ($MANAGER) and waits for it.
+MANAGER_UP = r"""
 set -u
 mkdir -p "$WORK/fakerun/system"
 mount -t tmpfs tmpfs "$WORK/fakerun" && mkdir -p "$WORK/fakerun/system" && mount --bind "$WORK/fakerun" /run/systemd || { echo "SKIP=mount"; exit 0; }
@@ -50,6 +51,9 @@ MPID=$!
 trap 'kill $MPID 2>/dev/null' EXIT
 for i in $(seq 50); do [ -S "$XDG_RUNTIME_DIR/systemd/private" ] && break; sleep 0.1; done
 [ -S "$XDG_RUNTIME_DIR/systemd/private" ] || { echo "SKIP=manager"; exit 0; }
+"""
+
+SCRIPT = MANAGER_UP + r"""
 show() { echo "$1 $(systemctl --user show kvd.service -p ActiveState -p SubState -p Result -p NRestarts -p StatusText -p MainPID | tr '\n' ' ')"; }
 systemctl --user daemon-reload
 timeout 60 systemctl --user enable --now kvd.service; echo "START=$?"
