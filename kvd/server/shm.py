@@ -54,8 +54,9 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
    never allocated again, since a writer stopped mid-copy (SIGSTOP, swapped
    out) writes on when it resumes, past any deadline; their pages are handed
    back at once, and the segment goes when nothing but lost ranges is left.
-4. At start the folder is swept of every other run's segments (a killed
-   predecessor's); at a clean stop this run's own are removed.
+4. At start the folders killed predecessors on this endpoint left are
+   swept (`sweep_plane_dirs`: our own user's only) and a fresh one is made;
+   at a clean stop this run's segments, nonce and folder are removed.
 5. No process can shrink a segment under the daemon (`_new_segment`). On
    Linux a segment is a memfd sealed against shrinking, named in the folder
    by a symlink to `/proc/<pid>/fd/<fd>` (which only processes allowed to
