@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from kvd.endpoint import EndpointError, check_endpoint, default_endpoint, default_keys_dir
+from kvd.endpoint import EndpointError, check_endpoint, default_endpoint, default_keys_dir, file_kind
 from kvd.protocol.errors import KvdError
 
 # Exit code for a bad configuration (sysexits EX_CONFIG). Units and plists can
@@ -509,12 +509,6 @@ def _parse(setting: Setting, raw: Any, source: str, base_dir: Path | None = None
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def _not_a_file(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
-
-
 def _read_file(path: Path) -> dict[str, Any]:
     # Rule 7: whatever the file holds, reading it ends in a dict or one
     # ConfigError. Opened non-blocking so a FIFO cannot hang `kvd serve`,
@@ -524,7 +518,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"config file {path}: is {_not_a_file(st.st_mode)}, not a file")
+                raise ConfigError(f"config file {path}: is {file_kind(st.st_mode)}, not a file")
             if st.st_size > MAX_CONFIG_BYTES:
                 raise ConfigError(f"config file {path}: {st.st_size} bytes, more than a config file "
                                   f"may be ({MAX_CONFIG_BYTES} bytes)")
@@ -579,7 +573,7 @@ def find_config_file(
             raise ConfigError(f"config file {path} (from {where}) does not exist") from None
         raise ConfigError(f"config file {path} (from {where}): cannot read: {exc.strerror or exc}") from None
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"config file {path} (from {where}) is {_not_a_file(mode)}, not a file")
+        raise ConfigError(f"config file {path} (from {where}) is {file_kind(mode)}, not a file")
     return path, how
 
 

@@ -337,6 +337,16 @@ def _open_lock(path: Path, flags: int) -> int | None:
     return fd
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, from its st_mode ("a FIFO",
+    "a folder", ...): for the one line that refuses it."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
 def _read_pid(path: Path) -> int | None:
     try:
         return int(path.read_text().strip() or 0) or None

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kvd.endpoint import file_kind
+
 LEVELS = ("normal", "warn", "critical")
 MiB = 1 << 20
 GiB = 1 << 30
@@ -283,14 +285,6 @@ def system_source() -> Source:
 FILE_READ_MAX = 4096
 
 
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a special file"
-
-
 def read_level_file(path: str | os.PathLike) -> tuple[str, str | None]:
     """(the first FILE_READ_MAX bytes of `path` decoded, undecodable bytes
     replaced; None), or ("", what PATH is instead of a regular file). Never
@@ -300,7 +294,7 @@ def read_level_file(path: str | os.PathLike) -> tuple[str, str | None]:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            return "", f"{_file_kind(mode)}, not a regular file"
+            return "", f"{file_kind(mode)}, not a regular file"
         data = os.read(fd, FILE_READ_MAX)
     finally:
         os.close(fd)
