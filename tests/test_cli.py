@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from support import kvd, prefix_snapshot
+from support import kvd, prefix_snapshot, wait_spilled
 
 
 def test_no_daemon_exits_3_with_a_clear_message(tmp_path):
@@ -51,3 +51,30 @@ def test_stop_stops_the_daemon_and_it_exits_0(kvd_daemon):
     r = kvd("stop", "--endpoint", kvd_daemon.endpoint)
     assert r.returncode == 0, (r.stdout, r.stderr, kvd_daemon.log())
     assert kvd_daemon.proc.wait(10) == 0, kvd_daemon.log()
+
+
+def test_names_with_escape_sequences_reach_the_terminal_escaped(kvd_daemon):
+    """A namespace is any string a client sent: its escape sequences (a title
+    change, a screen clear, a right-to-left override) are printed escaped by
+    every view, from the daemon and from the data dir, never sent to the terminal."""
+    evil = "ns\x1b]0;pwned\x07\x1b[2J\u202etxt"
+    with kvd_daemon.client(evil, strict=True) as c:
+        assert c.put(np.arange(300), prefix_snapshot(np.arange(300)))
+        wait_spilled(c, 2)
+    ep = ("--endpoint", kvd_daemon.endpoint)
+    tokens = kvd_daemon.workdir / "tokens.json"
+    tokens.write_text(json.dumps(list(range(300))))
+    views = [("stats", *ep), ("ls", *ep), ("top", "--count", "1", *ep), ("gc", "--namespace", evil, "--dry-run", *ep),
+             ("explain", "--namespace", evil, "--tokens-file", str(tokens), *ep)]
+    offline = [("stats", "--offline", "--data-dir", str(kvd_daemon.data_dir)),
+               ("ls", "--offline", "--data-dir", str(kvd_daemon.data_dir))]
+    for args in views + [None] + offline:
+        if args is None:
+            assert kvd_daemon.stop() == 0
+            continue
+        r = kvd(*args)
+        assert r.returncode == 0, (args, r.stderr)
+        out = r.stdout + r.stderr
+        assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out, (args, out)
+        if args[0] != "gc":  # (gc says what it would remove, not whose)
+            assert "ns\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt" in out, (args, out)

@@ -26,8 +26,10 @@ class _Kvd(click.Group):
             known = exits.describe(err)
             if known is None:
                 raise
+            from kvd.cli.common import printable  # (common imports this package)
+
             code, line = known
-            click.echo(f"kvd: {line}", err=True)
+            click.echo(f"kvd: {printable(line)}", err=True)
             ctx.exit(code)
 
 

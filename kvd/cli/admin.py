@@ -20,6 +20,7 @@ from kvd.cli.common import (
     data_dir_options,
     data_dir_to_read,
     fail,
+    printable,
     rate,
     reply_json,
     secs,
@@ -126,7 +127,7 @@ def stats(as_json, namespace, offline, watch, count, **flags) -> None:
             fail(exits.FAILED, f"{path} holds no kvd index")
         if namespace is not None:
             result["namespaces"] = {k: v for k, v in result["namespaces"].items() if k == namespace}
-        click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_offline_stats(result))
+        click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else printable(render_offline_stats(result)))
         return
     with admin_client(cfg) as client:
         result = client.stats(namespace)

@@ -16,11 +16,17 @@ shape, yet the process at the endpoint may be a buggy, older or newer kvd.
 `shown` and `reply_json` are the one guard: a map that breaks the drawing is one
 line and exit 1, never a traceback. A number that is not one draws as "?"
 (`size`, `rate`, `ago`, `secs`), so one odd field does not cost the view.
+
+Names come from peers: a namespace is whatever string a client sent, an error's
+text whatever the daemon wrote. Text drawn from them goes through `printable`
+(in `shown` and `fail`), so escape sequences in a name reach the operator's
+terminal as `\x1b`, not as commands to it. JSON output escapes them itself.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
@@ -51,9 +57,20 @@ def admin_client(cfg: Config) -> Client:
                   keys_dir=cfg.keys_dir, client_key=cfg.client_key)
 
 
+# C0 controls but newline and tab, DEL, C1 controls, and the bidirectional
+# overrides and isolates (which reorder what a terminal shows).
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab as an escape
+    (`\x1b`, `\u202e`): safe to write to a terminal whatever a peer named."""
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
 def fail(code: int, message: str) -> NoReturn:
     """Print `kvd: message` on stderr and exit with `code`."""
-    click.echo(f"kvd: {message}", err=True)
+    click.echo(f"kvd: {printable(message)}", err=True)
     raise SystemExit(code)
 
 
@@ -64,9 +81,10 @@ MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, Overfl
 
 def shown(what: str, render: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`render(*args, **kwargs)` of the daemon's `what` reply (STATS, GC), or exit 1
-    with one line if the reply's map breaks it."""
+    with one line if the reply's map breaks it. Text comes back `printable`."""
     try:
-        return render(*args, **kwargs)
+        out = render(*args, **kwargs)
+        return printable(out) if isinstance(out, str) else out
     except MALFORMED as err:
         fail(exits.FAILED, f"the daemon sent a malformed {what} reply ({type(err).__name__}: {err}); "
                            "is it another version of kvd?")

@@ -16,6 +16,7 @@ from kvd.cli.common import (
     data_dir_options,
     data_dir_to_read,
     fail,
+    printable,
     reply_json,
     settings,
     shown,
@@ -187,7 +188,7 @@ def verify(dry_run, repair, as_json, **flags) -> None:
     else:
         click.echo(f"checked {checked} blobs: {len(bad)} failed" + (f", {quarantined} {how}" if bad and not dry_run else f" {how}" if bad else ""))
         for f in report["failures"]:
-            click.echo(f"  {f['entry']}  {f['reason']}")
+            click.echo(printable(f"  {f['entry']}  {f['reason']}"))
     raise SystemExit(exits.FAILED if bad else exits.OK)
 
 
@@ -224,5 +225,5 @@ def _repair(cfg, root: Path, as_json: bool) -> None:
         if report["unverified"]:
             click.echo(f"  {report['unverified']} blobs were written before kvd carried checksums in blobs: parsed, not checksummed")
         for eid, why in report["failures"]:
-            click.echo(f"  {eid}  {why}")
+            click.echo(printable(f"  {eid}  {why}"))
     raise SystemExit(exits.FAILED if report["quarantined"] else exits.OK)
