@@ -18,6 +18,7 @@ from kvd.store.datadir import BLOB_DIR, INDEX_DIR, PACK_DIR, QUARANTINE_DIR
 from kvd.store.index import Index
 from kvd.store.pack import PACKED, Pack
 from kvd.store.ssd import SsdStore
+from kvd_client import HostTensor, Snapshot
 from support import (
     ALL_DTYPES, assert_prefix_hit, assert_same, filled_store, kvd, make_entry, prefix_snapshot, wait_until,
 )
@@ -279,3 +280,88 @@ def test_the_writer_reads_ahead_only_while_its_batches_wait_for_the_disk(tmp_pat
         assert len(calls) == n + 1 and not store.prefetching
         batch(5, disk_reads=0)
         assert len(calls) == n + 1
+
+
+def _pack_ending_before_its_last_page(root: Path) -> tuple[Pack, dict[bytes, bytes]]:
+    """A pack whose data.mdb ends before LMDB's last page number, made the way
+    the SSD tier's writer makes one (values put, some deleted, a commit each):
+    pages a transaction took and gave back unwritten are free, not on disk."""
+    import random
+
+    rng = random.Random(3)
+    pack, values = Pack(root / "pack"), {}
+    for _ in range(600):
+        def put(txn):
+            for _ in range(rng.randint(1, 64)):
+                key, value = rng.randbytes(33), rng.randbytes(rng.choice([500, 1000, 2000, 3000, 9000]))
+                txn.put(key, value, db=pack.blobs)
+                values[key] = value
+        pack.write(put)
+        if rng.random() < 0.5:
+            gone = rng.sample(sorted(values), rng.randint(1, len(values)))
+            def delete(txn):
+                for key in gone:
+                    txn.delete(key, db=pack.blobs)
+                    del values[key]
+            pack.write(delete)
+        if (root / "pack" / "data.mdb").stat().st_size < (pack.env.info()["last_pgno"] + 1) * 4096:
+            return pack, values
+    raise AssertionError("LMDB never ended the file before its last page: nothing here tests that case")
+
+
+def test_a_file_that_ends_before_lmdbs_last_page_is_not_damage(tmp_path):
+    """Regression: the writer's check took LMDB's last page number for the
+    pages on disk, called such a file cut short after an ordinary GC and moved
+    the whole pack aside (every small chunk lost) or rebuilt the index. The
+    pages past the end are on LMDB's free list; a page cut away is not."""
+    from kvd.store.heal import inspect_data_file
+
+    pack, values = _pack_ending_before_its_last_page(tmp_path)
+    data = tmp_path / "pack" / "data.mdb"
+    assert pack.file_fault() is None
+    pack.close()
+    assert inspect_data_file(data) is None
+    pack = Pack(tmp_path / "pack", readonly=True)
+    with pack.reading() as txn:
+        assert {k: bytes(txn.get(k, db=pack.blobs)) for k in values} == values
+    pack.close()
+    size = data.stat().st_size
+    os.truncate(data, size - 4096)  # a page in use, cut away
+    assert "truncated" in inspect_data_file(data)
+    os.truncate(data, size - 100)
+    assert "not whole pages" in inspect_data_file(data)
+
+
+def test_a_running_pack_cut_short_is_seen_but_its_own_growth_is_not(tmp_path):
+    pack, _ = _pack_ending_before_its_last_page(tmp_path)
+    data = tmp_path / "pack" / "data.mdb"
+    try:
+        assert pack.file_fault() is None
+        pack.write(lambda txn: txn.put(b"k" * 33, b"v" * 9000, db=pack.blobs))
+        assert pack.file_fault() is None
+        os.truncate(data, data.stat().st_size - 4096)
+        assert "cut short" in pack.file_fault()
+    finally:
+        pack.close()
+
+
+def test_gc_of_small_chunks_never_costs_the_pack(daemon_factory):
+    """Regression (a red-team find): spilling ~400 small chunks and evicting a
+    third of the SSD tier by GC, a few rounds, made the daemon call its own
+    pack 'cut short' and start an empty one (or rebuild its index)."""
+    d = daemon_factory("--ram-mb", "8")
+    rng = np.random.default_rng(1)
+    with d.client("p", strict=True, chunk_tokens=4) as c:
+        for rnd in range(4):
+            for j in range(8):  # 50 chunks of 500 B to 9 KiB each: in the pack, some on overflow pages
+                tokens = np.arange(200) + rnd * 100_000 + j * 1_000
+                width = int(rng.choice([125, 250, 500, 750, 2250]))
+                kv = rng.integers(0, 255, (1, 200, width), np.uint8)
+                assert c.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(kv), 1)}))
+            c.gc(ram_bytes=0)
+            ssd = c.stats()["tiers"]["ssd"]
+            c.gc(ssd_bytes=ssd["bytes"] // 3)
+            after = c.stats()["tiers"]["ssd"]
+            assert not after["degraded"] and after["entries"] > 0, after
+    assert "cut short" not in d.log() and "damaged" not in d.log(), d.log()
+    assert not list(d.data_dir.glob("pack.bad-*")) and not list(d.data_dir.glob("index.bad*"))

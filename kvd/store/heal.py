@@ -108,6 +108,10 @@ WALK_KEYS = 1024  # keys per walk step (~2 ms: the writer holds the GIL that lon
 # txnid u64. Checked against files this lmdb package writes
 # (tests/test_heal.py::test_meta_layout_matches_the_lmdb_package).
 _PAGE_HDR = struct.Struct("<QHHHH")
+_NODE = struct.Struct("<HHHH")  # lo, hi, flags, key size: a branch node's child is lo | hi << 16 | flags << 32
+_U16, _U64 = struct.Struct("<H"), struct.Struct("<Q")
+P_BRANCH, P_LEAF = 0x01, 0x02
+F_BIGDATA = 0x01  # a leaf node whose data is on overflow pages
 _META = struct.Struct("<IIQQ" + "IHHQQQQQ" * 2 + "QQ")
 _META_END = _PAGE_HDR.size + _META.size  # 152
 P_META = 0x08
@@ -141,8 +145,9 @@ class IndexDamaged(KvdError):
 def inspect_data_file(path: Path) -> str | None:
     """Why LMDB must not open `path` (a data.mdb), or None if it may.
 
-    Only reads the meta pages, with read(): a damaged file is never mapped.
-    A missing file is fine (LMDB creates it); an empty one is reported.
+    Reads the meta pages and, if the file ends before its last page, the
+    free list, with pread: a damaged file is never mapped. A missing file
+    is fine (LMDB creates it); an empty one is reported.
     """
     try:
         # Neither blocks (a FIFO under the name would hang open()) nor follows a symlink.
@@ -153,31 +158,89 @@ def inspect_data_file(path: Path) -> str | None:
         if exc.errno == errno.ELOOP:
             return "data.mdb is a symlink, not a regular file"
         raise
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            return f"data.mdb is not a regular file (mode {stat.filemode(st.st_mode)})"
-        size = st.st_size
-        if size == 0:
-            return "data.mdb is empty (0 bytes)"
-        metas = [_meta(f.read(_META_END), 0)]
-        if isinstance(metas[0], str):
-            return metas[0]
-        psize = metas[0]["psize"]
-        f.seek(psize)
-        metas.append(_meta(f.read(_META_END), 1))
+    try:
+        return _inspect(fd)
+    finally:
+        os.close(fd)
+
+
+def _inspect(fd: int) -> str | None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return f"data.mdb is not a regular file (mode {stat.filemode(st.st_mode)})"
+    size = st.st_size
+    if size == 0:
+        return "data.mdb is empty (0 bytes)"
+    metas = [_meta(os.pread(fd, _META_END, 0), 0)]
+    if isinstance(metas[0], str):
+        return metas[0]
+    psize = metas[0]["psize"]
+    metas.append(_meta(os.pread(fd, _META_END, psize), 1))
     if isinstance(metas[1], str):
         return metas[1]
     if metas[1]["psize"] not in (0, psize):
         return "the two meta pages disagree about the page size"
-    need = (max(m["last_pg"] for m in metas) + 1) * psize
-    if size < need:
-        return f"data.mdb is truncated: {size} bytes, its meta pages need {need}"
     for m in metas:
         for root in m["roots"]:
             if root != P_INVALID and root > m["last_pg"]:
                 return "a meta page points past the last page"
+    if size % psize:
+        return f"data.mdb is truncated: {size} bytes, not whole pages of {psize}"
+    # LMDB may end the file before its last page: pages a transaction took
+    # and gave back unwritten are listed free, never written, never read.
+    # Any other page past the end is one a read would fault on (SIGBUS).
+    newest = max(metas, key=lambda m: m["txnid"])
+    missing = range(size // psize, newest["last_pg"] + 1)
+    if missing:
+        free = free_pages(fd, newest["roots"][0], psize, size // psize)
+        if free is None or not free.issuperset(missing):
+            return f"data.mdb is truncated: {size} bytes, its meta pages need {(newest['last_pg'] + 1) * psize}"
     return None
+
+
+def free_pages(fd: int, root: int, psize: int, npages: int) -> set[int] | None:
+    """The pages LMDB's free list (the free DB rooted at page `root`) lists
+    as free, read with pread from the first `npages` pages of the file; None
+    if it cannot be read whole within them (a page past them, a cycle, a
+    node that does not fit its page)."""
+    free: set[int] = set()
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        pg = todo.pop()
+        if pg == P_INVALID:
+            continue
+        if pg >= npages or pg in seen:
+            return None
+        seen.add(pg)
+        page = os.pread(fd, psize, pg * psize)
+        _, _, flags, lower, _ = _PAGE_HDR.unpack_from(page, 0)
+        if not _PAGE_HDR.size <= lower <= psize or not flags & (P_BRANCH | P_LEAF):
+            return None
+        for i in range((lower - _PAGE_HDR.size) >> 1):
+            (off,) = _U16.unpack_from(page, _PAGE_HDR.size + 2 * i)
+            if off + _NODE.size > psize:
+                return None
+            lo, hi, nflags, ksize = _NODE.unpack_from(page, off)
+            if flags & P_BRANCH:
+                todo.append(lo | hi << 16 | nflags << 32)  # a branch node's child page number
+                continue
+            size, at = lo | hi << 16, off + _NODE.size + ksize
+            if nflags & F_BIGDATA:  # the list is on overflow pages of its own
+                if at + 8 > psize:
+                    return None
+                (first,) = _U64.unpack_from(page, at)
+                if first + -(-(size + _PAGE_HDR.size) // psize) > npages:
+                    return None
+                data = os.pread(fd, size, first * psize + _PAGE_HDR.size)
+            else:
+                data = page[at : at + size]
+            # An ID list: its count, then that many page numbers.
+            if len(data) != size or size < 8 or 8 * (_U64.unpack_from(data)[0] + 1) > size:
+                return None
+            count = _U64.unpack_from(data)[0]
+            free.update(struct.unpack_from(f"<{count}Q", data, 8))
+    return free
 
 
 def _meta(buf: bytes, i: int) -> dict | str:

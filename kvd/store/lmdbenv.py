@@ -11,10 +11,14 @@ The file under the map. LMDB keeps its data.mdb open and mapped: if the
 file is removed (`rm -rf` of its folder) commits go on, synced, into an
 inode nobody will ever open again; if it is cut short, the next read of a
 page past its end is a SIGBUS. Neither is reported by LMDB. So the
-environment remembers which file it opened (st_dev, st_ino), and
-`file_fault()` -- one stat -- says whether the path still names that file
-and whether it still holds every page in use; the SSD tier asks before it
-acknowledges a batch and on its writer's tick (ssd.py).
+environment remembers which file it opened (st_dev, st_ino) and the largest
+size it has seen it at, and `file_fault()` -- one stat -- says whether the
+path still names that file and whether it is as long as it was: LMDB never
+shrinks data.mdb, so a shorter one was cut by someone else. (Its last page
+number is no measure: the file may end before pages a transaction took and
+gave back unwritten, which are free and never read; heal.py's check at open
+reads the free list to tell those from pages cut away.) The SSD tier asks
+before it acknowledges a batch and on its writer's tick (ssd.py).
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ class Env:
         try:
             if not readonly:
                 self.env.reader_check()  # clear reader slots left by a killed process
-            self._file = _identity(os.stat(self.path / DATA_FILE))
-            self._page = self.env.stat()["psize"]
+            st = os.stat(self.path / DATA_FILE)
+            self._file, self._size = _identity(st), st.st_size  # the largest size seen
         except BaseException:
             self.env.close()
             raise
@@ -75,8 +79,8 @@ class Env:
 
     def file_fault(self) -> str | None:
         """Why the data.mdb at this environment's path is no longer the file
-        it maps (removed, replaced) or no longer holds every page in use (cut
-        short: a read there would be a SIGBUS); None while all is well. One
+        it maps (removed, replaced) or is shorter than it was (cut short: a
+        read past its end would be a SIGBUS); None while all is well. One
         stat. Call it from the thread that writes (or with none writing)."""
         try:
             st = os.stat(self.path / DATA_FILE)
@@ -86,9 +90,9 @@ class Env:
             return None  # the disk's own trouble: the writes that meet it say so
         if _identity(st) != self._file:
             return "was replaced by another file"
-        need = (self.env.info()["last_pgno"] + 1) * self._page
-        if st.st_size < need:
-            return f"was cut short ({st.st_size} bytes, {need} in use)"
+        if st.st_size < self._size:
+            return f"was cut short ({st.st_size} bytes, {self._size} before)"
+        self._size = st.st_size
         return None
 
     def retire(self, timeout: float = 10.0) -> None:
