@@ -140,6 +140,41 @@ def test_write_through_full_disk_is_not_persisted_never_a_false_ack(daemon_facto
         assert c.counters["put_not_stored"] == 1
 
 
+def test_a_gc_that_drops_a_waiting_write_through_put_answers_it_not_persisted(daemon_factory):
+    """Regression (a red-team find): `GC ns` took a write-through PUT's
+    entries out of the writer's queue and nobody told the PUT: it was never
+    answered, and its parked bytes refused every later PUT BUSY."""
+    import zmq
+
+    from kvd.protocol import codec
+
+    d = daemon_factory("--ram-mb", "512", "--write-through", "--pack-max-kb", "0")
+    blob = np.random.default_rng(0).bytes(256 << 10)
+    chunks = [{"index": i, "tensors": [codec.Tensor("k", "uint8", (len(blob),), blob)]} for i in range(200)]  # 50 MiB: the writer is still at it when the GC comes
+    tokens = np.arange(800, dtype="<u4").tobytes()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        # One DEALER, pipelined: the PUT is parked, then the GC is served.
+        sock.send_multipart(codec.encode("PUT", {"ns": "wt", "tokens": tokens, "chunk_tokens": 4, "chunks": chunks}, id=1))
+        sock.send_multipart(codec.encode("GC", {"ns": "wt"}, id=2))
+        replies = {}
+        while 1 not in replies:
+            assert sock.poll(30_000), f"no answer to the PUT; got {replies}"
+            reply = codec.decode_reply(sock.recv_multipart())
+            replies[reply.id] = reply
+    finally:
+        sock.close()
+    assert replies[2].type == "GC" and replies[2].fields["entries"] > 0
+    assert replies[1].type == "ERROR" and replies[1].fields["name"] == "NOT_PERSISTED", replies[1]
+    with d.client("other", strict=True) as c:
+        st = c.stats()["write_through"]
+        assert (st["waiting"], st["waiting_bytes"], st["not_persisted"]) == (0, 0, 1), st
+        s = _seq(9)
+        assert c.put(s, prefix_snapshot(s))
+
+
 def test_clean_stop_right_after_a_forced_spill_loses_nothing(daemon_factory):
     """store(wait) of 8 chunks, gc(ram_bytes=0), SIGTERM at once, restart:
     every acknowledged chunk is there. (Issue: 2 of 15 runs lost one.)"""

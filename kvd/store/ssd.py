@@ -1312,6 +1312,10 @@ class SsdStore(Store):
                     queued = self.queue.pending_where(pick)
                 else:
                     queued = self.queue.remove_where(pick)
+                    if queued and self.on_settled is not None:
+                        # Never to be written: a write-through PUT waiting for
+                        # them is answered NOT_PERSISTED, not left parked.
+                        self.on_settled([(e.id, False) for e in queued], "dropped by gc before it was written")
             qbytes = sum(e.nbytes for e in queued)
             if ids is not None:
                 ids.extend(victims)
