@@ -274,7 +274,7 @@ def test_parking_bounds_settles_and_never_acknowledges_what_failed():
     p = Parking(max_bytes=100, max_per_peer=2)
     assert p.admit(b"a", 500) is None  # over the bound, but alone: admitted
     p.park(b"a", 1, {"stored": 2}, [b"x", b"y"], 500)
-    assert "MiB of PUTs are waiting" in p.admit(b"b", 1)  # anything more is refused
+    assert "MiB of PUTs are not on disk yet" in p.admit(b"b", 1)  # anything more is refused
     assert p.settle([(b"x", True)], lambda eid: False) == []  # still waiting for y
     (done,) = p.settle([(b"y", True)], lambda eid: False)
     assert (done.peer, done.msg_id, done.failed) == (b"a", 1, [])

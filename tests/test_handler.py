@@ -13,6 +13,7 @@ from kvd.protocol.errors import BadField
 from kvd.protocol.limits import Limits
 from kvd.server.handler import Handler
 from kvd.store import RamStore
+from kvd.store.base import CHUNK, entry_id
 
 
 class SlowStore(RamStore):
@@ -156,3 +157,19 @@ def test_counters_are_kept_for_the_most_recently_used_namespaces_only():
             ask("kept")  # used now and then: never the oldest
     assert len(h.ns_counters) == _MAX_NS_COUNTERS
     assert "ns0" not in h.ns_counters and h.ns_counters["kept"]["lookups"] == 6
+
+
+def test_a_page_past_the_served_prefix_is_a_miss_and_one_at_its_end_carries_nothing():
+    """A reply carries at least one chunk, unless the prefix now ends at the
+    page's start (`n = end = start`); a start past it is a miss (red-team find:
+    `{n: 10, end: 400, chunks: []}` had been answered)."""
+    h = Handler(RamStore(1 << 30), Limits())
+    toks = np.arange(10)
+    h.handle(put_msg(toks, 4))
+    for start, cap in ((400, None), (2**64 - 4, None), (4, 2), (12, None)):
+        assert h.handle(get_msg(toks, 4, start=start, max_tokens=cap))[1] == {"n": 0, "end": 0, "chunks": []}
+    page = h.handle(get_msg(toks, 4, start=8))[1]
+    assert (page["n"], page["end"], [c["start"] for c in page["chunks"]]) == (10, 10, [8])
+    # The chunk at 8 lost since the first page: the prefix ends at 8.
+    h.store.evict_entry(entry_id(keys.chain("n", 4, keys.token_bytes(toks))[2], CHUNK), "test")
+    assert h.handle(get_msg(toks, 4, start=8))[1] == {"n": 8, "end": 8, "chunks": []}

@@ -23,11 +23,11 @@ import pytest
 import zmq
 
 from kvd.protocol import codec
-from kvd.protocol.errors import BadField
+from kvd.protocol.errors import BACKLOG_FULL, BadField
 from kvd.protocol.shm import parse_segment_name
 from kvd.server import shm as shm_server
 from kvd.server.shm import plane_dirs, plane_prefix
-from kvd_client import Client
+from kvd_client import Busy, Client
 from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -438,3 +438,30 @@ def test_arena_reserves_pages_once_and_again_after_giving_them_back():
         for p in folder.iterdir():
             p.unlink()
         folder.rmdir()
+
+
+def test_write_through_grants_count_against_dirty_max_mb(daemon_factory):
+    """Regression (a red-team find): a write-through COMMIT was charged its
+    ~100-byte header, so six 16 MiB shared-memory PUTs waited for the disk at
+    once under `dirty_max_mb` 8. A SLOTS now counts what the grants awaiting
+    their COMMIT and the PUTs waiting hold; its COMMIT is then never refused."""
+    d = daemon_factory("--ram-mb", "256", "--write-through", "--pack-max-kb", "0", "--dirty-max-mb", "8")
+    with d.client("wt", strict=True) as c:
+        link = c._link()
+        spec = [codec.Tensor("k", "uint8", (6 << 20,), None)]
+
+        def slots(i):
+            return c._transport.request("SLOTS", {**c._seq(np.arange(4) + 10 * i), "shm": link.field(),
+                                                  "chunks": [{"index": 0, "tensors": spec}]}, 5)
+
+        first = slots(0)
+        assert _shm_stats(c)["granted_bytes"] >= 6 << 20
+        with pytest.raises(Busy) as refused:
+            slots(1)  # 6 MiB granted + 6 MiB more > 8 MiB
+        assert BACKLOG_FULL in str(refused.value)
+        view = link.view(first["chunks"][0][0])
+        view[:] = b"\x05" * len(view)
+        done = c._transport.request("COMMIT", {"lease": first["lease"], "shm": link.field()}, 10)
+        assert done["stored"] == 1
+        assert _shm_stats(c)["granted_bytes"] == 0 and c.stats()["write_through"]["waiting_bytes"] == 0
+        slots(1)  # room again

@@ -47,6 +47,7 @@ import zmq
 
 from kvd.protocol import codec
 from kvd.protocol import errors as E
+from kvd.protocol.codec import Message
 from kvd.protocol.limits import Limits
 from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_keys_dir, is_tcp, server_keys
 from kvd.server.handler import Deferred, Handler, ShutdownRequested
@@ -502,9 +503,11 @@ class Daemon:
             self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
             return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
-            if msg.type in ("PUT", "COMMIT") and self.write_through:
-                why = self.parking.admit(identity, sum(len(f) for f in frames))
-                if why is not None:
+            nbytes = 0
+            if msg.type in ("PUT", "SLOTS", "COMMIT") and self.write_through:
+                nbytes = self._waiting_bytes(msg, frames)
+                # A COMMIT's bytes were admitted with its SLOTS (and are in the arena by now).
+                if msg.type != "COMMIT" and (why := self._admit_waiting(identity, msg, nbytes)) is not None:
                     raise E.Busy(f"write-through: {why}; retry later")
             if msg.type in ("PUT", "SLOTS") and not self.write_through and self._refuse_put is not None:
                 # A shared-memory PUT is refused at SLOTS, before it takes arena
@@ -513,7 +516,7 @@ class Daemon:
                     raise E.Busy(f"write-back: {why}; retry later")
             rtype, fields = self.handler.handle(msg)
             if isinstance(fields, Deferred):
-                self.parking.park(identity, msg.id, fields.fields, fields.eids, sum(len(f) for f in frames), rtype)
+                self.parking.park(identity, msg.id, fields.fields, fields.eids, nbytes, rtype)
                 return None, False, msg.type
             reply = codec.encode(rtype, fields, id=msg.id)
         except ShutdownRequested:
@@ -531,6 +534,27 @@ class Daemon:
             log.exception("internal error type=%s id=%d", msg.type, msg.id)
             reply = codec.encode_error(err, id=msg.id)
         return reply, shutdown, msg.type
+
+    def _waiting_bytes(self, msg: Message, frames: list) -> int:
+        """What a write-through PUT holds while it waits for the disk: its
+        frames, or the slots a SLOTS asks for and its COMMIT filled."""
+        shm = self.handler.shm
+        if msg.type == "SLOTS":
+            if shm is None:
+                return 0  # refused as it is served
+            from kvd.server.shm import asked_bytes
+
+            return asked_bytes(msg)
+        if msg.type == "COMMIT":
+            return sum(len(f) for f in frames) + (shm.lease_bytes(msg["lease"]) if shm is not None else 0)
+        return sum(len(f) for f in frames)
+
+    def _admit_waiting(self, identity: bytes, msg: Message, nbytes: int) -> str | None:
+        """Why a write-through PUT or SLOTS may not wait for the disk now, or
+        None: `dirty_max_mb` bounds the PUTs waiting and the grants that will
+        be such PUTs once committed."""
+        granted = self.handler.shm.granted_bytes if self.handler.shm is not None else 0
+        return self.parking.admit(identity, nbytes, reserved=granted)
 
     def _busy(self, request: list, why: str) -> list:
         err = E.Busy(f"{why}, or retry later")

@@ -183,7 +183,9 @@ class Handler:
         if start == 0:
             c["hits" if n else "misses"] += 1
             c["tokens_served"] += n
-        if not n:
+        if not n or (not chunks and n != start):
+            # (A page with no chunks says only that the prefix ends at `start`:
+            # entries lost since the earlier pages. Past its end, a miss.)
             return "GET", {"n": 0, "end": 0, "chunks": []}
         end = chunks[-1].end if chunks else start
         reply: dict[str, Any] = {

@@ -35,6 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvd.protocol.errors import BACKLOG_FULL
+
 
 @dataclass(eq=False)
 class Parked:
@@ -64,14 +66,16 @@ class Parking:
     def __len__(self) -> int:
         return self._count
 
-    def admit(self, peer: bytes, nbytes: int) -> str | None:
-        """None if a PUT of `nbytes` from `peer` may park; else why not."""
+    def admit(self, peer: bytes, nbytes: int, *, reserved: int = 0) -> str | None:
+        """None if a PUT of `nbytes` from `peer` may park, besides `reserved`
+        bytes of PUTs on their way (shared-memory grants); else why not. The
+        reason says BACKLOG_FULL: a client need not send that PUT over frames."""
         if self._per_peer.get(peer, 0) >= self.max_per_peer:
             self.counters["refused"] += 1
-            return f"this client already has {self.max_per_peer} PUTs waiting for the disk"
-        if self._count and self.bytes + nbytes > self.max_bytes:
+            return f"this client already has {self.max_per_peer} PUTs {BACKLOG_FULL}"
+        if (self._count or reserved) and self.bytes + reserved + nbytes > self.max_bytes:
             self.counters["refused"] += 1
-            return f"{self.bytes >> 20} MiB of PUTs are waiting for the disk (dirty_max_mb is {self.max_bytes >> 20})"
+            return f"{(self.bytes + reserved) >> 20} MiB of PUTs are {BACKLOG_FULL} (dirty_max_mb is {self.max_bytes >> 20})"
         return None
 
     def park(

@@ -134,6 +134,23 @@ _PER_TENSOR = 640
 _PER_SPAN = 512  # a media span: its map, two ints and a 32-byte hash
 
 
+def _specs(msg: Message) -> list:
+    """A SLOTS request's tensors, a list per chunk and one for its boundary state."""
+    specs = [c["tensors"] for c in msg["chunks"]]
+    if msg.get("boundary") is not None:
+        specs.append(msg["boundary"]["tensors"])
+    return specs
+
+
+def _sizes(specs: list) -> list[list[int]]:
+    return [[math.prod(t.shape) * dtypes.itemsize(t.dtype) for t in ts] for ts in specs]
+
+
+def asked_bytes(msg: Message) -> int:
+    """The slot bytes a SLOTS request asks for (what its PUT will store)."""
+    return sum(align_up(n) for ns in _sizes(_specs(msg)) for n in ns)
+
+
 def _held_bytes(msg: Message, meta_bytes: int) -> int:
     """What a grant's pending PUT keeps in memory until COMMIT or expiry (an estimate
     that errs high): tokens, media, ns_meta (`meta_bytes`: it is kept packed), and
@@ -628,6 +645,7 @@ class ShmPlane:
         self._pending: dict[int, Message] = {}  # write lease -> the PUT it will commit
         self._pending_cost: dict[int, int] = {}  # write lease -> what its PUT holds (_held_bytes)
         self.pending_bytes = 0
+        self.granted_bytes = 0  # slot bytes of the grants awaiting COMMIT
         self.max_pending, self.max_pending_bytes = max_pending, max_pending_bytes
         self.max_read_leases = max_read_leases
         self.counters = {"gets": 0, "refused": 0, "grants": 0, "commits": 0, "expired": 0, "released": 0,
@@ -693,9 +711,10 @@ class ShmPlane:
 
     def _forget(self, lid: int) -> None:
         """Let go of what a lease the table no longer has kept alive."""
-        self._held.pop(lid, None)
+        slots = self._held.pop(lid, None)
         if self._pending.pop(lid, None) is not None:
             self.pending_bytes -= self._pending_cost.pop(lid)
+            self.granted_bytes -= sum(slot.size for slot in slots or ())
 
     def _lease(self, slots: list[Slot], *, write: bool) -> int:
         sids = [s.sid for s in slots]
@@ -787,12 +806,10 @@ class ShmPlane:
     def grant(self, msg: Message, max_bytes: int) -> dict[str, Any]:
         """Write slots for a PUT's tensors, under a write lease. BUSY past the
         bound on grants awaiting COMMIT (module docstring, rule 3)."""
-        specs = [c["tensors"] for c in msg["chunks"]]
-        if msg.get("boundary") is not None:
-            specs.append(msg["boundary"]["tensors"])
+        specs = _specs(msg)
         if not specs:
             raise BadField("SLOTS without chunks or boundary places nothing; send a PUT")
-        sizes = [[math.prod(t.shape) * dtypes.itemsize(t.dtype) for t in ts] for ts in specs]
+        sizes = _sizes(specs)
         total = sum(align_up(n) for ns in sizes for n in ns)
         if total > max_bytes:
             raise BadField(f"SLOTS asks for {total} bytes; one request may cover {max_bytes}")
@@ -833,12 +850,19 @@ class ShmPlane:
         self._pending[lid] = Message("PUT", fields, msg.id)
         self._pending_cost[lid] = cost
         self.pending_bytes += cost
+        self.granted_bytes += sum(slot.size for slot in slots)
         self.counters["grants"] += 1
         reply: dict[str, Any] = {"lease": lid, "run": self.run_id, "lease_s": self.leases.lease_seconds,
                                  "chunks": out[:len(msg["chunks"])], "segments": self.arena.live()}
         if msg.get("boundary") is not None:
             reply["boundary"] = out[-1]
         return reply
+
+    def lease_bytes(self, lease_id: Any) -> int:
+        """The bytes of a live write lease's slots (0 if it is not one): what its PUT stores."""
+        if not isinstance(lease_id, int) or lease_id not in self._pending:
+            return 0
+        return sum(slot.size for slot in self._held[lease_id])
 
     def commit(self, lease_id: int) -> Message:
         """The PUT a live write lease was granted for, its slots now written.
@@ -858,6 +882,7 @@ class ShmPlane:
     def stats(self) -> dict[str, Any]:
         return {"run": self.run_id, "dir": str(self.folder), "lease_s": self.leases.lease_seconds,
                 "leases": len(self._held), "pending": len(self._pending), "pending_bytes": self.pending_bytes,
+                "granted_bytes": self.granted_bytes,
                 **self.arena.stats(), **self.counters}
 
     def close(self) -> None:
@@ -865,7 +890,7 @@ class ShmPlane:
         self._held.clear()
         self._pending.clear()
         self._pending_cost.clear()
-        self.pending_bytes = 0
+        self.pending_bytes = self.granted_bytes = 0
         self.arena.unlink()
         try:
             os.unlink(self.folder / NONCE_FILE)
