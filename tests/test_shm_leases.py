@@ -284,11 +284,11 @@ def test_a_writer_late_past_its_lease_never_writes_over_another_entry(plane):
 def test_a_lost_grant_hands_its_pages_back_and_its_segment_goes_with_its_last_entry(plane):
     """One expired grant of a whole segment next to a tiny live entry, in
     every segment (red-team: 33 segments retired whole for 2 KiB of live
-    entries held 132 MiB of pages). The lost ranges' pages are handed back at
-    once; the ranges still count against the arena's capacity (a late writer
-    may fault them in again, and each segment costs descriptors: not counting
-    them let segments, and fds, grow without bound), and a segment goes as
-    soon as nothing but lost ranges is left in it."""
+    entries held 132 MiB of pages; then, with the lost ranges counted against
+    the capacity, the plane refused every SLOTS while those 2 KiB lived). The
+    lost ranges' pages are handed back at once and their segment drains:
+    nothing more is allocated in it, it counts only its live bytes, and it
+    goes with its last entry. Segments (a descriptor each) stay bounded."""
     import os as _os
 
     clock = FakeClock(0.0)
@@ -306,14 +306,33 @@ def test_a_lost_grant_hands_its_pages_back_and_its_segment_goes_with_its_last_en
     p.expire()
     s = p.stats()
     assert s["lost_slots"] == len(live) and s["lost_bytes"] == len(live) * (seg_bytes - 64)
-    assert s["segments"] == len(live)  # each kept by its live entry
+    assert s["segments"] == s["draining_segments"] == len(live)  # each kept by its live entry
     held = sum(_os.fstat(fd).st_blocks * 512 for fd in p.arena._fds if fd >= 0)
     assert held <= len(live) * 2 * 4096  # the lost pages went back: a page or two per live entry remain
-    assert p.arena.alloc(seg_bytes // 2) is None  # lost ranges still count
+    draining = set(p.arena.live())
+    fresh = p.arena.alloc(seg_bytes // 2)  # the capacity is there: 64 live entries of 64 bytes use it
+    assert fresh is not None and fresh.slot.seg not in draining
+    assert p.arena.alloc(64).slot.seg == fresh.slot.seg  # nothing more lands in a draining segment
     seg = live[0].slot.seg
     del live[0]
     assert seg not in p.arena.live() and p.stats()["lost_bytes"] == len(live) * (seg_bytes - 64)
-    assert p.arena.alloc(seg_bytes // 2) is not None  # its room is back
+    # Segments stay bounded whatever is lost: about twice what the capacity holds.
+    more = []
+    while True:
+        big = _slots()
+        big["chunks"][0]["tensors"] = [codec.Tensor("k", "uint8", (seg_bytes - 64,), None)]
+        try:
+            p.grant(big, 1 << 30)
+        except Busy:
+            break
+        tiny = p.arena.alloc(64)
+        if tiny is None:
+            break
+        more.append(tiny)
+        clock.advance(101)
+        p.expire()
+        assert len(more) < 1000
+    assert len(p.arena.live()) == 2 * (p.arena.capacity // seg_bytes) + 8  # the bound, reached
 
 
 def test_lease_ids_name_no_other_lease_by_counting(plane):

@@ -53,7 +53,9 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
    that ends uncommitted loses its slots (`Arena.lose`): their ranges are
    never allocated again, since a writer stopped mid-copy (SIGSTOP, swapped
    out) writes on when it resumes, past any deadline; their pages are handed
-   back at once, and the segment goes when nothing but lost ranges is left.
+   back at once. Their segment then drains: nothing more is allocated in it,
+   its free pages are handed back too, it counts against the arena's capacity
+   only by its live slots, and it goes with the last of them.
 4. At start the folders killed predecessors on this endpoint left are
    swept (`sweep_plane_dirs`: our own user's only) and a fresh one is made;
    at a clean stop this run's segments, nonce and folder are removed.
@@ -214,6 +216,11 @@ class Arena:
         # ended uncommitted, and its writer may still be writing (`lose`).
         self._seg_lost: list[int] = []
         self.lost_bytes = 0
+        # Segments holding lost ranges: nothing more is allocated in them (their
+        # free pages are handed back), and each goes once its live slots do. So
+        # a few small entries beside lost ranges never pin whole segments of
+        # capacity: a draining segment counts only its live bytes (`_grow`).
+        self._draining: set[int] = set()
         self._sids = 0
         self._reserve_failures = 0
         self.used = 0
@@ -282,9 +289,13 @@ class Arena:
 
     def _grow(self, size: int) -> tuple[int, int] | None:
         seg_size = max(self.segment_bytes, size)
-        # Lost ranges count: their pages were handed back, but a late writer
-        # may fault them in again, and each segment costs descriptors.
-        if sum(self._sizes) + seg_size > self.capacity or len(self._maps) >= _MAX_SEGMENTS:
+        # Draining segments count their live slots only: their other pages were
+        # handed back (a late writer faulting lost ones in again pays for them
+        # itself). Each segment costs a descriptor: at most about twice as many
+        # as the capacity holds, draining ones included.
+        held = sum(self._seg_used[seg] if seg in self._draining else n for seg, n in enumerate(self._sizes))
+        if (held + seg_size > self.capacity or len(self._maps) >= _MAX_SEGMENTS
+                or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
             return None
         seg = len(self._maps)
         name = segment_name(self.run_id, seg)
@@ -385,22 +396,29 @@ class Arena:
             self.lost_bytes += size
             self._punch(seg, off, size)
             self.counters["lost_slots"] += 1
+            if seg not in self._draining:
+                self._draining.add(seg)
+                for start, n in self._space.ranges(seg):
+                    self._punch(seg, start, n)
+                self._space.drop(seg)
+        elif seg in self._draining:
+            self._punch(seg, off, size)  # never allocated again either: the segment drains
         elif self._space.give(seg, off, size) == (0, self._sizes[seg]) and self._spare() > self.keep_free():
             self._remove(seg)  # all free, and more than enough is kept warm elsewhere
             return
-        if self._seg_lost[seg] and not self._seg_used[seg]:
-            self._remove(seg)  # nothing but lost ranges and free ones: its late writer writes to memory no one reads
+        if seg in self._draining and not self._seg_used[seg]:
+            self._remove(seg)  # nothing live left: its late writer writes to memory no one reads
 
     def _spare(self) -> int:
-        """Free bytes in the segments (lost ranges are not)."""
-        return sum(self._sizes) - self.used - self.lost_bytes
+        """Free bytes in the segments that allocate (not draining ones)."""
+        return sum(n - self._seg_used[seg] for seg, n in enumerate(self._sizes) if seg not in self._draining)
 
     def lose(self, slots) -> None:
         """Allocate these slots' ranges never again: they were granted to a
         writer whose lease ended before it committed, and a writer stopped
         mid-copy (SIGSTOP, swapped out) writes on when it resumes, into
         whatever the range would hold by then. Their pages are handed back
-        when the slots are freed; the rest of each segment stays in use."""
+        when the slots are freed, and their segment drains (`_draining`)."""
         for slot in slots:
             slot.lost = True
 
@@ -409,6 +427,7 @@ class Arena:
         mm, self._maps[seg] = self._maps[seg], None
         self.lost_bytes -= self._seg_lost[seg]
         self._seg_lost[seg] = 0
+        self._draining.discard(seg)
         self._sizes[seg], self._reserved[seg] = 0, bytearray()
         self._space.drop(seg)
         _unlink(self.folder / segment_name(self.run_id, seg))
@@ -449,7 +468,8 @@ class Arena:
 
     def stats(self) -> dict[str, Any]:
         return {"segments": len(self.live()), "mapped_bytes": sum(self._sizes), "used_bytes": self.used,
-                "capacity_bytes": self.capacity, "lost_bytes": self.lost_bytes, **self.counters}
+                "capacity_bytes": self.capacity, "lost_bytes": self.lost_bytes,
+                "draining_segments": len(self._draining), **self.counters}
 
     def unlink(self) -> None:
         """Remove this run's segment names (mappings stay valid until unmapped)."""
