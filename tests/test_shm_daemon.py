@@ -465,3 +465,18 @@ def test_write_through_grants_count_against_dirty_max_mb(daemon_factory):
         assert done["stored"] == 1
         assert _shm_stats(c)["granted_bytes"] == 0 and c.stats()["write_through"]["waiting_bytes"] == 0
         slots(1)  # room again
+
+
+def test_slots_that_its_put_would_refuse_are_refused_before_any_slot_is_granted(kvd_daemon):
+    """A SLOTS whose PUT the COMMIT would refuse (a chunk past the sequence's
+    last, a boundary with no token) is BAD_FIELD at once: it had been granted,
+    holding its slots until its lease ended (red-team find)."""
+    with kvd_daemon.client("slots", strict=True) as c:
+        link = c._link()
+        spec = [codec.Tensor("k", "uint8", (1 << 20,), None)]
+        for bad in ({**c._seq(np.arange(300)), "chunks": [{"index": 5, "tensors": spec}]},
+                    {**c._seq(np.arange(0)), "chunks": [], "boundary": {"tensors": spec}}):
+            with pytest.raises(BadField):
+                c._transport.request("SLOTS", {**bad, "shm": link.field()}, 5)
+        s = _shm_stats(c)
+        assert (s["leases"], s["pending"], s["granted_bytes"], s["used_bytes"]) == (0, 0, 0, 0), s

@@ -279,7 +279,9 @@ class Handler:
             size -= _reply_bytes(page.pop())
         return page, None
 
-    def on_put(self, msg: Message):
+    def _put_chain(self, msg: Message) -> list[bytes]:
+        """A PUT's (or SLOTS's) chain keys, once every check it gets before
+        anything is stored has passed (BadField otherwise)."""
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
         n_tokens = len(tokens_le) // 4
         if -(-n_tokens // ct) > self.limits.max_chunks:
@@ -288,13 +290,19 @@ class Handler:
                 f"{self.limits.max_chunks} (use a larger chunk_tokens or a shorter sequence)"
             )
         chain = self.chains.chain(ns, ct, tokens_le, _media(msg))
-        # Everything checked before anything is stored: a PUT refused leaves the store as it was.
         for chunk in msg["chunks"]:
             if chunk["index"] >= len(chain):
                 raise BadField(f"chunk index {chunk['index']} is past the last chunk ({len(chain) - 1}) of {n_tokens} tokens")
-        boundary = msg.get("boundary")
-        if boundary is not None and not chain:
+        if msg.get("boundary") is not None and not chain:
             raise BadField("boundary state needs at least one token")
+        return chain
+
+    def on_put(self, msg: Message):
+        ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
+        n_tokens = len(tokens_le) // 4
+        # Everything checked before anything is stored: a PUT refused leaves the store as it was.
+        chain = self._put_chain(msg)
+        boundary = msg.get("boundary")
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
         held: list[Entry] = []  # stored or already there: write-through waits for them
@@ -344,7 +352,11 @@ class Handler:
         return self.shm
 
     def on_slots(self, msg: Message):
-        return "SLOTS", self._shm_admitted(msg).grant(msg, self.limits.max_message_bytes)
+        plane = self._shm_admitted(msg)
+        # Refused now, as its PUT would be at COMMIT: a grant never committed
+        # holds its slots until its lease ends, and then drains its segment.
+        self._put_chain(msg)
+        return "SLOTS", plane.grant(msg, self.limits.max_message_bytes)
 
     def on_commit(self, msg: Message):
         put = self._shm_admitted(msg).commit(msg["lease"])
