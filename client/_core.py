@@ -479,7 +479,12 @@ class Core:
             self.counters["put_gap"] += 1
         if not todo and not want_boundary:
             self.counters["put_deduplicated"] += 1
-            return not gap
+            if gap:
+                return False
+            # Held, but perhaps only on its way to the disk (another client's
+            # PUT, not answered yet): a write-through daemon's answer to a PUT
+            # of no chunks says when the whole sequence is there.
+            return self._confirm_durable(seq, background) if self._write_through(background) else True
         limits = self.limits(background=background)
         link = self._link(background=background)
         budget = max(1, limits.max_message_bytes - _HEADER_SLACK)
@@ -504,6 +509,19 @@ class Core:
         ok &= not gap
         self.counters["put_ok" if ok else "put_not_stored"] += 1
         return ok
+
+    def _write_through(self, background: bool) -> bool:
+        """Does the daemon answer a PUT only once it is on disk (HELLO `features`)?"""
+        if self._features is None and self._hello_call(background=background) is None:
+            return False
+        return "write_through" in (self._features or ())
+
+    def _confirm_durable(self, seq: dict[str, Any], background: bool) -> bool:
+        """A PUT of no chunks: a write-through daemon answers it once every
+        chunk of the sequence it holds is on disk (NOT_PERSISTED if one cannot be)."""
+        fields = {**seq, "chunks": [], "boundary": None, "ns_meta": _explain.components_for(self.namespace)}
+        reply = self._call("PUT", fields, background=background)
+        return reply is not None and reply["too_big"] == 0 and reply["dropped"] == 0
 
     def _send_put(self, seq: dict[str, Any], chunks: list[dict[str, Any]], boundary, background: bool,
                   link: _shm.Link | None = None) -> bool:

@@ -175,6 +175,22 @@ def test_a_gc_that_drops_a_waiting_write_through_put_answers_it_not_persisted(da
         assert c.put(s, prefix_snapshot(s))
 
 
+@pytest.mark.parametrize("write_through", [True, False])
+def test_a_put_of_held_chunks_asks_a_write_through_daemon_to_confirm_them(daemon_factory, write_through):
+    """Every chunk held, a client sends nothing -- but held may mean "in RAM,
+    on its way to the disk" (another client's PUT): to a write-through daemon
+    (HELLO `features`) it sends a PUT of no chunks, answered once all of them
+    are on disk (tests/test_handler.py shows the wait). Write-back: nothing."""
+    d = daemon_factory("--ram-mb", "64", *(["--write-through"] if write_through else []))
+    s = _seq(11)
+    with d.client("held", strict=True) as a, d.client("held", strict=True) as b:
+        assert a.put(s, prefix_snapshot(s))
+        before = b.stats()["server"]["requests"].get("PUT", 0)
+        assert b.put(s, prefix_snapshot(s))
+        assert b.counters["put_deduplicated"] == 1 and b.counters["chunks_sent"] == 0
+        assert b.stats()["server"]["requests"].get("PUT", 0) - before == (1 if write_through else 0)
+
+
 def test_clean_stop_right_after_a_forced_spill_loses_nothing(daemon_factory):
     """store(wait) of 8 chunks, gc(ram_bytes=0), SIGTERM at once, restart:
     every acknowledged chunk is there. (Issue: 2 of 15 runs lost one.)"""

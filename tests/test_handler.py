@@ -173,3 +173,43 @@ def test_a_page_past_the_served_prefix_is_a_miss_and_one_at_its_end_carries_noth
     # The chunk at 8 lost since the first page: the prefix ends at 8.
     h.store.evict_entry(entry_id(keys.chain("n", 4, keys.token_bytes(toks))[2], CHUNK), "test")
     assert h.handle(get_msg(toks, 4, start=8))[1] == {"n": 8, "end": 8, "chunks": []}
+
+
+def test_a_write_through_put_is_answered_once_its_whole_sequence_is_on_disk(tmp_path):
+    """Regression (a red-team find): a client skips the chunks a LOOKUP says are
+    held. Held in RAM on their way to the disk (another client's PUT, not yet
+    answered), its PUT of no chunks was acknowledged at once, and a kill -9
+    then lost what it was told was durable. Now it waits for them as for its own."""
+    import threading
+
+    from kvd.server.handler import Deferred
+    from kvd.store.tiered import open_store
+
+    store = open_store(64 << 20, tmp_path, ssd_bytes=64 << 20, write_through=True, min_free_bytes=0)
+    try:
+        h = Handler(store, Limits())
+        gate = threading.Event()
+        store.ssd.writer.submit(gate.wait)  # the real writer, busy: PUTs stay on their way to the disk
+        toks = np.arange(12)
+        first = h.handle(put_msg(toks, 4))[1]
+        assert isinstance(first, Deferred)
+        skipped = Message("PUT", {**put_msg(toks, 4).fields, "chunks": []})
+        second = h.handle(skipped)[1]
+        assert isinstance(second, Deferred) and set(second.eids) == set(first.eids), second
+        gate.set()
+        assert store.flush(10)
+        assert h.handle(skipped)[1] == {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}  # on disk now
+    finally:
+        store.close()
+
+
+def test_a_ram_only_write_through_daemon_never_acknowledges_a_put_of_held_chunks():
+    from kvd.protocol.errors import NotPersisted
+    from kvd.store.ramonly import RamOnly
+
+    h = Handler(RamOnly(64 << 20, "/nonexistent", "test", write_through=True), Limits())
+    toks = np.arange(12)
+    with pytest.raises(NotPersisted):
+        h.handle(put_msg(toks, 4))
+    with pytest.raises(NotPersisted):
+        h.handle(Message("PUT", {**put_msg(toks, 4).fields, "chunks": []}))

@@ -102,6 +102,7 @@ class Handler:
         self.evictions = EvictionRecord()
         self.evictions.attach(store)
         self.sequences = SequenceRecord()  # for EXPLAIN: recent token ids and namespace metadata
+        self.write_through = bool(getattr(store, "write_through", False))  # a PUT's answer means "on disk"
         self.chains = Chains()  # recent sequences' keys: LOOKUP, GET pages and PUT of a prompt hash it once
         # Sections other parts of the daemon add to STATS (memory pressure,
         # quotas): name -> callable returning a map, run under the daemon's lock.
@@ -142,7 +143,8 @@ class Handler:
             "server": f"kvd/{__version__}",
             "limits": self.limits.to_wire(),
             "chunk_tokens": self.chunk_tokens,
-            "features": list(FEATURES) + (["shm"] if self.shm is not None else []),
+            "features": list(FEATURES) + (["shm"] if self.shm is not None else [])
+            + (["write_through"] if self.write_through else []),
         }
         if self.shm is not None:
             reply["shm"] = self.shm.offer()
@@ -336,7 +338,15 @@ class Handler:
         c["chunks_duplicate"] += counts["duplicate"]
         c["chunks_too_big"] += counts["too_big"]
         c["chunks_dropped"] += counts["dropped"]
-        pending, failed = self.store.persist(held)
+        # Write-through: the answer covers the whole sequence, chunks this PUT
+        # did not carry too (its client skipped what a LOOKUP said is held:
+        # perhaps another PUT's, still on its way to the disk).
+        also: list[bytes] = []
+        if self.write_through and chain:
+            carried = {e.id for e in held}
+            also = [entry_id(key, CHUNK) for key in chain] + [entry_id(chain[-1], BOUNDARY)]
+            also = [eid for eid in also if eid not in carried]
+        pending, failed = self.store.persist(held, also)
         if failed:
             raise NotPersisted(f"{len(failed)} entries could not be queued for the disk; the PUT is not acknowledged")
         if pending:

@@ -138,10 +138,12 @@ class Store(abc.ABC):
         Returns (files, bytes). A tier with nothing on disk has none."""
         return 0, 0
 
-    def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
+    def persist(self, entries: Iterable[Entry], also: Iterable[bytes] = ()) -> tuple[list[bytes], list[bytes]]:
         """Write-through: (ids of `entries` still being written to disk, ids
-        that cannot be); the others are on disk. A tier that is not
-        write-through, or has no disk, has nothing to wait for."""
+        that cannot be); the others are on disk. `also`: ids of the same
+        sequence the PUT did not carry (a client skips what a LOOKUP said is
+        held), waited for alike if held but not on disk yet. A tier that is
+        not write-through, or has no disk, has nothing to wait for."""
         return [], []
 
     def queued(self, eid: bytes) -> bool:

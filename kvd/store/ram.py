@@ -89,6 +89,10 @@ class RamStore(Store):
     def contains(self, eid: bytes) -> bool:
         return eid in self._entries
 
+    def peek(self, eid: bytes) -> Entry | None:
+        """The entry, if held, as it is: not counted as a use."""
+        return self._entries.get(eid)
+
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         return list(map(self._entries.__contains__, eids))
 

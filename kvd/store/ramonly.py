@@ -28,10 +28,10 @@ class RamOnly(RamStore):
         # the same, and served), never acknowledged as durable.
         self.write_through = write_through
 
-    def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
+    def persist(self, entries: Iterable[Entry], also: Iterable[bytes] = ()) -> tuple[list[bytes], list[bytes]]:
         if not self.write_through:
             return [], []
-        return [], [e.id for e in entries]
+        return [], [e.id for e in entries] + [eid for eid in also if self.contains(eid)]
 
     def stats(self) -> dict[str, Any]:
         st = super().stats()

@@ -826,8 +826,8 @@ class WithRemote(Store):
     # Durability is the local tiers' (Store's defaults would answer "nothing to
     # wait for": a write-through PUT acknowledged before its fsync, and a
     # write-back backlog that `tick` never fed to the writer).
-    def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
-        return self.local.persist(entries)
+    def persist(self, entries: Iterable[Entry], also: Iterable[bytes] = ()) -> tuple[list[bytes], list[bytes]]:
+        return self.local.persist(entries, also)
 
     def queued(self, eid: bytes) -> bool:
         return self.local.queued(eid)

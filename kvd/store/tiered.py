@@ -169,15 +169,20 @@ class TieredStore(Store):
         self.counters["backlog_refusals"] += 1
         return f"{dirty >> 20} MiB stored are {BACKLOG_FULL} (dirty_max_mb is {queue.max_bytes >> 20}): the disk is behind"
 
-    def persist(self, entries: Iterable[Entry]) -> tuple[list[bytes], list[bytes]]:
+    def persist(self, entries: Iterable[Entry], also: Iterable[bytes] = ()) -> tuple[list[bytes], list[bytes]]:
         """Write-through: (ids still being written, ids that cannot be) among
-        `entries`; the rest are on disk. Entries neither on disk nor queued
-        (dropped by an earlier write, say) are queued again. Write-back, or
-        no SSD tier: nothing to wait for."""
+        `entries` and, of `also`, those held (see Store.persist); the rest
+        are on disk. Entries neither on disk nor queued (dropped by an earlier
+        write, say) are queued again. Write-back, or no SSD tier: nothing to
+        wait for."""
         if not self.write_through:
             return [], []
         pending, failed = [], []
         queue = self.ssd.queue
+        entries = list(entries)
+        carried = {e.id for e in entries}
+        # Held in RAM, or only in the queue (RAM let it go): waited for as if carried.
+        entries += [e for eid in also if eid not in carried and (e := self.ram.peek(eid) or queue.get(eid)) is not None]
         for entry in entries:
             eid = entry.id
             # The queue before the index: the writer commits, then leaves the queue.
