@@ -173,3 +173,29 @@ def test_offline_stats_beside_daemon_and_offline_gc_when_stopped(daemon_factory)
     assert json.loads(r.stdout)["details"]["dropped"]["entries"] >= 20
     st = json.loads(kvd("stats", "--offline", "--json", "--data-dir", str(d.data_dir)).stdout)
     assert st["entries"] == 0 and st["locked_by"] is None
+
+
+def test_a_read_that_finds_no_free_fd_is_a_miss_and_the_blob_stays(daemon_factory):
+    """Regression (a red-team find): with the daemon's fd table full for a
+    moment (EMFILE), a GET from the SSD tier quarantined the intact blobs it
+    could not open: acknowledged write-through entries lost for good."""
+    import os
+    import resource
+
+    d = daemon_factory("--ram-mb", "16", "--write-through", "--pack-max-kb", "0")
+    seqs = [np.arange(512) + 10_000 * i for i in range(3)]
+    with d.client("fds", strict=True) as c:
+        for s in seqs:
+            assert c.put(s, prefix_snapshot(s))
+        c.gc(ram_bytes=0)  # on the SSD tier only: a GET opens their blob files
+        pid = d.proc.pid
+        was = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")), was[1]))
+        try:
+            assert c.get(seqs[0]) is None  # no fd for the blob: a miss (on a connection made before)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, was)
+        ssd = c.stats()["tiers"]["ssd"]
+        assert ssd["quarantined"] == 0 and ssd["read_transient"] >= 1 and not ssd["degraded"], ssd
+        for s in seqs:
+            assert_prefix_hit(c.get(s), s)

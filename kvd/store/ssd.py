@@ -144,6 +144,9 @@ log = logging.getLogger("kvd.store.ssd")
 DEFAULT_MIN_FREE = 2 << 30
 # Errors that mean "the disk cannot take writes now", as opposed to a bug.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
+# The process's or the host's, for a moment (no fd free, no memory): a read
+# failing so says nothing of the blob, which stays where it is.
+TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS}
 # Blob writes failing one after another with the same other errno (ENOENT,
 # EACCES, ...): past this many it is the folder or the disk, not one path.
 PATH_ERRORS_DEGRADE = 3
@@ -153,7 +156,7 @@ _COUNTERS = (
     "hits", "misses", "queue_hits", "spills", "spill_bytes", "spills_clean", "duplicates",
     "evictions", "evicted_bytes", "dropped", "drops", "checksum_failures", "read_errors",
     "write_errors", "quarantined", "busy_misses", "orphans_removed", "temps_removed", "rows_repaired",
-    "bad_rows", "index_errors",
+    "bad_rows", "index_errors", "read_transient",
 )
 
 
@@ -450,13 +453,19 @@ class SsdStore(Store):
     def _read_failed(self, eid: bytes, exc: OSError) -> None:
         """An I/O error reading a blob file. The disk's own (EIO, ...): a miss,
         and the tier degraded -- the blob may well be intact, so it stays
-        (quarantining on a transient error would lose it). Anything else
-        concerns this one path (a symlink loop, a shard folder replaced by a
-        file): the entry is hidden and its blob quarantined, so the same
-        GET does not fail again and again."""
+        (quarantining on a transient error would lose it). The process's
+        (no fd or memory free: EMFILE, ENOMEM, ...): a miss, nothing more.
+        Anything else concerns this one path (a symlink loop, a shard folder
+        replaced by a file): the entry is hidden and its blob quarantined, so
+        the same GET does not fail again and again."""
         self._count("read_errors")
         if exc.errno in DISK_ERRNOS:
             self._degrade(f"read failed: {exc}")
+        elif exc.errno in TRANSIENT_ERRNOS:
+            self._count("read_transient")
+            if (n := self.counters["read_transient"]) & (n - 1) == 0:  # the 1st, 2nd, 4th, ... time
+                log.warning("ssd: cannot read blobs for now (%s, %d times so far); serving misses",
+                            exc.strerror or exc, n)
         else:
             self._mark_bad(eid, f"read error: {exc}")
 
