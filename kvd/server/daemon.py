@@ -53,7 +53,7 @@ from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_ke
 from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
-from kvd.server.outbox import Outbox
+from kvd.server.outbox import Outbox, start_collector
 from kvd.server.peers import PeerGate, connection_id, default_max_peers, io_threads, listen_backlog, memory_ceiling, origin
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.turns import Turns
@@ -153,6 +153,7 @@ class Daemon:
         monitor = None
         try:
             ctx = zmq.Context(io_threads=io_threads())
+            start_collector()  # pyzmq's zero-copy thread, now rather than at the first big reply (outbox rule 5)
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.LINGER, 0)

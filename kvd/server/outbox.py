@@ -56,15 +56,35 @@ Rules the outbox keeps:
    peer and by `sweep()` (the loop calls it every tick); the set of full peers
    is cleared if it ever grows past `_MAX_FULL` (the cost: one more short
    blocking retry each).
+5. A big reply never ends the loop. pyzmq hands zero-copy frames back on a
+   thread of its own, started with a socket of its own on first use: the
+   daemon starts it when it binds (`start_collector`), so a thread or fd
+   limit reached later cannot stop the first big reply. If sending fails all
+   the same (RuntimeError, a ZMQError but the peer's), the peer gets BUSY.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import defaultdict
 from typing import Callable
 
 import zmq
+from zmq.utils.garbage import gc as _collector
+
+log = logging.getLogger("kvd.server.outbox")
+_collector_lock = threading.Lock()
+
+
+def start_collector() -> None:
+    """Start pyzmq's thread for zero-copy frames now, not at the first big
+    reply (rule 5). Raises RuntimeError or zmq.ZMQError if it cannot."""
+    with _collector_lock:
+        if not _collector.is_alive():
+            _collector.start()
+        _collector._push_socket  # its socket (an fd), made on first use too
 
 TRACK_BYTES = 64 * 1024  # smaller replies are copied by pyzmq and bounded by SNDHWM
 _MAX_FULL = 65536
@@ -108,7 +128,8 @@ class Outbox:
         self.full: dict[bytes, float] = {}  # peers whose pipe is full -> when one was last let through (rule 3)
         self.mutes: dict[bytes, int] = {}  # full peers -> requests dropped since (rule 3)
         self.cut_muted: set[bytes] = set()  # full peers cut off for it (rule 3)
-        self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget", "cut_off", "muted", "cut_muted"), 0)
+        self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget", "cut_off", "muted", "cut_muted",
+                                       "send_failures"), 0)
 
     # -- budgets -------------------------------------------------------------
     def _prune(self, identity: bytes) -> int:
@@ -224,12 +245,22 @@ class Outbox:
                 frames, tracked, outcome = busy(), False, "busy"
         parts: list = [identity]
         trackers = []
-        for f in frames:
-            if tracked and _nbytes(f) >= TRACK_BYTES:
-                f = zmq.Frame(f, track=True)
-                trackers.append(f)
-            parts.append(f)
-        if not self._send(identity, parts):
+        try:
+            for f in frames:
+                if tracked and _nbytes(f) >= TRACK_BYTES:
+                    f = zmq.Frame(f, track=True)
+                    trackers.append(f)
+                parts.append(f)
+            sent = self._send(identity, parts)
+        except (RuntimeError, zmq.ZMQError) as err:  # rule 5: no thread or fd for zero-copy frames
+            self.counters["send_failures"] += 1
+            if self.counters["send_failures"] & (self.counters["send_failures"] - 1) == 0:
+                log.warning("cannot send a reply (%s; %d times so far): answering BUSY", err, self.counters["send_failures"])
+            try:
+                return "busy" if self._send(identity, [identity, *busy()]) else "dropped"
+            except (RuntimeError, zmq.ZMQError):
+                return "dropped"
+        if not sent:
             return "dropped"
         if trackers:
             self.queued[identity].append((zmq.MessageTracker(*trackers), size))
