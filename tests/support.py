@@ -10,13 +10,15 @@
   both carry one tensor of every dtype in `ALL_DTYPES` (the whole dtype
   table). `assert_prefix_hit` checks a hit against `prefix_snapshot`.
 - Daemon level: `kvd(...)` runs the real CLI; `free_port`, `scrape` (its /metrics); `blobs`, `chunk_blob` find a
-  daemon's files; `wait_spilled` waits for its SSD tier to hold n entries.
+  daemon's files; `wait_spilled` waits for its SSD tier to hold n entries;
+  `no_more_threads(pid)` puts a process under a pids cgroup limit it is at.
 
 The daemon processes themselves are fixtures in conftest.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import socket
@@ -224,6 +226,32 @@ def wait_spilled(client, n: int, timeout: float = 10.0) -> dict:
         if ssd["entries"] >= n or time.monotonic() > deadline:
             return ssd
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def no_more_threads(pid: int):
+    """Process `pid` may start no thread while inside (a cgroup v1 pids limit
+    at its current count: a host's pids limit, made for real). Skips the test
+    where such a cgroup cannot be made (not root, no pids hierarchy)."""
+    import os
+
+    import pytest
+
+    root = Path("/sys/fs/cgroup/pids")
+    if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
+        pytest.skip("needs a writable cgroup v1 pids hierarchy (root)")
+    group = root / f"kvd-test-{os.getpid()}-{pid}"
+    group.mkdir()
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        (group / "pids.max").write_text((group / "pids.current").read_text())
+        yield
+    finally:
+        try:
+            (root / "cgroup.procs").write_text(str(pid))
+        except (ProcessLookupError, OSError):
+            pass  # it died
+        group.rmdir()
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import zmq
 from kvd.protocol import codec
 from kvd_client import Client, DaemonUnavailable, Snapshot
 
-from support import prefix_snapshot, random_tensor, snapshot_for
+from support import no_more_threads, prefix_snapshot, random_tensor, snapshot_for
 
 PUT_IN_CHILD = textwrap.dedent(
     """
@@ -335,34 +335,20 @@ def test_sequences_parting_after_one_chunk_with_equal_length_tails_are_both_serv
             assert kv.probe(system + ask + [7]).n == 11
 
 
-def test_a_big_reply_with_no_thread_to_spare_is_sent_and_the_daemon_lives(daemon_factory, tmp_path):
+def test_a_big_reply_with_no_thread_to_spare_is_sent_and_the_daemon_lives(daemon_factory):
     """Regression (a red-team find): the first reply big enough to be sent
     zero-copy made pyzmq start its collector thread and socket; a thread
     limit reached by then (a pids cgroup) ended the serving loop with
     RuntimeError, an fd table full made libzmq abort. Both are started when
     the daemon binds now, and a send that fails anyway is answered BUSY."""
-    import os
-    from pathlib import Path
-
     from kvd_client import HostTensor, Snapshot
 
-    root = Path("/sys/fs/cgroup/pids")
-    if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
-        pytest.skip("needs a writable cgroup v1 pids hierarchy (root)")
     d = daemon_factory("--ram-mb", "64")
     toks = np.arange(512)
     kv = np.random.default_rng(0).integers(0, 255, (1, 512, 1024), np.uint8)
-    group = root / f"kvd-test-{os.getpid()}"
-    group.mkdir()
-    try:
-        with d.client("big", strict=True, transport="frames") as c:
-            assert c.put(toks, Snapshot(sliced={"k": (HostTensor.from_numpy(kv), 1)}))  # small replies only so far
-            (group / "cgroup.procs").write_text(str(d.proc.pid))
-            (group / "pids.max").write_text((group / "pids.current").read_text())  # not one thread more
+    with d.client("big", strict=True, transport="frames") as c:
+        assert c.put(toks, Snapshot(sliced={"k": (HostTensor.from_numpy(kv), 1)}))  # small replies only so far
+        with no_more_threads(d.proc.pid):
             hit = c.get(toks)  # frames of 256 KiB: zero-copy, tracked
             assert hit is not None and np.array_equal(hit.sliced["k"].array, kv)
             assert c.ping() is not None and d.proc.poll() is None
-    finally:
-        if d.proc is not None and d.proc.poll() is None:
-            (root / "cgroup.procs").write_text(str(d.proc.pid))
-        group.rmdir()

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from kvd_client import Busy, NotPersisted
+from kvd_client import Busy, HostTensor, NotPersisted, Snapshot
 
 from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, scrape
 
@@ -373,3 +373,26 @@ def test_close_with_a_deadline_stops_writing_and_counts_what_is_left(tmp_path, c
         assert again.ssd.entries == 0
     finally:
         again.close(persist=False)
+
+
+def test_write_back_with_no_thread_to_spare_writes_everything_it_acknowledged(daemon_factory):
+    """Regression (a red-team find): under a pids limit the SSD writer could
+    not start its fsync threads; each batch failed, was forgotten (23 of 30
+    acknowledged PUTs gone, counted nowhere) and a clean stop lost the rest
+    without a line. Tasks now run on the writer's own thread then."""
+    from support import no_more_threads, wait_spilled
+
+    d = daemon_factory("--ram-mb", "16", "--pack-max-kb", "0")  # 2 MiB chunks as files: a group fsync each batch
+    seqs = [np.arange(512) + 10_000 * i for i in range(12)]
+    kv = [np.random.default_rng(i).integers(0, 255, (1, 512, 4096), np.uint8) for i in range(len(seqs))]
+    with d.client("starved", strict=True) as c, no_more_threads(d.proc.pid):
+        for s, k in zip(seqs, kv):
+            assert c.put(s, Snapshot(sliced={"k": (HostTensor.from_numpy(k), 1)}))
+        ssd = wait_spilled(c, 2 * len(seqs))
+        assert ssd["entries"] == 2 * len(seqs) and ssd["writer_abandoned"] == 0 and ssd["dropped"] == 0, ssd
+    assert d.stop() == 0
+    d.start()
+    with d.client("starved", strict=True) as c:
+        for s, k in zip(seqs, kv):
+            hit = c.get(s)
+            assert hit is not None and np.array_equal(hit.sliced["k"].array, k)

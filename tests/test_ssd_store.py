@@ -406,3 +406,40 @@ def test_held_answers_chunk_and_boundary_pairs_as_contains_does(tmp_path):
             assert store.held(eids) == [store.contains(e) for e in eids]
     finally:
         store.close()
+
+
+def test_a_batch_the_writer_fails_is_taken_again_then_given_up_counted_never_forgotten_unsaid():
+    """The writer's own rule: an unexpected error in a batch (a bug, or no
+    thread to start) puts it back; after RETRIES in a row it is given up,
+    counted and reported not durable -- never dropped without a word.
+    (A sink that fails on demand: such a bug cannot be made for real.)"""
+    from kvd.store.spill import RETRIES, SpillQueue, Writer
+
+    class Sink:
+        def __init__(self, fail: int):
+            self.fail, self.written, self.news = fail, [], []
+
+        def write_batch(self, batch):
+            if self.fail:
+                self.fail -= 1
+                raise RuntimeError("can't start new thread")
+            self.written += [e.id for e in batch]
+
+        def settled(self, batch):
+            self.news.append([e.id for e in batch])
+
+        def idle(self, busy):
+            return False
+
+    for fail, written in ((RETRIES - 1, True), (RETRIES, False)):
+        queue, sink = SpillQueue(1 << 30), Sink(fail)
+        writer = Writer(queue, sink, tick=0.001)
+        e = make_entry(1)
+        assert queue.offer(e)
+        writer.start()
+        try:
+            assert writer.flush(10)
+        finally:
+            writer.stop(10)
+        assert sink.news == [[e.id]] and len(queue) == 0  # settled once, either way
+        assert (sink.written == [e.id]) is written and writer.abandoned == (0 if written else 1)

@@ -165,6 +165,13 @@ class SpillQueue:
         with self.cond:
             return [e for e in self._pending.values() if pred(e)]
 
+    def release(self, entries: Iterable[Entry]) -> None:
+        """Put `entries` back as not taken (the writer failed them; it takes them again)."""
+        with self.cond:
+            for entry in entries:
+                self._inflight.discard(entry.id)
+            self.cond.notify_all()
+
     def unclaimed(self) -> bool:
         """Whether some queued entry is not yet taken by the writer."""
         return len(self._pending) > len(self._inflight)
@@ -201,6 +208,9 @@ class Sink(Protocol):
         ...
 
 
+RETRIES = 3  # failures in a row before the writer gives a batch up
+
+
 class Writer:
     """The SSD tier's only mutating thread. See the module docstring."""
 
@@ -222,6 +232,8 @@ class Writer:
         self._jobs: list[tuple[Callable[[], object], Future]] = []
         self._stop = False
         self._busy = False  # a batch or job is being worked on
+        self._failures = 0  # batches failed in a row by an unexpected error
+        self.abandoned = 0  # entries given up after RETRIES failures in a row (never written)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -266,6 +278,29 @@ class Writer:
         if self.alive:
             self._thread.join(timeout)
 
+    def _write(self, batch: list[Entry]) -> None:
+        """Write a batch. An unexpected error (no thread to start, a bug) puts
+        it back to be taken again; after RETRIES in a row it is given up,
+        counted (`abandoned`) and logged, and waiters hear it is not durable:
+        an entry is never forgotten unsaid."""
+        try:
+            self.sink.write_batch(batch)
+        except Exception as exc:
+            self._failures += 1
+            if self._failures < RETRIES:
+                log.warning("spill writer: a batch of %d failed (%s); taking it again", len(batch), exc)
+                self.queue.release(batch)
+                time.sleep(self.tick)
+                return
+            self._failures = 0
+            self.abandoned += len(batch)
+            log.exception("spill writer: a batch of %d failed %d times; given up, not written (%d so far)",
+                          len(batch), RETRIES, self.abandoned)
+        else:
+            self._failures = 0
+        self.queue.done(batch)
+        self.sink.settled(batch)
+
     def _run(self) -> None:
         more = True  # background work (e.g. reconcile) may be waiting
         while True:
@@ -284,11 +319,7 @@ class Writer:
                         fut.set_exception(exc)
                 batch = self.queue.take_batch(self.batch_entries, self.batch_bytes)
                 if batch:
-                    try:
-                        self.sink.write_batch(batch)
-                    finally:
-                        self.queue.done(batch)
-                        self.sink.settled(batch)
+                    self._write(batch)
                 more = self.sink.idle(busy=bool(batch))
             except Exception:  # a bug; the thread must outlive it or the tier silently stops
                 log.exception("spill writer: unexpected error (continuing)")

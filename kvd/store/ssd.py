@@ -112,7 +112,7 @@ import os
 import resource
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -232,7 +232,7 @@ class SsdStore(Store):
         self.writes_stopped = False  # close() ran out of time: write nothing more
         self.abandoned: list[Entry] = []  # entries a stopped writer left unwritten
         self.unpersisted = 0  # entries close() had to leave unwritten
-        self._pool: ThreadPoolExecutor | None = None  # the writer's helper threads (_threads)
+        self._pool: _OrInline | None = None  # the writer's helper threads (_threads)
         self.prefetching = False  # read a batch's pages in ahead (write_batch)
         self.major_faults: Callable[[], int] = _major_faults
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
@@ -794,10 +794,12 @@ class SsdStore(Store):
         for fut in futures:
             fut.result()
 
-    def _threads(self) -> ThreadPoolExecutor:
-        """The writer's helper threads: group sync's fsyncs, prefetching reads."""
+    def _threads(self) -> "_OrInline":
+        """The writer's helper threads: group sync's fsyncs, prefetching reads.
+        Started as tasks come; where none can be (a pids limit), a task runs
+        on the writer's own thread instead."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-io")
+            self._pool = _OrInline(ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-io"))
         return self._pool
 
     def _discard(self, written: list[tuple[bytes, Row]]) -> None:
@@ -1364,6 +1366,7 @@ class SsdStore(Store):
                     "queue_bytes": self.queue.bytes,
                     "queue_max_bytes": self.queue.max_bytes,
                     "queue_max_entries": self.queue.max_entries,
+                    "writer_abandoned": self.writer.abandoned,
                     "reconciled": self.reconciled.is_set(),
                     "index_rebuild": self.heal.stats() if self.heal else None,
                     "index_map_size": self.index.map_size,
@@ -1419,6 +1422,28 @@ class SsdStore(Store):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _OrInline:
+    """An executor whose tasks run on the caller's thread when no thread of
+    its own can be started (RuntimeError): slower, never a failed write."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool = pool
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        try:
+            return self.pool.submit(fn, *args)
+        except RuntimeError:  # "can't start new thread" (or the pool shut down)
+            fut: Future = Future()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the pool would
+                fut.set_exception(exc)
+            return fut
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.pool.shutdown(wait=wait)
 
 
 def _major_faults() -> int:
