@@ -32,6 +32,17 @@ parent's socket can block for ever. A Transport remembers the pid that made
 its socket; in another process it abandons the inherited context, socket and
 lock (never closing them: that could block, or disturb the parent's own
 connection) and makes its own.
+
+ZeroMQ starts threads of its own on first need: the context's I/O threads
+with its first socket, pyzmq's garbage collector (a thread, and a context
+of its own) with the first zero-copy send -- the first PUT of tensor bytes.
+A model server at its thread limit (a container's pids limit, systemd's
+TasksMax) may reach it only after start-up, so these are started when a
+Transport is made, and again in a forked child (_warm_up). What still
+fails in this process -- a thread or file it cannot have, a send cut short
+-- is DaemonUnavailable like an outage, never a ZeroMQ or RuntimeError out
+of `request` (the client's promise: a failed call is a miss, not a crash),
+and the socket is remade: a message cut short would prefix the next one.
 """
 
 from __future__ import annotations
@@ -112,6 +123,30 @@ def _renew_fork_lock() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_renew_fork_lock)
 
+# Where ZeroMQ fails in this process rather than at the daemon: a thread it
+# cannot start (RuntimeError, from pyzmq's garbage collector), a file it
+# cannot open (ZMQError EMFILE), any other error of a ZeroMQ call.
+_LOCAL_FAILURES = (RuntimeError, zmq.ZMQError)
+_warm_pid: int | None = None  # the process whose ZeroMQ threads _warm_up started
+
+
+def _warm_up(ctx: zmq.Context) -> None:
+    """Start, once per process, the threads ZeroMQ would start on first need
+    (module docstring): the context's I/O threads -- libzmq *aborts* the
+    process when it cannot start them -- and pyzmq's garbage collector, which
+    a zero-copy send starts and which raises RuntimeError mid-message when
+    it cannot. A warm-up that fails is not an error: the request that needs
+    them fails instead, as DaemonUnavailable."""
+    global _warm_pid
+    if _warm_pid == os.getpid():
+        return
+    try:
+        ctx.socket(zmq.DEALER).close(linger=0)  # the first socket starts the context's threads
+        zmq.Frame(b"\0", copy=False)  # a zero-copy frame starts the collector; dropped unsent
+    except _LOCAL_FAILURES:
+        return
+    _warm_pid = os.getpid()
+
 
 class Transport:
     """A thread-safe request/reply channel to one endpoint."""
@@ -138,6 +173,7 @@ class Transport:
         self._ipc = ipc_path(endpoint)
         # The run dir is checked only if it is a default one (kvd.endpoint rule 5).
         self._run_dir = self._ipc.parent if self._ipc is not None and is_default_run_dir(self._ipc.parent) else None
+        _warm_up(self._ctx)
 
     def _absent(self) -> str:
         """Why no connection: an ipc daemon that holds its endpoint's lock is
@@ -176,40 +212,55 @@ class Transport:
             self._lock = threading.Lock()  # the parent's may be held by a thread that did not fork
             self._fresh, self._down_until = True, 0.0
             self._pid = os.getpid()
+            _warm_up(self._ctx)  # the parent's threads did not fork: this child's own, now
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.RECONNECT_IVL, 50)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-            self._sock_max_frame = _max_frame(self._reply_limits)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._sock_max_frame)
-            sock.setsockopt(zmq.RCVHWM, _RCVHWM)
-            if self.curve is not None:
-                sock.curve_publickey, sock.curve_secretkey = self.curve.public, self.curve.secret
-                sock.curve_serverkey = self.curve.server
-            if self._ipc is not None:
-                # Who serves the socket is checked per connection, not only
-                # by the path: ZeroMQ reconnects in the background, and a
-                # connection made while another user squatted the path
-                # outlives their moving it away (_check_peer).
-                self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-            elif is_tcp(self.endpoint):
-                # A refused CURVE handshake is silent at the socket (it just
-                # never becomes writable); the monitor tells it from a daemon
-                # that is down, so the caller gets AuthenticationFailed.
-                # libzmq's I/O thread -- shared by every socket of this
-                # process's context -- *blocks* sending an event the monitor
-                # cannot take (its reader closed, or 1,000 unread): so events
-                # are read at every request, a refused socket is closed rather
-                # than left to retry, and the monitor is never closed before
-                # the socket it watches (_reset, __del__).
-                self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-            sock.connect(self.endpoint)
+            try:
+                self._configure(sock)
+            except _LOCAL_FAILURES:
+                # Half made (a monitor it could not open, at a file limit):
+                # its monitor stopped before either is closed (see _configure).
+                sock.disable_monitor()
+                if self._monitor is not None:
+                    self._monitor.close(linger=0)
+                    self._monitor = None
+                sock.close(linger=0)
+                raise
             self._sock, self._fresh = sock, True
         return self._sock
+
+    def _configure(self, sock: zmq.Socket) -> None:
+        """Set up and connect a new socket (its options, its monitor)."""
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        self._sock_max_frame = _max_frame(self._reply_limits)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._sock_max_frame)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        if self.curve is not None:
+            sock.curve_publickey, sock.curve_secretkey = self.curve.public, self.curve.secret
+            sock.curve_serverkey = self.curve.server
+        if self._ipc is not None:
+            # Who serves the socket is checked per connection, not only
+            # by the path: ZeroMQ reconnects in the background, and a
+            # connection made while another user squatted the path
+            # outlives their moving it away (_check_peer).
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        elif is_tcp(self.endpoint):
+            # A refused CURVE handshake is silent at the socket (it just
+            # never becomes writable); the monitor tells it from a daemon
+            # that is down, so the caller gets AuthenticationFailed.
+            # libzmq's I/O thread -- shared by every socket of this
+            # process's context -- *blocks* sending an event the monitor
+            # cannot take (its reader closed, or 1,000 unread): so events
+            # are read at every request, a refused socket is closed rather
+            # than left to retry, and the monitor is never closed before
+            # the socket it watches (_reset, __del__).
+            self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        sock.connect(self.endpoint)
 
     def _handshake_refused(self) -> str | None:
         """The last handshake failure the monitor saw since the last success, if any."""
@@ -259,6 +310,17 @@ class Transport:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+    def _starved(self, what: str, err: Exception) -> DaemonUnavailable:
+        """ZeroMQ failed in this process (`_LOCAL_FAILURES`), not at the
+        daemon: the socket is dropped -- it may hold part of a message, which
+        would prefix the next -- and the call fails as one the daemon did not
+        answer (module docstring)."""
+        self._reset()
+        return DaemonUnavailable(
+            f"could not {what} {self.endpoint} in this process ({type(err).__name__}: {err}; "
+            "at its thread or open-file limit?)"
+        )
 
     def set_limits(self, advertised: Limits) -> None:
         """Bound replies by what the daemon advertised in HELLO, from the next
@@ -332,7 +394,8 @@ class Transport:
         Raises UnsafeEndpoint (the run dir or socket may be another user's:
         no connection is made), AuthenticationFailed (the tcp endpoint refused
         our CURVE handshake), DaemonUnavailable (no connection or no reply
-        within `timeout`), the KvdError subclass of an ERROR reply, or BadReply.
+        within `timeout`, or ZeroMQ failed in this process: a thread or file
+        it cannot have), the KvdError subclass of an ERROR reply, or BadReply.
         """
         if self._pid != os.getpid():
             self._after_fork()
@@ -377,6 +440,8 @@ class Transport:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 raise DaemonUnavailable(f"daemon at {self.endpoint} is not accepting messages") from None
+            except _LOCAL_FAILURES as err:  # e.g. the collector of a zero-copy frame could not start
+                raise self._starved("send to", err) from None
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
@@ -395,6 +460,8 @@ class Transport:
                 if reply.id != rid:
                     continue  # a late reply to a request that timed out
                 break
+        except zmq.ZMQError as err:  # anywhere else: making the socket, polling, receiving
+            raise self._starved("talk to", err) from None
         finally:
             self._lock.release()
         if reply.type == "ERROR":

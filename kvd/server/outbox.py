@@ -66,25 +66,20 @@ Rules the outbox keeps:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict
 from typing import Callable
 
 import zmq
-from zmq.utils.garbage import gc as _collector
 
 log = logging.getLogger("kvd.server.outbox")
-_collector_lock = threading.Lock()
 
 
 def start_collector() -> None:
-    """Start pyzmq's thread for zero-copy frames now, not at the first big
-    reply (rule 5). Raises RuntimeError or zmq.ZMQError if it cannot."""
-    with _collector_lock:
-        if not _collector.is_alive():
-            _collector.start()
-        _collector._push_socket  # its socket (an fd), made on first use too
+    """Start pyzmq's thread for zero-copy frames, and its socket, now rather
+    than at the first big reply (rule 5): a zero-copy frame, dropped unsent,
+    makes both. Raises RuntimeError or zmq.ZMQError if it cannot."""
+    zmq.Frame(b"\0", copy=False)
 
 TRACK_BYTES = 64 * 1024  # smaller replies are copied by pyzmq and bounded by SNDHWM
 _MAX_FULL = 65536
