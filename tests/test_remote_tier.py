@@ -283,3 +283,21 @@ def test_a_remote_hit_is_read_straight_into_shared_memory(server, daemon_factory
         s = cb.stats()
     assert s["tiers"]["remote"]["hits"] == 6 and s["tiers"]["remote"]["promotions"] == 6
     assert s["shm"]["adopted_bytes"] == 0 and s["shm"]["allocs"] >= 6
+
+
+def test_a_remote_read_with_no_thread_to_spare_is_served_not_internal(server, daemon_factory):
+    """Regression (a red-team find): under a pids limit the remote tier could
+    not start its read-ahead threads, and every GET that reached it was
+    answered INTERNAL. Its reads run on the serving thread then."""
+    from support import no_more_threads
+
+    a, b = pair(daemon_factory, server.url)
+    tokens = list(range(2000, 2600))
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True) as cb:
+        assert ca.put(tokens, prefix_snapshot(tokens))
+        written(ca, 3)
+        with no_more_threads(b.proc.pid):  # B's reader threads were never started
+            hit = cb.get(tokens)
+            assert hit is not None and hit.n == 600
+            assert_prefix_hit(hit, tokens)
+        assert cb.stats()["server"]["errors"].get("INTERNAL", 0) == 0

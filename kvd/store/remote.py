@@ -92,13 +92,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Iterable, NamedTuple, Sequence
 
 from kvd.protocol import remote_value as rv
 from kvd.protocol.limits import DEFAULT_LIMITS
 from kvd.store.base import BOUNDARY, CHUNK, Entry, PutOutcome, Store, entry_id
+from kvd.store.pools import OrInline
 from kvd.store.remote_get import SERVER_ERRORS, Alloc, Deadline, Refused, get_many, np_alloc
 from kvd.store.remote_url import client_url, redact
 
@@ -207,7 +208,7 @@ class RemoteTier:
             "backlog_dropped": 0, "errors": 0, "read_errors": 0, "exists_queries": 0, "promotions": 0,
             "degraded_episodes": 0,
         }
-        self._reads = ThreadPoolExecutor(2, thread_name_prefix="kvd-remote-read")  # see Read-ahead
+        self._reads = OrInline(2, "kvd-remote-read")  # see Read-ahead; inline if no thread can start
         self._thread = threading.Thread(target=self._run, name="kvd-remote", daemon=True)
         self._thread.start()
 

@@ -112,7 +112,6 @@ import os
 import resource
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -136,6 +135,7 @@ from kvd.store.datadir import (
 )
 from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row, RowDamaged
 from kvd.store.pack import PACKED, packed_disk_bytes
+from kvd.store.pools import OrInline
 from kvd.store.reconcile import reconcile_steps
 from kvd.store.spill import SpillQueue, Writer
 
@@ -232,7 +232,7 @@ class SsdStore(Store):
         self.writes_stopped = False  # close() ran out of time: write nothing more
         self.abandoned: list[Entry] = []  # entries a stopped writer left unwritten
         self.unpersisted = 0  # entries close() had to leave unwritten
-        self._pool: _OrInline | None = None  # the writer's helper threads (_threads)
+        self._pool: OrInline | None = None  # the writer's helper threads (_threads)
         self.prefetching = False  # read a batch's pages in ahead (write_batch)
         self.major_faults: Callable[[], int] = _major_faults
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
@@ -794,12 +794,12 @@ class SsdStore(Store):
         for fut in futures:
             fut.result()
 
-    def _threads(self) -> "_OrInline":
+    def _threads(self) -> OrInline:
         """The writer's helper threads: group sync's fsyncs, prefetching reads.
         Started as tasks come; where none can be (a pids limit), a task runs
         on the writer's own thread instead."""
         if self._pool is None:
-            self._pool = _OrInline(ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvd-io"))
+            self._pool = OrInline(8, "kvd-io")
         return self._pool
 
     def _discard(self, written: list[tuple[bytes, Row]]) -> None:
@@ -1422,28 +1422,6 @@ class SsdStore(Store):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _OrInline:
-    """An executor whose tasks run on the caller's thread when no thread of
-    its own can be started (RuntimeError): slower, never a failed write."""
-
-    def __init__(self, pool: ThreadPoolExecutor):
-        self.pool = pool
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        try:
-            return self.pool.submit(fn, *args)
-        except RuntimeError:  # "can't start new thread" (or the pool shut down)
-            fut: Future = Future()
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the pool would
-                fut.set_exception(exc)
-            return fut
-
-    def shutdown(self, wait: bool = True) -> None:
-        self.pool.shutdown(wait=wait)
 
 
 def _major_faults() -> int:
