@@ -480,3 +480,28 @@ def test_slots_that_its_put_would_refuse_are_refused_before_any_slot_is_granted(
                 c._transport.request("SLOTS", {**bad, "shm": link.field()}, 5)
         s = _shm_stats(c)
         assert (s["leases"], s["pending"], s["granted_bytes"], s["used_bytes"]) == (0, 0, 0, 0), s
+
+
+def test_entries_in_shared_memory_do_not_raise_the_anonymous_memory_ceiling(daemon_factory):
+    """Regression (a red-team find): the watchdog compares anonymous memory
+    with RAM tier + allowance; with the tier in shared-memory slots (not
+    anonymous) that let stalled peers take the tier's size again, and a
+    daemon in a memory cgroup sized to the documented ceiling was OOM-killed."""
+    from kvd.protocol.limits import Limits
+    from kvd.server.peers import memory_ceiling
+
+    d = daemon_factory("--ram-mb", "128", "--max-message-mb", "16")
+    seqs = [np.arange(4096) + 100_000 * i for i in range(8)]
+    with d.client("ceil", strict=True, transport="shm") as c:
+        for s in seqs:
+            assert c.put(s, prefix_snapshot(s))
+        assert c.counters["shm_puts"] == len(seqs)
+        limits = Limits(max_message_bytes=16 << 20)
+
+        def settled():
+            st = c.stats()
+            ram, used = st["tiers"]["ram"]["bytes"], st["shm"]["used_bytes"]
+            return st["peers"]["rss_ceiling_bytes"] == memory_ceiling(ram - used, limits) and (ram, used)
+
+        ram, used = wait_until(settled, what="the ceiling to be recomputed on a tick")
+        assert used > 8 << 20 and ram - used < ram // 4  # the tier lives in the arena

@@ -219,7 +219,11 @@ class Daemon:
         ram = getattr(self.store, "ram", self.store)
         ssd = getattr(self.store, "ssd", None)
         spilled = ssd.queue.outside_bytes if ssd is not None else 0  # waiting for the disk, no longer in RAM
-        self._ceiling = memory_ceiling(getattr(ram, "bytes", 0) + spilled, self.limits)
+        # The watchdog reads anonymous memory: entries in shared-memory slots
+        # are not in it, and counted here they would let stalled peers take
+        # that much more (the RAM tier twice over, in all).
+        shared = self.handler.shm.arena.used if self.handler.shm is not None else 0
+        self._ceiling = memory_ceiling(max(0, getattr(ram, "bytes", 0) - shared) + spilled, self.limits)
 
     def peer_stats(self) -> dict:
         out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling}
