@@ -621,6 +621,8 @@ class SsdStore(Store):
             self._blob_root_ok()
             if self.prefetching:
                 self._prefetch(batch)
+            if self.quotas is not None:
+                self.quotas.make_room_ssd_for(self, [(e, blobfile.estimate_disk_bytes(e)) for e in batch])
             planned = 0
             for i, entry in enumerate(batch):
                 if self.writes_stopped:
