@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -366,3 +367,43 @@ def test_peer_counters_are_exported(daemon_factory):
     m = scrape(port)
     assert m[("kvd_peers_max_peers", ())] == 8
     assert m[("kvd_peers_shed_over_cap_total", ())] >= shed >= 1
+
+
+def _lower_fd_limit(pid: int, soft: int) -> None:
+    """Lower a running process's fd limit, as `prlimit --pid` by a host or a service manager does."""
+    subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={soft}:{soft}"], check=True)
+
+
+@linux_only
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+@pytest.mark.parametrize("spare, conns", [(16, 40), (None, 1200)], ids=["open-fds-plus-16", "limit-1024"])
+def test_an_fd_limit_lowered_under_a_running_daemon_is_followed(daemon_factory, spare, conns):
+    """Rule 6. The cap and alarm were computed once, from the limit at start:
+    lowered later, libzmq accepted into a full table and aborted (SIGABRT
+    in ipc_listener.cpp; red-team: the open fds + 16 then 40 connections,
+    or 1,024 then 1,200)."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    pid = d.proc.pid
+    limit = len(os.listdir(f"/proc/{pid}/fd")) + spare if spare else 1024
+    _lower_fd_limit(pid, limit)
+    path = d.endpoint[len("ipc://"):]
+    socks = []
+    try:
+        for i in range(conns):  # plain connections, as clients open them; the first ones paced
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            socks.append(s)
+            if i < 50:
+                time.sleep(0.02)  # the first ones at a client's pace, the rest in a burst (pacing, not a verdict)
+            assert d.proc.poll() is None, d.log()
+        with d.client("good", strict=True, chunk_tokens=16) as good:
+            round_trip(good, 1)  # admitted: idle ones were shed to make room
+            peers = good.stats()["peers"]
+    finally:
+        for s in socks:
+            s.close()
+    assert d.proc.poll() is None, d.log()
+    assert peers["max_peers"] == default_max_peers(limit) and peers["fd_limit_changes"] == 1, peers
+    assert peers["high_water"] < limit  # never a connection libzmq had no fd for
+    assert f"fd limit changed to {limit}" in d.log()
+    assert d.stop() == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -76,6 +78,63 @@ def test_linux_source_counts_a_cgroup_working_set_not_its_page_cache(tmp_path):
     # v1 spells it differently and says "no limit" with a huge number
     (cg / "memory.limit_in_bytes").write_text(f"{(1 << 63) - 4096}\n")
     assert P._Cgroup(cg, False).limit() is None
+
+
+def test_a_cgroup_working_set_is_anon_and_shmem_not_active_file_cache(tmp_path):
+    """The SSD tier's own files fill the page cache, much of it active: the
+    kernel drops it before it OOM-kills, so it is not pressure. v2 counts
+    anon + shmem, v1 total_rss + total_shmem (red-team: 247 MiB of active file
+    cache in a 512 MiB cgroup cut the RAM budget to the floor)."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{100 * MiB}\n")
+    (v2 / "memory.current").write_text(f"{96 * MiB}\n")
+    (v2 / "memory.stat").write_text(
+        f"anon {20 * MiB}\nfile {76 * MiB}\nshmem {10 * MiB}\nactive_file {60 * MiB}\ninactive_file {6 * MiB}\n"
+    )
+    s = P.LinuxSource([P._Cgroup(v2, True)])("normal")
+    assert "cgroup v2 30 of 100 MiB" in s.reason and s.available == 70 * MiB
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(f"{100 * MiB}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{96 * MiB}\n")
+    (v1 / "memory.stat").write_text(  # v1: the per-cgroup keys, then the subtree's total_ ones
+        f"rss {MiB}\nshmem 0\ntotal_rss {20 * MiB}\ntotal_cache {76 * MiB}\ntotal_shmem {10 * MiB}\n"
+        f"total_active_file {60 * MiB}\ntotal_inactive_file {6 * MiB}\n"
+    )
+    assert P._Cgroup(v1, False).working_set() == 30 * MiB
+    assert P.LinuxSource([P._Cgroup(v1, False)])("normal").level == "normal"
+
+
+def test_a_real_cgroups_active_page_cache_is_not_its_working_set(tmp_path):
+    """A real memory cgroup whose only big use is a file read twice (active
+    page cache): its working set stays near the reader's own memory."""
+    made = _memory_cgroup() if os.geteuid() == 0 else None
+    if made is None:
+        pytest.skip("cannot create a memory cgroup here (needs root and a writable v1 memory or v2 hierarchy)")
+    cg, limit_file = made
+    try:
+        data = tmp_path / "blob"
+        reader = (  # writes 64 MiB, then reads it twice (the second read makes the pages active)
+            "import os,sys; p=sys.argv[1]; open(p,'wb').write(os.urandom(1<<20)*64); os.sync()\n"
+            "for _ in range(3):\n    f=open(p,'rb')\n    while f.read(1<<20): pass\n"
+        )
+        script = f'echo $$ > {cg}/cgroup.procs && exec "$@"'
+        subprocess.run(["sh", "-c", script, "sh", sys.executable, "-c", reader, str(data)], check=True, timeout=30)
+        group = P._Cgroup(cg, limit_file == "memory.max")
+        stat = dict(line.split() for line in (cg / "memory.stat").read_text().splitlines())
+        stat = {k: int(v) for k, v in stat.items()}
+        active = stat.get("active_file" if group.v2 else "total_active_file", 0)
+        if active < 32 * MiB:
+            pytest.skip(f"the kernel did not keep the file cache active ({active / MiB:.0f} MiB): nothing to tell apart")
+        assert group.working_set() < 16 * MiB, stat  # the reader is gone: no anon, no shmem left
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def test_auto_ram_mb_rule():

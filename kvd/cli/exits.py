@@ -10,11 +10,21 @@ in kvd and keeps its traceback.
 from __future__ import annotations
 
 OK = 0  # done
-FAILED = 1  # the command ran and failed (see its message), or the environment refused (a file, a disk)
+FAILED = 1  # the command ran and failed (see its message), or the environment refused (a file, a disk, a thread)
 USAGE = 2  # bad flags or arguments (click's own code)
 UNAVAILABLE = 3  # no daemon answered at the endpoint
 REFUSED = 4  # the daemon answered with an error, or holds what was asked for (endpoint, data dir)
 CONFIG = 78  # bad configuration (sysexits EX_CONFIG), from any source: service managers stop restarting
+
+
+def thread_refused(err: BaseException) -> bool:
+    """Did starting a thread fail because the system would not make one (a
+    pids cgroup, RLIMIT_NPROC, no memory for a stack)? CPython says so with a
+    RuntimeError, not an OSError; it is the environment's refusal, not a bug."""
+    return isinstance(err, RuntimeError) and "can't start new thread" in str(err)
+
+
+THREAD_REFUSED = "cannot start a thread: the system refused one (a pids limit or RLIMIT_NPROC reached?)"
 
 
 def describe(err: BaseException) -> tuple[int, str] | None:
@@ -52,4 +62,6 @@ def describe(err: BaseException) -> tuple[int, str] | None:
         return FAILED, what
     if isinstance(err, lmdb.Error):  # the index cannot be opened (permissions, a full or read-only disk)
         return FAILED, f"cannot use the index: {err}"
+    if thread_refused(err):
+        return FAILED, THREAD_REFUSED
     return None

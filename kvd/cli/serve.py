@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
+import threading
 import time
+from typing import NoReturn
 
 import click
 
@@ -25,6 +28,86 @@ def setup_logging(level: str, log_file: str | None = None) -> None:
     root.setLevel(level.upper())
 
 
+def _refused_thread(log: logging.Logger, err: RuntimeError, doing: str, store=None) -> NoReturn:
+    """A thread the start needs cannot start (a pids limit, RLIMIT_NPROC):
+    one line and exit 1, the table's code for the environment's refusal
+    (kvd.cli.exits), after letting go of the store if it is open. Not 4,
+    which says another daemon holds the endpoint; not 78, since the same
+    start may succeed once the host has tasks to spare. Any other
+    RuntimeError is a bug and keeps its traceback."""
+    if not exits.thread_refused(err):
+        raise err
+    log.error("%s, %s: not starting", exits.THREAD_REFUSED, doing)
+    if store is not None:
+        store.close()
+    raise SystemExit(exits.FAILED)
+
+
+def _threads_bind_starts(endpoint: str, zmq_io_threads: int) -> int:
+    """Threads Daemon.bind starts: libzmq's for our context (its I/O threads
+    and a reaper), pyzmq's zero-copy collector (a thread, and a context of its
+    own with an I/O thread and a reaper), the peer gate, and on tcp the ZAP
+    authenticator."""
+    from kvd.endpoint import is_tcp
+
+    return zmq_io_threads + 1 + 3 + 1 + (1 if is_tcp(endpoint) else 0)
+
+
+def _threads_fit(n: int) -> bool:
+    """Can `n` more threads start now? libzmq aborts the process (SIGABRT,
+    src/thread.cpp) when it cannot start one, where Python raises: so before
+    it starts its own, as many are started here, then let go, and their
+    tasks waited for until the kernel has released them (/proc/self/task:
+    a thread joined in Python still counts against a pids limit for a
+    moment). A probe, not a reservation: another process in the same
+    cgroup can still take the last task in between."""
+    def tasks() -> int | None:
+        try:
+            return len(os.listdir("/proc/self/task"))
+        except OSError:
+            return None
+
+    before, go, started = tasks(), threading.Event(), []
+    try:
+        for _ in range(n):
+            t = threading.Thread(target=go.wait, name="kvd-thread-probe", daemon=True)
+            t.start()
+            started.append(t)
+    except RuntimeError as err:
+        if not exits.thread_refused(err):
+            raise
+    finally:
+        go.set()
+        for t in started:
+            t.join()
+    deadline = time.monotonic() + 1.0
+    while before is not None and (tasks() or 0) > before and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return len(started) == n
+
+
+def _drop_plane(daemon) -> None:
+    """A bind that failed after making the shared-memory plane removes it:
+    its folder in /dev/shm would outlive the run (a clean stop leaves none)."""
+    plane = daemon.handler.shm
+    if plane is not None:
+        daemon.handler.shm = None
+        plane.close()
+
+
+def _bind_exit(err: BaseException) -> int:
+    """The exit code of a failed bind: the table's for kvd's own endpoint
+    errors (busy 4, an unsafe run dir 78); 1 when the system is out of fds
+    or memory (the environment's refusal, kvd.cli.exits); 4 for the rest
+    libzmq reports (an address in use, ...), as before."""
+    from kvd.endpoint import EndpointError
+
+    if isinstance(err, EndpointError):
+        known = exits.describe(err)
+        return known[0] if known else exits.REFUSED
+    return exits.FAILED if getattr(err, "errno", None) in (errno.EMFILE, errno.ENFILE, errno.ENOMEM) else exits.REFUSED
+
+
 @main.command()
 @config_options
 def serve(**flags) -> None:
@@ -33,13 +116,14 @@ def serve(**flags) -> None:
     Every setting comes from (lowest first) its default, the config file,
     a KVD_* environment variable, or the flag; `kvd config` shows the result.
     Exits 4 if another daemon holds the endpoint or the data dir, 78 for a
-    bad configuration.
+    bad configuration, 1 if the system refuses what it needs to start (a
+    thread, under a pids limit; a file descriptor).
     """
     from kvd.server.collector import Collector
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
     from kvd.server.governor import from_config as governor_for
-    from kvd.server.peers import default_max_peers, raise_fd_limit, tune_malloc
+    from kvd.server.peers import default_max_peers, io_threads, raise_fd_limit, tune_malloc
     from kvd.server.pressure import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
@@ -102,6 +186,8 @@ def serve(**flags) -> None:
     except ValueError as err:
         log.error("cannot open the store: %s", err)
         raise SystemExit(EXIT_CONFIG)
+    except RuntimeError as err:  # its writer thread
+        _refused_thread(log, err, "opening the store")
     except (OSError, lmdb.Error) as err:
         # Read-only, full, or unreadable: the disk's state, not a setting. A
         # cache that refuses to start takes every model server's cache with
@@ -122,6 +208,8 @@ def serve(**flags) -> None:
     except ImportError as err:  # remote_url without the kvd[remote] extra
         log.error("remote_url needs the client library: pip install 'kvd[remote]' (%s)", err)
         raise SystemExit(EXIT_CONFIG)
+    except RuntimeError as err:  # its uploader thread
+        _refused_thread(log, err, "opening the remote tier", local)
     except (ValueError, OSError) as err:
         log.error("cannot open the remote tier: %s", err)
         raise SystemExit(EXIT_CONFIG)
@@ -160,19 +248,25 @@ def serve(**flags) -> None:
     if governor is not None:
         daemon.handler.stats_sections["pressure"] = governor.stats
     daemon.handler.stats_sections["gc"] = lambda stats: collector.stats()
+    if not _threads_fit(_threads_bind_starts(cfg.endpoint, io_threads())):
+        _refused_thread(log, RuntimeError("can't start new thread"), "starting ZeroMQ", store)
     try:
         daemon.bind()
     except (EndpointError, Exception) as err:  # zmq.ZMQError: address in use, permission, ...
+        _drop_plane(daemon)
+        if exits.thread_refused(err):
+            _refused_thread(log, err, f"binding {cfg.endpoint}", store)
         log.error("cannot serve %s: %s", cfg.endpoint, err)
         store.close()
-        # The exit code comes from the one table: busy is 4, an unsafe run dir 78.
-        known = exits.describe(err) if isinstance(err, EndpointError) else None
-        raise SystemExit(known[0] if known else exits.REFUSED)
+        raise SystemExit(_bind_exit(err))
     if cfg.metrics_port:
         from kvd.server.metrics import serve_metrics
 
         try:
             metrics = serve_metrics(daemon, cfg.metrics_port)
+        except RuntimeError as err:  # its thread
+            daemon.close()
+            _refused_thread(log, err, "starting the metrics exporter", store)
         except OSError as err:
             # Taken, or not ours to bind: a setting to change, not a crash to
             # restart (78). Let go of what a stop lets go of -- the endpoint,

@@ -10,6 +10,7 @@ scrapes of the next second (the rules above `_Exposition`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import threading
@@ -169,11 +170,20 @@ def _recent_namespaces(ns_counters: dict[str, Any], held: dict[str, Any], most: 
 #    whose socket times out after IDLE_TIMEOUT_S: idle or trickling clients
 #    cannot hold threads and file descriptors the model servers need. Past
 #    the cap a connection is answered 503 and closed at once.
+# 5. When accept() fails for want of an fd (EMFILE, ENFILE) or of kernel
+#    memory (ENOBUFS, ENOMEM), the waiting connection stays readable and
+#    socketserver would select and fail again at once: a full core for as
+#    long as the fd table stays full. The exporter waits instead, from
+#    ACCEPT_BACKOFF_S doubling to ACCEPT_BACKOFF_MAX_S, and logs one line per
+#    episode; the connection waits in the kernel's backlog meanwhile.
 
 REUSE_S = 1.0
 CHEAP_BUILD_S = 0.05
 MAX_CONNECTIONS = 16
 IDLE_TIMEOUT_S = 10.0
+ACCEPT_BACKOFF_S = 0.1
+ACCEPT_BACKOFF_MAX_S = 1.0
+_OUT_OF = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}  # accept() errors rule 5 waits out
 
 
 class _Exposition:
@@ -230,7 +240,39 @@ class _Server(ThreadingHTTPServer):
         self.exposition = exposition
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.refused = 0
+        self.accept_failures = 0  # accept() calls that failed for want of an fd or memory (rule 5)
+        self._backoff = 0.0  # seconds the next such failure waits; 0 outside an episode
+        self._stopping = threading.Event()  # shutdown() asked: a backoff ends at once
         super().__init__(addr, _Handler)
+
+    def get_request(self) -> Any:
+        """accept(), waiting out a full fd table (rule 5) instead of spinning
+        on a connection that stays readable. Other errors go to socketserver
+        as before (it drops that attempt)."""
+        try:
+            request = super().get_request()
+        except OSError as err:
+            if err.errno not in _OUT_OF:
+                raise
+            self._accept_failed(err)
+            raise
+        if self._backoff:
+            log.info("metrics: accepting connections again after %d failed accepts", self.accept_failures)
+            self._backoff = 0.0
+        return request
+
+    def _accept_failed(self, err: OSError) -> None:
+        """One line per episode, then a wait that doubles up to the cap."""
+        self.accept_failures += 1
+        if not self._backoff:
+            log.warning("metrics: cannot accept a connection (%s): retrying every %g-%g s",
+                        err.strerror or err, ACCEPT_BACKOFF_S, ACCEPT_BACKOFF_MAX_S)
+        self._backoff = min(ACCEPT_BACKOFF_MAX_S, max(ACCEPT_BACKOFF_S, 2 * self._backoff))
+        self._stopping.wait(self._backoff)
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        super().shutdown()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):  # rule 4: full, refuse at once
@@ -284,7 +326,7 @@ def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
 
 _PEER_COUNTERS = (
     "accepted", "shed_over_cap", "shed_for_memory", "pauses", "refused_over_budget", "cut_off", "dropped_full", "dropped_gone",
-    "muted", "cut_muted", "deferred", "overdue",
+    "muted", "cut_muted", "deferred", "overdue", "fd_limit_changes",
 )
 
 

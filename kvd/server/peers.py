@@ -100,6 +100,26 @@ Rules the gate keeps:
    libzmq's I/O thread spins on the paused listener (measured: a peer
    reconnecting ~900 times a second kept the daemon at a full core). Under
    smaller caps (`prlimit --nofile=256`) it never stays open.
+6. The fd limit can change under a running daemon (`prlimit --pid`, a
+   service manager's tightening): the cap and the alarm computed at start
+   would then let libzmq accept into a table that is full. Every tick the
+   gate reads RLIMIT_NOFILE again (one system call); when it changed, the cap
+   becomes the lesser of the one it was given and `default_max_peers` of the
+   new limit, rule 5's mark and the alarm follow, and peers over the new cap
+   are shed (oldest idle first). While the limit is below the one at start,
+   the gate also counts the fds the daemon holds besides its peers
+   (/proc/self/fd, on the change and once a second) and lets peers and those
+   closing use at most half of what that leaves (`_fd_room`): a limit
+   lowered to a few more than the fds already open still admits a few,
+   oldest idle shed to make room, and never a connection libzmq has no fd
+   for. What remains: a connection accepted between the change and the
+   gate's next tick (20 ms) with the listener open under rule 5; and a limit
+   that leaves fewer than `_TIGHT_FDS` beyond the daemon's own. Linux's
+   accept() takes a free fd before it looks for a connection, and libzmq
+   calls it in a loop while one waits on the paused listener: with the table
+   full any client that connects aborts the daemon, whatever the gate does.
+   So there it admits none and sheds none for fds (a shed peer reconnects),
+   and logs an error asking for a higher limit.
 """
 
 from __future__ import annotations
@@ -125,6 +145,7 @@ log = logging.getLogger("kvd.server")
 _RESERVE_FDS = 64
 _WINDOW = 0.005  # seconds one PeerGate._admit may spin before polling again
 _QUICK_TRIES = 16  # windows of microseconds before one of up to a millisecond
+_TIGHT_FDS = 8  # fds beyond the daemon's own under which no peer is shed for fds (rule 6)
 _OPEN_MIN_PEERS = 4096  # caps from which the listener may stay open while under half full (rule 5)
 
 
@@ -258,6 +279,32 @@ def io_threads(fd_limit: int | None = None) -> int:
     return 2 if fd_limit >= 8192 else 1
 
 
+def _open_below(max_peers: int) -> int:
+    """Rule 5's mark: peers under which the listener may stay open (0: never)."""
+    return max_peers // 2 if max_peers >= _OPEN_MIN_PEERS else 0
+
+
+def _fd_limit() -> int:
+    """This process's soft RLIMIT_NOFILE now (another process may change it: rule 6)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 30
+
+
+def _open_fds(limit: int) -> int | None:
+    """How many fds this process has open (leaving out the one listdir
+    itself opens); `limit` when listing needs an fd there is none for (the
+    table is full); None where it cannot be told without opening one per fd
+    (no /proc/self/fd nor /dev/fd)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder)) - 1
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return limit  # EMFILE or ENFILE: as full as it gets
+    return None
+
+
 def listen_backlog(max_peers: int) -> int:
     """The listener's backlog: libzmq's default (100), less under a small cap.
     While the gate has the listener open, what waits there is accepted in one
@@ -356,9 +403,10 @@ class PeerGate(threading.Thread):
         super().__init__(name="kvd-peers", daemon=True)
         self.monitor = monitor
         self._monitor_fd = monitor.getsockopt(zmq.FD) if monitor is not None else -1
+        self.wanted_peers = max_peers  # the cap asked for; max_peers is it under the current fd limit (rule 6)
         self.max_peers = max_peers
         # Rule 5: under this many peers (and closing), the listener stays open.
-        self.open_below = max_peers // 2 if max_peers >= _OPEN_MIN_PEERS else 0
+        self.open_below = _open_below(max_peers)
         self.ceiling = ceiling
         self.stall_seconds = stall_seconds
         self.over_unit = max(1, over_unit)
@@ -374,10 +422,13 @@ class PeerGate(threading.Thread):
         self._real: int | None = None  # our duplicate of it, which keeps the real listener alive
         self._empty: socket.socket | None = None  # what the listener fd points at while paused
         self.paused = False
-        self.fd_alarm = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - _RESERVE_FDS
+        self.fd_limit = self.start_fd_limit = _fd_limit()
+        self.fd_alarm = self.fd_limit - _RESERVE_FDS
+        self.own_fds: int | None = None  # fds held besides peers', counted while the limit is lowered (rule 6)
+        self._own_counted_at = float("-inf")
         self.sockname = None  # the listener's address: what a peer's fd reports as its own
         self.counters = dict.fromkeys(
-            ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "high_water", "pauses"), 0
+            ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "high_water", "pauses", "fd_limit_changes"), 0
         )
         self._halt = threading.Event()
         self.armed = threading.Event()  # the listener is paused outside _admit (see _event)
@@ -436,6 +487,7 @@ class PeerGate(threading.Thread):
                     next_sample = self.clock() + self.tick
                     self._expire_closing()
                     self._drain()
+                    self._follow_fd_limit()
                     self._balance()
                     self._watch_memory()
                     self._log_shedding()
@@ -460,13 +512,65 @@ class PeerGate(threading.Thread):
 
     def _room(self) -> int:
         """Connections libzmq may still accept: the cap less the peers, and less
-        those shed but not closed yet (they still hold their fds)."""
-        return self.max_peers - len(self.peers) - len(self.closing)
+        those shed but not closed yet (they still hold their fds); under a
+        lowered fd limit, no more than the fds left allow (rule 6)."""
+        room = self.max_peers - len(self.peers) - len(self.closing)
+        return room if self.own_fds is None else min(room, self._fd_room())
+
+    def _fd_room(self) -> int:
+        """Under a lowered fd limit: half the fds the daemon's own leave, less
+        the peers and those closing. The other half is for what libzmq takes
+        in a window beyond the room and for the daemon's own new files."""
+        assert self.own_fds is not None
+        return (self.fd_limit - self.own_fds) // 2 - len(self.peers) - len(self.closing)
+
+    def _fds_shed_ok(self) -> bool:
+        """Under a lowered fd limit, may peers be shed for fds (rule 6)? Not
+        when the limit leaves the daemon fewer than `_TIGHT_FDS` beyond its
+        own: a shed peer reconnects, and libzmq's accept() needs a free fd
+        even to find nothing waiting (Linux takes the fd first), so freeing
+        one or two would only turn an idle peer into an abort."""
+        return self.own_fds is not None and self.fd_limit - self.own_fds >= _TIGHT_FDS
+
+    def _follow_fd_limit(self) -> None:
+        """Rule 6: recompute the cap, rule 5's mark and the alarm when the fd
+        limit changed; while it is below the one at start, recount the fds
+        the daemon holds besides its peers' (on a change, then once a second)."""
+        limit = _fd_limit()
+        changed = limit != self.fd_limit
+        if changed:
+            self.fd_limit = limit
+            self.fd_alarm = limit - _RESERVE_FDS
+            self.max_peers = min(self.wanted_peers, default_max_peers(limit))
+            self.open_below = _open_below(self.max_peers)
+            self.counters["fd_limit_changes"] += 1
+        if limit >= self.start_fd_limit:
+            self.own_fds = None
+        elif changed or self.clock() - self._own_counted_at >= 1.0:
+            self._own_counted_at = self.clock()
+            held = _open_fds(limit)
+            self.own_fds = None if held is None else max(0, held - len(self.peers) - len(self.closing))
+            if self.own_fds is None:
+                self.fd_alarm = min(self.fd_alarm, limit // 2)  # no count to go by: pause at every accept past half
+        if changed:
+            self._steer()
+            if self.own_fds is not None and not self._fds_shed_ok():
+                log.error(
+                    "fd limit %d leaves %d fds beyond the %d the daemon holds: no peer can be admitted safely "
+                    "(libzmq aborts when accept() finds no free fd); raise it", limit, limit - self.own_fds, self.own_fds,
+                )
+            log.warning(
+                "fd limit changed to %d: max_peers=%d (asked %d)%s", limit, self.max_peers, self.wanted_peers,
+                "" if self.own_fds is None else f", {self.own_fds} fds held besides peers: room for {max(0, self._fd_room())} more",
+            )
+            self._balance()
 
     def _make_room(self) -> None:
         """Connections wait and the table is full: shed the oldest idle (rule 1),
         an eighth of the cap at a time; those waiting are admitted once libzmq
         has closed them."""
+        if self.own_fds is not None and not self._fds_shed_ok():
+            return  # rule 6: the newcomer could not be accepted safely either
         shed = sum(self._shed(fd) for fd in self.victims()[: max(1, self.max_peers // 8)])
         self.counters["shed_over_cap"] += shed
         self._shed_unlogged += shed
@@ -592,8 +696,9 @@ class PeerGate(threading.Thread):
         self.paused = False
 
     def _balance(self) -> None:
-        """Shed down to the cap (the listener is paused outside `_admit`)."""
-        if len(self.peers) > self.max_peers:
+        """Shed down to the cap, and under a lowered fd limit down to what the
+        fds allow (the listener is paused outside `_admit`)."""
+        if len(self.peers) > self.max_peers or (self._fds_shed_ok() and self._fd_room() < 0):
             self._shed_over_cap()
 
     def _drain(self) -> int:
@@ -635,6 +740,8 @@ class PeerGate(threading.Thread):
 
     def _shed_over_cap(self) -> None:
         excess = len(self.peers) - self.max_peers
+        if self._fds_shed_ok():
+            excess = max(excess, -self._fd_room())
         if excess <= 0:
             return
         # A sixteenth more than the excess: a burst over the cap then costs one

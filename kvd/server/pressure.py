@@ -22,9 +22,13 @@ the `pressure_source` setting:
             in which some task waited for memory); and the cgroup the daemon
             runs in, v2 (memory.max / memory.current) or v1
             (memory.limit_in_bytes / memory.usage_in_bytes), each level up
-            to the root, counting the working set (usage less inactive file
-            cache, which the kernel reclaims first -- the SSD tier's own
-            reads would otherwise look like pressure).
+            to the root, counting the working set: anonymous memory plus
+            shared memory (v2 memory.stat anon + shmem, v1 total_rss +
+            total_shmem), never the file cache, active or not, which the
+            kernel reclaims before it kills anyone -- the SSD tier's own
+            writes and reads fill it, and its active part had counted as
+            pressure and cut the RAM budget to the floor. Where memory.stat
+            lacks those keys: usage less inactive file cache.
     macOS   sysctl kern.memorystatus_vm_pressure_level via ctypes (the
             kernel's own level: 1 normal, 2 warn, 4 critical) and hw.memsize.
             Not exercised by the test suite (it runs on Linux).
@@ -144,19 +148,39 @@ class _Cgroup:
         # cgroup v1 says "no limit" with a huge page-aligned number.
         return None if raw is None or raw >= 1 << 60 else raw
 
+    # memory.stat's keys for what the kernel cannot drop to make room:
+    # anonymous memory and shared memory (tmpfs, /dev/shm: the shm plane).
+    # v1's rss is anonymous only (shmem is in its cache); total_* count the subtree.
+    _HELD = {True: ("anon", "shmem"), False: ("total_rss", "total_shmem")}
+
     def working_set(self) -> int | None:
+        """Bytes the cgroup holds that reclaim cannot free: anonymous plus
+        shared memory (module docstring). The file cache, active or
+        inactive, is not counted: the kernel drops it before it OOM-kills,
+        and the SSD tier's own files would otherwise count as pressure.
+        Without those keys in memory.stat: usage less inactive file cache."""
+        stat = self._stat()
+        held = self._HELD[self.v2]
+        if all(k in stat for k in held):
+            return sum(stat[k] for k in held)
         used = _read_int(self.path / ("memory.current" if self.v2 else "memory.usage_in_bytes"))
         if used is None:
             return None
-        inactive = 0
+        return max(0, used - stat.get("inactive_file" if self.v2 else "total_inactive_file", 0))
+
+    def _stat(self) -> dict[str, int]:
+        """memory.stat as numbers; empty if it cannot be read."""
+        out: dict[str, int] = {}
         try:
             for line in (self.path / "memory.stat").read_text().splitlines():
                 k, _, v = line.partition(" ")
-                if k == ("inactive_file" if self.v2 else "total_inactive_file"):
-                    inactive = int(v)
-        except (OSError, ValueError):
+                try:
+                    out[k] = int(v)
+                except ValueError:
+                    continue
+        except OSError:
             pass
-        return max(0, used - inactive)
+        return out
 
 
 def _mounts() -> tuple[Path | None, Path | None]:
