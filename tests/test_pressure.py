@@ -129,12 +129,17 @@ def test_a_real_cgroups_active_page_cache_is_not_its_working_set(tmp_path):
             pytest.skip(f"the kernel did not keep the file cache active ({active / MiB:.0f} MiB): nothing to tell apart")
         assert group.working_set() < 16 * MiB, stat  # the reader is gone: no anon, no shmem left
     finally:
-        for _ in range(50):
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove_cgroup(cg)
+
+
+def _remove_cgroup(cg) -> None:
+    """rmdir a cgroup once the kernel has let its last task go (it may take a moment)."""
+    for _ in range(50):
+        try:
+            cg.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def test_auto_ram_mb_rule():
@@ -326,9 +331,4 @@ def test_daemon_in_a_memory_limited_cgroup_yields_instead_of_being_killed(daemon
             d.stop()
         except Exception:
             pass
-        for _ in range(50):
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove_cgroup(cg)
