@@ -190,7 +190,9 @@ def test_a_read_that_finds_no_free_fd_is_a_miss_and_the_blob_stays(daemon_factor
         c.gc(ram_bytes=0)  # on the SSD tier only: a GET opens their blob files
         pid = d.proc.pid
         was = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")), was[1]))
+        held = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+        lowest_free = next(n for n in range(len(held) + 1) if n not in held)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, was[1]))  # the next open is EMFILE
         try:
             assert c.get(seqs[0]) is None  # no fd for the blob: a miss (on a connection made before)
         finally:
