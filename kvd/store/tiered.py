@@ -179,11 +179,9 @@ class TieredStore(Store):
             return [], []
         pending, failed = [], []
         queue = self.ssd.queue
-        entries = list(entries)
-        carried = {e.id for e in entries}
         # Held in RAM, or only in the queue (RAM let it go): waited for as if carried.
-        entries += [e for eid in also if eid not in carried and (e := self.ram.peek(eid) or queue.get(eid)) is not None]
-        for entry in entries:
+        held = [e for eid in also if (e := self.ram.peek(eid) or queue.get(eid)) is not None]
+        for entry in [*entries, *held]:
             eid = entry.id
             # The queue before the index: the writer commits, then leaves the queue.
             if eid in queue:
