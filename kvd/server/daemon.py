@@ -512,7 +512,7 @@ class Daemon:
             if msg.type in ("PUT", "SLOTS", "COMMIT") and self.write_through:
                 nbytes = self._waiting_bytes(msg, frames)
                 # A COMMIT's bytes were admitted with its SLOTS (and are in the arena by now).
-                if msg.type != "COMMIT" and (why := self._admit_waiting(identity, msg, nbytes)) is not None:
+                if msg.type != "COMMIT" and (why := self._admit_waiting(identity, nbytes)) is not None:
                     raise E.Busy(f"write-through: {why}; retry later")
             if msg.type in ("PUT", "SLOTS") and not self.write_through and self._refuse_put is not None:
                 # A shared-memory PUT is refused at SLOTS, before it takes arena
@@ -554,7 +554,7 @@ class Daemon:
             return sum(len(f) for f in frames) + (shm.lease_bytes(msg["lease"]) if shm is not None else 0)
         return sum(len(f) for f in frames)
 
-    def _admit_waiting(self, identity: bytes, msg: Message, nbytes: int) -> str | None:
+    def _admit_waiting(self, identity: bytes, nbytes: int) -> str | None:
         """Why a write-through PUT or SLOTS may not wait for the disk now, or
         None: `dirty_max_mb` bounds the PUTs waiting and the grants that will
         be such PUTs once committed."""
