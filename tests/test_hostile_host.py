@@ -60,12 +60,16 @@ def _remove_cgroup(group: Path) -> None:
             time.sleep(0.1)
 
 
-@pytest.mark.parametrize("tasks", [2, 4, 9])
+@pytest.mark.parametrize("tasks", [2, 4, 6])
 def test_a_start_refused_a_thread_is_one_line_and_exit_1(daemon_factory, tasks):
-    """2 tasks: the SSD writer cannot start (was a traceback); 4: libzmq's
-    threads (was SIGABRT); 9: one of bind's Python threads, after the plane
-    was made (was exit 4 and a /dev/shm folder left). Now `kvd serve` tries
-    the threads bind needs before libzmq starts its own, and stops there."""
+    """2 tasks: the SSD writer cannot start (was a traceback); 4 and 6:
+    libzmq's threads (was SIGABRT). Now `kvd serve` tries the threads bind
+    needs before libzmq starts its own, and stops there. (A limit just short
+    of what bind needs had also given exit 4 and left a /dev/shm folder; how
+    many that is depends on the host -- libzmq's I/O threads follow the fd
+    limit -- so a fixed limit cannot aim at it: a daemon that starts is no
+    verdict. 6 is below any daemon's need: main, writer, gate, libzmq's I/O
+    thread and reaper, pyzmq's collector, its context's two.)"""
     group = _pids_cgroup(tasks)
     try:
         d = daemon_factory("--ram-mb", "64", "--write-through", start=False)
