@@ -72,6 +72,8 @@ from typing import Callable
 
 import zmq
 
+from kvd.server.ratelog import now_and_then
+
 log = logging.getLogger("kvd.server.outbox")
 
 
@@ -249,7 +251,7 @@ class Outbox:
             sent = self._send(identity, parts)
         except (RuntimeError, zmq.ZMQError) as err:  # rule 5: no thread or fd for zero-copy frames
             self.counters["send_failures"] += 1
-            if self.counters["send_failures"] & (self.counters["send_failures"] - 1) == 0:
+            if now_and_then(self.counters["send_failures"]):
                 log.warning("cannot send a reply (%s; %d times so far): answering BUSY", err, self.counters["send_failures"])
             try:
                 return "busy" if self._send(identity, [identity, *busy()]) else "dropped"

@@ -29,6 +29,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+def now_and_then(n: int) -> bool:
+    """Log the 1st, 2nd, 4th, 8th, ... of a repeated failure counted `n`:
+    a few lines, never a flood, without a window to flush (for failures
+    with no key of their own, counted where they happen)."""
+    return n & (n - 1) == 0
+
+
 @dataclass(slots=True)
 class _Episode:
     opened: float

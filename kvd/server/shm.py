@@ -102,17 +102,13 @@ from kvd.protocol.shm import (
 )
 from kvd.server.freespace import FreeSpace
 from kvd.server.peers import PENDING_ALLOWANCE
+from kvd.server.ratelog import now_and_then
 from kvd.store.base import Entry
 
 log = logging.getLogger("kvd.server")
 
 _PAGE = mmap.PAGESIZE
 _MAX_SEGMENTS = 999_999  # segment indexes a run may use (kvd.protocol.shm.segment_name)
-
-
-def _now_and_then(n: int) -> bool:
-    """Log the 1st, 2nd, 4th, 8th, ... of a repeated failure: a few lines, never a flood."""
-    return n & (n - 1) == 0
 SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
 NONCE_FILE = "nonce"
 _RUN_DIR = re.compile(r"-[0-9a-f]{16}")  # a run's folder: the prefix and this
@@ -148,9 +144,13 @@ def _sizes(specs: list) -> list[list[int]]:
     return [[math.prod(t.shape) * dtypes.itemsize(t.dtype) for t in ts] for ts in specs]
 
 
+def _total(sizes: list[list[int]]) -> int:
+    return sum(align_up(n) for ns in sizes for n in ns)
+
+
 def asked_bytes(msg: Message) -> int:
     """The slot bytes a SLOTS request asks for (what its PUT will store)."""
-    return sum(align_up(n) for ns in _sizes(_specs(msg)) for n in ns)
+    return _total(_sizes(_specs(msg)))
 
 
 def _held_bytes(msg: Message, meta_bytes: int) -> int:
@@ -243,7 +243,7 @@ class Arena:
                     found = self._grow(size)
                 except OSError as err:  # no memory for a segment, the folder gone: frames instead
                     self.counters["grow_failures"] += 1
-                    if _now_and_then(self.counters["grow_failures"]):
+                    if now_and_then(self.counters["grow_failures"]):
                         log.warning("cannot add a shared-memory segment (%d times so far): %s",
                                     self.counters["grow_failures"], err)
                     found = None
@@ -328,7 +328,7 @@ class Arena:
             os.posix_fallocate(self._fds[seg], off, size)
         except OSError as err:
             self._reserve_failures += 1
-            if _now_and_then(self._reserve_failures):
+            if now_and_then(self._reserve_failures):
                 log.warning("cannot reserve %d bytes of shared memory (%d times so far): %s",
                             size, self._reserve_failures, err)
             return False
@@ -830,7 +830,7 @@ class ShmPlane:
         if not specs:
             raise BadField("SLOTS without chunks or boundary places nothing; send a PUT")
         sizes = _sizes(specs)
-        total = sum(align_up(n) for ns in sizes for n in ns)
+        total = _total(sizes)
         if total > max_bytes:
             raise BadField(f"SLOTS asks for {total} bytes; one request may cover {max_bytes}")
         # ns_meta waits packed: decoded, a 64 KiB map of maps is ~70x that.
