@@ -101,6 +101,121 @@ def test_ssd_quota_evicts_the_flooders_rows_and_spares_the_others(tmp_path):
         store.close()
 
 
+BLOB = 12288  # what one make_entry blob takes on disk
+
+
+def _ssd_with_quota(tmp_path, quota_blobs: int, ssd_blobs: int = 4096):
+    store = open_store(2 * ENTRY, tmp_path, ssd_bytes=ssd_blobs * BLOB, min_free_bytes=0)
+    quotas = Quotas([Rule("flood", ssd_bytes=quota_blobs * BLOB)])
+    quotas.attach(store)
+    return store, store.ssd, quotas
+
+
+def test_a_lookup_that_finds_nothing_leases_nothing(tmp_path):
+    """A lease protects a LOOKUP's yes until its GET. The PUT after a LOOKUP
+    that said no is written behind; had the no been leased, that fresh row
+    could not be evicted for `lease_s`, and a tier filling faster than that
+    dropped every new chunk ("budget_leased", "quota") and kept the old."""
+    store = open_store(2 * ENTRY, tmp_path, ssd_bytes=4 * BLOB, min_free_bytes=0, write_through=True)
+    try:
+        entries = [make_entry(i, ns="busy") for i in range(10)]
+        for e in entries:
+            assert store.held([e.id]) == [False]  # the client's LOOKUP before its PUT
+            store.put(e)
+            store.flush()
+        ssd = store.stats()["tiers"]["ssd"]
+        assert "budget_leased" not in ssd["drop_reasons"], ssd["drop_reasons"]
+        assert [store.ssd.has_row(e.id) for e in entries] == [False] * 6 + [True] * 4  # the newest kept
+        # A yes is still leased: the held entry survives the room made for others.
+        assert store.held([entries[6].id]) == [True]
+        for i in range(10, 14):
+            store.put(make_entry(i, ns="busy"))
+            store.flush()
+        assert store.ssd.has_row(entries[6].id) and not store.ssd.has_row(entries[7].id)
+    finally:
+        store.close()
+
+
+def test_a_group_that_cannot_make_room_costs_no_commit_per_chunk(tmp_path):
+    """Every row of the flooding group leased (their LOOKUPs said yes): its
+    new chunks are dropped, and that must not cost a synced commit each (the
+    writer fell to ~200 chunks/s for every namespace, and a clean stop left
+    other namespaces' acknowledged chunks unwritten)."""
+    store, ssd, quotas = _ssd_with_quota(tmp_path, quota_blobs=4)
+    try:
+        held = [make_entry(i, ns="flood") for i in range(4)]
+        ssd.write_batch(held)
+        assert ssd.lease_many([e.id for e in held]) == [True] * 4
+        batch = [make_entry(100 + i, ns=("flood" if i % 2 else "other")) for i in range(32)]
+        txn0 = ssd.index.env.info()["last_txnid"]
+        ssd.write_batch(batch)
+        commits = ssd.index.env.info()["last_txnid"] - txn0
+        assert commits <= 2, f"{commits} write transactions for one batch"
+        assert all(ssd.has_row(e.id) for e in batch if e.namespace == "other")
+        assert not any(ssd.has_row(e.id) for e in batch if e.namespace == "flood")
+        assert all(ssd.has_row(e.id) for e in held)
+        assert ssd.drop_reasons == {"quota": 16}
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("others", [200, 2000])
+def test_the_quota_walk_does_not_grow_with_other_namespaces(tmp_path, monkeypatch, others):
+    """The group's oldest rows are found without walking every older row of
+    every other namespace for each batch (a quota'd flooder on a tier of a
+    million rows: seconds of the writer's time a batch)."""
+    store, ssd, quotas = _ssd_with_quota(tmp_path, quota_blobs=8)
+    walked = [0]
+    oldest_rows = type(ssd.index).oldest_rows
+
+    def counted(index, txn, start=None):
+        for item in oldest_rows(index, txn, start):
+            walked[0] += 1
+            yield item
+
+    try:
+        for k in range(0, others, 500):
+            ssd.write_batch([make_entry(10_000 + i, ns="other") for i in range(k, min(others, k + 500))])
+        monkeypatch.setattr(type(ssd.index), "oldest_rows", counted)
+        n = 0
+        for _ in range(3):  # the first batches find the group's rows once
+            ssd.write_batch([make_entry(n + i, ns="flood") for i in range(8)])
+            n += 8
+        walked[0] = 0
+        for _ in range(5):
+            ssd.write_batch([make_entry(n + i, ns="flood") for i in range(8)])
+            n += 8
+        st = store.stats()
+        assert st["namespaces"]["other"]["ssd_entries"] == others
+        assert 0 < st["namespaces"]["flood"]["ssd_bytes"] <= 8 * BLOB
+        assert quotas.evictions["flood", "ssd"] >= 5 * 8 - 8
+        assert walked[0] <= 5 * 2 * 16, f"{walked[0]} rows walked for 5 batches of 8 beside {others} other rows"
+    finally:
+        store.close()
+
+
+def test_a_row_put_below_where_the_walk_resumes_is_still_evicted_first(tmp_path):
+    """A row can enter the recency order below the place the group's walk
+    resumes at (a clock stepped back, a repaired row's old atime): the walk
+    then starts from the oldest again, and that row goes first."""
+    store, ssd, quotas = _ssd_with_quota(tmp_path, quota_blobs=8)
+    try:
+        n = 0
+        for _ in range(3):
+            ssd.write_batch([make_entry(n + i, ns="flood") for i in range(8)])
+            n += 8
+        clock = ssd._clock
+        ssd._clock = lambda: clock() - 3600.0  # an hour back, for one batch
+        old = make_entry(999, ns="flood")
+        ssd.write_batch([old])
+        ssd._clock = clock
+        assert ssd.has_row(old.id)
+        ssd.write_batch([make_entry(n + i, ns="flood") for i in range(4)])
+        assert not ssd.has_row(old.id)
+    finally:
+        store.close()
+
+
 def test_two_namespaces_one_flooding_through_a_daemon(daemon_factory, tmp_path):
     d = daemon_factory(start=False)
     d.config.write_text('[quota."flood-*"]\nram_mb = 1\n')

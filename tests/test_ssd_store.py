@@ -245,6 +245,58 @@ def test_contains_never_lies_while_writer_evicts(tmp_path, stores):
     assert c["hits"] - c["queue_hits"] > 100, "reads never raced the evicting writer on disk"
 
 
+def test_lease_found_leases_the_yes_answers_unless_an_eviction_began(tmp_path):
+    """A batch LOOKUP looks, then leases what it found (a no leased would pin
+    the row its PUT writes next): safe only if no eviction began in between;
+    one in progress still answers no for its victims."""
+    clock = FakeClock()
+    ssd = SsdStore(tmp_path / "d", 1 << 20, min_free_bytes=0, background=False, clock=clock)
+    try:
+        ids = [bytes([i]) * 33 for i in range(4)]
+        since = ssd.evictions_begun
+        found = [True, False, True, True]
+        ssd._evicting.add(ids[3])  # being deleted this instant (marked before the look)
+        assert ssd.lease_found(ids, found, since)
+        assert found == [True, False, True, False]
+        assert [ssd.leased(e) for e in ids] == [True, False, True, False]
+        ssd._evicting.clear()
+        ssd.write_batch([make_entry(0)])
+        since = ssd.evictions_begun
+        ssd.evict_rows([make_entry(0).id], "budget")  # begins (and ends) between the look and the lease
+        found = [True, True, True, True]
+        assert not ssd.lease_found(ids, found, since)
+        assert found == [True] * 4 and not ssd.leased(ids[1])
+    finally:
+        ssd.close()
+
+
+def test_held_never_lies_while_writer_evicts(tmp_path, stores):
+    """As `contains` below, for the batch lookup a LOOKUP makes: every yes is served."""
+    entries = [make_entry(i, tokens=4) for i in range(300)]
+    now = [1_000_000.0]  # time is the test's, as in test_contains_never_lies_while_writer_evicts
+    store = stores(
+        charged(entries[0]) * 2, tmp_path, ssd_bytes=20 * 4096, durable=False, lease_s=0.005, clock=lambda: now[0]
+    )
+    rng = np.random.default_rng(1)
+    served = 0
+    for i, e in enumerate(entries):
+        now[0] += 0.001
+        store.put(e)
+        if i % 8 == 7:
+            assert store.flush(10)
+        asked = [entries[j] for j in rng.integers(max(0, i - 24), i + 1, size=6)]
+        for a, yes in zip(asked, store.held([a.id for a in asked])):
+            if yes:
+                got = store.get(a.id)
+                assert got is not None, (dict(store.ssd.counters), dict(store.ssd.drop_reasons))
+                assert_same(got, a)
+                served += 1
+    assert store.flush(10)
+    c = store.ssd.counters
+    assert served > 1000 and c["evictions"] > 200
+    assert c["hits"] - c["queue_hits"] > 100, "reads never raced the evicting writer on disk"
+
+
 def test_tails_from_every_tier_and_after_restart(tmp_path, stores):
     parent = make_entry(0).key
     tails = [make_entry(100 + n, tokens=n, tail=True, parent=parent) for n in (3, 5, 7)]

@@ -137,6 +137,13 @@ class Index(Env):
         # Rows found undecodable by any reader; the SSD tier's writer repairs
         # them (`drop_damaged`). A set: adding is atomic under the GIL.
         self.damaged: set[bytes] = set()
+        # A walk of the recency order may resume where it stopped (quota.py)
+        # only if no key has been put below that place since: `lru_guard` is
+        # the lowest place a walk will resume at, `lru_moves` counts the keys
+        # put below it (a touch recorded before a clock step back, a repaired
+        # row's old atime); a walk that sees it change starts from the oldest.
+        self.lru_guard: bytes | None = None
+        self.lru_moves = 0
 
     def _check_format(self) -> None:
         with self.env.begin(db=self.meta, write=not self.readonly) as txn:
@@ -172,17 +179,27 @@ class Index(Env):
         """(atime, eid) from least to most recently used. An eid whose row is
         damaged is skipped (and remembered in `damaged`): callers go on to
         `get` its row, and eviction must not stumble on garbage."""
-        for k in txn.cursor(db=self.lru).iternext(keys=True, values=False):
+        for k, eid, _ in self.oldest_rows(txn):
+            yield struct.unpack_from(">Q", k)[0] / 1e6, eid
+
+    def oldest_rows(self, txn, start: bytes | None = None) -> Iterator[tuple[bytes, bytes, Row]]:
+        """(recency key, eid, row) from least to most recently used, from the
+        first recency key >= `start` if given (see `lru_guard`); damaged rows
+        skipped as in `oldest`."""
+        cur = txn.cursor(db=self.lru)
+        if start is not None and not cur.set_range(start):
+            return
+        for k in cur.iternext(keys=True, values=False):
             eid = bytes(k[8:])
             raw = txn.get(eid, db=self.rows)
             if raw is None:
                 continue  # a stray recency key (a repaired row's): nothing to evict
             try:
-                Row.unpack(raw)
+                row = Row.unpack(raw)
             except RowDamaged:
                 self.damaged.add(eid)
                 continue
-            yield struct.unpack_from(">Q", k)[0] / 1e6, eid
+            yield bytes(k), eid, row
 
     def tails(self, txn, parent: bytes) -> list[tuple[int, bytes]]:
         out = []
@@ -237,11 +254,16 @@ class Index(Env):
         """Insert `row`; False (nothing changed) if `eid` already has one."""
         if not txn.put(eid, row.pack(), db=self.rows, overwrite=False):
             return False
-        txn.put(_lru_key(row.atime, eid), b"", db=self.lru)
+        self._put_lru(txn, _lru_key(row.atime, eid))
         if row.tail and row.kind == 0:
             txn.put(_tail_key(row.parent, row.length, eid[:32]), b"", db=self.tails_db)
         self._bump(txn, row.ns, 1, row.disk_bytes, row.length if row.kind == 0 else 0, row.atime)
         return True
+
+    def _put_lru(self, txn, key: bytes) -> None:
+        txn.put(key, b"", db=self.lru)
+        if self.lru_guard is not None and key < self.lru_guard:
+            self.lru_moves += 1
 
     def delete_row(self, txn, eid: bytes) -> Row | None:
         """Remove the row of `eid` (and its lru/tail/ns/totals traces). Returns it, or None."""
@@ -313,6 +335,6 @@ class Index(Env):
         txn.delete(_lru_key(row.atime, eid), db=self.lru)
         row.atime = atime
         txn.put(eid, row.pack(), db=self.rows)
-        txn.put(_lru_key(atime, eid), b"", db=self.lru)
+        self._put_lru(txn, _lru_key(atime, eid))
         self._bump(txn, row.ns, 0, 0, 0, atime)
         return True

@@ -29,10 +29,13 @@ Enforcement, per tier, when an entry of a quota'd group arrives:
 
 So a namespace flooding the cache pushes out its own entries and leaves
 everyone else's alone, as long as the quotas add up to less than the tier.
-Finding a group's oldest entries walks the tier's LRU order from its old
-end, skipping other groups: cheap when the flooder's entries are the old
-ones (the usual case), O(entries) at worst, on the daemon thread for RAM
-and on the writer thread for SSD.
+Finding a group's oldest entries walks the tier's LRU order, skipping other
+groups. In RAM (the daemon thread) the walk starts at the old end: cheap when
+the flooder's entries are the old ones, O(entries) at worst. On SSD (the
+writer thread, where a tier of a million rows would make that seconds a
+batch) each group's walk resumes at the first of its rows the last one met,
+and a group that could not make room is not walked again until the writer
+commits (`make_room_ssd`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ class Quotas:
         self._prefixes = sorted((r for r in self.rules if r.prefix), key=lambda r: -len(r.pattern))
         self._cache: dict[str, Rule | None] = {}
         self.evictions: dict[tuple[str, str], int] = {}  # (pattern, tier) -> entries evicted for the quota
+        # SSD writer's: where each group's next walk of the LRU begins (and the
+        # index's lru_moves then), and the needs that failed since its last commit.
+        self._ssd_from: dict[str, tuple[bytes | None, int]] = {}
+        self._ssd_failed: dict[str, int] = {}
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -169,19 +176,34 @@ class Quotas:
         self._count(rule, "ram", len(victims))
 
     # -- SSD (writer thread) -----------------------------------------------------
+    def reset_failures(self) -> None:
+        """The SSD writer starts a batch, or committed part of one: rows that
+        stood in the way may be evictable now (see `make_room_ssd`)."""
+        self._ssd_failed.clear()
+
     def make_room_ssd(self, ssd: Any, entry: Any, need: int, written: list) -> bool:
         """Evict the oldest committed rows of `entry`'s group until `need` more
         bytes fit its SSD quota, counting the batch's `written` (eid, row)s not
         yet committed. False if that cannot be done (the entry alone is over the
-        quota, or only uncommitted or leased rows stand in the way)."""
+        quota, or only uncommitted or leased rows stand in the way).
+
+        What it costs does not grow with the tier: the walk for a group
+        resumes at the group's first row it left the last time (every row of
+        the group lies past it, as long as the index's `lru_moves` says no key
+        went below it), not at the oldest of every namespace's rows; and once
+        a group could not make room, a need as large fails at once until the
+        writer commits (`reset_failures`): a flood whose rows are all leased
+        cost the writer a walk (or two) per chunk, and it fell to ~200
+        chunks/s for every namespace."""
         rule = self.rule_for(entry.namespace)
         if rule is None or rule.ssd_bytes is None:
             return True
-        if need > rule.ssd_bytes:
+        if need > rule.ssd_bytes or need >= self._ssd_failed.get(rule.pattern, rule.ssd_bytes + 1):
             return False
+        index = ssd.index
         pending = {eid for eid, _ in written}
-        with ssd.index.reading() as txn:
-            used = sum(v["bytes"] for ns, v in ssd.index.namespaces(txn).items() if self.rule_for(ns) is rule)
+        with index.reading() as txn:
+            used = sum(v["bytes"] for ns, v in index.namespaces(txn).items() if self.rule_for(ns) is rule)
             used += sum(row.disk_bytes for _, row in written if self.rule_for(row.ns) is rule)
             over = used + need - rule.ssd_bytes
             if over <= 0:
@@ -191,21 +213,35 @@ class Quotas:
             # of the LRU per chunk had slowed the writer to ~150 chunks/s,
             # and a stop then left acknowledged chunks of every namespace).
             want = over + rule.ssd_bytes // 10
-            victims, freed = [], 0
-            for _, eid in ssd.index.oldest(txn):
+            start, moves = self._ssd_from.get(rule.pattern, (None, -1))
+            if moves != index.lru_moves:
+                start = None
+            victims, freed, first = [], 0, None
+            for key, eid, row in index.oldest_rows(txn, start):
                 if freed >= want:
                     break
+                if self.rule_for(row.ns) is not rule:
+                    continue
+                first = first or key
                 if eid in pending or ssd.leased(eid):
                     continue
-                row = ssd.index.get(txn, eid)
-                if row is not None and self.rule_for(row.ns) is rule:
-                    victims.append(eid)
-                    freed += row.disk_bytes
+                victims.append(eid)
+                freed += row.disk_bytes
+        # The group's first row met (evicted or not) is where its next walk begins.
+        self._ssd_from[rule.pattern] = (first or start, index.lru_moves)
+        marks = [k for k, _ in self._ssd_from.values() if k is not None]
+        index.lru_guard = min(marks) if marks else None
         if freed < over:
+            self._ssd_failed[rule.pattern] = need
             return False
         n, _ = ssd.evict_rows(victims, "quota")
         self._count(rule, "ssd", n)
         return n == len(victims)
+
+    def pending_in_group(self, entry: Any, written: list) -> bool:
+        """Whether `written` (a batch's uncommitted (eid, row)s) holds rows of `entry`'s group."""
+        rule = self.rule_for(entry.namespace)
+        return any(self.rule_for(row.ns) is rule for _, row in written)
 
     def make_room_ssd_for(self, ssd: Any, items: list[tuple[Any, int]]) -> None:
         """Before a batch: for each group, room for all of its (entry, bytes)

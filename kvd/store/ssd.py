@@ -35,7 +35,11 @@ eviction, (b) an explicit admin evict/drop, or (c) failing its checksum.
     drops any leased since and marks the rest `_evicting` until their rows
     are gone; `lease` refuses an entry being evicted. So a lease and an
     eviction are ordered: either the lease came first and the entry stays,
-    or the eviction did and `contains` answers no.
+    or the eviction did and `contains` answers no. Only a yes keeps its
+    lease (`release`): a no leased would keep the row its PUT writes next
+    from eviction. A LOOKUP's batch looks first and leases what it found
+    (`lease_found`), which is safe as long as no eviction began in between
+    (`evictions_begun`); if one did, it leases first and looks again.
   * What remains is (b), which is explicit, and (c), which no design can
     hide: both are counted.
 
@@ -106,6 +110,7 @@ steps, interleaved with spills.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import operator
 import os
@@ -243,6 +248,7 @@ class SsdStore(Store):
         self._bad_rows_told = False  # a bad row was logged since the last sweep (_repair_rows sums up the rest)
         self._leases: dict[bytes, float] = {}
         self._evicting: set[bytes] = set()  # victims whose rows are being deleted
+        self.evictions_begun = 0  # evictions marked `_evicting` so far (TieredStore.held)
         self._lease_sweep_at = 4096
         self._next_touch_flush = 0.0
         self._next_file_check = 0.0
@@ -352,6 +358,37 @@ class SsdStore(Store):
                 self._leases = {k: t for k, t in self._leases.items() if t > now}
                 self._lease_sweep_at = max(4096, 2 * len(self._leases))
         return out
+
+    def lease_found(self, eids: Sequence[bytes], found: list[bool], since: int) -> bool:
+        """Lease those of `eids` that `found` says are held, if no eviction
+        began since `since` (`evictions_begun` read before they were looked
+        up): then none of them can have gone in between, and those being
+        evicted still are answered no (`found` is changed in place). False,
+        with nothing leased, if one began: look again, lease first
+        (TieredStore.held)."""
+        until = self._clock() + self.lease_s
+        with self._mu:
+            if self.evictions_begun != since:
+                return False
+            if self._evicting:
+                evicting = self._evicting
+                found[:] = [ok and eid not in evicting for eid, ok in zip(eids, found)]
+            self._leases.update(dict.fromkeys(itertools.compress(eids, found), until))
+            if len(self._leases) > self._lease_sweep_at:
+                now = until - self.lease_s
+                self._leases = {k: t for k, t in self._leases.items() if t > now}
+                self._lease_sweep_at = max(4096, 2 * len(self._leases))
+        return True
+
+    def release(self, eids: Iterable[bytes]) -> None:
+        """Take back the leases of `eids`: a LOOKUP found them held nowhere.
+        A lease protects a yes; one on a no would keep the row written for it
+        later from eviction for `lease_s` (under a flood, every fresh row: the
+        budget and the quotas then dropped new chunks instead of old ones)."""
+        with self._mu:
+            pop = self._leases.pop
+            for eid in eids:
+                pop(eid, None)
 
     def has_row(self, eid: bytes) -> bool:
         """Whether a committed blob exists for `eid` (ignores the queue)."""
@@ -622,6 +659,7 @@ class SsdStore(Store):
             if self.prefetching:
                 self._prefetch(batch)
             if self.quotas is not None:
+                self.quotas.reset_failures()
                 self.quotas.make_room_ssd_for(self, [(e, blobfile.estimate_disk_bytes(e)) for e in batch])
             planned = 0
             for i, entry in enumerate(batch):
@@ -642,11 +680,15 @@ class SsdStore(Store):
                     self._drop(entry, "low_space")
                     continue
                 if self.quotas is not None and not self.quotas.make_room_ssd(self, entry, est, written):
-                    # As below: this batch's own uncommitted blobs may be what stands in the way.
-                    if written:
+                    # As below: this batch's own uncommitted blobs of the group may
+                    # be what stands in the way (a commit only for those: a synced
+                    # commit per chunk had slowed the writer for everyone).
+                    fits = False
+                    if self.quotas.pending_in_group(entry, written):
                         committed += self._commit(self._synced(written, batch))
                         written, planned = [], 0
-                    if not self.quotas.make_room_ssd(self, entry, est, written):
+                        fits = self.quotas.make_room_ssd(self, entry, est, written)
+                    if not fits:
                         self._drop(entry, "quota")
                         continue
                 if not self._make_room(est + planned, protect={e for e, _ in written}):
@@ -878,6 +920,8 @@ class SsdStore(Store):
                     self.drop_reasons["write_error"] = self.drop_reasons.get("write_error", 0) + 1
             return 0
         self.entries, self.bytes = totals
+        if self.quotas is not None:
+            self.quotas.reset_failures()  # committed rows may be evictable now
         with self._mu:
             self.counters["spills"] += len(added)
             self.counters["spill_bytes"] += sum(r.disk_bytes for _, r in added)
@@ -931,6 +975,7 @@ class SsdStore(Store):
             if any(self.leased(eid) for eid in victims):
                 return False  # a LOOKUP just reported one: leave them all this time
             self._evicting.update(victims)
+            self.evictions_begun += 1
         try:
             self._remove(victims, "evictions", "budget")
         finally:
@@ -944,6 +989,7 @@ class SsdStore(Store):
         with self._mu:
             victims = [eid for eid in victims if not self.leased(eid)]
             self._evicting.update(victims)
+            self.evictions_begun += 1
         try:
             return self._remove(victims, "evictions", why)
         finally:
@@ -958,6 +1004,8 @@ class SsdStore(Store):
 
         rows, totals = self.index.write(delete)
         self.entries, self.bytes = totals
+        if self.quotas is not None:
+            self.quotas.reset_failures()  # room made: a group that had none may have some
         packed = []
         for eid, row in rows:
             if row.state == PACKED:
