@@ -366,7 +366,8 @@ SETTINGS: tuple[Setting, ...] = (
             "RAM lets go enters the queue regardless (dirty_max_mb bounds the bytes of both)."),
     Setting("dirty_max_mb", _int(1, MAX_MB), 256,
             "Bytes of stored chunks not yet on disk, in MiB: in write-back mode the backlog a stop "
-            "has to write (while it is full a PUT is answered BUSY); in write-through mode the most "
+            "has to write (while it is full, or would take the writer more than a third of "
+            "stop_timeout at its recent pace, a PUT is answered BUSY); in write-through mode the most "
             "that PUTs waiting for their fsync may hold (past it a PUT is answered BUSY)."),
     Setting("pack_max_kb", _int(0, MAX_KB), 64,
             "Chunks whose blob is at most this many KiB are packed into one LMDB file "

@@ -223,7 +223,10 @@ def test_sigterm_with_a_large_dirty_ram_tier_ends_within_stop_timeout(daemon_fac
     # Blobs in files: the pack writes 4 K small entries well within the second.
     d = daemon_factory("--ram-mb", "512", "--stop-timeout", "1", "--dirty-max-mb", "1024", "--spill-queue", "100000",
                        "--pack-max-kb", "0")
-    seqs = [_seq(200 + i, 32 * 1024) for i in range(2)]  # 64 K tokens in 16-token chunks: 4 K entries
+    # One PUT of 64 K tokens in 16-token chunks: 4 K entries. (A second would be
+    # refused: the backlog is bounded by time too, at the writer's pace; but a PUT
+    # into an empty backlog is taken whatever its size.)
+    seqs = [_seq(200, 64 * 1024)]
     with d.client("big", strict=True, chunk_tokens=16, timeout=60) as c:
         for s in seqs:
             assert c.put(s, prefix_snapshot(s))
@@ -246,6 +249,41 @@ def test_sigterm_with_a_large_dirty_ram_tier_ends_within_stop_timeout(daemon_fac
                 hit = c.get(s)
                 assert hit is not None and hit.n == n
                 assert_prefix_hit(hit, s)
+
+
+def test_a_clean_stop_after_a_flood_of_small_chunks_loses_nothing_acknowledged(daemon_factory):
+    """Write-back, small chunks stored much faster than the writer writes
+    them: `dirty_max_mb` (256 MiB by default) of 16-token chunks is a
+    backlog of minutes. The backlog is bounded by time too, at the writer's
+    recent pace: PUTs past a third of stop_timeout's worth are answered BUSY
+    (put() says False), so a clean stop right after writes every chunk it
+    acknowledged, and says nothing was left."""
+    # A file and an fsync per chunk (no pack): a disk far slower than the client.
+    d = daemon_factory("--ram-mb", "512", "--stop-timeout", "6", "--pack-max-kb", "0")
+    acked = []
+
+    def snap(s):  # small and quick to make: the client must outrun the writer
+        return Snapshot(sliced={"k": (HostTensor.from_numpy((s % 251).astype(np.uint8).reshape(1, -1, 1)), 1)})
+
+    with d.client("flood", chunk_tokens=16, timeout=30) as c:
+        for i in range(500):  # 64 chunks a PUT
+            s = _seq(1000 + i, 1024)
+            if c.put(s, snap(s)):
+                acked.append(s)
+        st = c.stats()["store"]
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(60) == 0
+    d.proc = None
+    assert "not persisted" not in d.log(), d.log()[-2000:]
+    d.start()
+    with d.client("flood", strict=True, chunk_tokens=16, timeout=30) as c:
+        missing = [j for j, s in enumerate(acked) if c.probe(s).n != len(s)]
+        assert not missing, f"{len(missing)} of {len(acked)} acknowledged PUTs not whole after a clean stop"
+        for s in acked[:: max(1, len(acked) // 8)]:
+            hit = c.get(s)
+            assert hit is not None and hit.n == len(s)
+            assert hit.sliced["k"].array.tobytes() == snap(s).sliced["k"][0].array.tobytes()
+    assert st["backlog_refusals"] > 0, f"the writer kept up ({st['dirty_entries']} dirty): this test needs a flood"
 
 
 @pytest.mark.parametrize("transport", ["frames", "shm"])

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvd.store.spill import Pace
 from kvd.store.ssd import SsdStore
 from kvd.store.tiered import open_store
 from kvd.store import blobfile
@@ -295,6 +296,44 @@ def test_held_never_lies_while_writer_evicts(tmp_path, stores):
     c = store.ssd.counters
     assert served > 1000 and c["evictions"] > 200
     assert c["hits"] - c["queue_hits"] > 100, "reads never raced the evicting writer on disk"
+
+
+def test_pace_is_the_writers_last_seconds():
+    pace = Pace(window_s=2.0, min_s=0.05)
+    assert pace.seconds_for(100, 1 << 20) is None  # nothing seen: no estimate
+    pace.observe(64, 64 << 10, 0.01)
+    assert pace.seconds_for(100, 1 << 20) is None  # too little to tell
+    for _ in range(4):
+        pace.observe(100, 100 << 10, 1.0)  # 100 chunks of 1 KiB a second
+    assert pace.seconds_for(300, 300 << 10) == pytest.approx(3.0)
+    assert pace.seconds_for(10, 100 << 20) == pytest.approx(1024.0)  # few chunks, many bytes: the bytes say
+    for _ in range(4):
+        pace.observe(1000, 1000 << 10, 1.0)  # faster now: the old seconds leave the window
+    assert pace.seconds_for(3000, 3000 << 10) == pytest.approx(3.0, rel=0.01)
+
+
+def test_write_back_backlog_is_bounded_by_time_at_the_writers_pace(tmp_path, stores):
+    """`dirty_max_mb` of small chunks can be minutes of writing; a stop has
+    `stop_timeout`. Past `flush_within_s` of writing at the writer's recent
+    pace, write-back PUTs are refused (the daemon answers BUSY)."""
+    store = stores(64 << 20, tmp_path, background=False, flush_within_s=2.0)  # no writer: the backlog stays
+    nbytes = make_entry(0).nbytes
+    assert store.refuse_put() is None
+    for i in range(300):
+        store.put(make_entry(i))
+    assert store.dirty() == (300, 300 * nbytes)
+    assert store.refuse_put() is None  # the pace is not known yet: only dirty_max_mb bounds it
+    store.ssd.writer.pace.observe(100, 100 * nbytes, 1.0)  # 100 chunks in the writer's last second
+    why = store.refuse_put()
+    assert why is not None and "300 chunks stored are not on disk yet: about 3.0 s" in why, why
+    assert store.counters["backlog_refusals"] == 1
+    store.ssd.writer.pace.observe(400, 400 * nbytes, 1.0)  # faster: 300 chunks are 1.2 s now
+    assert store.refuse_put() is None
+    # Write-through bounds its waiting PUTs otherwise (dirty_max_mb), never by this.
+    wt = stores(64 << 20, tmp_path / "wt", background=False, flush_within_s=0.001, write_through=True)
+    wt.ssd.writer.pace.observe(1, nbytes, 1.0)
+    wt.put(make_entry(0))
+    assert wt.refuse_put() is None
 
 
 def test_tails_from_every_tier_and_after_restart(tmp_path, stores):

@@ -32,6 +32,12 @@ write-through PUT parked in the daemon) learns which entries are now durable
 and which were dropped. Because `done()` comes first, an entry found in the
 queue again when the news arrives was queued anew, and the news is not about
 that copy.
+
+`Pace` keeps what the writer's recent batches took (entries, bytes, seconds
+of its time): how long the backlog would take to write at that pace is what
+the write-back PUTs are admitted against (TieredStore.refuse_put), so that a
+stop can write it within `stop_timeout` however slow the disk or the writer
+has become.
 """
 
 from __future__ import annotations
@@ -211,6 +217,39 @@ class Sink(Protocol):
 RETRIES = 3  # failures in a row before the writer gives a batch up
 
 
+class Pace:
+    """The writer's recent pace: its last batches' entries, bytes and
+    seconds, over about `window_s` of its busy time. Written by the writer,
+    read by the daemon's thread (one tuple, swapped whole)."""
+
+    def __init__(self, window_s: float = 2.0, min_s: float = 0.05, max_batches: int = 512):
+        self.window_s, self.min_s, self.max_batches = window_s, min_s, max_batches
+        self._batches: list[tuple[int, int, float]] = []
+        self.totals: tuple[int, int, float] = (0, 0, 0.0)  # (entries, bytes, seconds) of those batches
+
+    def observe(self, entries: int, nbytes: int, seconds: float) -> None:
+        """Writer thread: a batch of `entries` (`nbytes`) took `seconds`."""
+        batches = self._batches
+        batches.append((entries, nbytes, max(0.0, seconds)))
+        e, b, t = self.totals
+        e, b, t = e + entries, b + nbytes, t + max(0.0, seconds)
+        drop = 0
+        while len(batches) - drop > 1 and (t - batches[drop][2] >= self.window_s or len(batches) - drop > self.max_batches):
+            de, db, dt = batches[drop]
+            e, b, t, drop = e - de, b - db, t - dt, drop + 1
+        del batches[:drop]
+        self.totals = (e, b, t)
+
+    def seconds_for(self, entries: int, nbytes: int) -> float | None:
+        """About how long `entries` of `nbytes` would take the writer at its
+        recent pace (the larger of what their count and their bytes say), or
+        None if it has not worked long enough to tell."""
+        e, b, t = self.totals
+        if t < self.min_s or e <= 0:
+            return None
+        return max(entries * t / e, nbytes * t / b if b > 0 else 0.0)
+
+
 class Writer:
     """The SSD tier's only mutating thread. See the module docstring."""
 
@@ -234,6 +273,7 @@ class Writer:
         self._busy = False  # a batch or job is being worked on
         self._failures = 0  # batches failed in a row by an unexpected error
         self.abandoned = 0  # entries given up after RETRIES failures in a row (never written)
+        self.pace = Pace()  # what its batches took lately (see Pace)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -283,6 +323,7 @@ class Writer:
         it back to be taken again; after RETRIES in a row it is given up,
         counted (`abandoned`) and logged, and waiters hear it is not durable:
         an entry is never forgotten unsaid."""
+        t0 = time.perf_counter()
         try:
             self.sink.write_batch(batch)
         except Exception as exc:
@@ -300,6 +341,7 @@ class Writer:
             self._failures = 0
         self.queue.done(batch)
         self.sink.settled(batch)
+        self.pace.observe(len(batch), sum(e.nbytes for e in batch), time.perf_counter() - t0)
 
     def _run(self) -> None:
         more = True  # background work (e.g. reconcile) may be waiting

@@ -14,10 +14,12 @@ Policy table (data, not code paths):
              the entry waits in `behind` (oldest first) and `tick()` queues it
              when the writer has made room. The dirty backlog -- the queue
              and `behind` -- is bounded by bytes (the queue's `max_bytes`,
-             `dirty_max_mb`): while it is at the bound, `refuse_put()` says
-             why and the daemon answers write-back PUTs BUSY, so a stop has at
-             most that much to write and a client storing faster than the disk
-             writes is refused, not everyone stalled. Write-through: the
+             `dirty_max_mb`) and by time (`flush_within_s` of writing at the
+             writer's recent pace, spill.Pace): while it is at either bound,
+             `refuse_put()` says why and the daemon answers write-back PUTs
+             BUSY, so a stop has at most that much to write and a client
+             storing faster than the disk writes is refused, not everyone
+             stalled. Write-through: the
              queue takes it regardless (the daemon bounds the PUTs waiting on
              it) and `persist()` says which entries a PUT must wait for. An
              entry larger than the whole RAM budget goes to SSD directly.
@@ -72,11 +74,15 @@ class TieredStore(Store):
     """RAM over SSD; see the module docstring."""
 
     def __init__(
-        self, ram: RamStore, ssd: SsdStore, *, write_through: bool = False, promote_max_fraction: float = 0.25
+        self, ram: RamStore, ssd: SsdStore, *, write_through: bool = False, promote_max_fraction: float = 0.25,
+        flush_within_s: float | None = None,
     ):
         self.ram = ram
         self.ssd = ssd
         self.write_through = write_through
+        # Write-back: the backlog is also bounded by time, at the writer's
+        # recent pace (refuse_put); the daemon sets a third of stop_timeout.
+        self.flush_within_s = flush_within_s
         self.promote_max_bytes = int(ram.budget_bytes * promote_max_fraction)
         self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0, "ssd_served_bytes": 0,
                          "backlog_refusals": 0}
@@ -177,12 +183,25 @@ class TieredStore(Store):
     def refuse_put(self) -> str | None:
         """Write-back: why a PUT is refused now (the dirty backlog is at its
         bound, see PUT above; the refusal is counted), or None."""
+        if self.write_through:
+            return None
         queue = self.ssd.queue
         dirty = queue.bytes + self.behind_bytes
-        if self.write_through or dirty < queue.max_bytes:
+        if dirty >= queue.max_bytes:
+            self.counters["backlog_refusals"] += 1
+            return f"{dirty >> 20} MiB stored are {BACKLOG_FULL} (dirty_max_mb is {queue.max_bytes >> 20}): the disk is behind"
+        if self.flush_within_s is None or not dirty:
+            return None
+        # By time too: a stop must write the backlog within stop_timeout, and
+        # 256 MiB of 4 KiB chunks is 30 s of a writer at 2k chunks/s (a slow
+        # disk, a quota churning, a loaded machine: slower still).
+        n = len(queue) + len(self.behind)
+        seconds = self.ssd.writer.pace.seconds_for(n, dirty)
+        if seconds is None or seconds <= self.flush_within_s:
             return None
         self.counters["backlog_refusals"] += 1
-        return f"{dirty >> 20} MiB stored are {BACKLOG_FULL} (dirty_max_mb is {queue.max_bytes >> 20}): the disk is behind"
+        return (f"{n} chunks stored are {BACKLOG_FULL}: about {seconds:.1f} s of writing at the disk's recent pace, "
+                f"past the {self.flush_within_s:g} s a stop leaves for it: the disk is behind")
 
     def persist(self, entries: Iterable[Entry], also: Iterable[bytes] = ()) -> tuple[list[bytes], list[bytes]]:
         """Write-through: (ids still being written, ids that cannot be) among
@@ -337,6 +356,7 @@ def open_store(
     min_free_bytes: int = DEFAULT_MIN_FREE,
     remote_url: str | None = None,
     remote_options: dict[str, Any] | None = None,
+    flush_within_s: float | None = None,
     **ssd_options: Any,
 ) -> Store:
     """The store the daemon serves from.
@@ -348,6 +368,9 @@ def open_store(
     retry_s, durable, ...). With `remote_url`, the local store is wrapped
     in `WithRemote` (kvd/store/remote.py): a shared Redis/Valkey tier behind
     it, made with `remote_options` (ttl_s, timeout, part_bytes, ...).
+    `flush_within_s`: write-back PUTs are refused while the dirty backlog
+    would take longer to write, at the writer's recent pace (None: no bound
+    by time, only `queue_bytes`).
 
     Raises ValueError for a data dir without an SSD budget, DataDirBusy if
     another process uses the data dir, IncompatibleIndex if a different kvd
@@ -360,7 +383,8 @@ def open_store(
         if ssd_bytes <= 0:
             raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
         ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
-        local = TieredStore(RamStore(ram_bytes, overhead=True), ssd, write_through=write_through)
+        local = TieredStore(RamStore(ram_bytes, overhead=True), ssd, write_through=write_through,
+                            flush_within_s=flush_within_s)
     return with_remote(local, remote_url, remote_options)
 
 
