@@ -216,6 +216,43 @@ def test_a_row_put_below_where_the_walk_resumes_is_still_evicted_first(tmp_path)
         store.close()
 
 
+def test_with_two_groups_a_row_put_below_either_place_is_still_evicted_first(tmp_path):
+    """The walks of two groups resume at two places; a row put below the
+    higher one (but above the lower) must void it too."""
+    store = open_store(2 * ENTRY, tmp_path, ssd_bytes=4096 * BLOB, min_free_bytes=0)
+    quotas = Quotas([Rule("a-*", ssd_bytes=8 * BLOB), Rule("b-*", ssd_bytes=8 * BLOB)])
+    quotas.attach(store)
+    ssd, now, n = store.ssd, [1000.0], 0
+    ssd._clock = lambda: now[0]
+    try:
+        for ns, t0 in (("a-x", 1000.0), ("b-x", 2000.0)):  # a's place ~t=1000, b's ~t=2000
+            now[0] = t0
+            for _ in range(3):
+                ssd.write_batch([make_entry(n + i, ns=ns) for i in range(8)])
+                n, now[0] = n + 8, now[0] + 1
+        now[0] = 1500.0  # the clock stepped back: between the two places
+        old = make_entry(999, ns="b-x")
+        ssd.write_batch([old])
+        now[0] = 2100.0
+        ssd.write_batch([make_entry(n + i, ns="b-x") for i in range(4)])
+        assert not ssd.has_row(old.id)
+    finally:
+        store.close()
+
+
+def test_a_place_in_one_index_means_nothing_in_another(tmp_path):
+    """A healed index is a new Index (rows' atimes from their blobs): the
+    places walks remembered in the old one must not match it."""
+    from kvd.store.index import Index
+
+    one, two = Index(tmp_path / "one"), Index(tmp_path / "two")
+    try:
+        assert one.lru_moves != two.lru_moves
+    finally:
+        one.close()
+        two.close()
+
+
 def test_two_namespaces_one_flooding_through_a_daemon(daemon_factory, tmp_path):
     d = daemon_factory(start=False)
     d.config.write_text('[quota."flood-*"]\nram_mb = 1\n')

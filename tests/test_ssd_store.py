@@ -246,15 +246,15 @@ def test_contains_never_lies_while_writer_evicts(tmp_path, stores):
     assert c["hits"] - c["queue_hits"] > 100, "reads never raced the evicting writer on disk"
 
 
-def test_lease_found_leases_the_yes_answers_unless_an_eviction_began(tmp_path):
+def test_lease_found_leases_the_yes_answers_unless_an_eviction_began_or_ended(tmp_path):
     """A batch LOOKUP looks, then leases what it found (a no leased would pin
-    the row its PUT writes next): safe only if no eviction began in between;
-    one in progress still answers no for its victims."""
+    the row its PUT writes next): safe only if no eviction began or ended in
+    between; one in progress throughout still answers no for its victims."""
     clock = FakeClock()
     ssd = SsdStore(tmp_path / "d", 1 << 20, min_free_bytes=0, background=False, clock=clock)
     try:
         ids = [bytes([i]) * 33 for i in range(4)]
-        since = ssd.evictions_begun
+        since = ssd.eviction_events
         found = [True, False, True, True]
         ssd._evicting.add(ids[3])  # being deleted this instant (marked before the look)
         assert ssd.lease_found(ids, found, since)
@@ -262,11 +262,23 @@ def test_lease_found_leases_the_yes_answers_unless_an_eviction_began(tmp_path):
         assert [ssd.leased(e) for e in ids] == [True, False, True, False]
         ssd._evicting.clear()
         ssd.write_batch([make_entry(0)])
-        since = ssd.evictions_begun
+        since = ssd.eviction_events
         ssd.evict_rows([make_entry(0).id], "budget")  # begins (and ends) between the look and the lease
         found = [True, True, True, True]
         assert not ssd.lease_found(ids, found, since)
         assert found == [True] * 4 and not ssd.leased(ids[1])
+        # Begun before the look (its victim's row still seen), ended before the lease:
+        # the row is gone, and nothing in `_evicting` says so any more.
+        with ssd._mu:
+            ssd._evicting.add(ids[1])
+            ssd.eviction_events += 1
+        since = ssd.eviction_events
+        found = [False, True, False, False]
+        with ssd._mu:
+            ssd._evicting.discard(ids[1])
+            ssd.eviction_events += 1
+        assert not ssd.lease_found(ids, found, since)
+        assert not ssd.leased(ids[1])
     finally:
         ssd.close()
 

@@ -43,6 +43,7 @@ flight, resizes, and reopens it.
 
 from __future__ import annotations
 
+import itertools
 import struct
 import time
 from dataclasses import dataclass, field
@@ -110,6 +111,9 @@ class Row:
 _INT_FIELDS = ("kind", "start", "length", "nbytes", "file_size", "disk_bytes", "checksum", "fmt")
 
 
+_INDEXES = itertools.count(1)
+
+
 def _lru_key(atime: float, eid: bytes) -> bytes:
     return struct.pack(">Q", max(0, int(atime * 1e6))) + eid
 
@@ -139,11 +143,13 @@ class Index(Env):
         self.damaged: set[bytes] = set()
         # A walk of the recency order may resume where it stopped (quota.py)
         # only if no key has been put below that place since: `lru_guard` is
-        # the lowest place a walk will resume at, `lru_moves` counts the keys
+        # the highest place a walk will resume at, `lru_moves` counts the keys
         # put below it (a touch recorded before a clock step back, a repaired
         # row's old atime); a walk that sees it change starts from the oldest.
         self.lru_guard: bytes | None = None
-        self.lru_moves = 0
+        # Counted across Index objects (a healed index is a new one, its rows'
+        # atimes taken from their blobs): a walk's place in an old one is void.
+        self.lru_moves = next(_INDEXES) << 32
 
     def _check_format(self) -> None:
         with self.env.begin(db=self.meta, write=not self.readonly) as txn:

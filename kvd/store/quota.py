@@ -230,7 +230,7 @@ class Quotas:
         # The group's first row met (evicted or not) is where its next walk begins.
         self._ssd_from[rule.pattern] = (first or start, index.lru_moves)
         marks = [k for k, _ in self._ssd_from.values() if k is not None]
-        index.lru_guard = min(marks) if marks else None
+        index.lru_guard = max(marks) if marks else None  # a key below any group's place voids them all
         if freed < over:
             self._ssd_failed[rule.pattern] = need
             return False

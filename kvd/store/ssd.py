@@ -36,10 +36,12 @@ eviction, (b) an explicit admin evict/drop, or (c) failing its checksum.
     are gone; `lease` refuses an entry being evicted. So a lease and an
     eviction are ordered: either the lease came first and the entry stays,
     or the eviction did and `contains` answers no. Only a yes keeps its
-    lease (`release`): a no leased would keep the row its PUT writes next
-    from eviction. A LOOKUP's batch looks first and leases what it found
-    (`lease_found`), which is safe as long as no eviction began in between
-    (`evictions_begun`); if one did, it leases first and looks again.
+    lease: a no leased would keep the row its PUT writes next from
+    eviction. A LOOKUP's batch looks first and leases what it found
+    (`lease_found`), which is safe as long as no eviction began or ended in
+    between (`eviction_events`); if one did, it leases first and looks
+    again (and keeps those leases: a no cannot tell a lease it took from
+    one another LOOKUP's yes holds).
   * What remains is (b), which is explicit, and (c), which no design can
     hide: both are counted.
 
@@ -248,7 +250,9 @@ class SsdStore(Store):
         self._bad_rows_told = False  # a bad row was logged since the last sweep (_repair_rows sums up the rest)
         self._leases: dict[bytes, float] = {}
         self._evicting: set[bytes] = set()  # victims whose rows are being deleted
-        self.evictions_begun = 0  # evictions marked `_evicting` so far (TieredStore.held)
+        # Evictions begun or ended so far (each counts twice): unchanged across a
+        # LOOKUP's look, no row can have gone in between (TieredStore.held).
+        self.eviction_events = 0
         self._lease_sweep_at = 4096
         self._next_touch_flush = 0.0
         self._next_file_check = 0.0
@@ -361,14 +365,14 @@ class SsdStore(Store):
 
     def lease_found(self, eids: Sequence[bytes], found: list[bool], since: int) -> bool:
         """Lease those of `eids` that `found` says are held, if no eviction
-        began since `since` (`evictions_begun` read before they were looked
-        up): then none of them can have gone in between, and those being
-        evicted still are answered no (`found` is changed in place). False,
-        with nothing leased, if one began: look again, lease first
-        (TieredStore.held)."""
+        began or ended since `since` (`eviction_events` read before they were
+        looked up): then none of them can have gone in between, and the
+        victims of one still in progress are answered no (`found` is changed
+        in place). False, with nothing leased, otherwise: look again, lease
+        first (TieredStore.held)."""
         until = self._clock() + self.lease_s
         with self._mu:
-            if self.evictions_begun != since:
+            if self.eviction_events != since:
                 return False
             if self._evicting:
                 evicting = self._evicting
@@ -379,16 +383,6 @@ class SsdStore(Store):
                 self._leases = {k: t for k, t in self._leases.items() if t > now}
                 self._lease_sweep_at = max(4096, 2 * len(self._leases))
         return True
-
-    def release(self, eids: Iterable[bytes]) -> None:
-        """Take back the leases of `eids`: a LOOKUP found them held nowhere.
-        A lease protects a yes; one on a no would keep the row written for it
-        later from eviction for `lease_s` (under a flood, every fresh row: the
-        budget and the quotas then dropped new chunks instead of old ones)."""
-        with self._mu:
-            pop = self._leases.pop
-            for eid in eids:
-                pop(eid, None)
 
     def has_row(self, eid: bytes) -> bool:
         """Whether a committed blob exists for `eid` (ignores the queue)."""
@@ -975,12 +969,13 @@ class SsdStore(Store):
             if any(self.leased(eid) for eid in victims):
                 return False  # a LOOKUP just reported one: leave them all this time
             self._evicting.update(victims)
-            self.evictions_begun += 1
+            self.eviction_events += 1
         try:
             self._remove(victims, "evictions", "budget")
         finally:
             with self._mu:
                 self._evicting.difference_update(victims)
+                self.eviction_events += 1
         return True
 
     def evict_rows(self, victims: list[bytes], why: str) -> tuple[int, int]:
@@ -989,12 +984,13 @@ class SsdStore(Store):
         with self._mu:
             victims = [eid for eid in victims if not self.leased(eid)]
             self._evicting.update(victims)
-            self.evictions_begun += 1
+            self.eviction_events += 1
         try:
             return self._remove(victims, "evictions", why)
         finally:
             with self._mu:
                 self._evicting.difference_update(victims)
+                self.eviction_events += 1
 
     def _remove(self, eids: list[bytes], counter: str, why: str = "gc") -> tuple[int, int]:
         """Delete rows (committed first), then unlink their blobs."""

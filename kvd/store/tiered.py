@@ -54,7 +54,6 @@ Policy table (data, not code paths):
 
 from __future__ import annotations
 
-import itertools
 import operator
 import os
 import time
@@ -113,25 +112,20 @@ class TieredStore(Store):
         # yes is then safe from eviction until the GET that follows.
         if not self.ssd.lease(eid):
             return False  # being evicted from the SSD tier this instant
-        if self.ram.contains(eid) or self.ssd.contains(eid):
-            return True
-        self.ssd.release((eid,))  # a lease protects a yes (SsdStore.release)
-        return False
+        return self.ram.contains(eid) or self.ssd.contains(eid)
 
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         # A lease protects a yes only: a no leased would keep the row its PUT
-        # writes next from eviction for `lease_s` (SsdStore.release). So look,
-        # then lease what was found -- safe unless an SSD eviction began in
-        # between, in which case lease first and look again, as `contains` does.
+        # writes next from eviction for `lease_s`. So look, then lease what was
+        # found -- safe unless an SSD eviction began or ended in between, in
+        # which case lease first and look again, as `contains` does.
         ssd = self.ssd
-        since = ssd.evictions_begun
+        since = ssd.eviction_events
         out = ssd.held(eids, also=self.ram.held(eids))  # in RAM, or on the SSD tier
         if ssd.lease_found(eids, out, since):
             return out
         leased = ssd.lease_many(eids)
         out = ssd.held(eids, also=self.ram.held(eids))
-        if not all(out):
-            ssd.release(itertools.compress(eids, map(operator.not_, out)))
         return out if all(leased) else list(map(operator.and_, leased, out))
 
     def get(self, eid: bytes) -> Entry | None:
