@@ -275,13 +275,10 @@ def test_lease_found_leases_the_yes_answers_unless_an_eviction_began_or_ended(tm
         # Begun before the look (its victim's row still seen), ended before the lease:
         # the row is gone, and nothing in `_evicting` says so any more.
         with ssd._mu:
-            ssd._evicting.add(ids[1])
-            ssd.eviction_events += 1
+            ssd._mark_evicting([ids[1]])
         since = ssd.eviction_events
         found = [False, True, False, False]
-        with ssd._mu:
-            ssd._evicting.discard(ids[1])
-            ssd.eviction_events += 1
+        ssd._unmark_evicting([ids[1]])
         assert not ssd.lease_found(ids, found, since)
         assert not ssd.leased(ids[1])
     finally:

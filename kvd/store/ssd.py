@@ -307,11 +307,15 @@ class SsdStore(Store):
             if eid in self._evicting:
                 return False
             self._leases[eid] = now + self.lease_s
-            if len(self._leases) > self._lease_sweep_at:
-                # Amortized sweep of expired leases: O(1) per call on average.
-                self._leases = {k: t for k, t in self._leases.items() if t > now}
-                self._lease_sweep_at = max(4096, 2 * len(self._leases))
+            self._sweep_leases(now)
         return True
+
+    def _sweep_leases(self, now: float) -> None:
+        """Under `_mu`: drop expired leases once there are twice as many as
+        after the last sweep (amortized O(1) per lease taken)."""
+        if len(self._leases) > self._lease_sweep_at:
+            self._leases = {k: t for k, t in self._leases.items() if t > now}
+            self._lease_sweep_at = max(4096, 2 * len(self._leases))
 
     def leased(self, eid: bytes) -> bool:
         t = self._leases.get(eid)
@@ -358,9 +362,7 @@ class SsdStore(Store):
             else:  # the usual case, at C speed: a LOOKUP of 32k tokens leases 256 ids
                 out = [True] * len(eids)
                 self._leases.update(dict.fromkeys(eids, until))
-            if len(self._leases) > self._lease_sweep_at:
-                self._leases = {k: t for k, t in self._leases.items() if t > now}
-                self._lease_sweep_at = max(4096, 2 * len(self._leases))
+            self._sweep_leases(now)
         return out
 
     def lease_found(self, eids: Sequence[bytes], found: list[bool], since: int) -> bool:
@@ -378,10 +380,7 @@ class SsdStore(Store):
                 evicting = self._evicting
                 found[:] = [ok and eid not in evicting for eid, ok in zip(eids, found)]
             self._leases.update(dict.fromkeys(itertools.compress(eids, found), until))
-            if len(self._leases) > self._lease_sweep_at:
-                now = until - self.lease_s
-                self._leases = {k: t for k, t in self._leases.items() if t > now}
-                self._lease_sweep_at = max(4096, 2 * len(self._leases))
+            self._sweep_leases(until - self.lease_s)
         return True
 
     def has_row(self, eid: bytes) -> bool:
@@ -968,14 +967,11 @@ class SsdStore(Store):
         with self._mu:  # ordered against lease(): see the module docstring
             if any(self.leased(eid) for eid in victims):
                 return False  # a LOOKUP just reported one: leave them all this time
-            self._evicting.update(victims)
-            self.eviction_events += 1
+            self._mark_evicting(victims)
         try:
             self._remove(victims, "evictions", "budget")
         finally:
-            with self._mu:
-                self._evicting.difference_update(victims)
-                self.eviction_events += 1
+            self._unmark_evicting(victims)
         return True
 
     def evict_rows(self, victims: list[bytes], why: str) -> tuple[int, int]:
@@ -983,14 +979,22 @@ class SsdStore(Store):
         (ordered against `lease` as in `_make_room`). Returns (entries, bytes)."""
         with self._mu:
             victims = [eid for eid in victims if not self.leased(eid)]
-            self._evicting.update(victims)
-            self.eviction_events += 1
+            self._mark_evicting(victims)
         try:
             return self._remove(victims, "evictions", why)
         finally:
-            with self._mu:
-                self._evicting.difference_update(victims)
-                self.eviction_events += 1
+            self._unmark_evicting(victims)
+
+    def _mark_evicting(self, victims: list[bytes]) -> None:
+        """Under `_mu`: `lease` refuses `victims` until `_unmark_evicting`;
+        both count in `eviction_events` (see `lease_found`)."""
+        self._evicting.update(victims)
+        self.eviction_events += 1
+
+    def _unmark_evicting(self, victims: list[bytes]) -> None:
+        with self._mu:
+            self._evicting.difference_update(victims)
+            self.eviction_events += 1
 
     def _remove(self, eids: list[bytes], counter: str, why: str = "gc") -> tuple[int, int]:
         """Delete rows (committed first), then unlink their blobs."""
