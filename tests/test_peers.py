@@ -22,7 +22,8 @@ import zmq
 
 from kvd.protocol import codec
 from kvd.server.outbox import Outbox
-from kvd.server.peers import PeerGate, connection_id, default_max_peers, listen_backlog
+from kvd.server import peers
+from kvd.server.peers import PeerGate, connection_id, default_max_peers, listen_backlog, rss_bytes
 from kvd_client import HostTensor, Snapshot
 
 from stress import FLOOD
@@ -150,6 +151,41 @@ def test_a_request_served_before_its_accepted_event_still_counts():
     gate._on_event(zmq.EVENT_DISCONNECTED, 20)
     gate._on_event(zmq.EVENT_ACCEPTED, 20)  # the number reused: a new, silent peer
     assert gate.peers[20] == [clock(), None]
+
+
+@linux_only
+def test_the_gate_samples_often_only_near_the_memory_ceiling():
+    """Rule 7: each of the gate's samples takes the GIL from the serving
+    thread mid-request; one every 20 ms was what the slowest LOOKUPs waited
+    for. Every 20 ms only while RSS could reach the ceiling within a quiet
+    tick (or shedding is going on), else every quiet tick."""
+    rss = rss_bytes()
+    room = peers._FILL_RATE * peers._QUIET_TICK
+    far = PeerGate(None, max_peers=8, ceiling=lambda: rss + 4 * room, tick=0.02, quiet_tick=0.1)
+    far._watch_memory()
+    assert far.headroom > room and far._period() == 0.1
+    far.closing[99] = 0.0  # a shed peer not closed yet: watched closely until it is
+    assert far._period() == 0.02
+    near = PeerGate(None, max_peers=8, ceiling=lambda: rss_bytes() + room // 2, tick=0.02, quiet_tick=0.1)
+    near._watch_memory()
+    assert 0 < near.headroom < room and near._period() == 0.02
+    blind = PeerGate(None, max_peers=8, ceiling=None, tick=0.02, quiet_tick=0.1)  # no watchdog (macOS)
+    blind._watch_memory()
+    assert blind.headroom is None and blind._period() == 0.1
+
+
+@linux_only
+def test_rss_is_the_anonymous_resident_memory_the_kernel_reports():
+    def status_anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    held = bytearray(64 << 20)  # touched: 64 MiB more of it
+    before, sampled, after = status_anon(), rss_bytes(), status_anon()
+    assert min(before, after) - (1 << 20) <= sampled <= max(before, after) + (1 << 20)
+    assert sampled >= len(held)
+    del held
+    assert rss_bytes() < sampled - (32 << 20)
 
 
 def test_under_a_big_cap_the_listener_stays_open_until_half_full(tmp_path):

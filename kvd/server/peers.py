@@ -65,7 +65,8 @@ Rules the gate keeps:
 3. Input allowance: bytes a peer has sent of a message not yet complete live
    inside libzmq, where nothing can count them (ZMQ_MAXMSGSIZE bounds one
    frame, not a message of many frames). The gate samples the daemon's
-   anonymous RSS every `tick` seconds (20 ms; ~30 us a sample); while it
+   anonymous RSS every `tick` seconds (20 ms; ~2 us a sample) while it is
+   near the ceiling, less often when it is not (rule 7); while it
    exceeds `ceiling()` (the RAM tier's bytes plus the allowance of
    `memory_ceiling`, see README "Memory"), it sheds stalled peers --
    connected, and no request completed for `stall_seconds` (0.25 s) -- one per
@@ -113,13 +114,23 @@ Rules the gate keeps:
    lowered to a few more than the fds already open still admits a few,
    oldest idle shed to make room, and never a connection libzmq has no fd
    for. What remains: a connection accepted between the change and the
-   gate's next tick (20 ms) with the listener open under rule 5; and a limit
+   gate's next tick (at most `quiet_tick`, rule 7) with the listener open under rule 5; and a limit
    that leaves fewer than `_TIGHT_FDS` beyond the daemon's own. Linux's
    accept() takes a free fd before it looks for a connection, and libzmq
    calls it in a loop while one waits on the paused listener: with the table
    full any client that connects aborts the daemon, whatever the gate does.
    So there it admits none and sheds none for fds (a shed peer reconnects),
    and logs an error asking for a higher limit.
+7. The gate wakes for its own samples only as often as it must: each wake
+   takes the GIL from the serving thread mid-request (which gives it up
+   within the switch interval, 0.2 ms, then waits for the gate), and at a
+   wake every 20 ms that was what the slowest percent of LOOKUPs waited for
+   (their gaps were multiples of 20 ms). So samples come every `tick` (20
+   ms) while RSS could reach the ceiling before `quiet_tick` (0.1 s) is
+   over at `_FILL_RATE` (4 GiB/s, four times what one libzmq I/O thread
+   takes in here), or shed peers are closing, or memory was shed for; every
+   `quiet_tick` otherwise. Monitor events and waiting connections still wake
+   it at once; only the samples (memory, the fd limit, expiries) are spaced.
 """
 
 from __future__ import annotations
@@ -146,6 +157,11 @@ _RESERVE_FDS = 64
 _WINDOW = 0.005  # seconds one PeerGate._admit may spin before polling again
 _QUICK_TRIES = 16  # windows of microseconds before one of up to a millisecond
 _TIGHT_FDS = 8  # fds beyond the daemon's own under which no peer is shed for fds (rule 6)
+# Rule 7: how fast peers' input can grow the daemon's memory, at most (bytes a
+# second; one libzmq I/O thread took in ~1 GiB/s over ipc here), and the
+# gate's sampling period while that could not reach the ceiling anyway.
+_FILL_RATE = 4 << 30
+_QUIET_TICK = 0.1
 _OPEN_MIN_PEERS = 4096  # caps from which the listener may stay open while under half full (rule 5)
 
 
@@ -398,6 +414,7 @@ class PeerGate(threading.Thread):
         stall_seconds: float = 0.25,
         over_unit: int = 64 << 20,
         tick: float = 0.02,
+        quiet_tick: float = _QUIET_TICK,
         clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__(name="kvd-peers", daemon=True)
@@ -411,6 +428,8 @@ class PeerGate(threading.Thread):
         self.stall_seconds = stall_seconds
         self.over_unit = max(1, over_unit)
         self.tick = tick
+        self.quiet_tick = max(tick, quiet_tick)
+        self.headroom: int | None = None  # the ceiling less RSS at the last sample (None: not sampled)
         self.clock = clock
         self.peers: dict[int, list] = {}  # fd -> [accepted at, last request at or None]
         self.closing: dict[int, float] = {}  # fd -> shed at: shut down, libzmq has not closed it yet
@@ -484,13 +503,13 @@ class PeerGate(threading.Thread):
                 if self._room() <= 0 and not self.closing and self._real is not None and _readable(self._real):
                     self._make_room()
                 if self.clock() >= next_sample:
-                    next_sample = self.clock() + self.tick
                     self._expire_closing()
                     self._drain()
                     self._follow_fd_limit()
                     self._balance()
                     self._watch_memory()
                     self._log_shedding()
+                    next_sample = self.clock() + self._period()
         finally:
             self.resume()
             self._log_shedding(force=True)
@@ -500,6 +519,13 @@ class PeerGate(threading.Thread):
             if self._real is not None:
                 os.close(self._real)
                 self._real = None
+
+    def _period(self) -> float:
+        """Seconds to the next sample (rule 7): `tick` while memory could reach
+        the ceiling before a quiet tick is over, or shed peers are closing;
+        `quiet_tick` otherwise."""
+        near = self.headroom is not None and self.headroom < _FILL_RATE * self.quiet_tick
+        return self.tick if near or self.closing or self._shed_at is not None else self.quiet_tick
 
     def _open_ok(self) -> bool:
         """May the listener stay open (rule 5)?"""
@@ -763,13 +789,16 @@ class PeerGate(threading.Thread):
     def _watch_memory(self) -> None:
         rss = rss_bytes() if self.ceiling is not None else None
         if rss is None:
+            self.headroom = None
             return
         over = rss - self.ceiling()
+        self.headroom = -over
         if over > 0 and _LIBC is not None and self.clock() - self._trimmed_at > 1.0:
             self._trimmed_at = self.clock()
             _LIBC.malloc_trim(0)  # freed but kept by the allocator is not a peer's doing
             rss = rss_bytes() or rss
             over = rss - self.ceiling()
+            self.headroom = -over
         if over <= 0:
             self._shed_at = None
             return
@@ -800,12 +829,21 @@ def rss_bytes() -> int | None:
     """This process's anonymous resident memory (Linux: RssAnon, which leaves
     out the index's file-backed map and shared memory), or None where the
     system does not tell it cheaply (macOS: the watchdog is off there; the
-    per-frame limit and the reply budgets still hold)."""
+    per-frame limit and the reply budgets still hold).
+
+    Read from /proc/self/statm (resident less shared pages: RssAnon), kept
+    open and read again in place: ~2 us, where parsing /proc/self/status took
+    ~20 -- the gate samples it holding the GIL the serving thread wants."""
+    global _STATM
     try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        if _STATM is None:
+            _STATM = -1  # not again, if there is none (macOS)
+            _STATM = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        fields = os.pread(_STATM, 128, 0).split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_STATM: int | None = None  # the open /proc/self/statm (rss_bytes)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
