@@ -48,7 +48,8 @@ def test_tail_keys_equal_direct_hashes():
         assert key == keys.chunk_key(parent, chunk[: 4 * n])
 
 
-@pytest.mark.parametrize("bad", [[-1], [2**32], np.array([1.5]), [1.5], ("7",), np.array([-1]), [[1, 2]]])
+@pytest.mark.parametrize("bad", [[-1], [2**32], np.array([1.5]), [1.5], ("7",), np.array([-1]), [[1, 2]],
+                                 np.array([2**32], dtype=np.uint64), np.array([-1], dtype=np.int8), np.array([True])])
 def test_token_ids_must_be_u32(bad):
     with pytest.raises(ValueError):
         keys.token_bytes(bad)
@@ -59,6 +60,10 @@ def test_a_list_a_tuple_and_an_array_give_the_same_wire_bytes():
     wire = struct.pack("<5I", *ids)
     assert keys.token_bytes(ids) == keys.token_bytes(tuple(ids)) == wire
     assert keys.token_bytes(np.array(ids, dtype=np.uint64)) == keys.token_bytes(list(np.array(ids))) == wire
+    assert keys.token_bytes(np.array(ids, dtype=np.uint32)) == wire  # not scanned: every uint32 is an id
+    small = [0, 7, 127]
+    for dtype in (np.uint8, np.uint16, np.int8, np.int16, np.int32, np.int64):
+        assert keys.token_bytes(np.array(small, dtype=dtype)) == struct.pack("<3I", *small)
 
 
 def test_tail_candidates_are_the_span_keys_of_every_tail_length():

@@ -68,7 +68,10 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError("tokens must be a flat sequence of ids")
-    if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+    kind, width = arr.dtype.kind, arr.dtype.itemsize
+    # An unsigned array of 4 bytes or less holds only valid ids: not scanned
+    # (two reductions over a 32k-token prompt: ~15 us of every call).
+    if arr.size and (kind not in "iu" or not (kind == "u" and width <= 4) and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID)):
         raise ValueError("token ids must be integers in [0, 2**32)")
     return arr.astype("<u4", copy=False).tobytes()
 
