@@ -46,6 +46,7 @@ import fcntl
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 from kvd.protocol.errors import KvdError
@@ -211,13 +212,36 @@ def _lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
 class EndpointLock:
     """An exclusive lock on an endpoint, held while the daemon serves it (rule 4)."""
 
-    def __init__(self, endpoint: str):
+    # A client asking "is a daemon there?" (`endpoint_locked`) holds the lock
+    # for microseconds; a daemon holds it for good. So a held lock is tried
+    # again for this long before it means another daemon: a model server
+    # polling a daemon that is starting had made it refuse to start ("already
+    # serving", exit 4; 1 start in ~30 of a test that pings meanwhile).
+    GRACE_S = 0.5
+
+    def __init__(self, endpoint: str, *, clock=time.monotonic, wait=time.sleep):
         self.endpoint = endpoint
         self.path = ipc_path(endpoint)
         self._fd: int | None = None
+        self._clock, self._wait = clock, wait
+
+    def _lock(self, fd: int) -> None:
+        """flock `fd` exclusively, trying again while a prober may hold it."""
+        deadline = self._clock() + self.GRACE_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as exc:
+                if exc.errno not in _HELD or self._clock() >= deadline:
+                    raise
+            self._wait(0.005)
 
     def acquire(self) -> None:
         """Check the endpoint, prepare the socket directory and take the lock.
@@ -246,10 +270,10 @@ class EndpointLock:
         if fd is None:
             raise UnsafeEndpoint(f"refusing the kvd lock file {lock_path}: it is not a regular file of ours")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock(fd)
         except OSError as exc:
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if exc.errno in _HELD:
                 holder = _read_pid(lock_path)
                 who = f" (pid {holder})" if holder else ""
                 raise EndpointBusy(f"another kvd daemon{who} is already serving {self.endpoint}") from None

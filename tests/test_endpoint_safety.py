@@ -167,3 +167,41 @@ def test_a_tcp_endpoint_needs_a_host_and_a_real_port(bad):
         check_endpoint(bad)
     assert check_endpoint("tcp://127.0.0.1:5599") == "tcp://127.0.0.1:5599"
     assert check_endpoint("tcp://[::1]:5599") == "tcp://[::1]:5599"
+
+
+def test_a_client_asking_whether_a_daemon_is_there_never_stops_it_starting(tmp_path):
+    """`endpoint_locked` (a client whose call found no daemon) flocks the lock
+    file for a moment: a daemon starting in that moment had refused to start,
+    "another kvd daemon is already serving" (exit 4). The daemon tries again
+    for a grace period; a lock held past it is another daemon's."""
+    import fcntl
+
+    from kvd.endpoint import EndpointBusy, EndpointLock, endpoint_locked
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    endpoint = f"ipc://{run}/kvd.sock"
+    probe = os.open(run / "kvd.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a client's probe, caught holding it
+    waits = []
+
+    def probe_done(seconds):  # called only after an attempt found the lock held
+        waits.append(seconds)
+        fcntl.flock(probe, fcntl.LOCK_UN)
+
+    lock = EndpointLock(endpoint, wait=probe_done)
+    lock.acquire()
+    assert len(waits) == 1 and endpoint_locked(endpoint) is True
+    lock.release()
+
+    # Held for good (another daemon): EndpointBusy once the grace is over, not before.
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    now = [0.0]
+
+    def advance(seconds):
+        now[0] += seconds
+
+    with pytest.raises(EndpointBusy, match="already serving"):
+        EndpointLock(endpoint, clock=lambda: now[0], wait=advance).acquire()
+    assert EndpointLock.GRACE_S <= now[0] < EndpointLock.GRACE_S + 0.01
+    os.close(probe)
