@@ -443,3 +443,27 @@ def test_an_fd_limit_lowered_under_a_running_daemon_is_followed(daemon_factory, 
     assert peers["high_water"] < limit  # never a connection libzmq had no fd for
     assert f"fd limit changed to {limit}" in d.log()
     assert d.stop() == 0
+
+
+@linux_only
+def test_rss_sampling_survives_a_full_fd_table():
+    """The sampler keeps /proc/self/statm open; if its first open finds no fd
+    free (EMFILE), the watchdog must not be off for good: it opens it at a
+    later sample."""
+    code = """
+import os, resource
+from kvd.server.peers import rss_bytes
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+assert rss_bytes() is None
+os.close(held.pop())
+assert rss_bytes() > 0
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "ok", r.stderr

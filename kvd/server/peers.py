@@ -835,10 +835,17 @@ def rss_bytes() -> int | None:
     open and read again in place: ~2 us, where parsing /proc/self/status took
     ~20 -- the gate samples it holding the GIL the serving thread wants."""
     global _STATM
-    try:
-        if _STATM is None:
-            _STATM = -1  # not again, if there is none (macOS)
+    if _STATM is None:
+        try:
             _STATM = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            _STATM = -1  # no /proc (macOS): not asked again
+            return None
+        except OSError:
+            return None  # no fd free this time (EMFILE): tried again at the next sample
+    if _STATM < 0:
+        return None
+    try:
         fields = os.pread(_STATM, 128, 0).split()
         return (int(fields[1]) - int(fields[2])) * _PAGE
     except (OSError, ValueError, IndexError):
