@@ -93,3 +93,92 @@ def test_match_builds_the_links_one_contains_per_chunk_would(monkeypatch):
                 monkeypatch.setattr(prefix, "_KNOWN_BLOCK", known_block)
                 got = [tuple(link) for link in match(store, "ns", CT, tokens, chains=chains)]
                 assert got == want, (blocks, trial, n, keep, hole, cut, known_block)
+
+
+def _asking(store) -> list[int]:
+    """How many ids each `held` call of `store` asks about, from now on."""
+    asked, real = [], store.held
+    store.held = lambda eids: (asked.append(len(eids)), real(eids))[1]
+    return asked
+
+
+def test_boundary_state_is_asked_for_only_in_namespaces_that_may_have_some(tmp_path):
+    """A LOOKUP asks the index about each chunk and the boundary after it:
+    half the descents for state a plain attention model never stores. A
+    namespace the store certainly holds none of is asked about its chunks
+    alone; certainty comes from a walk of every row on disk (at start, again
+    after a rebuild) and from every boundary entry stored since."""
+    from kvd.store.ssd import SsdStore
+
+    tokens = keys.token_bytes(np.arange(12 * CT) % 5000)
+    plain, hybrid = chain_entries("plain", tokens), chain_entries("hybrid", tokens)
+    b = hybrid[3]
+    ssd = SsdStore(tmp_path, 64 << 20, min_free_bytes=0)
+    for e in plain + hybrid + [Entry("hybrid", b.key, BOUNDARY, b.parent, b.start, b.length, b.tensors)]:
+        ssd.put(e)
+    assert ssd.flush(10)
+    ssd.close()
+
+    ssd = SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False)  # its walk is driven below
+    try:
+        asked = _asking(ssd)
+        want_plain = [(i * CT, (i + 1) * CT, e.key, False) for i, e in enumerate(plain)]
+        want_hybrid = [(i * CT, (i + 1) * CT, e.key, i == 3) for i, e in enumerate(hybrid)]
+        # Not walked yet: any namespace may have boundary state on disk.
+        assert not ssd.boundary_free("plain") and not ssd.boundary_free("other")
+        assert [tuple(link) for link in match(ssd, "plain", CT, tokens)] == want_plain
+        assert sum(asked) == 2 * len(plain)
+
+        def walk() -> None:
+            while not ssd.reconciled.is_set():
+                ssd.idle(busy=False)
+
+        walk()
+        assert ssd.boundary_free("plain") and ssd.boundary_free("other") and not ssd.boundary_free("hybrid")
+        asked.clear()
+        assert [tuple(link) for link in match(ssd, "plain", CT, tokens)] == want_plain
+        assert sum(asked) == len(plain)  # the chunks alone
+        asked.clear()
+        assert [tuple(link) for link in match(ssd, "hybrid", CT, tokens)] == want_hybrid
+        assert sum(asked) == 2 * len(hybrid)
+
+        # A rebuilt index may hold blobs the old one had lost: unknown until walked again.
+        ssd._heal_wanted = "a test"  # (want_heal hands it to a writer thread; this store has none)
+        ssd.idle(busy=False)
+        assert not ssd.reconciled.is_set() and not ssd.boundary_free("plain")  # rebuilt, not walked
+        walk()
+        assert ssd.boundary_free("plain") and not ssd.boundary_free("hybrid")
+        assert [tuple(link) for link in match(ssd, "hybrid", CT, tokens)] == want_hybrid
+    finally:
+        ssd.close()
+
+
+def test_a_boundary_entry_stored_while_serving_is_asked_for_at_once(tmp_path):
+    """After the walk, a namespace's first boundary entry makes it asked
+    about from that PUT on, in RAM, in the spill queue and on disk."""
+    tokens = keys.token_bytes(np.arange(6 * CT) % 5000)
+    entries = chain_entries("late", tokens)
+    store = open_store(4 * 200, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0)
+    try:
+        assert store.ssd.reconciled.wait(10)
+        for e in entries:
+            store.put(e)
+        assert store.boundary_free("late")
+        b = entries[4]
+        store.put(Entry("late", b.key, BOUNDARY, b.parent, b.start, b.length, b.tensors))
+        assert not store.boundary_free("late") and store.boundary_free("other")
+        store.flush(10)
+        store.evict(0, tier="ram")  # on disk only now
+        assert store.stats()["tiers"]["ram"]["entries"] == 0
+        assert not store.boundary_free("late")
+        assert [link.end for link in match(store, "late", CT, tokens) if link.boundary] == [5 * CT]
+    finally:
+        store.close()
+
+    from kvd.store.ram import RamStore
+
+    ram = RamStore(1 << 20)
+    ram.put(entries[0])
+    assert ram.boundary_free("late")
+    ram.put(Entry("late", entries[0].key, BOUNDARY, entries[0].parent, 0, CT, ()))
+    assert not ram.boundary_free("late") and ram.boundary_free("other")

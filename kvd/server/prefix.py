@@ -60,9 +60,15 @@ def match(
     first = max(_BLOCKS[0], min(len(known), _KNOWN_BLOCK))
     sizes = itertools.chain((first,), _BLOCKS[1:], itertools.repeat(_BLOCKS[-1]))
     as_chunk, as_boundary = entry_id(b"", CHUNK), entry_id(b"", BOUNDARY)  # the kind byte after a key
+    # A namespace the store holds no boundary entry of (a plain attention
+    # model's): its chunks alone are asked about, half the index descents.
+    boundaries = not store.boundary_free(namespace)
     while block := list(itertools.islice(chain, next(sizes))):
         nb = len(block)
-        held = store.held([k + as_chunk for k in block] + [k + as_boundary for k in block])
+        ids = [k + as_chunk for k in block]
+        if boundaries:
+            ids += [k + as_boundary for k in block]
+        held = store.held(ids)
         hits = held[:nb]
         k = nb if all(hits) else hits.index(False)  # the block's chunks held before its first miss
         if k:
@@ -70,7 +76,8 @@ def match(
             stop = pos + k * chunk_tokens
             ends = range(pos + chunk_tokens, stop + chunk_tokens, chunk_tokens)
             # (tuple.__new__ builds a Link in C; Link(...) runs a Python __new__.)
-            fields = zip(range(pos, stop, chunk_tokens), ends, block[:k], held[nb : nb + k])
+            at = held[nb : nb + k] if boundaries else itertools.repeat(False, k)
+            fields = zip(range(pos, stop, chunk_tokens), ends, block[:k], at)
             links.extend(map(tuple.__new__, itertools.repeat(Link), fields))
             parent, pos = block[k - 1], stop
             if pos > n_tokens:  # the sequence's last chunk is a tail
@@ -85,6 +92,6 @@ def match(
             if length <= remaining and length < chunk_tokens:
                 if keys.span_key(parent, tokens_le, pos, pos + length, media) == key:
                     if store.contains(entry_id(key, CHUNK)):
-                        links.append(Link(pos, pos + length, key, store.contains(entry_id(key, BOUNDARY))))
+                        links.append(Link(pos, pos + length, key, boundaries and store.contains(entry_id(key, BOUNDARY))))
                         break
     return links

@@ -95,6 +95,13 @@ class Store(abc.ABC):
         prompt asks 256 of them; one transaction each cost ~10 us)."""
         return [self.contains(eid) for eid in eids]
 
+    def boundary_free(self, namespace: str) -> bool:
+        """True only if this store certainly holds no boundary entry of
+        `namespace`: a prefix match then asks about chunks alone (a plain
+        attention model's namespace never has one; asking cost a LOOKUP of
+        32k tokens 128 index descents). False if it may, or cannot tell."""
+        return False
+
     @abc.abstractmethod
     def put(self, entry: Entry) -> PutOutcome:
         """Keep `entry`, evicting least-recently-used entries to stay in budget."""

@@ -77,6 +77,7 @@ import xxhash
 
 from kvd.protocol.errors import KvdError
 from kvd.store import blobfile
+from kvd.store.base import BOUNDARY
 from kvd.store.blobfile import BlobCorrupt
 from kvd.store.datadir import (
     BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, PACK_DIR, eid_of_blob, ensure_quarantine, is_temp_name,
@@ -381,6 +382,7 @@ def walk_steps(store: "SsdStore") -> Iterator[None]:
     damage that makes LMDB abort shows as starts that never finish (see
     `open_index`). Clears the start count when done."""
     index = store.index
+    boundary_ns: set[str] = set()  # namespaces with a boundary row (SsdStore.boundary_free)
     for db in (index.rows, index.lru, index.tails_db, index.ns_db, index.meta):
         last: bytes | None = None
         more = True
@@ -396,7 +398,9 @@ def walk_steps(store: "SsdStore") -> Iterator[None]:
                         last = bytes(cur.key())
                         if db is index.rows:
                             try:
-                                Row.unpack(cur.value())
+                                row = Row.unpack(cur.value())
+                                if row.kind == BOUNDARY:
+                                    boundary_ns.add(row.ns)
                             except RowDamaged:
                                 index.damaged.add(last)
                         n += 1
@@ -410,6 +414,7 @@ def walk_steps(store: "SsdStore") -> Iterator[None]:
                     return
                 raise
             yield
+    store.walked(boundary_ns)
     clear_start(store.root)
 
 

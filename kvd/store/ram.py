@@ -66,6 +66,9 @@ class RamStore(Store):
         self.ns_bytes: defaultdict[str, int] = defaultdict(int)
         self.ns_tokens: defaultdict[str, int] = defaultdict(int)  # summed chunk lengths
         self.ns_used: dict[str, float] = {}  # latest access, by namespace
+        # Namespaces that ever had a boundary entry here (never shrinks: one
+        # is a hybrid model's, whose next sequence leaves another).
+        self.boundary_ns: set[str] = set()
         self.counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "stored", "duplicates", "too_big", "evictions", "evicted_bytes", "dropped", "served_bytes"), 0
         )
@@ -96,6 +99,9 @@ class RamStore(Store):
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         return list(map(self._entries.__contains__, eids))
 
+    def boundary_free(self, namespace: str) -> bool:
+        return namespace not in self.boundary_ns
+
     def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
         return sorted(((n, k) for k, n in self._tails.get(parent, {}).items()), reverse=True)
 
@@ -119,6 +125,8 @@ class RamStore(Store):
         self.ns_bytes[entry.namespace] += self.charge(entry)
         if entry.kind == CHUNK:
             self.ns_tokens[entry.namespace] += entry.length
+        else:
+            self.boundary_ns.add(entry.namespace)
         self.counters["stored"] += 1
         if self.quotas is not None:
             self.quotas.enforce_ram(self, entry)

@@ -654,6 +654,9 @@ class WithRemote(Store):
         while len(self._known) > self._KNOWN_MAX:
             self._known.popitem(last=False)
 
+    def boundary_free(self, namespace: str) -> bool:
+        return False  # the shared tier may hold another machine's: not known here
+
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         out = self.local.held(eids)
         ask = [i for i, have in enumerate(out) if not have and eids[i] not in self._known and eids[i] not in self._fetched]

@@ -126,7 +126,7 @@ import lmdb
 
 from kvd.protocol.errors import Busy
 from kvd.store import blobfile, heal
-from kvd.store.base import Entry, PutOutcome, Store
+from kvd.store.base import BOUNDARY, Entry, PutOutcome, Store
 from kvd.store.blobfile import BlobCorrupt, Unencodable
 from kvd.store.datadir import (
     BLOB_DIR,
@@ -263,6 +263,11 @@ class SsdStore(Store):
         self._path_errors: tuple[int | None, int] = (None, 0)  # one errno, how many writes in a row
         self._unsettled: set[bytes] = set()  # of the batch in hand: committed, yet not durable (_check_files)
         self.queue = SpillQueue(queue_bytes, queue_entries)
+        # Namespaces with a boundary entry here (queued or indexed): complete
+        # once a walk of the whole index has listed those on disk
+        # (`boundaries_known`, see boundary_free); never shrinks.
+        self.boundary_ns: set[str] = set()
+        self.boundaries_known = False
         self.reconciled = threading.Event()
         # A rebuild runs before reconcile: until it is done, blobs without
         # rows are entries not yet indexed, not orphans.
@@ -584,6 +589,7 @@ class SsdStore(Store):
             return
         self.index, self.heal = new, h
         self.entries, self.bytes = 0, 0
+        self.boundaries_known = False  # the rebuild may index blobs the old index had lost: walked again
         self._rebuild = heal.rebuild_steps(self, h)
         self._walk = heal.walk_steps(self)
         self._reconcile = self._reconcile_steps({})
@@ -592,6 +598,15 @@ class SsdStore(Store):
         with self._mu:  # what was hidden for the old index: the rebuild checks every blob
             self._bad.clear()
         old.retire()
+
+    def boundary_free(self, namespace: str) -> bool:
+        return self.boundaries_known and namespace not in self.boundary_ns
+
+    def walked(self, boundary_ns: set[str]) -> None:
+        """Writer thread: a walk of every row (heal.walk_steps) found boundary
+        entries of `boundary_ns`; with those written meanwhile, the list is whole."""
+        self.boundary_ns |= boundary_ns
+        self.boundaries_known = True
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         found = dict(self.queue.tails(parent))
@@ -627,6 +642,8 @@ class SsdStore(Store):
         True if it is (or will be) held; False if dropped (counted). `force`
         queues it past the queue's bounds instead of waiting for room."""
         eid = entry.id
+        if entry.kind == BOUNDARY:
+            self.boundary_ns.add(entry.namespace)
         if self.has_row(eid) and eid not in self._bad:
             # Already on disk (promoted earlier, or written through): a clean
             # eviction costs one recency update, no write.
@@ -714,6 +731,8 @@ class SsdStore(Store):
                     continue
                 self._path_errors = (None, 0)
                 planned += info.disk_bytes
+                if entry.kind == BOUNDARY:
+                    self.boundary_ns.add(entry.namespace)  # (queued by spill: there already, unless queued directly)
                 written.append((eid, Row(
                     ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start,
                     length=entry.length, tail=entry.tail, nbytes=entry.nbytes, file_size=info.file_size,

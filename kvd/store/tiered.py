@@ -128,6 +128,9 @@ class TieredStore(Store):
         out = ssd.held(eids, also=self.ram.held(eids))
         return out if all(leased) else list(map(operator.and_, leased, out))
 
+    def boundary_free(self, namespace: str) -> bool:
+        return self.ram.boundary_free(namespace) and self.ssd.boundary_free(namespace)
+
     def get(self, eid: bytes) -> Entry | None:
         entry = self.ram.get(eid)
         if entry is not None:
