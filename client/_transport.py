@@ -14,7 +14,11 @@ reconnecting in the background; the first call after the daemon is back
 finds POLLOUT ready). A request that timed out after being sent leaves the
 socket in an unknown state, so the socket is closed and a fresh one made:
 that also makes a restarted daemon reachable again without the caller
-doing anything.
+doing anything. A reply cannot come once the connection the request went
+over is gone (the daemon stopped, restarted, was killed): the socket's
+monitor reports that, and the call fails then (DaemonUnavailable) instead of
+at its timeout -- a model server's request in flight across `systemctl
+restart kvd` would otherwise wait its whole timeout.
 
 Nothing a daemon sends is trusted to be small (PROTOCOL.md section 11):
 a reply is bounded by what the daemon advertised in HELLO (`reply_limits`;
@@ -159,6 +163,7 @@ class Transport:
         self._monitor: zmq.Socket | None = None
         self._auth_error: str | None = None
         self._peer_fd: int | None = None  # of the last connection made, until checked
+        self._dropped = False  # a connection dropped since the request in flight was sent
         self.connect_wait = connect_wait
         self.retry_interval = retry_interval
         self._pid = os.getpid()
@@ -248,7 +253,7 @@ class Transport:
             # by the path: ZeroMQ reconnects in the background, and a
             # connection made while another user squatted the path
             # outlives their moving it away (_check_peer).
-            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         elif is_tcp(self.endpoint):
             # A refused CURVE handshake is silent at the socket (it just
             # never becomes writable); the monitor tells it from a daemon
@@ -259,7 +264,7 @@ class Transport:
             # are read at every request, a refused socket is closed rather
             # than left to retry, and the monitor is never closed before
             # the socket it watches (_reset, __del__).
-            self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+            self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
 
     def _handshake_refused(self) -> str | None:
@@ -274,6 +279,8 @@ class Transport:
             event = message["event"]
             if event == zmq.EVENT_CONNECTED:
                 self._peer_fd = message["value"]  # the latest: a DEALER of one endpoint has one connection
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._dropped = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._auth_error = None
             else:
@@ -388,6 +395,33 @@ class Transport:
                 self._reset()
                 raise DaemonUnavailable(f"reply from {self.endpoint} still arriving at the deadline")
 
+    def _await_reply(self, sock: zmq.Socket, deadline: float) -> bool:
+        """Wait until a message is readable (True) or `deadline` (False).
+        Raises DaemonUnavailable once the connection the request went over
+        drops: its reply cannot come (the daemon stopped or died with it),
+        and a restarted daemon never saw it (module docstring)."""
+        monitor = self._monitor
+        if monitor is None:
+            remaining = deadline - time.monotonic()
+            return remaining > 0 and bool(sock.poll(int(remaining * 1000) + 1, zmq.POLLIN))
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            ready = dict(poller.poll(int(remaining * 1000) + 1))
+            if sock in ready:
+                return True
+            if monitor in ready:
+                self._handshake_refused()  # reads the events
+                if self._dropped:
+                    self._reset()
+                    raise DaemonUnavailable(
+                        f"the daemon at {self.endpoint} closed the connection before replying (stopped or restarted)"
+                    )
+
     def request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
         """Send a request and return its decoded reply.
 
@@ -433,6 +467,7 @@ class Transport:
                     raise self._refusal(refused)
                 raise DaemonUnavailable(self._absent())
             self._check_peer()  # a connection made while we waited
+            self._dropped = False  # (one that dropped before the send took nothing of this request)
             self._fresh = False
             rid = next(self._ids)
             frames = codec.encode(mtype, fields, id=rid)
@@ -443,8 +478,7 @@ class Transport:
             except _LOCAL_FAILURES as err:  # e.g. the collector of a zero-copy frame could not start
                 raise self._starved("send to", err) from None
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                if not self._await_reply(sock, deadline):
                     self._reset()
                     raise DaemonUnavailable(f"no reply from {self.endpoint} within {timeout:.1f}s")
                 raw = self._receive(sock, deadline, limits)

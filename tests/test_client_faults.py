@@ -172,6 +172,51 @@ def test_a_many_batch_put_to_a_slow_daemon_ends_within_its_budget(slow_daemon, t
         assert c.put(toks, snap) and _exact(c.get(toks), snap, 4096)
 
 
+# -- 2b. the daemon gone with a request in flight ------------------------------
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+def test_a_request_in_flight_when_the_daemon_goes_misses_at_once_not_at_its_timeout(daemon_factory, how):
+    """The daemon is stopped (SIGSTOP) as the request is sent, then killed
+    (-9), or told to stop (SIGTERM) and continued, before it answers: the
+    call misses as soon as the connection drops, not at its 30 s timeout
+    (a model server's request in flight across a restart of kvd)."""
+    d = daemon_factory("--ram-mb", "64", "--write-through")  # the PUT outlives -9
+    toks, snap = _tokens(512, 60), _snap(512, 64, 60)
+    with d.client("gone", timeout=30.0) as c:
+        assert c.put(toks, snap) and _exact(c.get(toks), snap, 512)
+        pid, real_request, real_await = d.proc.pid, c._transport.request, c._transport._await_reply
+
+        def request(mtype, fields, timeout):
+            os.kill(pid, signal.SIGSTOP)
+            while _state(pid) not in ("T", "t"):
+                time.sleep(0.001)
+            return real_request(mtype, fields, timeout)
+
+        def await_reply(sock, deadline):  # the request is sent; the daemon has not read it
+            if how == "kill":
+                os.kill(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGCONT)
+            return real_await(sock, deadline)
+
+        c._transport.request, c._transport._await_reply = request, await_reply
+        t0 = time.monotonic()
+        hit = c.get(toks)
+        took = time.monotonic() - t0
+        del c._transport.request, c._transport._await_reply
+        d.proc.wait(10)
+        # SIGTERM may let it answer first (then the hit is exact); -9 never does.
+        assert took < 10.0, f"the call waited {took:.1f}s for a daemon that was gone"
+        if how == "kill" or hit is None:
+            assert hit is None and c.counters["error_unavailable"] == 1, c.counters
+        else:
+            assert _exact(hit, snap, 512)
+        d.start()
+        assert _exact(c.get(toks), snap, 512)  # the restarted daemon: served again, from its data dir
+
+
 # -- 3. a restart with a smaller message limit ---------------------------------
 
 
