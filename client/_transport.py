@@ -478,7 +478,7 @@ class Transport:
             except _LOCAL_FAILURES as err:  # e.g. the collector of a zero-copy frame could not start
                 raise self._starved("send to", err) from None
             while True:
-                if not self._await_reply(sock, deadline):
+                if time.monotonic() >= deadline or not self._await_reply(sock, deadline):
                     self._reset()
                     raise DaemonUnavailable(f"no reply from {self.endpoint} within {timeout:.1f}s")
                 raw = self._receive(sock, deadline, limits)

@@ -434,3 +434,56 @@ def test_write_back_with_no_thread_to_spare_writes_everything_it_acknowledged(da
         for s, k in zip(seqs, kv):
             hit = c.get(s)
             assert hit is not None and np.array_equal(hit.sliced["k"].array, k)
+
+
+def test_a_request_during_a_write_through_stop_is_answered_busy_at_once(daemon_factory):
+    """Write-through, a PUT waiting for a slow disk (a file and an fsync per
+    16-token chunk) when SIGTERM comes: the stop lets what is parked finish
+    (for up to half of stop_timeout); a request that comes meanwhile is
+    answered BUSY at once, not left unread until the socket closes. The
+    PUT's caller hears back (its later batches are refused), and what was
+    acknowledged is there after a restart."""
+    import threading
+
+    from kvd_client import KvdError
+
+    d = daemon_factory("--ram-mb", "512", "--write-through", "--stop-timeout", "60", "--pack-max-kb", "0",
+                       "--spill-queue", "100000")
+    s = _seq(500, 128 * 1024)  # 8 K entries: seconds of fsyncs
+    result: dict = {}
+
+    def put() -> None:
+        with d.client("drain", chunk_tokens=16, timeout=120) as c:
+            result["put"] = c.put(s, prefix_snapshot(s))
+
+    writer = threading.Thread(target=put)
+    writer.start()
+    with d.client("drain-other", strict=True, timeout=5) as c:
+        while c.stats()["write_through"]["waiting"] == 0:  # the PUT is parked, waiting for the disk
+            assert writer.is_alive(), result
+            time.sleep(0.01)
+        d.proc.send_signal(signal.SIGTERM)
+        answers = []
+        while True:  # served until the loop sees the signal, then refused
+            t0 = time.monotonic()
+            try:
+                c.ping()
+                answers.append("PING")
+            except KvdError as err:
+                answers.append(err.name)
+                break
+            finally:
+                took = time.monotonic() - t0
+            assert took < 3.0, f"a PING took {took:.1f}s during the stop ({answers})"
+        assert answers[-1] == "BUSY", answers
+    writer.join(120)
+    assert not writer.is_alive() and "put" in result
+    assert d.proc.wait(60) == 0
+    d.proc = None
+    d.start()
+    with d.client("drain", strict=True, chunk_tokens=16, timeout=60) as c:
+        n = c.probe(s).n
+        assert n > 0 and (n == len(s)) == result["put"]  # the parked batch at least; all of it if acknowledged
+        hit = c.get(s)
+        assert hit is not None and hit.n == n
+        assert_prefix_hit(hit, s)

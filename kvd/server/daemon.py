@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import select
 import signal
 import threading
 import time
@@ -388,12 +387,31 @@ class Daemon:
         self._send(parked.peer, reply)
 
     def _drain_parked(self, deadline: float) -> None:
-        """At stop: let parked PUTs complete until `deadline`, then refuse the rest."""
+        """At stop: let parked PUTs complete until `deadline`, then refuse the
+        rest. Requests that come meanwhile are answered BUSY at once: their
+        peers miss now, not when the socket closes."""
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(self.wakeup.fd, zmq.POLLIN)
+        if sock is not None:
+            poller.register(sock, zmq.POLLIN)
         while len(self.parking) and time.monotonic() < deadline:
-            select.select([self.wakeup.fd], [], [], max(0.0, deadline - time.monotonic()))
+            events = dict(poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))))
+            if sock is not None and sock in events:
+                self._refuse_waiting(sock, "the daemon is stopping")
             self._settle()
         for parked in self.parking.fail_all():
             self._answer(parked, "the daemon is stopping")
+
+    def _refuse_waiting(self, sock: zmq.Socket, why: str, most: int = 64) -> None:
+        """Answer up to `most` waiting requests BUSY, unserved."""
+        for _ in range(most):
+            try:
+                raw = self._recv(sock)
+            except zmq.Again:
+                return
+            identity, request = raw[0].bytes, [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in raw[1:]]
+            self._send(identity, self._busy(request, why), request)
 
     def _serve_waiting(self, recv: Callable[[], list[zmq.Frame]], most: int = 64) -> bool:
         """Serve up to `most` requests (rule 6), then return to the loop: it
