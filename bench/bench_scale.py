@@ -269,22 +269,22 @@ def _mixed_worker(endpoint: str, seed: int, seconds: float, window: float, out, 
     """PUT a new 4-chunk prompt or GET one of its own earlier ones, 50/50
     (with `recent`, one of its last `recent` stored). An op counts only if
     it did its work: a PUT stored (not refused BUSY), a GET served whole (a
-    prompt whose PUT was refused is not asked for)."""
+    prompt whose PUT was refused is not asked for). Per window: (PUTs stored,
+    GETs served whole, PUTs refused)."""
     rng = np.random.default_rng(seed)
-    counts: list[int] = []
-    refused = 0
+    counts: list[tuple[int, int, int]] = []
     snap = snapshot(4 * CT, seed)
     stored: list[int] = []
     with Client(endpoint, namespace=NS, timeout=10, chunk_tokens=CT) as c:
         t0 = time.perf_counter()
-        ops = 0
+        puts = gets = refused = 0
         edge = t0 + window
         mine = 0
         while True:
             now = time.perf_counter()
             if now >= edge:
-                counts.append(ops)
-                ops = 0
+                counts.append((puts, gets, refused))
+                puts = gets = refused = 0
                 edge += window
                 if now - t0 >= seconds:
                     break
@@ -292,18 +292,20 @@ def _mixed_worker(endpoint: str, seed: int, seconds: float, window: float, out, 
                 pool = stored[-recent:] if recent else stored
                 j = pool[int(rng.integers(0, len(pool)))]
                 hit = c.get([seed, j, 1] * (4 * CT // 3) + [9] * (4 * CT % 3))
-                ops += hit is not None and hit.n == 4 * CT
+                gets += hit is not None and hit.n == 4 * CT
             else:
                 if c.put([seed, mine, 1] * (4 * CT // 3) + [9] * (4 * CT % 3), snap):
                     stored.append(mine)
-                    ops += 1
+                    puts += 1
                 else:
                     refused += 1
                 mine += 1
-    out.put((counts, refused))
+    out.put(counts)
 
 
-def mixed(endpoint: str, seconds: float, window: float, clients: int = 8, recent: int = 0) -> list[int]:
+def mixed(endpoint: str, seconds: float, window: float, clients: int = 8,
+          recent: int = 0) -> list[tuple[int, int, int]]:
+    """Per window, summed over the clients: (PUTs stored, GETs served whole, PUTs refused)."""
     q: mp.Queue = mp.Queue()
     # Seeds of this run's own: a run on a kept data dir PUTs new prompts, not
     # an earlier run's again (duplicates cost next to nothing).
@@ -315,9 +317,8 @@ def mixed(endpoint: str, seconds: float, window: float, clients: int = 8, recent
     results = [q.get() for _ in procs]
     for p in procs:
         p.join()
-    n = min(len(r) for r, _ in results)
-    mixed.refused = sum(f for _, f in results)
-    return [sum(r[w] for r, _ in results) for w in range(n)]
+    n = min(len(r) for r in results)
+    return [tuple(sum(r[w][k] for r in results) for k in range(3)) for w in range(n)]
 
 
 def _timed(f, n: int = 200) -> float:
@@ -411,17 +412,21 @@ def main() -> None:
             # warm-up, printed but not compared; the issue is decay after it.
             warm = max(1, round(args.warmup / args.window))
             d.start()
-            windows = mixed(d.endpoint, args.mixed_seconds + warm * args.window, args.window, recent=args.recent)
+            split = mixed(d.endpoint, args.mixed_seconds + warm * args.window, args.window, recent=args.recent)
+            windows = [p + g for p, g, _ in split]
             with Client(d.endpoint, namespace=NS, timeout=30) as c:
                 ssd = c.stats()["tiers"]["ssd"]
             d.stop()
             print(f"mixed, 8 clients{f', GETs among the last {args.recent} prompts' if args.recent else ''}, "
                   f"ops per {args.window:.0f} s window on {have} entries: warm-up {windows[:warm]}, "
                   f"then {windows[warm:]}")
+            print("  of which PUTs stored:  ", [p for p, _, _ in split])
+            print("          GETs served:   ", [g for _, g, _ in split])
+            print("  and PUTs refused BUSY: ", [r for _, _, r in split])
             if len(windows) > warm:
                 print(f"last window / first after warm-up: {windows[-1] / windows[warm]:.2f}x")
-            print(f"PUTs refused (not counted as ops): {mixed.refused}; the SSD writer meanwhile: {ssd['spills']} blobs "
-                  f"written, {ssd['drops']} dropped {ssd['drop_reasons']}")
+            print(f"PUTs refused (not counted as ops): {sum(r for _, _, r in split)}; the SSD writer meanwhile: "
+                  f"{ssd['spills']} blobs written, {ssd['drops']} dropped {ssd['drop_reasons']}")
     finally:
         if d.proc is not None and d.proc.poll() is None:
             d.proc.kill()

@@ -521,3 +521,59 @@ def test_a_batch_the_writer_fails_is_taken_again_then_given_up_counted_never_for
             writer.stop(10)
         assert sink.news == [[e.id]] and len(queue) == 0  # settled once, either way
         assert (sink.written == [e.id]) is written and writer.abandoned == (0 if written else 1)
+
+
+def test_disk_hits_ride_in_the_next_batch_commit_and_never_make_a_read_entry_the_victim(tmp_path):
+    """A hit on disk is moved in the recency order by the next batch's own
+    index commit (one commit for both, no wait for `touch_flush_s`); a batch
+    that may evict moves the hits first, so an entry just read is not the
+    victim; hits no commit carried (the batch dropped whole) are kept for
+    the next flush."""
+    clock = FakeClock()
+    entries = [make_entry(i) for i in range(9)]
+    blob = blobfile.estimate_disk_bytes(entries[0])
+    ssd = SsdStore(tmp_path / "d", 6 * blob, min_free_bytes=0, background=False, clock=clock,
+                   touch_flush_s=3600, pack_max_bytes=0, reconcile=False)
+
+    def order():
+        """Entry numbers, least recently used first (5 and 6, written together, as one)."""
+        with ssd.index.reading() as txn:
+            nums = [next(i for i, e in enumerate(entries) if e.id == eid) for _, eid in ssd.index.oldest(txn)]
+        return [56 if i in (5, 6) else i for i in nums]
+
+    def commits():
+        return ssd.index.env.info()["last_txnid"]
+
+    try:
+        for e in entries[:4]:
+            clock.advance(1)
+            ssd.write_batch([e])
+        clock.advance(1)
+        assert_same(ssd.get(entries[0].id), entries[0])  # a disk hit
+        clock.advance(1)
+        before = commits()
+        ssd.write_batch([entries[4]])
+        assert commits() == before + 1, "the hit had a commit of its own"
+        assert order() == [1, 2, 3, 0, 4]
+
+        # A batch the tier drops whole (degraded) commits nothing: the hit waits for the next flush.
+        clock.advance(1)
+        assert_same(ssd.get(entries[3].id), entries[3])
+        ssd._degrade("a test")
+        ssd.write_batch([entries[7]])
+        assert ssd.drop_reasons == {"degraded": 1} and order() == [1, 2, 3, 0, 4]
+        clock.advance(ssd.retry_s + 3600)
+        ssd.idle(busy=False)  # touch_flush_s passed: the hit goes in on its own
+        assert order() == [1, 2, 0, 4, 3]
+
+        # 5 of 6 blobs' room used: the next batch of two must evict one, the
+        # oldest once the hit on entry 1 is counted.
+        clock.advance(1)
+        assert_same(ssd.get(entries[1].id), entries[1])
+        clock.advance(1)
+        ssd.write_batch(entries[5:7])
+        assert ssd.counters["evictions"] == 1
+        assert ssd.contains(entries[1].id), "an entry just read was evicted before older ones"
+        assert order() == [0, 4, 3, 1, 56, 56]
+    finally:
+        ssd.close()

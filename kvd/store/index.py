@@ -20,7 +20,7 @@ Named databases (all keys and values are bytes):
                                          records of two fields read as 0, 0)
     meta    b"format" -> b"1";  b"totals" -> msgpack [entries, disk bytes]
 
-Rules kept by every write (`put_row`, `delete_row`, `touch`):
+Rules kept by every write (`put_row`, `delete_row`, `touch_many`):
 1. rows, lru, tails, ns and totals change in the same transaction, so the
    totals read at start-up are exact without scanning anything.
 2. A row is committed only after its blob is durable (see blobfile), and a
@@ -245,8 +245,9 @@ class Index(Env):
 
     # -- writes (the writer thread only, inside `write()`) -----------------
     def _bump(self, txn, ns: str, entries: int, nbytes: int, tokens: int = 0, used: float = 0.0) -> None:
-        e, b = self.totals(txn)
-        txn.put(b"totals", msgpack.packb([e + entries, b + nbytes]), db=self.meta)
+        if entries or nbytes:
+            e, b = self.totals(txn)
+            txn.put(b"totals", msgpack.packb([e + entries, b + nbytes]), db=self.meta)
         key = ns.encode()
         raw = txn.get(key, db=self.ns_db)
         e, b, t, u = (list(msgpack.unpackb(raw)) + [0, 0])[:4] if raw else (0, 0, 0, 0.0)
@@ -330,17 +331,25 @@ class Index(Env):
         total = [sum(r[0] for r in per_ns.values()), sum(r[1] for r in per_ns.values())]
         txn.put(b"totals", msgpack.packb(total), db=self.meta)
 
-    def touch(self, txn, eid: bytes, atime: float) -> bool:
-        """Move `eid` to `atime` in the recency order (never backwards)."""
-        try:
-            row = self.get(txn, eid)
-        except RowDamaged:
-            return False  # repaired by the writer (drop_damaged), not moved
-        if row is None or atime <= row.atime:
-            return False
-        txn.delete(_lru_key(row.atime, eid), db=self.lru)
-        row.atime = atime
-        txn.put(eid, row.pack(), db=self.rows)
-        self._put_lru(txn, _lru_key(atime, eid))
-        self._bump(txn, row.ns, 0, 0, 0, atime)
-        return True
+    def touch_many(self, txn, touched: dict[bytes, float]) -> int:
+        """Move each eid of `touched` to its atime in the recency order (never
+        backwards). A namespace's last use is written once, and the totals
+        not at all (a touch changes no sum). Returns how many moved."""
+        used: dict[str, float] = {}
+        moved = 0
+        for eid, atime in touched.items():
+            try:
+                row = self.get(txn, eid)
+            except RowDamaged:
+                continue  # repaired by the writer (drop_damaged), not moved
+            if row is None or atime <= row.atime:
+                continue
+            txn.delete(_lru_key(row.atime, eid), db=self.lru)
+            row.atime = atime
+            txn.put(eid, row.pack(), db=self.rows)
+            self._put_lru(txn, _lru_key(atime, eid))
+            used[row.ns] = max(used.get(row.ns, 0.0), atime)
+            moved += 1
+        for ns, atime in used.items():
+            self._bump(txn, ns, 0, 0, 0, atime)
+        return moved

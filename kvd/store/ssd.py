@@ -89,9 +89,11 @@ a disk read of its own, one after another: so while batches cause page
 faults that wait for the disk, a batch has its index and pack pages read
 in first by helper threads, several at a time (`Env.prefetch`).
 
-Recency. A disk hit records (eid, time) in memory; the writer flushes these
-into the LRU order every `touch_flush_s` and before choosing victims, so the
-daemon thread never waits for an LMDB write.
+Recency. A disk hit records (eid, time) in memory, so the daemon thread
+never waits for an LMDB write; the writer moves them in the LRU order in
+the next batch's index commit (one synced commit for both), on their own
+every `touch_flush_s` when no batch carried them, and always before
+choosing victims.
 
 Start-up. Open LMDB (clearing stale reader slots), read the totals row, and
 serve. An index that is truncated, zeroed or not LMDB is moved aside and
@@ -245,6 +247,7 @@ class SsdStore(Store):
         self._mu = threading.Lock()  # counters, _touched, _bad, _leases
         self._unlink_lock = threading.Lock()  # see "Why contains does not lie"
         self._touched: dict[bytes, float] = {}
+        self._riding: dict[bytes, float] = {}  # writer: hits taken to ride in the batch's index commit
         self._errnos_logged: set[int | None] = set()
         self._bad: dict[bytes, str] = {}  # eid -> reason, awaiting quarantine
         self._bad_rows_told = False  # a bad row was logged since the last sweep (_repair_rows sums up the rest)
@@ -664,7 +667,14 @@ class SsdStore(Store):
         faults = self.major_faults()
         degrades, committed = self._degrades, 0
         try:
-            self._flush_touches()
+            if self._may_evict(batch):
+                self._flush_touches()  # victims are chosen on recency as it is
+            else:
+                # The hits recorded since the last batch ride in its index
+                # commit: one synced commit, not two (each touch dirties two
+                # random index pages; under disk hits they were half the
+                # writer's time, and its pace bounds what PUTs are admitted).
+                self._riding = self._take_touches()
             self._blob_root_ok()
             if self.prefetching:
                 self._prefetch(batch)
@@ -762,6 +772,9 @@ class SsdStore(Store):
                 self._drop(entry, "write_error")
         finally:
             self._packing.clear()
+            if self._riding:  # no commit carried them: recorded again, for the next one (or idle's)
+                self._untake_touches(self._riding)
+                self._riding = {}
         # Read ahead while the batch's pages come from the disk (several a
         # batch: the index has outgrown the page cache), not while they are
         # cached: then the helper threads only cost CPU (~20% of a batch's).
@@ -914,12 +927,17 @@ class SsdStore(Store):
     def _commit(self, written: list[tuple[bytes, Row]]) -> int:
         """Commit rows for durable blobs; on failure remove the blobs (counted).
         Returns how many rows were committed."""
+        riding = self._riding
+
         def commit(txn):
+            if riding:
+                self.index.touch_many(txn, riding)
             added = [(eid, row) for eid, row in written if self.index.put_row(txn, eid, row)]
             return added, self.index.totals(txn)
 
         try:
             added, totals = self.index.write(commit)
+            self._riding = {}
         except lmdb.Error as exc:
             # The blobs are durable but unindexed: remove them now rather
             # than leave orphans for reconcile.
@@ -964,6 +982,12 @@ class SsdStore(Store):
         if self.degraded is not None:
             log.warning("ssd tier recovered after %.1fs (%s)", self._clock() - (self.degraded_since or 0), self.degraded)
             self.degraded = self.degraded_since = None
+
+    def _may_evict(self, batch: list[Entry]) -> bool:
+        """Could writing `batch` evict rows (the budget, or a group's quota)?"""
+        if self.quotas is not None:
+            return True
+        return self.bytes + sum(blobfile.estimate_disk_bytes(e) for e in batch) > self.budget_bytes
 
     def _make_room(self, need: int, protect: set[bytes]) -> bool:
         """Evict LRU rows until `need` more bytes fit the budget. False (and
@@ -1055,11 +1079,22 @@ class SsdStore(Store):
         except FileNotFoundError:
             pass
 
-    def _flush_touches(self) -> None:
+    def _take_touches(self) -> dict[bytes, float]:
         with self._mu:
             touched, self._touched = self._touched, {}
+        return touched
+
+    def _untake_touches(self, touched: dict[bytes, float]) -> None:
+        """Hits taken for a commit that did not happen: recorded again."""
+        with self._mu:
+            for eid, t in touched.items():
+                if t > self._touched.get(eid, 0.0):
+                    self._touched[eid] = t
+
+    def _flush_touches(self) -> None:
+        touched = self._take_touches()
         if touched:
-            self.index.write(lambda txn: [self.index.touch(txn, eid, t) for eid, t in touched.items()])
+            self.index.write(lambda txn: self.index.touch_many(txn, touched))
 
     def _quarantine(self, eid: bytes) -> None:
         reason = self._bad.get(eid)
