@@ -577,3 +577,32 @@ def test_disk_hits_ride_in_the_next_batch_commit_and_never_make_a_read_entry_the
         assert order() == [0, 4, 3, 1, 56, 56]
     finally:
         ssd.close()
+
+
+def test_a_full_tier_makes_room_for_a_whole_batch_in_one_commit(tmp_path):
+    """A batch written into a full tier evicts what all of it needs in one
+    index commit and one pack commit, oldest first (it was one of each per
+    entry: a full tier's writer fell to ~130 chunks/s); a hit on an entry
+    that is not a victim rides in the batch's commit."""
+    clock = FakeClock()
+    entries = [make_entry(i) for i in range(10)]
+    blob = blobfile.estimate_disk_bytes(entries[0])
+    ssd = SsdStore(tmp_path / "d", 6 * blob, min_free_bytes=0, background=False, clock=clock, reconcile=False)
+    try:
+        assert blob <= ssd.pack_max_bytes  # packed: the pack has commits of its own
+        for e in entries[:6]:
+            clock.advance(1)
+            ssd.write_batch([e])
+        clock.advance(1)
+        assert_same(ssd.get(entries[5].id), entries[5])  # a hit, not on a victim: it rides in the batch's commit
+        index, pack = ssd.index.env.info()["last_txnid"], ssd.pack.env.info()["last_txnid"]
+        clock.advance(1)
+        ssd.write_batch(entries[6:])
+        assert ssd.counters["evictions"] == 4
+        assert [ssd.contains(e.id) for e in entries] == [False] * 4 + [True] * 6
+        assert ssd.index.env.info()["last_txnid"] - index == 2  # the victims' rows, then the batch's
+        assert ssd.pack.env.info()["last_txnid"] - pack == 2  # the victims' blobs, then the batch's
+        for e in entries[4:]:
+            assert_same(ssd.get(e.id), e)
+    finally:
+        ssd.close()

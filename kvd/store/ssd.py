@@ -92,8 +92,8 @@ in first by helper threads, several at a time (`Env.prefetch`).
 Recency. A disk hit records (eid, time) in memory, so the daemon thread
 never waits for an LMDB write; the writer moves them in the LRU order in
 the next batch's index commit (one synced commit for both), on their own
-every `touch_flush_s` when no batch carried them, and always before
-choosing victims.
+every `touch_flush_s` when no batch carried them, and before choosing
+victims if one of them was read.
 
 Start-up. Open LMDB (clearing stale reader slots), read the totals row, and
 serve. An index that is truncated, zeroed or not LMDB is moved aside and
@@ -667,14 +667,23 @@ class SsdStore(Store):
         faults = self.major_faults()
         degrades, committed = self._degrades, 0
         try:
-            if self._may_evict(batch):
-                self._flush_touches()  # victims are chosen on recency as it is
+            if self.quotas is not None:
+                self._flush_touches()  # a group's victims are chosen on recency as it is
             else:
                 # The hits recorded since the last batch ride in its index
                 # commit: one synced commit, not two (each touch dirties two
                 # random index pages; under disk hits they were half the
                 # writer's time, and its pace bounds what PUTs are admitted).
+                # If one is on a victim, it is recorded first (_make_room).
                 self._riding = self._take_touches()
+            need = sum(est for e in batch if (est := blobfile.estimate_disk_bytes(e)) <= self.budget_bytes)
+            if self.bytes + need > self.budget_bytes and not (self.degraded and self._clock() < self._retry_at):
+                # Room for the whole batch at once: one commit of victims
+                # (index, then pack), not one each. A full tier evicted per
+                # entry: ~130 synced commits a batch of 64, ~0.4 s. Each entry
+                # still checks (below): an estimate, or a lease in the way,
+                # may leave some room to make one by one.
+                self._make_room(need, set())
             self._blob_root_ok()
             if self.prefetching:
                 self._prefetch(batch)
@@ -983,28 +992,20 @@ class SsdStore(Store):
             log.warning("ssd tier recovered after %.1fs (%s)", self._clock() - (self.degraded_since or 0), self.degraded)
             self.degraded = self.degraded_since = None
 
-    def _may_evict(self, batch: list[Entry]) -> bool:
-        """Could writing `batch` evict rows (the budget, or a group's quota)?"""
-        if self.quotas is not None:
-            return True
-        return self.bytes + sum(blobfile.estimate_disk_bytes(e) for e in batch) > self.budget_bytes
-
     def _make_room(self, need: int, protect: set[bytes]) -> bool:
         """Evict LRU rows until `need` more bytes fit the budget. False (and
         nothing evicted) if only leased/protected entries stand in the way."""
         over = self.bytes + need - self.budget_bytes
         if over <= 0:
             return True
-        victims, freed = [], 0
-        with self.index.reading() as txn:
-            for _, eid in self.index.oldest(txn):
-                if eid in protect or self.leased(eid):
-                    continue
-                row = self.index.get(txn, eid)
-                victims.append(eid)
-                freed += row.disk_bytes
-                if freed >= over:
-                    break
+        victims, freed = self._victims(over, protect)
+        riding, touched = self._riding, self._touched
+        if (riding or touched) and any(eid in riding or eid in touched for eid in victims):
+            # One was read since its row last moved: its hit, recorded, moves
+            # it (and others read) out of the way. Only then: hits move rows
+            # forward, never back, so victims none was read on stay victims.
+            self._flush_touches()
+            victims, freed = self._victims(over, protect)
         if freed < over:
             return False
         with self._mu:  # ordered against lease(): see the module docstring
@@ -1016,6 +1017,20 @@ class SsdStore(Store):
         finally:
             self._unmark_evicting(victims)
         return True
+
+    def _victims(self, over: int, protect: set[bytes]) -> tuple[list[bytes], int]:
+        """The oldest rows, not leased nor in `protect`, whose bytes reach `over`."""
+        victims, freed = [], 0
+        with self.index.reading() as txn:
+            for _, eid in self.index.oldest(txn):
+                if eid in protect or self.leased(eid):
+                    continue
+                row = self.index.get(txn, eid)
+                victims.append(eid)
+                freed += row.disk_bytes
+                if freed >= over:
+                    break
+        return victims, freed
 
     def evict_rows(self, victims: list[bytes], why: str) -> tuple[int, int]:
         """Writer thread: evict these rows, except any leased meanwhile
@@ -1092,7 +1107,11 @@ class SsdStore(Store):
                     self._touched[eid] = t
 
     def _flush_touches(self) -> None:
-        touched = self._take_touches()
+        """Record the hits taken (riding) and recorded since, in a commit of their own."""
+        touched, riding, self._riding = self._take_touches(), self._riding, {}
+        for eid, t in riding.items():
+            if t > touched.get(eid, 0.0):
+                touched[eid] = t
         if touched:
             self.index.write(lambda txn: self.index.touch_many(txn, touched))
 
