@@ -159,6 +159,23 @@ def test_a_group_that_cannot_make_room_costs_no_commit_per_chunk(tmp_path):
         store.close()
 
 
+def test_a_group_at_its_quota_in_a_full_tier_evicts_only_its_own(tmp_path):
+    """The tier at its budget and the flooding group at its quota: a batch of
+    the group's makes room from its own rows alone, since that room is the
+    tier's too; the other namespace's older rows stay."""
+    store, ssd, quotas = _ssd_with_quota(tmp_path, quota_blobs=4, ssd_blobs=8)
+    try:
+        others = [make_entry(i, ns="other") for i in range(4)]
+        ssd.write_batch(others)  # the oldest rows
+        ssd.write_batch([make_entry(10 + i, ns="flood") for i in range(4)])
+        assert ssd.bytes == 8 * BLOB == ssd.budget_bytes
+        ssd.write_batch([make_entry(20 + i, ns="flood") for i in range(3)])
+        assert all(ssd.has_row(e.id) for e in others)
+        assert 3 <= ssd.counters["evictions"] <= 4 and ssd.bytes <= 8 * BLOB  # (a quota evicts a tenth to spare)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("others", [200, 2000])
 def test_the_quota_walk_does_not_grow_with_other_namespaces(tmp_path, monkeypatch, others):
     """The group's oldest rows are found without walking every older row of

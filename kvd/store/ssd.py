@@ -676,20 +676,21 @@ class SsdStore(Store):
                 # writer's time, and its pace bounds what PUTs are admitted).
                 # If one is on a victim, it is recorded first (_make_room).
                 self._riding = self._take_touches()
-            need = sum(est for e in batch if (est := blobfile.estimate_disk_bytes(e)) <= self.budget_bytes)
-            if self.bytes + need > self.budget_bytes and not (self.degraded and self._clock() < self._retry_at):
-                # Room for the whole batch at once: one commit of victims
-                # (index, then pack), not one each. A full tier evicted per
-                # entry: ~130 synced commits a batch of 64, ~0.4 s. Each entry
-                # still checks (below): an estimate, or a lease in the way,
-                # may leave some room to make one by one.
-                self._make_room(need, set())
             self._blob_root_ok()
             if self.prefetching:
                 self._prefetch(batch)
             if self.quotas is not None:
                 self.quotas.reset_failures()
                 self.quotas.make_room_ssd_for(self, [(e, blobfile.estimate_disk_bytes(e)) for e in batch])
+            need = sum(est for e in batch if (est := blobfile.estimate_disk_bytes(e)) <= self.budget_bytes)
+            if self.bytes + need > self.budget_bytes and not (self.degraded and self._clock() < self._retry_at):
+                # Room for the whole batch at once (after its groups' quotas
+                # made theirs): one commit of victims (index, then pack), not
+                # one each. A full tier evicted per entry: ~130 synced commits
+                # a batch of 64, ~0.4 s. Each entry still checks (below): an
+                # estimate, or a lease in the way, may leave some room to make
+                # one by one.
+                self._make_room(need, set())
             planned = 0
             for i, entry in enumerate(batch):
                 if self.writes_stopped:
