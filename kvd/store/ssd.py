@@ -679,10 +679,11 @@ class SsdStore(Store):
             self._blob_root_ok()
             if self.prefetching:
                 self._prefetch(batch)
+            ests = [blobfile.estimate_disk_bytes(e) for e in batch]
             if self.quotas is not None:
                 self.quotas.reset_failures()
-                self.quotas.make_room_ssd_for(self, [(e, blobfile.estimate_disk_bytes(e)) for e in batch])
-            need = sum(est for e in batch if (est := blobfile.estimate_disk_bytes(e)) <= self.budget_bytes)
+                self.quotas.make_room_ssd_for(self, list(zip(batch, ests)))
+            need = sum(est for est in ests if est <= self.budget_bytes)
             if self.bytes + need > self.budget_bytes and not (self.degraded and self._clock() < self._retry_at):
                 # Room for the whole batch at once (after its groups' quotas
                 # made theirs): one commit of victims (index, then pack), not
@@ -702,7 +703,7 @@ class SsdStore(Store):
                 if self.degraded and now < self._retry_at:
                     self._drop(entry, "degraded")
                     continue
-                est = blobfile.estimate_disk_bytes(entry)
+                est = ests[i]
                 if est > self.budget_bytes:
                     self._drop(entry, "too_big")
                     continue
@@ -1103,16 +1104,12 @@ class SsdStore(Store):
     def _untake_touches(self, touched: dict[bytes, float]) -> None:
         """Hits taken for a commit that did not happen: recorded again."""
         with self._mu:
-            for eid, t in touched.items():
-                if t > self._touched.get(eid, 0.0):
-                    self._touched[eid] = t
+            _keep_latest(self._touched, touched)
 
     def _flush_touches(self) -> None:
         """Record the hits taken (riding) and recorded since, in a commit of their own."""
         touched, riding, self._riding = self._take_touches(), self._riding, {}
-        for eid, t in riding.items():
-            if t > touched.get(eid, 0.0):
-                touched[eid] = t
+        _keep_latest(touched, riding)
         if touched:
             self.index.write(lambda txn: self.index.touch_many(txn, touched))
 
@@ -1551,6 +1548,13 @@ class SsdStore(Store):
 def _major_faults() -> int:
     """Page faults this process has waited on a disk read for (Linux and macOS)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+def _keep_latest(into: dict[bytes, float], hits: dict[bytes, float]) -> None:
+    """Add `hits` (eid -> time) to `into`, keeping each eid's latest time."""
+    for eid, t in hits.items():
+        if t > into.get(eid, 0.0):
+            into[eid] = t
 
 
 def _take_while_old(index: Index, txn, cutoff: float) -> Iterator[tuple[bytes, Row]]:
