@@ -68,6 +68,11 @@ _KEEP_FRAME_BYTES = 64 * 1024
 _SNDHWM = 16
 
 
+def _kept(frames: list[zmq.Frame]) -> list:
+    """A request's frames as the handler takes them (see _KEEP_FRAME_BYTES)."""
+    return [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in frames]
+
+
 class _Conn(NamedTuple):
     """A peer connection, as its first request found it."""
 
@@ -410,7 +415,7 @@ class Daemon:
                 raw = self._recv(sock)
             except zmq.Again:
                 return
-            identity, request = raw[0].bytes, [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in raw[1:]]
+            identity, request = raw[0].bytes, _kept(raw[1:])
             self._send(identity, self._busy(request, why), request)
 
     def _serve_waiting(self, recv: Callable[[], list[zmq.Frame]], most: int = 64) -> bool:
@@ -496,7 +501,7 @@ class Daemon:
         conn = self._conn(identity, fd)
         if self.gate is not None:
             self.gate.touch(fd)
-        frames = [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in payload]
+        frames = _kept(payload)
         started, cpu = time.perf_counter(), time.thread_time()
         if self.outbox is not None and self.outbox.saturated(identity):
             # Its replies would be dropped or refused anyway: do no work for it.
