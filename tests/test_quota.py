@@ -11,9 +11,10 @@ from kvd.config import ConfigError, resolve
 from kvd.server.evictions import EvictionRecord
 from kvd.store import RamStore
 from kvd.store.quota import Quotas, Rule
+from kvd.store.ssd import SsdStore
 from kvd.store.tiered import open_store
 
-from support import assert_prefix_hit, assert_same, kvd, make_entry, prefix_snapshot
+from support import FakeClock, assert_prefix_hit, assert_same, kvd, make_entry, prefix_snapshot
 
 ENTRY = make_entry(0).nbytes  # 8 KiB of tensors + meta
 
@@ -174,6 +175,48 @@ def test_a_group_at_its_quota_in_a_full_tier_evicts_only_its_own(tmp_path):
         assert 3 <= ssd.counters["evictions"] <= 4 and ssd.bytes <= 8 * BLOB  # (a quota evicts a tenth to spare)
     finally:
         store.close()
+
+
+def test_with_quotas_disk_hits_ride_in_the_batch_commit_and_a_read_row_is_not_the_groups_victim(tmp_path):
+    """A group's eviction chooses its victims on recency with the hits not
+    yet recorded in mind: a hit on none of them rides in the batch's own
+    index commit (with quotas they had a synced commit of their own before
+    every batch); a hit on one is recorded first, and that row stays."""
+    clock = FakeClock()
+    ssd = SsdStore(tmp_path / "d", 4096 * BLOB, min_free_bytes=0, background=False, clock=clock,
+                   touch_flush_s=3600, reconcile=False)
+    Quotas([Rule("flood", ssd_bytes=4 * BLOB)]).attach(ssd)
+    flood = [make_entry(i, ns="flood") for i in range(8)]
+
+    def commits():
+        return ssd.index.env.info()["last_txnid"]
+
+    try:
+        for e in flood[:4]:
+            clock.advance(1)
+            ssd.write_batch([e])
+        assert all(ssd.has_row(e.id) for e in flood[:4])
+        # A hit on the newest row (no victim): the group evicts its oldest
+        # (one commit) and the batch's commit carries the hit.
+        clock.advance(1)
+        assert_same(ssd.get(flood[3].id), flood[3])
+        before, evictions = commits(), ssd.counters["evictions"]
+        clock.advance(1)
+        ssd.write_batch([flood[4]])
+        assert ssd.counters["evictions"] > evictions and not ssd.has_row(flood[0].id)
+        assert commits() == before + 2, "the hit had a commit of its own"
+        assert not ssd._touched and not ssd._riding
+        # A hit on the group's oldest row: recorded before the victims are
+        # chosen, so the next oldest goes and the row just read stays.
+        oldest = next(e for e in flood[:4] if ssd.has_row(e.id))
+        clock.advance(1)
+        assert_same(ssd.get(oldest.id), oldest)
+        clock.advance(1)
+        ssd.write_batch(flood[5:7])
+        assert ssd.has_row(oldest.id), "the row just read was the group's victim"
+        assert ssd.has_row(flood[5].id) and ssd.has_row(flood[6].id)
+    finally:
+        ssd.close()
 
 
 @pytest.mark.parametrize("others", [200, 2000])

@@ -200,14 +200,32 @@ class Quotas:
             return True
         if need > rule.ssd_bytes or need >= self._ssd_failed.get(rule.pattern, rule.ssd_bytes + 1):
             return False
+        over, victims, freed = self._walk(ssd, rule, need, written)
+        if over > 0 and ssd.record_hits_on(victims):
+            # One was read since its row last moved: chosen again, hits recorded.
+            over, victims, freed = self._walk(ssd, rule, need, written)
+        if over <= 0:
+            return True
+        if freed < over:
+            self._ssd_failed[rule.pattern] = need
+            return False
+        n, _ = ssd.evict_rows(victims, "quota")
+        self._count(rule, "ssd", n)
+        return n == len(victims)
+
+    def _walk(self, ssd: Any, rule: Rule, need: int, written: list) -> tuple[int, list[bytes], int]:
+        """How far `need` more bytes take the group over its quota, and the
+        oldest committed rows of the group (not leased, not in `written`) to
+        evict for it: (over, victims, their bytes)."""
         index = ssd.index
         pending = {eid for eid, _ in written}
+        victims, freed, first = [], 0, None
         with index.reading() as txn:
             used = sum(v["bytes"] for ns, v in index.namespaces(txn).items() if self.rule_for(ns) is rule)
             used += sum(row.disk_bytes for _, row in written if self.rule_for(row.ns) is rule)
             over = used + need - rule.ssd_bytes
             if over <= 0:
-                return True
+                return over, victims, freed
             # A tenth of the quota more than needed: the group's next writes
             # then fit without an eviction each (a synced commit and a walk
             # of the LRU per chunk had slowed the writer to ~150 chunks/s,
@@ -216,7 +234,6 @@ class Quotas:
             start, moves = self._ssd_from.get(rule.pattern, (None, -1))
             if moves != index.lru_moves:
                 start = None
-            victims, freed, first = [], 0, None
             for key, eid, row in index.oldest_rows(txn, start):
                 if freed >= want:
                     break
@@ -231,12 +248,7 @@ class Quotas:
         self._ssd_from[rule.pattern] = (first or start, index.lru_moves)
         marks = [k for k, _ in self._ssd_from.values() if k is not None]
         index.lru_guard = max(marks) if marks else None  # a key below any group's place voids them all
-        if freed < over:
-            self._ssd_failed[rule.pattern] = need
-            return False
-        n, _ = ssd.evict_rows(victims, "quota")
-        self._count(rule, "ssd", n)
-        return n == len(victims)
+        return over, victims, freed
 
     def pending_in_group(self, entry: Any, written: list) -> bool:
         """Whether `written` (a batch's uncommitted (eid, row)s) holds rows of `entry`'s group."""

@@ -667,15 +667,13 @@ class SsdStore(Store):
         faults = self.major_faults()
         degrades, committed = self._degrades, 0
         try:
-            if self.quotas is not None:
-                self._flush_touches()  # a group's victims are chosen on recency as it is
-            else:
-                # The hits recorded since the last batch ride in its index
-                # commit: one synced commit, not two (each touch dirties two
-                # random index pages; under disk hits they were half the
-                # writer's time, and its pace bounds what PUTs are admitted).
-                # If one is on a victim, it is recorded first (_make_room).
-                self._riding = self._take_touches()
+            # The hits recorded since the last batch ride in its index
+            # commit: one synced commit, not two (each touch dirties two
+            # random index pages; under disk hits they were half the
+            # writer's time, and its pace bounds what PUTs are admitted).
+            # If one is on a victim, it is recorded first (`record_hits_on`,
+            # asked by _make_room and by the quotas' own eviction).
+            self._riding = self._take_touches()
             self._blob_root_ok()
             if self.prefetching:
                 self._prefetch(batch)
@@ -1001,12 +999,7 @@ class SsdStore(Store):
         if over <= 0:
             return True
         victims, freed = self._victims(over, protect)
-        riding, touched = self._riding, self._touched
-        if (riding or touched) and any(eid in riding or eid in touched for eid in victims):
-            # One was read since its row last moved: its hit, recorded, moves
-            # it (and others read) out of the way. Only then: hits move rows
-            # forward, never back, so victims none was read on stay victims.
-            self._flush_touches()
+        if self.record_hits_on(victims):
             victims, freed = self._victims(over, protect)
         if freed < over:
             return False
@@ -1019,6 +1012,19 @@ class SsdStore(Store):
         finally:
             self._unmark_evicting(victims)
         return True
+
+    def record_hits_on(self, victims: list[bytes]) -> bool:
+        """Writer thread: True if one of `victims` was read since its row last
+        moved -- then every pending hit is recorded now (a commit of its own)
+        and the victims must be chosen again: the hit moves that row (and
+        others read) out of the way. Only then: hits move rows forward, never
+        back, so victims none was read on stay victims, and the hits ride in
+        the batch's commit instead (`write_batch`)."""
+        riding, touched = self._riding, self._touched
+        if (riding or touched) and any(eid in riding or eid in touched for eid in victims):
+            self._flush_touches()
+            return True
+        return False
 
     def _victims(self, over: int, protect: set[bytes]) -> tuple[list[bytes], int]:
         """The oldest rows, not leased nor in `protect`, whose bytes reach `over`."""
