@@ -579,6 +579,53 @@ def test_disk_hits_ride_in_the_next_batch_commit_and_never_make_a_read_entry_the
         ssd.close()
 
 
+def test_a_use_moves_a_row_only_outside_the_tiers_youngest_quarter(tmp_path):
+    """A disk hit, a clean spill or a duplicate PUT on a row used within the
+    newest quarter of the tier's age (oldest row to now) leaves it where it
+    is, counted `touches_skipped`: the writer does not rewrite rows nowhere
+    near eviction (under mixed load at 1 M rows that was most of its time).
+    A use of an older row moves it, and it outlives rows newer than it was."""
+    clock = FakeClock()
+    entries = [make_entry(i) for i in range(11)]
+    blob = blobfile.estimate_disk_bytes(entries[0])
+    ssd = SsdStore(tmp_path / "d", 10 * blob, min_free_bytes=0, background=False, clock=clock,
+                   touch_flush_s=3600, pack_max_bytes=0, reconcile=False)
+
+    def order():
+        with ssd.index.reading() as txn:
+            return [next(i for i, e in enumerate(entries) if e.id == eid) for _, eid in ssd.index.oldest(txn)]
+
+    try:
+        for e in entries[:10]:  # written at 1 .. 10 s
+            clock.advance(1)
+            ssd.write_batch([e])
+        clock.advance(2)  # now 12 s: the oldest row's last use 1 s, so rows used after 9.25 s are young
+        assert_same(ssd.get(entries[9].id), entries[9])  # young (10 s): not moved
+        assert ssd.spill(entries[8])  # 9 s, just older than that: moved
+        clock.advance(0.1)
+        assert ssd.put(entries[2]) is PutOutcome.DUPLICATE  # old: moved
+        clock.advance(0.1)
+        assert_same(ssd.get(entries[0].id), entries[0])  # old: moved
+        assert ssd.counters["touches_skipped"] == 1
+        assert ssd.counters["spills_clean"] == 1 and ssd.counters["duplicates"] == 1
+        clock.advance(1)
+        ssd.idle(busy=False)  # the floor and the flush: only the old rows' uses are recorded
+        ssd._flush_touches()
+        assert order() == [1, 3, 4, 5, 6, 7, 9, 8, 2, 0]
+        # A use of a young row is not lost for good: once older than the
+        # newest quarter, the next use moves it.
+        clock.advance(100)
+        assert_same(ssd.get(entries[9].id), entries[9])
+        ssd._flush_touches()
+        assert order()[-1] == 9
+        # The tier full, the next entry evicts the oldest (1), never a row used.
+        clock.advance(1)
+        ssd.write_batch([entries[10]])
+        assert [ssd.has_row(e.id) for e in entries] == [True, False] + [True] * 9
+    finally:
+        ssd.close()
+
+
 def test_a_full_tier_makes_room_for_a_whole_batch_in_one_commit(tmp_path):
     """A batch written into a full tier evicts what all of it needs in one
     index commit and one pack commit, oldest first (it was one of each per

@@ -30,7 +30,7 @@ log = logging.getLogger("kvd.server")
 # (entries, bytes, budgets, queue sizes) is a gauge.
 _TIER_COUNTERS = {
     "hits", "misses", "evictions", "evicted_bytes", "spills", "spill_bytes", "promotions", "drops", "dropped",
-    "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "quarantined", "served_bytes",
+    "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "touches_skipped", "quarantined", "served_bytes",
     "bad_rows", "index_errors",
     # the remote tier (kvd/store/remote.py)
     "bytes_in", "bytes_out", "written", "backlog_dropped", "errors", "exists_queries", "degraded_episodes",

@@ -188,6 +188,11 @@ class Index(Env):
         for k, eid, _ in self.oldest_rows(txn):
             yield struct.unpack_from(">Q", k)[0] / 1e6, eid
 
+    def oldest_atime(self, txn) -> float | None:
+        """The least recent use in the recency order (None: no rows)."""
+        cur = txn.cursor(db=self.lru)
+        return struct.unpack_from(">Q", cur.key())[0] / 1e6 if cur.first() else None
+
     def oldest_rows(self, txn, start: bytes | None = None) -> Iterator[tuple[bytes, bytes, Row]]:
         """(recency key, eid, row) from least to most recently used, from the
         first recency key >= `start` if given (see `lru_guard`); damaged rows
