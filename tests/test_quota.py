@@ -181,7 +181,9 @@ def test_with_quotas_disk_hits_ride_in_the_batch_commit_and_a_read_row_is_not_th
     """A group's eviction chooses its victims on recency with the hits not
     yet recorded in mind: a hit on none of them rides in the batch's own
     index commit (with quotas they had a synced commit of their own before
-    every batch); a hit on one is recorded first, and that row stays."""
+    every batch); a hit on one is recorded first, and that row stays --
+    though the group's rows are all young beside the tier's oldest (a hit
+    on those is otherwise not recorded: SsdStore._hit)."""
     clock = FakeClock()
     ssd = SsdStore(tmp_path / "d", 4096 * BLOB, min_free_bytes=0, background=False, clock=clock,
                    touch_flush_s=3600, reconcile=False)
@@ -192,6 +194,8 @@ def test_with_quotas_disk_hits_ride_in_the_batch_commit_and_a_read_row_is_not_th
         return ssd.index.env.info()["last_txnid"]
 
     try:
+        ssd.write_batch([make_entry(100, ns="other")])  # the tier's oldest row, long before the group's
+        clock.advance(1000)
         for e in flood[:4]:
             clock.advance(1)
             ssd.write_batch([e])

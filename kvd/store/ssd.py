@@ -119,7 +119,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import math
 import operator
 import os
 import resource
@@ -431,42 +430,51 @@ class SsdStore(Store):
             return None
         entry, row = found
         self._count("hits")
-        self._hit(eid, row.atime)
+        self._hit(eid, row)
         return entry
 
-    def _row_atime(self, eid: bytes) -> float | None:
-        """When `eid`'s committed row was last used; None if it has none.
-        A row that does not decode has one, its use unknown (-inf)."""
+    def _committed_row(self, eid: bytes) -> tuple[bool, Row | None]:
+        """Whether `eid` has a committed row, and the row (None if it does not decode)."""
         try:
             with self.index.reading() as txn:
                 row = self.index.get(txn, eid)
+            return row is not None, row
         except IndexBusy:
-            return None
+            return False, None
         except RowDamaged:
-            return -math.inf
+            return True, None
         except lmdb.Error as exc:
             self._index_error(exc)
-            return None
-        return None if row is None else row.atime
+            return False, None
 
-    def _hit(self, eid: bytes, atime: float | None) -> None:
-        """A use of `eid` (a disk hit, a clean spill, a duplicate PUT; its row
-        last used at `atime`, None if it has no row yet): remembered for the writer
-        to move in the recency order -- unless the row is among the tier's
-        youngest already, its last use within the newest `YOUNG_SHARE` of the
-        span from the oldest row's to now (counted `touches_skipped`). Recency is
+    def _hit(self, eid: bytes, row: Row | None) -> None:
+        """A use of `eid` (a disk hit, a clean spill, a duplicate PUT; `row`
+        its row, None if it has none yet): remembered for the writer to move
+        in the recency order -- unless the row is among the tier's youngest
+        already, its last use within the newest `YOUNG_SHARE` of the span
+        from the oldest row's to now (counted `touches_skipped`). Recency is
         then exact to that share of the tier's age, and the writer is spared
         rewriting rows that are nowhere near eviction: under 8 clients'
         mixed load at 1 M rows, moving every hit's row took 52 s of the
         writer's 68 (two random index pages each), and its pace is what
-        PUTs are admitted at."""
+        PUTs are admitted at. Rows of a group with an SSD quota are always
+        moved: the group evicts its own oldest, and the tier's age says
+        nothing of the group's."""
         now = self._clock()
         floor = self.recency_floor
-        if atime is not None and floor is not None and atime >= now - (now - floor) * YOUNG_SHARE:
+        if (row is not None and floor is not None and row.atime >= now - (now - floor) * YOUNG_SHARE
+                and not self._quota_on(row.ns)):
             self._count("touches_skipped")
             return
         with self._mu:
             self._touched[eid] = now
+
+    def _quota_on(self, ns: str) -> bool:
+        """Whether namespace `ns` is in a group with an SSD quota."""
+        if self.quotas is None:
+            return False
+        rule = self.quotas.rule_for(ns)
+        return rule is not None and rule.ssd_bytes is not None
 
     def _note_recency_floor(self) -> None:
         """Writer thread: the oldest row's last use, for `_hit`."""
@@ -677,10 +685,10 @@ class SsdStore(Store):
         TOO_BIG if over the whole budget; DROPPED (counted) if the queue is
         full (`force`: it takes it regardless)."""
         eid = entry.id
-        atime = None if eid in self.queue or eid in self._bad else self._row_atime(eid)
-        if atime is not None or eid in self.queue:  # (asked again: the writer may have taken it meanwhile)
+        held, row = (False, None) if eid in self.queue or eid in self._bad else self._committed_row(eid)
+        if held or eid in self.queue:  # (asked again: the writer may have taken it meanwhile)
             self._count("duplicates")
-            self._hit(eid, atime)
+            self._hit(eid, row)
             return PutOutcome.DUPLICATE
         if blobfile.estimate_disk_bytes(entry) > self.budget_bytes:
             self._drop(entry, "too_big")
@@ -696,11 +704,12 @@ class SsdStore(Store):
         eid = entry.id
         if entry.kind == BOUNDARY:
             self.boundary_ns.add(entry.namespace)
-        if eid not in self._bad and (atime := self._row_atime(eid)) is not None:
+        held, row = (False, None) if eid in self._bad else self._committed_row(eid)
+        if held:
             # Already on disk (promoted earlier, or written through): a clean
             # eviction costs one recency update, no write.
             self._count("spills_clean")
-            self._hit(eid, atime)
+            self._hit(eid, row)
             return True
         force = force or self.leased(eid)
         if self.queue.offer(entry, force=force, outside=True):
