@@ -162,7 +162,7 @@ TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errn
 # Blob writes failing one after another with the same other errno (ENOENT,
 # EACCES, ...): past this many it is the folder or the disk, not one path.
 PATH_ERRORS_DEGRADE = 3
-YOUNG_SHARE = 0.25  # a disk hit on a row this young (a share of the tier's age) does not move it (`_hit`)
+YOUNG_SHARE = 0.25  # a use of a row this young (a share of the tier's age) does not move it (`_hit`)
 FILE_CHECK_S = 0.1  # how often the writer looks at the index's and the pack's files (Env.file_fault)
 
 _COUNTERS = (
