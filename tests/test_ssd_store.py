@@ -523,23 +523,34 @@ def test_a_batch_the_writer_fails_is_taken_again_then_given_up_counted_never_for
         assert (sink.written == [e.id]) is written and writer.abandoned == (0 if written else 1)
 
 
+def _clocked_tier(tmp_path, n: int, blobs: int) -> tuple[FakeClock, list, SsdStore]:
+    """A tier of `blobs` blobs' room on an injected clock, hits flushed only
+    when a test says, and `n` entries to fill it with."""
+    clock = FakeClock()
+    entries = [make_entry(i) for i in range(n)]
+    blob = blobfile.estimate_disk_bytes(entries[0])
+    ssd = SsdStore(tmp_path / "d", blobs * blob, min_free_bytes=0, background=False, clock=clock,
+                   touch_flush_s=3600, pack_max_bytes=0, reconcile=False)
+    return clock, entries, ssd
+
+
+def _lru_order(ssd: SsdStore, entries: list) -> list[int]:
+    """Entry numbers, least recently used first."""
+    with ssd.index.reading() as txn:
+        return [next(i for i, e in enumerate(entries) if e.id == eid) for _, eid in ssd.index.oldest(txn)]
+
+
 def test_disk_hits_ride_in_the_next_batch_commit_and_never_make_a_read_entry_the_victim(tmp_path):
     """A hit on disk is moved in the recency order by the next batch's own
     index commit (one commit for both, no wait for `touch_flush_s`); a batch
     that may evict moves the hits first, so an entry just read is not the
     victim; hits no commit carried (the batch dropped whole) are kept for
     the next flush."""
-    clock = FakeClock()
-    entries = [make_entry(i) for i in range(9)]
-    blob = blobfile.estimate_disk_bytes(entries[0])
-    ssd = SsdStore(tmp_path / "d", 6 * blob, min_free_bytes=0, background=False, clock=clock,
-                   touch_flush_s=3600, pack_max_bytes=0, reconcile=False)
+    clock, entries, ssd = _clocked_tier(tmp_path, 9, 6)
 
     def order():
-        """Entry numbers, least recently used first (5 and 6, written together, as one)."""
-        with ssd.index.reading() as txn:
-            nums = [next(i for i, e in enumerate(entries) if e.id == eid) for _, eid in ssd.index.oldest(txn)]
-        return [56 if i in (5, 6) else i for i in nums]
+        """As _lru_order, 5 and 6 (written together) as one."""
+        return [56 if i in (5, 6) else i for i in _lru_order(ssd, entries)]
 
     def commits():
         return ssd.index.env.info()["last_txnid"]
@@ -585,15 +596,10 @@ def test_a_use_moves_a_row_only_outside_the_tiers_youngest_quarter(tmp_path):
     is, counted `touches_skipped`: the writer does not rewrite rows nowhere
     near eviction (under mixed load at 1 M rows that was most of its time).
     A use of an older row moves it, and it outlives rows newer than it was."""
-    clock = FakeClock()
-    entries = [make_entry(i) for i in range(11)]
-    blob = blobfile.estimate_disk_bytes(entries[0])
-    ssd = SsdStore(tmp_path / "d", 10 * blob, min_free_bytes=0, background=False, clock=clock,
-                   touch_flush_s=3600, pack_max_bytes=0, reconcile=False)
+    clock, entries, ssd = _clocked_tier(tmp_path, 11, 10)
 
     def order():
-        with ssd.index.reading() as txn:
-            return [next(i for i, e in enumerate(entries) if e.id == eid) for _, eid in ssd.index.oldest(txn)]
+        return _lru_order(ssd, entries)
 
     try:
         for e in entries[:10]:  # written at 1 .. 10 s
