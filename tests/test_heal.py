@@ -206,10 +206,12 @@ def _flip_blob(root: Path, eid: bytes, packed: bool) -> None:
         return
     pack = Pack(root / PACK_DIR)
     try:
+        key = pack.find([eid])[eid]
+
         def flip(txn):
-            raw = bytearray(txn.get(eid, db=pack.blobs))
+            raw = bytearray(txn.get(key, db=pack.slots))
             raw[len(raw) // 2] ^= 0x01
-            txn.put(eid, bytes(raw), db=pack.blobs)
+            txn.put(key, bytes(raw), db=pack.slots)
 
         pack.write(flip)
     finally:

@@ -6,6 +6,7 @@ costing only its own entries."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from kvd.store import blobfile
 from kvd.store.check import check
 from kvd.store.datadir import BLOB_DIR, INDEX_DIR, PACK_DIR, QUARANTINE_DIR
 from kvd.store.index import Index
-from kvd.store.pack import PACKED, Pack
+from kvd.store.pack import PACKED, Pack, eid_of, pack_key, slot_of
 from kvd.store.ssd import SsdStore
 from kvd_client import HostTensor, Snapshot
 from support import (
@@ -35,10 +36,20 @@ def _fill(root: Path, n: int = 10, **kw) -> list:
 
 
 def _edit_pack(root: Path, fn) -> None:
-    """Change the pack with the daemon's store closed (as damage from outside would)."""
+    """Change the pack with the daemon's store closed (as damage from outside
+    would): `fn(txn, db, key)`, where `key(eid)` is the key of that entry's
+    blob (of one the pack does not hold: the next slot)."""
     pack = Pack(root / PACK_DIR)
     try:
-        pack.write(lambda txn: fn(txn, pack.blobs))
+        where = {eid_of(k): k for k in pack.iter_keys()}
+        slots = itertools.count(max(map(slot_of, where.values()), default=0) + 1)
+
+        def key(eid: bytes) -> bytes:
+            if eid not in where:
+                where[eid] = pack_key(eid, next(slots))
+            return where[eid]
+
+        pack.write(lambda txn: fn(txn, pack.slots, key))
     finally:
         pack.close()
 
@@ -80,10 +91,10 @@ def test_a_flipped_bit_in_a_packed_blob_is_a_miss_and_a_quarantine(tmp_path):
     entries = _fill(tmp_path)
     bad = entries[3]
 
-    def flip(txn, db):
-        raw = bytearray(txn.get(bad.id, db=db))
+    def flip(txn, db, key):
+        raw = bytearray(txn.get(key(bad.id), db=db))
         raw[-5] ^= 0x01  # inside tensor data
-        txn.put(bad.id, bytes(raw), db=db)
+        txn.put(key(bad.id), bytes(raw), db=db)
 
     _edit_pack(tmp_path, flip)
     with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, reconcile=False) as store:
@@ -102,7 +113,7 @@ def test_reconcile_removes_packed_orphans_and_rows_whose_packed_blob_is_gone(tmp
     entries = _fill(tmp_path, 6)
     orphan = make_entry(50)
     buf, _ = blobfile.encode_blob(orphan)
-    _edit_pack(tmp_path, lambda txn, db: (txn.put(orphan.id, buf, db=db), txn.delete(entries[2].id, db=db)))
+    _edit_pack(tmp_path, lambda txn, db, key: (txn.put(key(orphan.id), buf, db=db), txn.delete(key(entries[2].id), db=db)))
     with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK, reconcile=False) as store:
         report = store.reconcile(dry_run=True)
         assert report["orphans_removed"] == 1 and report["rows_repaired"] == 1
@@ -119,12 +130,12 @@ def test_check_names_a_missing_a_corrupt_and_an_orphan_packed_blob(tmp_path):
     orphan = make_entry(60)
     buf, _ = blobfile.encode_blob(orphan)
 
-    def spoil(txn, db):
-        txn.delete(entries[0].id, db=db)
-        raw = bytearray(txn.get(entries[1].id, db=db))
+    def spoil(txn, db, key):
+        txn.delete(key(entries[0].id), db=db)
+        raw = bytearray(txn.get(key(entries[1].id), db=db))
         raw[-1] ^= 0xFF
-        txn.put(entries[1].id, bytes(raw), db=db)
-        txn.put(orphan.id, buf, db=db)
+        txn.put(key(entries[1].id), bytes(raw), db=db)
+        txn.put(key(orphan.id), buf, db=db)
 
     _edit_pack(tmp_path, spoil)
     index, pack = Index(tmp_path / INDEX_DIR), Pack(tmp_path / PACK_DIR)
@@ -179,6 +190,92 @@ def test_a_damaged_pack_is_moved_aside_and_costs_only_its_own_entries(tmp_path, 
         assert store.check().ok
 
 
+
+def test_packed_blobs_take_the_next_slots_in_write_order_and_one_written_twice_is_kept_once(tmp_path):
+    # Appended at the pack's right edge (pack.py, "Slots"): its key order is
+    # the order the blobs were written in, whatever their entry ids.
+    first, second = [make_entry(i) for i in range(5)], [make_entry(i) for i in range(5, 12)]
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK, reconcile=False,
+                  background=False) as store:
+        store.write_batch(first)
+        store.write_batch(second)
+        keys = list(store.pack.iter_keys())
+        assert [eid_of(k) for k in keys] == [e.id for e in first + second]
+        assert [slot_of(k) for k in keys] == list(range(1, 13))
+        with store.index.reading() as txn:
+            assert [store.index.get(txn, e.id).slot for e in first + second] == list(range(1, 13))
+        # An entry stored already, in a batch with a new one: its second blob
+        # (slot 13) is written before the index says it had one, then deleted.
+        new = make_entry(12)
+        store.write_batch([first[2], new])
+        assert [slot_of(k) for k in store.pack.iter_keys()][-2:] == [12, 14] and len(store.pack) == 13
+        with store.index.reading() as txn:
+            assert store.index.get(txn, first[2].id).slot == 3 and store.index.get(txn, new.id).slot == 14
+        _served_but(store, first + second + [new], None)
+
+
+def _as_an_older_kvd_wrote_it(root: Path) -> None:
+    """Rewrite the data dir at `root` as a kvd before slots wrote it: each
+    packed blob in the `blobs` table keyed by its entry id, rows without `slot`."""
+    import msgpack
+
+    index, pack = Index(root / INDEX_DIR), Pack(root / PACK_DIR)
+    try:
+        with index.reading() as txn:
+            rows = {eid: row for eid, row in index.iter_rows(txn) if row.state == PACKED}
+
+        def move(txn):
+            for eid, row in rows.items():
+                key = pack_key(eid, row.slot)
+                txn.put(eid, bytes(txn.get(key, db=pack.slots)), db=pack.blobs)
+                txn.delete(key, db=pack.slots)
+
+        def unslot(txn):
+            for eid in rows:
+                d = msgpack.unpackb(txn.get(eid, db=index.rows), raw=False)
+                del d["slot"]
+                txn.put(eid, msgpack.packb(d, use_bin_type=True), db=index.rows)
+
+        pack.write(move)
+        index.write(unslot)
+    finally:
+        index.close()
+        pack.close()
+
+
+def test_a_pack_an_older_kvd_wrote_is_served_reconciled_rebuilt_and_evicted(tmp_path):
+    import shutil
+
+    entries = _fill(tmp_path, 8)
+    _as_an_older_kvd_wrote_it(tmp_path)
+    stray, twice = make_entry(80), entries[1]
+    pack = Pack(tmp_path / PACK_DIR)  # opened for writing: the clean mark goes
+    try:
+        assert len(pack) == 8 and not list(pack.iter_keys(old=False))
+        # Two orphans: a blob no row names in the old table, and a second blob
+        # of an entry whose row names its old one, in a slot.
+        pack.write(lambda txn: txn.put(stray.id, blobfile.encode_blob(stray)[0], db=pack.blobs))
+        pack.put_many([(twice.id, blobfile.encode_blob(twice)[0])])
+    finally:
+        pack.close()
+    new = make_entry(81)
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK) as store:
+        wait_until(store.reconciled.is_set, what="the start-up reconcile")
+        assert store.counters["orphans_removed"] == 2 and store.counters["rows_repaired"] == 0
+        assert len(store.pack) == 8 and list(store.pack.iter_keys(old=False)) == []
+        _served_but(store, entries, None)
+        store.put(new)
+        assert store.flush(10)
+        with store.index.reading() as txn:
+            assert store.index.get(txn, entries[0].id).slot == 0 and store.index.get(txn, new.id).slot >= 1
+        assert_same(store.get(new.id), new)
+    shutil.rmtree(tmp_path / INDEX_DIR)  # rebuilt from both tables
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK, background=False) as store:
+        assert store.heal is not None and store.heal.recovered == 9, store.heal.stats()
+        _served_but(store, entries + [new], None)
+        assert store.evict(0)[0] == 9 and len(store.pack) == 0
+
+
 def test_the_daemon_packs_small_chunks_and_serves_them_after_a_restart(daemon_factory):
     d = daemon_factory("--ram-mb", "1")
     seqs = [np.arange(512) + 10_000 * i for i in range(12)]  # 96 chunks of 64 tokens, ~20 KiB each
@@ -214,7 +311,7 @@ def test_a_clean_stop_spares_the_next_start_a_look_through_the_pack(tmp_path):
     mark = tmp_path / PACK_DIR / CLEAN
     orphan = make_entry(70)
     buf, _ = blobfile.encode_blob(orphan)
-    _edit_pack(tmp_path, lambda txn, db: txn.put(orphan.id, buf, db=db))  # takes the mark away
+    _edit_pack(tmp_path, lambda txn, db, key: txn.put(key(orphan.id), buf, db=db))  # takes the mark away
     assert not mark.exists()
     with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, pack_max_bytes=PACK, reconcile=False) as store:
         assert not store.pack.orphan_free
@@ -240,15 +337,15 @@ def test_prefetch_reads_and_changes_nothing_and_a_retired_env_is_ignored(tmp_pat
     pack = Pack(tmp_path / PACK_DIR)
     with ThreadPoolExecutor(4) as pool:
         try:
-            pack.put_many((bytes([i]) * 33, bytes([i]) * 5000) for i in range(20))
-            keys = [bytes([i]) * 33 for i in range(40)]  # half of them absent
-            futures = pack.prefetch(pack.blobs, keys, pool, per_task=3)
+            keys = pack.put_many((bytes([i]) * 33, bytes([i]) * 5000) for i in range(20))
+            keys += [pack_key(bytes([i]) * 33, i + 1) for i in range(20, 40)]  # half of them absent
+            futures = pack.prefetch(pack.slots, keys, pool, per_task=3)
             assert len(futures) == 14 and [f.result() for f in futures] == [None] * 14
             assert len(pack) == 20 and pack.read(keys[7]) == bytes([7]) * 5000 and pack.read(keys[30]) is None
         finally:
             pack.retire()
         # A retired (or resizing) environment: every read is refused, and the hint is dropped.
-        assert [f.result() for f in pack.prefetch(pack.blobs, keys, pool)] == [None] * 5
+        assert [f.result() for f in pack.prefetch(pack.slots, keys, pool)] == [None] * 5
 
 
 def test_the_writer_reads_ahead_only_while_its_batches_wait_for_the_disk(tmp_path, monkeypatch):

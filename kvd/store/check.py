@@ -29,8 +29,8 @@ from typing import Callable
 
 from kvd.store import blobfile
 from kvd.store.datadir import BLOB_DIR, blob_path, eid_of_blob, is_temp_name
-from kvd.store.index import Index
-from kvd.store.pack import PACKED, Pack
+from kvd.store.index import Index, RowDamaged
+from kvd.store.pack import PACKED, Pack, eid_of, pack_key
 
 Progress = Callable[[int, int], None]
 
@@ -103,13 +103,13 @@ def check(
             eid = eid_of_blob(name)
             if eid is not None and eid not in rows and not pending(eid):
                 report.orphans.append(eid)
-    for eid in pack.iter_keys() if pack is not None else ():
-        if eid not in rows and not pending(eid):
-            report.orphans.append(eid)
-    if report.orphans:
+    packed = [key for key in (pack.iter_keys() if pack is not None else ())
+              if not _names(rows.get(eid_of(key)), key) and not pending(eid_of(key))]
+    if report.orphans or packed:
         # A blob written and indexed after the rows were read is not an orphan.
         with index.reading() as txn:
             report.orphans = [eid for eid in report.orphans if not index.has(txn, eid)]
+            report.orphans += [eid_of(key) for key in packed if _unnamed(index, txn, key)]
     if len(lru) != len(rows) or set(lru) != set(rows):
         report.problems.append(f"the LRU order lists {len(lru)} entries ({len(set(lru))} distinct) for {len(rows)} rows")
     want = (len(rows), sum(r.disk_bytes for r in rows.values()))
@@ -121,8 +121,21 @@ def check(
     return report
 
 
+def _names(row, key: bytes) -> bool:
+    """Does `row` name the packed blob at `key`?"""
+    return row is not None and row.state == PACKED and pack_key(eid_of(key), row.slot) == key
+
+
+def _unnamed(index: Index, txn, key: bytes) -> bool:
+    """No row names the packed blob at `key` (a row that does not decode may: not an orphan)."""
+    try:
+        return not _names(index.get(txn, eid_of(key)), key)
+    except RowDamaged:
+        return False
+
+
 def _check_packed(pack: Pack | None, eid: bytes, row, verify: bool) -> str | None:
-    buf = pack.read(eid) if pack is not None else None
+    buf = pack.read(pack_key(eid, row.slot)) if pack is not None else None
     if buf is None:
         return "missing"
     if verify:

@@ -84,7 +84,7 @@ from kvd.store.datadir import (
 )
 from kvd.store.index import Index, IndexBusy, Row, RowDamaged
 from kvd.store.lmdbenv import DEFAULT_MAP_SIZE
-from kvd.store.pack import PACKED, Pack, packed_disk_bytes
+from kvd.store.pack import PACKED, Pack, eid_of, packed_disk_bytes, slot_of
 
 if TYPE_CHECKING:
     from kvd.store.ssd import SsdStore
@@ -532,7 +532,7 @@ def recover_row(path: str | Path, eid: bytes) -> tuple[Row, bool]:
     return row_of_blob(buf, eid, disk_bytes=max(disk, st.st_size), atime=st.st_mtime)
 
 
-def row_of_blob(buf, eid: bytes, *, disk_bytes: int, atime: float, state: str = "ssd") -> tuple[Row, bool]:
+def row_of_blob(buf, eid: bytes, *, disk_bytes: int, atime: float, state: str = "ssd", slot: int = 0) -> tuple[Row, bool]:
     """The index row for the whole blob `buf` of entry `eid` (see recover_row)."""
     entry = blobfile.parse_blob(buf)
     if entry.id != eid:
@@ -544,17 +544,19 @@ def row_of_blob(buf, eid: bytes, *, disk_bytes: int, atime: float, state: str = 
         ns=entry.namespace, kind=entry.kind, parent=entry.parent, start=entry.start, length=entry.length,
         tail=entry.tail, nbytes=entry.nbytes, file_size=len(buf), disk_bytes=disk_bytes,
         checksum=xxhash.xxh3_64_intdigest(buf), fmt=blobfile.FORMAT_VERSION,
-        tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=atime, state=state,
+        tensors=[[t.name, t.dtype, list(t.shape)] for t in entry.tensors], atime=atime, state=state, slot=slot,
     )
     return row, ok is True
 
 
-def recover_packed(pack: Pack, eid: bytes, atime: float) -> tuple[Row, bool]:
-    """As recover_row, for a blob in the pack. FileNotFoundError if it holds none."""
-    buf = pack.read(eid)
+def recover_packed(pack: Pack, key: bytes, atime: float) -> tuple[Row, bool]:
+    """As recover_row, for the blob in the pack at `key` (pack.pack_key).
+    FileNotFoundError if it holds none."""
+    buf = pack.read(key)
     if buf is None:
-        raise FileNotFoundError(eid.hex())
-    return row_of_blob(buf, eid, disk_bytes=packed_disk_bytes(len(buf)), atime=atime, state=PACKED)
+        raise FileNotFoundError(key.hex())
+    return row_of_blob(buf, eid_of(key), disk_bytes=packed_disk_bytes(len(buf)), atime=atime, state=PACKED,
+                       slot=slot_of(key))
 
 
 def quarantine_file(root: Path, path: str | Path, eid_hex: str) -> bool:
@@ -577,13 +579,14 @@ def quarantine_file(root: Path, path: str | Path, eid_hex: str) -> bool:
         return False
 
 
-def quarantine_packed(root: Path, pack: Pack, eid: bytes) -> bool:
-    """Move a bad packed blob out of the pack into the quarantine folder
-    (as a file); False if the pack no longer held it. If the folder cannot
-    be made the blob is only deleted."""
-    buf = pack.read(eid)
+def quarantine_packed(root: Path, pack: Pack, key: bytes) -> bool:
+    """Move a bad packed blob (at `key`, pack.pack_key) out of the pack into
+    the quarantine folder (as a file); False if the pack no longer held it.
+    If the folder cannot be made the blob is only deleted."""
+    buf = pack.read(key)
     if buf is None:
         return False
+    eid = eid_of(key)
     qdir = ensure_quarantine(root)
     if qdir is not None:
         try:
@@ -591,7 +594,7 @@ def quarantine_packed(root: Path, pack: Pack, eid: bytes) -> bool:
                 f.write(buf)
         except OSError as exc:
             log.warning("ssd: cannot keep packed blob %s in the quarantine folder (%s); deleted", eid.hex(), exc)
-    pack.delete_many([eid])
+    pack.delete_many([key])
     return True
 
 
@@ -679,12 +682,13 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
         yield
     # Then the pack of small blobs (pack.py), the same way.
     pack = store.pack
-    for eid in pack.iter_keys() if pack is not None else ():
+    for key in pack.iter_keys() if pack is not None else ():
+        eid = eid_of(key)
         if eid in store.queue or store.has_row(eid):
             heal.kept += 1
             continue
-        if take(eid, lambda: recover_packed(pack, eid, atime=time.time()),
-                lambda: quarantine_packed(store.root, pack, eid), "packed blob"):
+        if take(eid, lambda: recover_packed(pack, key, atime=time.time()),
+                lambda: quarantine_packed(store.root, pack, key), "packed blob"):
             yield
     commit()
     # Blobs can hold more than the budget (a smaller ssd_gb now, or blobs a

@@ -86,6 +86,7 @@ class Row:
     tensors: list = field(default_factory=list)  # [[name, dtype, shape], ...] summary
     atime: float = 0.0
     state: str = "ssd"  # where the blob is: "ssd" its own file, "pack" in the pack (pack.py)
+    slot: int = 0  # a packed blob's slot in the pack (pack.py; 0: keyed by entry id, as older kvds packed)
 
     def pack(self) -> bytes:
         # Not dataclasses.asdict: it deep-copies every field, a third of the
@@ -108,7 +109,7 @@ class Row:
             raise RowDamaged(f"undecodable index row: {exc!r}") from None
 
 
-_INT_FIELDS = ("kind", "start", "length", "nbytes", "file_size", "disk_bytes", "checksum", "fmt")
+_INT_FIELDS = ("kind", "start", "length", "nbytes", "file_size", "disk_bytes", "checksum", "fmt", "slot")
 
 
 _INDEXES = itertools.count(1)

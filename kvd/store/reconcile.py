@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from kvd.store.datadir import BLOB_DIR, eid_of_blob, is_temp_name
 from kvd.store.index import Row, RowDamaged
-from kvd.store.pack import PACKED
+from kvd.store.pack import PACKED, eid_of, pack_key
 
 if TYPE_CHECKING:
     from kvd.store.ssd import SsdStore
@@ -64,63 +64,100 @@ def reconcile_steps(
         if progress:
             progress("blobs", i + 1, len(shards))
         yield
-    # Rows whose blob is gone, and packed blobs without rows, in one merge:
-    # the index's rows and the pack's keys (pack.py) are both in id order, so
-    # each step takes 512 rows and the pack's keys of the same id range. Our
-    # own write order never makes a row without its blob (rows die before
-    # blobs, blobs are born before rows): those come from outside -- a blob
-    # deleted by hand, a restored backup, a damaged pack moved aside. Packed
-    # orphans come from a crash between the pack's commit and the index's:
-    # after a clean stop (`Pack.orphan_free`) there are none, and the rows say
-    # which blobs are packed, so the pack's pages are not read at all (on a
-    # cold page cache they are random reads: minutes at a million entries).
+    # Rows whose blob is gone, then packed blobs no row names. Our own write
+    # order never makes a row without its blob (rows die before blobs, blobs
+    # are born before rows): those come from outside -- a blob deleted by
+    # hand, a restored backup, a damaged pack moved aside. Packed orphans
+    # come from a crash between the pack's commit and the index's: after a
+    # clean stop (`Pack.orphan_free`) there are none, and the rows say which
+    # blobs are packed, so the pack is not looked at at all (on a cold page
+    # cache its pages are random reads: minutes at a million entries).
+    # Otherwise each step takes 512 rows and asks the pack for the keys they
+    # name (no value is read), and the pack's keys are walked after, 512 a
+    # step: its key says whose blob each is (pack.py), and a blob is an
+    # orphan unless that entry's row names that very key. An older kvd's
+    # table, keyed by entry id, is in id order as the rows are: a step takes
+    # its keys of the same id range.
     pack = store.pack
-    trust = pack is not None and pack.orphan_free
+    trust = pack is None or pack.orphan_free
     prev: bytes | None = None  # ids up to this one are done
     done = 0
     total = store.entries
     while True:
-        rows: list[bytes] = []
-        packed: set[bytes] = set()
+        rows: list[tuple[bytes, Row | None]] = []
         with store.index.reading() as txn:
             cur = txn.cursor(db=store.index.rows)
             ok = cur.set_range(prev) if prev is not None else cur.first()
             if ok and prev is not None and bytes(cur.key()) == prev:
                 ok = cur.next()
             while ok and len(rows) < 512:
-                eid = bytes(cur.key())
-                rows.append(eid)
-                if trust and _packed_row(cur.value()):
-                    packed.add(eid)
+                rows.append((bytes(cur.key()), _row(cur.value())))
                 ok = cur.next()
-        hi = rows[-1] if ok else None  # the last step takes the pack's keys to its end
-        if pack is not None and not trust:
-            packed = set(pack.keys_between(prev, hi))
-        missing = [eid for eid in rows if eid not in packed and not store.path(eid).exists()]
-        orphans = sorted(packed.difference(rows))
+        hi = rows[-1][0] if ok else None  # the last step takes the old table's keys to its end
+        named = {pack_key(eid, row.slot) for eid, row in rows if row is not None and row.state == PACKED}
+        if trust:
+            held = named
+            old: list[bytes] = []
+        else:
+            held = pack.holds(named)
+            # Damaged rows (None) are the writer's to repair, from this very blob.
+            named.update(eid for eid, row in rows if row is None)
+            old = [k for k in pack.keys_between(prev, hi) if k not in named]
+        missing = [eid for eid, row in rows if row is not None and (
+            pack_key(eid, row.slot) not in held if row.state == PACKED else not store.path(eid).exists())]
         done += len(rows)
         if missing:
             report["rows_repaired"] += len(missing)
             if not dry_run:
                 store.remove_rows(missing, "rows_repaired")
-        if orphans:
-            report["orphans_removed"] += len(orphans)
-            report["orphan_bytes"] += sum(len(b) for b in map(pack.read, orphans) if b is not None)
-            if not dry_run:
-                pack.delete_many(orphans)
-                store.count("orphans_removed", len(orphans))
+        _remove_orphans(store, old, report, dry_run)
         if progress:
             progress("rows", done, total)
         if hi is None:
-            if pack is not None and not dry_run:
-                pack.orphan_free = True  # looked through, orphans removed
-            return
+            break
         prev = hi
         yield
+    if trust:
+        return
+    last: bytes | None = None
+    while True:
+        keys, more = pack.keys_after(last, 512, old=False)
+        with store.index.reading() as txn:
+            orphans = [k for k in keys if _unnamed(store, txn, k)]
+        _remove_orphans(store, orphans, report, dry_run)
+        if not more or not keys:
+            break
+        last = keys[-1]
+        yield
+    if not dry_run:
+        pack.orphan_free = True  # looked through, orphans removed
 
 
-def _packed_row(raw: bytes) -> bool:
+def _remove_orphans(store: "SsdStore", keys: list[bytes], report: dict[str, int], dry_run: bool) -> None:
+    if not keys:
+        return
+    report["orphans_removed"] += len(keys)
+    report["orphan_bytes"] += sum(len(b) for b in map(store.pack.read, keys) if b is not None)
+    if not dry_run:
+        store.pack.delete_many(keys)
+        store.count("orphans_removed", len(keys))
+
+
+def _unnamed(store: "SsdStore", txn, key: bytes) -> bool:
+    """No row names the packed blob at `key`, and none is on its way."""
+    eid = eid_of(key)
+    if eid in store.queue:
+        return False
     try:
-        return Row.unpack(raw).state == PACKED
+        row = store.index.get(txn, eid)
     except RowDamaged:
-        return True  # not this walk's business: the writer repairs damaged rows
+        return False  # the writer repairs it from this very blob
+    return row is None or row.state != PACKED or pack_key(eid, row.slot) != key
+
+
+def _row(raw: bytes) -> Row | None:
+    """The row, or None if it does not decode (the writer repairs damaged rows)."""
+    try:
+        return Row.unpack(raw)
+    except RowDamaged:
+        return None

@@ -146,7 +146,7 @@ from kvd.store.datadir import (
     ensure_quarantine,
 )
 from kvd.store.index import DEFAULT_MAP_SIZE, Index, IndexBusy, Row, RowDamaged
-from kvd.store.pack import PACKED, packed_disk_bytes
+from kvd.store.pack import PACKED, pack_key, packed_disk_bytes, slot_of
 from kvd.store.pools import OrInline
 from kvd.store.reconcile import reconcile_steps
 from kvd.store.spill import SpillQueue, Writer
@@ -570,7 +570,7 @@ class SsdStore(Store):
         and then the blob meanwhile, so a blob found missing is only a fault
         if its row is still there."""
         try:
-            buf = self.pack.read(eid, self.read_buffers)
+            buf = self.pack.read(pack_key(eid, row.slot), self.read_buffers)
         except IndexBusy:
             self._count("busy_misses")
             return None
@@ -916,18 +916,13 @@ class SsdStore(Store):
             self.reconciled.clear()
 
     def _prefetch(self, batch: list[Entry]) -> None:
-        """Read in, in parallel, the index and pack pages this batch's inserts
-        will touch (Env.prefetch): once the index outgrows the page cache,
-        each random insert would otherwise wait for a disk read of its own."""
+        """Read in, in parallel, the index pages this batch's inserts will
+        touch (Env.prefetch): once the index outgrows the page cache, each
+        random insert would otherwise wait for a disk read of its own. (The
+        pack's inserts append at its right edge: nothing to read ahead.)"""
         if len(batch) < 2:
             return
-        pool = self._threads()
-        eids = [e.id for e in batch]
-        futures = self.index.prefetch(self.index.rows, eids, pool)
-        packed = [e.id for e in batch if e.nbytes <= self.pack_max_bytes]
-        if packed:
-            futures += self.pack.prefetch(self.pack.blobs, packed, pool)
-        for fut in futures:
+        for fut in self.index.prefetch(self.index.rows, [e.id for e in batch], self._threads()):
             fut.result()
 
     def _threads(self) -> OrInline:
@@ -939,8 +934,9 @@ class SsdStore(Store):
         return self._pool
 
     def _discard(self, written: list[tuple[bytes, Row]]) -> None:
-        """Blobs written but never indexed: unlink the files, delete the packed ones."""
-        packed = [eid for eid, row in written if row.state == PACKED]
+        """Blobs written but never indexed: unlink the files, delete the packed
+        ones (those given a slot: committed to the pack)."""
+        packed = [pack_key(eid, row.slot) for eid, row in written if row.state == PACKED and row.slot]
         for eid, row in written:
             if row.state != PACKED:
                 self._unlink(self.path(eid))
@@ -959,11 +955,13 @@ class SsdStore(Store):
         if not written:
             return written
         by_id = {e.id: e for e in batch}
+        rows = [row for _, row in written if row.state == PACKED]
         packed = [(eid, self._packing.pop(eid)) for eid, row in written if row.state == PACKED]
         lost: set[bytes] = set()
         if packed:
             try:
-                self.pack.put_many(packed)  # one synced commit for them all
+                for row, key in zip(rows, self.pack.put_many(packed)):  # one synced commit for them all
+                    row.slot = slot_of(key)
             except lmdb.Error as exc:
                 lost.update(eid for eid, _ in packed)
                 for eid, _ in packed:
@@ -1005,6 +1003,8 @@ class SsdStore(Store):
         try:
             added, totals = self.index.write(commit)
             self._riding = {}
+            if len(added) < len(written):
+                self._drop_unindexed(written, added)
         except lmdb.Error as exc:
             # The blobs are durable but unindexed: remove them now rather
             # than leave orphans for reconcile.
@@ -1023,6 +1023,18 @@ class SsdStore(Store):
             self.counters["spills"] += len(added)
             self.counters["spill_bytes"] += sum(r.disk_bytes for _, r in added)
         return len(added)
+
+    def _drop_unindexed(self, written: list[tuple[bytes, Row]], added: list[tuple[bytes, Row]]) -> None:
+        """Blobs written for entries that had a row already (put_row kept the
+        old one): a packed one is in a slot of its own that no row names."""
+        kept = {eid for eid, _ in added}
+        extra = [pack_key(eid, row.slot) for eid, row in written if eid not in kept and row.state == PACKED and row.slot]
+        if extra:
+            try:
+                self.pack.delete_many(extra)
+            except lmdb.Error as exc:  # orphans, which reconcile removes
+                self.pack.orphan_free = False
+                log.warning("ssd: could not delete %d packed blobs written twice (%s)", len(extra), exc)
 
     def _space_ok(self, need: int) -> bool:
         if self.min_free_bytes <= 0:
@@ -1133,7 +1145,7 @@ class SsdStore(Store):
         packed = []
         for eid, row in rows:
             if row.state == PACKED:
-                packed.append(eid)
+                packed.append(pack_key(eid, row.slot))
                 continue
             with self._unlink_lock:
                 self._unlink(self.path(eid))
@@ -1214,10 +1226,10 @@ class SsdStore(Store):
         for eid in bad:
             self.index.damaged.discard(eid)
         rows, lost = [], []
-        for eid in bad:
-            if eid in sound:
-                continue
-            row = self._recovered_row(eid)
+        unsound = [eid for eid in bad if eid not in sound]
+        packed = self._packed_keys(unsound)  # no row to name their slots: one walk of the pack's keys
+        for eid in unsound:
+            row = self._recovered_row(eid, packed.get(eid))
             (rows if row is not None else lost).append((eid, row))
         if rows:
             def put(txn):
@@ -1227,21 +1239,31 @@ class SsdStore(Store):
             added, (self.entries, self.bytes) = self.index.write(put)
             self._count("rows_repaired", added)
         for eid, _ in lost:
-            self._quarantine_blob(eid)
+            self._quarantine_blob(eid, packed.get(eid))
         with self._mu:
             for eid in bad:
                 self._bad.pop(eid, None)
         log.warning("ssd: %d index rows did not decode: %d rebuilt from their blobs (checksum verified), "
                     "%d blobs quarantined", len(bad) - len(sound), len(rows), len(lost))
 
-    def _recovered_row(self, eid: bytes) -> Row | None:
-        """The row the blob of `eid` carries, if the blob passes its own
-        checksum; None if it does not (or predates kvd_sum, or is gone)."""
+    def _packed_keys(self, eids: list[bytes]) -> dict[bytes, bytes]:
+        """{entry id: pack key} of those of `eids` with a blob in the pack."""
+        if not eids:
+            return {}
         try:
-            try:
+            return self.pack.find(eids)
+        except (IndexBusy, lmdb.Error):
+            return {}
+
+    def _recovered_row(self, eid: bytes, key: bytes | None) -> Row | None:
+        """The row the blob of `eid` carries (in the pack at `key`, or else
+        its file), if the blob passes its own checksum; None if it does not
+        (or predates kvd_sum, or is gone)."""
+        try:
+            if key is not None:
+                row, verified = heal.recover_packed(self.pack, key, atime=self._clock())
+            else:
                 row, verified = heal.recover_row(self.path(eid), eid)
-            except FileNotFoundError:
-                row, verified = heal.recover_packed(self.pack, eid, atime=self._clock())
         except (BlobCorrupt, OSError, lmdb.Error):
             return None
         return row if verified else None
@@ -1251,24 +1273,31 @@ class SsdStore(Store):
             # delete_row drops an undecodable row with every trace of it.
             return self.index.delete_row(txn, eid), self.index.totals(txn)
 
-        _, totals = self.index.write(delete)
+        row, totals = self.index.write(delete)
         self.index.damaged.discard(eid)
         self.entries, self.bytes = totals
         if reason != "missing":
-            self._quarantine_blob(eid)
+            if row is None:  # it did not decode: nothing names its slot
+                key = self._packed_keys([eid]).get(eid)
+            else:
+                key = pack_key(eid, row.slot) if row.state == PACKED else None
+            self._quarantine_blob(eid, key)
         else:
             self._count("rows_repaired")
         with self._mu:
             self._bad.pop(eid, None)
 
-    def _quarantine_blob(self, eid: bytes) -> None:
-        """Move the blob of `eid` (its row is gone) into the quarantine folder."""
+    def _quarantine_blob(self, eid: bytes, key: bytes | None) -> None:
+        """Move the blob of `eid` (its row is gone) into the quarantine folder:
+        the one in the pack at `key`, or else its file."""
         with self._unlink_lock:
-            try:  # the pack first (a lookup); a blob it does not hold is a file
-                moved = packed = heal.quarantine_packed(self.root, self.pack, eid)
-            except lmdb.Error as exc:  # the pack is unreadable: no file to look for either
-                log.warning("ssd: could not move packed blob %s out of the pack (%s)", eid.hex(), exc)
-                moved, packed = False, True
+            packed = False
+            if key is not None:
+                try:
+                    moved = packed = heal.quarantine_packed(self.root, self.pack, key)
+                except lmdb.Error as exc:  # the pack is unreadable: no file to look for either
+                    log.warning("ssd: could not move packed blob %s out of the pack (%s)", eid.hex(), exc)
+                    moved, packed = False, True
             if not packed:
                 moved = heal.quarantine_file(self.root, self.path(eid), eid.hex())
         if moved:
