@@ -65,7 +65,7 @@ def test_gc_orphans_verify_drop_evict_quarantine_with_dry_run(tmp_path):
         "temp_bytes": 7, "orphan_bytes": orphan.stat().st_size,
     }
     assert report["verify"]["bad"] == 2  # the missing one and the flipped one
-    assert {c[0] for c in calls} == {"blobs", "rows", "verify"}
+    assert {c[0] for c in calls} == {"blobs", "rows", "pack", "verify"}
     assert orphan.exists() and offline.stats(tmp_path)["entries"] == 12  # dry run: nothing changed
 
     report = offline.gc(tmp_path, verify=True)

@@ -85,8 +85,8 @@ def check(
         if reason is not None:
             if live:
                 with index.reading() as txn:
-                    if not index.has(txn, eid):
-                        reason = None  # evicted while we looked: not a failure
+                    if _moved(index, txn, eid, row):
+                        reason = None  # evicted (and perhaps stored again) while we looked: not a failure
             if reason is not None:
                 report.bad.append((eid, reason))
         if progress is not None:
@@ -124,6 +124,15 @@ def check(
 def _names(row, key: bytes) -> bool:
     """Does `row` name the packed blob at `key`?"""
     return row is not None and row.state == PACKED and pack_key(eid_of(key), row.slot) == key
+
+
+def _moved(index: Index, txn, eid: bytes, row) -> bool:
+    """The entry `row` described has no row now, or one naming another blob."""
+    try:
+        now = index.get(txn, eid)
+    except RowDamaged:
+        return False
+    return now is None or (now.state, now.slot) != (row.state, row.slot)
 
 
 def _unnamed(index: Index, txn, key: bytes) -> bool:

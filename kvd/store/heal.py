@@ -603,6 +603,11 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
     at a time. Runs on the writer thread, or with none running."""
     t0 = time.monotonic()
     index = store.index
+    if store.pack is not None:
+        # An entry stored again while this runs (a miss meanwhile) takes a new
+        # slot, and its blob found here is then kept as "indexed": the
+        # reconcile after the rebuild looks through the pack for such.
+        store.pack.orphan_free = False
     blob_root = store.root / BLOB_DIR
     shards = sorted(e.path for e in os.scandir(blob_root) if e.is_dir(follow_symlinks=False)) if blob_root.is_dir() else []
     pending: list[tuple[bytes, Row]] = []

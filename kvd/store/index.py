@@ -102,7 +102,7 @@ class Row:
             row = cls(**{k: d[k] for k in cls.__slots__ if k in d})
             if not (isinstance(row.ns, str) and isinstance(row.parent, bytes) and len(row.parent) == 32
                     and all(isinstance(getattr(row, k), int) for k in _INT_FIELDS)
-                    and isinstance(row.atime, (int, float))):
+                    and isinstance(row.atime, (int, float)) and 0 <= row.slot < 1 << 64):
                 raise ValueError("a field of the wrong type")
             return row
         except Exception as exc:  # msgpack raises many kinds; every one means the same here

@@ -8,7 +8,8 @@ Both run the very code the daemon runs (`SsdStore` with no writer thread),
 so offline and online GC cannot disagree about what is garbage.
 
 `progress(phase, done, total)` is called as work advances; phases are
-"blobs" (shards walked), "rows" (rows checked), "verify" (blobs read).
+"blobs" (shards walked), "rows" (rows checked), "pack" (the pack's keys
+looked through, after a crash only), "verify" (blobs read).
 """
 
 from __future__ import annotations

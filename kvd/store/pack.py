@@ -149,7 +149,8 @@ class Pack(Env):
             first = slot_of(cur.key()) + 1 if cur.last() else 1
             keys = [pack_key(eid, first + i) for i, (eid, _) in enumerate(items)]
             for key, (_, buf) in zip(keys, items):
-                txn.put(key, buf, db=self.slots, append=True)
+                if not txn.put(key, buf, db=self.slots, append=True):  # not past the last key: never
+                    raise lmdb.Error(f"the pack's slot {first} is not past its last key")
             return keys
 
         return self.write(put)
@@ -174,15 +175,15 @@ class Pack(Env):
         when no row names its slot (a row that does not decode): a walk of
         every key (rare; no value is read)."""
         want, out = set(eids), {}
+        if not want:
+            return out
+        for key in self.iter_keys(old=False):  # in slot order: the newest last
+            if (eid := eid_of(key)) in want:
+                out[eid] = key
         with self.reading(buffers=True) as txn:
-            for eid in want:
+            for eid in want - out.keys():
                 if txn.get(eid, db=self.blobs) is not None:
                     out[eid] = eid
-        want -= out.keys()
-        if want:
-            for key in self.iter_keys(old=False):
-                if (eid := eid_of(key)) in want:
-                    out[eid] = key
         return out
 
     def keys_after(self, last: bytes | None, n: int, *, old: bool = True) -> tuple[list[bytes], bool]:

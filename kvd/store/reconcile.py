@@ -119,17 +119,29 @@ def reconcile_steps(
         yield
     if trust:
         return
+    # A queued entry gets a new slot when written, so a blob of its here is
+    # an orphan all the same; one whose row does not decode is left for the
+    # writer's repair (which reads the blob), and the pack stays unchecked.
     last: bytes | None = None
+    skipped, done, total = 0, 0, len(pack)
     while True:
         keys, more = pack.keys_after(last, 512, old=False)
+        orphans = []
         with store.index.reading() as txn:
-            orphans = [k for k in keys if _unnamed(store, txn, k)]
+            for key in sorted(keys, key=eid_of):  # in the index's order
+                named = _names(store, txn, key)
+                skipped += named is None
+                if named is False:
+                    orphans.append(key)
         _remove_orphans(store, orphans, report, dry_run)
+        done += len(keys)
+        if progress:
+            progress("pack", done, total)
         if not more or not keys:
             break
         last = keys[-1]
         yield
-    if not dry_run:
+    if not dry_run and not skipped:
         pack.orphan_free = True  # looked through, orphans removed
 
 
@@ -143,16 +155,15 @@ def _remove_orphans(store: "SsdStore", keys: list[bytes], report: dict[str, int]
         store.count("orphans_removed", len(keys))
 
 
-def _unnamed(store: "SsdStore", txn, key: bytes) -> bool:
-    """No row names the packed blob at `key`, and none is on its way."""
+def _names(store: "SsdStore", txn, key: bytes) -> bool | None:
+    """Does the row of the entry whose blob is at `key` name it? None: that
+    row does not decode (the writer repairs it, from a blob of the pack's)."""
     eid = eid_of(key)
-    if eid in store.queue:
-        return False
     try:
         row = store.index.get(txn, eid)
     except RowDamaged:
-        return False  # the writer repairs it from this very blob
-    return row is None or row.state != PACKED or pack_key(eid, row.slot) != key
+        return None
+    return row is not None and row.state == PACKED and pack_key(eid, row.slot) == key
 
 
 def _row(raw: bytes) -> Row | None:

@@ -86,8 +86,9 @@ stops writing at its deadline: the batch in hand commits what is already
 written, and the rest is counted (`unpersisted`) and logged in one line.
 Once the index outgrows the page cache, each random insert would wait for
 a disk read of its own, one after another: so while batches cause page
-faults that wait for the disk, a batch has its index and pack pages read
-in first by helper threads, several at a time (`Env.prefetch`).
+faults that wait for the disk, a batch has its index pages read in first
+by helper threads, several at a time (`Env.prefetch`). (The pack's inserts
+append at its right edge, pack.py: none of its pages wait to be read.)
 
 Recency. A disk hit records (eid, time) in memory, so the daemon thread
 never waits for an LMDB write; the writer moves them in the LRU order in
@@ -582,7 +583,10 @@ class SsdStore(Store):
                 log.error("ssd: the pack of small blobs failed a read (%s); serving misses for what it cannot read", exc)
             return None
         if buf is None:
-            if self.has_row(eid):
+            # Missing only if the row still names that blob: evicted and
+            # stored again meanwhile, the entry is in another slot now.
+            held, now = self._committed_row(eid)
+            if held and now is not None and now.state == PACKED and now.slot == row.slot:
                 self._mark_bad(eid, "missing")
             return None
         try:
@@ -836,6 +840,11 @@ class SsdStore(Store):
                     self._drop(entry, "write_error")
             for entry in batch[i:]:
                 self._drop(entry, "write_error")
+        except BaseException:
+            # Not the disk's (the writer takes the batch again): blobs the pack
+            # took in may now be in slots no row will name.
+            self.pack.orphan_free = False
+            raise
         finally:
             self._packing.clear()
             if self._riding:  # no commit carried them: recorded again, for the next one (or idle's)
@@ -1030,11 +1039,15 @@ class SsdStore(Store):
         kept = {eid for eid, _ in added}
         extra = [pack_key(eid, row.slot) for eid, row in written if eid not in kept and row.state == PACKED and row.slot]
         if extra:
-            try:
-                self.pack.delete_many(extra)
-            except lmdb.Error as exc:  # orphans, which reconcile removes
-                self.pack.orphan_free = False
-                log.warning("ssd: could not delete %d packed blobs written twice (%s)", len(extra), exc)
+            self._delete_packed(extra, "written twice")
+
+    def _delete_packed(self, keys: list[bytes], what: str) -> None:
+        """Delete packed blobs no row names; left for reconcile if the pack refuses."""
+        try:
+            self.pack.delete_many(keys)
+        except lmdb.Error as exc:
+            self.pack.orphan_free = False
+            log.warning("ssd: could not delete %d packed blobs %s (%s)", len(keys), what, exc)
 
     def _space_ok(self, need: int) -> bool:
         if self.min_free_bytes <= 0:
@@ -1227,7 +1240,8 @@ class SsdStore(Store):
             self.index.damaged.discard(eid)
         rows, lost = [], []
         unsound = [eid for eid in bad if eid not in sound]
-        packed = self._packed_keys(unsound)  # no row to name their slots: one walk of the pack's keys
+        # No row names their slots: one walk of the pack's keys, for those with no file.
+        packed = self._packed_keys([eid for eid in unsound if not self.path(eid).exists()])
         for eid in unsound:
             row = self._recovered_row(eid, packed.get(eid))
             (rows if row is not None else lost).append((eid, row))
@@ -1276,14 +1290,19 @@ class SsdStore(Store):
         row, totals = self.index.write(delete)
         self.index.damaged.discard(eid)
         self.entries, self.bytes = totals
+        if row is not None:
+            key = pack_key(eid, row.slot) if row.state == PACKED else None
+        elif reason != "missing":  # it did not decode: nothing names its slot
+            key = None if self.path(eid).exists() else self._packed_keys([eid]).get(eid)
+        else:
+            key = None
         if reason != "missing":
-            if row is None:  # it did not decode: nothing names its slot
-                key = self._packed_keys([eid]).get(eid)
-            else:
-                key = pack_key(eid, row.slot) if row.state == PACKED else None
             self._quarantine_blob(eid, key)
         else:
             self._count("rows_repaired")
+            if key is not None:
+                # Its row is gone now: whatever the pack may hold there is nobody's.
+                self._delete_packed([key], "of rows found missing")
         with self._mu:
             self._bad.pop(eid, None)
 
