@@ -27,7 +27,7 @@ from kvd.server.peers import PeerGate, connection_id, default_max_peers, listen_
 from kvd_client import HostTensor, Snapshot
 
 from stress import FLOOD
-from support import FakeClock, free_port, scrape
+from support import FakeClock, free_port, scrape, wait_until
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc are Linux")
 
@@ -467,3 +467,41 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "ok", r.stderr
+
+
+@linux_only
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_a_connection_with_no_fd_free_is_dropped_not_an_abort(daemon_factory):
+    """Rule 8. With the fd table full to the last slot (the soft limit
+    lowered to the fds the daemon holds), libzmq's accept() fails with EMFILE,
+    which libzmq 4.3.5 answers with abort() on an ipc listener (without the
+    guard this daemon dies at the first connect): the accept guard drops the
+    newcomer instead, the gate logs it, and once the limit is back clients are
+    served. Whether the gate has seen the lowered limit yet (listener paused)
+    or not (open, under rule 5's mark), accept() finds no fd."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    pid = d.proc.pid
+    with d.client("good", strict=True, chunk_tokens=16) as good:
+        assert good.stats()["peers"]["accept_guard"] is True
+    soft, hard = (int(x) for x in next(
+        line for line in open(f"/proc/{pid}/limits") if line.startswith("Max open files")).split()[3:5])
+    held = len(os.listdir(f"/proc/{pid}/fd"))
+    subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={held}:{hard}"], check=True)
+    path = d.endpoint[len("ipc://"):]
+    socks = []
+    try:
+        for _ in range(30):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            socks.append(s)
+        wait_until(lambda: "no fd free for a connection" in d.log(), what="the gate's line on the guard")
+        assert d.proc.poll() is None, d.log()
+    finally:
+        for s in socks:
+            s.close()
+    subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={soft}:{hard}"], check=True)
+    with d.client("good", strict=True, chunk_tokens=16) as good:
+        round_trip(good, 1)
+        peers = good.stats()["peers"]
+    assert peers["refused_no_fd"] >= 1, peers
+    assert d.proc.poll() is None and d.stop() == 0, d.log()

@@ -53,6 +53,7 @@ from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.outbox import Outbox, start_collector
+from kvd.server import acceptguard
 from kvd.server.peers import PeerGate, connection_id, default_max_peers, io_threads, listen_backlog, memory_ceiling, origin
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.turns import Turns
@@ -176,8 +177,11 @@ class Daemon:
             # Connections waiting to be accepted: what a burst can add at once
             # when the gate opens the listener (kvd.server.peers, _admit).
             sock.setsockopt(zmq.BACKLOG, listen_backlog(self.max_peers or default_max_peers()))
-            # Before bind: the gate learns the listener's fd from LISTENING.
+            # Before bind: the gate learns the listener's fd from LISTENING,
+            # and libzmq's accept() drops a newcomer rather than abort when no
+            # fd is free (kvd.server.acceptguard; the gate is told, rule 8).
             monitor = sock.get_monitor_socket(PeerGate.EVENTS)
+            acceptguard.install(on_refused=lambda: self.gate is not None and self.gate.refused())
             sock.bind(self.endpoint)
         except Exception:
             if monitor is not None:

@@ -7,7 +7,9 @@ libzmq accepts connections on its own I/O thread, and on an ipc endpoint it
 libzmq 4.3.5: an errno_assert that lists ENFILE but not EMFILE). So the
 daemon must never let its fd table fill: it raises the soft RLIMIT_NOFILE to
 the hard limit at start (`raise_fd_limit`), and keeps the number of peer
-connections at or below `max_peers`, well under that limit.
+connections at or below `max_peers`, well under that limit. On Linux the
+accept guard (acceptguard.py, rule 8) is the backstop for what the gate
+cannot prevent: a connection that finds no fd free is dropped, not an abort.
 
 The gate is a thread of its own (`PeerGate`), so it reacts within
 microseconds, not after the request the serving loop is busy with. It reads
@@ -131,6 +133,17 @@ Rules the gate keeps:
    takes in here), or shed peers are closing, or memory was shed for; every
    `quiet_tick` otherwise. Monitor events and waiting connections still wake
    it at once; only the samples (memory, the fd limit, expiries) are spaced.
+8. Where the accept guard is installed (acceptguard.py: Linux), libzmq's
+   accept() that finds no fd free drops the newcomer instead of aborting,
+   and tells the gate (`refused`, on libzmq's I/O thread). At the next
+   sample the gate logs it (a line a second at most) and, if the table is
+   still full, sheds the oldest idle (`_make_room`) so that the newcomer's
+   reconnect finds room. The windows, the cap and rule 6 stay: the guard is
+   the backstop for what they cannot prevent (a gate preempted with the
+   listener open, a limit lowered to the fds the daemon holds), not the way
+   connections are admitted. One thing changes: libzmq's accept() is then a
+   callback that needs the GIL, so a window (`_admit`) lets the GIL go
+   while the listener is open, for up to a millisecond, instead of keeping it.
 """
 
 from __future__ import annotations
@@ -148,6 +161,8 @@ from typing import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+from kvd.server import acceptguard
 
 log = logging.getLogger("kvd.server")
 
@@ -449,6 +464,8 @@ class PeerGate(threading.Thread):
         self.counters = dict.fromkeys(
             ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "high_water", "pauses", "fd_limit_changes"), 0
         )
+        self._refusals = self._refusals_seen = 0  # accepts the guard found no fd for (rule 8)
+        self._refusals_logged_at = float("-inf")
         self._halt = threading.Event()
         self.armed = threading.Event()  # the listener is paused outside _admit (see _event)
         self._trimmed_at = float("-inf")
@@ -473,7 +490,15 @@ class PeerGate(threading.Thread):
         self._halt.set()
 
     def stats(self) -> dict:
-        return {"connected": len(self.peers), "max_peers": self.max_peers, "paused": self.paused, **self.counters}
+        return {
+            "connected": len(self.peers), "max_peers": self.max_peers, "paused": self.paused,
+            "accept_guard": acceptguard.installed(), "refused_no_fd": acceptguard.refused(), **self.counters,
+        }
+
+    def refused(self) -> None:
+        """libzmq's accept() found no fd free (rule 8; on libzmq's I/O
+        thread): logged, and room made, at the next sample."""
+        self._refusals += 1
 
     # -- the thread --------------------------------------------------------
     def run(self) -> None:
@@ -505,6 +530,7 @@ class PeerGate(threading.Thread):
                 if self.clock() >= next_sample:
                     self._expire_closing()
                     self._drain()
+                    self._after_refusals()
                     self._follow_fd_limit()
                     self._balance()
                     self._watch_memory()
@@ -583,7 +609,7 @@ class PeerGate(threading.Thread):
             if self.own_fds is not None and not self._fds_shed_ok():
                 log.error(
                     "fd limit %d leaves %d fds beyond the %d the daemon holds: no peer can be admitted safely "
-                    "(libzmq aborts when accept() finds no free fd); raise it", limit, limit - self.own_fds, self.own_fds,
+                    "(accept() needs a free fd even to find nothing waiting); raise it", limit, limit - self.own_fds, self.own_fds,
                 )
             log.warning(
                 "fd limit changed to %d: max_peers=%d (asked %d)%s", limit, self.max_peers, self.wanted_peers,
@@ -601,6 +627,26 @@ class PeerGate(threading.Thread):
         self.counters["shed_over_cap"] += shed
         self._shed_unlogged += shed
         self._log_shedding()
+
+    def _after_refusals(self) -> None:
+        """Rule 8: the accept guard dropped newcomers since the last sample:
+        the table was full of fds, whatever our count says. If it still is,
+        shed the oldest idle, so that their reconnects find room."""
+        seen, self._refusals_seen = self._refusals_seen, self._refusals
+        if self._refusals == seen:
+            return
+        now = self.clock()
+        if now - self._refusals_logged_at >= 1.0:  # one line a second at most
+            self._refusals_logged_at = now
+            log.warning(
+                "no fd free for a connection (fd limit %d, %d peers): libzmq's accept() failed %d times, "
+                "newcomers dropped instead of aborting", self.fd_limit, len(self.peers), acceptguard.refused(),
+            )
+        if self.closing or not self.peers:
+            return
+        held = _open_fds(self.fd_limit)
+        if held is None or held >= self.fd_limit - _TIGHT_FDS:  # still full: not a moment past
+            self._make_room()
 
     def _admit(self) -> None:
         """Connections are waiting: let libzmq accept them, a few at a time.
@@ -620,9 +666,16 @@ class PeerGate(threading.Thread):
         assert self._real is not None
         deadline = self.clock() + _WINDOW
         missed = 0
+        guarded = acceptguard.installed()
         while self._room() > 0 and _readable(self._real) and self.clock() < deadline:
             self.resume()
-            if missed >= _QUICK_TRIES:
+            if guarded:
+                # libzmq's accept() is the guard's callback, which needs the
+                # GIL: a window that kept it would take no one. One that lets
+                # it go may let a few too many in, shed as over the cap (an
+                # fd table full costs the newcomer only: rule 8).
+                select.select([self._monitor_fd], [], [], 0.001)
+            elif missed >= _QUICK_TRIES:
                 # libzmq's I/O thread has not been running alongside us (busy
                 # CPUs): hold the listener open until it takes one (the
                 # monitor's fd signals its ACCEPTED), at most a millisecond,

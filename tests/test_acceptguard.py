@@ -1,0 +1,98 @@
+"""The accept guard (kvd/server/acceptguard.py) on a real libzmq, in a process
+of its own: a ROUTER whose fd table is full drops newcomers instead of
+aborting and serves again once fds are free; uninstall puts libzmq's own
+entries back."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard is Linux's (ELF)")
+
+CHILD = r"""
+import ctypes, os, resource, sys, zmq
+from kvd.server import acceptguard
+
+guard = sys.argv[2] == "guard"
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER)
+router.bind("ipc://" + sys.argv[1])
+if guard:
+    assert acceptguard.install()
+    slots = list(acceptguard._State.patched)
+    assert slots and all(ctypes.c_void_p.from_address(s).value != v for s, v in slots)
+held = []
+try:
+    while True:  # the table full to its last fd
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+print("ready", flush=True)
+sys.stdin.readline()  # the parent has connected
+for fd in held:
+    os.close(fd)
+print("refused", acceptguard.refused(), flush=True)
+if not router.poll(10_000):
+    sys.exit("nothing received")
+assert router.recv_multipart()[1] == b"hi"
+if guard:
+    acceptguard.uninstall()
+    assert all(ctypes.c_void_p.from_address(s).value == v for s, v in slots)
+print("served", flush=True)
+"""
+
+
+def _connect_while_full(tmp_path, mode):
+    """Start the child, connect 20 plain sockets while its table is full;
+    returns (child, how many of them were closed on us)."""
+    path = str(tmp_path / "s.sock")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, path, mode], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready", child.stderr.read()
+    dropped = 0
+    socks = []
+    try:
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(10)
+            try:
+                s.connect(path)
+                dropped += s.recv(1) == b""
+            except (ConnectionError, FileNotFoundError):
+                pass  # the child is gone
+            socks.append(s)
+    finally:
+        for s in socks:
+            s.close()
+    return child, dropped, path
+
+
+def test_a_full_fd_table_drops_the_newcomer_instead_of_aborting(tmp_path):
+    child, dropped, path = _connect_while_full(tmp_path, "guard")
+    assert dropped == 20
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    assert child.stdout.readline().split() == ["refused", "20"]
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect("ipc://" + path)
+        dealer.send(b"hi")
+        out, err = child.communicate(timeout=30)
+    finally:
+        ctx.destroy(linger=0)
+    assert child.returncode == 0 and out.split() == ["served"], err
+
+
+def test_without_the_guard_libzmq_aborts(tmp_path):
+    """What the guard is for (libzmq 4.3.5, src/ipc_listener.cpp): if this
+    ever fails, libzmq tolerates EMFILE and the guard can go."""
+    child, _, _ = _connect_while_full(tmp_path, "none")
+    _, err = child.communicate(timeout=30)
+    assert child.returncode == -6 and "ipc_listener.cpp" in err, (child.returncode, err)
