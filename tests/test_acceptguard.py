@@ -5,6 +5,7 @@ entries back."""
 
 from __future__ import annotations
 
+import select
 import socket
 import subprocess
 import sys
@@ -54,10 +55,10 @@ def _connect_while_full(tmp_path, mode):
     path = str(tmp_path / "s.sock")
     child = subprocess.Popen([sys.executable, "-c", CHILD, path, mode], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "ready", child.stderr.read()
     dropped = 0
     socks = []
     try:
+        assert _line(child) == "ready", child.stderr.read()
         for _ in range(20):
             s = socket.socket(socket.AF_UNIX)
             s.settimeout(10)
@@ -67,26 +68,40 @@ def _connect_while_full(tmp_path, mode):
             except (ConnectionError, FileNotFoundError):
                 pass  # the child is gone
             socks.append(s)
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
     finally:
         for s in socks:
             s.close()
     return child, dropped, path
 
 
+def _line(child: subprocess.Popen, timeout: float = 30.0) -> str:
+    """The child's next line, or fail (never a hang) after `timeout`."""
+    if not select.select([child.stdout], [], [], timeout)[0]:
+        raise AssertionError("the child said nothing")
+    return child.stdout.readline().strip()
+
+
 def test_a_full_fd_table_drops_the_newcomer_instead_of_aborting(tmp_path):
     child, dropped, path = _connect_while_full(tmp_path, "guard")
-    assert dropped == 20
-    child.stdin.write("go\n")
-    child.stdin.flush()
-    assert child.stdout.readline().split() == ["refused", "20"]
     ctx = zmq.Context()
     try:
+        assert dropped == 20
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert _line(child).split() == ["refused", "20"]
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect("ipc://" + path)
         dealer.send(b"hi")
         out, err = child.communicate(timeout=30)
     finally:
         ctx.destroy(linger=0)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
     assert child.returncode == 0 and out.split() == ["served"], err
 
 

@@ -402,6 +402,7 @@ def test_peer_counters_are_exported(daemon_factory):
         f.wait()
     m = scrape(port)
     assert m[("kvd_peers_max_peers", ())] == 8
+    assert m[("kvd_peers_accept_guard", ())] == (1 if sys.platform.startswith("linux") else 0)
     assert m[("kvd_peers_shed_over_cap_total", ())] >= shed >= 1
 
 
@@ -469,31 +470,48 @@ print("ok")
     assert r.stdout.strip() == "ok", r.stderr
 
 
+def _peer_sockets(path: str) -> int:
+    """Connected unix sockets named `path`: the daemon's ends of its peers' connections."""
+    with open("/proc/net/unix") as f:
+        return sum(1 for line in f if line.rstrip().endswith(" " + path) and line.split()[5] == "03")
+
+
+def _ended(s: socket.socket) -> bool:
+    """Has the daemon closed this connection (without a byte: dropped)?"""
+    try:
+        return s.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
 @linux_only
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_a_connection_with_no_fd_free_is_dropped_not_an_abort(daemon_factory):
     """Rule 8. With the fd table full to the last slot (the soft limit
     lowered to the fds the daemon holds), libzmq's accept() fails with EMFILE,
     which libzmq 4.3.5 answers with abort() on an ipc listener (without the
-    guard this daemon dies at the first connect): the accept guard drops the
-    newcomer instead, the gate logs it, and once the limit is back clients are
-    served. Whether the gate has seen the lowered limit yet (listener paused)
-    or not (open, under rule 5's mark), accept() finds no fd."""
+    guard this daemon dies at the first connect). The gate has seen the new
+    limit and keeps the listener paused, so libzmq's fd is the empty
+    stand-in: the guard drops the newcomer from the real listener, the gate
+    logs it, and once the limit is back clients are served."""
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
     pid = d.proc.pid
-    with d.client("good", strict=True, chunk_tokens=16) as good:
-        assert good.stats()["peers"]["accept_guard"] is True
+    path = d.endpoint[len("ipc://"):]
+    wait_until(lambda: _peer_sockets(path) == 0, what="the start-up probe's connection closed")
     soft, hard = (int(x) for x in next(
         line for line in open(f"/proc/{pid}/limits") if line.startswith("Max open files")).split()[3:5])
     held = len(os.listdir(f"/proc/{pid}/fd"))
     subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={held}:{hard}"], check=True)
-    path = d.endpoint[len("ipc://"):]
+    wait_until(lambda: f"fd limit changed to {held}:" in d.log(), what="the gate's view of the new limit")
     socks = []
     try:
-        for _ in range(30):
+        for _ in range(8):
             s = socket.socket(socket.AF_UNIX)
             s.connect(path)
             socks.append(s)
+        wait_until(lambda: all(_ended(s) for s in socks), what="every newcomer dropped")
         wait_until(lambda: "no fd free for a connection" in d.log(), what="the gate's line on the guard")
         assert d.proc.poll() is None, d.log()
     finally:
@@ -503,5 +521,30 @@ def test_a_connection_with_no_fd_free_is_dropped_not_an_abort(daemon_factory):
     with d.client("good", strict=True, chunk_tokens=16) as good:
         round_trip(good, 1)
         peers = good.stats()["peers"]
-    assert peers["refused_no_fd"] >= 1, peers
+    assert peers["accept_guard"] is True and peers["refused_no_fd"] == 8, peers
     assert d.proc.poll() is None and d.stop() == 0, d.log()
+
+
+@linux_only
+def test_the_paused_listeners_stand_in_cannot_be_reached(daemon_factory):
+    """While paused, libzmq's listener fd is an empty listening socket, and
+    whatever connected to it would be accepted as a peer: it has no name
+    anyone could connect to (it had an abstract one, open to every local
+    user whatever the endpoint directory's mode)."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    inodes = {os.readlink(f"/proc/{d.proc.pid}/fd/{fd}")[len("socket:["):-1]
+              for fd in os.listdir(f"/proc/{d.proc.pid}/fd")
+              if os.readlink(f"/proc/{d.proc.pid}/fd/{fd}").startswith("socket:[")}
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f][1:]
+    listening = [r for r in rows if r[6] in inodes and r[3] == "00010000"]  # __SO_ACCEPTCON
+    assert len(listening) == 2, listening  # the endpoint and the stand-in
+    endpoint = d.endpoint[len("ipc://"):]
+    names = [r[7] if len(r) > 7 else "" for r in listening]  # a name a socket was bound to, kept once unlinked
+    assert endpoint in names, names
+    stand_in = [n for n in names if n != endpoint]
+    assert len(stand_in) == 1 and not stand_in[0].startswith("@"), names  # not abstract ("@"): no one's to reach
+    s = socket.socket(socket.AF_UNIX)
+    with pytest.raises(FileNotFoundError):
+        s.connect(stand_in[0])  # unlinked at once
+    s.close()

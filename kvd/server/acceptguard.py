@@ -15,25 +15,41 @@ calling accept4() with no fd free.
 So the daemon replaces the accept4() (and accept()) libzmq calls: `install`
 finds libzmq's shared object among this process's mappings, reads its ELF
 relocations for the slots of its global offset table that hold those two
-functions, and writes there the address of `_accept`, a ctypes callback
-(the slots are libzmq's own: no other library, and not the Python socket
-module, is affected). `_accept` calls the real accept4(); when it fails for
-want of an fd (EMFILE, ENFILE) it frees a spare fd held for the purpose,
-accepts the waiting connection onto it, closes it at once, takes the spare
-again and tells libzmq EAGAIN -- which libzmq takes in its stride. The
-newcomer sees its connection closed before a byte was exchanged (a ZeroMQ
-client reconnects by itself), the kernel's backlog drains instead of
-waking libzmq in a loop, and the gate, told of it, sheds its oldest idle
-peers so that the next attempt finds room (`refused`, `on_refused`).
+functions, and writes there the address of `_accept4`/`_accept`, ctypes
+callbacks (the slots are libzmq's own: no other library, and not Python's
+socket module, is affected; all are patched or none). The callback calls
+the real accept4(); when it fails for want of an fd (EMFILE, ENFILE) it
+closes a spare fd held for the purpose, accepts the waiting connection onto
+that number and closes it at once, takes the spare again and tells libzmq
+EAGAIN -- which libzmq takes in its stride. While the gate has libzmq's fd
+pointing at its empty stand-in (peers.py, pausing), the newcomer is taken
+from the real listener, whose duplicate the gate hands over
+(`set_listener`); only a connection that is waiting is accepted (libzmq's
+listener is a blocking socket). The newcomer sees its connection closed
+before a byte was exchanged (a ZeroMQ client reconnects by itself), the
+backlog drains instead of waking libzmq in a loop, and the gate, told of it
+(`on_refused`), logs it and sheds its oldest idle peers if the table is
+still full, so that the next attempt finds room. `refused()` counts the
+newcomers dropped. libc is called through ctypes.PyDLL, which keeps the
+GIL: no Python thread can take the spare's number between its close and
+the accept onto it (a thread in C code could: the drop then finds no fd,
+and the gate takes the spare again at its next sample, `ensure_spare`,
+also when a lowered fd limit left it above the limit).
 
 The callback runs on libzmq's I/O thread and takes the GIL: once per
 connection libzmq accepts, and once per wake-up while the gate has the
-listener paused with a connection waiting. Nothing libzmq does while a
-Python thread holds the GIL waits for its I/O thread (pyzmq releases the
-GIL in every blocking call: send, recv, poll, the context's term), so the
-callback cannot deadlock it. `uninstall` puts the original addresses back;
-the callback object lives as long as the process (an I/O thread may be
-inside it while the slots are restored).
+listener paused with a connection waiting and fds to spare (libzmq's epoll
+watches the real listener, level-triggered: it retries until the gate
+admits the connection or sheds for it, which it does at once at its cap;
+under rule 6's tight limit, until the limit is raised). Nothing libzmq does
+while a Python thread holds the GIL waits for its I/O thread (pyzmq
+releases the GIL in every blocking call: send, recv, poll, the context's
+term), so the callback cannot deadlock it. The daemon runs the cyclic
+collector on its own tick, never on its own (collector.py), so no
+collection runs inside the callback. `uninstall` puts the original
+addresses back when the last user is done -- the daemon calls it before
+its context's term -- and the callback objects live as long as the
+process (an I/O thread may be inside one while the slots are restored).
 
 Only ELF (Linux) on x86-64 and aarch64, with libzmq loaded as a shared
 object (pyzmq's wheels; a distribution's libzmq). Elsewhere -- macOS's
@@ -46,7 +62,6 @@ mapped.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import errno
 import logging
@@ -68,10 +83,15 @@ _NAMES = (b"accept4", b"accept")
 class _State:
     """What `_accept` needs (module-level: the GOT is the process's, not an object's)."""
 
-    real4 = None  # libc's accept4, via ctypes (use_errno)
+    # libc's accept4, close and open through ctypes.PyDLL: called inside the
+    # callback they keep the GIL, so no Python thread takes the spare's fd
+    # number between its close and the accept onto it.
+    accept4 = close = open = poll = None
     spare = -1  # an fd held to accept a newcomer onto when the table is full
-    refused = 0  # accept() calls that found no fd free (a newcomer waiting then was dropped)
-    on_refused: Callable[[], None] | None = None
+    listener: int | None = None  # the gate's duplicate of the real listener (peers.py), if it has one
+    refused = 0  # newcomers dropped for want of an fd
+    hooks: list[Callable[[], None]] = []  # told of every accept() that found no fd free
+    users = 0  # install() less uninstall() calls
     patched: list[tuple[int, int]] = []  # (slot address, original value)
     mprotect = None
     lock = threading.Lock()
@@ -79,33 +99,64 @@ class _State:
 
 _PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, use_errno=True)
 _PROTO3 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, use_errno=True)
+_DEVNULL = os.devnull.encode()
 
 
 def _take_spare() -> None:
-    try:
-        _State.spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        _State.spare = -1  # the table filled again meanwhile: taken at the next refusal
+    """Hold an fd for the next drop (the lowest free one); -1 if none is free."""
+    _State.spare = _State.open(_DEVNULL, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def ensure_spare(limit: int) -> None:
+    """Take the spare again if a drop could not, or if it is at or above the
+    soft fd limit `limit` (lowered under the daemon: freeing it would not
+    free a number accept() may use). Called by the gate at each sample."""
+    if not _State.patched:
+        return
+    with _State.lock:
+        if 0 <= _State.spare < limit:
+            return
+        if _State.spare >= 0:
+            old, _State.spare = _State.spare, -1
+            _State.close(old)
+        _take_spare()
+
+
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+def _waiting(fd: int) -> bool:
+    """Is a connection waiting on listening socket `fd`? (poll(2), no wait, GIL kept)"""
+    pfd = _PollFd(fd, 1, 0)  # POLLIN
+    return _State.poll(ctypes.byref(pfd), 1, 0) == 1 and bool(pfd.revents & 1)
+
+
+def set_listener(fd: int | None) -> None:
+    """The fd of the real listener to drop newcomers from while the gate has
+    libzmq's fd pointing at its empty stand-in (None: libzmq's own fd)."""
+    _State.listener = fd
 
 
 def _drop_newcomer(fd: int, flags: int) -> None:
     """No fd free: accept the waiting connection onto the spare's and close it."""
     with _State.lock:
-        _State.refused += 1  # counted before the newcomer can see its end
-        if _State.spare >= 0:
-            os.close(_State.spare)
-            _State.spare = -1
-        conn = _State.real4(fd, None, None, flags)  # nothing if the listener is the gate's empty stand-in
+        spare, _State.spare = _State.spare, -1
+        if spare >= 0:
+            _State.close(spare)
+        listener = _State.listener if _State.listener is not None else fd
+        # libzmq's listener is a blocking socket: accept only what waits.
+        conn = _State.accept4(listener, None, None, flags) if _waiting(listener) else -1
         if conn >= 0:
-            os.close(conn)
+            _State.refused += 1  # counted before the newcomer can see its end
+            _State.close(conn)
         _take_spare()
-    hook = _State.on_refused
-    if hook is not None:
+    for hook in list(_State.hooks):
         hook()
 
 
 def _guarded(fd: int, addr, alen, flags: int) -> int:
-    conn = _State.real4(fd, addr, alen, flags)
+    conn = _State.accept4(fd, addr, alen, flags)
     if conn >= 0:
         return conn
     err = ctypes.get_errno()
@@ -147,26 +198,37 @@ def installed() -> bool:
     return bool(_State.patched)
 
 
-def _mappings() -> dict[str, tuple[int, int, int]]:
+class _Image:
+    """A mapped ELF file: where it is loaded and which of its ranges run."""
+
+    def __init__(self, path: str, inode: int):
+        self.path, self.inode = path, inode
+        self.base = 0  # the mapping at file offset 0
+        self.lo, self.hi = 1 << 64, 0
+        self.code: list[tuple[int, int]] = []  # executable ranges
+
+
+def _images() -> list[_Image]:
     """Mapped files whose name says libzmq (or pyzmq's backend, if it links
-    libzmq in): path -> (start of the mapping at file offset 0, lowest mapped
-    address, highest)."""
-    out: dict[str, list[int]] = {}
+    libzmq in), as long as the file on disk is still the one mapped."""
+    out: dict[str, _Image] = {}
     with open("/proc/self/maps") as f:
         for line in f:
-            parts = line.split()
-            if len(parts) < 6:
+            parts = line.rstrip("\n").split(maxsplit=5)  # a path may hold spaces
+            if len(parts) < 6 or parts[5].endswith(" (deleted)"):
                 continue
             path = parts[5]
             name = os.path.basename(path)
             if not (name.startswith("libzmq") or name.startswith("_zmq.")):
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            m = out.setdefault(path, [0, lo, hi])
-            m[1], m[2] = min(m[1], lo), max(m[2], hi)
-            if int(parts[2], 16) == 0 and not m[0]:
-                m[0] = lo
-    return {p: (m[0], m[1], m[2]) for p, m in out.items() if m[0]}
+            image = out.setdefault(path, _Image(path, int(parts[4])))
+            image.lo, image.hi = min(image.lo, lo), max(image.hi, hi)
+            if "x" in parts[1]:
+                image.code.append((lo, hi))
+            if int(parts[2], 16) == 0 and not image.base:
+                image.base = lo
+    return [i for i in out.values() if i.base and os.stat(i.path).st_ino == i.inode]
 
 
 def _slots(path: str) -> list[tuple[int, bytes]]:
@@ -190,11 +252,11 @@ def _slots(path: str) -> list[tuple[int, bytes]]:
                 continue
             sym_off, str_idx = sections[link][4], sections[link][6]
             str_off = sections[str_idx][4]
-            for j in range(size // 24):
+            for j in range(size // 24):  # Elf64_Rela
                 r_offset, r_info, _ = struct.unpack_from("<QQq", data, off + j * 24)
                 if r_info & 0xFFFFFFFF not in _SLOT_RELOCS[machine] or not r_info >> 32:
                     continue
-                st_name = struct.unpack_from("<I", data, sym_off + (r_info >> 32) * 24)[0]
+                st_name = struct.unpack_from("<I", data, sym_off + (r_info >> 32) * 24)[0]  # Elf64_Sym
                 start = str_off + st_name
                 name = data[start:data.find(b"\0", start)]
                 if name in _NAMES:
@@ -202,49 +264,72 @@ def _slots(path: str) -> list[tuple[int, bytes]]:
         return out
 
 
+def _libc():
+    """libc's functions the guard calls, through PyDLL (the GIL kept)."""
+    libc = ctypes.PyDLL(None, use_errno=True)
+    fns = {}
+    for name, restype, argtypes in (
+        ("accept4", ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]),
+        ("close", ctypes.c_int, [ctypes.c_int]),
+        ("open", ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+        ("poll", ctypes.c_int, [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int]),
+        ("mprotect", ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),
+    ):
+        fn = getattr(libc, name)
+        fn.restype, fn.argtypes = restype, argtypes
+        fns[name] = fn
+    real = {b"accept4": ctypes.cast(libc.accept4, ctypes.c_void_p).value,
+            b"accept": ctypes.cast(libc.accept, ctypes.c_void_p).value}
+    return fns, real
+
+
 def install(on_refused: Callable[[], None] | None = None) -> bool:
-    """Route libzmq's accept4()/accept() through `_accept`; True if done.
-    `on_refused()` is called (on libzmq's I/O thread) after each newcomer
-    dropped for want of an fd. Idempotent."""
-    if _State.patched:
-        _State.on_refused = on_refused
+    """Route libzmq's accept4()/accept() through the guard; True if every slot
+    was, False (and none) otherwise. `on_refused()` is called on libzmq's I/O
+    thread after each accept() that found no fd free. Counted: each install
+    wants an `uninstall(on_refused)`, and the slots go back with the last."""
+    with _State.lock:
+        if not _State.patched and not _patch():
+            return False
+        _State.users += 1
+        if on_refused is not None:
+            _State.hooks.append(on_refused)
         return True
+
+
+def _patch() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        real4 = libc.accept4
-        real4.restype, real4.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        mprotect = libc.mprotect
-        mprotect.restype, mprotect.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        real_addr = {b"accept4": ctypes.cast(libc.accept4, ctypes.c_void_p).value,
-                     b"accept": ctypes.cast(libc.accept, ctypes.c_void_p).value}
+        fns, real = _libc()
         todo = []
-        for path, (base, lo, hi) in _mappings().items():
-            for off, name in _slots(path):
-                slot = base + off
-                if not lo <= slot < hi:
-                    raise ValueError(f"slot of {name.decode()} outside {path}")
+        for image in _images():
+            for off, name in _slots(image.path):
+                slot = image.base + off
+                if not image.lo <= slot < image.hi:
+                    raise ValueError(f"the slot of {name.decode()} is outside {image.path}")
                 now = ctypes.c_void_p.from_address(slot).value or 0
-                if now != real_addr[name] and not lo <= now < hi:  # bound, or still libzmq's lazy stub
-                    raise ValueError(f"the slot of {name.decode()} in {path} holds {now:#x}: not libc's nor a stub")
+                # Bound to libc's, or still the lazy-binding stub in libzmq's own code.
+                if now != real[name] and not any(lo <= now < hi for lo, hi in image.code):
+                    raise ValueError(f"the slot of {name.decode()} in {image.path} holds {now:#x}: not libc's nor a stub")
                 todo.append((slot, name, now))
         if not todo:
-            return False
+            raise ValueError("no slot for accept4 or accept in a mapped libzmq")
     except (OSError, ValueError, AttributeError, struct.error, IndexError) as exc:
         log.info("accept guard not installed (%s): the fd gate alone keeps libzmq's accept() from a full table", exc)
         return False
-    _State.real4, _State.on_refused = real4, on_refused
+    _State.accept4, _State.close, _State.open, _State.poll = fns["accept4"], fns["close"], fns["open"], fns["poll"]
+    _State.mprotect = fns["mprotect"]
     if _State.spare < 0:
         _take_spare()
-    _State.mprotect = mprotect
     new = {b"accept4": ctypes.cast(_accept4, ctypes.c_void_p).value, b"accept": ctypes.cast(_accept, ctypes.c_void_p).value}
     for slot, name, now in todo:
-        if _write_slot(slot, new[name]):
-            _State.patched.append((slot, now))
-    if _State.patched:
-        atexit.register(uninstall)  # no callback into an interpreter that is finalizing
-    return bool(_State.patched)
+        if not _write_slot(slot, new[name]):
+            _restore()  # all or none: a slot left to libzmq would abort as before
+            log.info("accept guard not installed (a GOT page could not be made writable)")
+            return False
+        _State.patched.append((slot, now))
+    return True
 
 
 def _write_slot(slot: int, value: int) -> bool:
@@ -254,7 +339,7 @@ def _write_slot(slot: int, value: int) -> bool:
     start = slot & ~(page - 1)
     writable = _writable(slot)
     if not writable and _State.mprotect(start, page, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
-        return False  # left as it was: the gate's windows still guard it
+        return False
     ctypes.c_void_p.from_address(slot).value = value
     if not writable:
         _State.mprotect(start, page, mmap.PROT_READ)
@@ -271,10 +356,20 @@ def _writable(addr: int) -> bool:
     return False
 
 
-def uninstall() -> None:
-    """Put libzmq's original slots back (the callback stays alive: an I/O
-    thread may be inside it)."""
+def _restore() -> None:
     while _State.patched:
         slot, original = _State.patched.pop()
         _write_slot(slot, original)
-    _State.on_refused = None
+
+
+def uninstall(on_refused: Callable[[], None] | None = None) -> None:
+    """Undo one `install`: its hook goes; with the last, libzmq's own slots
+    come back (the callback stays alive: an I/O thread may be inside it).
+    Call it before the context's term: not from an interpreter finalizing."""
+    with _State.lock:
+        if on_refused in _State.hooks:
+            _State.hooks.remove(on_refused)
+        _State.users = max(0, _State.users - 1)
+        if _State.users == 0:
+            _restore()
+            _State.hooks.clear()

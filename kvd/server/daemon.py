@@ -149,6 +149,7 @@ class Daemon:
         self.handler.stats_sections["peers"] = lambda stats: self.peer_stats()
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._guarded = False  # this daemon installed the accept guard (kvd.server.acceptguard)
         self.shm_enabled, self.shm_lease_s = shm and not is_tcp(endpoint), shm_lease_s
 
     # -- lifecycle ---------------------------------------------------------
@@ -181,11 +182,14 @@ class Daemon:
             # and libzmq's accept() drops a newcomer rather than abort when no
             # fd is free (kvd.server.acceptguard; the gate is told, rule 8).
             monitor = sock.get_monitor_socket(PeerGate.EVENTS)
-            acceptguard.install(on_refused=lambda: self.gate is not None and self.gate.refused())
+            self._guarded = acceptguard.install(on_refused=self._on_refused)
             sock.bind(self.endpoint)
         except Exception:
             if monitor is not None:
                 monitor.close(linger=0)
+            if self._guarded:
+                acceptguard.uninstall(self._on_refused)
+                self._guarded = False
             if self._auth is not None:
                 self._auth.stop()
                 self._auth = None
@@ -208,6 +212,12 @@ class Daemon:
         self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=lambda conn: self.gate.shed(*conn))
         self.gate.start()
         self._arm_gate(ctx)
+
+    def _on_refused(self) -> None:
+        """The accept guard found no fd for a connection (libzmq's I/O thread)."""
+        gate = self.gate
+        if gate is not None:
+            gate.refused()
 
     def _arm_gate(self, ctx: zmq.Context) -> None:
         """Connect to ourselves once, so the gate sees an accept and starts
@@ -309,6 +319,9 @@ class Daemon:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        if self._guarded:
+            acceptguard.uninstall(self._on_refused)  # before term: no callback into a finalizing interpreter
+            self._guarded = False
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

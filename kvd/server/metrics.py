@@ -347,7 +347,8 @@ def _extra_families(sections: dict[str, Any], evictions: dict[str, Any]) -> Iter
     if peers:  # kvd.server.peers and kvd.server.outbox
         for key, doc in (("connected", "Peer connections open"), ("max_peers", "Most peer connections served at once"),
                          ("queued_bytes", "Reply bytes queued for peers, not yet sent"),
-                         ("rss_ceiling_bytes", "Anonymous RSS over which stalled peers are shed")):
+                         ("rss_ceiling_bytes", "Anonymous RSS over which stalled peers are shed"),
+                         ("accept_guard", "1 if a connection finding no fd free is dropped, not an abort (Linux)")):
             yield GaugeMetricFamily(f"kvd_peers_{key}", doc, value=peers.get(key, 0))
         for key in _PEER_COUNTERS:
             yield CounterMetricFamily(f"kvd_peers_{key}", f"Peers: {key.replace('_', ' ')}", value=peers.get(key, 0))

@@ -120,7 +120,8 @@ Rules the gate keeps:
    that leaves fewer than `_TIGHT_FDS` beyond the daemon's own. Linux's
    accept() takes a free fd before it looks for a connection, and libzmq
    calls it in a loop while one waits on the paused listener: with the table
-   full any client that connects aborts the daemon, whatever the gate does.
+   full any client that connects would abort the daemon, whatever the gate
+   does (without the accept guard, rule 8: with it, that client is dropped).
    So there it admits none and sheds none for fds (a shed peer reconnects),
    and logs an error asking for a higher limit.
 7. The gate wakes for its own samples only as often as it must: each wake
@@ -148,6 +149,7 @@ Rules the gate keeps:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -362,6 +364,43 @@ def memory_ceiling(ram_bytes: int, limits) -> int:
     return ram_bytes + BASE_ALLOWANCE + 3 * limits.max_message_bytes + min(limits.max_message_bytes, PENDING_ALLOWANCE)
 
 
+def _stand_in(kind: int, sockname) -> socket.socket:
+    """The empty listening socket a pause points libzmq's listener fd at.
+
+    Whatever connects to it while the listener is paused, libzmq accepts as
+    a peer: so nobody must be able to. An ipc endpoint's stand-in is bound
+    in the endpoint's own directory (0700, kvd.endpoint rule 3) and its name
+    unlinked at once -- a socket without a name cannot be connected to (an
+    abstract name, as before, could be by any local user, bypassing the
+    directory's mode) -- and anything that connected in between is turned
+    away. tcp's is on loopback: reaching it is no more than reaching the
+    endpoint, and CURVE is the socket's, not the listener's."""
+    s = socket.socket(kind, socket.SOCK_STREAM)
+    try:
+        if kind == socket.AF_UNIX and isinstance(sockname, str) and sockname.startswith("/"):
+            path = os.path.join(os.path.dirname(sockname), ".kvd-pause")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            s.bind(path)
+            s.listen(1)
+            os.unlink(path)
+        elif kind == socket.AF_UNIX:
+            s.bind("")  # an abstract endpoint is anyone's already: an autobound name is no more
+            s.listen(1)
+        else:
+            s.bind(("::1", 0) if kind == socket.AF_INET6 else ("127.0.0.1", 0))
+            s.listen(1)
+        s.setblocking(False)
+        while True:  # connected before the name was gone
+            try:
+                s.accept()[0].close()
+            except BlockingIOError:
+                return s
+    except BaseException:
+        s.close()
+        raise
+
+
 def _sockname(fd: int):
     s = socket.socket(fileno=fd)
     try:
@@ -531,6 +570,7 @@ class PeerGate(threading.Thread):
                     self._expire_closing()
                     self._drain()
                     self._after_refusals()
+                    acceptguard.ensure_spare(self.fd_limit)
                     self._follow_fd_limit()
                     self._balance()
                     self._watch_memory()
@@ -543,6 +583,7 @@ class PeerGate(threading.Thread):
             if self._empty is not None:
                 self._empty.close()
             if self._real is not None:
+                acceptguard.set_listener(None)
                 os.close(self._real)
                 self._real = None
 
@@ -639,8 +680,8 @@ class PeerGate(threading.Thread):
         if now - self._refusals_logged_at >= 1.0:  # one line a second at most
             self._refusals_logged_at = now
             log.warning(
-                "no fd free for a connection (fd limit %d, %d peers): libzmq's accept() failed %d times, "
-                "newcomers dropped instead of aborting", self.fd_limit, len(self.peers), acceptguard.refused(),
+                "no fd free for a connection (fd limit %d, %d peers): the newcomer was dropped instead of "
+                "libzmq aborting (%d dropped since start)", self.fd_limit, len(self.peers), acceptguard.refused(),
             )
         if self.closing or not self.peers:
             return
@@ -748,13 +789,10 @@ class PeerGate(threading.Thread):
             family = socket.socket(fileno=fd)
             kind = family.family
             family.detach()
-            self._empty = socket.socket(kind, socket.SOCK_STREAM)
-            loopback = {socket.AF_UNIX: "\0kvd-pause-%d-%d" % (os.getpid(), id(self)), socket.AF_INET6: ("::1", 0)}
-            self._empty.bind(loopback.get(kind, ("127.0.0.1", 0)))
-            self._empty.setblocking(False)
-            self._empty.listen(1)
+            self._empty = _stand_in(kind, self.sockname)
             self._real = os.dup(fd)
             self.listener = fd
+            acceptguard.set_listener(self._real)
         except OSError as err:
             log.warning("cannot prepare listener pauses (%s): shedding only", err)
             if self._empty is not None:
