@@ -378,9 +378,9 @@ def _stand_in(kind: int, sockname) -> socket.socket:
     s = socket.socket(kind, socket.SOCK_STREAM)
     try:
         if kind == socket.AF_UNIX and isinstance(sockname, str) and sockname.startswith("/"):
-            path = os.path.join(os.path.dirname(sockname), ".kvd-pause")
+            path = os.path.join(os.path.dirname(sockname), f".kvd-pause-{os.getpid()}")  # another daemon's dir too
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                os.unlink(path)  # a dead daemon's of the same pid
             s.bind(path)
             s.listen(1)
             os.unlink(path)
