@@ -90,6 +90,7 @@ class _State:
     spare = -1  # an fd held to accept a newcomer onto when the table is full
     listener: int | None = None  # the gate's duplicate of the real listener (peers.py), if it has one
     refused = 0  # newcomers dropped for want of an fd
+    budget: int | None = None  # accepts left in the gate's open window (None: no bound)
     hooks: list[Callable[[], None]] = []  # told of every accept() that found no fd free
     users = 0  # install() less uninstall() calls
     patched: list[tuple[int, int]] = []  # (slot address, original value)
@@ -132,6 +133,13 @@ def _waiting(fd: int) -> bool:
     return _State.poll(ctypes.byref(pfd), 1, 0) == 1 and bool(pfd.revents & 1)
 
 
+def set_budget(n: int | None) -> None:
+    """Accept at most `n` more connections (the gate's room while it has the
+    listener open for a window: peers.py rule 8); None: no bound. Past it,
+    libzmq is told EAGAIN and the newcomer waits in the backlog."""
+    _State.budget = n
+
+
 def set_listener(fd: int | None) -> None:
     """The fd of the real listener to drop newcomers from while the gate has
     libzmq's fd pointing at its empty stand-in (None: libzmq's own fd)."""
@@ -156,8 +164,14 @@ def _drop_newcomer(fd: int, flags: int) -> None:
 
 
 def _guarded(fd: int, addr, alen, flags: int) -> int:
+    budget = _State.budget
+    if budget is not None and budget <= 0:
+        ctypes.set_errno(errno.EAGAIN)
+        return -1
     conn = _State.accept4(fd, addr, alen, flags)
     if conn >= 0:
+        if budget is not None:
+            _State.budget = budget - 1  # the GIL is held from the read to here
         return conn
     err = ctypes.get_errno()
     if err in _NO_FD:

@@ -144,7 +144,10 @@ Rules the gate keeps:
    listener open, a limit lowered to the fds the daemon holds), not the way
    connections are admitted. One thing changes: libzmq's accept() is then a
    callback that needs the GIL, so a window (`_admit`) lets the GIL go
-   while the listener is open, for up to a millisecond, instead of keeping it.
+   while the listener is open, for up to a millisecond, instead of keeping
+   it; the guard then accepts at most the room the gate gives it
+   (`acceptguard.set_budget`), so a window admits no more than the cap
+   allows however long it stays open.
 """
 
 from __future__ import annotations
@@ -709,12 +712,14 @@ class PeerGate(threading.Thread):
         missed = 0
         guarded = acceptguard.installed()
         while self._room() > 0 and _readable(self._real) and self.clock() < deadline:
-            self.resume()
             if guarded:
                 # libzmq's accept() is the guard's callback, which needs the
-                # GIL: a window that kept it would take no one. One that lets
-                # it go may let a few too many in, shed as over the cap (an
-                # fd table full costs the newcomer only: rule 8).
+                # GIL: a window that kept it would take no one. So the window
+                # lets the GIL go, and the guard itself accepts no more than
+                # the room (its budget) however long libzmq has.
+                acceptguard.set_budget(self._room())
+            self.resume()
+            if guarded:
                 select.select([self._monitor_fd], [], [], 0.001)
             elif missed >= _QUICK_TRIES:
                 # libzmq's I/O thread has not been running alongside us (busy
@@ -724,6 +729,7 @@ class PeerGate(threading.Thread):
                 # that the window ends when the millisecond does.
                 _WAIT_READABLE(self._monitor_fd, 1)
             self.pause()  # libzmq takes what it can in between: none, one or a few
+            acceptguard.set_budget(None)
             if self._drain():
                 missed = 0
             else:
