@@ -41,7 +41,10 @@ connection libzmq accepts, and once per wake-up while the gate has the
 listener paused with a connection waiting and fds to spare (libzmq's epoll
 watches the real listener, level-triggered: it retries until the gate
 admits the connection or sheds for it, which it does at once at its cap;
-under rule 6's tight limit, until the limit is raised). Nothing libzmq does
+under rule 6's tight limit, until the limit is raised). While the gate
+holds the listener open for a window, it lets the GIL go (the callback
+needs it) and gives the guard a budget, its room: past it the callback
+answers EAGAIN without accepting (`set_budget`). Nothing libzmq does
 while a Python thread holds the GIL waits for its I/O thread (pyzmq
 releases the GIL in every blocking call: send, recv, poll, the context's
 term), so the callback cannot deadlock it. The daemon runs the cyclic
@@ -53,7 +56,7 @@ process (an I/O thread may be inside one while the slots are restored).
 
 Only ELF (Linux) on x86-64 and aarch64, with libzmq loaded as a shared
 object (pyzmq's wheels; a distribution's libzmq). Elsewhere -- macOS's
-Mach-O above all -- `install` returns None and the gate's windows are the
+Mach-O above all -- `install` returns False and the gate's windows are the
 only guard (README, Known limits). `install` also declines when a slot does
 not hold what a slot for accept4 must (the real function, or a lazy-binding
 stub inside libzmq): someone else's hook, or a file changed since it was
