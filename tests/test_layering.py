@@ -1,4 +1,4 @@
-"""The architecture's rules, checked: the README's layer arrows (every import,
+"""The architecture's rules, checked: docs/internals.md's layer arrows (every import,
 including those inside functions, follows them, and they have no cycle); no
 private reach across packages; only the mlx adapter imports mlx, only the
 remote tier imports redis (inside functions); the daemon
@@ -32,7 +32,7 @@ from support import prefix_snapshot
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"kvd": ROOT / "kvd", "kvd_client": ROOT / "client"}  # pyproject.toml's package-dir
 
-# The layers the README's arrows name, and the modules in each (a module
+# The layers docs/internals.md's arrows name, and the modules in each (a module
 # belongs to the layer of its longest matching prefix). `kvd` itself holds
 # only __version__ and may be imported by anything; it must import nothing.
 LAYERS = {
@@ -110,15 +110,15 @@ def layer_of(module: str) -> str:
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
                 best = (layer, p)
-    assert best is not None, f"{module} is in no layer: add it to LAYERS and to the README's arrows"
+    assert best is not None, f"{module} is in no layer: add it to LAYERS and to docs/internals.md's arrows"
     return best[0]
 
 
 def readme_arrows() -> dict[str, set[str]]:
-    """{layer: layers it may import directly}, from the README's arrow lines."""
-    text = (ROOT / "README.md").read_text()
+    """{layer: layers it may import directly}, from docs/internals.md's arrow lines."""
+    text = (ROOT / "docs" / "internals.md").read_text()
     block = re.search(r"Dependencies point one way.*?```text\n(.*?)```", text, re.S)
-    assert block, "README.md has no ```text block of layer arrows after 'Dependencies point one way'"
+    assert block, "docs/internals.md has no ```text block of layer arrows after 'Dependencies point one way'"
     may: dict[str, set[str]] = {}
     for line in block.group(1).splitlines():
         if not line.strip():
@@ -151,7 +151,7 @@ def test_the_readme_names_every_layer_and_its_arrows_have_no_cycle():
     assert set(may) == set(LAYERS), (set(may) ^ set(LAYERS))
     reach = closure(may)
     cyclic = [layer for layer in reach if layer in reach[layer]]
-    assert not cyclic, f"the README's arrows go round through {cyclic}"
+    assert not cyclic, f"docs/internals.md's arrows go round through {cyclic}"
 
 
 def test_every_import_follows_the_readme_arrows():
