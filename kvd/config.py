@@ -669,4 +669,3 @@ def config_options(command: Callable | None = None, *, names: tuple[str, ...] | 
     )(command)
 
 
-click_options = config_options
