@@ -42,7 +42,8 @@ print(i, flush=True)
 
 
 def run(seconds: float, ram_mb: int, *flags: str) -> dict:
-    with daemon("--data-dir", "none", "--ram-mb", str(ram_mb), *flags) as (endpoint, _):
+    with daemon("--data-dir", "none", "--ram-mb", str(ram_mb), *flags) as d:
+        endpoint = d.endpoint
         with Client(endpoint, namespace="good", timeout=5, chunk_tokens=256) as good:
             tokens = list(range(300))
             assert good.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(np.ones((1, 300, 8), np.float16)), 1)}))

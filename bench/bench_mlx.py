@@ -105,7 +105,8 @@ def main() -> None:
     print(f"snapshot (take) on caller      {take * 1e3:8.1f} ms  {gibs(take):5.2f} GiB/s  "
           f"{take / fresh:4.2f}x fresh copy  {take / memcpy:4.2f}x memcpy", flush=True)
     ram_mb = max(2048, 3 * nbytes // 2**20 + 256)
-    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as (endpoint, _):
+    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as d:
+        endpoint = d.endpoint
         for plane in args.transports.split(","):
             with mlx_client(endpoint, f"bench-mlx-{plane}", transport=plane) as kv:
                 assert kv.store(toks, caches, wait=True), kv.counters
@@ -156,7 +157,8 @@ def main() -> None:
                   flush=True)
     if args.no_demo:
         return
-    with daemon("--ram-mb", "512") as (endpoint, _):
+    with daemon("--ram-mb", "512") as d:
+        endpoint = d.endpoint
         # What a hit saves: the demo model, its own cold prefill vs a fetch.
         model = build_model()
         prompt = demo_tokens(1024, seed=1)

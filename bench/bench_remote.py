@@ -81,8 +81,9 @@ def main() -> None:
     server = RedisServer("--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru").start()
     try:
         url = server.url
-        with daemon("--ram-mb", "2048", "--remote-url", url) as (ep_a, _), \
-                daemon("--ram-mb", "2048", "--data-dir", "none", "--remote-url", url) as (ep_b, _):
+        with daemon("--ram-mb", "2048", "--remote-url", url) as a, \
+                daemon("--ram-mb", "2048", "--data-dir", "none", "--remote-url", url) as b:
+            ep_a, ep_b = a.endpoint, b.endpoint
             ca = Client(ep_a, namespace="bench-remote", timeout=120.0, strict=True)
             cb = Client(ep_b, namespace="bench-remote", timeout=120.0, strict=True)
             assert ca.put(toks, Snapshot(sliced=sliced))

@@ -45,11 +45,9 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import machine  # noqa: E402
+from _util import DaemonProcess, machine  # noqa: E402
 
 from kvd.protocol import keys  # noqa: E402
 from kvd.store.base import CHUNK, Entry, Tensor  # noqa: E402
@@ -133,32 +131,29 @@ def anchor_tokens() -> np.ndarray:
     return np.random.default_rng(12345).integers(0, 50000, size=ANCHOR_TOKENS, dtype=np.uint32)
 
 
-class Daemon:
-    def __init__(self, workdir: Path, data: Path, extra: list[str] | None = None):
-        self.endpoint = f"ipc://{workdir / 'kvd.sock'}"
-        self.data = data
-        self.extra = extra or []
-        self.log = open(workdir / "daemon.log", "ab")
-        self.proc: subprocess.Popen | None = None
+class Daemon(DaemonProcess):
+    """The measured daemon: 16 MiB of RAM over the bench's data dir, its start
+    (until the anchor prompt is served in full) and stop timed."""
 
-    def start(self) -> float:
+    def __init__(self, workdir: Path, data: Path, extra: list[str] | None = None):
+        super().__init__(workdir, ["--data-dir", str(data), "--ram-mb", "16", *(extra or [])])
+
+    def timed_start(self) -> float:
         """Start the daemon; seconds until the anchor prompt is served in full."""
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd", "serve", "--endpoint", self.endpoint, "--data-dir", str(self.data),
-             "--ram-mb", "16", *self.extra], stdout=self.log, stderr=subprocess.STDOUT)
+        self.start(wait=False)
         anchor = anchor_tokens()
         with Client(self.endpoint, namespace=NS, timeout=0.5, chunk_tokens=CT) as c:
             while c.probe(anchor).n < ANCHOR_TOKENS:
                 if self.proc.poll() is not None or time.perf_counter() - t0 > 600:
-                    raise RuntimeError("the daemon did not serve the anchor prompt")
+                    raise RuntimeError(f"the daemon did not serve the anchor prompt:\n{self.log()}")
                 time.sleep(0.002)
         return time.perf_counter() - t0
 
-    def stop(self) -> float:
+    def timed_stop(self) -> float:
+        """SIGTERM it; seconds until it exited."""
         t0 = time.perf_counter()
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(600)
+        self.stop(timeout=600)
         return time.perf_counter() - t0
 
 
@@ -369,17 +364,15 @@ def main() -> None:
     try:
         if not args.reuse:
             # The anchor: a 32k-token prompt stored first, spilled, so every size has it on SSD.
-            d.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvd", "serve", "--endpoint", d.endpoint, "--data-dir", str(data), "--ram-mb", "16"],
-                stdout=d.log, stderr=subprocess.STDOUT)
-            with Client(d.endpoint, namespace=NS, timeout=30, chunk_tokens=CT, strict=False) as c:
-                while c.ping() is None:
-                    time.sleep(0.01)
-                assert c.put(anchor_tokens(), snapshot(ANCHOR_TOKENS, 1))
-                c.gc(ram_bytes=0)
-                while c.stats()["tiers"]["ssd"]["entries"] < ANCHOR_TOKENS // CT:
-                    time.sleep(0.01)
-            d.stop()
+            first = Daemon(workdir, data)  # without --daemon-args
+            try:
+                with first.start(timeout=60).client(NS, timeout=30, chunk_tokens=CT) as c:
+                    assert c.put(anchor_tokens(), snapshot(ANCHOR_TOKENS, 1))
+                    c.gc(ram_bytes=0)
+                    while c.stats()["tiers"]["ssd"]["entries"] < ANCHOR_TOKENS // CT:
+                        time.sleep(0.01)
+            finally:
+                first.stop(timeout=600)
         have = ANCHOR_TOKENS // CT
         rows = []
         print(f"{'entries':>9} {'fill s':>7} {'restart s':>9} {'walk s':>7} {'p99 ms':>7} {'lookup p50 ms':>13} "
@@ -387,7 +380,7 @@ def main() -> None:
         for size in sizes:
             fill_s = fill(data, have, size) if size > have and not args.reuse else 0.0
             have = max(have, size)
-            restart = d.start()
+            restart = d.timed_start()
             if args.reuse:  # the dir's own size, whatever --sizes says
                 with Client(d.endpoint, namespace=NS, timeout=30) as c:
                     size = have = c.stats()["tiers"]["ssd"]["entries"]
@@ -396,7 +389,7 @@ def main() -> None:
             _, raw99 = raw_round_trip(workdir, ANCHOR_TOKENS * 4)
             rate = spill_rate(d.endpoint)
             have += 3 * 2000
-            stop = d.stop()
+            stop = d.timed_stop()
             rows.append((size, restart, p99, rate, stop, raw99))
             print(f"{size:>9} {fill_s:>7.1f} {restart:>9.2f} {walk_s:>7.1f} {walk_p99 * 1e3:>7.2f} {p50 * 1e3:>13.3f} "
                   f"{p99 * 1e3:>7.3f} {ping * 1e3:>8.3f} {ping99 * 1e3:>6.3f} {raw99 * 1e3:>7.3f} {rate:>8.0f} "
@@ -411,12 +404,12 @@ def main() -> None:
             # The first windows fill the 16 MiB RAM tier (no spilling yet): a
             # warm-up, printed but not compared; the issue is decay after it.
             warm = max(1, round(args.warmup / args.window))
-            d.start()
+            d.timed_start()
             split = mixed(d.endpoint, args.mixed_seconds + warm * args.window, args.window, recent=args.recent)
             windows = [p + g for p, g, _ in split]
             with Client(d.endpoint, namespace=NS, timeout=30) as c:
                 ssd = c.stats()["tiers"]["ssd"]
-            d.stop()
+            d.timed_stop()
             print(f"mixed, 8 clients{f', GETs among the last {args.recent} prompts' if args.recent else ''}, "
                   f"ops per {args.window:.0f} s window on {have} entries: warm-up {windows[:warm]}, "
                   f"then {windows[warm:]}")
@@ -428,9 +421,7 @@ def main() -> None:
             print(f"PUTs refused (not counted as ops): {sum(r for _, _, r in split)}; the SSD writer meanwhile: "
                   f"{ssd['spills']} blobs written, {ssd['drops']} dropped {ssd['drop_reasons']}")
     finally:
-        if d.proc is not None and d.proc.poll() is None:
-            d.proc.kill()
-        d.log.close()
+        d.stop(signal.SIGKILL)
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
 

@@ -68,7 +68,8 @@ def main() -> None:
 
     print(f"bench_server: {machine()}; llama hidden {args.hidden} x {args.layers} layers, {args.dtype}; "
           f"{args.reps} reps, median seconds to first token")
-    with daemon("--ram-mb", "1024") as (endpoint, _):
+    with daemon("--ram-mb", "1024") as d:
+        endpoint = d.endpoint
         ep = ["--kvd-endpoint", endpoint]
         a = MlxServer(model_path, work / "a.log", ep)
         b = MlxServer(model_path, work / "b.log", ep)

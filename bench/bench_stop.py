@@ -21,11 +21,8 @@ usual case for a daemon that is not being filled at that moment).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd_client import Client, HostTensor, Snapshot
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import DaemonProcess  # noqa: E402
+
+from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
 
 CHUNK = 16
 SEQ_CHUNKS = 2048  # chunks per PUT sequence
@@ -44,42 +44,18 @@ def _snapshot(tokens: np.ndarray, seed: int) -> Snapshot:
     return Snapshot(sliced={"kv": (HostTensor.bfloat16(raw), 2)})
 
 
-def _start(workdir: Path, args: list[str], src: str | None) -> tuple[subprocess.Popen, str]:
-    endpoint = f"ipc://{workdir}/kvd.sock"
-    (workdir / "kvd.toml").touch()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
-    if src:
-        env["PYTHONPATH"] = src
-    log = open(workdir / "daemon.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd", "serve", "--endpoint", endpoint, "--config", str(workdir / "kvd.toml"),
-         "--data-dir", str(workdir / "data"), *args],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src or None,
-    )
-    log.close()
-    deadline = time.monotonic() + 60
-    while not (workdir / "kvd.sock").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((workdir / "daemon.log").read_text())
-        time.sleep(0.01)
-    with Client(endpoint, namespace="probe", timeout=2) as c:
-        while c.ping() is None:
-            time.sleep(0.02)
-    return proc, endpoint
-
-
 def run(entries: int, stop_timeout: float, src: str | None, label: str, drain: bool = False) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-stop-", dir="/tmp"))
     try:
         args = ["--ram-mb", str(max(256, entries * 2 // 1024)), "--ssd-gb", "64", "--min-free-gb", "0"]
         if src is None:
             args += ["--stop-timeout", str(stop_timeout)]
-        proc, endpoint = _start(workdir, args, src)
+        d = DaemonProcess(workdir, args, pythonpath=src).start(timeout=60)
         seqs = (entries + SEQ_CHUNKS - 1) // SEQ_CHUNKS
         t0 = time.monotonic()
         acked = refused = 0
         # Not strict: a PUT the daemon refuses (BUSY: the disk is behind) is False, and counted.
-        with Client(endpoint, namespace="bench-stop", chunk_tokens=CHUNK, timeout=120) as c:
+        with Client(d.endpoint, namespace="bench-stop", chunk_tokens=CHUNK, timeout=120) as c:
             for i in range(seqs):
                 n = min(SEQ_CHUNKS, entries - i * SEQ_CHUNKS) * CHUNK
                 tokens = np.arange(n, dtype=np.int64) + 10_000_000 * (i + 1)
@@ -97,17 +73,15 @@ def run(entries: int, stop_timeout: float, src: str | None, label: str, drain: b
         ram = st["tiers"]["ram"]["entries"]
         on_disk_at_stop = st["tiers"]["ssd"]["entries"]
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait()
+        code = d.stop(timeout=3600)
         stop = time.monotonic() - t0
-        log = (workdir / "daemon.log").read_text()
+        log = d.log()
         m = re.search(r"stop: (\d+) entries", log)
         lost = int(m.group(1)) if m else 0
-        proc, endpoint = _start(workdir, ["--ram-mb", "16", "--ssd-gb", "64", "--min-free-gb", "0"], src)
-        with Client(endpoint, namespace="x", timeout=30) as c:
+        again = DaemonProcess(workdir, ["--ram-mb", "16", "--ssd-gb", "64", "--min-free-gb", "0"], pythonpath=src)
+        with again.start(timeout=60).client("x", timeout=30) as c:
             served = c.stats()["tiers"]["ssd"]["entries"]
-        proc.send_signal(signal.SIGTERM)
-        proc.wait()
+        again.stop(timeout=3600)
         out = dict(label=label, entries=ram, fill_s=fill, on_disk_at_sigterm=on_disk_at_stop, stop_s=stop,
                    exit=code, not_persisted=lost, after_restart=served, acked=acked, refused=refused)
         print(

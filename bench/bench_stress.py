@@ -30,12 +30,7 @@ checkout's venv) to compare.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,37 +40,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _util import MiB, machine  # noqa: E402
+from _util import MiB, daemon, machine  # noqa: E402
 from stress import CHURN, FLOOD, HAMMER, PARTIAL, PUMP, STORM, attack, status  # noqa: E402
 
 from kvd.protocol import codec, keys  # noqa: E402
 from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
-
-
-@contextlib.contextmanager
-def daemon(python: str, *args: str):
-    workdir = Path(tempfile.mkdtemp(prefix="kvd-bs-", dir="/tmp"))
-    os.chmod(workdir, 0o700)
-    endpoint = f"ipc://{workdir / 'kvd.sock'}"
-    (workdir / "kvd.toml").touch()
-    log = open(workdir / "daemon.log", "wb")
-    cmd = [python, "-m", "kvd", "serve", "--endpoint", endpoint, "--config", str(workdir / "kvd.toml"),
-           "--data-dir", str(workdir / "data"), *args]
-    # cwd outside any checkout: `-m kvd` is the kvd that interpreter has installed
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-    try:
-        with Client(endpoint, namespace="probe", timeout=0.5) as c:
-            deadline = time.monotonic() + 30
-            while c.ping() is None:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError((workdir / "daemon.log").read_text())
-                time.sleep(0.05)
-        yield endpoint, proc, workdir
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def percentiles(client: Client, tokens, samples: int) -> tuple[float, float, int]:
@@ -126,8 +95,9 @@ def overhead(python: str) -> None:
 
     print(f"bench_stress --overhead: {machine()}; 102,400 zero-byte entries per row, RAM-only daemon")
     for ntens in (1, 4):
-        with daemon(python, "--ram-mb", "4096", "--data-dir", "none") as (ep, proc, _):
-            c = Client(ep, namespace="ovh", chunk_tokens=16, timeout=60.0)
+        with daemon("--ram-mb", "4096", "--data-dir", "none", python=python) as d:
+            proc = d.proc
+            c = Client(d.endpoint, namespace="ovh", chunk_tokens=16, timeout=60.0)
             c.ping()
             before = status(proc.pid, "RssAnon")
             for s in range(25):
@@ -158,8 +128,9 @@ def main() -> None:
     names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "heavy-peers",
              "put-storm", "churn"]
     for name in args.only.split(",") if args.only else names:
-        with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep, proc, workdir):
-            good, tokens, attacks = setup(ep, workdir)
+        with daemon("--ram-mb", "64", "--max-message-mb", "16", python=args.daemon_python) as d:
+            proc = d.proc
+            good, tokens, attacks = setup(d.endpoint, d.workdir)
             i50, i99, _ = percentiles(good, tokens, args.samples)
             with attack(*attacks[name]):
                 time.sleep(args.warmup)  # let the attack reach its steady state (pipes full, ...)
@@ -170,8 +141,8 @@ def main() -> None:
             if args.floor:
                 # The same attack on another daemon: what the machine's CPUs alone
                 # cost the good client (its daemon's thread is not shared).
-                with daemon(args.daemon_python, "--ram-mb", "64", "--max-message-mb", "16") as (ep2, _, wd2):
-                    _, _, other = setup(ep2, wd2)
+                with daemon("--ram-mb", "64", "--max-message-mb", "16", python=args.daemon_python) as d2:
+                    _, _, other = setup(d2.endpoint, d2.workdir)
                     with attack(*other[name]):
                         time.sleep(args.warmup)
                         f50, f99, _ = percentiles(good, tokens, args.samples)

@@ -60,7 +60,8 @@ def main() -> None:
           f"{args.layers} layers, float32; vllm-mlx in-process Scheduler; one run per cell, seconds to first token")
     print(f"{'prefix':>7} {'request':>9} {'cold':>8} {'ssd':>8} {'kvd':>8} {'ssd cached':>11} {'kvd cached':>11} "
           f"{'cold/ssd':>9} {'cold/kvd':>9}")
-    with daemon() as (endpoint, _):
+    with daemon() as d:
+        endpoint = d.endpoint
         for p in lengths:
             rng = random.Random(p)
             system = tokens(p, seed=rng.randrange(1 << 30))

@@ -129,7 +129,8 @@ def main() -> None:
     # Above 1 GiB the RAM tier holds one snapshot (this machine has 24 GiB
     # and other tenants): the steady state is then "each put evicts the last".
     ram_mb = 4 * max(sizes) + 256 if max(sizes) <= 1024 else max(sizes) + 256
-    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as (endpoint, _):
+    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as d:
+        endpoint = d.endpoint
         for mib in sizes:
           n_tokens = mib * MiB // BYTES_PER_TOKEN
           snap = snapshot(n_tokens, seed=mib)

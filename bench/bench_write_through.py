@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd_client import Client
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import DaemonProcess  # noqa: E402  (the tests' real-daemon harness)
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from _util import DaemonProcess  # noqa: E402
 from support import prefix_snapshot  # noqa: E402
 
 

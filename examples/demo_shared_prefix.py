@@ -19,11 +19,10 @@ started on a temporary socket and stopped at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -124,28 +123,6 @@ def run_role(role: str, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def start_daemon():
-    import logging
-
-    from kvd_client import Client
-
-    logging.getLogger("kvd_client").setLevel(logging.ERROR)  # "no daemon yet" while it starts
-    workdir = Path(tempfile.mkdtemp(prefix="kvd-demo-", dir="/tmp"))
-    endpoint = f"ipc://{workdir / 'kvd.sock'}"
-    log = open(workdir / "daemon.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--endpoint", endpoint, "--ram-mb", "512",
-                             "--data-dir", str(workdir / "data")],
-                            stdout=log, stderr=subprocess.STDOUT)
-    with Client(endpoint, namespace="demo", timeout=0.5) as c:
-        deadline = time.monotonic() + 20
-        while c.ping() is None:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                sys.exit("kvd serve did not start:\n" + (workdir / "daemon.log").read_text())
-            time.sleep(0.05)
-    logging.getLogger("kvd_client").setLevel(logging.NOTSET)
-    return endpoint, proc, workdir, log
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint", help="use a running daemon instead of starting one")
@@ -160,10 +137,12 @@ def main() -> None:
         print(json.dumps(reader(args.endpoint, args.system_tokens, args.max_tokens)))
         return
 
-    started = None
-    if not args.endpoint:
-        args.endpoint, *started = start_daemon()
-    try:
+    with contextlib.ExitStack() as stack:
+        if not args.endpoint:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+            from _util import daemon  # the benches' daemon launcher
+
+            args.endpoint = stack.enter_context(daemon("--ram-mb", "512")).endpoint
         w = run_role("writer", args)
         print(f"writer: prefilled a {args.system_tokens}-token system prompt in {w['prefill_s'] * 1e3:.0f} ms; "
               f"store() held the generation thread {w['store_on_caller_s'] * 1e3:.1f} ms")
@@ -177,13 +156,6 @@ def main() -> None:
               f"bit-identical log-probs: {'yes' if r['same_logprobs'] else 'NO'}")
         if not (r["same_tokens"] and r["same_logprobs"]) or r["reused"] == 0:
             sys.exit(1)
-    finally:
-        if started:
-            proc, workdir, log = started
-            proc.terminate()
-            proc.wait(10)
-            log.close()
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,6 @@ from typing import Any, Callable, Mapping
 from kvd.endpoint import EndpointError, check_endpoint, default_endpoint, default_keys_dir, file_kind
 from kvd.protocol.errors import KvdError
 
-# Exit code for a bad configuration (sysexits EX_CONFIG). Units and plists can
-# tell it apart from a crash and stop restarting a daemon that cannot start.
-EXIT_CONFIG = 78
-
 _NONE_WORDS = ("", "none", "off", "null")
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
@@ -669,4 +665,3 @@ def config_options(command: Callable | None = None, *, names: tuple[str, ...] | 
     )(command)
 
 
-click_options = config_options

@@ -48,6 +48,7 @@ import stat
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from kvd.protocol.errors import KvdError
 
@@ -110,58 +111,47 @@ def is_default_run_dir(path: Path, environ: dict[str, str] | None = None) -> boo
     return Path(path) in default_run_dirs(environ)
 
 
-def check_run_dir(path: Path) -> None:
-    """Raise UnsafeEndpoint unless `path` is a private directory of ours (rule 5).
-
-    A missing directory is fine here: whoever creates it creates it 0700.
-    """
+def _check_ours(path: Path, what: str, kind: Callable[[int], str | None], private: str | None,
+                *, missing_ok: bool = True) -> None:
+    """The one owner and mode check rules 5 and 6 make: raise UnsafeEndpoint
+    unless `path` is of the right kind (`kind` gives the fault for a wrong
+    st_mode, or None), owned by this uid and, if `private` says what the bits
+    would let other users do, with no group or other permission bits. lstat,
+    never stat: a symlink is judged as itself. A missing file passes if
+    `missing_ok` (whoever creates it creates it ours)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        if missing_ok:
+            return
+        raise UnsafeEndpoint(f"refusing {what} {path}: it does not exist") from None
     except OSError as exc:  # EACCES: a parent we may not search is not ours either
-        raise UnsafeEndpoint(f"refusing the kvd run directory {path}: cannot inspect it ({exc.strerror})") from None
+        raise UnsafeEndpoint(f"refusing {what} {path}: cannot inspect it ({exc.strerror})") from None
     uid = os.getuid()
-    if stat.S_ISLNK(st.st_mode):
-        fault = "is a symbolic link, not a directory"
-    elif not stat.S_ISDIR(st.st_mode):
-        fault = "is not a directory"
-    elif st.st_uid != uid:
+    fault = kind(st.st_mode)
+    if fault is None and st.st_uid != uid:
         fault = f"is owned by uid {st.st_uid}, not by you (uid {uid})"
-    elif st.st_mode & 0o077:
-        fault = f"has mode {stat.S_IMODE(st.st_mode):04o}: other users may use it (chmod 700 it if it is yours)"
-    else:
-        return
-    raise UnsafeEndpoint(f"refusing the kvd run directory {path}: it {fault}")
+    if fault is None and private is not None and st.st_mode & 0o077:
+        fault = f"has mode {stat.S_IMODE(st.st_mode):04o}: {private}"
+    if fault is not None:
+        raise UnsafeEndpoint(f"refusing {what} {path}: it {fault}")
+
+
+def _directory(mode: int) -> str | None:
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link, not a directory"
+    return None if stat.S_ISDIR(mode) else "is not a directory"
+
+
+def check_run_dir(path: Path) -> None:
+    """Raise UnsafeEndpoint unless `path` is missing or a private directory of
+    ours (rule 5): whoever creates a missing one creates it 0700."""
+    _check_ours(path, "the kvd run directory", _directory, "other users may use it (chmod 700 it if it is yours)")
 
 
 def check_socket(path: Path) -> None:
     """Raise UnsafeEndpoint unless `path` is missing or a socket owned by us (rule 5)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise UnsafeEndpoint(f"refusing the kvd socket {path}: cannot inspect it ({exc.strerror})") from None
-    uid = os.getuid()
-    if not stat.S_ISSOCK(st.st_mode):
-        fault = "is not a socket"
-    elif st.st_uid != uid:
-        fault = f"is owned by uid {st.st_uid}, not by you (uid {uid})"
-    else:
-        return
-    raise UnsafeEndpoint(f"refusing the kvd socket {path}: it {fault}")
-
-
-def check_safe(endpoint: str, environ: dict[str, str] | None = None) -> None:
-    """Rule 5 for one endpoint: its run dir if it is a default one, then its socket.
-    Raises UnsafeEndpoint; nothing to check for tcp or abstract sockets."""
-    path = ipc_path(endpoint)
-    if path is None:
-        return
-    if is_default_run_dir(path.parent, environ):
-        check_run_dir(path.parent)
-    check_socket(path)
+    _check_ours(path, "the kvd socket", lambda mode: None if stat.S_ISSOCK(mode) else "is not a socket", None)
 
 
 def runtime_endpoint(runtime_dir: str | os.PathLike) -> str:
@@ -419,19 +409,8 @@ def default_keys_dir(environ: dict[str, str] | None = None) -> Path:
 
 def check_key_file(path: Path) -> None:
     """Raise UnsafeEndpoint unless `path` is a regular file of ours, mode 0600 or stricter."""
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        raise UnsafeEndpoint(f"cannot read the key file {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        fault = "is not a regular file"
-    elif st.st_uid != os.getuid():
-        fault = f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
-    elif st.st_mode & 0o077:
-        fault = f"has mode {stat.S_IMODE(st.st_mode):04o}: other users may read it (chmod 600 it)"
-    else:
-        return
-    raise UnsafeEndpoint(f"refusing the key file {path}: it {fault}")
+    _check_ours(path, "the key file", lambda mode: None if stat.S_ISREG(mode) else "is not a regular file",
+                "other users may read it (chmod 600 it)", missing_ok=False)
 
 
 def read_cert(path: Path) -> tuple[bytes, bytes | None]:

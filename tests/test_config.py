@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvd import config as C
+from kvd.cli import exits
 
 # Three distinct valid values per kind: (file, env, flag) as given, then parsed.
 SAMPLES = {
@@ -243,7 +244,7 @@ def test_kvd_config_command(env, tmp_path):
     }
 
     result = runner.invoke(main, ["config"], env={"KVD_RAM_MB": "x"})
-    assert result.exit_code == C.EXIT_CONFIG
+    assert result.exit_code == exits.CONFIG
     assert "ram_mb (from env:KVD_RAM_MB)" in result.output
 
 

@@ -188,7 +188,7 @@ def test_daemon_dying_mid_run_costs_misses_only(daemon_factory, llama):
     assert a.kvd_stats()["down"] and a.counters["kvd_outages"] == 1
     # Back again (its RAM tier is empty): after the back-off kvd is used again.
     d.start()
-    a._down_until = 0.0  # skip the back-off wait
+    a._breaker.down_until = 0.0  # skip the back-off wait
     a.insert_cache(KEY, other, _filled(llama, other))
     assert a.flush(10) and not a.kvd_stats()["down"]
     with d.client(a.kvd_stats()["clients"].popitem()[0]) as c:

@@ -52,17 +52,15 @@ class FakeClock:
 
 def test_disabled_without_notify_socket():
     n = Notifier.from_env({})
-    assert not n.enabled and n.watchdog_interval is None
     n.ready("x"), n.status("y"), n.tick(), n.stopping()  # all no-ops
     assert n.notify(ready=1) is False
     # A watchdog without a socket to ping is no watchdog.
-    assert Notifier.from_env({"WATCHDOG_USEC": "1000000"}).watchdog_interval is None
+    assert Notifier.from_env({"WATCHDOG_USEC": "1000000"}).notify(watchdog=1) is False
 
 
 def test_ready_status_stopping_datagrams(listener):
     sock, path = listener
     n = Notifier.from_env({"NOTIFY_SOCKET": path})
-    assert n.enabled and n.watchdog_interval is None
     n.ready()
     assert sock.recv(4096) == b"READY=1"
     n.ready("serving ipc:///x")
@@ -93,7 +91,6 @@ def test_watchdog_pings_every_third_of_the_period(listener):
     sock, path = listener
     clock = FakeClock()
     n = Notifier(path, 3_000_000, clock=clock)  # WatchdogSec=3
-    assert n.watchdog_interval == 3.0
     n.tick()
     assert recv_all(sock) == ["WATCHDOG=1"]  # the first tick pings at once
     sent = 0
@@ -108,14 +105,19 @@ def test_watchdog_pings_every_third_of_the_period(listener):
 
 
 def test_watchdog_env_and_pid(listener):
-    _, path = listener
+    sock, path = listener
     env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "30000000"}
-    assert Notifier.from_env(env).watchdog_interval == 30.0
-    assert Notifier.from_env({**env, "WATCHDOG_PID": str(os.getpid())}).watchdog_interval == 30.0
+
+    def pings(environ) -> list[str]:
+        Notifier.from_env(environ).tick()  # a first tick pings at once, if there is a watchdog
+        return recv_all(sock)
+
+    assert pings(env) == ["WATCHDOG=1"]
+    assert pings({**env, "WATCHDOG_PID": str(os.getpid())}) == ["WATCHDOG=1"]
     # The watchdog belongs to another process (e.g. a wrapper that exec'd us was not us).
-    assert Notifier.from_env({**env, "WATCHDOG_PID": str(os.getpid() + 1)}).watchdog_interval is None
-    assert Notifier.from_env({**env, "WATCHDOG_USEC": "soon"}).watchdog_interval is None
-    assert Notifier.from_env({**env, "WATCHDOG_USEC": "0"}).watchdog_interval is None
+    assert pings({**env, "WATCHDOG_PID": str(os.getpid() + 1)}) == []
+    assert pings({**env, "WATCHDOG_USEC": "soon"}) == []
+    assert pings({**env, "WATCHDOG_USEC": "0"}) == []
 
 
 def test_socket_errors_are_logged_once_and_never_raised(tmp_path, caplog):
@@ -132,7 +134,7 @@ def test_socket_errors_are_logged_once_and_never_raised(tmp_path, caplog):
 def test_unsupported_address_disables(caplog):
     with caplog.at_level(logging.WARNING, logger="kvd.service.notify"):
         n = Notifier.from_env({"NOTIFY_SOCKET": "vsock:2:1234"})
-    assert not n.enabled
+    assert n.notify(ready=1) is False
     assert "not a unix socket address" in caplog.text
 
 

@@ -29,7 +29,7 @@ def _stats(gets: int, hits: int, served: int, puts: int = 0) -> dict:
         },
         "pressure": {"level": "warn", "reason": "test", "ram_budget_bytes": 2 * MiB, "ram_max_bytes": 4 * MiB,
                      "ram_floor_bytes": MiB, "shrinks": 1, "grows": 0},
-        "quotas": {"bu*": {"ram_bytes": 2 * MiB, "ram_quota_bytes": 4 * MiB, "ssd_bytes": 0, "ssd_quota_bytes": None,
+        "quotas": {"bu*": {"namespaces": 1, "ram_bytes": 2 * MiB, "ram_quota_bytes": 4 * MiB, "ssd_bytes": 0, "ssd_quota_bytes": None,
                            "ram_evictions": 2, "ssd_evictions": 0}},
         "evictions": {"counts": {"ram evicted quota": 2},
                       "recent": [{"namespace": "busy", "tier": "ram", "what": "evicted", "why": "quota", "when": 0.0}] * 2},

@@ -12,7 +12,8 @@ float32 bytes of every step's logits, as the sampler saw them), `cached`
 (prompt tokens the scheduler reused), `hit` (its cache_hit_type), `ttft`
 (seconds from add_request to the first token); plus `kvd` (the cache's kvd
 counters, or null), `installed`, and `entries` (key length and layer
-classes of every entry in vllm-mlx's RAM prefix cache). Uploads are flushed before it exits.
+classes of every entry in vllm-mlx's RAM prefix cache). Uploads are finished (`close_all`,
+as the launcher does at exit) before it exits.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ def run(spec: dict) -> dict:
                         "hit": req.cache_hit_type, "ttft": ttft})
     kvd = None
     cache = sched.memory_aware_cache
-    if hasattr(cache, "kvd_flush"):
-        cache.kvd_flush(30.0)
-        kvd = cache.kvd_stats()
+    if installed:
+        # What the launcher does at exit: finish the uploads, close the clients.
+        clients = list((cache._kvd.clients or {}).values())
+        kv_vllm.close_all()
+        kvd = {"cache": dict(cache.kvd_counters), "clients": {c.namespace: dict(c.counters) for c in clients}}
     if getattr(sched, "_ssd_tier", None) is not None:
         sched.close_ssd_tier()  # drains vllm-mlx's spill queue (its own SSD tier)
     entries = [[len(key), [type(layer).__name__ for layer in e.cache]] for key, e in cache._entries.items()]

@@ -44,7 +44,6 @@ from kvd.protocol.errors import KvdError
 
 FORMAT = 1
 
-SLICED_KINDS = frozenset({"kv", "qkv"})
 BOUNDARY_KINDS = frozenset({"rot", "chunked", "arrays"})
 TOKEN_AXIS = 2  # (B, H, T, D) for every sliced tensor
 

@@ -268,14 +268,6 @@ class KvdPromptCache:
         """Every kvd client made so far (of every model_key)."""
         return [client for target in list(self._targets.values()) for client in (target.clients.values() if target else ())]
 
-    @property
-    def _down_until(self) -> float:
-        return self._breaker.down_until
-
-    @_down_until.setter
-    def _down_until(self, when: float) -> None:  # tests zero it to skip the back-off wait
-        self._breaker.down_until = when
-
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
 

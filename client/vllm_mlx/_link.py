@@ -66,9 +66,6 @@ class Link:
         """After a round of calls: trip the breaker if any of them failed."""
         self.breaker.check()
 
-    def flush(self, timeout: float | None = None) -> bool:
-        return all(c.flush_stores(timeout) for c in (self.clients or {}).values())
-
     def close(self) -> None:
         clients, self.clients = self.clients, None
         for c in (clients or {}).values():

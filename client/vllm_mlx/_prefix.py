@@ -219,15 +219,6 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
                     self._entries.update(media)
 
         # -- extras ------------------------------------------------------------
-        def kvd_flush(self, timeout: float | None = None) -> bool:
-            """Wait until queued uploads are done (or failed). False on timeout."""
-            return self._kvd.flush(timeout)
-
-        def kvd_stats(self) -> dict[str, Any]:
-            """This cache's kvd counters and its clients' counters."""
-            clients = {c.namespace: dict(c.counters) for c in (self._kvd.clients or {}).values()}
-            return {"cache": dict(self.kvd_counters), "clients": clients}
-
         def kvd_close(self) -> None:
             """Finish queued uploads (bounded by the client timeout) and close the clients."""
             self._kvd.close()

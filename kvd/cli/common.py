@@ -161,6 +161,28 @@ def ago(ts: float) -> str:
     return f"{s:.0f}s ago"
 
 
+def quota_table(quotas: dict) -> list[str]:
+    """The quota table `kvd ls` and `kvd top` both draw from STATS' "quotas":
+    per `[quota]` pattern, the namespaces it holds, RAM and SSD use against
+    the quota ("-" for a tier it does not bound) and what it evicted from
+    each. Its lines after a blank one; none without quotas."""
+    if not quotas:
+        return []
+
+    def against(used: int, quota: int | None) -> str:
+        if quota is None:
+            return "-"
+        return f"{size(used)} / {size(quota)} ({100 * used / quota:.0f}%)" if quota else f"{size(used)} / 0"
+
+    lines = ["", f"{'quota':<30}{'namespaces':>11}  {'ram used / quota':<30}{'ssd used / quota':<30}{'evicted ram/ssd':>16}"]
+    for pattern, q in quotas.items():
+        lines.append(
+            f"{pattern[:28]:<30}{q['namespaces']:>11}  {against(q['ram_bytes'], q['ram_quota_bytes']):<30}"
+            f"{against(q['ssd_bytes'], q['ssd_quota_bytes']):<30}{q['ram_evictions']:>8}/{q['ssd_evictions']:<7}"
+        )
+    return lines
+
+
 def rate(hits: int, misses: int) -> str:
     """Hits as a share of lookups: `87.5%`; "-" with none, "?" if either is not a number."""
     if not (_number(hits) and _number(misses)):

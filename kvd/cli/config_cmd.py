@@ -6,8 +6,8 @@ import json
 
 import click
 
-from kvd.cli import main
-from kvd.config import EXIT_CONFIG, SETTINGS, ConfigError, config_options, resolve
+from kvd.cli import exits, main
+from kvd.config import SETTINGS, ConfigError, config_options, resolve
 
 
 def _toml_value(value: object) -> str:
@@ -34,7 +34,7 @@ def config_cmd(as_json: bool, **flags: object) -> None:
         cfg = resolve(flags)
     except ConfigError as exc:
         click.echo(f"kvd config: {exc}", err=True)
-        raise SystemExit(EXIT_CONFIG)
+        raise SystemExit(exits.CONFIG)
     if as_json:
         out = {
             "config_file": None if cfg.config_path is None else str(cfg.config_path),

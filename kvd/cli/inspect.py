@@ -17,6 +17,7 @@ from kvd.cli.common import (
     data_dir_to_read,
     fail,
     printable,
+    quota_table,
     reply_json,
     settings,
     shown,
@@ -72,10 +73,6 @@ def ls_rows(namespaces: dict, quotas: dict) -> dict:
     return rows
 
 
-def _against(used: int, quota: int | None) -> str:
-    return "-" if quota is None else f"{size(used)} / {size(quota)} ({100 * used / quota:.0f}%)" if quota else f"{size(used)} / 0"
-
-
 def render_ls(rows: dict, quotas: dict) -> str:
     """The `kvd ls` table: namespaces (most recently used first), then use
     against each quota (a `prefix*` quota is shared by its namespaces)."""
@@ -86,14 +83,7 @@ def render_ls(rows: dict, quotas: dict) -> str:
         ssd = size(r["ssd_bytes"]) if "ssd_bytes" in r else "-"
         quota = r.get("quota", {}).get("pattern", "-")
         lines.append(f"{label:<50}{r['entries']:>9}{size(ram):>11}{ssd:>11}{r['tokens']:>10}  {ago(r['last_used']):<10}  {quota}")
-    if quotas:
-        lines += ["", f"{'quota':<30}{'namespaces':>11}  {'ram used / quota':<30}{'ssd used / quota':<30}{'evicted ram/ssd':>16}"]
-        for pattern, q in quotas.items():
-            lines.append(
-                f"{pattern[:28]:<30}{q['namespaces']:>11}  {_against(q['ram_bytes'], q['ram_quota_bytes']):<30}"
-                f"{_against(q['ssd_bytes'], q['ssd_quota_bytes']):<30}{q['ram_evictions']:>8}/{q['ssd_evictions']:<7}"
-            )
-    return "\n".join(lines)
+    return "\n".join(lines + quota_table(quotas))
 
 
 def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:

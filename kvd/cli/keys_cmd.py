@@ -31,6 +31,24 @@ def _keys_dir(flags) -> Path:
     return ensure_keys_dir(Path(cfg.keys_dir) if cfg.keys_dir else default_keys_dir())
 
 
+def _write_pair(secret_path: Path, public_path: Path, taken: str) -> bytes:
+    """Make a CURVE key pair and write it as `secret_path` (both keys) and
+    `public_path` (the public one); return the public key. Exits REFUSED,
+    with `taken` after the path, if either file exists: keys are never
+    overwritten."""
+    import zmq
+
+    from kvd.endpoint import write_cert
+
+    for path in (secret_path, public_path):
+        if os.path.lexists(path):
+            fail(exits.REFUSED, f"{path} exists: {taken}")
+    public, secret = zmq.curve_keypair()
+    write_cert(secret_path, public, secret)
+    write_cert(public_path, public, None)
+    return public
+
+
 @main.group()
 def keys() -> None:
     """CURVE keys for serving and reaching a tcp:// endpoint."""
@@ -40,17 +58,11 @@ def keys() -> None:
 @_keys_options
 def init(**flags) -> None:
     """Make the daemon's key pair (server.key_secret, server.key)."""
-    import zmq
-
-    from kvd.endpoint import SERVER_CERT, write_cert
+    from kvd.endpoint import SERVER_CERT
 
     d = _keys_dir(flags)
     secret_path, public_path = d / f"{SERVER_CERT}.key_secret", d / f"{SERVER_CERT}.key"
-    if os.path.lexists(secret_path):
-        fail(exits.REFUSED, f"{secret_path} exists: the daemon already has a key pair")
-    public, secret = zmq.curve_keypair()
-    write_cert(secret_path, public, secret)
-    write_cert(public_path, public, None)
+    public = _write_pair(secret_path, public_path, "the daemon already has a key pair")
     click.echo(f"server key pair: {secret_path}\nserver public key: {public_path} ({public.decode()})")
 
 
@@ -59,20 +71,13 @@ def init(**flags) -> None:
 @_keys_options
 def add_client(name: str, **flags) -> None:
     """Make a client pair NAME for this user and authorize its public key."""
-    import zmq
-
-    from kvd.endpoint import AUTHORIZED_DIR, CLIENTS_DIR, write_cert
+    from kvd.endpoint import AUTHORIZED_DIR, CLIENTS_DIR
 
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name.startswith("."):
         fail(exits.USAGE, f"client name {name!r}: use letters, digits, '-', '_' and '.'")
     d = _keys_dir(flags)
     pair, allowed = d / CLIENTS_DIR / f"{name}.key_secret", d / AUTHORIZED_DIR / f"{name}.key"
-    for path in (pair, allowed):
-        if os.path.lexists(path):
-            fail(exits.REFUSED, f"{path} exists: client {name!r} already has keys")
-    public, secret = zmq.curve_keypair()
-    write_cert(pair, public, secret)
-    write_cert(allowed, public, None)
+    public = _write_pair(pair, allowed, f"client {name!r} already has keys")
     click.echo(f"client key pair: {pair}\nauthorized: {allowed} ({public.decode()})\nrestart the daemon to admit it")
 
 

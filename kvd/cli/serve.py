@@ -13,7 +13,7 @@ from typing import NoReturn
 import click
 
 from kvd.cli import exits, main
-from kvd.config import BY_NAME, EXIT_CONFIG, ConfigError, config_options, resolve
+from kvd.config import BY_NAME, ConfigError, config_options, resolve
 from kvd.protocol.limits import MiB, Limits
 
 GiB = 1 << 30
@@ -144,12 +144,12 @@ def serve(**flags) -> None:
             raise ConfigError("write_through needs a data_dir (it is \"none\": RAM only)")
     except ConfigError as err:
         click.echo(f"kvd: {err}", err=True)
-        raise SystemExit(EXIT_CONFIG)
+        raise SystemExit(exits.CONFIG)
     try:
         setup_logging(cfg.log_level, cfg.log_file)
     except OSError as err:  # not ours to write (the settings table checked the rest): a setting to change
         click.echo(f"kvd: log_file {cfg.log_file}: cannot open: {err.strerror or err}", err=True)
-        raise SystemExit(EXIT_CONFIG)
+        raise SystemExit(exits.CONFIG)
     log = logging.getLogger("kvd.server")
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
@@ -186,7 +186,7 @@ def serve(**flags) -> None:
         raise SystemExit(exits.REFUSED)
     except ValueError as err:
         log.error("cannot open the store: %s", err)
-        raise SystemExit(EXIT_CONFIG)
+        raise SystemExit(exits.CONFIG)
     except RuntimeError as err:  # its writer thread
         _refused_thread(log, err, "opening the store")
     except (OSError, lmdb.Error) as err:
@@ -208,12 +208,12 @@ def serve(**flags) -> None:
         ))
     except ImportError as err:  # remote_url without the kvd[remote] extra
         log.error("remote_url needs the client library: pip install 'kvd[remote]' (%s)", err)
-        raise SystemExit(EXIT_CONFIG)
+        raise SystemExit(exits.CONFIG)
     except RuntimeError as err:  # its uploader thread
         _refused_thread(log, err, "opening the remote tier", local)
     except (ValueError, OSError) as err:
         log.error("cannot open the remote tier: %s", err)
-        raise SystemExit(EXIT_CONFIG)
+        raise SystemExit(exits.CONFIG)
 
     if cfg.quota:
         cfg.quota.attach(store)
@@ -275,7 +275,7 @@ def serve(**flags) -> None:
             log.error("cannot serve metrics on 127.0.0.1:%d (metrics_port): %s", cfg.metrics_port, err.strerror or err)
             daemon.close()
             store.close()
-            raise SystemExit(EXIT_CONFIG)
+            raise SystemExit(exits.CONFIG)
     daemon.install_signal_handlers()
     log.info(
         "ready endpoint=%s ram_mb=%d data_dir=%s ssd_gb=%g write_through=%s max_message_mb=%d chunk_tokens=%d "

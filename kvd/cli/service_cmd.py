@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import click
 
-from kvd.cli import main
+from kvd.cli import exits, main
 from kvd.cli.common import settings
-from kvd.config import EXIT_CONFIG, ConfigError, config_options, resolve
+from kvd.config import ConfigError, config_options, resolve
 from kvd.service import install as svc
 
 _init_option = click.option(
@@ -88,7 +88,7 @@ def _stop_timeout(serve_args: tuple[str, ...]) -> float:
         return resolve(flags).stop_timeout
     except ConfigError as err:
         click.echo(f"kvd service: {err}", err=True)
-        raise SystemExit(EXIT_CONFIG)
+        raise SystemExit(exits.CONFIG)
 
 
 @service.command("uninstall")

@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from kvd.cli import main
-from kvd.cli.common import admin_client, daemon_options, rate, secs, settings, shown, size
+from kvd.cli.common import admin_client, daemon_options, quota_table, rate, secs, settings, shown, size
 
 
 def _delta(cur: dict, prev: dict | None, key: str) -> float:
@@ -101,14 +101,7 @@ def render(stats: dict, prev: dict | None = None, dt: float = 0.0, *, top_n: int
             f"{name:<6}{_use(t.get('bytes', 0), t.get('budget_bytes')):<32}{t.get('entries', 0):>9}"
             f"{t.get('hits', 0):>10}{t.get('misses', 0):>10}{t.get('evictions', 0):>11}{flag}"
         )
-    quotas = stats.get("quotas") or {}
-    if quotas:
-        lines += ["", f"{'quota':<30}{'ram used / quota':<32}{'ssd used / quota':<32}{'evicted':>8}"]
-        for pattern, q in quotas.items():
-            lines.append(
-                f"{pattern[:28]:<30}{_use(q['ram_bytes'], q['ram_quota_bytes']):<32}"
-                f"{_use(q['ssd_bytes'], q['ssd_quota_bytes']):<32}{q['ram_evictions'] + q['ssd_evictions']:>8}"
-            )
+    lines += quota_table(stats.get("quotas") or {})
 
     namespaces = stats.get("namespaces", {})
     pns = (prev or {}).get("namespaces", {})

@@ -4,7 +4,7 @@ Every error kvd raises on purpose is a KvdError. Those under ProtocolError
 and ServerError cross the wire, each bound to one stable code (proto/
 PROTOCOL.md section 6); the others stay in the process that raised them and
 have no code (`code is None`). Local errors are defined beside the code that
-raises them, in the module named on their line; tests/test_errors.py checks
+raises them, in the module named on their line; tests/test_layering.py checks
 this drawing against the classes themselves.
 
     KvdError

@@ -45,7 +45,6 @@ MEDIA_TAG = b"kvd/1 media chunk\x00"
 DIGEST_BYTES = 32
 MAX_MEDIA_SPANS = 65536
 _U32 = array.array("I")  # C unsigned int: 4 bytes wherever kvd runs (checked where used)
-KEY_BYTES = 32
 DEFAULT_CHUNK_TOKENS = 256
 MAX_TOKEN_ID = 2**32 - 1
 

@@ -59,9 +59,8 @@ class Notifier:
         self._clock = clock
         self._sock: socket.socket | None = None
         self._warned = False
-        self._interval = watchdog_usec / 1e6 if watchdog_usec else None
         # Ping every third of the period; None means no watchdog.
-        self._every = self._interval / 3 if self._interval else None
+        self._every = watchdog_usec / 3e6 if watchdog_usec else None
         self._last_ping = float("-inf")
 
     @classmethod
@@ -85,16 +84,6 @@ class Notifier:
             log.warning("ignoring malformed WATCHDOG_USEC/WATCHDOG_PID")
             usec = None
         return cls(address, usec if address is not None else None)
-
-    @property
-    def enabled(self) -> bool:
-        """True when notifications are sent somewhere."""
-        return self._address is not None
-
-    @property
-    def watchdog_interval(self) -> float | None:
-        """The watchdog period in seconds (WATCHDOG_USEC), or None without one."""
-        return self._interval
 
     def notify(self, **fields: object) -> bool:
         """Send one datagram of KEY=value lines; return True if it was sent.
