@@ -25,6 +25,10 @@ def load(name: str):
     return values, json.loads((VECTORS / f"{name}.json").read_text())
 
 
+AUTH = rv.RemoteKey(bytes(range(32)))  # the vectors' secret (proto/vectors/generate.py)
+OTHER = rv.RemoteKey(bytes(32))
+
+
 def entry_of(twin: dict) -> rv.RemoteEntry:
     e = twin["entry"]
     return rv.RemoteEntry(
@@ -47,10 +51,14 @@ def test_vector_encodes_byte_for_byte_and_decodes_to_its_entry(name):
     assert want.key == keys.chain(e["namespace"], e["chunk_tokens"], keys.token_bytes(e["tokens"]))[-1]
     main = rv.value_key(want.key, want.kind)
     assert [main.decode()] + [rv.part_key(main, i).decode() for i in range(1, len(values))] == twin["keys"]
-    assert rv.encode(want, twin["part_bytes"]) == values
+    assert rv.RemoteKey.from_text(twin["secret"]).fingerprint == AUTH.fingerprint
+    assert rv.encode(want, twin["part_bytes"], AUTH) == values
     head = rv.read_head(values[0])
-    assert head.checksum == twin["checksum"] and head.parts == len(values)
-    got = rv.decode(head, values[1:], key=want.key, kind=want.kind)
+    assert (head.tag.hex(), head.mac.hex(), head.parts) == (twin["key_tag"], twin["mac"], len(values))
+    assert rv.vouched(values[0][: rv.PRESENCE_BYTES], want.key, want.kind, AUTH)
+    if twin["tails_value"] is not None:
+        assert AUTH.tail_value(want.parent, want.key, want.length).decode() == twin["tails_value"]
+    got = rv.decode(head, values[1:], key=want.key, kind=want.kind, auth=AUTH)
     assert [(t.name, t.dtype, t.shape, bytes(t.data)) for t in got.tensors] == [
         (t.name, t.dtype, t.shape, bytes(t.data)) for t in want.tensors
     ]
@@ -64,9 +72,9 @@ def test_every_flipped_bit_missing_part_or_wrong_key_is_refused(name):
     values, twin = load(name)
     want = entry_of(twin)
 
-    def check(vals, key=want.key, kind=want.kind):
+    def check(vals, key=want.key, kind=want.kind, auth=AUTH):
         with pytest.raises(rv.BadRemoteValue):
-            rv.decode(rv.read_head(vals[0]), vals[1:], key=key, kind=kind)
+            rv.decode(rv.read_head(vals[0]), vals[1:], key=key, kind=kind, auth=auth)
 
     for v in range(len(values)):
         for i in range(len(values[v])):
@@ -78,10 +86,68 @@ def test_every_flipped_bit_missing_part_or_wrong_key_is_refused(name):
                 check(bad)
     if len(values) > 1:
         with pytest.raises(rv.BadRemoteValue):
-            rv.decode(rv.read_head(values[0]), [None] * (len(values) - 1), key=want.key, kind=want.kind)
+            rv.decode(rv.read_head(values[0]), [None] * (len(values) - 1), key=want.key, kind=want.kind, auth=AUTH)
         check(values[:-1] + [values[-1] + b"x"])
     check(values, key=b"\0" * 32)
     check(values, kind=1 - want.kind)
+    check(values, auth=OTHER)  # a daemon with another key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_value_written_without_the_secret_is_forged(name):
+    """What a third party with write access to the server can do, knowing the
+    layout: re-sign with another key, copy a genuine value (or just its tag)
+    under another key, swap the header, keep the tag and change the payload."""
+    values, twin = load(name)
+    want = entry_of(twin)
+
+    def forged(vals, key=want.key, kind=want.kind):
+        with pytest.raises(rv.ForgedRemoteValue):
+            rv.decode(rv.read_head(vals[0]), vals[1:], key=key, kind=kind, auth=AUTH)
+        assert not rv.vouched(vals[0][: rv.PRESENCE_BYTES], key, kind, AUTH) or key == want.key
+
+    planted = rv.encode(want, twin["part_bytes"], OTHER)
+    forged(planted)
+    assert not rv.vouched(planted[0], want.key, want.kind, AUTH)
+    # the same entry relabelled as another one, re-encoded by someone without the secret
+    other_key = keys.chain(twin["entry"]["namespace"], twin["entry"]["chunk_tokens"], keys.token_bytes([7, 7, 7]))[-1]
+    relabelled = rv.RemoteEntry(want.namespace, other_key, want.kind, want.parent, want.start, want.length,
+                                want.tensors, want.meta, want.tail)
+    forged(rv.encode(relabelled, twin["part_bytes"], OTHER), key=other_key)
+    forged(values, key=other_key)  # a genuine value copied under another key: its tag is its own key's
+    # genuine tag and header, another payload (the header's lengths kept)
+    first = bytearray(values[0])
+    first[-1] ^= 0xFF
+    forged([bytes(first)] + values[1:])
+    # a genuine prefix (magic, tag) and MAC in front of another header of the same length
+    head = rv.read_head(values[0])
+    swapped = rv.encode(rv.RemoteEntry(want.namespace, want.key, want.kind, want.parent, want.start, want.length,
+                                       want.tensors, b"\x01" * len(want.meta) if want.meta else want.meta,
+                                       want.tail), twin["part_bytes"], OTHER)
+    if want.meta:
+        fixed = len(values[0]) - len(head.header) - len(head.body)
+        forged([values[0][:fixed] + swapped[0][fixed:]] + values[1:])
+
+
+def test_tails_values_vouch_only_for_what_the_secret_signed():
+    parent, tail = b"p" * 32, b"t" * 32
+    value = AUTH.tail_value(parent, tail, 7)
+    assert AUTH.tail_length(parent, tail.hex().encode(), value) == 7
+    assert AUTH.tail_length(b"q" * 32, tail.hex().encode(), value) is None  # under another parent
+    assert AUTH.tail_length(parent, (b"u" * 32).hex().encode(), value) is None  # for another tail
+    assert AUTH.tail_length(parent, tail.hex().encode(), value.replace(b"7:", b"8:", 1)) is None
+    assert OTHER.tail_length(parent, tail.hex().encode(), value) is None
+    for junk in (b"7", b"", b"x:y", b"-7:" + value.split(b":")[1], b"07:" + value.split(b":")[1]):
+        assert AUTH.tail_length(parent, tail.hex().encode(), junk) is None
+    assert AUTH.tail_length(parent, b"zz", value) is None
+
+
+def test_a_key_file_is_64_hex_digits():
+    assert rv.RemoteKey.from_text("00" * 32 + "\n").fingerprint == OTHER.fingerprint
+    for bad in ("", "00" * 31, "00" * 33, "zz" * 32, "00" * 16 + " " + "00" * 16):
+        with pytest.raises(ValueError):
+            rv.RemoteKey.from_text(bad)
+    assert AUTH.fingerprint != OTHER.fingerprint and "000102" not in repr(AUTH)
 
 
 @settings(max_examples=300, deadline=None)
@@ -89,7 +155,8 @@ def test_every_flipped_bit_missing_part_or_wrong_key_is_refused(name):
 def test_garbage_is_refused_with_the_one_error(data, parts):
     try:
         head = rv.read_head(data)
-        rv.decode(head, parts, key=b"k" * 32, kind=0)
+        rv.decode(head, parts, key=b"k" * 32, kind=0, auth=AUTH)
+        raise AssertionError("garbage passed the MAC")
     except rv.BadRemoteValue:
         pass
 
@@ -99,12 +166,12 @@ def test_garbage_is_refused_with_the_one_error(data, parts):
 def test_any_size_splits_into_parts_and_joins_back(size, part_bytes):
     data = bytes(i % 256 for i in range(size))
     e = rv.RemoteEntry("ns", b"k" * 32, 0, b"p" * 32, 0, 4, (Tensor("t", "uint8", (size,), data),))
-    values = rv.encode(e, part_bytes)
+    values = rv.encode(e, part_bytes, AUTH)
     used = max(part_bytes, -(-size // rv.MAX_PARTS))  # raised where the entry would need too many parts
     assert len(values) == max(1, -(-size // used)) <= rv.MAX_PARTS
     head = rv.read_head(values[0])
     assert head.part_lengths() == [len(v) for v in values[1:]]  # what a reader asks each part to be
-    got = rv.decode(head, values[1:], key=b"k" * 32, kind=0)
+    got = rv.decode(head, values[1:], key=b"k" * 32, kind=0, auth=AUTH)
     assert bytes(got.tensors[0].data) == data
 
 
@@ -113,14 +180,13 @@ def _planted(size: int, parts: int, part_bytes: int) -> bytes:
     import struct
 
     import msgpack
-    import xxhash
 
     header = msgpack.packb({
-        "v": 1, "ns": "ns", "key": b"k" * 32, "kind": 0, "parent": b"p" * 32, "start": 0, "length": 4,
+        "v": 2, "ns": "ns", "key": b"k" * 32, "kind": 0, "parent": b"p" * 32, "start": 0, "length": 4,
         "tail": False, "meta": b"", "tensors": [["x", "uint8", [size]]], "size": size, "parts": parts,
         "part_bytes": part_bytes,
     }, use_bin_type=True)
-    return struct.pack("<4sQI", b"KVR1", xxhash.xxh3_64(header).intdigest(), len(header)) + header + b"\0"
+    return struct.pack("<4sI16s32s", b"KVR2", len(header), bytes(16), bytes(32)) + header + b"\0"
 
 
 def test_a_header_promising_too_much_is_refused_before_any_part_is_asked_for():
@@ -135,7 +201,7 @@ def test_a_header_promising_too_much_is_refused_before_any_part_is_asked_for():
     assert rv.read_head(_planted(big, 1, big)).size == big  # no bound given: the field checks alone
     # each part's exact length, so a reply of another length is refused from its "$n" line
     assert rv.read_head(_planted(10, 4, 3)).part_lengths() == [3, 3, 1]
-    assert rv.max_main_bytes(100) == 16 + rv.MAX_HEADER_BYTES + 100
+    assert rv.max_main_bytes(100) == 56 + rv.MAX_HEADER_BYTES + 100
 
 
 # -- remote_url -------------------------------------------------------------------

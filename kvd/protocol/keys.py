@@ -208,4 +208,5 @@ def tail_candidates(parent: bytes, tokens_le: bytes, start: int, most: int, medi
         for n in range(1, most + 1):
             yield n, span_key(parent, tokens_le, start, start + n, media)
         return
-    yield from tail_keys(parent, tokens_le[4 * start : 4 * (start + most)] + bytes(4))  # the pad: n runs to `most`
+    # bytes(): a long prompt's tokens arrive as a memoryview of the frame (no copy)
+    yield from tail_keys(parent, bytes(tokens_le[4 * start : 4 * (start + most)]) + bytes(4))  # the pad: n runs to `most`

@@ -274,11 +274,17 @@ REMOTE_CASES = [
 ]
 
 
+# The shared secret the remote vectors are signed with (PROTOCOL.md section 13): never use it.
+REMOTE_SECRET = bytes(range(32))
+
+
 def remote_vectors() -> None:
     """Values of the remote tier (PROTOCOL.md section 13): remote/NAME.hex holds
     the values in order (main value, then parts), one per line; NAME.json the
-    keys and the entry they carry."""
+    keys, the secret they are signed with and the entry they carry."""
     from kvd.protocol import remote_value as rv
+
+    auth = rv.RemoteKey(REMOTE_SECRET)
 
     out = HERE / "remote"
     out.mkdir(exist_ok=True)
@@ -291,11 +297,12 @@ def remote_vectors() -> None:
             for tname, dt, shape, seed in tensors
         )
         entry = rv.RemoteEntry(ns, key, kind, root, 0, len(toks), ts, meta, tail=len(toks) < chunk_tokens and kind == 0)
-        values = rv.encode(entry, part_bytes)
+        values = rv.encode(entry, part_bytes, auth)
         main = rv.value_key(key, kind)
         (out / f"{name}.hex").write_text("".join(v.hex() + "\n" for v in values))
         twin = {
             "keys": [main.decode()] + [rv.part_key(main, i).decode() for i in range(1, len(values))],
+            "secret": REMOTE_SECRET.hex(),
             "part_bytes": part_bytes,
             "entry": {
                 "namespace": ns, "chunk_tokens": chunk_tokens, "tokens": toks, "key": key.hex(), "kind": kind,
@@ -303,7 +310,9 @@ def remote_vectors() -> None:
                 "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": bytes(t.data).hex()} for t in ts],
             },
             "header": _readable(msgpack.unpackb(rv.read_head(values[0]).header, raw=False)),
-            "checksum": rv.read_head(values[0]).checksum,
+            "key_tag": rv.read_head(values[0]).tag.hex(),
+            "mac": rv.read_head(values[0]).mac.hex(),
+            "tails_value": auth.tail_value(root, key, len(toks)).decode() if entry.tail else None,
         }
         (out / f"{name}.json").write_text(json.dumps(twin, indent=2) + "\n")
 
