@@ -409,6 +409,13 @@ SETTINGS: tuple[Setting, ...] = (
             "ssl_* query parameters go to the client), valkey://, valkeys://, unix://PATH; \"none\" = off. "
             "Never printed with its password.",
             default_doc="none (off)", redact=_redact_url),
+    Setting("remote_key_file", _optional_path, None,
+            "File of the secret the daemons sharing a remote tier sign and check its values with: 64 hex digits, "
+            "mode 0600 (`kvd keys remote` makes one; copy it to every daemon of the tier). Never sent to the server.",
+            default_doc="remote.key in keys_dir"),
+    Setting("remote_ca_file", _optional_path, None,
+            "CA certificates (PEM) a rediss:// remote's certificate must chain to (default: the system's).",
+            default_doc="none (the system's CAs)"),
     Setting("remote_ttl_s", _int(0), 0,
             "Seconds each remote key lives (0 = until the server's maxmemory-policy evicts it)."),
     Setting("remote_timeout_s", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 0.5,

@@ -472,3 +472,43 @@ def client_keys(keys_dir: Path, name: str) -> CurveKeys | None:
     if secret is None:
         raise UnsafeEndpoint(f"the key file {pair} holds no secret key")
     return CurveKeys(public, secret, server_public)
+
+
+REMOTE_KEY_FILE = "remote.key"  # in the keys dir, unless `remote_key_file` names another file
+
+
+def remote_key_path(remote_key_file: str | None, keys_dir: str | None) -> Path:
+    """The remote tier's key file: `remote_key_file`, else remote.key in the keys dir."""
+    if remote_key_file:
+        return Path(remote_key_file)
+    return (Path(keys_dir) if keys_dir else default_keys_dir()) / REMOTE_KEY_FILE
+
+
+def read_remote_key(path: Path):
+    """The shared secret of the remote tier (kvd.protocol.remote_value.RemoteKey)
+    from `path`, checked like every key file (ours, regular, 0600). Raises
+    UnsafeEndpoint for a missing, unsafe or malformed file, naming the command
+    that makes one."""
+    from kvd.protocol.remote_value import RemoteKey
+
+    if not os.path.lexists(path):
+        raise UnsafeEndpoint(f"remote_url needs the remote tier's key file {path}: "
+                             f"make it with `kvd keys remote` (then copy it to every daemon sharing the tier)")
+    check_key_file(path)
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return RemoteKey.from_text(f.read(200))
+    except ValueError as exc:
+        raise UnsafeEndpoint(f"refusing the key file {path}: {exc}") from None
+
+
+def write_remote_key(path: Path) -> str:
+    """Write a fresh remote key (32 random bytes as 64 hex digits) to `path`,
+    created 0600 and never overwriting; returns its fingerprint."""
+    from kvd.protocol.remote_value import SECRET_BYTES, RemoteKey
+
+    secret = os.urandom(SECRET_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+    return RemoteKey(secret).fingerprint
