@@ -112,15 +112,17 @@ _TAILS_LISTED = 512  # tails one HSCAN page may give (`tails` without a query): 
 _TAILS_ASKED = 1024  # candidate tails one HMGET asks about (`tails_for`)
 
 
-def _client(url: str, timeout: float):
-    """A redis-py client with bounded waits and no silent retries."""
+def _client(url: str, timeout: float, ca_file: str | None = None):
+    """A redis-py client with bounded waits and no silent retries (and, for a
+    rediss:// URL, the CA file its server's certificate must chain to)."""
     import redis  # the optional extra kvd[remote]; imported only when the tier is on
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    tls = {"ssl_ca_certs": ca_file} if ca_file and client_url(url).startswith("rediss://") else {}
     return redis.Redis.from_url(
         client_url(url), socket_timeout=timeout, socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
+        retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0, **tls,
     )
 
 
@@ -166,12 +168,15 @@ class RemoteTier:
     """The connection to the server: write-behind thread, reads, counters."""
 
     def __init__(
-        self, url: str, *, ttl_s: int = 0, timeout: float = 0.5, part_bytes: int = 32 * MiB,
+        self, url: str, *, auth: rv.RemoteKey, ca_file: str | None = None, ttl_s: int = 0, timeout: float = 0.5, part_bytes: int = 32 * MiB,
         batch_entries: int = 32, backlog_bytes: int = 1024 * MiB, fetch_bytes: int = 64 * MiB,
         max_entry_bytes: int = DEFAULT_LIMITS.max_message_bytes,
     ):
         self.url = url
         self.shown_url = redact(url)
+        # The shared secret's keys: every value written is signed, every value
+        # read is checked before a byte of it is served (remote_value).
+        self.auth = auth
         self.ttl_s = ttl_s
         self.timeout = timeout
         self.part_bytes = part_bytes
@@ -185,8 +190,8 @@ class RemoteTier:
         # Where fetched values land (their tensors are views into them): the
         # daemon points this at its shared-memory arena when it has one.
         self.alloc: Alloc = np_alloc
-        self._reader = _client(url, timeout)
-        self._writer = _client(url, timeout)
+        self._reader = _client(url, timeout, ca_file)
+        self._writer = _client(url, timeout, ca_file)
         self.cond = threading.Condition()
         self._backlog: OrderedDict[bytes, Entry] = OrderedDict()
         self._inflight: set[bytes] = set()
@@ -204,7 +209,7 @@ class RemoteTier:
         self._healthy_since = float("-inf")  # when the last episode ended
         self._stop = False
         self.counters = {
-            "hits": 0, "misses": 0, "checksum_failures": 0, "bytes_in": 0, "bytes_out": 0, "written": 0,
+            "hits": 0, "misses": 0, "checksum_failures": 0, "auth_failures": 0, "bytes_in": 0, "bytes_out": 0, "written": 0,
             "backlog_dropped": 0, "errors": 0, "read_errors": 0, "exists_queries": 0, "promotions": 0,
             "degraded_episodes": 0,
         }
@@ -371,7 +376,7 @@ class RemoteTier:
         nbytes = 0
         for e in batch:
             main = rv.value_key(e.key, e.kind)
-            values = rv.encode(_remote_entry(e), self.part_bytes)
+            values = rv.encode(_remote_entry(e), self.part_bytes, self.auth)
             # Parts first: a reader that finds the main value finds its parts.
             for i, part in enumerate(values[1:], 1):
                 pipe.set(rv.part_key(main, i), part, ex=ex)
@@ -379,7 +384,7 @@ class RemoteTier:
             nbytes += sum(len(v) for v in values)
             if e.kind == CHUNK and e.tail:
                 tk = rv.tails_key(e.parent)
-                pipe.hset(tk, e.key.hex(), e.length)
+                pipe.hset(tk, e.key.hex(), self.auth.tail_value(e.parent, e.key, e.length))
                 if ex:
                     pipe.expire(tk, ex)
         # Each command's error reply comes back in its place: one key of another
@@ -437,19 +442,31 @@ class RemoteTier:
         return self._reads.submit(self.fetch, list(eids), stop)
 
     def exists(self, eids: Sequence[bytes]) -> list[bool]:
-        """Which of `eids` the server holds, in one round trip; all False when degraded."""
+        """Which of `eids` the server holds under a key tag of the shared secret,
+        in one round trip (the first PRESENCE_BYTES of each value); all False
+        when degraded. A value there without a good tag is counted, not held."""
         if not eids or self.degraded:
             return [False] * len(eids)
         pipe = self._reader.pipeline(transaction=False)
         for eid in eids:
-            pipe.exists(rv.value_key(eid[:32], eid[32]))
+            pipe.getrange(rv.value_key(eid[:32], eid[32]), 0, rv.PRESENCE_BYTES - 1)
         try:
-            found = pipe.execute()
+            found = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             self._failed(exc, "exists")
             return [False] * len(eids)
+        errors = [r for r in found if isinstance(r, Exception)]
+        if any(_about_the_server(exc) for exc in errors):
+            self._failed(next(exc for exc in errors if _about_the_server(exc)), "exists")
+            return [False] * len(eids)
         self.counters["exists_queries"] += 1
-        return [bool(n) for n in found]
+        held = []
+        for eid, prefix in zip(eids, found):
+            ok = isinstance(prefix, bytes) and rv.vouched(prefix, eid[:32], eid[32], self.auth)
+            if not ok and not isinstance(prefix, Exception) and prefix:
+                self._forged(eid, "its key tag is not the shared secret's")
+            held.append(ok)
+        return held
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         """(length, key) of tails the server lists under `parent`: one HSCAN
@@ -461,7 +478,7 @@ class RemoteTier:
         except self._errors as exc:
             self._tails_failed(parent, exc)
             return []
-        return [t for k, v in list(fields.items())[:_TAILS_LISTED] if (t := _tail(k, v)) is not None]
+        return [t for k, v in list(fields.items())[:_TAILS_LISTED] if (t := self._tail(parent, k, v)) is not None]
 
     def tails_among(self, parent: bytes, candidates: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         """Which of `candidates` ((length, key) a tail of the query would have)
@@ -475,10 +492,19 @@ class RemoteTier:
             return []
         out = []
         for (n, key), v in zip(candidates, values):
-            t = None if v is None else _tail(key.hex().encode(), v)
+            t = None if v is None else self._tail(parent, key.hex().encode(), v)
             if t is not None and t[0] == n:
                 out.append(t)
         return out
+
+    def _tail(self, parent: bytes, field: bytes, value: bytes) -> tuple[int, bytes] | None:
+        """(length, key) of one field of a tails hash, or None (counted) if the
+        shared secret's tag does not vouch for it."""
+        n = self.auth.tail_length(parent, field, value)
+        if n is None:
+            self._forged(None, f"tail {field[:64]!r} under {rv.tails_key(parent).decode()} has no good tag")
+            return None
+        return n, bytes.fromhex(field.decode())
 
     def _tails_failed(self, parent: bytes, exc: BaseException) -> None:
         if _about_the_server(exc):
@@ -509,7 +535,10 @@ class RemoteTier:
             try:
                 if refused is not None:
                     raise rv.BadRemoteValue(f"part refused: {refused.reason}")
-                r = rv.decode(h, parts.get(eid, []), key=eid[:32], kind=eid[32])
+                r = rv.decode(h, parts.get(eid, []), key=eid[:32], kind=eid[32], auth=self.auth)
+            except rv.ForgedRemoteValue as exc:
+                self._forged(eid, exc)
+                continue
             except rv.BadRemoteValue as exc:
                 self._bad(eid, exc)
                 continue
@@ -560,8 +589,24 @@ class RemoteTier:
         return parts
 
     def _bad(self, eid: bytes, why: object) -> None:
-        self._add("checksum_failures")
-        log.warning("remote value %s refused: %s", rv.value_key(eid[:32], eid[32]).decode(), why)
+        self._warn("checksum_failures", "remote value %s refused: %s", rv.value_key(eid[:32], eid[32]).decode(), why)
+
+    def _forged(self, eid: bytes | None, why: object) -> None:
+        """A value or tail the shared secret does not vouch for: never served,
+        never deleted (a daemon given the wrong key must not wipe the tier)."""
+        name = rv.value_key(eid[:32], eid[32]).decode() if eid is not None else "tails"
+        self._warn("auth_failures", "remote %s not written with this daemon's remote key %s (%s): ignored; "
+                   "if every value fails, the daemons sharing the tier have different key files",
+                   name, self.auth.fingerprint, why)
+
+    def _warn(self, counter: str, fmt: str, *args: object) -> None:
+        """Count a refusal; log the 1st, 2nd, 4th, 8th, ... of its kind (a
+        hostile writer planting values costs a few lines, never a flood)."""
+        with self.cond:
+            self.counters[counter] += 1
+            n = self.counters[counter]
+        if n & (n - 1) == 0:
+            log.warning(fmt + " [%s: %d so far]", *args, counter, n)
 
     def _add(self, name: str, n: int = 1) -> None:
         """Count under the condition: two reader threads and the loop thread read at once."""
@@ -575,16 +620,8 @@ class RemoteTier:
             **self.counters, "backlog": backlog, "backlog_bytes": nbytes, "backlog_max_bytes": self.backlog_bytes,
             "degraded": self.degraded, "degraded_since": self.degraded_since, "degraded_reason": self.degraded_reason,
             "writes_refused": self.writes_refused, "url": self.shown_url, "ttl_s": self.ttl_s,
+            "key": self.auth.fingerprint,
         }
-
-
-def _tail(field: bytes, value: bytes) -> tuple[int, bytes] | None:
-    """(length, key) of one field of a tails hash, or None if it is not one."""
-    try:
-        key, n = bytes.fromhex(field.decode()), int(value)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return (n, key) if len(key) == 32 and n > 0 else None
 
 
 def _remote_entry(e: Entry) -> rv.RemoteEntry:
