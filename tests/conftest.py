@@ -30,6 +30,19 @@ for _var in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME"):
 os.environ.pop("KVD_CONFIG", None)
 
 
+def _session_remote_key() -> None:
+    """remote.key in the sandbox's default keys dir: every daemon a test starts
+    with a remote_url signs and checks with it, as daemons sharing a tier do
+    (a test wanting another key passes --remote-key-file)."""
+    from kvd.endpoint import default_keys_dir, ensure_keys_dir, remote_key_path, write_remote_key
+
+    ensure_keys_dir(default_keys_dir())
+    write_remote_key(remote_key_path(None, None))
+
+
+_session_remote_key()
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(_SANDBOX, ignore_errors=True)
 

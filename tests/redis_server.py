@@ -20,6 +20,13 @@ import pytest
 
 from support import free_port
 
+def session_key():
+    """The remote key every test daemon reads (conftest writes it in the sandbox's keys dir)."""
+    from kvd.endpoint import read_remote_key, remote_key_path
+
+    return read_remote_key(remote_key_path(None, None))
+
+
 SKIP_REASON = "no redis-server or valkey-server on PATH (.ci/run installs Debian's redis-server)"
 
 
@@ -124,7 +131,7 @@ def write_entries(url: str, entries) -> None:
     """Store `entries` on the server at `url` as a daemon's write-behind does, and wait for it."""
     from kvd.store.remote import RemoteTier
 
-    writer = RemoteTier(url, timeout=5.0)
+    writer = RemoteTier(url, auth=session_key(), timeout=5.0)
     try:
         for e in entries:
             writer.offer(e)

@@ -36,7 +36,7 @@ from kvd.protocol.codec import Tensor
 from kvd.store import RamStore
 from kvd.store.base import CHUNK, Entry, entry_id
 from kvd.store.remote import RemoteTier, WithRemote
-from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary  # noqa: F401 (a fixture)
+from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary, session_key  # noqa: F401 (a fixture)
 from redis_server import write_entries as write
 from support import assert_prefix_hit, prefix_snapshot, wait_until
 
@@ -99,7 +99,7 @@ def test_a_header_promising_a_million_parts_is_refused_without_asking_for_one(se
     write(server.url, good)
     bad = b"\x11" * 32
     r.set(rv.value_key(bad, CHUNK), planted(bad, size=1 << 20, parts=1 << 20, part_bytes=1))
-    tier = RemoteTier(server.url, timeout=5.0)
+    tier = RemoteTier(server.url, auth=session_key(), timeout=5.0)
     try:
         r.config_resetstat()
         t = time.monotonic()
@@ -125,7 +125,7 @@ def test_parts_longer_than_their_header_says_are_never_sent_nor_allocated(server
     r.set(main, planted(key, size=3, parts=3, part_bytes=1))
     good = chain(1, 4096, seed=2)
     write(server.url, good)
-    tier = RemoteTier(server.url, timeout=5.0)
+    tier = RemoteTier(server.url, auth=session_key(), timeout=5.0)
     asked: list[int] = []
 
     def alloc(n):
@@ -145,7 +145,7 @@ def test_parts_longer_than_their_header_says_are_never_sent_nor_allocated(server
 def test_a_payload_over_the_largest_entry_is_refused_from_its_header(server, r):
     big = chain(1, 2 * MiB, seed=3)
     write(server.url, big)
-    tier = RemoteTier(server.url, timeout=5.0, max_entry_bytes=MiB)
+    tier = RemoteTier(server.url, auth=session_key(), timeout=5.0, max_entry_bytes=MiB)
     try:
         assert tier.fetch([big[0].id]) == {}
         assert tier.counters["checksum_failures"] == 1 and calls(r, "getrange") == 0 and not tier.degraded
@@ -164,7 +164,7 @@ def test_a_key_of_another_type_is_that_keys_miss_never_a_degraded_tier(server, r
     r.hset(rv.value_key(entries[1].key, CHUNK), "x", "y")  # a hash where a value should be
     r.delete(rv.tails_key(entries[-1].key))
     r.set(rv.tails_key(entries[-1].key), b"not a hash")  # a string where the tails hash should be
-    tier = RemoteTier(server.url, timeout=5.0)
+    tier = RemoteTier(server.url, auth=session_key(), timeout=5.0)
     try:
         got = tier.fetch([e.id for e in entries])
         assert set(got) == {entries[0].id, entries[2].id}
@@ -222,7 +222,7 @@ def test_a_full_server_keeps_reads_on_and_backs_off_its_writes(caplog):
     try:
         readable = chain(1, 4096, seed=7)
         write(server.url, readable)
-        tier = RemoteTier(server.url, timeout=2.0, batch_entries=4)
+        tier = RemoteTier(server.url, auth=session_key(), timeout=2.0, batch_entries=4)
         try:
             for e in chain(24, 256 * 1024, seed=8):  # 6 MiB for a 2 MiB server
                 tier.offer(e)
@@ -301,7 +301,7 @@ def test_a_trickling_link_costs_a_read_at_most_the_timeout_in_all(server, r):
     entries = chain(4, 4 * MiB, seed=9)
     write(server.url, entries)
     relay = Relay(server.port, rate=1 * MiB)  # 4 MiB values: 4 s each
-    store = WithRemote(RamStore(64 * MiB), RemoteTier(relay.url, timeout=0.4))
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(relay.url, auth=session_key(), timeout=0.4))
     try:
         ids = [e.id for e in entries]
         assert store.held(ids) == [True] * 4
@@ -332,7 +332,7 @@ def test_a_get_streams_its_own_chain_only(server, r):
     p, q = chain(4, 8192, seed=10, ns="p"), chain(4, 8192, seed=11, ns="q")
     tails = [tail_of(p[-1], 8192, seed=100 + i) for i in range(10)]
     write(server.url, [*p, *q, *tails])
-    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, timeout=5.0))
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, auth=session_key(), timeout=5.0))
     try:
         def walk(c):  # what kvd.server.prefix asks: a block's chunks, then their boundaries
             return store.held([e.id for e in c] + [e.key + b"\x01" for e in c])[: len(c)]
@@ -353,7 +353,7 @@ def test_a_get_streams_its_own_chain_only(server, r):
 def test_read_ahead_is_sized_by_the_streams_own_entries(server, r):
     small, big = chain(2, 4096, seed=12, ns="small"), chain(8, MiB, seed=13, ns="big")
     write(server.url, [*small, *big])
-    store = WithRemote(RamStore(256 * MiB), RemoteTier(server.url, timeout=5.0, fetch_bytes=4 * MiB))
+    store = WithRemote(RamStore(256 * MiB), RemoteTier(server.url, auth=session_key(), timeout=5.0, fetch_bytes=4 * MiB))
     batches: list[int] = []
     read_ahead = store.remote.read_ahead
     store.remote.read_ahead = lambda ids, *stop: (batches.append(len(ids)), read_ahead(ids, *stop))[1]
@@ -377,10 +377,12 @@ def test_a_popular_prefix_with_many_tails_still_serves_what_lookup_promised(serv
     mine = tail_of(system[-1], 2048, seed=15, length=3)
     write(server.url, [*system, mine])
     pipe = r.pipeline(transaction=False)
+    auth = session_key()
     for i in range(70_000):  # earlier conversations' tails, their entries long evicted
-        pipe.hset(rv.tails_key(system[-1].key), (i + 1).to_bytes(32, "big").hex(), 1 + i % 255)
+        tail = (i + 1).to_bytes(32, "big")
+        pipe.hset(rv.tails_key(system[-1].key), tail.hex(), auth.tail_value(system[-1].key, tail, 1 + i % 255))
     pipe.execute()
-    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, timeout=5.0))
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, auth=session_key(), timeout=5.0))
     try:
         ids = [e.id for e in system]
         assert store.held(ids) == [True, True]
@@ -416,10 +418,12 @@ def test_the_matcher_finds_its_own_tail_among_seventy_thousand(server, r):
               Entry("t", tail, CHUNK, k2, 32, 3, data, tail=True)]
     write(server.url, stored)
     pipe = r.pipeline(transaction=False)
+    auth = session_key()
     for i in range(70_000):
-        pipe.hset(rv.tails_key(k2), (i + 1).to_bytes(32, "big").hex(), 1 + i % 15)
+        other = (i + 1).to_bytes(32, "big")
+        pipe.hset(rv.tails_key(k2), other.hex(), auth.tail_value(k2, other, 1 + i % 15))
     pipe.execute()
-    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, timeout=5.0))
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(server.url, auth=session_key(), timeout=5.0))
     try:
         links = match(store, "t", ct, tokens_le)
         assert [(link.start, link.end, link.key) for link in links] == [(0, 16, k1), (16, 32, k2), (32, 35, tail)]
@@ -435,7 +439,7 @@ def test_closing_with_the_server_hung_takes_the_budget_not_the_socket_timeout():
     import signal
 
     server = RedisServer().start()
-    tier = RemoteTier(server.url, timeout=4.0)
+    tier = RemoteTier(server.url, auth=session_key(), timeout=4.0)
     server.proc.send_signal(signal.SIGSTOP)
     try:
         tier.offer(chain(1, 4096, seed=21)[0])  # the writer sends it and waits on the hung server

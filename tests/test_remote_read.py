@@ -21,7 +21,7 @@ from kvd.store import RamStore
 from kvd.store.base import BOUNDARY, CHUNK, Entry
 from kvd.store.remote import RemoteTier, WithRemote
 from kvd.store.remote_get import Refused, get_many
-from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary, write_entries  # noqa: F401 (a fixture)
+from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary, session_key, write_entries  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
 
@@ -120,7 +120,7 @@ def _chain(n: int, nbytes: int, seed: int) -> list[Entry]:
 
 def _tier_with(server, entries, **kw) -> RemoteTier:
     write_entries(server.url, entries)
-    return RemoteTier(server.url, timeout=5.0, **kw)
+    return RemoteTier(server.url, auth=session_key(), timeout=5.0, **kw)
 
 
 def _same(a: Entry, b: Entry) -> bool:

@@ -160,7 +160,7 @@ def test_a_corrupted_value_on_the_remote_is_a_miss_and_a_counter(server, daemon_
         assert hit is not None and hit.n == 256  # the prefix before the bad chunk, never its bytes
         assert_prefix_hit(hit, tokens)
         rb = remote(cb)
-        assert rb["checksum_failures"] == 1 and rb["hits"] == 2  # chunk 0 and the tail, in one batch
+        assert rb["auth_failures"] == 1 and rb["checksum_failures"] == 0 and rb["hits"] == 2  # chunk 0 and the tail; a flipped bit fails the MAC
         assert "refused" in b.log()
 
 

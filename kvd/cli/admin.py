@@ -35,7 +35,7 @@ from kvd.protocol.limits import MiB
 _TIER_EXTRAS = (
     "stored", "too_big", "spills", "drops", "checksum_failures", "quarantined", "bad_rows", "index_errors",
     "queue_entries", "queue_bytes",
-    "url", "written", "bytes_out", "bytes_in", "backlog", "backlog_dropped", "errors",  # the remote tier
+    "url", "key", "auth_failures", "written", "bytes_out", "bytes_in", "backlog", "backlog_dropped", "errors",  # the remote tier
 )
 
 

@@ -2,6 +2,7 @@
 
     kvd keys init              the daemon's key pair (once per keys dir)
     kvd keys add-client NAME   a client pair for NAME, its public key authorized
+    kvd keys remote            the remote tier's shared key (remote.key)
     kvd keys ls                what the keys dir holds
 
 Files are created 0600 in a 0700 keys dir (the `keys_dir` setting); nothing
@@ -22,6 +23,7 @@ from kvd.cli.common import fail, settings
 from kvd.config import config_options
 
 _keys_options = config_options(names=("keys_dir",))
+_remote_options = config_options(names=("keys_dir", "remote_key_file"))
 
 
 def _keys_dir(flags) -> Path:
@@ -79,6 +81,29 @@ def add_client(name: str, **flags) -> None:
     pair, allowed = d / CLIENTS_DIR / f"{name}.key_secret", d / AUTHORIZED_DIR / f"{name}.key"
     public = _write_pair(pair, allowed, f"client {name!r} already has keys")
     click.echo(f"client key pair: {pair}\nauthorized: {allowed} ({public.decode()})\nrestart the daemon to admit it")
+
+
+@keys.command("remote")
+@_remote_options
+def remote(**flags) -> None:
+    """Make the remote tier's shared key (remote_key_file, else remote.key in the
+    keys dir): 32 random bytes every daemon sharing the tier signs and checks its
+    values with. Copy the file (mode 0600) to each of them; never to the server."""
+    from kvd.endpoint import remote_key_path, write_remote_key
+
+    cfg = settings(flags)
+    if cfg.remote_key_file:
+        path = remote_key_path(cfg.remote_key_file, None)
+    else:
+        path = remote_key_path(None, str(_keys_dir(flags)))
+    if os.path.lexists(path):
+        fail(exits.REFUSED, f"{path} exists: the remote tier already has a key (copy that one to every daemon)")
+    try:
+        fingerprint = write_remote_key(path)
+    except OSError as err:
+        fail(exits.REFUSED, f"cannot write {path}: {err.strerror or err}")
+    click.echo(f"remote key: {path} (fingerprint {fingerprint})\n"
+               "copy it, mode 0600, to every daemon that shares the remote tier; `kvd stats` shows each one's fingerprint")
 
 
 @keys.command("ls")

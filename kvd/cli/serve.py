@@ -108,6 +108,26 @@ def _bind_exit(err: BaseException) -> int:
     return exits.FAILED if getattr(err, "errno", None) in (errno.EMFILE, errno.ENFILE, errno.ENOMEM) else exits.REFUSED
 
 
+def _remote_key(cfg, log: logging.Logger):
+    """The remote tier's shared key, or exit 78 with the one line that says
+    which command makes it; and a warning for a server reached in the clear."""
+    from kvd.endpoint import EndpointError, read_remote_key, remote_key_path
+    from kvd.store.remote_url import exposed
+
+    path = remote_key_path(cfg.remote_key_file, cfg.keys_dir)
+    try:
+        auth = read_remote_key(path)
+    except EndpointError as err:
+        log.error("%s", err)
+        raise SystemExit(exits.CONFIG)
+    log.info("remote tier key %s (fingerprint %s)", path, auth.fingerprint)
+    why = exposed(cfg.remote_url)
+    if why:
+        log.warning("remote_url %s: %s; the values are signed, but anyone on the path can read them "
+                    "and fill the server: use rediss:// and a password or ACL user", BY_NAME["remote_url"].shown(cfg.remote_url), why)
+    return auth
+
+
 @main.command()
 @config_options
 def serve(**flags) -> None:
@@ -166,6 +186,7 @@ def serve(**flags) -> None:
         log.warning("max_peers=%d is too close to the fd limit %d: using %d", max_peers, fd_soft, fd_soft - 128)
         max_peers = max(8, fd_soft - 128)
     log.info("fd limit %d (hard %d): max_peers=%d", fd_soft, fd_hard, max_peers)
+    remote_auth = _remote_key(cfg, log) if cfg.remote_url else None
     ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
     if cfg.ram_mb == "auto":
         log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
@@ -202,7 +223,7 @@ def serve(**flags) -> None:
     # The remote tier, if configured, stands behind the local tiers (RAM only too).
     try:
         store = with_remote(local, cfg.remote_url, dict(
-            ttl_s=cfg.remote_ttl_s, timeout=cfg.remote_timeout_s, part_bytes=cfg.remote_part_mb * MiB,
+            auth=remote_auth, ca_file=cfg.remote_ca_file, ttl_s=cfg.remote_ttl_s, timeout=cfg.remote_timeout_s, part_bytes=cfg.remote_part_mb * MiB,
             backlog_bytes=cfg.remote_backlog_mb * MiB, batch_entries=cfg.remote_batch,
             max_entry_bytes=cfg.max_message_mb * MiB,  # a remote header promising more is refused unread
         ))

@@ -33,7 +33,7 @@ _TIER_COUNTERS = {
     "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "touches_skipped", "quarantined", "served_bytes",
     "bad_rows", "index_errors",
     # the remote tier (kvd/store/remote.py)
-    "bytes_in", "bytes_out", "written", "backlog_dropped", "errors", "exists_queries", "degraded_episodes",
+    "bytes_in", "bytes_out", "written", "backlog_dropped", "errors", "exists_queries", "degraded_episodes", "auth_failures",
 }
 _PRESSURE_COUNTERS = ("samples", "level_changes", "shrinks", "grows", "evictions", "evicted_bytes")
 _NS_COUNTERS = (

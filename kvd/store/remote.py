@@ -462,8 +462,11 @@ class RemoteTier:
         self.counters["exists_queries"] += 1
         held = []
         for eid, prefix in zip(eids, found):
-            ok = isinstance(prefix, bytes) and rv.vouched(prefix, eid[:32], eid[32], self.auth)
-            if not ok and not isinstance(prefix, Exception) and prefix:
+            if isinstance(prefix, Exception):  # rule 3: a key of another type under our name
+                self._bad(eid, _reply_text(prefix))
+                prefix = b""
+            ok = rv.vouched(prefix, eid[:32], eid[32], self.auth)
+            if not ok and prefix:
                 self._forged(eid, "its key tag is not the shared secret's")
             held.append(ok)
         return held
@@ -595,7 +598,7 @@ class RemoteTier:
         """A value or tail the shared secret does not vouch for: never served,
         never deleted (a daemon given the wrong key must not wipe the tier)."""
         name = rv.value_key(eid[:32], eid[32]).decode() if eid is not None else "tails"
-        self._warn("auth_failures", "remote %s not written with this daemon's remote key %s (%s): ignored; "
+        self._warn("auth_failures", "remote %s refused: not written with this daemon's remote key %s (%s); "
                    "if every value fails, the daemons sharing the tier have different key files",
                    name, self.auth.fingerprint, why)
 

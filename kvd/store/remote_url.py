@@ -83,3 +83,28 @@ def redact(url: str | None) -> str | None:
             shown.append(f"{name}=***" if name.lower() in _SECRET_PARAMS else p)
         rest = base + q + "&".join(shown)
     return scheme + sep + rest
+
+
+def exposed(url: str) -> str:
+    """Why a server at `url` is reachable by others in the clear ("" if it is
+    not): a non-loopback host without TLS, or without a password. The values
+    are signed either way; this is about who can read them and fill the server."""
+    import ipaddress
+    from urllib.parse import parse_qs
+
+    parts = urlsplit(client_url(url))
+    if parts.scheme == "unix":
+        return ""
+    host = parts.hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return ""
+    faults = []
+    if parts.scheme != "rediss":
+        faults.append("no TLS")
+    if parts.password is None and "password" not in parse_qs(parts.query):
+        faults.append("no AUTH")
+    return f"host {host} is not loopback and has {' and '.join(faults)}" if faults else ""
