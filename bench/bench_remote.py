@@ -8,8 +8,8 @@ GC empties it). Prints, with baselines measured in the same run:
 
   fetch  a 256 MiB bf16 cache (32 layers x 8 KV heads x dim 128, 2,048
          tokens) stored through A, fetched through B with B's local tiers
-         empty (every chunk comes from the server: EXISTS round trip,
-         pipelined GETs, checksum, promotion, the ipc reply), against
+         empty (every chunk comes from the server: key-tag round trip,
+         pipelined GETs, MAC check, promotion, the ipc reply), against
          redis-py's own pipelined GET of the same values from the same
          server, the two alternated rep by rep (the same load for both).
          Target: kvd's rate >= 0.8x the raw GET's.
@@ -81,8 +81,13 @@ def main() -> None:
     server = RedisServer("--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru").start()
     try:
         url = server.url
-        with daemon("--ram-mb", "2048", "--remote-url", url) as a, \
-                daemon("--ram-mb", "2048", "--data-dir", "none", "--remote-url", url) as b:
+        from kvd.endpoint import write_remote_key
+
+        key = server.dir / "remote.key"  # the tier key both daemons sign and check with
+        write_remote_key(key)
+        shared = ("--remote-url", url, "--remote-key-file", str(key))
+        with daemon("--ram-mb", "2048", *shared) as a, \
+                daemon("--ram-mb", "2048", "--data-dir", "none", *shared) as b:
             ep_a, ep_b = a.endpoint, b.endpoint
             ca = Client(ep_a, namespace="bench-remote", timeout=120.0, strict=True)
             cb = Client(ep_b, namespace="bench-remote", timeout=120.0, strict=True)
