@@ -233,7 +233,7 @@ _pressure_source.kind = "source"  # type: ignore[attr-defined]
 def _remote_url(raw: Any) -> str | None:
     """A redis://, rediss://, valkey://, valkeys:// or unix:// URL, or None
     for "" / "none" / "off". Checked without importing the client library."""
-    from kvd.store.remote_url import check  # light: no redis import
+    from kvd.store.remote.url import check  # light: no redis import
 
     if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE_WORDS):
         return None
@@ -244,7 +244,7 @@ _remote_url.kind = "url"  # type: ignore[attr-defined]
 
 
 def _redact_url(value: Any) -> Any:
-    from kvd.store.remote_url import redact
+    from kvd.store.remote.url import redact
 
     return redact(value)
 

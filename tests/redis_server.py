@@ -129,7 +129,7 @@ def module_server():
 
 def write_entries(url: str, entries) -> None:
     """Store `entries` on the server at `url` as a daemon's write-behind does, and wait for it."""
-    from kvd.store.remote import RemoteTier
+    from kvd.store.remote.tier import RemoteTier
 
     writer = RemoteTier(url, auth=session_key(), timeout=5.0)
     try:

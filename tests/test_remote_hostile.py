@@ -35,7 +35,8 @@ from kvd.protocol import remote_value as rv
 from kvd.protocol.codec import Tensor
 from kvd.store import RamStore
 from kvd.store.base import CHUNK, Entry, entry_id
-from kvd.store.remote import RemoteTier, WithRemote
+from kvd.store.remote.layered import WithRemote
+from kvd.store.remote.tier import RemoteTier
 from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary, session_key  # noqa: F401 (a fixture)
 from redis_server import write_entries as write
 from support import assert_prefix_hit, prefix_snapshot, wait_until

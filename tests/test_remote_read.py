@@ -1,6 +1,6 @@
 """The remote tier's read path against a real redis-server, in process.
 
-`get_many` (kvd/store/remote_get.py) reads pipelined GET replies straight
+`get_many` (kvd/store/remote/get.py) reads pipelined GET replies straight
 into caller buffers on a connection borrowed from redis-py's pool: values of
 every size come back bit for bit, a missing key is None, an error reply
 raises like redis-py's pipeline and leaves no half-read connection in the
@@ -19,8 +19,9 @@ from kvd.protocol import remote_value as rv
 from kvd.protocol.codec import Tensor
 from kvd.store import RamStore
 from kvd.store.base import BOUNDARY, CHUNK, Entry
-from kvd.store.remote import RemoteTier, WithRemote
-from kvd.store.remote_get import Refused, get_many
+from kvd.store.remote.layered import WithRemote
+from kvd.store.remote.tier import RemoteTier
+from kvd.store.remote.get import Refused, get_many
 from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary, session_key, write_entries  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
@@ -178,7 +179,7 @@ def test_a_reply_longer_than_any_value_is_refused_before_allocating():
     about the whole server (LOADING, ...) raises."""
     import socket
 
-    from kvd.store import remote_get
+    from kvd.store.remote import get as remote_get
 
     ours, theirs = socket.socketpair()
     with ours, theirs:

@@ -14,7 +14,7 @@ from kvd.config import BY_NAME, ConfigError, resolve
 from kvd.protocol import keys
 from kvd.protocol import remote_value as rv
 from kvd.protocol.codec import Tensor
-from kvd.store import remote_url
+from kvd.store.remote import url as remote_url
 
 VECTORS = Path(__file__).resolve().parent.parent / "proto" / "vectors" / "remote"
 NAMES = sorted(p.stem for p in VECTORS.glob("*.hex"))

@@ -112,7 +112,7 @@ def _remote_key(cfg, log: logging.Logger):
     """The remote tier's shared key, or exit 78 with the one line that says
     which command makes it; and a warning for a server reached in the clear."""
     from kvd.endpoint import EndpointError, read_remote_key, remote_key_path
-    from kvd.store.remote_url import exposed
+    from kvd.store.remote.url import exposed
 
     path = remote_key_path(cfg.remote_key_file, cfg.keys_dir)
     try:

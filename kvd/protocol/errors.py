@@ -42,6 +42,7 @@ this drawing against the classes themselves.
      +-- IndexDamaged               kvd.store.heal: the index file is truncated, zeroed or not LMDB
      +-- BlobCorrupt                kvd.store.blobfile: a blob is not the one the index describes
      +-- BadRemoteValue             kvd.protocol.remote_value: a remote-tier value is not the entry its key names
+     |    +-- ForgedRemoteValue    kvd.protocol.remote_value: its tag or MAC is not the tier key's
      +-- Unencodable                kvd.store.blobfile: an entry cannot be written as safetensors
      +-- ServiceError               kvd.service.install: installing or removing the service failed
           +-- UnsupportedPlatform   kvd.service.install: no init system kvd knows

@@ -363,7 +363,7 @@ def open_store(
     (created 0700 if missing; locked for this process until `close()`).
     `ssd_options` go to `SsdStore` (queue_bytes, lease_s,
     retry_s, durable, ...). With `remote_url`, the local store is wrapped
-    in `WithRemote` (kvd/store/remote.py): a shared Redis/Valkey tier behind
+    in `WithRemote` (kvd/store/remote/): a shared Redis/Valkey tier behind
     it, made with `remote_options` (ttl_s, timeout, part_bytes, ...).
     `flush_within_s`: write-back PUTs are refused while the dirty backlog
     would take longer to write, at the writer's recent pace (None: no bound
@@ -386,11 +386,12 @@ def open_store(
 
 
 def with_remote(local: Store, remote_url: str | None, remote_options: dict[str, Any] | None = None) -> Store:
-    """`local` with the shared Redis/Valkey tier behind it (kvd/store/remote.py),
+    """`local` with the shared Redis/Valkey tier behind it (kvd/store/remote/),
     or `local` itself when `remote_url` is None. Closes `local` if that fails."""
     if remote_url is None:
         return local
-    from kvd.store.remote import RemoteTier, WithRemote  # imports redis: only when the tier is on
+    from kvd.store.remote.layered import WithRemote
+    from kvd.store.remote.tier import RemoteTier  # imports redis: only when the tier is on
 
     try:
         return WithRemote(local, RemoteTier(remote_url, **(remote_options or {})))
