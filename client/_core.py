@@ -580,7 +580,7 @@ class Core:
             for t, desc in pairs:
                 if not link.in_time(sent_at):
                     raise _shm.ShmUnavailable("write lease about to end")
-                dst = np.frombuffer(link.view(desc), dtype=dtypes.container(t.dtype)).reshape(t.shape)
+                dst = np.frombuffer(link.view(desc, writable=True), dtype=dtypes.container(t.dtype)).reshape(t.shape)
                 np.copyto(dst, np.asarray(t.data).view(dst.dtype).reshape(t.shape))
         except _shm.ShmUnavailable as err:
             # Never COMMIT what may be half-written: the lease expires and

@@ -33,6 +33,10 @@ Rules (the daemon is not trusted to be well-behaved, PROTOCOL.md section 11):
    into the pid the offer names, and what opens must be the memfd of that
    segment's name.
 3. A descriptor is only ever a view inside its segment's actual size.
+4. What a client reads it maps read-only (PROT_READ, a second mapping of the
+   segment beside the writable one its SLOTS grants use): an engine that
+   writes into a fetched array by mistake gets an error, not another reader's
+   cache damaged. Only slots granted to this client are ever written.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ class Link:
             raise ShmUnavailable(f"cannot read the nonce in {self.dir}: {err}") from None
         finally:
             os.close(fd)
-        self._maps: dict[int, mmap.mmap] = {}
+        self._maps: dict[tuple[int, bool], mmap.mmap] = {}  # (segment, writable)
         self._mu = threading.Lock()
         self._release: list[int] = []
 
@@ -149,11 +153,11 @@ class Link:
             raise ShmUnavailable(f"{name} in {self.dir} is not a non-empty regular file of ours")
         return fd
 
-    def _segment(self, seg: int) -> mmap.mmap:
-        mm = self._maps.get(seg)
+    def _segment(self, seg: int, writable: bool) -> mmap.mmap:
+        mm = self._maps.get((seg, writable))
         if mm is None:
             with self._mu:
-                mm = self._maps.get(seg)
+                mm = self._maps.get((seg, writable))
                 if mm is None:
                     try:
                         name = segment_name(self.run, seg)
@@ -161,7 +165,7 @@ class Link:
                         self.broken = True
                         raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
                     try:
-                        fd = self._open(name, os.O_RDWR, memfd=True)
+                        fd = self._open(name, os.O_RDWR if writable else os.O_RDONLY, memfd=True)
                     except ShmUnavailable:
                         self.broken = True
                         raise
@@ -169,18 +173,25 @@ class Link:
                         # No MAP_POPULATE: it would allocate a sparse segment's holes,
                         # charged to this process instead of the daemon's cgroup.
                         # Mappings persist, so each page faults in once per client.
-                        mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+                        # A writable segment is mapped read-only too, from the same
+                        # fd: the reads of what this client wrote need no new open.
+                        size = os.fstat(fd).st_size
+                        for w in ((True, False) if writable else (False,)):
+                            if (seg, w) not in self._maps:
+                                prot = mmap.PROT_READ | (mmap.PROT_WRITE if w else 0)
+                                self._maps[seg, w] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
                     except (OSError, ValueError, OverflowError) as err:  # ENOMEM for a huge sparse file
                         self.broken = True
                         raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
                     finally:
                         os.close(fd)
-                    self._maps[seg] = mm
+                    mm = self._maps[seg, writable]
         return mm
 
-    def view(self, desc: Descriptor) -> memoryview:
-        """The bytes a descriptor names; ShmUnavailable if it does not fit its segment."""
-        mm = self._segment(desc.segment)
+    def view(self, desc: Descriptor, *, writable: bool = False) -> memoryview:
+        """The bytes a descriptor names, read-only unless `writable` (a slot
+        SLOTS granted us); ShmUnavailable if it does not fit its segment."""
+        mm = self._segment(desc.segment, writable)
         try:
             if desc.offset + desc.length > len(mm):
                 raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {len(mm)} bytes")
@@ -200,8 +211,8 @@ class Link:
             return  # not a list of segment ids: nothing to learn from it
         keep = set(live)
         with self._mu:
-            for seg in [s for s in self._maps if s not in keep]:
-                mm = self._maps.pop(seg)
+            for key in [k for k in self._maps if k[0] not in keep]:
+                mm = self._maps.pop(key)
                 try:
                     mm.close()
                 except BufferError:

@@ -296,9 +296,9 @@ def test_a_segment_unmapped_by_another_thread_is_a_miss_not_a_crash(tmp_path):
     (folder / segment_name("0123abcd", 0)).write_bytes(bytes(8192))
     link = _shm.Link({"dir": str(folder), "run": "0123abcd", "lease_s": 30})
     assert bytes(link.view(Descriptor(0, 4096, 16))) == bytes(16)
-    mm = link._segment(0)
+    mm = link._segment(0, False)
     mm.close()  # what retain() on another thread does between _segment() and the view
-    link._maps[0] = mm
+    link._maps[0, False] = mm
     with pytest.raises(_shm.ShmUnavailable):
         link.view(Descriptor(0, 4096, 16))
 

@@ -146,7 +146,7 @@ else:
     specs = [codec.Tensor("k", "float32", (1, 256, 64), None)]
     grant = c._transport.request("SLOTS", {{**c._seq(toks), "chunks": [
         {{"index": 0, "tensors": specs}}, {{"index": 1, "tensors": specs}}], "shm": link.field()}}, 5)
-    view = link.view(grant["chunks"][0][0])
+    view = link.view(grant["chunks"][0][0], writable=True)
     view[: len(view) // 2] = b"\x07" * (len(view) // 2)  # half of the first slot, then die
 print("READY", flush=True)
 time.sleep(600)
@@ -402,7 +402,7 @@ def test_memory_given_back_leaves_the_arena(daemon_factory):
         small = np.arange(300)
         assert c.put(small, prefix_snapshot(small))
         assert_prefix_hit(c.get(small), small)  # its reply lists the live segments: the client unmaps the rest
-        assert len(c._shm_link._maps) <= _shm_stats(c)["segments"]
+        assert len({seg for seg, _ in c._shm_link._maps}) <= _shm_stats(c)["segments"]
 
 
 def test_arena_reserves_pages_once_and_again_after_giving_them_back():
@@ -459,7 +459,7 @@ def test_write_through_grants_count_against_dirty_max_mb(daemon_factory):
         with pytest.raises(Busy) as refused:
             slots(1)  # 6 MiB granted + 6 MiB more > 8 MiB
         assert BACKLOG_FULL in str(refused.value)
-        view = link.view(first["chunks"][0][0])
+        view = link.view(first["chunks"][0][0], writable=True)
         view[:] = b"\x05" * len(view)
         done = c._transport.request("COMMIT", {"lease": first["lease"], "shm": link.field()}, 10)
         assert done["stored"] == 1
@@ -505,3 +505,26 @@ def test_entries_in_shared_memory_do_not_raise_the_anonymous_memory_ceiling(daem
 
         ram, used = wait_until(settled, what="the ceiling to be recomputed on a tick")
         assert used > 8 << 20 and ram - used < ram // 4  # the tier lives in the arena
+
+
+def test_a_client_cannot_write_into_what_it_reads(kvd_daemon):
+    """Rule 4 of kvd_client._shm: a GET's descriptors are viewed through a
+    read-only mapping, so an engine writing into a fetched buffer by mistake
+    gets an error and every later reader the stored bytes."""
+    toks = np.arange(512)
+    with kvd_daemon.client("ro", strict=True, transport="shm") as c:
+        assert c.put(toks, prefix_snapshot(toks))
+        link = c._link()
+        reply = c._transport.request("GET", {**c._seq(toks), "shm": link.field()}, 5)
+        views = [link.view(t.data) for ch in reply["chunks"] for t in ch["tensors"]]
+        assert views and all(v.readonly for v in views)
+        with pytest.raises(TypeError):
+            views[0][:4] = b"\xff\xff\xff\xff"
+        arr = np.frombuffer(views[0], dtype=np.uint8)
+        with pytest.raises(ValueError):
+            arr[:4] = 0xFF
+        with pytest.raises(ValueError):
+            arr.flags.writeable = True
+        link.done(reply["shm"]["lease"])
+    with kvd_daemon.client("ro", strict=True, transport="frames") as c:
+        assert_prefix_hit(c.get(toks), toks)
