@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import msgpack
 import numpy as np
+import xxhash
 
 from kvd.protocol import dtypes
 from kvd.protocol.codec import Tensor
@@ -183,18 +184,26 @@ def check_boundary(tensors: list[Tensor]) -> None:
         raise ValueError(f"boundary state names a tensor twice: {sorted(names)}")
 
 
+class Damaged(ValueError):
+    """Bytes read from shared memory that are not those their writer committed
+    (their xxh3 differs from the one the daemon fixed at COMMIT)."""
+
+
 def join(
     chunks: list[dict[str, Any]], n: int, chunk_tokens: int,
-    alloc: Callable[[list[int]], list[np.ndarray]] | None = None,
+    alloc: Callable[[list[int]], list[np.ndarray]] | None = None, verify: bool = True,
 ) -> tuple[dict[str, HostTensor], dict[str, int], dict]:
     """Re-join served chunks (sorted by start, contiguous from 0) into n tokens.
 
     `alloc(sizes)`, if given, supplies one writable uint8 array per tensor
     (e.g. the memory of fresh mlx arrays, so a fetch copies once); else the
-    tensors are views of one fresh numpy block.
+    tensors are views of one fresh numpy block. With `verify`, a tensor read
+    from shared memory whose digest the daemon sent is hashed right after it
+    is copied (its bytes still in cache: no second pass over memory).
 
     Returns (tensors, axes, caller meta). Raises ValueError if the chunks
-    disagree on their layout (`check_served`): never a wrong-shaped array.
+    disagree on their layout (`check_served`): never a wrong-shaped array;
+    Damaged if a verified tensor's bytes are not those committed.
     """
     axes, meta = check_served(chunks, n, chunk_tokens)
     first = {t.name: t for t in chunks[0]["tensors"]}
@@ -233,5 +242,8 @@ def join(
             take = (slice(None),) * axis + (slice(0, stop - start),)
             put = (slice(None),) * axis + (slice(start, stop),)
             out[name][put] = src[take]
+            digest = getattr(t.data, "digest", None)
+            if verify and digest is not None and xxhash.xxh3_64_intdigest(t.data) != digest:
+                raise Damaged(f"tensor {name!r} of the chunk at {start}: its shared-memory bytes changed after COMMIT")
     tensors = {name: HostTensor(first[name].dtype, arr) for name, arr in out.items()}
     return tensors, axes, meta

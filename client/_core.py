@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import xxhash
 
 from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_keys_dir, is_tcp
 from kvd.protocol import dtypes, keys
@@ -173,6 +174,7 @@ class Core:
         keys_dir: str | None = None,
         client_key: str | None = None,
         transport: str = "auto",
+        verify: bool = True,
     ):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
@@ -182,6 +184,9 @@ class Core:
         if transport == "shm" and is_tcp(self.endpoint):
             raise ValueError("transport='shm' needs an ipc:// endpoint on this host; tcp carries frames only")
         self.transport = transport
+        # Check what shared memory serves against the digest its writer
+        # committed, while copying it out (~free: the bytes are in cache).
+        self.verify = verify
         self.namespace = namespace
         self.timeout = float(timeout)
         self.chunk_tokens = int(chunk_tokens)
@@ -577,11 +582,11 @@ class Core:
                     d.length != t.nbytes for ts, ds in zip(want, got) for t, d in zip(ts, ds)):
                 raise _shm.ShmUnavailable("the grant does not match the request")  # never commit it
             pairs = [(t, d) for ts, ds in zip(want, got) for t, d in zip(ts, ds)]
+            digests = []
             for t, desc in pairs:
                 if not link.in_time(sent_at):
                     raise _shm.ShmUnavailable("write lease about to end")
-                dst = np.frombuffer(link.view(desc, writable=True), dtype=dtypes.container(t.dtype)).reshape(t.shape)
-                np.copyto(dst, np.asarray(t.data).view(dst.dtype).reshape(t.shape))
+                digests.append(_copy_hashed(link.view(desc, writable=True), t))
         except _shm.ShmUnavailable as err:
             # Never COMMIT what may be half-written: the lease expires and
             # frees it. The PUT goes over frames instead (a segment removed
@@ -590,7 +595,10 @@ class Core:
             log.debug("shm put abandoned: %s", err)
             self._shm_broke(link)
             return None
-        reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field()}, background=background)
+        # The digests fix what was stored: bytes changed in a slot after this
+        # (a buffer kept and reused) are found before they leave by any road.
+        reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field(), "digests": digests},
+                           background=background)
         if reply is None:
             return False
         self.counters["shm_puts"] += 1
@@ -703,10 +711,19 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         try:
-            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc)
+            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc, verify=self.verify)
             hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
             if boundary is not None and boundary["at"] == n:
                 hit.boundary, hit.boundary_meta = _chunking.boundary_state(boundary, copy=first_sent is not None)
+        except _chunking.Damaged as err:
+            # Another process wrote into a committed slot: a miss; the daemon
+            # finds it too before the bytes leave by another road.
+            self.counters["shm_damaged"] += 1
+            self.counters["get_miss"] += 1
+            log.warning("kvd shared memory: %s (a miss)", err)
+            if self.strict:
+                raise
+            return None
         except (ValueError, OverflowError) as err:
             return self._inconsistent(err)
         except MemoryError:
@@ -785,3 +802,25 @@ class Core:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+_HASH_BLOCK = 1 << 20  # copied then hashed while still in cache
+
+
+def _copy_hashed(slot: memoryview, t: Tensor) -> int:
+    """Copy tensor `t`'s bytes into `slot` (writable, C order), returning their
+    xxh3-64: block by block, each block hashed right after it is written, still
+    in cache, so the hash costs no second pass over memory."""
+    dst = np.frombuffer(slot, dtype=dtypes.container(t.dtype)).reshape(t.shape)
+    src = np.asarray(t.data).view(dst.dtype).reshape(t.shape)  # a chunk's slice: strided, no copy
+    h = xxhash.xxh3_64()
+    _copy_blocks(dst, src, h)
+    return h.intdigest()
+
+
+def _copy_blocks(dst: np.ndarray, src: np.ndarray, h: Any) -> None:
+    if dst.nbytes <= _HASH_BLOCK or dst.ndim <= 1:
+        np.copyto(dst, src)
+        h.update(dst)  # contiguous: a C-order sub-block of the slot
+        return
+    for i in range(dst.shape[0]):
+        _copy_blocks(dst[i], src[i], h)

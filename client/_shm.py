@@ -51,6 +51,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvd.endpoint import check_run_dir
 from kvd.protocol.codec import Tensor
 from kvd.protocol.errors import KvdError
@@ -59,6 +61,15 @@ from kvd.protocol.shm import Descriptor, segment_name
 _NONCE_BYTES = 64  # the daemon writes >= 16; more than this is not a nonce of ours
 _MAX_LEASE_S = 3600.0  # an offer of longer leases is not believed
 _OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Viewed(np.ndarray):
+    """Read-only bytes of a slot, with the xxh3 its writer committed (or None)."""
+
+    digest: int | None = None
+
+    def __array_finalize__(self, obj):
+        self.digest = getattr(obj, "digest", None)
 
 
 class ShmUnavailable(KvdError):
@@ -200,9 +211,15 @@ class Link:
             raise ShmUnavailable(f"segment {desc.segment} of run {self.run}: {err}") from None
 
     def resolve(self, tensors: list[Tensor]) -> list[Tensor]:
-        """Tensors whose data is a Descriptor, viewed in place (no copy)."""
-        return [Tensor(t.name, t.dtype, t.shape, self.view(t.data)) if isinstance(t.data, Descriptor) else t
+        """Tensors whose data is a Descriptor, viewed in place (no copy); a
+        descriptor's digest rides along (`Viewed.digest`) for `join` to check."""
+        return [Tensor(t.name, t.dtype, t.shape, self._viewed(t.data)) if isinstance(t.data, Descriptor) else t
                 for t in tensors]
+
+    def _viewed(self, desc: Descriptor) -> "Viewed":
+        out = np.frombuffer(self.view(desc), dtype=np.uint8).view(Viewed)
+        out.digest = desc.digest
+        return out
 
     def retain(self, live: Any) -> None:
         """Unmap segments the daemon has removed (`live`: its current list), so

@@ -228,6 +228,8 @@ def _tensor(v, ctx) -> Tensor:
     want = math.prod(shape) * dtypes.itemsize(dtype)
     if idx is None and ctx.shm_ok and "shm" in v:
         desc = _descriptor(v["shm"], ctx)
+        if "xxh3" in v:
+            desc = Descriptor(desc.segment, desc.offset, desc.length, _uint(v["xxh3"], ctx))
         if desc.length != want:
             raise E.BadShape(f"tensor {name!r}: {desc.length} bytes in shared memory for {dtype}{shape}, expected {want}")
         return Tensor(name, dtype, tuple(shape), desc)
@@ -331,7 +333,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         **_SEQ, "chunks": _req(_array_of(_record(_SLOTS_CHUNK))), "boundary": _opt(_record(_SLOTS_BOUNDARY)),
         "ns_meta": _opt(_map), "shm": _req(_map),
     },
-    "COMMIT": {"lease": _req(_uint), "shm": _req(_map)},
+    "COMMIT": {"lease": _req(_uint), "shm": _req(_map), "digests": _opt(_uints)},
     "STATS": {"ns": _opt(_ns)},
     "GC": {
         "ram_bytes": _opt(_uint),
@@ -506,6 +508,8 @@ def _wire_tensors(tensors, frames: list[Any]) -> list[dict]:
         wire = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
         if isinstance(t.data, Descriptor):
             wire["shm"] = t.data.to_wire()
+            if t.data.digest is not None:
+                wire["xxh3"] = t.data.digest
         elif t.data is not None:
             frames.append(t.data)
             wire["frame"] = len(frames) - 1

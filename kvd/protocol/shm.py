@@ -69,6 +69,9 @@ class Descriptor:
     segment: int
     offset: int
     length: int
+    # xxh3-64 of the bytes, fixed when they were committed (a GET reply's
+    # tensors carry it as "xxh3"): a reader may check what it copies out.
+    digest: int | None = None
 
     def to_wire(self) -> list[int]:
         return [self.segment, self.offset, self.length]
