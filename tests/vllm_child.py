@@ -14,27 +14,32 @@ float32 bytes of every step's logits, as the sampler saw them), `cached`
 counters, or null), `installed`, and `entries` (key length and layer
 classes of every entry in vllm-mlx's RAM prefix cache). Uploads are finished (`close_all`,
 as the launcher does at exit) before it exits.
+
+With `drop` true, the scheduler and the model are dropped after the prompts
+and collected (`gc.collect()`) before `close_all`; OUT then has `results`,
+`installed`, `alive` (whether the model, the scheduler and its prefix cache
+outlived that, by weak reference) and `caches` (how many `caches()` still lists).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
+import weakref
 
 
-def run(spec: dict) -> dict:
-    import mlx.core as mx
-    import numpy as np
+def _install(spec: dict) -> bool:
+    if not spec.get("endpoint"):
+        return False
+    import kvd_client.vllm_mlx as kv_vllm
+
+    return kv_vllm.install(spec["endpoint"], timeout=spec.get("timeout", 2.0))
+
+
+def _build(spec: dict):
     from mlx_lm import load
-
-    if spec.get("endpoint"):
-        import kvd_client.vllm_mlx as kv_vllm
-
-        installed = kv_vllm.install(spec["endpoint"], timeout=spec.get("timeout", 2.0))
-    else:
-        installed = False
-    from vllm_mlx.request import Request, SamplingParams
     from vllm_mlx.scheduler import Scheduler, SchedulerConfig
 
     model, tokenizer = load(spec["model"])
@@ -43,7 +48,14 @@ def run(spec: dict) -> dict:
 
         mx.eval(model(mx.array([[7, 8, 9]])))
     config = {"cache_memory_mb": 64, **spec.get("config", {})}
-    sched = Scheduler(model, tokenizer, SchedulerConfig(**config))
+    return model, Scheduler(model, tokenizer, SchedulerConfig(**config))
+
+
+def _serve(spec: dict, sched) -> list[dict]:
+    import mlx.core as mx
+    import numpy as np
+    from vllm_mlx.request import Request, SamplingParams
+
     results = []
     for i, prompt in enumerate(spec["prompts"]):
         seen: list = []
@@ -67,9 +79,43 @@ def run(spec: dict) -> dict:
         logits = [np.array(x.astype(mx.float32)).tobytes().hex() for x in seen[: spec["max_tokens"]]]
         results.append({"tokens": out, "logits": logits, "cached": req.cached_tokens,
                         "hit": req.cache_hit_type, "ttft": ttft})
+    return results
+
+
+def _served_and_dropped(spec: dict) -> tuple[list[dict], dict]:
+    """Serve the prompts; weak references to what is dropped when this returns."""
+    model, sched = _build(spec)
+    results = _serve(spec, sched)
+    refs = {"model": weakref.ref(model), "scheduler": weakref.ref(sched),
+            "cache": weakref.ref(sched.memory_aware_cache)}
+    return results, refs
+
+
+def run_and_drop(spec: dict) -> dict:
+    installed = _install(spec)
+    results, refs = _served_and_dropped(spec)
+    gc.collect()
+    alive = {name: ref() is not None for name, ref in refs.items()}
+    caches = None
+    if installed:
+        import kvd_client.vllm_mlx as kv_vllm
+
+        caches = len(kv_vllm.caches())
+        kv_vllm.close_all()  # as the launcher at exit: here, waits for the collected caches' uploads
+    return {"results": results, "installed": installed, "alive": alive, "caches": caches}
+
+
+def run(spec: dict) -> dict:
+    if spec.get("drop"):
+        return run_and_drop(spec)
+    installed = _install(spec)
+    model, sched = _build(spec)
+    results = _serve(spec, sched)
     kvd = None
     cache = sched.memory_aware_cache
     if installed:
+        import kvd_client.vllm_mlx as kv_vllm
+
         # What the launcher does at exit: finish the uploads, close the clients.
         clients = list((cache._kvd.clients or {}).values())
         kv_vllm.close_all()

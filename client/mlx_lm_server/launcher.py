@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import weakref
 from typing import Any, Sequence
 
 from kvd_client._launch import kvd_parser, read_kvd_flags
@@ -46,19 +47,24 @@ def _parser() -> argparse.ArgumentParser:
     )
 
 
-def install(server: Any, *, endpoint: str | None = None, timeout: float = 1.0) -> list[KvdPromptCache]:
+def install(server: Any, *, endpoint: str | None = None, timeout: float = 1.0) -> weakref.WeakSet:
     """Make `server` (the `mlx_lm.server` module) use `KvdPromptCache`.
 
-    Returns the list that will hold the cache objects the server creates
-    (one per `run`), for shutdown and inspection.
+    Returns the set that will hold the cache objects the server creates
+    (one per `run`) for as long as the server keeps them, for shutdown and
+    inspection.
     """
     original_run = server.run
-    made: list[KvdPromptCache] = []
+    made: weakref.WeakSet = weakref.WeakSet()
 
     def run(host, port, model_provider, *args, **kwargs):
+        # Weakly: the module's `LRUPromptCache` name (the factory below) outlives
+        # this run, and must not keep the provider, and so its model, alive.
+        provider = weakref.ref(model_provider)
+
         def resolve(model_key: Any) -> ModelRef | None:
-            p = model_provider
-            if p.model is None or p.model_key != model_key or p.draft_model is not None:
+            p = provider()
+            if p is None or p.model is None or p.model_key != model_key or p.draft_model is not None:
                 return None  # a draft model's cache rides in the same list: keep local
             if getattr(p, "is_distributed", False):
                 # Every rank must reuse exactly the same prefix; a kvd hit on
@@ -74,7 +80,7 @@ def install(server: Any, *, endpoint: str | None = None, timeout: float = 1.0) -
 
         def factory(max_size: int = 10, max_bytes: int = 1 << 63) -> KvdPromptCache:
             cache = KvdPromptCache(max_size, max_bytes, resolve=resolve, endpoint=endpoint, timeout=timeout)
-            made.append(cache)
+            made.add(cache)
             return cache
 
         server.LRUPromptCache = factory
@@ -90,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from mlx_lm import server
 
-    made: list[KvdPromptCache] = []
+    made: weakref.WeakSet = weakref.WeakSet()
     if flags.enabled:
         made = install(server, endpoint=flags.endpoint, timeout=flags.timeout)
     atexit.register(_close, made)
@@ -109,9 +115,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     os._exit(0)
 
 
-def _close(made: list[KvdPromptCache]) -> None:
-    for cache in made:
+def _close(made: weakref.WeakSet) -> None:
+    from kvd_client._retire import join_retired
+
+    for cache in list(made):
         cache.close()
+    join_retired()  # the clients of caches already collected
 
 
 def _interrupt() -> None:

@@ -35,6 +35,11 @@ and takes the longer; from the plain one, never a prefix as long as
 --quantized-kv-start (this server quantizes before it holds one). Keys with a draft model (its cache rides along in the
 same list) or with image placeholders (negative ids) stay local only.
 
+Lifetime: the cache holds no model (`resolve` names it at each new
+model_key; the clients hold only namespaces and numpy snapshots), and when
+it is collected its clients are closed on a thread of their own so queued
+uploads still finish (kvd_client._retire).
+
 kvd trouble never breaks a request. The client itself degrades to misses;
 on top of that a `Breaker` (kvd_client._breaker) stops calling the daemon
 after a failure (1 s, doubling up to 30 s), and then pings it before using
@@ -50,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kvd_client._breaker import Breaker
+from kvd_client._retire import on_collect
 
 log = logging.getLogger("kvd_client.mlx_lm_server")
 
@@ -125,6 +131,7 @@ class KvdPromptCache:
         self.counters: dict[str, int] = {}
         self._targets: dict[Any, _Target | None] = {}
         self._lock = threading.Lock()  # close() may come from another thread
+        on_collect(self, lambda targets=self._targets: _close_targets(list(targets.values())))
         self._breaker = Breaker(
             self.endpoint, self.timeout, namespace="mlx-lm-server", log=log, clients=self._clients,
             fallback="the local prompt cache", on_down=lambda: self._count("kvd_outages"),
@@ -214,13 +221,9 @@ class KvdPromptCache:
     def close(self) -> None:
         """Finish queued uploads (bounded by the client timeout) and close the clients."""
         with self._lock:
-            targets, self._targets = list(self._targets.values()), {}
-        for target in targets:
-            for client in (target.clients.values() if target else ()):
-                try:
-                    client.close()
-                except Exception:  # closing must not raise at exit
-                    pass
+            targets = list(self._targets.values())
+            self._targets.clear()  # the same dict: the finalizer closes what it holds then
+        _close_targets(targets)
 
     # -- plumbing ----------------------------------------------------------------
     def _target(self, model_key: Any, tokens: Sequence[int]) -> _Target | None:
@@ -270,6 +273,15 @@ class KvdPromptCache:
 
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
+
+
+def _close_targets(targets: list[_Target | None]) -> None:
+    for target in targets:
+        for client in (target.clients.values() if target else ()):
+            try:
+                client.close()
+            except Exception:  # closing must not raise at exit
+                pass
 
 
 def _cache_tokens(prompt_cache: Sequence[Any]) -> int | None:

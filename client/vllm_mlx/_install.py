@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import weakref
 from dataclasses import dataclass
 
 log = logging.getLogger("kvd_client.vllm_mlx")
@@ -50,7 +51,9 @@ class Settings:
     timeout: float = 1.0
 
 
-_state: dict = {"installed": None, "original": {}, "caches": []}
+# "caches": every live cache built since `install`, weakly (a cache lives as
+# long as its scheduler does; see _prefix).
+_state: dict = {"installed": None, "original": {}, "caches": weakref.WeakSet()}
 
 
 def missing(required=REQUIRED) -> list[str]:
@@ -138,15 +141,21 @@ def uninstall() -> None:
 
 
 def caches() -> list:
-    """Every kvd-backed prefix cache built since `install`."""
+    """Every kvd-backed prefix cache built since `install` and still alive."""
     return list(_state["caches"])
 
 
 def close_all() -> None:
-    """Finish queued uploads of every cache (bounded by the timeout) and close them."""
-    made, _state["caches"][:] = list(_state["caches"]), []
+    """Finish queued uploads of every live cache (bounded by the timeout) and close
+    its clients; then wait for those of caches already collected (kvd_client._retire)."""
+    from kvd_client._retire import join_retired
+
+    made = list(_state["caches"])
+    _state["caches"].clear()
     for cache in made:
         try:
             cache.kvd_close()
         except Exception:
             pass
+    del made
+    join_retired()

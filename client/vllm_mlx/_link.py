@@ -5,6 +5,10 @@ Theory of operation
 One `Link` per vllm-mlx prefix cache. It makes its `Client`s lazily, on the
 engine thread, the first time a request needs them: `namespace_for` reads
 the model's weights, which must happen on the thread that owns the model.
+The cache hands `get` the function that derives the namespaces at each
+call; the link keeps nothing of the cache or the model, so the cache's
+finalizer can hold the link (to close its clients, kvd_client._retire)
+without keeping either alive.
 A model has one namespace for plain KV and, under
 `--kv-cache-quantization`, a second for quantized entries (vllm-mlx keeps
 entries shorter than `kv_min_quantize_tokens` plain, and one kvd namespace
@@ -27,21 +31,23 @@ log = logging.getLogger("kvd_client.vllm_mlx")
 
 
 class Link:
-    """Clients for one model (made by `spaces()` on first use) and a breaker."""
+    """Clients for one model (made by `get(spaces)` on first use) and a breaker."""
 
-    def __init__(self, endpoint: str | None, timeout: float, spaces: Callable[[], dict[str, str]]):
+    def __init__(self, endpoint: str | None, timeout: float):
         from kvd.endpoint import default_endpoint
 
         self.endpoint = endpoint or default_endpoint()
         self.timeout = float(timeout)
-        self._spaces = spaces
         self.clients: dict[str, Any] | None = None  # kind ("plain"/"quantized") -> Client
         self.broken = False  # namespace could not be derived: local cache only, for good
         self.breaker = Breaker(self.endpoint, self.timeout, namespace="vllm-mlx", log=log,
                                clients=lambda: (self.clients or {}).values(), fallback="vllm-mlx's own cache")
 
-    def get(self) -> dict[str, Any] | None:
-        """The clients, or None while the daemon is out (or the model is unsupported)."""
+    def get(self, spaces: Callable[[], dict[str, str]]) -> dict[str, Any] | None:
+        """The clients, or None while the daemon is out (or the model is unsupported).
+
+        `spaces()` gives the namespaces by kind; it is called (on this thread)
+        only to make the clients, and not kept."""
         if self.broken or not self.breaker.usable():
             return None
         if self.clients is None:
@@ -49,7 +55,7 @@ class Link:
             from kvd_client.mlx_lm import UnsupportedCache
 
             try:
-                spaces = self._spaces()
+                named = spaces()
             except UnsupportedCache as err:
                 log.warning("kvd: the model has a cache kvd cannot hold (%s); vllm-mlx's own cache only", err)
                 self.broken = True
@@ -58,8 +64,8 @@ class Link:
                 log.exception("kvd: cannot derive a namespace for the model; vllm-mlx's own cache only")
                 self.broken = True
                 return None
-            log.info("kvd: prefix cache shared through %s, namespace %s", self.endpoint, ", ".join(spaces.values()))
-            self.clients = {kind: Client(self.endpoint, namespace=ns, timeout=self.timeout) for kind, ns in spaces.items()}
+            log.info("kvd: prefix cache shared through %s, namespace %s", self.endpoint, ", ".join(named.values()))
+            self.clients = {kind: Client(self.endpoint, namespace=ns, timeout=self.timeout) for kind, ns in named.items()}
         return self.clients
 
     def check(self) -> None:

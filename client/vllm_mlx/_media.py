@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -45,7 +46,10 @@ from kvd.protocol.keys import MediaSpan
 log = logging.getLogger("kvd_client.vllm_mlx")
 
 _current = threading.local()
-_vision_ids: dict[int, str] = {}
+# id(model) -> (a weak reference to the model, its vision digest). Weak, so a
+# digest never keeps a model alive; checked against the reference, so a new
+# model that gets a dead one's id never gets the dead one's digest.
+_vision_ids: dict[int, tuple[weakref.ref, str]] = {}
 
 
 @dataclass(frozen=True)
@@ -107,14 +111,22 @@ def placeholder_ids(model: Any) -> set[int]:
 def vision_id(model: Any) -> str:
     """A digest of every weight of `model` outside its language model (once per model)."""
     key = id(model)
-    if key not in _vision_ids:
-        from mlx.utils import tree_flatten
+    known = _vision_ids.get(key)
+    if known is not None and known[0]() is model:
+        return known[1]
+    from mlx.utils import tree_flatten
 
-        from kvd_client.mlx_lm import weights_digest
+    from kvd_client.mlx_lm import weights_digest
 
-        params = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.")]
-        _vision_ids[key] = weights_digest(params)
-    return _vision_ids[key]
+    params = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.")]
+    digest = weights_digest(params)
+
+    def forget(ref: weakref.ref) -> None:
+        if _vision_ids.get(key, (None,))[0] is ref:
+            del _vision_ids[key]
+
+    _vision_ids[key] = (weakref.ref(model, forget), digest)
+    return digest
 
 
 def describe(model: Any, request: Any) -> RequestMedia | None:

@@ -38,6 +38,14 @@ So kvd is both the cold tier (every committed entry is already there when
 vllm-mlx's LRU drops it: nothing to spill) and a prefix cache shared by every
 process that serves the same model; a restarted server starts warm.
 
+Lifetime: the cache lives exactly as long as vllm-mlx keeps it (its
+scheduler or batch generator). It refers to its model weakly (vllm-mlx's own
+base class keeps only the model's id and fingerprint), the registry
+`close_all` reaches is a WeakSet, and when the cache is collected its link's
+clients are closed on a thread of their own, so queued uploads still finish
+(kvd_client._retire). vllm-mlx's idle unload (`--auto-unload-idle-seconds`)
+thus frees the model's weights, and a reload pins nothing more.
+
 Rules kept: kvd never raises into vllm-mlx (a failure is a miss, logged once
 per outage); nothing mlx happens off the calling thread; a kvd hit is at
 least `min_prefix_tokens` long and leaves at least one token to compute;
@@ -47,8 +55,10 @@ stats count a request once (the second `fetch` replaces the first's count).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Sequence
 
+from kvd_client._retire import on_collect
 from kvd_client.vllm_mlx import _entries, _media
 from kvd_client.vllm_mlx._link import Link
 
@@ -72,11 +82,12 @@ def namespaces(model: Any, config: Any) -> dict[str, str]:
     return spaces
 
 
-def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, settings: Any, registry: list) -> type:
+def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, settings: Any,
+               registry: weakref.WeakSet) -> type:
     """A subclass of vllm-mlx's prefix cache class `base` backed by kvd.
 
-    `settings` has `endpoint` and `timeout`; every instance is appended to
-    `registry` (so the launcher can flush uploads at exit).
+    `settings` has `endpoint` and `timeout`; every instance is added to
+    `registry` (so the launcher can flush uploads at exit), weakly.
     """
 
     class KvdPrefixCache(base):
@@ -85,12 +96,14 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
         def __init__(self, model: Any, config: Any = None, *args: Any, **kwargs: Any):
             super().__init__(model, config, *args, **kwargs)
             self.kvd_counters: dict[str, int] = {}
-            self._kvd = Link(settings.endpoint, settings.timeout, lambda: namespaces(model, self._config))
+            self._kvd_model = weakref.ref(model)
+            self._kvd = Link(settings.endpoint, settings.timeout)
             # namespace -> the most tokens an entry fetched from it may have: one
             # that was longer did not fit vllm-mlx's RAM (it refused the entry),
             # and would be fetched and refused again at every request.
             self._kvd_fit: dict[str, int] = {}
-            registry.append(self)
+            registry.add(self)
+            on_collect(self, self._kvd.close)  # the link holds nothing of self or the model
 
         # -- read --------------------------------------------------------------
         def fetch(self, tokens: list[int], *args: Any, **kwargs: Any):
@@ -128,7 +141,7 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
             """Put kvd's longer prefix of `key` (a salted key for media) into RAM; True if it did."""
             if len(key) - 1 <= have or len(key) < self._config.min_prefix_tokens:
                 return False
-            clients = self._kvd.get()
+            clients = self._kvd.get(self._kvd_spaces)
             if clients is None:
                 return False
             tokens, spans = _media.unsalt(key)
@@ -188,7 +201,7 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
             return ok
 
         def _kvd_store(self, entry: Any) -> None:
-            clients = self._kvd.get()
+            clients = self._kvd.get(self._kvd_spaces)
             if clients is None:
                 return
             try:
@@ -219,6 +232,12 @@ def make_class(base: type, *, wrapper_cls: type | None, entry_cls: type, setting
                     self._entries.update(media)
 
         # -- extras ------------------------------------------------------------
+        def _kvd_spaces(self) -> dict[str, str]:
+            model = self._kvd_model()
+            if model is None:
+                raise ReferenceError("the model of this prefix cache is gone")
+            return namespaces(model, self._config)
+
         def kvd_close(self) -> None:
             """Finish queued uploads (bounded by the client timeout) and close the clients."""
             self._kvd.close()
