@@ -34,7 +34,7 @@ from kvd.protocol.errors import (
 )
 from kvd_client._client import Client
 from kvd_client._core import Probe
-from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
+from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable, ShmDamaged
 from kvd_client._explain import Explanation
 from kvd_client._media import MediaSpan, digest as media_digest
 from kvd_client._tensors import Hit, HostTensor, Snapshot
@@ -66,6 +66,7 @@ __all__ = [
     "NotPersisted",
     "DaemonUnavailable",
     "BadReply",
+    "ShmDamaged",
     "EndpointError",
     "UnsafeEndpoint",
     "AuthenticationFailed",

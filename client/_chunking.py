@@ -18,6 +18,7 @@ import xxhash
 from kvd.protocol import dtypes
 from kvd.protocol.codec import Tensor
 from kvd.protocol.shm import Descriptor
+from kvd_client._errors import ShmDamaged
 from kvd_client._tensors import HostTensor, Snapshot
 
 # Version of the client's chunk meta map (not of the wire protocol).
@@ -184,11 +185,6 @@ def check_boundary(tensors: list[Tensor]) -> None:
         raise ValueError(f"boundary state names a tensor twice: {sorted(names)}")
 
 
-class Damaged(ValueError):
-    """Bytes read from shared memory that are not those their writer committed
-    (their xxh3 differs from the one the daemon fixed at COMMIT)."""
-
-
 def join(
     chunks: list[dict[str, Any]], n: int, chunk_tokens: int,
     alloc: Callable[[list[int]], list[np.ndarray]] | None = None, verify: bool = True,
@@ -203,7 +199,7 @@ def join(
 
     Returns (tensors, axes, caller meta). Raises ValueError if the chunks
     disagree on their layout (`check_served`): never a wrong-shaped array;
-    Damaged if a verified tensor's bytes are not those committed.
+    ShmDamaged if a verified tensor's bytes are not those committed.
     """
     axes, meta = check_served(chunks, n, chunk_tokens)
     first = {t.name: t for t in chunks[0]["tensors"]}
@@ -244,6 +240,6 @@ def join(
             out[name][put] = src[take]
             digest = getattr(t.data, "digest", None)
             if verify and digest is not None and xxhash.xxh3_64_intdigest(t.data) != digest:
-                raise Damaged(f"tensor {name!r} of the chunk at {start}: its shared-memory bytes changed after COMMIT")
+                raise ShmDamaged(f"tensor {name!r} of the chunk at {start}: its shared-memory bytes changed after COMMIT")
     tensors = {name: HostTensor(first[name].dtype, arr) for name, arr in out.items()}
     return tensors, axes, meta

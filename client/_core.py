@@ -83,7 +83,7 @@ from kvd.protocol.errors import BACKLOG_FULL, KvdError, MessageTooLarge, TooMany
 from kvd.protocol.limits import Limits
 from kvd_client import _chunking, _explain, _media
 from kvd_client import _shm
-from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
+from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable, ShmDamaged
 from kvd_client._tensors import Hit, Snapshot
 from kvd_client._transport import Transport
 
@@ -715,7 +715,7 @@ class Core:
             hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
             if boundary is not None and boundary["at"] == n:
                 hit.boundary, hit.boundary_meta = _chunking.boundary_state(boundary, copy=first_sent is not None)
-        except _chunking.Damaged as err:
+        except ShmDamaged as err:
             # Another process wrote into a committed slot: a miss; the daemon
             # finds it too before the bytes leave by another road.
             self.counters["shm_damaged"] += 1

@@ -23,6 +23,13 @@ class BadReply(KvdError):
     name = "BAD_REPLY"
 
 
+class ShmDamaged(KvdError):
+    """Bytes read from shared memory are not those their writer committed (a
+    process wrote into the slot afterwards): the read is a miss."""
+
+    name = "SHM_DAMAGED"
+
+
 class AuthenticationFailed(KvdError):
     """The daemon's tcp endpoint refused this client's CURVE handshake (no key, a
     key it does not admit, or the wrong server key)."""

@@ -275,7 +275,7 @@ def test_client_public_surface_is_pinned():
         "Client", "Probe", "Explanation", "Snapshot", "Hit", "HostTensor", "KvdError", "ProtocolError", "MalformedMessage",
         "UnsupportedVersion", "UnknownMessageType", "BadField", "BadDtype", "BadShape", "BadFrameIndex",
         "MessageTooLarge", "TooManyFrames", "TooManyTokens", "ServerError", "Busy", "Internal", "NotPersisted",
-        "DaemonUnavailable", "BadReply", "EndpointError", "UnsafeEndpoint", "AuthenticationFailed", "MediaSpan", "media_digest",
+        "DaemonUnavailable", "BadReply", "ShmDamaged", "EndpointError", "UnsafeEndpoint", "AuthenticationFailed", "MediaSpan", "media_digest",
     ])
     public = {n for n in dir(kvd_client.Client) if not n.startswith("_")}
     assert {"put", "get", "probe", "store", "fetch", "lookup", "stats", "gc", "ping", "close"} <= public

@@ -27,6 +27,7 @@ this drawing against the classes themselves.
      +-- BadReply                   kvd_client: the daemon's reply broke kvd/1
      +-- AuthenticationFailed       kvd_client: the tcp endpoint refused our CURVE handshake
      +-- ShmUnavailable             kvd_client: shared memory unusable now (daemon restarted, lease ran out)
+     +-- ShmDamaged                 kvd_client: bytes read from shared memory changed after their COMMIT
      +-- UnsupportedCache           kvd_client.mlx_lm: a cache object the adapter cannot snapshot
      +-- SnapshotMismatch           kvd_client.mlx_lm: a hit that does not rebuild into a cache
      +-- CacheFileError             kvd_client.mlx_lm_files: not a prompt-cache file it can read
