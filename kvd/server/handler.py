@@ -37,7 +37,8 @@ from kvd.server.chains import Chains
 from kvd.server.evictions import EvictionRecord
 from kvd.server.explain import SequenceRecord, explain
 from kvd.server.prefix import Link, match
-from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, entry_id
+from kvd.server.ratelog import now_and_then
+from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, as_stored, entry_id
 
 # Optional protocol features this daemon implements, advertised in HELLO.
 FEATURES = ("media",)  # media-aware keys (PROTOCOL.md section 4.1)
@@ -111,6 +112,7 @@ class Handler:
         # on an ipc endpoint; None: GET serves frames, SLOTS/COMMIT are refused.
         self.shm: Any = None
         self.shm_proven = False  # the request being served proved same host, same user
+        self.altered = 0  # entries found written into after their COMMIT (`_get`)
 
     def counters(self, ns: str) -> Counter[str]:
         """`ns`'s counters, now the most recently used."""
@@ -230,7 +232,7 @@ class Handler:
                 continue
             if chunks and time.perf_counter() > deadline:
                 break  # slow reads (disk): let other requests in; the client continues
-            entry = self.store.get(entry_id(link.key, CHUNK))
+            entry = self._get(entry_id(link.key, CHUNK))
             cost = 0 if entry is None else _reply_bytes(entry)
             if entry is None or cost > budget:  # lost since matching (e.g. a failed checksum), or too big to send: serve less
                 n = link.start
@@ -248,7 +250,7 @@ class Handler:
             if n and reaches(n):
                 at_n = next((link for link in usable if link.end == n and link.boundary), None)
                 if at_n is not None:
-                    boundary = self.store.get(entry_id(at_n.key, BOUNDARY))
+                    boundary = self._get(entry_id(at_n.key, BOUNDARY))
             page = [e for e in chunks if e.start < n]
             if boundary is not None:
                 page, boundary = self._fit(page, boundary, budget)
@@ -260,13 +262,30 @@ class Handler:
                 break  # the client is already past it: it must start over
             if not reaches(link.end):
                 return chunks, link.end, None  # boundary comes with a later page
-            boundary = self.store.get(entry_id(link.key, BOUNDARY))
+            boundary = self._get(entry_id(link.key, BOUNDARY))
             if boundary is not None:
                 page, fits = self._fit([e for e in chunks if e.start < link.end], boundary, budget)
                 if fits is not None or len(page) < len([e for e in chunks if e.start < link.end]):
                     return page, link.end, fits  # the boundary with this page, or with a later one
             # No boundary here (or too big for a message beside one chunk): an earlier one.
         return [], 0, None
+
+    def _get(self, eid: bytes) -> Entry | None:
+        """A GET's entry. Over frames, as its writer stored it (`as_stored`:
+        bytes a process wrote into its shared-memory slot after COMMIT never
+        leave by this road); an altered one is a miss and leaves the RAM tier.
+        Over shared memory the client checks the digests the reply carries."""
+        entry = self.store.get(eid)
+        if entry is None or self.shm_proven:
+            return entry
+        whole = as_stored(entry)
+        if whole is None:
+            self.store.discard(eid)
+            self.altered += 1
+            if now_and_then(self.altered):
+                log.warning("entry %s of %s: its shared-memory bytes changed after COMMIT; dropped from RAM "
+                            "(a miss; %d so far)", eid[:8].hex(), entry.namespace, self.altered)
+        return whole
 
     @staticmethod
     def _fit(page: list[Entry], boundary: Entry, budget: int) -> tuple[list[Entry], Entry | None]:

@@ -34,6 +34,7 @@ _TIER_COUNTERS = {
     "bad_rows", "index_errors",
     # the remote tier (kvd/store/remote/)
     "bytes_in", "bytes_out", "written", "backlog_dropped", "errors", "exists_queries", "degraded_episodes", "auth_failures",
+    "altered",
 }
 _PRESSURE_COUNTERS = ("samples", "level_changes", "shrinks", "grows", "evictions", "evicted_bytes")
 _NS_COUNTERS = (

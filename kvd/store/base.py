@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import abc
 import enum
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
+
+import xxhash
 
 from kvd.protocol.codec import Tensor  # noqa: F401  (re-exported: entries hold wire tensors)
 
@@ -69,6 +72,30 @@ class Entry:
     @property
     def end(self) -> int:
         return self.start + self.length
+
+
+def as_stored(entry: Entry) -> Entry | None:
+    """`entry` as its writer stored it, or None if that is gone.
+
+    Tensors in shared-memory slots carry the xxh3-64 fixed at their COMMIT
+    (`data.digest`, kvd.server.shm), and a process of the daemon's user can
+    still write into such a slot. So every road by which those bytes leave
+    RAM -- a frames reply, the SSD writer, the remote uploader -- takes them
+    through here: each such tensor is copied out, and the copy is checked
+    (one copy and one xxh3 pass: a scribble after the check cannot reach what
+    leaves). An entry without such tensors is returned as it is, uncopied.
+    """
+    if not any(getattr(t.data, "digest", None) is not None for t in entry.tensors):
+        return entry
+    copies = []
+    for t in entry.tensors:
+        digest = getattr(t.data, "digest", None)
+        if digest is not None:
+            t = dataclasses.replace(t, data=bytes(memoryview(t.data).cast("B")))
+            if xxhash.xxh3_64_intdigest(t.data) != digest:
+                return None
+        copies.append(t)
+    return dataclasses.replace(entry, tensors=tuple(copies))
 
 
 class PutOutcome(enum.Enum):
@@ -129,6 +156,11 @@ class Store(abc.ABC):
     ) -> tuple[int, int]:
         """Remove every entry of `namespace` and/or last used more than
         `older_than` seconds ago. Returns (entries, bytes) removed."""
+
+    def discard(self, eid: bytes) -> bool:
+        """Forget the RAM tier's copy of `eid`, found altered (`as_stored`; the SSD tier's,
+        written when it was still whole, stays). True if one was held."""
+        return False
 
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:

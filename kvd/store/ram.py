@@ -70,7 +70,8 @@ class RamStore(Store):
         # is a hybrid model's, whose next sequence leaves another).
         self.boundary_ns: set[str] = set()
         self.counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "stored", "duplicates", "too_big", "evictions", "evicted_bytes", "dropped", "served_bytes"), 0
+            ("hits", "misses", "stored", "duplicates", "too_big", "evictions", "evicted_bytes", "dropped", "served_bytes",
+             "altered"), 0
         )
 
     def charge(self, entry: Entry) -> int:
@@ -153,6 +154,13 @@ class RamStore(Store):
             self.ns_tokens.pop(ns, None)
             self.ns_used.pop(ns, None)
         return entry
+
+    def discard(self, eid: bytes) -> bool:
+        if eid not in self._entries:
+            return False
+        self._remove(eid)  # not spilled: its bytes are not what was stored
+        self.counters["altered"] += 1
+        return True
 
     def _evict_to(self, budget: int, why: str = "lru") -> tuple[int, int]:
         n = nbytes = 0

@@ -274,6 +274,9 @@ class TieredStore(Store):
             if not self.behind:
                 return True
 
+    def discard(self, eid: bytes) -> bool:
+        return self.ram.discard(eid)
+
     def recheck(self, eids: list[bytes]) -> tuple[int, int]:
         return self.ssd.recheck(eids)
 

@@ -72,6 +72,9 @@ class WithRemote(Store):
             raise AttributeError(name)
         return getattr(self.local, name)
 
+    def discard(self, eid: bytes) -> bool:
+        return self.local.discard(eid)
+
     # -- lookups -------------------------------------------------------------
     def _remember(self, eids: Iterable[bytes]) -> None:
         for eid in eids:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from kvd.protocol import remote_value as rv
 from kvd.protocol.limits import DEFAULT_LIMITS
-from kvd.store.base import CHUNK, Entry
+from kvd.store.base import CHUNK, Entry, as_stored
 from kvd.store.pools import OrInline
 from kvd.store.remote.get import SERVER_ERRORS, Alloc, Deadline, Refused, get_many, np_alloc
 from kvd.store.remote.url import client_url, redact
@@ -128,7 +128,7 @@ class RemoteTier:
         self.counters = {
             "hits": 0, "misses": 0, "checksum_failures": 0, "auth_failures": 0, "bytes_in": 0, "bytes_out": 0, "written": 0,
             "backlog_dropped": 0, "errors": 0, "read_errors": 0, "exists_queries": 0, "promotions": 0,
-            "degraded_episodes": 0,
+            "degraded_episodes": 0, "altered": 0,
         }
         self._reads = OrInline(2, "kvd-remote-read")  # see Read-ahead; inline if no thread can start
         self._thread = threading.Thread(target=self._run, name="kvd-remote", daemon=True)
@@ -292,8 +292,13 @@ class RemoteTier:
         ex = self.ttl_s or None
         nbytes = 0
         for e in batch:
+            whole = as_stored(e)
+            if whole is None:  # written into after its COMMIT: never uploaded
+                self._warn("altered", "remote write of %s skipped: its shared-memory bytes changed after they were "
+                           "stored", rv.value_key(e.key, e.kind).decode())
+                continue
             main = rv.value_key(e.key, e.kind)
-            values = rv.encode(_remote_entry(e), self.part_bytes, self.auth)
+            values = rv.encode(_remote_entry(whole), self.part_bytes, self.auth)
             # Parts first: a reader that finds the main value finds its parts.
             for i, part in enumerate(values[1:], 1):
                 pipe.set(rv.part_key(main, i), part, ex=ex)
