@@ -37,6 +37,7 @@ SOURCES = {"kvd": ROOT / "kvd", "kvd_client": ROOT / "client"}  # pyproject.toml
 # only __version__ and may be imported by anything; it must import nothing.
 LAYERS = {
     "kvd.protocol": ("kvd.protocol",),
+    "kvd.host": ("kvd.host",),
     "kvd.endpoint": ("kvd.endpoint",),
     "kvd.store": ("kvd.store",),
     "kvd.server": ("kvd.server",),
