@@ -90,7 +90,7 @@ class Arena:
 
     def __init__(self, folder: Path, run_id: str, capacity: int | Callable[[], int], segment_bytes: int = SEGMENT_BYTES):
         self.folder, self.run_id = folder, run_id
-        self.sealed = probe_memfd()  # segments are sealed memfds (rule 5), else files
+        self.sealed = probe_memfd()  # segments are sealed memfds (plane.py rule 5), else files
         # Bytes the arena may use: a number, or a callable read at each
         # allocation (the daemon's follows the RAM tier's budget as memory
         # pressure moves it, so under pressure shm PUTs fall back to frames).
@@ -377,7 +377,7 @@ class Arena:
 
     def repair(self) -> int:
         """Put back the names of live segments removed or replaced under us
-        (rule 5; a file's name, off Linux, cannot be made again); returns how
+        (plane.py rule 5; a file's name, off Linux, cannot be made again); returns how
         many. Under the lock: a segment removed meanwhile is not named again."""
         fixed = 0
         if not self.sealed:

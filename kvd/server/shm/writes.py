@@ -18,7 +18,7 @@ from kvd.protocol.shm import align_up
 from kvd.server.admission.caps import PENDING_ALLOWANCE
 from kvd.server.shm.arena import Slot
 
-# Grants awaiting COMMIT, all peers together (module docstring, rule 3). A
+# Grants awaiting COMMIT, all peers together (plane.py, rule 3). A
 # model server has one or two in flight, each holding its tokens (4 MiB for
 # the most a request may carry, 1 M) and ~1 KiB per chunk and tensor.
 PENDING_LEASES = 1024
@@ -70,7 +70,7 @@ class SlotGrants:
     # -- PUT: SLOTS then COMMIT ----------------------------------------------------
     def grant(self, msg: Message, max_bytes: int) -> dict[str, Any]:
         """Write slots for a PUT's tensors, under a write lease. BUSY past the
-        bound on grants awaiting COMMIT (module docstring, rule 3)."""
+        bound on grants awaiting COMMIT (plane.py, rule 3)."""
         specs = _specs(msg)
         if not specs:
             raise BadField("SLOTS without chunks or boundary places nothing; send a PUT")
