@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _util import machine  # noqa: E402
 
 from kvd.protocol.shm import align_up  # noqa: E402
-from kvd.server.freespace import FreeSpace  # noqa: E402
-from kvd.server.shm import Arena  # noqa: E402
+from kvd.server.shm.arena import Arena  # noqa: E402
+from kvd.server.shm.freespace import FreeSpace  # noqa: E402
 
 SEG = 64 << 20  # the daemon's segment size
 MIXES = {

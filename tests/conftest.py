@@ -146,7 +146,7 @@ def daemon_factory():
         return d
 
     yield make
-    from kvd.server.shm import plane_dirs
+    from kvd.server.shm.folders import plane_dirs
 
     for d in started:
         d.stop()

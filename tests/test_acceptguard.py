@@ -1,4 +1,4 @@
-"""The accept guard (kvd/server/acceptguard.py) on a real libzmq, in a process
+"""The accept guard (kvd/server/admission/acceptguard.py) on a real libzmq, in a process
 of its own: a ROUTER whose fd table is full drops newcomers instead of
 aborting and serves again once fds are free; uninstall puts libzmq's own
 entries back."""
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 CHILD = r"""
 import ctypes, os, resource, sys, zmq
-from kvd.server import acceptguard
+from kvd.server.admission import acceptguard
 
 guard = sys.argv[2] == "guard"
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

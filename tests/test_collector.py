@@ -31,8 +31,10 @@ def collector():
     try:
         yield c, clock
     finally:
-        c.stop()
-        assert gc.isenabled() and gc.get_freeze_count() == 0
+        # `kvd serve` never gives collection back (the process ends); this
+        # process runs other tests next, so it gets CPython's own again.
+        gc.unfreeze()
+        gc.enable()
 
 
 def test_a_young_cycle_goes_at_the_next_tick_and_nothing_runs_between(collector):

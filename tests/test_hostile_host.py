@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvd.cli import exits
-from kvd.server.shm import plane_dirs
+from kvd.server.shm.folders import plane_dirs
 
 
 def _pids_cgroup(limit: int) -> Path:

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from kvd.cli import exits, main, service_cmd  # noqa: F401  (registers `kvd service`)
 from kvd.config import ConfigError, resolve
-from kvd.server import metrics, pressure
+from kvd.server import governor as pressure, metrics
 from kvd.service import install as svc
 from kvd.service import systemd
 from support import free_port, scrape, wait_until
@@ -64,7 +64,7 @@ def test_pressure_fifo_neither_freezes_the_daemon_nor_its_stop(daemon_factory, t
 _SAMPLE_UNDER_1GIB = r"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from kvd.server.pressure import file_source
+from kvd.server.governor import file_source
 s = file_source(sys.argv[1])()
 print(s.level, "|", s.reason)
 """

@@ -1,7 +1,7 @@
 """Peers cannot exhaust the daemon's file descriptors, nor its patience.
 
 Real daemons under a real fd limit (`prlimit --nofile=256`), real sockets.
-Before kvd.server.peers, filling the fd table made libzmq abort (SIGABRT, on
+Before kvd.server.admission.gate, filling the fd table made libzmq abort (SIGABRT, on
 EMFILE in ipc_listener.cpp) and a peer that never read its replies made every
 other client wait ~100 ms per reply.
 """
@@ -21,9 +21,12 @@ import pytest
 import zmq
 
 from kvd.protocol import codec
-from kvd.server.outbox import Outbox
-from kvd.server import peers
-from kvd.server.peers import PeerGate, connection_id, default_max_peers, listen_backlog, rss_bytes
+from kvd.host.memory import rss_bytes
+from kvd.server.admission import gate as peers
+from kvd.server.admission.caps import default_max_peers, listen_backlog
+from kvd.server.admission.connections import connection_id
+from kvd.server.admission.gate import PeerGate
+from kvd.server.admission.outbox import Outbox
 from kvd_client import HostTensor, Snapshot
 
 from stress import FLOOD
@@ -453,7 +456,7 @@ def test_rss_sampling_survives_a_full_fd_table():
     later sample."""
     code = """
 import os, resource
-from kvd.server.peers import rss_bytes
+from kvd.host.memory import rss_bytes
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
 try:

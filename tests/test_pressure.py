@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd.server import pressure as P
+from kvd.host import pressure as P
+from kvd.server import governor
 from kvd.server.evictions import EvictionRecord
 from kvd.server.governor import RamGovernor
 from kvd.store import RamStore
@@ -46,7 +47,7 @@ def test_levels_have_hysteresis():
 
 def test_file_source_is_the_documented_hook(tmp_path):
     path = tmp_path / "pressure"
-    src = P.make_source(f"file:{path}")
+    src = governor.make_source(f"file:{path}")
     assert src("normal").level == "normal" and "absent" in src("normal").reason
     path.write_text("critical because the test says so\n")
     assert src("normal").level == "critical"
@@ -55,9 +56,9 @@ def test_file_source_is_the_documented_hook(tmp_path):
     path.write_text("panic")
     s = src("warn")
     assert s.level == "normal" and "unknown level" in s.reason
-    assert P.make_source("off") is None
+    assert governor.make_source("off") is None
     with pytest.raises(ValueError):
-        P.make_source("psi")
+        governor.make_source("psi")
 
 
 def test_linux_source_counts_a_cgroup_working_set_not_its_page_cache(tmp_path):
@@ -143,11 +144,11 @@ def _remove_cgroup(cg) -> None:
 
 
 def test_auto_ram_mb_rule():
-    assert P.auto_ram_mb(24 << 30) == 3072  # an eighth
-    assert P.auto_ram_mb(1 << 30) == 256  # at least 256 MiB
-    assert P.auto_ram_mb(1 << 40) == 32 * 1024  # at most 32 GiB
-    assert P.auto_ram_mb(0) == 1024  # unknown
-    assert 256 <= P.auto_ram_mb() <= 32 * 1024  # this machine
+    assert governor.auto_ram_mb(24 << 30) == 3072  # an eighth
+    assert governor.auto_ram_mb(1 << 30) == 256  # at least 256 MiB
+    assert governor.auto_ram_mb(1 << 40) == 32 * 1024  # at most 32 GiB
+    assert governor.auto_ram_mb(0) == 1024  # unknown
+    assert 256 <= governor.auto_ram_mb() <= 32 * 1024  # this machine
 
 
 def _governor(levels: list[str], ram: RamStore, clock: Clock, **kw) -> RamGovernor:

@@ -5,7 +5,7 @@ after every one of them.
 The model is the obvious, slow one: per segment a sorted list of free ranges,
 merged by sorting after each free, and best fit by a scan of every range
 (`min` of (size, segment, offset) over those that fit). The allocator
-(kvd/server/freespace.py behind kvd.server.shm.Arena) must agree exactly:
+(kvd/server/shm/freespace.py behind kvd.server.shm.arena.Arena) must agree exactly:
 the same placement for every slot (so it never grows a segment while a free
 range fits, and never misses the best one), the same free ranges, no two free
 ranges touching, live slots and free ranges tiling every segment without
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from kvd.protocol.shm import ALIGN, align_up
-from kvd.server.freespace import FreeSpace
-from kvd.server.shm import Arena
+from kvd.server.shm.arena import Arena
+from kvd.server.shm.freespace import FreeSpace
 
 SEG = 256 << 10  # small segments, so slots often need a new one and segments empty out
 # The daemon's mix (bench_scale): ~4.7 KiB SSD read buffers and 16 KiB PUT slots,

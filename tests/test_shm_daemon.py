@@ -25,8 +25,8 @@ import zmq
 from kvd.protocol import codec
 from kvd.protocol.errors import BACKLOG_FULL, BadField
 from kvd.protocol.shm import parse_segment_name
-from kvd.server import shm as shm_server
-from kvd.server.shm import plane_dirs, plane_prefix
+from kvd.host import segments as shm_server
+from kvd.server.shm.folders import plane_dirs, plane_prefix
 from kvd_client import Busy, Client
 from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled, wait_until
 
@@ -409,7 +409,7 @@ def test_arena_reserves_pages_once_and_again_after_giving_them_back():
     """A slot's pages are reserved when it is allocated (a full tmpfs fails the
     allocation, never a later write); reused memory is not reserved twice, and
     memory `trim` handed back is reserved again when a slot reuses it."""
-    from kvd.server.shm import Arena
+    from kvd.server.shm.arena import Arena
 
     if not hasattr(os, "posix_fallocate") or not Path("/dev/shm").is_dir():
         pytest.skip("needs posix_fallocate and /dev/shm (Linux)")
@@ -488,7 +488,7 @@ def test_entries_in_shared_memory_do_not_raise_the_anonymous_memory_ceiling(daem
     anonymous) that let stalled peers take the tier's size again, and a
     daemon in a memory cgroup sized to the documented ceiling was OOM-killed."""
     from kvd.protocol.limits import Limits
-    from kvd.server.peers import memory_ceiling
+    from kvd.server.admission.caps import memory_ceiling
 
     d = daemon_factory("--ram-mb", "128", "--max-message-mb", "16")
     seqs = [np.arange(4096) + 100_000 * i for i in range(8)]

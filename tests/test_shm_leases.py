@@ -1,5 +1,5 @@
 """Leases of the shared-memory plane under floods (kvd/protocol/shm.py,
-kvd/server/shm.py): expiring leases costs what expired, never every live lease
+kvd/server/shm/plane.py): expiring leases costs what expired, never every live lease
 (every request runs it); grants awaiting COMMIT are bounded in number and in
 the request bytes they keep (BUSY past either, a grant already made is never
 taken back); a SLOTS that places nothing is BAD_FIELD. Unit tests count work
@@ -15,7 +15,7 @@ import pytest
 
 from kvd.protocol import codec, shm
 from kvd.protocol.errors import BadField, Busy
-from kvd.server.shm import ShmPlane
+from kvd.server.shm.plane import ShmPlane
 from support import FakeClock, assert_prefix_hit, prefix_snapshot
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from kvd.protocol import codec, keys
-from kvd.server.peers import BASE_ALLOWANCE
+from kvd.server.admission.caps import BASE_ALLOWANCE
 from kvd.store.overhead import PER_ENTRY, PER_TENSOR
 from kvd_client import DaemonUnavailable, HostTensor, Snapshot
 
@@ -66,7 +66,7 @@ def ceiling_ok(daemon, good: Good):
         peers = good.c.stats()["peers"]
     except DaemonUnavailable:
         # Over the ceiling the watchdog may shed a client idle for a quarter
-        # second (rule 3 of kvd.server.peers): it costs that client a call
+        # second (rule 3 of kvd.server.admission.gate): it costs that client a call
         # while its socket reconnects, and the daemon must still be there.
         assert daemon.proc.poll() is None, daemon.log()
         return False

@@ -1,4 +1,4 @@
-"""Whose request is served next (kvd/server/turns.py), alone and in a real daemon's loop."""
+"""Whose request is served next (kvd/server/admission/turns.py), alone and in a real daemon's loop."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import zmq
 
 from kvd.protocol import codec, keys
 from kvd.server.daemon import Daemon
-from kvd.server.peers import origin
-from kvd.server.turns import BYTE_SECONDS, Turns
+from kvd.server.admission.connections import origin
+from kvd.server.admission.turns import BYTE_SECONDS, Turns
 from kvd.store.ram import RamStore
 
 

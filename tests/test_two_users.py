@@ -388,7 +388,7 @@ def test_other_user_is_never_given_a_shared_memory_segment(users, daemons, umask
             "print(1)")
     r = a.python(umask, code)
     assert r.returncode == 0, r.stderr
-    from kvd.server.shm import plane_dirs
+    from kvd.server.shm.folders import plane_dirs
 
     [folder] = plane_dirs(sock, uid=a.uid)
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700 and os.lstat(folder).st_uid == a.uid
@@ -417,7 +417,7 @@ def test_other_user_cannot_take_the_shared_memory_folder_first(users, daemons):
     daemons before 0.2 used and one of the new pattern. A's daemon still
     gets shared memory, in a folder it made; a restart after A's daemon is
     killed sweeps A's old folder and never B's."""
-    from kvd.server.shm import plane_dirs, plane_prefix
+    from kvd.server.shm.folders import plane_dirs, plane_prefix
 
     base, a, b = users
     shared = base / "shmsquat"

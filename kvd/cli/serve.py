@@ -143,8 +143,10 @@ def serve(**flags) -> None:
     from kvd.server.daemon import Daemon
     from kvd.endpoint import EndpointError
     from kvd.server.governor import from_config as governor_for
-    from kvd.server.peers import default_max_peers, io_threads, raise_fd_limit, tune_malloc
-    from kvd.server.pressure import auto_ram_mb
+    from kvd.host.fds import raise_fd_limit
+    from kvd.host.memory import tune_malloc
+    from kvd.server.admission.caps import default_max_peers, io_threads
+    from kvd.server.governor import auto_ram_mb
     from kvd.service.notify import Notifier
     from kvd.store import DataDirBusy, IncompatibleIndex, open_store
     from kvd.store.tiered import with_remote

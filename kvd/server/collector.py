@@ -48,13 +48,6 @@ class Collector:
         self.running = True
         self.next_full = self.clock() + self.interval
 
-    def stop(self) -> None:
-        """Back to CPython's own collection (tests, embedding)."""
-        if self.running:
-            gc.unfreeze()
-            gc.enable()
-            self.running = False
-
     def tick(self) -> None:
         if not self.running:
             return

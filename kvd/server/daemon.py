@@ -15,7 +15,7 @@ Rules the loop keeps:
    INTERNAL, is logged with its traceback, and the loop goes on.
 2. A reply to a client that went away, or whose queue is full, is dropped
    and counted (ROUTER_MANDATORY + NOBLOCK), never blocks the loop; queued
-   reply bytes are budgeted per peer and in total (kvd.server.outbox).
+   reply bytes are budgeted per peer and in total (kvd.server.admission.outbox).
 3. The loop wakes at least every `tick` seconds to run housekeeping hooks
    (the systemd watchdog, store maintenance) and to notice SIGTERM/SIGINT.
 4. Write-through PUTs are answered only when their entries are on disk: the
@@ -24,11 +24,11 @@ Rules the loop keeps:
    stop, parked PUTs get at most half of `stop_timeout` to complete, then
    NOT_PERSISTED -- never an acknowledgement for what is not on disk.
 5. Peer connections stay under `max_peers`, far from the fd limit, and
-   stalled peers are shed when memory passes the ceiling (kvd.server.peers,
+   stalled peers are shed when memory passes the ceiling (kvd.server.admission.gate,
    on a thread of its own).
 6. A peer whose requests cost far more than ordinary ones is served when
    nobody else is waiting, and while others are active in at most a share of
-   the time (kvd.server.turns): a client is not queued behind peers that keep
+   the time (kvd.server.admission.turns): a client is not queued behind peers that keep
    the daemon busy. A peer's own requests keep their order.
 """
 
@@ -52,11 +52,13 @@ from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_ke
 from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
-from kvd.server.outbox import Outbox, start_collector
-from kvd.server import acceptguard
-from kvd.server.peers import PeerGate, connection_id, default_max_peers, io_threads, listen_backlog, memory_ceiling, origin
+from kvd.server.admission.outbox import Outbox, start_collector
+from kvd.server.admission import acceptguard
+from kvd.server.admission.caps import default_max_peers, io_threads, listen_backlog, memory_ceiling
+from kvd.server.admission.connections import connection_id, origin
+from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
-from kvd.server.turns import Turns
+from kvd.server.admission.turns import Turns
 from kvd.store.base import Store
 
 log = logging.getLogger("kvd.server")
@@ -65,7 +67,7 @@ log = logging.getLogger("kvd.server")
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
 # Unread replies a peer may have queued: a client has one request in flight,
-# so more than a few means it is not reading (kvd.server.outbox).
+# so more than a few means it is not reading (kvd.server.admission.outbox).
 _SNDHWM = 16
 
 
@@ -78,7 +80,7 @@ class _Conn(NamedTuple):
     """A peer connection, as its first request found it."""
 
     identity: bytes
-    origin: bytes | None  # the process at the other end, whose cost a new connection starts from (kvd.server.turns)
+    origin: bytes | None  # the process at the other end, whose cost a new connection starts from (kvd.server.admission.turns)
     where: tuple[int, int | None]  # (fd, connection_id): what the outbox names when it asks the gate to cut it off
 
 
@@ -149,7 +151,7 @@ class Daemon:
         self.handler.stats_sections["peers"] = lambda stats: self.peer_stats()
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
-        self._guarded = False  # this daemon installed the accept guard (kvd.server.acceptguard)
+        self._guarded = False  # this daemon installed the accept guard (kvd.server.admission.acceptguard)
         self.shm_enabled, self.shm_lease_s = shm and not is_tcp(endpoint), shm_lease_s
 
     # -- lifecycle ---------------------------------------------------------
@@ -176,11 +178,11 @@ class Daemon:
             if is_tcp(self.endpoint):
                 self._secure_tcp(ctx, sock)
             # Connections waiting to be accepted: what a burst can add at once
-            # when the gate opens the listener (kvd.server.peers, _admit).
+            # when the gate opens the listener (kvd.server.admission.gate, _admit).
             sock.setsockopt(zmq.BACKLOG, listen_backlog(self.max_peers or default_max_peers()))
             # Before bind: the gate learns the listener's fd from LISTENING,
             # and libzmq's accept() drops a newcomer rather than abort when no
-            # fd is free (kvd.server.acceptguard; the gate is told, rule 8).
+            # fd is free (kvd.server.admission.acceptguard; the gate is told, rule 8).
             monitor = sock.get_monitor_socket(PeerGate.EVENTS)
             self._guarded = acceptguard.install(on_refused=self._on_refused)
             sock.bind(self.endpoint)
@@ -200,11 +202,11 @@ class Daemon:
         # with a mode another user could use, not even for a moment.
         self._ctx, self._sock = ctx, sock
         if self.shm_enabled:
-            from kvd.server.shm_setup import open_plane  # ipc only: TCP peers never get shared memory
+            from kvd.server.shm.startup import open_plane  # ipc only: TCP peers never get shared memory
 
             open_plane(self)
         m = self.limits.max_message_bytes
-        # Queued replies stay under 2 x m + one message in all (kvd.server.peers.memory_ceiling).
+        # Queued replies stay under 2 x m + one message in all (kvd.server.admission.caps.memory_ceiling).
         self._update_ceiling()
         self.gate = PeerGate(
             monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling, over_unit=m
@@ -221,7 +223,7 @@ class Daemon:
 
     def _arm_gate(self, ctx: zmq.Context) -> None:
         """Connect to ourselves once, so the gate sees an accept and starts
-        keeping the listener paused (kvd.server.peers: it must not pause
+        keeping the listener paused (kvd.server.admission.gate: it must not pause
         before libzmq's I/O thread has registered the listener)."""
         assert self.gate is not None
         probe = ctx.socket(zmq.DEALER)
@@ -587,7 +589,7 @@ class Daemon:
         if msg.type == "SLOTS":
             if shm is None:
                 return 0  # refused as it is served
-            from kvd.server.shm import asked_bytes
+            from kvd.server.shm.writes import asked_bytes
 
             return asked_bytes(msg)
         if msg.type == "COMMIT":

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 `RamGovernor.tick()` runs on the daemon thread from its housekeeping tick
 (about every 0.1 s, between requests). Every `poll_s` seconds it takes one
-sample from its pressure source (kvd/server/pressure.py) and moves the RAM
+sample from its pressure source (`make_source`, below) and moves the RAM
 tier's *target* budget between `floor_bytes` and `max_bytes` (`ram_mb`):
 
     critical  target = floor at once
@@ -14,7 +14,7 @@ tier's *target* budget between `floor_bytes` and `max_bytes` (`ram_mb`):
               poll, up to max_bytes
 
 where step = (max - floor) / 4. Hysteresis is twofold: levels enter and
-leave at different thresholds (pressure.py), and growth waits for a calm
+leave at different thresholds (kvd/host/pressure.py), and growth waits for a calm
 period and then comes back a step at a time.
 
 The target is the RAM tier's `budget_bytes` at once (new PUTs respect it),
@@ -29,15 +29,33 @@ dropped. Evictions are recorded with why = "pressure".
 
 Every change of level and every change of budget is logged once, and the
 state is in STATS ("pressure") and /metrics (kvd_pressure_*).
+
+Where the level comes from: `make_source(spec)` builds the source from the
+`pressure_source` setting:
+
+    auto        this machine (kvd.host.pressure.system_source: what Linux
+                and macOS report)
+    off         none: the RAM tier keeps its budget
+    file:PATH   the first word of PATH ("normal", "warn" or "critical"; a
+                missing file is "normal"): the documented hook for tests and
+                for operators who compute pressure elsewhere. Only a regular
+                file's first 4 KiB are read, without blocking: a FIFO, a
+                device or a folder reads as "normal", with a warning
+
+`auto_ram_mb` sizes `ram_mb = "auto"` from the memory this process may use.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-from kvd.server.pressure import LEVELS, Sample, Source
+from kvd.endpoint import file_kind
+from kvd.host.pressure import LEVELS, Sample, Source, memory_total, system_source
 
 log = logging.getLogger("kvd.server")
 MiB = 1 << 20
@@ -180,8 +198,6 @@ class RamGovernor:
 
 def from_config(cfg: Any, store: Any, ram_bytes: int) -> RamGovernor | None:
     """The governor `kvd serve` runs for `store`, or None with pressure_source = off."""
-    from kvd.server.pressure import make_source
-
     source = make_source(cfg.pressure_source)
     if source is None:
         return None
@@ -192,3 +208,85 @@ def from_config(cfg: Any, store: Any, ram_bytes: int) -> RamGovernor | None:
         spill_queue=None if ssd is None else ssd.queue,
         on_disk=None if ssd is None else ssd.has_row,
     )
+
+
+# The level file is read on the serving thread, under the daemon's lock
+# (the governor's tick): whatever PATH turns out to be, a sample must not
+# block or grow. A FIFO with no writer would block a plain open() or read()
+# forever, /dev/zero never ends, and a huge file would be read whole. So the
+# file is opened non-blocking, must be a regular file, and only its first
+# FILE_READ_MAX bytes are read: the first word is all that counts.
+FILE_READ_MAX = 4096
+
+
+def read_level_file(path: str | os.PathLike) -> tuple[str, str | None]:
+    """(the first FILE_READ_MAX bytes of `path` decoded, undecodable bytes
+    replaced; None), or ("", what PATH is instead of a regular file). Never
+    blocks on a FIFO or a device. Raises FileNotFoundError, or OSError if
+    it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            return "", f"{file_kind(mode)}, not a regular file"
+        data = os.read(fd, FILE_READ_MAX)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace"), None
+
+
+def file_source(path: str | os.PathLike) -> Source:
+    """A source reading its level from a file: the testing and integration hook.
+
+    Anything but a readable regular file -- absent, unreadable, a FIFO, a
+    device, a folder -- reads as "normal" with the reason in the sample (shown
+    by `kvd stats`); a problem is logged once as a warning, again only after
+    the file has been read well in between."""
+    path = Path(path)
+    warned: list[str] = []  # the problem last logged; cleared by a good read
+
+    def trouble(reason: str) -> Sample:
+        if not warned or warned[0] != reason:
+            log.warning("pressure source %s: %s (reading it as normal)", path, reason)
+            warned[:] = [reason]
+        return Sample("normal", f"{path}: {reason}")
+
+    def sample(previous: str = "normal") -> Sample:
+        try:
+            text, problem = read_level_file(path)
+        except FileNotFoundError:
+            return Sample("normal", f"{path}: absent")  # the documented "no pressure": not worth a warning
+        except OSError as exc:
+            return trouble(f"unreadable ({exc.strerror or exc})")
+        if problem is not None:
+            return trouble(problem)
+        warned.clear()
+        words = text.split()
+        level = words[0].lower() if words else "normal"
+        if level not in LEVELS:
+            return Sample("normal", f"{path}: unknown level {words[0][:40]!r}")
+        return Sample(level, f"{path}: {' '.join(words)[:80]}")
+
+    return sample
+
+
+def make_source(spec: str) -> Source | None:
+    """The source for a `pressure_source` setting; None for "off"."""
+    if spec == "off":
+        return None
+    if spec == "auto":
+        return system_source()
+    if spec.startswith("file:"):
+        return file_source(spec[5:])
+    raise ValueError(f"expected auto, off or file:PATH, got {spec!r}")
+
+
+def auto_ram_mb(total: int | None = None) -> int:
+    """`ram_mb = "auto"`: an eighth of the memory this process may use (see
+    `memory_total`), at least 256 MiB and at most 32 GiB; 1024 MiB if unknown.
+    An eighth leaves the models the rest, and the RAM tier yields under
+    pressure anyway."""
+    total = memory_total() if total is None else total
+    if not total:
+        return 1024
+    return int(min(32 * 1024, max(256, total // 8 // MiB)))

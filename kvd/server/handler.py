@@ -108,7 +108,7 @@ class Handler:
         # Sections other parts of the daemon add to STATS (memory pressure,
         # quotas): name -> callable returning a map, run under the daemon's lock.
         self.stats_sections: dict[str, Any] = {}
-        # The shared-memory plane (kvd.server.shm.ShmPlane), set by the daemon
+        # The shared-memory plane (kvd.server.shm.plane.ShmPlane), set by the daemon
         # on an ipc endpoint; None: GET serves frames, SLOTS/COMMIT are refused.
         self.shm: Any = None
         self.shm_proven = False  # the request being served proved same host, same user
@@ -372,7 +372,7 @@ class Handler:
             return "PUT", Deferred(counts, pending)
         return "PUT", counts
 
-    # -- the shared-memory plane (PROTOCOL.md section 14; kvd/server/shm.py) ------
+    # -- the shared-memory plane (PROTOCOL.md section 14; kvd/server/shm/) ------
     def _shm_admitted(self, msg: Message):
         if self.shm is None:
             raise BadField("this daemon offers no shared memory on this endpoint; send frames")

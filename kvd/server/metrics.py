@@ -345,7 +345,7 @@ def _extra_families(sections: dict[str, Any], evictions: dict[str, Any]) -> Iter
         for key in _PRESSURE_COUNTERS:
             yield CounterMetricFamily(f"kvd_pressure_{key}", f"Memory pressure {key.replace('_', ' ')}", value=p[key])
     peers = sections.get("peers")
-    if peers:  # kvd.server.peers and kvd.server.outbox
+    if peers:  # kvd.server.admission.gate and kvd.server.admission.outbox
         for key, doc in (("connected", "Peer connections open"), ("max_peers", "Most peer connections served at once"),
                          ("queued_bytes", "Reply bytes queued for peers, not yet sent"),
                          ("rss_ceiling_bytes", "Anonymous RSS over which stalled peers are shed"),

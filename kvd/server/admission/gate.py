@@ -1,4 +1,8 @@
-"""Peer connections: file descriptors, shedding, and the input allowance.
+"""The peer gate: the connection cap, shedding, and the input allowance.
+
+Over 600 lines: one thread's state machine, whose rules below are kept
+together with the code that keeps them (the sizes it works with are in
+caps.py, the sockets it handles in connections.py, the OS facts in kvd.host).
 
 Theory of operation
 -------------------
@@ -6,7 +10,7 @@ libzmq accepts connections on its own I/O thread, and on an ipc endpoint it
 *aborts the process* when accept() fails with EMFILE (ipc_listener.cpp,
 libzmq 4.3.5: an errno_assert that lists ENFILE but not EMFILE). So the
 daemon must never let its fd table fill: it raises the soft RLIMIT_NOFILE to
-the hard limit at start (`raise_fd_limit`), and keeps the number of peer
+the hard limit at start (`kvd.host.fds.raise_fd_limit`), and keeps the number of peer
 connections at or below `max_peers`, well under that limit. On Linux the
 accept guard (acceptguard.py, rule 8) is the backstop for what the gate
 cannot prevent: a connection that finds no fd free is dropped, not an abort.
@@ -80,7 +84,7 @@ Rules the gate keeps:
    over a slow link is cut off only while memory is over it. Memory the
    allocator keeps after peers are gone is not theirs: over the ceiling the
    gate first asks glibc to give freed memory back (malloc_trim, at most
-   once a second; `tune_malloc` at start makes frames of 4 MiB or more
+   once a second; `kvd.host.memory.tune_malloc` at start makes frames of 4 MiB or more
    mmapped), and
    after shedding (once libzmq has closed those peers) it sheds again at
    once only if RSS moved: down (it helped) or up (someone is pushing); if
@@ -152,14 +156,10 @@ Rules the gate keeps:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import resource
 import select
 import socket
-import struct
-import sys
 import threading
 import time
 from typing import Callable
@@ -167,13 +167,14 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvd.server import acceptguard
+from kvd.host.fds import fd_limit, open_fds, swap_fd, wait_readable
+from kvd.host.memory import can_trim, rss_bytes, trim_malloc
+from kvd.server.admission import acceptguard
+from kvd.server.admission.caps import RESERVE_FDS, default_max_peers
+from kvd.server.admission.connections import connection_id, shut_down, sockname, stand_in
 
 log = logging.getLogger("kvd.server")
 
-# fds the daemon keeps for itself whatever the peers do: ZeroMQ's eventfds and
-# epoll, LMDB, blob files being written and read, the log, the metrics server.
-_RESERVE_FDS = 64
 _WINDOW = 0.005  # seconds one PeerGate._admit may spin before polling again
 _QUICK_TRIES = 16  # windows of microseconds before one of up to a millisecond
 _TIGHT_FDS = 8  # fds beyond the daemon's own under which no peer is shed for fds (rule 6)
@@ -194,267 +195,9 @@ _EVENTS = (
 )
 
 
-def _libc():
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()  # glibc's allocator controls, or None (macOS, musl)
-
-
-def _swap_fd():
-    """`swap(src, dst)`: dup `src` onto fd number `dst`, close-on-exec, *without
-    releasing the GIL* (ctypes.PyDLL). os.dup2 releases it, and getting it back
-    waits for whichever thread took it -- up to a switch interval with the
-    listener open, in which libzmq could accept hundreds of connections."""
-    try:
-        import ctypes
-
-        libc = ctypes.PyDLL(None, use_errno=True)
-        dup3 = getattr(libc, "dup3", None)  # Linux: atomic with O_CLOEXEC
-    except (OSError, AttributeError):
-        dup3 = None
-    if dup3 is None:
-        return lambda src, dst: os.dup2(src, dst, inheritable=False)  # macOS: no dup3
-
-    def swap(src: int, dst: int) -> None:
-        if dup3(src, dst, os.O_CLOEXEC) < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-
-    return swap
-
-
-_SWAP_FD = _swap_fd()
-
-
-def _wait_readable():
-    """`wait(fd, ms)`: poll(2) one fd for up to `ms` milliseconds *without
-    releasing the GIL* (ctypes.PyDLL), for the same reason as `_swap_fd`: the
-    gate waits like this with the listener open, and a wait that releases the
-    GIL ends only once the gate has it back -- after the serving thread's
-    switch interval or its C call, while libzmq accepts all along (the fd test
-    beside a full suite aborted on EMFILE 3 runs in 33 with zmq's poll here).
-    Falls back to select() (releasing the GIL) where libc cannot be loaded."""
-    try:
-        import ctypes
-
-        class PollFd(ctypes.Structure):
-            _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
-
-        poll = ctypes.PyDLL(None, use_errno=True).poll
-    except (OSError, AttributeError):
-        return lambda fd, ms: select.select([fd], [], [], ms / 1000)
-
-    def wait(fd: int, ms: int) -> None:
-        pfd = PollFd(fd, select.POLLIN, 0)
-        poll(ctypes.byref(pfd), 1, int(ms))
-
-    return wait
-
-
-_WAIT_READABLE = _wait_readable()
-_M_MMAP_THRESHOLD = -3
-
-
-def tune_malloc() -> bool:
-    """Make freed big buffers go back to the system (glibc): a fixed mmap
-    threshold of 4 MiB, so a big frame libzmq frees after a peer is cut off
-    leaves the process instead of staying in the heap (glibc's default
-    threshold rises with use, up to 32 MiB, and malloc_trim alone did not
-    give those back: the long stress run stayed at 370 MB). Not lower: a
-    typical tensor frame (a 256-token chunk of one layer, ~0.5 MiB) stays on
-    the heap's fast path; 256 KiB cost PUTs of 1 MiB frames ~20% (bench_wire).
-    Returns False where there is no glibc."""
-    return bool(_LIBC is not None and _LIBC.mallopt(_M_MMAP_THRESHOLD, 4 << 20))
-
-
-def raise_fd_limit() -> tuple[int, int]:
-    """Raise the soft RLIMIT_NOFILE to the hard limit; returns (soft, hard) after.
-
-    macOS reports an unlimited hard limit it does not grant; there the soft
-    limit goes as high as the kernel allows (OPEN_MAX, 10240)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    for want in (hard, 10240):
-        if want == resource.RLIM_INFINITY or want <= soft:
-            continue
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-            break
-        except (ValueError, OSError):
-            continue
-    return soft, hard
-
-
-def default_max_peers(fd_limit: int | None = None) -> int:
-    """Peers allowed by default under a soft fd limit (this process's, if
-    None): half the limit less the daemon's own reserve. The other half is
-    kept free for the connections libzmq accepts in a burst before the gate
-    pauses it (measured: ~100 under prlimit 256 with 4 x 2,000 connects)."""
-    if fd_limit is None:
-        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return max(8, fd_limit // 2 - _RESERVE_FDS)
-
-
-def io_threads(fd_limit: int | None = None) -> int:
-    """libzmq I/O threads for a daemon under a soft fd limit (this process's,
-    if None). Two spread peers' connections, so one peer's big message being
-    read does not hold up everyone's small ones (bench_stress). But with two,
-    the thread that accepts hands new connections to the other and accepts
-    faster: under prlimit 256 the gate's windows let enough through for
-    libzmq to abort on EMFILE (2 in 20 runs, 0 in 20 with one). So two only
-    where the fd table has thousands to spare (service managers' limits)."""
-    if fd_limit is None:
-        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return 2 if fd_limit >= 8192 else 1
-
-
 def _open_below(max_peers: int) -> int:
     """Rule 5's mark: peers under which the listener may stay open (0: never)."""
     return max_peers // 2 if max_peers >= _OPEN_MIN_PEERS else 0
-
-
-def _fd_limit() -> int:
-    """This process's soft RLIMIT_NOFILE now (another process may change it: rule 6)."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return soft if soft != resource.RLIM_INFINITY else 1 << 30
-
-
-def _open_fds(limit: int) -> int | None:
-    """How many fds this process has open (leaving out the one listdir
-    itself opens); `limit` when listing needs an fd there is none for (the
-    table is full); None where it cannot be told without opening one per fd
-    (no /proc/self/fd nor /dev/fd)."""
-    for folder in ("/proc/self/fd", "/dev/fd"):
-        try:
-            return len(os.listdir(folder)) - 1
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return limit  # EMFILE or ENFILE: as full as it gets
-    return None
-
-
-def listen_backlog(max_peers: int) -> int:
-    """The listener's backlog: libzmq's default (100), less under a small cap.
-    While the gate has the listener open, what waits there is accepted in one
-    burst, before the gate has read a single ACCEPTED event."""
-    return max(8, min(100, max_peers // 4))
-
-
-# What the daemon's process holds besides the RAM tier's entries and messages:
-# the interpreter, libzmq, the index's bookkeeping, the EXPLAIN records, the
-# requests of heavy peers waiting their turn (at most 32 MiB, kvd.server.turns).
-BASE_ALLOWANCE = 160 << 20
-# Shared-memory PUTs awaiting their COMMIT keep their requests (tokens, metas):
-# at most this or max_message_bytes, whichever is less (kvd.server.shm rule 3).
-PENDING_ALLOWANCE = 64 << 20
-
-
-def memory_ceiling(ram_bytes: int, limits) -> int:
-    """Anonymous RSS the daemon allows itself: the RAM tier's bytes (entries'
-    overhead included; the caller adds the spill queue's entries RAM no longer
-    holds) + BASE_ALLOWANCE + 3 x max_message_bytes: queued replies
-    are held to 2x in total (kvd.server.outbox), 1x is for messages arriving
-    -- + what shared-memory PUTs awaiting COMMIT hold (PENDING_ALLOWANCE or
-    1x, whichever is less). Over it, the gate sheds stalled peers (rule 3)."""
-    return ram_bytes + BASE_ALLOWANCE + 3 * limits.max_message_bytes + min(limits.max_message_bytes, PENDING_ALLOWANCE)
-
-
-def _stand_in(kind: int, sockname) -> socket.socket:
-    """The empty listening socket a pause points libzmq's listener fd at.
-
-    Whatever connects to it while the listener is paused, libzmq accepts as
-    a peer: so nobody must be able to. An ipc endpoint's stand-in is bound
-    in the endpoint's own directory (0700, kvd.endpoint rule 3) and its name
-    unlinked at once -- a socket without a name cannot be connected to (an
-    abstract name, as before, could be by any local user, bypassing the
-    directory's mode) -- and anything that connected in between is turned
-    away. tcp's is on loopback: reaching it is no more than reaching the
-    endpoint, and CURVE is the socket's, not the listener's."""
-    s = socket.socket(kind, socket.SOCK_STREAM)
-    try:
-        if kind == socket.AF_UNIX and isinstance(sockname, str) and sockname.startswith("/"):
-            path = os.path.join(os.path.dirname(sockname), f".kvd-pause-{os.getpid()}")  # another daemon's dir too
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # a dead daemon's of the same pid
-            s.bind(path)
-            s.listen(1)
-            os.unlink(path)
-        elif kind == socket.AF_UNIX:
-            s.bind("")  # an abstract endpoint is anyone's already: an autobound name is no more
-            s.listen(1)
-        else:
-            s.bind(("::1", 0) if kind == socket.AF_INET6 else ("127.0.0.1", 0))
-            s.listen(1)
-        s.setblocking(False)
-        while True:  # connected before the name was gone
-            try:
-                s.accept()[0].close()
-            except BlockingIOError:
-                return s
-    except BaseException:
-        s.close()
-        raise
-
-
-def _sockname(fd: int):
-    s = socket.socket(fileno=fd)
-    try:
-        return s.getsockname()
-    finally:
-        s.detach()
-
-
-def origin(fd: int) -> bytes | None:
-    """The process at the other end of unix-socket connection `fd`, whose
-    cost a new connection of it starts from (kvd.server.turns). None if it
-    cannot be told: the fd is gone or not a unix socket (over TCP a host may
-    be many clients), or the peer is outside our pid namespace (pid 0)."""
-    try:
-        s = socket.socket(fileno=fd)
-    except OSError:
-        return None
-    try:
-        pid = _peer_pid(s) if s.family == socket.AF_UNIX else 0
-    except (OSError, struct.error):
-        pid = 0
-    finally:
-        s.detach()
-    return b"pid %d" % pid if pid > 0 else None
-
-
-def connection_id(fd: int) -> int | None:
-    """What tells the connection on `fd` from a later one on the same number:
-    its socket's inode (Linux: from a counter, never reused while the
-    system runs; macOS: unique among open sockets). None if `fd` is closed."""
-    try:
-        return os.fstat(fd).st_ino
-    except OSError:
-        return None
-
-
-def _peer_pid(s: socket.socket) -> int:
-    """The pid of a unix socket's peer, 0 if unknown (the one OS-specific call of origin())."""
-    if sys.platform == "linux":  # struct ucred {pid, uid, gid}
-        return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-    if sys.platform == "darwin":  # SOL_LOCAL, LOCAL_PEERPID
-        return struct.unpack("i", s.getsockopt(0, 2, 4))[0]
-    return 0
-
-
-def _shutdown(fd: int) -> None:
-    s = socket.socket(fileno=fd)
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    finally:
-        s.detach()  # libzmq owns the fd and closes it
 
 
 class PeerGate(threading.Thread):
@@ -498,8 +241,8 @@ class PeerGate(threading.Thread):
         self._real: int | None = None  # our duplicate of it, which keeps the real listener alive
         self._empty: socket.socket | None = None  # what the listener fd points at while paused
         self.paused = False
-        self.fd_limit = self.start_fd_limit = _fd_limit()
-        self.fd_alarm = self.fd_limit - _RESERVE_FDS
+        self.fd_limit = self.start_fd_limit = fd_limit()
+        self.fd_alarm = self.fd_limit - RESERVE_FDS
         self.own_fds: int | None = None  # fds held besides peers', counted while the limit is lowered (rule 6)
         self._own_counted_at = float("-inf")
         self.sockname = None  # the listener's address: what a peer's fd reports as its own
@@ -632,11 +375,11 @@ class PeerGate(threading.Thread):
         """Rule 6: recompute the cap, rule 5's mark and the alarm when the fd
         limit changed; while it is below the one at start, recount the fds
         the daemon holds besides its peers' (on a change, then once a second)."""
-        limit = _fd_limit()
+        limit = fd_limit()
         changed = limit != self.fd_limit
         if changed:
             self.fd_limit = limit
-            self.fd_alarm = limit - _RESERVE_FDS
+            self.fd_alarm = limit - RESERVE_FDS
             self.max_peers = min(self.wanted_peers, default_max_peers(limit))
             self.open_below = _open_below(self.max_peers)
             self.counters["fd_limit_changes"] += 1
@@ -644,7 +387,7 @@ class PeerGate(threading.Thread):
             self.own_fds = None
         elif changed or self.clock() - self._own_counted_at >= 1.0:
             self._own_counted_at = self.clock()
-            held = _open_fds(limit)
+            held = open_fds(limit)
             self.own_fds = None if held is None else max(0, held - len(self.peers) - len(self.closing))
             if self.own_fds is None:
                 self.fd_alarm = min(self.fd_alarm, limit // 2)  # no count to go by: pause at every accept past half
@@ -688,7 +431,7 @@ class PeerGate(threading.Thread):
             )
         if self.closing or not self.peers:
             return
-        held = _open_fds(self.fd_limit)
+        held = open_fds(self.fd_limit)
         if held is None or held >= self.fd_limit - _TIGHT_FDS:  # still full: not a moment past
             self._make_room()
 
@@ -727,7 +470,7 @@ class PeerGate(threading.Thread):
                 # monitor's fd signals its ACCEPTED), at most a millisecond,
                 # and let it have this CPU meanwhile -- keeping the GIL, so
                 # that the window ends when the millisecond does.
-                _WAIT_READABLE(self._monitor_fd, 1)
+                wait_readable(self._monitor_fd, 1)
             self.pause()  # libzmq takes what it can in between: none, one or a few
             acceptguard.set_budget(None)
             if self._drain():
@@ -791,11 +534,11 @@ class PeerGate(threading.Thread):
     def _listening(self, fd: int) -> None:
         """Remember libzmq's listener and prepare the empty socket a pause swaps in."""
         try:
-            self.sockname = _sockname(fd)
+            self.sockname = sockname(fd)
             family = socket.socket(fileno=fd)
             kind = family.family
             family.detach()
-            self._empty = _stand_in(kind, self.sockname)
+            self._empty = stand_in(kind, self.sockname)
             self._real = os.dup(fd)
             self.listener = fd
             acceptguard.set_listener(self._real)
@@ -808,14 +551,14 @@ class PeerGate(threading.Thread):
     def pause(self) -> None:
         if self.paused or self.listener is None or self._empty is None:
             return
-        _SWAP_FD(self._empty.fileno(), self.listener)
+        swap_fd(self._empty.fileno(), self.listener)
         self.paused = True
         self.counters["pauses"] += 1
 
     def resume(self) -> None:
         if not self.paused or self._real is None or self.listener is None:
             return
-        _SWAP_FD(self._real, self.listener)
+        swap_fd(self._real, self.listener)
         self.paused = False
 
     def _balance(self) -> None:
@@ -853,9 +596,9 @@ class PeerGate(threading.Thread):
             return False  # not (or no longer) a peer we know: never shed blindly
         self.peers.pop(fd, None)  # DISCONNECTED will follow; never shed twice
         try:
-            if self.sockname is not None and _sockname(fd) != self.sockname:
+            if self.sockname is not None and sockname(fd) != self.sockname:
                 return False  # rule 2: no longer (or never) one of our peers
-            _shutdown(fd)
+            shut_down(fd)
         except OSError:
             return False  # closed meanwhile, or not a socket
         self.closing[fd] = self.clock()
@@ -890,9 +633,9 @@ class PeerGate(threading.Thread):
             return
         over = rss - self.ceiling()
         self.headroom = -over
-        if over > 0 and _LIBC is not None and self.clock() - self._trimmed_at > 1.0:
+        if over > 0 and can_trim() and self.clock() - self._trimmed_at > 1.0:
             self._trimmed_at = self.clock()
-            _LIBC.malloc_trim(0)  # freed but kept by the allocator is not a peer's doing
+            trim_malloc()  # freed but kept by the allocator is not a peer's doing
             rss = rss_bytes() or rss
             over = rss - self.ceiling()
             self.headroom = -over
@@ -920,34 +663,3 @@ class PeerGate(threading.Thread):
             self._shed_at = (self.clock(), rss)
             self.counters["shed_for_memory"] += shed
             log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
-
-
-def rss_bytes() -> int | None:
-    """This process's anonymous resident memory (Linux: RssAnon, which leaves
-    out the index's file-backed map and shared memory), or None where the
-    system does not tell it cheaply (macOS: the watchdog is off there; the
-    per-frame limit and the reply budgets still hold).
-
-    Read from /proc/self/statm (resident less shared pages: RssAnon), kept
-    open and read again in place: ~2 us, where parsing /proc/self/status took
-    ~20 -- the gate samples it holding the GIL the serving thread wants."""
-    global _STATM
-    if _STATM is None:
-        try:
-            _STATM = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            _STATM = -1  # no /proc (macOS): not asked again
-            return None
-        except OSError:
-            return None  # no fd free this time (EMFILE): tried again at the next sample
-    if _STATM < 0:
-        return None
-    try:
-        fields = os.pread(_STATM, 128, 0).split()
-        return (int(fields[1]) - int(fields[2])) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_STATM: int | None = None  # the open /proc/self/statm (rss_bytes)
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

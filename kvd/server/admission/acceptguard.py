@@ -6,7 +6,7 @@ Theory of operation
 libzmq 4.3.5 (and its master) calls accept4() on an ipc listener and
 asserts on the result: EMFILE (this process's fd table is full) is not in
 the list of errors it tolerates, so one connection too many kills the
-daemon with SIGABRT (src/ipc_listener.cpp). The gate (peers.py) keeps the
+daemon with SIGABRT (src/ipc_listener.cpp). The gate (gate.py) keeps the
 table under its cap, but only as fast as a Python thread runs: preempted
 while it has the listener open, or under an fd limit lowered to what the
 daemon holds already (rule 6), it cannot stop libzmq's I/O thread from
@@ -22,7 +22,7 @@ the real accept4(); when it fails for want of an fd (EMFILE, ENFILE) it
 closes a spare fd held for the purpose, accepts the waiting connection onto
 that number and closes it at once, takes the spare again and tells libzmq
 EAGAIN -- which libzmq takes in its stride. While the gate has libzmq's fd
-pointing at its empty stand-in (peers.py, pausing), the newcomer is taken
+pointing at its empty stand-in (gate.py, pausing), the newcomer is taken
 from the real listener, whose duplicate the gate hands over
 (`set_listener`); only a connection that is waiting is accepted (libzmq's
 listener is a blocking socket). The newcomer sees its connection closed
@@ -91,7 +91,7 @@ class _State:
     # number between its close and the accept onto it.
     accept4 = close = open = poll = None
     spare = -1  # an fd held to accept a newcomer onto when the table is full
-    listener: int | None = None  # the gate's duplicate of the real listener (peers.py), if it has one
+    listener: int | None = None  # the gate's duplicate of the real listener (gate.py), if it has one
     refused = 0  # newcomers dropped for want of an fd
     budget: int | None = None  # accepts left in the gate's open window (None: no bound)
     hooks: list[Callable[[], None]] = []  # told of every accept() that found no fd free
@@ -138,7 +138,7 @@ def _waiting(fd: int) -> bool:
 
 def set_budget(n: int | None) -> None:
     """Accept at most `n` more connections (the gate's room while it has the
-    listener open for a window: peers.py rule 8); None: no bound. Past it,
+    listener open for a window: gate.py rule 8); None: no bound. Past it,
     libzmq is told EAGAIN and the newcomer waits in the backlog."""
     _State.budget = n
 

@@ -35,7 +35,7 @@ Rules the outbox keeps:
    reads or does not, can make the loop sleep more than that.
    When the total is reached, the peer holding the most is cut off
    (`disconnect(where)`, the connection its last request came on: the daemon
-   names it by fd and connection id, kvd.server.peers rule 2): libzmq drops what
+   names it by fd and connection id, kvd.server.admission.gate rule 2): libzmq drops what
    was queued for it, and the others' replies flow again. Without that, a
    few peers that never read would get everyone else's big replies refused.
 3. `saturated(identity)` tells the serving loop, before any work is done,

@@ -3,7 +3,7 @@ slot is carved from, and how a freed slot merges with its neighbours.
 
 Theory of operation
 -------------------
-No I/O here: the arena (kvd/server/shm.py) owns the segment files and calls
+No I/O here: the arena (kvd/server/shm/arena.py) owns the segment files and calls
 this under its lock. Sizes and offsets are whatever the arena passes (ALIGN
 multiples there); a segment is an index the arena never reuses.
 

@@ -1,21 +1,12 @@
-"""How much memory pressure the machine is under: the sources the RAM tier yields to.
+"""Memory pressure as the OS reports it: the level a sample of this machine reads.
 
-Theory of operation
--------------------
 A *source* is a callable returning a `Sample`: a level -- "normal", "warn"
 or "critical" -- with the reason in words and, when known, the bytes still
-available and the total they are out of. `make_source(spec)` builds one from
-the `pressure_source` setting:
+available and the total they are out of. `system_source()` is this
+machine's; the governor (kvd/server/governor.py) decides what the RAM tier
+does with it, and adds the sources that are not the OS's (off, a level file).
 
-    auto        this machine (`read_system`, below)
-    off         none: the RAM tier keeps its budget
-    file:PATH   the first word of PATH ("normal", "warn" or "critical"; a
-                missing file is "normal"): the documented hook for tests and
-                for operators who compute pressure elsewhere. Only a regular
-                file's first 4 KiB are read, without blocking: a FIFO, a
-                device or a folder reads as "normal", with a warning
-
-`read_system` is the only OS-specific part:
+What each OS gives:
 
     Linux   /proc/meminfo MemAvailable against MemTotal; PSI
             (/proc/pressure/memory, "some" avg10: the share of the last 10 s
@@ -32,10 +23,14 @@ the `pressure_source` setting:
     macOS   sysctl kern.memorystatus_vm_pressure_level via ctypes (the
             kernel's own level: 1 normal, 2 warn, 4 critical) and hw.memsize.
             Not exercised by the test suite (it runs on Linux).
+    other   no source: always "normal".
 
 Levels have hysteresis: each measure enters a level at one threshold and
 leaves it only below a lower one (`THRESHOLDS`), so a value hovering at a
 threshold does not flap. The worst measure decides.
+
+`memory_total()`: the bytes this process may use (physical memory, or the
+tightest cgroup limit if lower; macOS hw.memsize).
 
 Cost: a sample reads three or four small /proc and /sys files (~50 us); the
 daemon takes one every `pressure_poll_s` seconds from its housekeeping
@@ -46,21 +41,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
-import os
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvd.endpoint import file_kind
-
 LEVELS = ("normal", "warn", "critical")
 MiB = 1 << 20
 GiB = 1 << 30
 
-log = logging.getLogger("kvd.server")
 
 # measure -> (warn enter, warn leave, critical enter, critical leave); higher is worse.
 THRESHOLDS = {
@@ -300,77 +289,6 @@ def system_source() -> Source:
     return lambda previous="normal": Sample("normal", f"no pressure source on {sys.platform}")
 
 
-# The level file is read on the serving thread, under the daemon's lock
-# (the governor's tick): whatever PATH turns out to be, a sample must not
-# block or grow. A FIFO with no writer would block a plain open() or read()
-# forever, /dev/zero never ends, and a huge file would be read whole. So the
-# file is opened non-blocking, must be a regular file, and only its first
-# FILE_READ_MAX bytes are read: the first word is all that counts.
-FILE_READ_MAX = 4096
-
-
-def read_level_file(path: str | os.PathLike) -> tuple[str, str | None]:
-    """(the first FILE_READ_MAX bytes of `path` decoded, undecodable bytes
-    replaced; None), or ("", what PATH is instead of a regular file). Never
-    blocks on a FIFO or a device. Raises FileNotFoundError, or OSError if
-    it cannot be opened."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            return "", f"{file_kind(mode)}, not a regular file"
-        data = os.read(fd, FILE_READ_MAX)
-    finally:
-        os.close(fd)
-    return data.decode("utf-8", "replace"), None
-
-
-def file_source(path: str | os.PathLike) -> Source:
-    """A source reading its level from a file: the testing and integration hook.
-
-    Anything but a readable regular file -- absent, unreadable, a FIFO, a
-    device, a folder -- reads as "normal" with the reason in the sample (shown
-    by `kvd stats`); a problem is logged once as a warning, again only after
-    the file has been read well in between."""
-    path = Path(path)
-    warned: list[str] = []  # the problem last logged; cleared by a good read
-
-    def trouble(reason: str) -> Sample:
-        if not warned or warned[0] != reason:
-            log.warning("pressure source %s: %s (reading it as normal)", path, reason)
-            warned[:] = [reason]
-        return Sample("normal", f"{path}: {reason}")
-
-    def sample(previous: str = "normal") -> Sample:
-        try:
-            text, problem = read_level_file(path)
-        except FileNotFoundError:
-            return Sample("normal", f"{path}: absent")  # the documented "no pressure": not worth a warning
-        except OSError as exc:
-            return trouble(f"unreadable ({exc.strerror or exc})")
-        if problem is not None:
-            return trouble(problem)
-        warned.clear()
-        words = text.split()
-        level = words[0].lower() if words else "normal"
-        if level not in LEVELS:
-            return Sample("normal", f"{path}: unknown level {words[0][:40]!r}")
-        return Sample(level, f"{path}: {' '.join(words)[:80]}")
-
-    return sample
-
-
-def make_source(spec: str) -> Source | None:
-    """The source for a `pressure_source` setting; None for "off"."""
-    if spec == "off":
-        return None
-    if spec == "auto":
-        return system_source()
-    if spec.startswith("file:"):
-        return file_source(spec[5:])
-    raise ValueError(f"expected auto, off or file:PATH, got {spec!r}")
-
-
 def memory_total() -> int | None:
     """Bytes of memory this process may use: physical memory, or the tightest
     cgroup limit if lower. None if unknown."""
@@ -383,14 +301,3 @@ def memory_total() -> int | None:
             if limit and (total is None or limit < total):
                 total = limit
     return total
-
-
-def auto_ram_mb(total: int | None = None) -> int:
-    """`ram_mb = "auto"`: an eighth of the memory this process may use (see
-    `memory_total`), at least 256 MiB and at most 32 GiB; 1024 MiB if unknown.
-    An eighth leaves the models the rest, and the RAM tier yields under
-    pressure anyway."""
-    total = memory_total() if total is None else total
-    if not total:
-        return 1024
-    return int(min(32 * 1024, max(256, total // 8 // MiB)))

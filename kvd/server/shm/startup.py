@@ -6,7 +6,8 @@ import logging
 import time
 
 from kvd.endpoint import ipc_path
-from kvd.server.shm import ShmPlane, new_plane_dir, sweep_plane_dirs
+from kvd.server.shm.folders import new_plane_dir, sweep_plane_dirs
+from kvd.server.shm.plane import ShmPlane
 
 log = logging.getLogger("kvd.server")
 
@@ -46,7 +47,7 @@ REPAIR_S = 1.0  # seconds between checks of the plane's folder, nonce and names 
 
 def open_plane(daemon) -> None:
     """Sweep what killed runs on this endpoint left, create the plane in a
-    folder of its own (kvd.server.shm.new_plane_dir) and let the handler and
+    folder of its own (kvd.server.shm.folders.new_plane_dir) and let the handler and
     the SSD tier use it. The daemon holds the endpoint's lock. A failure only
     costs the plane: the daemon serves frames and says why."""
     path = ipc_path(daemon.endpoint)

@@ -26,7 +26,7 @@ served in full.
 
 A cost belongs to a connection, and also to its *origin*, the process at
 the other end of a unix socket (the daemon finds it once per connection,
-kvd.server.peers.origin): a connection with no requests served yet is
+kvd.server.admission.connections.origin): a connection with no requests served yet is
 charged its origin's cost. Otherwise every new connection would start light,
 and a peer that reconnects for every request -- a new identity each time --
 would never be heavy (measured: 1,100 LOOKUPs of 4 MiB on fresh connections,

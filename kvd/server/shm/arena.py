@@ -1,0 +1,403 @@
+"""The shared-memory plane's arena: segments, and the slots carved from them.
+
+Theory of operation
+-------------------
+The arena is a set of segment files in a private 0700 folder, each created
+0600 and mapped with `mmap` (the same on macOS and Linux). The folder must be
+memory, not disk, or the kernel writes every slot back to the drive: on Linux
+it is `/dev/shm/kvd-<uid>-<hash of the socket path>-<random>` (tmpfs), elsewhere
+`<socket>.shm-<random>` beside the socket (folders.py, `new_plane_dir`): a name drawn at each
+start, so no other user can take it first, and found again by its prefix so the
+next start sweeps what a killed run left (`sweep_plane_dirs`). Segments are sparse; each
+slot's pages are reserved when it is allocated (posix_fallocate where it
+exists; a page map per segment skips pages reserved already, a syscall per
+slot on every put otherwise), so memory grows with use, slot by slot (a tight memory cgroup sees no
+jump), and a full tmpfs is an allocation failure, never a SIGBUS on first touch. A *slot* is one
+allocation in a segment, carved from the smallest free range that holds it
+(best fit, freespace.py: O(log n) however fragmented), merged with
+its free neighbours when freed, every slot starting at a multiple of ALIGN. A segment whose slots are
+all free is removed (unlinked and unmapped) as soon as the arena holds more
+free space than it keeps warm for the next slots (`keep_free`, half its
+capacity: about the RAM tier's budget), so memory the RAM tier gives back
+under memory pressure leaves the arena too; replies list the live
+segments so clients unmap the others. When the RAM tier yields to memory
+pressure (its budget below the configured one), `trim` also hands back the
+pages of every free range (MADV_REMOVE); a slot later carved from such a range
+is reserved again like any other.
+
+A slot's lifetime is its Python references: the bytes are handed out as a
+`SlotArray` (a uint8 ndarray viewing the mapping that carries its `Slot`),
+and the slot returns to the free list when the last reference goes -- the
+RAM tier's entry, the spill queue's entry, a ZeroMQ frame still being sent,
+a lease. So nothing frees a slot early and no code path has to remember to
+free one: eviction drops the RAM tier's reference, a lease holds its own.
+
+Segments are made by kvd/host/segments.py (sealed memfds on Linux, files
+elsewhere: kvd/server/shm/plane.py, rule 5); what the plane does with slots
+(leases, GET, SLOTS/COMMIT) is in plane.py, reads.py and writes.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import mmap
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kvd.host.segments import name_segment, names_segment, new_segment, probe_memfd
+from kvd.protocol.shm import Descriptor, align_up, segment_name
+from kvd.server.shm.freespace import FreeSpace
+from kvd.server.ratelog import now_and_then
+
+log = logging.getLogger("kvd.server")
+
+_PAGE = mmap.PAGESIZE
+_MAX_SEGMENTS = 999_999  # segment indexes a run may use (kvd.protocol.shm.segment_name)
+SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
+
+
+class Slot:
+    """One allocation; its bytes return to the arena when this object dies."""
+
+    __slots__ = ("arena", "seg", "off", "size", "sid", "lost")
+
+    def __init__(self, arena: "Arena", seg: int, off: int, size: int, sid: int):
+        self.arena, self.seg, self.off, self.size, self.sid = arena, seg, off, size, sid
+        self.lost = False  # its range is never allocated again (Arena.lose)
+
+    def __del__(self):
+        self.arena._free(self.seg, self.off, self.size, self.lost)
+
+
+class SlotArray(np.ndarray):
+    """A uint8 view of a slot's bytes that keeps the slot alive (views inherit it)."""
+
+    slot: Slot | None = None
+
+    def __array_finalize__(self, obj):
+        self.slot = getattr(obj, "slot", None)
+
+
+class Arena:
+    """Segment files and their free lists. Thread-safe: the last reference to
+    a slot may go on any thread (the SSD spill writer, ZeroMQ's I/O)."""
+
+    def __init__(self, folder: Path, run_id: str, capacity: int | Callable[[], int], segment_bytes: int = SEGMENT_BYTES):
+        self.folder, self.run_id = folder, run_id
+        self.sealed = probe_memfd()  # segments are sealed memfds (plane.py rule 5), else files
+        # Bytes the arena may use: a number, or a callable read at each
+        # allocation (the daemon's follows the RAM tier's budget as memory
+        # pressure moves it, so under pressure shm PUTs fall back to frames).
+        self._capacity = capacity if callable(capacity) else (lambda: int(capacity))
+        self.segment_bytes = int(segment_bytes)
+        self._mu = threading.Lock()
+        # The thread inside `_mu`, and frees that arrived while it was: a
+        # slot's last reference can go inside a locked section of this very
+        # thread (the cyclic garbage collector runs wherever objects are
+        # made), and `_mu` is not reentrant. Such a free waits here (a deque:
+        # appends need no lock) until the section ends.
+        self._owner: int | None = None
+        self._deferred: collections.deque[tuple[int, int, int, bool]] = collections.deque()
+        self._maps: list[mmap.mmap | None] = []  # None: removed (indexes are never reused)
+        self._bases: list[int] = []  # address of each mapping (to locate views)
+        self._sizes: list[int] = []
+        self._fds: list[int] = []  # kept open: every slot reserves its range (_reserve)
+        self._reserved: list[bytearray] = []  # per segment, per page: 1 once reserved (and not trimmed)
+        self._space = FreeSpace()  # the free ranges of every segment
+        self._seg_used: list[int] = []  # bytes of live slots, per segment
+        # Bytes of lost ranges, per segment and in all: a write lease there
+        # ended uncommitted, and its writer may still be writing (`lose`).
+        self._seg_lost: list[int] = []
+        self.lost_bytes = 0
+        # Segments holding lost ranges: nothing more is allocated in them (their
+        # free pages are handed back), and each goes once its live slots do. So
+        # a few small entries beside lost ranges never pin whole segments of
+        # capacity: a draining segment counts only its live bytes (`_grow`).
+        self._draining: set[int] = set()
+        self._sids = 0
+        self._reserve_failures = 0
+        self.used = 0
+        self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0,
+                         "grow_failures": 0, "lost_slots": 0, "names_repaired": 0}
+        self.lean = False  # keep no free memory warm (give_back), until the next alloc
+
+    # -- allocation ----------------------------------------------------------
+    def alloc(self, nbytes: int) -> SlotArray | None:
+        """A fresh slot of `nbytes` as a SlotArray, or None if the arena is full."""
+        size = align_up(max(1, nbytes))
+        with self._locked():
+            self.lean = False
+            if self.used + size > self.capacity:
+                self.counters["alloc_failures"] += 1
+                return None
+            found = self._space.take(size)
+            if found is None:
+                try:
+                    found = self._grow(size)
+                except OSError as err:  # no memory for a segment, the folder gone: frames instead
+                    self.counters["grow_failures"] += 1
+                    if now_and_then(self.counters["grow_failures"]):
+                        log.warning("cannot add a shared-memory segment (%d times so far): %s",
+                                    self.counters["grow_failures"], err)
+                    found = None
+            if found is None:
+                self.counters["alloc_failures"] += 1
+                return None
+            seg, off = found
+            if not self._reserve(seg, off, size):
+                self._free_locked(seg, off, size, count=False)
+                self.counters["alloc_failures"] += 1
+                return None
+            self.used += size
+            self._seg_used[seg] += size
+            self.counters["allocs"] += 1
+            self._sids += 1
+            slot = Slot(self, seg, off, size, self._sids)
+        arr = np.frombuffer(self._maps[seg], np.uint8, count=nbytes, offset=off).view(SlotArray)
+        arr.slot = slot
+        return arr
+
+    @property
+    def capacity(self) -> int:
+        return int(self._capacity())
+
+    def keep_free(self) -> int:
+        """Free bytes the arena keeps mapped and reserved for the next slots:
+        half its capacity (about the RAM tier's budget). A put then writes
+        into pages already there, mapped by its client since an earlier put,
+        instead of a new segment's (a RAM tier in steady state frees one
+        entry as it stores the next: removing the freed segment at once made
+        every put fault in fresh pages, 0.75 GiB/s instead of ~4 for 256 MiB).
+        Memory pressure shrinks the capacity, and `trim` gives the rest back."""
+        if self.lean:
+            return self.segment_bytes
+        return max(self.segment_bytes, self.capacity // 2)
+
+    def give_back(self) -> int:
+        """The operator emptied the RAM tier (`kvd gc --ram-mb`): hand back the
+        free memory now (`trim`), and the slots freed later too (leases still
+        pin some), until the next allocation."""
+        self.lean = True
+        return self.trim()
+
+    def _grow(self, size: int) -> tuple[int, int] | None:
+        seg_size = max(self.segment_bytes, size)
+        # Draining segments count their live slots only: their other pages were
+        # handed back (a late writer faulting lost ones in again pays for them
+        # itself). Each segment costs a descriptor: at most about twice as many
+        # as the capacity holds, draining ones included.
+        held = sum(self._seg_used[seg] if seg in self._draining else n for seg, n in enumerate(self._sizes))
+        if (held + seg_size > self.capacity or len(self._maps) >= _MAX_SEGMENTS
+                or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
+            return None
+        seg = len(self._maps)
+        name = segment_name(self.run_id, seg)
+        fd = new_segment(self.folder, name, seg_size, self.sealed)  # sparse: slots reserve their pages (_reserve)
+        try:
+            mm = mmap.mmap(fd, seg_size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            unlink_name(self.folder / name)
+            raise
+        self._fds.append(fd)
+        self._maps.append(mm)
+        self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
+        self._sizes.append(seg_size)
+        self._reserved.append(bytearray(-(-seg_size // _PAGE)))  # pages reserved so far (_reserve)
+        self._seg_used.append(0)
+        self._seg_lost.append(0)
+        if seg_size > size:
+            self._space.give(seg, size, seg_size - size)
+        return seg, 0
+
+    def _reserve(self, seg: int, off: int, size: int) -> bool:
+        if not hasattr(os, "posix_fallocate"):
+            return True
+        lo, hi = off // _PAGE, -(-(off + size) // _PAGE)
+        pages = self._reserved[seg]
+        if pages.find(0, lo, hi) == -1:
+            return True  # reused memory: its pages are there already (a syscall per slot saved)
+        try:
+            os.posix_fallocate(self._fds[seg], off, size)
+        except OSError as err:
+            self._reserve_failures += 1
+            if now_and_then(self._reserve_failures):
+                log.warning("cannot reserve %d bytes of shared memory (%d times so far): %s",
+                            size, self._reserve_failures, err)
+            return False
+        pages[lo:hi] = b"\x01" * (hi - lo)
+        return True
+
+    def trim(self) -> int:
+        """Give back the pages of every free range and remove all-free segments.
+        Returns the bytes handed back."""
+        freed = 0
+        with self._locked():
+            for seg, mm in enumerate(self._maps):
+                if mm is None:
+                    continue
+                free = self._space.ranges(seg)
+                if free == [(0, self._sizes[seg])]:
+                    freed += self._sizes[seg]
+                    self._remove(seg)
+                    continue
+                for off, n in free:
+                    freed += self._punch(seg, off, n)
+        self.counters["trimmed_bytes"] += freed
+        return freed
+
+    def _punch(self, seg: int, off: int, n: int) -> int:
+        """Hand back the whole pages inside [off, off + n) of a segment (under
+        the lock); returns how many bytes. A later touch finds zeros."""
+        lo = -(-off // _PAGE) * _PAGE
+        hi = (off + n) // _PAGE * _PAGE
+        if hi <= lo or not hasattr(mmap, "MADV_REMOVE"):
+            return 0
+        self._maps[seg].madvise(mmap.MADV_REMOVE, lo, hi - lo)
+        self._reserved[seg][lo // _PAGE:hi // _PAGE] = bytes((hi - lo) // _PAGE)
+        return hi - lo
+
+    def _free(self, seg: int, off: int, size: int, lost: bool = False) -> None:
+        if self._owner == threading.get_ident():
+            self._deferred.append((seg, off, size, lost))  # inside our own locked section
+            return
+        with self._locked():
+            self._free_locked(seg, off, size, lost=lost)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with self._mu:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                while self._deferred:
+                    seg, off, size, lost = self._deferred.popleft()
+                    self._free_locked(seg, off, size, lost=lost)
+                self._owner = None
+
+    def _free_locked(self, seg: int, off: int, size: int, count: bool = True, lost: bool = False) -> None:
+        if count:
+            self.used -= size
+            self._seg_used[seg] -= size
+        if self._maps[seg] is None:
+            return
+        if lost:
+            # Never allocated again: its writer may still be writing. The
+            # pages go back now (the writer's later touches cost its own).
+            self._seg_lost[seg] += size
+            self.lost_bytes += size
+            self._punch(seg, off, size)
+            self.counters["lost_slots"] += 1
+            if seg not in self._draining:
+                self._draining.add(seg)
+                for start, n in self._space.ranges(seg):
+                    self._punch(seg, start, n)
+                self._space.drop(seg)
+        elif seg in self._draining:
+            self._punch(seg, off, size)  # never allocated again either: the segment drains
+        elif self._space.give(seg, off, size) == (0, self._sizes[seg]) and self._spare() > self.keep_free():
+            self._remove(seg)  # all free, and more than enough is kept warm elsewhere
+            return
+        if seg in self._draining and not self._seg_used[seg]:
+            self._remove(seg)  # nothing live left: its late writer writes to memory no one reads
+
+    def _spare(self) -> int:
+        """Free bytes in the segments that allocate (not draining ones)."""
+        return sum(n - self._seg_used[seg] for seg, n in enumerate(self._sizes) if seg not in self._draining)
+
+    def lose(self, slots) -> None:
+        """Allocate these slots' ranges never again: they were granted to a
+        writer whose lease ended before it committed, and a writer stopped
+        mid-copy (SIGSTOP, swapped out) writes on when it resumes, into
+        whatever the range would hold by then. Their pages are handed back
+        when the slots are freed, and their segment drains (`_draining`)."""
+        for slot in slots:
+            slot.lost = True
+
+    def _remove(self, seg: int) -> None:
+        """Give an all-free segment back (called under the lock)."""
+        mm, self._maps[seg] = self._maps[seg], None
+        self.lost_bytes -= self._seg_lost[seg]
+        self._seg_lost[seg] = 0
+        self._draining.discard(seg)
+        self._sizes[seg], self._reserved[seg] = 0, bytearray()
+        self._space.drop(seg)
+        unlink_name(self.folder / segment_name(self.run_id, seg))
+        try:
+            mm.close()
+        except BufferError:  # a view still exports it: the mapping goes with that view
+            pass
+        os.close(self._fds[seg])
+        self._fds[seg] = -1
+        self.counters["segments_removed"] += 1
+
+    def live(self) -> list[int]:
+        """Indexes of the segments that exist now."""
+        return [seg for seg, mm in enumerate(self._maps) if mm is not None]
+
+    # -- lookups ------------------------------------------------------------------
+    def locate(self, data: Any) -> tuple[Slot, Descriptor] | None:
+        """The slot and descriptor of a buffer inside the arena, else None."""
+        obj: Any = data
+        for _ in range(4):  # memoryview -> its exporter -> ndarray base chain
+            slot = getattr(obj, "slot", None) if isinstance(obj, np.ndarray) else None
+            if slot is not None:
+                break
+            obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
+            if obj is None:
+                return None
+        else:
+            return None
+        view = memoryview(data)
+        if view.nbytes:
+            addr = np.frombuffer(view.cast("B") if view.format != "B" else view, np.uint8).ctypes.data
+            off = addr - self._bases[slot.seg]
+        else:
+            off = slot.off
+        if not slot.off <= off <= slot.off + slot.size - view.nbytes:
+            return None
+        return slot, Descriptor(slot.seg, off, view.nbytes)
+
+    def stats(self) -> dict[str, Any]:
+        return {"segments": len(self.live()), "mapped_bytes": sum(self._sizes), "used_bytes": self.used,
+                "capacity_bytes": self.capacity, "lost_bytes": self.lost_bytes,
+                "draining_segments": len(self._draining), **self.counters}
+
+    def unlink(self) -> None:
+        """Remove this run's segment names (mappings stay valid until unmapped)."""
+        for seg in self.live():
+            unlink_name(self.folder / segment_name(self.run_id, seg))
+
+    def repair(self) -> int:
+        """Put back the names of live segments removed or replaced under us
+        (plane.py rule 5; a file's name, off Linux, cannot be made again); returns how
+        many. Under the lock: a segment removed meanwhile is not named again."""
+        fixed = 0
+        if not self.sealed:
+            return 0
+        with self._locked():
+            for seg in self.live():
+                path = self.folder / segment_name(self.run_id, seg)
+                if not names_segment(path, self._fds[seg]):
+                    try:
+                        unlink_name(path)
+                        name_segment(path, self._fds[seg])
+                    except OSError:  # a folder under that name: not ours to empty; the next segment's
+                        continue
+                    fixed += 1
+        self.counters["names_repaired"] += fixed
+        return fixed
+
+
+def unlink_name(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

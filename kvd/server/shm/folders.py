@@ -1,0 +1,93 @@
+"""Where the plane's folder lives: named from the endpoint's socket, made
+fresh at each start (a name drawn at random, so no other user can take it
+first), and found again by its prefix so the next start sweeps what a killed
+run left (kvd/server/shm/plane.py, rule 4). In memory, never on disk: on
+Linux under /dev/shm (kvd.host.segments.memory_folder), elsewhere beside
+the socket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+
+from kvd.host.segments import memory_folder
+from kvd.protocol.shm import parse_segment_name
+
+log = logging.getLogger("kvd.server")
+
+NONCE_FILE = "nonce"
+_RUN_DIR = re.compile(r"-[0-9a-f]{16}")  # a run's folder: the prefix and this
+
+
+def plane_prefix(socket_path: Path, uid: int | None = None) -> Path:
+    """What the folders of an ipc endpoint's runs are named from (module
+    docstring): on Linux `/dev/shm/kvd-<uid>-<12 hex of the socket path's
+    hash>`, elsewhere `<socket>.shm` beside the socket."""
+    root = memory_folder()
+    if root is not None:
+        digest = hashlib.sha256(os.fsencode(os.path.abspath(socket_path))).hexdigest()[:12]
+        return root / f"kvd-{os.getuid() if uid is None else uid}-{digest}"
+    return socket_path.with_name(socket_path.name + ".shm")
+
+
+def plane_dirs(socket_path: Path, uid: int | None = None) -> list[Path]:
+    """The folders runs on this endpoint made and left (a daemon killed; the
+    live one's too): named from the prefix (or the prefix alone, as daemons
+    before 0.2 named theirs), directories, and owned by `uid` (default: ours).
+    A name another user made is never ours to touch."""
+    prefix = plane_prefix(socket_path, uid)
+    uid = os.getuid() if uid is None else uid
+    try:
+        names = os.listdir(prefix.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name != prefix.name and not _RUN_DIR.fullmatch(name.removeprefix(prefix.name)):
+            continue
+        try:
+            st = os.lstat(prefix.parent / name)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+            found.append(prefix.parent / name)
+    return sorted(found)
+
+
+def sweep_plane_dirs(socket_path: Path) -> int:
+    """Remove the folders killed runs on this endpoint left (call it holding
+    the endpoint's lock: no other daemon serves it): their segments and
+    nonce, then the folder. Anything else in one stays, and so does that
+    folder. Returns how many folders went."""
+    gone = 0
+    for folder in plane_dirs(socket_path):
+        try:
+            for name in os.listdir(folder):
+                if parse_segment_name(name) is not None or name == NONCE_FILE or name.startswith(NONCE_FILE + "."):
+                    os.unlink(folder / name)
+            folder.rmdir()
+            gone += 1
+        except OSError as err:
+            log.warning("shared memory: cannot remove %s, a stopped run's folder: %s", folder, err)
+    return gone
+
+
+def new_plane_dir(socket_path: Path) -> Path:
+    """A folder for this run's segments, made here, 0700: the prefix and 16
+    random hex digits. Another user cannot have made it first (a name taken
+    is passed over for another)."""
+    prefix = plane_prefix(socket_path)
+    for _ in range(8):
+        folder = prefix.with_name(f"{prefix.name}-{secrets.token_hex(8)}")
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"no free folder name beside {prefix}")

@@ -1,0 +1,88 @@
+"""GET over shared memory: a reply's tensors turned into descriptors of
+slots under one read lease, entries not yet in the arena copied in (rule 2
+of kvd/server/shm/plane.py). A mixin of ShmPlane: it uses the plane's arena,
+leases and counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvd.protocol.codec import Tensor
+from kvd.protocol.shm import align_up
+from kvd.server.shm.arena import Slot
+from kvd.store.base import Entry
+
+# Read leases live at once, all peers together: a client releases its GET's
+# lease with its next request; one that never does gets frames past this
+# (each lease costs ~0.5 KiB here, and pins its slots in the arena).
+READ_LEASES = 4096
+
+
+class GetReplies:
+    """ShmPlane's GET half."""
+
+    # -- GET -----------------------------------------------------------------
+    def describe_get(self, reply: dict[str, Any], entries: list[Entry]) -> dict[str, Any]:
+        """Turn a GET reply's tensors into descriptors under one read lease.
+        Entries not yet in the arena are copied in (and keep living there);
+        a tensor the arena has no room for stays a frame, and so does the
+        whole reply while READ_LEASES read leases are live."""
+        if len(self._held) - len(self._pending) >= self.max_read_leases:
+            self.counters["frames_over_leases"] += 1
+            reply["shm"] = {"run": self.run_id, "lease_s": self.leases.lease_seconds, "segments": self.arena.live()}
+            return reply
+        swap: dict[int, Tensor] = {}
+        for entry in entries:
+            swap.update(self._adopt(entry))
+        slots: dict[int, Slot] = {}
+
+        def convert(tensors: list[Tensor]) -> list[Tensor]:
+            out = []
+            for t in tensors:
+                t = swap.get(id(t), t)
+                found = self.arena.locate(t.data)
+                if found is None:
+                    out.append(t)
+                    continue
+                slots[found[0].sid] = found[0]
+                out.append(Tensor(t.name, t.dtype, t.shape, found[1]))
+            return out
+
+        for chunk in reply.get("chunks", ()):
+            chunk["tensors"] = convert(chunk["tensors"])
+        if reply.get("boundary") is not None:
+            reply["boundary"]["tensors"] = convert(reply["boundary"]["tensors"])
+        self.counters["gets"] += 1
+        if slots:
+            lid = self._lease(list(slots.values()), write=False)
+            reply["shm"] = {"lease": lid, "run": self.run_id, "lease_s": self.leases.lease_seconds}
+        else:
+            reply["shm"] = {"run": self.run_id, "lease_s": self.leases.lease_seconds}
+        reply["shm"]["segments"] = self.arena.live()
+        return reply
+
+    def _adopt(self, entry: Entry) -> dict[int, Tensor]:
+        """Move an entry's tensors into one slot, unless they are in the arena
+        already; returns {id(old tensor): new tensor}."""
+        todo = [t for t in entry.tensors if self.arena.locate(t.data) is None]
+        if not todo:
+            return {}
+        total = sum(align_up(t.nbytes) for t in todo)
+        arr = self.arena.alloc(total)
+        if arr is None:
+            return {}
+        swap: dict[int, Tensor] = {}
+        pos = 0
+        for t in todo:
+            n = t.nbytes
+            dst = arr[pos:pos + n]
+            if n:
+                dst[:] = np.frombuffer(memoryview(t.data).cast("B"), np.uint8)
+            swap[id(t)] = Tensor(t.name, t.dtype, t.shape, dst)
+            pos += align_up(n)
+        entry.tensors = tuple(swap.get(id(t), t) for t in entry.tensors)
+        self.counters["adopted_bytes"] += total
+        return swap
