@@ -244,7 +244,7 @@ def test_importing_the_client_imports_neither_mlx_nor_its_adapter():
 PROTOCOL_MAY_IMPORT = {
     "__future__", "abc", "array", "bisect", "collections", "dataclasses", "enum", "functools", "hashlib",
     "heapq", "hmac", "itertools", "math", "operator", "re", "secrets", "struct", "sys", "typing",
-    "msgpack", "numpy", "xxhash",
+    "msgpack", "numpy", "xxhash", "blake3",
 }
 PROTOCOL_SYS = {"byteorder", "maxsize"}
 IO_BUILTINS = {"open", "print", "input", "breakpoint"}
