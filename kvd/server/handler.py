@@ -388,7 +388,7 @@ class Handler:
         return "SLOTS", plane.grant(msg, self.limits.max_message_bytes)
 
     def on_commit(self, msg: Message):
-        put = self._shm_admitted(msg).commit(msg["lease"])
+        put = self._shm_admitted(msg).commit(msg["lease"], msg.get("digests"))
         return "COMMIT", self.on_put(put)[1]
 
     def on_explain(self, msg: Message):

@@ -76,12 +76,16 @@ class Slot:
 
 
 class SlotArray(np.ndarray):
-    """A uint8 view of a slot's bytes that keeps the slot alive (views inherit it)."""
+    """A uint8 view of a slot's bytes that keeps the slot alive (views inherit
+    it). A tensor's view also carries `digest`, the xxh3-64 its bytes had when
+    committed (kvd.store.base.as_stored checks it); other views do not."""
 
     slot: Slot | None = None
+    digest: int | None = None
 
     def __array_finalize__(self, obj):
         self.slot = getattr(obj, "slot", None)
+        self.digest = None
 
 
 class Arena:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvd.protocol.codec import Tensor
-from kvd.protocol.shm import align_up
+from kvd.protocol.shm import Descriptor, align_up
 from kvd.server.shm.arena import Slot
 from kvd.store.base import Entry
 
@@ -48,7 +49,10 @@ class GetReplies:
                     out.append(t)
                     continue
                 slots[found[0].sid] = found[0]
-                out.append(Tensor(t.name, t.dtype, t.shape, found[1]))
+                desc = found[1]
+                digest = getattr(t.data, "digest", None)  # the reader checks its copy against it
+                out.append(Tensor(t.name, t.dtype, t.shape, desc if digest is None else
+                                  Descriptor(desc.segment, desc.offset, desc.length, digest)))
             return out
 
         for chunk in reply.get("chunks", ()):
@@ -81,6 +85,9 @@ class GetReplies:
             dst = arr[pos:pos + n]
             if n:
                 dst[:] = np.frombuffer(memoryview(t.data).cast("B"), np.uint8)
+            # Fixed from the private bytes it came from: a write into the slot
+            # from now on is found wherever the bytes go.
+            dst.digest = xxhash.xxh3_64_intdigest(t.data)
             swap[id(t)] = Tensor(t.name, t.dtype, t.shape, dst)
             pos += align_up(n)
         entry.tensors = tuple(swap.get(id(t), t) for t in entry.tensors)

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import msgpack
+import xxhash
 
 from kvd.protocol import dtypes
 from kvd.protocol.codec import Message, Tensor
@@ -129,15 +130,25 @@ class SlotGrants:
             return 0
         return sum(slot.size for slot in self._held[lease_id])
 
-    def commit(self, lease_id: int) -> Message:
-        """The PUT a live write lease was granted for, its slots now written.
-        BadField if the lease is unknown or expired (its slots are gone)."""
+    def commit(self, lease_id: int, digests: list[int] | None = None) -> Message:
+        """The PUT a live write lease was granted for, its slots now written,
+        each tensor's bytes fixed by its digest (the client's, one per granted
+        descriptor in grant order, else computed here: one pass). BadField if
+        the lease is unknown or expired (its slots are gone)."""
         msg = self._pending.get(lease_id)
         if msg is None:
             raise BadField(f"no live shm write lease {lease_id}")
         now = self._clock()
         for slot in self._held[lease_id]:
             self.leases.commit(lease_id, slot.sid, now)  # BadField past the deadline
+        tensors = [t for c in msg["chunks"] for t in c["tensors"]]
+        if msg.get("boundary") is not None:
+            tensors += msg["boundary"]["tensors"]
+        if digests is None or len(digests) != len(tensors):
+            digests = [xxhash.xxh3_64_intdigest(t.data) for t in tensors]
+            self.counters["digests_computed"] += 1
+        for t, digest in zip(tensors, digests):
+            t.data.digest = digest
         self._drop(lease_id)  # the store's entries now keep the slots alive
         self.counters["commits"] += 1
         if msg.get("ns_meta") is not None:
