@@ -1,0 +1,130 @@
+"""Shared memory is not a corruption channel (PROTOCOL.md §14, "Known weaknesses").
+
+A process of the daemon's user can map the arena's segments and write into
+any slot: a buggy engine that kept a view of the slot it stored into, or a
+reader that writes into its own GET lease through a writable mapping it made
+itself. Every later reader gets the stored bytes or a miss: shared-memory
+readers check the digest fixed at COMMIT while they copy, a frames reply is
+checked on a private copy (the entry then leaves RAM), and neither the SSD
+tier nor the remote tier ever takes the altered bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvd.store.base import CHUNK, Entry, Tensor, as_stored
+from redis_server import SKIP_REASON, RedisServer, redis_binary, session_key
+from support import assert_prefix_hit, make_entry, prefix_snapshot, wait_until
+
+NS = "integrity"
+
+
+class Slotted(np.ndarray):
+    """Bytes with the digest a COMMIT fixed (what kvd.server.shm's SlotArray carries)."""
+
+    digest: int | None = None
+
+    def __array_finalize__(self, obj):
+        self.digest = None
+
+
+def committed(entry: Entry) -> tuple[Entry, list[np.ndarray]]:
+    """`entry` with each tensor in a writable buffer whose digest is fixed now."""
+    tensors, bufs = [], []
+    for t in entry.tensors:
+        buf = np.frombuffer(bytearray(bytes(memoryview(t.data).cast("B"))), np.uint8).view(Slotted)
+        buf.digest = xxhash.xxh3_64_intdigest(buf)
+        tensors.append(dataclasses.replace(t, data=buf))
+        bufs.append(buf)
+    return dataclasses.replace(entry, tensors=tuple(tensors)), bufs
+
+
+def test_as_stored_copies_checks_and_refuses_what_changed():
+    e, bufs = committed(make_entry(1, NS))
+    whole = as_stored(e)
+    assert whole is not None and all(isinstance(t.data, bytes) for t in whole.tensors)
+    bufs[0][3] ^= 1  # written into after the commit
+    assert as_stored(e) is None
+    assert bytes(whole.tensors[0].data) != bytes(bufs[0])  # the earlier copy is not the live buffer
+    plain = make_entry(2, NS)
+    assert as_stored(plain) is plain  # no digest: nothing to check, nothing copied
+
+
+def _segment_writable(client, desc):
+    """What a hostile process of the same user does: its own writable mapping."""
+    link = client._link()
+    return link.view(desc, writable=True)
+
+
+def test_bytes_written_into_a_slot_after_commit_are_never_served(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")  # RAM only: no whole copy on disk to fall back to
+    toks = np.arange(512)
+    with d.client(NS, strict=False, transport="shm") as writer, \
+            d.client(NS, strict=False, transport="shm") as shm_reader, \
+            d.client(NS, strict=False, transport="frames") as frames_reader:
+        assert writer.put(toks, prefix_snapshot(toks)) and writer.counters["shm_puts"] == 1
+        # where chunk 1's tensors live: a GET over shm names them
+        link = writer._link()
+        reply = writer._transport.request("GET", {**writer._seq(toks), "shm": link.field()}, 5)
+        desc = next(t.data for t in reply["chunks"][1]["tensors"])
+        assert desc.digest is not None  # the reply carries the digest fixed at COMMIT
+        link.done(reply["shm"]["lease"])
+        slot = _segment_writable(writer, desc)
+        original = bytes(slot)
+        slot[: 8] = bytes(x ^ 0xFF for x in original[:8])  # a scribble after COMMIT
+        # a reader over shared memory: a miss (it checks while it copies), never the scribble
+        hit = shm_reader.get(toks)
+        assert hit is None or hit.n <= 256
+        assert shm_reader.counters["shm_damaged"] == 1
+        # a reader over frames: the daemon checks a private copy; chunk 0 is still served
+        hit = frames_reader.get(toks)
+        assert hit is not None and hit.n == 256
+        assert_prefix_hit(hit, toks[:256])
+        ram = frames_reader.stats()["tiers"]["ram"]
+        assert ram["altered"] == 1  # the altered entry left the RAM tier
+        # and it is gone for every reader, not served by any road
+        assert shm_reader.get(toks).n == 256
+        slot[: 8] = original[:8]  # even put back, it is not in RAM any more
+        assert frames_reader.get(toks).n == 256
+
+
+def test_a_reader_cannot_write_through_its_own_lease(daemon_factory):
+    d = daemon_factory("--ram-mb", "64")
+    toks = np.arange(512)
+    with d.client(NS, strict=True, transport="shm") as c:
+        assert c.put(toks, prefix_snapshot(toks))
+        link = c._link()
+        reply = c._transport.request("GET", {**c._seq(toks), "shm": link.field()}, 5)
+        view = link.view(reply["chunks"][0]["tensors"][0].data)  # the client's own mapping: read-only
+        with pytest.raises(TypeError):
+            view[:1] = b"\x00"
+        link.done(reply["shm"]["lease"])
+        assert_prefix_hit(c.get(toks), toks)
+
+
+@pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
+def test_the_remote_uploader_never_signs_altered_bytes():
+    from kvd.store.remote.tier import RemoteTier
+
+    server = RedisServer().start()
+    try:
+        tier = RemoteTier(server.url, auth=session_key(), timeout=5.0)
+        good, _ = committed(make_entry(1, NS))
+        bad, bufs = committed(make_entry(2, NS))
+        bufs[1][0] ^= 0x80
+        tier.offer(good)
+        tier.offer(bad)
+        assert tier.flush(10)
+        assert tier.counters["written"] == 2 and tier.counters["altered"] == 1
+        got = tier.fetch([good.id, bad.id])
+        assert set(got) == {good.id}  # the altered entry was never written
+        assert [bytes(t.data) for t in got[good.id].tensors] == [bytes(t.data) for t in good.tensors]
+        tier.close()
+    finally:
+        server.close()
