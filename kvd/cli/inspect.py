@@ -41,7 +41,7 @@ def ls(offline, as_json, **flags) -> None:
     cfg = settings(flags)
     quotas: dict = {}
     if offline:
-        from kvd.store import offline as off
+        from kvd.store.ssd import offline as off
 
         path = data_dir_to_read(cfg)
         try:
@@ -101,8 +101,8 @@ def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
     (`kvd.store.check` with `live=True`: safe beside a running daemon, and a
     blob whose row was deleted meanwhile is not a failure).
     Returns (checked, [(entry id, reason)])."""
-    from kvd.store.check import check
-    from kvd.store.heal import open_pack, open_readonly
+    from kvd.store.ssd.check import check
+    from kvd.store.ssd.heal import open_pack, open_readonly
 
     index = open_readonly(root)  # IndexDamaged (exit 1, naming --repair) rather than a SIGBUS
     try:
@@ -206,7 +206,7 @@ def _repair(cfg, root: Path, as_json: bool) -> None:
     """`kvd verify --repair`: the rebuild a daemon does at start, offline."""
     import logging
 
-    from kvd.store import offline as off
+    from kvd.store.ssd import offline as off
 
     answered, theirs = daemon_data_dir(cfg)
     if answered and theirs is not None and Path(theirs).resolve() == root.resolve():
