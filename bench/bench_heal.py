@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from kvd.store.base import Entry, Tensor  # noqa: E402
 from kvd.store.datadir import BLOB_DIR, INDEX_DIR  # noqa: E402
-from kvd.store.heal import walk_steps  # noqa: E402
+from kvd.store.ssd.heal import walk_steps  # noqa: E402
 from kvd.store.ssd import SsdStore  # noqa: E402
 
 

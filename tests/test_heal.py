@@ -22,10 +22,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvd.store import blobfile, heal
+from kvd.store.ssd import blobfile, heal
 from kvd.store.datadir import BLOB_DIR, INDEX_DIR, PACK_DIR, QUARANTINE_DIR, blob_path
-from kvd.store.index import Index
-from kvd.store.pack import Pack
+from kvd.store.ssd.index import Index
+from kvd.store.ssd.pack import Pack
 from kvd.store.ssd import SsdStore
 from support import assert_prefix_hit, assert_same, chunk_blob, filled_store, kvd, make_entry, prefix_snapshot, wait_until
 

@@ -282,7 +282,7 @@ OS_EXEMPT = {
     # per-user config and cache folders (XDG on Linux, ~/Library on macOS).
     "kvd.config", "kvd.store.datadir",
     # fsync of files and folders (F_FULLFSYNC on macOS).
-    "kvd.store.blobfile",
+    "kvd.store.ssd.blobfile",
     # launchd (macOS) vs systemd (Linux).
     "kvd.service.install",
     # counting the process's threads (/proc/self/task) before it starts any.

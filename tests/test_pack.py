@@ -1,4 +1,4 @@
-"""The pack of small blobs (kvd/store/pack.py): small chunks live in one LMDB
+"""The pack of small blobs (kvd/store/ssd/pack.py): small chunks live in one LMDB
 file, not a file each, and keep every promise a blob file keeps: bit-exact
 after a restart, a bad byte is a miss and a quarantine, orphans and lost
 blobs reconciled, a damaged index rebuilt from the pack, a damaged pack
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd.store import blobfile
-from kvd.store.check import check
+from kvd.store.ssd import blobfile
+from kvd.store.ssd.check import check
 from kvd.store.datadir import BLOB_DIR, INDEX_DIR, PACK_DIR, QUARANTINE_DIR
-from kvd.store.index import Index
-from kvd.store.pack import PACKED, Pack, eid_of, pack_key, slot_of
+from kvd.store.ssd.index import Index
+from kvd.store.ssd.pack import PACKED, Pack, eid_of, pack_key, slot_of
 from kvd.store.ssd import SsdStore
 from kvd_client import HostTensor, Snapshot
 from support import (
@@ -295,7 +295,7 @@ def test_the_daemon_packs_small_chunks_and_serves_them_after_a_restart(daemon_fa
     r = kvd("verify", "--data-dir", str(d.data_dir), "--endpoint", d.endpoint)
     assert r.returncode == 0, r.stdout + r.stderr
     assert d.stop() == 0
-    from kvd.store import offline
+    from kvd.store.ssd import offline
 
     st = offline.stats(d.data_dir)
     assert st["entries"] == 96 and st["pack"]["file_bytes"] == (d.data_dir / PACK_DIR / "data.mdb").stat().st_size > 96 * 4096
@@ -305,7 +305,7 @@ def test_a_clean_stop_spares_the_next_start_a_look_through_the_pack(tmp_path):
     """After a clean close no packed blob lacks a row, and the pack says so
     (`pack/clean`): the next start's reconcile reads the rows only. Without
     the mark (a crash, or a process that never looked) it reads the pack."""
-    from kvd.store.pack import CLEAN
+    from kvd.store.ssd.pack import CLEAN
 
     entries = _fill(tmp_path, 4)
     mark = tmp_path / PACK_DIR / CLEAN
@@ -411,7 +411,7 @@ def test_a_file_that_ends_before_lmdbs_last_page_is_not_damage(tmp_path):
     pages on disk, called such a file cut short after an ordinary GC and moved
     the whole pack aside (every small chunk lost) or rebuilt the index. The
     pages past the end are on LMDB's free list; a page cut away is not."""
-    from kvd.store.heal import inspect_data_file
+    from kvd.store.ssd.heal import inspect_data_file
 
     pack, values = _pack_ending_before_its_last_page(tmp_path)
     data = tmp_path / "pack" / "data.mdb"

@@ -18,7 +18,7 @@ from kvd.server import governor
 from kvd.server.evictions import EvictionRecord
 from kvd.server.governor import RamGovernor
 from kvd.store import RamStore
-from kvd.store.spill import SpillQueue
+from kvd.store.ssd.spill import SpillQueue
 
 from support import assert_prefix_hit, entry, free_port, prefix_snapshot, scrape
 

@@ -307,7 +307,7 @@ def test_with_two_groups_a_row_put_below_either_place_is_still_evicted_first(tmp
 def test_a_place_in_one_index_means_nothing_in_another(tmp_path):
     """A healed index is a new Index (rows' atimes from their blobs): the
     places walks remembered in the old one must not match it."""
-    from kvd.store.index import Index
+    from kvd.store.ssd.index import Index
 
     one, two = Index(tmp_path / "one"), Index(tmp_path / "two")
     try:

@@ -13,8 +13,8 @@ import pytest
 import xxhash
 
 from kvd.protocol import dtypes
-from kvd.store import blobfile
-from kvd.store.blobfile import BlobCorrupt, Unencodable
+from kvd.store.ssd import blobfile
+from kvd.store.ssd.blobfile import BlobCorrupt, Unencodable
 from kvd.store.base import Entry, Tensor
 
 from support import ALL_DTYPES, assert_same, make_entry

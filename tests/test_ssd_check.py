@@ -1,4 +1,4 @@
-"""SsdStore.check() (kvd/store/check.py) and what the tier does with a write
+"""SsdStore.check() (kvd/store/ssd/check.py) and what the tier does with a write
 error that is not the disk's (DISK_ERRNOS decides degraded mode)."""
 
 from __future__ import annotations

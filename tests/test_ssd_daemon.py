@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import safetensors
 
-from kvd.store import blobfile
+from kvd.store.ssd import blobfile
 from kvd.store.datadir import BLOB_DIR, QUARANTINE_DIR, TMP_SUFFIX
 from kvd_client import Snapshot
 from support import ALL_DTYPES, assert_prefix_hit, chunk_blob, kvd, prefix_snapshot, wait_spilled

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from kvd.protocol.errors import Busy
-from kvd.store import blobfile
+from kvd.store.ssd import blobfile
 from kvd.store.datadir import BLOB_DIR, INDEX_DIR, PACK_DIR, QUARANTINE_DIR, blob_path
 from kvd.store.ssd import SsdStore
 

@@ -17,8 +17,8 @@ import pytest
 
 import lmdb
 
-from kvd.store import blobfile
-from kvd.store.pack import Pack
+from kvd.store.ssd import blobfile
+from kvd.store.ssd.pack import Pack
 from kvd.store.tiered import open_store
 
 from support import FakeClock, assert_same, charged, make_entry

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kvd.store import offline
+from kvd.store.ssd import offline
 from kvd.store.datadir import PACK_DIR, DataDirBusy, blob_path, default_data_dir
-from kvd.store.pack import CLEAN
+from kvd.store.ssd.pack import CLEAN
 from kvd.store.tiered import open_store
 
 from support import filled_store, assert_same, make_entry
@@ -29,7 +29,7 @@ def test_stats_read_only_and_gc_refuses_beside_a_daemon(tmp_path):
     try:
         # Another process (as `kvd stats` would be): LMDB allows one open per process.
         out = subprocess.run(
-            [sys.executable, "-c", "import sys, json; from kvd.store import offline; "
+            [sys.executable, "-c", "import sys, json; from kvd.store.ssd import offline; "
              "print(json.dumps(offline.stats(sys.argv[1])))", str(tmp_path)],
             capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
         ).stdout

@@ -12,13 +12,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvd.store.spill import Pace
+from kvd.store.ssd.spill import Pace
 from kvd.store.ssd import SsdStore
 from kvd.store.tiered import open_store
-from kvd.store import blobfile
+from kvd.store.ssd import blobfile
 from kvd.store.base import BOUNDARY, PutOutcome
 from kvd.store.datadir import DataDirBusy, blob_path
-from kvd.store.index import IncompatibleIndex
+from kvd.store.ssd.index import IncompatibleIndex
 from kvd.store.ram import RamStore
 
 from support import ALL_DTYPES, FakeClock, assert_same, charged, make_entry
@@ -415,7 +415,7 @@ def test_lock_perms_and_format_version(tmp_path, stores):
 
 READER = r"""
 import sys, time
-from kvd.store import offline
+from kvd.store.ssd import offline
 seen = {offline.stats(sys.argv[1])["entries"]}
 print("ready", flush=True)
 deadline = time.time() + 20
@@ -491,7 +491,7 @@ def test_a_batch_the_writer_fails_is_taken_again_then_given_up_counted_never_for
     thread to start) puts it back; after RETRIES in a row it is given up,
     counted and reported not durable -- never dropped without a word.
     (A sink that fails on demand: such a bug cannot be made for real.)"""
-    from kvd.store.spill import RETRIES, SpillQueue, Writer
+    from kvd.store.ssd.spill import RETRIES, SpillQueue, Writer
 
     class Sink:
         def __init__(self, fail: int):

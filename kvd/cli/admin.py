@@ -118,7 +118,7 @@ def stats(as_json, namespace, offline, watch, count, **flags) -> None:
         _watch(cfg, namespace, watch, count)
         return
     if offline:
-        from kvd.store import offline as off
+        from kvd.store.ssd import offline as off
 
         path = data_dir_to_read(cfg)
         try:
@@ -215,7 +215,7 @@ def _offline_gc(cfg, fields: dict, verify: bool, selected: bool, quiet: bool) ->
     """GC straight on the data dir; the daemon's report shape."""
     from pathlib import Path
 
-    from kvd.store import offline as off
+    from kvd.store.ssd import offline as off
     from kvd.store.datadir import INDEX_DIR
 
     path = cfg.data_dir

@@ -38,7 +38,7 @@ def describe(err: BaseException) -> tuple[int, str] | None:
     from kvd.protocol.errors import KvdError, ProtocolError, ServerError
     from kvd.service.install import ServiceError
     from kvd.store.datadir import DataDirBusy
-    from kvd.store.index import IncompatibleIndex
+    from kvd.store.ssd.index import IncompatibleIndex
     from kvd_client import AuthenticationFailed, DaemonUnavailable
 
     if isinstance(err, AuthenticationFailed):

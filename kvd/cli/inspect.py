@@ -42,7 +42,7 @@ def ls(offline, as_json, **flags) -> None:
     cfg = settings(flags)
     quotas: dict = {}
     if offline:
-        from kvd.store import offline as off
+        from kvd.store.ssd import offline as off
 
         path = data_dir_to_read(cfg)
         try:
@@ -88,11 +88,11 @@ def render_ls(rows: dict, quotas: dict) -> str:
 
 def scan(root: Path, progress=None) -> tuple[int, list[tuple[bytes, str]]]:
     """Re-check every blob of the index against its checksum, read-only
-    (`kvd.store.check` with `live=True`: safe beside a running daemon, and a
+    (`kvd.store.ssd.check` with `live=True`: safe beside a running daemon, and a
     blob whose row was deleted meanwhile is not a failure).
     Returns (checked, [(entry id, reason)])."""
-    from kvd.store.check import check
-    from kvd.store.heal import open_pack, open_readonly
+    from kvd.store.ssd.check import check
+    from kvd.store.ssd.heal import open_pack, open_readonly
 
     index = open_readonly(root)  # IndexDamaged (exit 1, naming --repair) rather than a SIGBUS
     try:
@@ -196,7 +196,7 @@ def _repair(cfg, root: Path, as_json: bool) -> None:
     """`kvd verify --repair`: the rebuild a daemon does at start, offline."""
     import logging
 
-    from kvd.store import offline as off
+    from kvd.store.ssd import offline as off
 
     answered, theirs = daemon_data_dir(cfg)
     if answered and theirs is not None and Path(theirs).resolve() == root.resolve():

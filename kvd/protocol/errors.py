@@ -37,14 +37,14 @@ this drawing against the classes themselves.
      |    +-- EndpointBusy          kvd.endpoint: another daemon serves it
      |    +-- UnsafeEndpoint        kvd.endpoint: its run dir or socket may be another user's
      +-- DataDirBusy                kvd.store.datadir: another process holds the data dir's lock
-     +-- IncompatibleIndex          kvd.store.index: written by a kvd this one cannot read
-     +-- IndexBusy                  kvd.store.index: the map is being resized (served as a miss)
-     +-- RowDamaged                 kvd.store.index: an index row does not decode (served as a miss)
-     +-- IndexDamaged               kvd.store.heal: the index file is truncated, zeroed or not LMDB
-     +-- BlobCorrupt                kvd.store.blobfile: a blob is not the one the index describes
+     +-- IncompatibleIndex          kvd.store.ssd.index: written by a kvd this one cannot read
+     +-- IndexBusy                  kvd.store.ssd.index: the map is being resized (served as a miss)
+     +-- RowDamaged                 kvd.store.ssd.index: an index row does not decode (served as a miss)
+     +-- IndexDamaged               kvd.store.ssd.heal: the index file is truncated, zeroed or not LMDB
+     +-- BlobCorrupt                kvd.store.ssd.blobfile: a blob is not the one the index describes
      +-- BadRemoteValue             kvd.protocol.remote_value: a remote-tier value is not the entry its key names
      |    +-- ForgedRemoteValue    kvd.protocol.remote_value: its tag or MAC is not the tier key's
-     +-- Unencodable                kvd.store.blobfile: an entry cannot be written as safetensors
+     +-- Unencodable                kvd.store.ssd.blobfile: an entry cannot be written as safetensors
      +-- ServiceError               kvd.service.install: installing or removing the service failed
           +-- UnsupportedPlatform   kvd.service.install: no init system kvd knows
           +-- CommandFailed         kvd.service.install: launchctl/systemctl exited non-zero

@@ -8,7 +8,7 @@ Nothing here knows about sockets or the wire format.
 
 from kvd.store.base import BOUNDARY, CHUNK, Entry, PutOutcome, Store, Tensor, entry_id
 from kvd.store.datadir import DataDirBusy
-from kvd.store.index import IncompatibleIndex
+from kvd.store.ssd.index import IncompatibleIndex
 from kvd.store.ram import RamStore
 from kvd.store.ssd import SsdStore
 from kvd.store.tiered import TieredStore, open_store

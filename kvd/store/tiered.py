@@ -64,7 +64,7 @@ import lmdb
 
 from kvd.protocol.errors import BACKLOG_FULL
 from kvd.store.base import CHUNK, Entry, PutOutcome, Store
-from kvd.store.index import IndexBusy
+from kvd.store.ssd.index import IndexBusy
 from kvd.store.ram import RamStore
 from kvd.store.ssd import DEFAULT_MIN_FREE, SsdStore
 

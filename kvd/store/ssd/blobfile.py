@@ -20,7 +20,7 @@ carries what kvd needs to rebuild the `Entry` without its index row:
     kvd_sum      16 hex digits: xxh3-64 of the whole file as written with
                  these 16 digits set to "0". A blob so proves its own bytes,
                  header included, without its index row: what rebuilding a
-                 lost index checks (kvd/store/heal.py). Blobs written before
+                 lost index checks (kvd/store/ssd/heal.py). Blobs written before
                  it existed have none; readers ignore metadata they do not use,
                  so older and newer kvd read each other's blobs.
 
@@ -301,7 +301,7 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
 
 def encode_blob(entry: Entry) -> tuple[bytes, int]:
     """The bytes `write_blob` would write for `entry`, in memory, and their
-    xxh3-64: what the pack of small blobs stores (kvd/store/pack.py)."""
+    xxh3-64: what the pack of small blobs stores (kvd/store/ssd/pack.py)."""
     head = encode_header(entry)
     buf = b"".join([head, *(_buffer(t.data) for t in entry.tensors)])
     return buf, xxhash.xxh3_64_intdigest(buf)

@@ -50,8 +50,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import lmdb
 
-from kvd.store.blobfile import fsync_dir
-from kvd.store.lmdbenv import DEFAULT_MAP_SIZE, Env
+from kvd.store.ssd.blobfile import fsync_dir
+from kvd.store.ssd.lmdbenv import DEFAULT_MAP_SIZE, Env
 
 PACKED = "pack"  # Row.state of an entry whose blob is in the pack
 CLEAN = "clean"  # in the pack's folder while closed cleanly with no blob lacking a row

@@ -76,15 +76,15 @@ import msgpack
 import xxhash
 
 from kvd.protocol.errors import KvdError
-from kvd.store import blobfile
+from kvd.store.ssd import blobfile
 from kvd.store.base import BOUNDARY
-from kvd.store.blobfile import BlobCorrupt
+from kvd.store.ssd.blobfile import BlobCorrupt
 from kvd.store.datadir import (
     BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, PACK_DIR, eid_of_blob, ensure_quarantine, is_temp_name,
 )
-from kvd.store.index import Index, IndexBusy, Row, RowDamaged
-from kvd.store.lmdbenv import DEFAULT_MAP_SIZE
-from kvd.store.pack import PACKED, Pack, eid_of, packed_disk_bytes, slot_of
+from kvd.store.ssd.index import Index, IndexBusy, Row, RowDamaged
+from kvd.store.ssd.lmdbenv import DEFAULT_MAP_SIZE
+from kvd.store.ssd.pack import PACKED, Pack, eid_of, packed_disk_bytes, slot_of
 
 if TYPE_CHECKING:
     from kvd.store.ssd import SsdStore

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvd.store.datadir import PACK_DIR, QUARANTINE_DIR, DataDirLock
-from kvd.store.heal import open_readonly
+from kvd.store.ssd.heal import open_readonly
 
 Progress = Callable[[str, int, int], None]
 

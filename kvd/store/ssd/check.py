@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kvd.store import blobfile
+from kvd.store.ssd import blobfile
 from kvd.store.datadir import BLOB_DIR, blob_path, eid_of_blob, is_temp_name
-from kvd.store.index import Index, RowDamaged
-from kvd.store.pack import PACKED, Pack, eid_of, pack_key
+from kvd.store.ssd.index import Index, RowDamaged
+from kvd.store.ssd.pack import PACKED, Pack, eid_of, pack_key
 
 Progress = Callable[[int, int], None]
 
@@ -67,7 +67,7 @@ def check(
     `pending(eid)` says an entry is queued for writing (its blob may exist
     before its row). `progress(done, total)` is called as rows are checked.
     """
-    from kvd.store.blobfile import FORMAT_VERSION
+    from kvd.store.ssd.blobfile import FORMAT_VERSION
 
     report = CheckReport()
     with index.reading() as txn:

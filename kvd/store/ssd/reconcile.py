@@ -16,8 +16,8 @@ import os
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from kvd.store.datadir import BLOB_DIR, eid_of_blob, is_temp_name
-from kvd.store.index import Row, RowDamaged
-from kvd.store.pack import PACKED, eid_of, pack_key
+from kvd.store.ssd.index import Row, RowDamaged
+from kvd.store.ssd.pack import PACKED, eid_of, pack_key
 
 if TYPE_CHECKING:
     from kvd.store.ssd import SsdStore

@@ -53,7 +53,7 @@ from typing import Any, Iterable, Iterator
 import msgpack
 
 from kvd.protocol.errors import KvdError
-from kvd.store.lmdbenv import DEFAULT_MAP_SIZE, Env, IndexBusy
+from kvd.store.ssd.lmdbenv import DEFAULT_MAP_SIZE, Env, IndexBusy
 
 __all__ = ["DEFAULT_MAP_SIZE", "INDEX_FORMAT", "IncompatibleIndex", "Index", "IndexBusy", "Row", "RowDamaged"]
 
