@@ -128,3 +128,21 @@ def test_the_remote_uploader_never_signs_altered_bytes():
         tier.close()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("pack_max_bytes", [0, 1 << 20])  # its own file, or a value in the pack
+def test_the_ssd_writer_never_writes_altered_bytes(tmp_path, pack_max_bytes):
+    from kvd.store.ssd import SsdStore
+
+    ssd = SsdStore(tmp_path / "d", 64 << 20, min_free_bytes=0, background=False, pack_max_bytes=pack_max_bytes)
+    try:
+        good, _ = committed(make_entry(1, NS))
+        bad, bufs = committed(make_entry(2, NS))
+        bufs[0][5] ^= 0x01
+        ssd.write_batch([good, bad])
+        assert ssd.contains(good.id) and not ssd.contains(bad.id)
+        assert ssd.drop_reasons.get("altered") == 1
+        got = ssd.get(good.id)
+        assert [bytes(memoryview(t.data).cast("B")) for t in got.tensors] == [bytes(t.data) for t in good.tensors]
+    finally:
+        ssd.close()

@@ -51,7 +51,7 @@ from typing import Callable
 
 import lmdb
 
-from kvd.store.base import BOUNDARY, Entry
+from kvd.store.base import BOUNDARY, Entry, as_stored
 from kvd.store.datadir import BLOB_DIR, eid_of_blob, ensure_folder
 from kvd.store.pools import OrInline
 from kvd.store.ssd import blobfile
@@ -228,6 +228,14 @@ class Batch:
         `_synced` does it for the whole batch). Its blob info and row state;
         None if it could not be (dropped, counted)."""
         eid = entry.id
+        # Bytes in a shared-memory slot are written from a checked private
+        # copy: what a process wrote into the slot after COMMIT never lands.
+        whole = as_stored(entry)
+        if whole is None:
+            log.warning("ssd: %s not written: its shared-memory bytes changed after they were stored", eid.hex())
+            self._drop(entry, "altered")
+            return None
+        entry = whole
         try:
             if est <= self.pack_max_bytes:
                 # Into the pack (pack.py), with the batch's others, at _synced.
