@@ -206,7 +206,7 @@ def _log_file_usable(path: str | None) -> None:
 
 def _ram_mb(raw: Any) -> int | str:
     """MiB as an integer >= 1, or "auto" (sized from the machine when the
-    daemon starts: kvd.server.pressure.auto_ram_mb)."""
+    daemon starts: kvd.server.governor.auto_ram_mb)."""
     if isinstance(raw, str) and raw.strip().lower() == "auto":
         return "auto"
     try:

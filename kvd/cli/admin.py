@@ -62,7 +62,7 @@ def render_stats(stats: dict) -> str:
         if extra:
             lines.append("      " + "  ".join(extra))
         heal = t.get("index_rebuild")
-        if heal:  # kvd/store/heal.py: the index was damaged and is (being) rebuilt from the blobs
+        if heal:  # kvd/store/ssd/heal.py: the index was damaged and is (being) rebuilt from the blobs
             state = f"done in {heal.get('seconds', 0):.1f}s" if heal.get("done") else "IN PROGRESS"
             lines.append(f"      INDEX REBUILT from the blobs ({state}): {heal.get('recovered', 0)} entries recovered, "
                          f"{heal.get('quarantined', 0)} quarantined; {heal.get('reason')}")

@@ -175,9 +175,9 @@ def serve(**flags) -> None:
     log = logging.getLogger("kvd.server")
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
-    # Before anything opens a file: libzmq aborts on EMFILE (kvd.server.peers).
+    # Before anything opens a file: libzmq aborts on EMFILE (kvd.server.admission.gate).
     fd_soft, fd_hard = raise_fd_limit()
-    tune_malloc()  # freed message buffers leave the process (kvd.server.peers rule 3)
+    tune_malloc()  # freed message buffers leave the process (kvd.server.admission.gate rule 3)
     # The serving thread shares the GIL with the SSD writer, the peer gate and
     # the remote readers: when one of them runs Python, a request waits for
     # the GIL up to the switch interval (5 ms by default; LOOKUP p99 3-15 ms
@@ -216,7 +216,7 @@ def serve(**flags) -> None:
         # Read-only, full, or unreadable: the disk's state, not a setting. A
         # cache that refuses to start takes every model server's cache with
         # it; RAM alone still serves. (A damaged index is not this: the SSD
-        # tier moves it aside and rebuilds it, see kvd/store/heal.py.)
+        # tier moves it aside and rebuilds it, see kvd/store/ssd/heal.py.)
         reason = f"{err.strerror or err}" + (f": {err.filename}" if getattr(err, "filename", None) else "") \
             if isinstance(err, OSError) else f"index: {err}"
         log.error("data dir %s cannot be used (%s): serving from RAM only, degraded; fix it and restart kvd",

@@ -101,7 +101,7 @@ class DaemonCollector:
                         families[key] = GaugeMetricFamily(f"kvd_tier_{key}", f"Tier {key}", labels=["tier"])
                 families[key].add_metric([tier], value)
             heal = values.get("index_rebuild")
-            if isinstance(heal, dict):  # kvd/store/heal.py
+            if isinstance(heal, dict):  # kvd/store/ssd/heal.py
                 families.setdefault("rebuilding", GaugeMetricFamily(
                     "kvd_tier_index_rebuilding", "1 while the index is being rebuilt from the blobs", labels=["tier"],
                 )).add_metric([tier], int(not heal.get("done")))
