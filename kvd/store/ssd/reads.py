@@ -49,7 +49,7 @@ class Reads:
 
     def _init_reads(self) -> None:
         # Where reads land: a callable (size -> writable buffer, or None for a
-        # bytearray). The shared-memory plane sets it (kvd/server/shm_setup.py).
+        # bytearray). The shared-memory plane sets it (kvd/server/shm/startup.py).
         self.read_buffers = None
         # Namespaces with a boundary entry here (queued or indexed): complete
         # once a walk of the whole index has listed those on disk
