@@ -1,5 +1,9 @@
 """kvd's settings: one table, four sources, one resolution rule.
 
+Why one module of ~650 lines: it is the one settings table (SETTINGS) and the
+parsers its rows name; every command reads both, and the table is what
+docs/configuration.md is checked against.
+
 Theory of operation
 -------------------
 Every setting is a row of `SETTINGS`: its name, how to parse it, its default,

@@ -1,5 +1,9 @@
 """The daemon: one ROUTER socket, one thread, one Handler over one Store.
 
+Why one module of ~600 lines: it is one thread's loop -- receive, decode,
+admit, serve, reply, tick -- and its rules below bind those steps together;
+what could leave it (admission, the outbox, turns, parking, the plane) has.
+
 Theory of operation
 -------------------
 Clients are DEALER sockets. A request arrives as [identity, header, data...];

@@ -1,5 +1,10 @@
 """The index heals itself: a damaged LMDB index is moved aside and rebuilt from the blobs.
 
+Why one module of ~700 lines: the index's damage checks (LMDB's meta pages
+read by hand), moving a bad index aside and the rebuild that follows form one
+procedure whose steps must agree on the same file layout; split, each half
+would restate the other's assumptions about data.mdb.
+
 Theory of operation
 -------------------
 The blobs are the truth; the index is a cache of what they say. Every blob
