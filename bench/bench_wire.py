@@ -1,6 +1,6 @@
 """Put and get 16, 64 and 256 MiB snapshots through a real daemon.
 
-    python bench/bench_wire.py [--reps 5] [--sizes 16,64,256] [--transports frames,shm]
+    python bench/bench_wire.py [--reps 5] [--sizes 16,64,256] [--transports frames,shm,shm-noverify]
 
 Prints, per size and data plane (frames over ipc; shm, the shared-memory
 plane of PROTOCOL.md section 14), the throughput of Client.put and Client.get
@@ -16,7 +16,9 @@ and their ratio to three baselines measured in the same run on the same machine:
 The daemon runs with the RAM tier only and is measured at steady state (its
 RAM tier already full, so every put also evicts): on this VM, receiving into
 a process whose memory is still growing is several times slower, for raw
-pyzmq too. The snapshot is a realistic layout: 32 layers x (keys, values) of
+pyzmq too. `shm-noverify` is the shm plane with `Client(verify=False)`: a get
+that does not check the digests fixed at COMMIT (the price of the check).
+The snapshot is a realistic layout: 32 layers x (keys, values) of
 (1, 8 KV heads, T tokens, 128) bfloat16, T chosen to hit the size.
 """
 
@@ -116,12 +118,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", default="16,64,256", help="snapshot sizes in MiB")
-    ap.add_argument("--transports", default="frames,shm", help="data planes to measure")
+    ap.add_argument("--transports", default="frames,shm,shm-noverify", help="data planes to measure")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     transports = args.transports.split(",")
     print(f"# bench_wire  {machine()}  reps={args.reps} (medians)")
-    print(f"{'MiB':>5} {'plane':>6} {'op':>4} {'kvd GiB/s':>10} {'raw zmq GiB/s':>14} {'memcpy GiB/s':>13}"
+    print(f"{'MiB':>5} {'plane':>12} {'op':>4} {'kvd GiB/s':>10} {'raw zmq GiB/s':>14} {'memcpy GiB/s':>13}"
           f" {'fresh GiB/s':>12} {'kvd/raw':>8} {'kvd/memcpy':>11} {'t/fresh':>8}")
     # RAM tier only: this measures the wire and the RAM tier. With an SSD tier
     # a full RAM tier spills, and write-back pressure bounds PUT by the disk
@@ -140,7 +142,9 @@ def main() -> None:
           t_mem = memcpy(nbytes, args.reps)
           t_fresh = fresh_copy(nbytes, args.reps)
           for plane in transports:
-            with Client(endpoint, namespace=f"bench-{mib}-{plane}", timeout=60, strict=True, transport=plane) as c:
+            kind = "shm" if plane.startswith("shm") else plane
+            with Client(endpoint, namespace=f"bench-{mib}-{plane}", timeout=60, strict=True, transport=kind,
+                        verify=plane != "shm-noverify") as c:
                 counter = iter(range(10**9))
                 tokens = {"t": None}
 
@@ -165,10 +169,10 @@ def main() -> None:
                 get()
                 t_get = median_time(get, args.reps)
                 used = c.counters[f"shm_{'puts'}"], c.counters["shm_gets"]
-                assert (used[0] > 0 and used[1] > 0) == (plane == "shm"), (plane, used)
+                assert (used[0] > 0 and used[1] > 0) == (kind == "shm"), (plane, used)
             for op, t, raw in (("put", t_put, raw_put), ("get", t_get, raw_get)):
                 print(
-                    f"{mib:>5} {plane:>6} {op:>4} {nbytes / t / GiB:>10.2f} {nbytes / raw / GiB:>14.2f}"
+                    f"{mib:>5} {plane:>12} {op:>4} {nbytes / t / GiB:>10.2f} {nbytes / raw / GiB:>14.2f}"
                     f" {nbytes / t_mem / GiB:>13.2f} {nbytes / t_fresh / GiB:>12.2f} {raw / t:>8.2f}"
                     f" {t_mem / t:>11.3f} {t / t_fresh:>8.2f}", flush=True
                 )
