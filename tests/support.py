@@ -35,6 +35,11 @@ from kvd.store.base import CHUNK, Entry, Tensor
 from kvd.store.datadir import BLOB_DIR
 from kvd_client import HostTensor, Snapshot
 
+# The checkout and its tests/ folder (the helpers' home, put on a child
+# process's sys.path so it can import them), wherever a test file sits below.
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
 ALL_DTYPES = list(dtypes.DTYPES)
 # Last axis of the client-level snapshots: one tensor per dtype of the whole
 # table, about 280 bytes per token in all (the daemon tests' budgets assume it).
