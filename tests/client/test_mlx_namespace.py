@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
-import pytest
-from models import build
+from models import build, llama_model  # noqa: F401  (the fixture `llama`)
 
 from kvd_client.mlx_lm import _format as F
 from kvd_client.mlx_lm import namespace_for
@@ -34,11 +33,6 @@ for key, (name, dtype, kw) in {cases!r}.items():
     out[key] = namespace_for(build(name, getattr(mx, dtype)), **kw)
 print(json.dumps(out))
 """
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return build("llama")
 
 
 def test_same_model_same_id_in_another_process():

@@ -384,7 +384,7 @@ def test_a_cold_hit_is_read_straight_into_shared_memory(daemon_factory):
 
 def test_memory_given_back_leaves_the_arena(daemon_factory):
     """Evicted entries' segments are removed (clients unmap them too); under memory
-    pressure the free ranges' pages go back as well (tests/test_pressure.py, cgroup)."""
+    pressure the free ranges' pages go back as well (tests/server/test_pressure.py, cgroup)."""
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")  # 4 MiB segments
     with d.client("give", strict=True) as c:
         for i in range(6):
