@@ -31,8 +31,8 @@ def median_time(fn, reps: int, setup=None) -> float:
 
 class DaemonProcess:
     """A `python -m kvd serve` child process on an ipc socket in `workdir`, and
-    how to reach it: the one daemon launcher of the benches and examples (the
-    test fixtures' DaemonProcess, tests/conftest.py, has the same shape).
+    how to reach it: the one daemon launcher of the benches, the examples and
+    the test fixtures (tests/conftest.py).
 
     It never reads the user's settings: an empty config file, no KVD_*
     variables, and a data dir in `workdir` unless `args` name one.
@@ -40,6 +40,8 @@ class DaemonProcess:
     checkout, so `-m kvd` is the kvd that interpreter has installed);
     `pythonpath` puts another source tree first (a baseline build).
     """
+
+    namespace = "bench"  # client()'s default
 
     def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None, *,
                  python: str = sys.executable, pythonpath: str | None = None):
@@ -79,8 +81,8 @@ class DaemonProcess:
         deadline = time.monotonic() + timeout
         # The socket file appears when the daemon binds: ping only then, so
         # the first ping is not refused (a refused client backs off 0.25 s).
-        sock = Path(self.endpoint[len("ipc://"):])
-        while not sock.exists() and time.monotonic() < deadline:
+        sock = Path(self.endpoint[len("ipc://"):]) if self.endpoint.startswith("ipc://") else None
+        while sock is not None and not sock.exists() and time.monotonic() < deadline:
             self._alive()
             time.sleep(0.01)
         with Client(self.endpoint, namespace="probe", timeout=0.5) as c:
@@ -101,11 +103,11 @@ class DaemonProcess:
         except FileNotFoundError:
             return ""
 
-    def client(self, namespace: str = "bench", **kw):
+    def client(self, namespace: str | None = None, **kw):
         from kvd_client import Client
 
         kw.setdefault("timeout", 5.0)
-        return Client(self.endpoint, namespace=namespace, **kw)
+        return Client(self.endpoint, namespace=namespace or self.namespace, **kw)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
         """Signal it and wait up to `timeout` s (then SIGKILL); its exit status."""
@@ -120,6 +122,20 @@ class DaemonProcess:
             code = self.proc.wait()
         self.proc = None
         return code
+
+    def kill(self, *, keep_socket: bool = False) -> None:
+        """SIGKILL it; its ipc socket file goes too unless `keep_socket`."""
+        self.stop(signal.SIGKILL)
+        if not keep_socket and self.endpoint.startswith("ipc://"):
+            # The dead daemon's socket file would look like readiness to
+            # wait_ready after a restart; the new daemon makes its own.
+            Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+
+    def restart(self) -> "DaemonProcess":
+        """A clean stop, then a start on the same endpoint and data dir."""
+        self.stop()
+        return self.start()
+
 
 @contextmanager
 def daemon(*args: str, **kw):

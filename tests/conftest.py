@@ -8,18 +8,14 @@ and its own data dir. The daemon's log is printed if a test fails to start it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from kvd_client import Client
 
 # Nothing a test starts may read or write the user's real cache, config or
 # runtime dirs: point the per-user defaults at a throwaway folder for the
@@ -47,87 +43,20 @@ def pytest_unconfigure(config):
     shutil.rmtree(_SANDBOX, ignore_errors=True)
 
 
-class DaemonProcess:
-    """A `python -m kvd serve` child process and how to reach it."""
+def _launcher():
+    """bench/_util.py's DaemonProcess: the one daemon launcher of the benches,
+    the examples and these fixtures (loaded by path: bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location("kvd_bench_util", Path(__file__).resolve().parent.parent / "bench" / "_util.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DaemonProcess
 
-    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None):
-        self.workdir = workdir
-        self.endpoint = f"ipc://{workdir / 'kvd.sock'}"
-        self.data_dir = workdir / "data"
-        self.log_path = workdir / "daemon.log"
-        self.config = workdir / "kvd.toml"  # empty: tests never read the user's config file
-        self.config.touch()
-        self.args = args
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
-        self.env.update(env or {})
-        self.proc: subprocess.Popen | None = None
 
-    def command(self) -> list[str]:
-        args = list(self.args)
-        if "--data-dir" not in args:  # never touch the user's real cache dir
-            args += ["--data-dir", str(self.data_dir)]
-        return [sys.executable, "-m", "kvd", "serve", "--endpoint", self.endpoint, "--config", str(self.config), *args]
+class DaemonProcess(_launcher()):
+    """A `python -m kvd serve` child process and how to reach it (bench/_util.py):
+    its clients are in namespace "test" unless a test names one."""
 
-    def start(self, wait: bool = True) -> "DaemonProcess":
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        log.close()
-        if wait:
-            self.wait_ready()
-        return self
-
-    def wait_ready(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        # The socket file appears when the daemon binds: ping only then, so
-        # the first ping is not refused (a refused client backs off 0.25 s).
-        sock = Path(self.endpoint[len("ipc://"):]) if self.endpoint.startswith("ipc://") else None
-        while sock is not None and not sock.exists() and time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.01)
-        with Client(self.endpoint, namespace="probe", timeout=0.5) as c:
-            while time.monotonic() < deadline:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
-                if c.ping() is not None:
-                    return
-                time.sleep(0.05)
-        raise RuntimeError(f"daemon not ready after {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def client(self, namespace: str = "test", **kw) -> Client:
-        kw.setdefault("timeout", 5.0)
-        return Client(self.endpoint, namespace=namespace, **kw)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.proc = None
-        return code
-
-    def kill(self, *, keep_socket: bool = False) -> None:
-        self.stop(signal.SIGKILL)
-        if not keep_socket:
-            # The dead daemon's socket file would look like readiness to
-            # wait_ready after a restart; the new daemon makes its own.
-            if self.endpoint.startswith("ipc://"):
-                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
-
-    def restart(self) -> "DaemonProcess":
-        self.stop()
-        return self.start()
+    namespace = "test"
 
 
 @pytest.fixture

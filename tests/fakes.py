@@ -3,8 +3,8 @@
 `hit_from(snapshot, n)` is what a `Client.get` returns for the first `n`
 tokens of a stored snapshot; `FakeClient` is a `Client` with the wire
 replaced by a list (same put/get/probe contract, token granularity).
-tests/test_mlx_fakes.py pins that contract, so the adapter's tests mean the
-same thing against the fake as against a real daemon (tests/test_mlx_daemon.py).
+tests/client/test_mlx_fakes.py pins that contract, so the adapter's tests mean the
+same thing against the fake as against a real daemon (tests/client/test_mlx_daemon.py).
 """
 
 

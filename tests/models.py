@@ -21,6 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 
 VOCAB = 128
 
@@ -41,6 +42,13 @@ def build(name: str, dtype=mx.bfloat16, seed: int = 0) -> nn.Module:
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+@pytest.fixture(scope="module", name="llama")
+def llama_model() -> nn.Module:
+    """Fixture `llama`: the tiny llama, built once per test module that imports
+    this (`from models import llama_model  # noqa: F401`)."""
+    return build("llama")
 
 
 @builder

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -34,6 +35,11 @@ from kvd.protocol import dtypes, keys
 from kvd.store.base import CHUNK, Entry, Tensor
 from kvd.store.datadir import BLOB_DIR
 from kvd_client import HostTensor, Snapshot
+
+# The checkout and its tests/ folder (the helpers' home, put on a child
+# process's sys.path so it can import them), wherever a test file sits below.
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 ALL_DTYPES = list(dtypes.DTYPES)
 # Last axis of the client-level snapshots: one tensor per dtype of the whole
@@ -171,9 +177,15 @@ def assert_prefix_hit(hit, tokens) -> None:
 # -- daemon level --------------------------------------------------------------
 
 
-def kvd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run the real `kvd` CLI in a child process."""
-    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=timeout)
+def kvd(*args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = (),
+        timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the real `kvd` CLI in a child process; its completed process (text output).
+    Like the daemon fixtures, it never sees this process's `KVD_*` variables: a test
+    sets the ones it means in `env` (which is added to the rest of the environment).
+    `prefix` runs it under another command (`setpriv ...`)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    return subprocess.run([*prefix, sys.executable, "-m", "kvd", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**clean, **(env or {})})
 
 
 def blobs(data_dir: Path) -> list[Path]:
@@ -233,8 +245,6 @@ def no_more_threads(pid: int):
     """Process `pid` may start no thread while inside (a cgroup v1 pids limit
     at its current count: a host's pids limit, made for real). Skips the test
     where such a cgroup cannot be made (not root, no pids hierarchy)."""
-    import os
-
     import pytest
 
     root = Path("/sys/fs/cgroup/pids")

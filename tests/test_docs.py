@@ -14,8 +14,9 @@ import kvd_client
 from kvd.config import SETTINGS
 from kvd.protocol import errors as E
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
+from support import REPO
+
+DOCS = REPO / "docs"
 
 
 def cell(text: str) -> str:
@@ -41,7 +42,7 @@ def test_the_configuration_page_holds_every_setting_as_the_code_has_it():
 
 
 def pages() -> list[Path]:
-    found = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    found = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
     assert len(found) >= 10, found
     return found
 
@@ -59,14 +60,14 @@ def test_every_relative_link_reaches_a_file():
             checked += 1
             path = target.split("#")[0]
             if not (page.parent / path).exists():
-                broken.append(f"{page.relative_to(ROOT)}: {target}")
+                broken.append(f"{page.relative_to(REPO)}: {target}")
     assert checked > 30, f"only {checked} relative links found"
     assert not broken, "\n".join(broken)
 
 
 def test_every_page_is_in_the_index_and_linked_from_the_readme():
     index = (DOCS / "README.md").read_text()
-    readme = (ROOT / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     for page in DOCS.glob("*.md"):
         if page.name != "README.md":
             assert f"({page.name})" in index, f"docs/README.md does not link {page.name}"

@@ -29,10 +29,9 @@ import pytest
 
 import kvd_client
 from kvd.protocol import errors as E
-from support import prefix_snapshot
+from support import REPO, prefix_snapshot
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"kvd": ROOT / "kvd", "kvd_client": ROOT / "client"}  # pyproject.toml's package-dir
+SOURCES = {"kvd": REPO / "kvd", "kvd_client": REPO / "client"}  # pyproject.toml's package-dir
 
 # The layers docs/internals.md's arrows name, and the modules in each (a module
 # belongs to the layer of its longest matching prefix). `kvd` itself holds
@@ -119,7 +118,7 @@ def layer_of(module: str) -> str:
 
 def readme_arrows() -> dict[str, set[str]]:
     """{layer: layers it may import directly}, from docs/internals.md's arrow lines."""
-    text = (ROOT / "docs" / "internals.md").read_text()
+    text = (REPO / "docs" / "internals.md").read_text()
     block = re.search(r"Dependencies point one way.*?```text\n(.*?)```", text, re.S)
     assert block, "docs/internals.md has no ```text block of layer arrows after 'Dependencies point one way'"
     may: dict[str, set[str]] = {}

@@ -84,7 +84,7 @@ RestrictRealtime=yes
 RestrictSUIDSGID=yes
 RestrictNamespaces=yes
 # Safe: numpy, pyzmq, lmdb and xxhash never map memory writable and executable
-# (tests/test_service_systemd.py checks), and the daemon never imports mlx.
+# (tests/service/test_service_systemd.py checks), and the daemon never imports mlx.
 MemoryDenyWriteExecute=yes
 SystemCallArchitectures=native
 SystemCallFilter=@system-service

@@ -3,7 +3,7 @@
     python proto/vectors/generate.py
 
 Run it only when the protocol changes on purpose (and say so in
-proto/CHANGELOG.md): tests/test_vectors.py checks the codec against the
+proto/CHANGELOG.md): tests/protocol/test_vectors.py checks the codec against the
 committed files byte for byte, so a silent change of encoding fails CI.
 
 Each message vector is two files: NAME.hex (one frame per line, lowercase

@@ -112,7 +112,7 @@ WALK_KEYS = 1024  # keys per walk step (~2 ms: the writer holds the GIL that lon
 # u32, version u32, address u64, mapsize u64, two MDB_db of 48 bytes (the
 # first's md_pad holds the page size; md_root is its last u64), last_pg u64,
 # txnid u64. Checked against files this lmdb package writes
-# (tests/test_heal.py::test_meta_layout_matches_the_lmdb_package).
+# (tests/store/test_heal.py::test_meta_layout_matches_the_lmdb_package).
 _PAGE_HDR = struct.Struct("<QHHHH")
 _NODE = struct.Struct("<HHHH")  # lo, hi, flags, key size: a branch node's child is lo | hi << 16 | flags << 32
 _U16, _U64 = struct.Struct("<H"), struct.Struct("<Q")

@@ -25,7 +25,8 @@ from mlx_lm.models import cache as C
 
 from models import same
 
-HERE = Path(__file__).resolve().parent
+from support import TESTS
+
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 KINDS = ["kv", "quant4", "quant8", "rotating", "arrays", "cachelist", "chunked", "concat"]
 
@@ -108,7 +109,7 @@ PREFIX_031 = "x031"
 KINDS_031 = [k for k in KINDS if k != "chunked"]
 # What a real mlx-lm 0.31.3 process PUT for every kind of KINDS_031 (recorded
 # by tests/fixtures/make_mlx_lm_031.py: nothing is downloaded at test time).
-RECORDED_031 = HERE / "fixtures" / "mlx_lm_031_puts.msgpack.gz"
+RECORDED_031 = TESTS / "fixtures" / "mlx_lm_031_puts.msgpack.gz"
 
 
 def _store(work: Path, prefix: str):
@@ -116,7 +117,7 @@ def _store(work: Path, prefix: str):
     from conftest import DaemonProcess
 
     d = DaemonProcess(work, ["--ram-mb", "256"]).start()
-    r = subprocess.run([sys.executable, "-c", STORE.format(here=str(HERE), endpoint=d.endpoint, prefix=prefix, kinds=list(KINDS))],
+    r = subprocess.run([sys.executable, "-c", STORE.format(here=str(TESTS), endpoint=d.endpoint, prefix=prefix, kinds=list(KINDS))],
                        capture_output=True, text=True, timeout=180)
     if r.returncode != 0 or "STORED" not in r.stdout:
         d.stop()
@@ -241,7 +242,7 @@ def test_store_1000_query_sharing_600_reuses_512_and_matches_cold_prefill(kvd_da
     code = textwrap.dedent(
         f"""
         import sys, json
-        sys.path.insert(0, {str(HERE)!r})
+        sys.path.insert(0, {str(TESTS)!r})
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
         from models import build, prefill, prompt

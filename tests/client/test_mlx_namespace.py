@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import mlx.core as mx
-import pytest
-from models import build
+from models import build, llama_model  # noqa: F401  (the fixture `llama`)
 
 from kvd_client.mlx_lm import _format as F
 from kvd_client.mlx_lm import namespace_for
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from support import TESTS
+
 
 CASES = {
     "llama": ("llama", "bfloat16", {}),
@@ -35,16 +35,11 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return build("llama")
-
-
 def test_same_model_same_id_in_another_process():
     here = {k: namespace_for(build(n, getattr(mx, d)), **kw) for k, (n, d, kw) in CASES.items()}
     env = dict(os.environ, PYTHONHASHSEED="12345")  # hash() would differ; hashlib must not
     out = subprocess.run(
-        [sys.executable, "-c", CHILD.format(here=HERE, cases=CASES)],
+        [sys.executable, "-c", CHILD.format(here=str(TESTS), cases=CASES)],
         capture_output=True, text=True, timeout=60, env=env, check=True,
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == here

@@ -9,7 +9,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +16,7 @@ import pytest
 
 from kvd.cli import exits
 from kvd.store import SsdStore
-from support import prefix_snapshot
-
-
-def run_kvd(*args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
-    return subprocess.run([*prefix, sys.executable, "-m", "kvd", *args], capture_output=True, text=True,
-                          timeout=60, env={**clean, **(env or {})})
+from support import kvd, prefix_snapshot
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, code: int, *words: str) -> None:
@@ -36,9 +29,9 @@ def assert_one_line_error(r: subprocess.CompletedProcess, code: int, *words: str
 
 
 def test_a_bad_endpoint_flag_is_one_line_and_exit_78(tmp_path):
-    r = run_kvd("stats", "--endpoint", "foo://bar")
+    r = kvd("stats", "--endpoint", "foo://bar")
     assert_one_line_error(r, exits.CONFIG, "endpoint (from flag:--endpoint)", "foo://bar")
-    r = run_kvd("stop", env={"KVD_ENDPOINT": "ipc://" + "x" * 200})  # longer than sun_path
+    r = kvd("stop", env={"KVD_ENDPOINT": "ipc://" + "x" * 200})  # longer than sun_path
     assert_one_line_error(r, exits.CONFIG, "env:KVD_ENDPOINT", "limit")
 
 
@@ -49,7 +42,7 @@ def test_a_stopped_daemon_is_said_to_be_there_but_not_answering(kvd_daemon):
 
     kvd_daemon.proc.send_signal(signal.SIGSTOP)
     try:
-        r = run_kvd("stats", "--endpoint", kvd_daemon.endpoint, "--timeout", "0.5")
+        r = kvd("stats", "--endpoint", kvd_daemon.endpoint, "--timeout", "0.5")
     finally:
         kvd_daemon.proc.send_signal(signal.SIGCONT)
     assert_one_line_error(r, exits.UNAVAILABLE, "does not answer", kvd_daemon.endpoint)
@@ -70,11 +63,11 @@ def test_export_to_an_unwritable_path_is_one_line_and_exit_1(kvd_daemon, tmp_pat
     not_a_dir = tmp_path / "plain-file"
     not_a_dir.write_text("")
     out = not_a_dir / "prompt.safetensors"  # a path under a regular file: unwritable, even for root
-    r = run_kvd("export", "--namespace", "export-ns", "--tokens-file", str(toks), "-o", str(out),
+    r = kvd("export", "--namespace", "export-ns", "--tokens-file", str(toks), "-o", str(out),
                 "--endpoint", kvd_daemon.endpoint)
     assert_one_line_error(r, exits.FAILED, f"cannot write {out}", "Not a directory")
     # the same command to a writable path works: the failure was the path's
-    r = run_kvd("export", "--namespace", "export-ns", "--tokens-file", str(toks), "-o", str(tmp_path / "ok.safetensors"),
+    r = kvd("export", "--namespace", "export-ns", "--tokens-file", str(toks), "-o", str(tmp_path / "ok.safetensors"),
                 "--endpoint", kvd_daemon.endpoint)
     assert r.returncode == 0 and (tmp_path / "ok.safetensors").exists(), r.stderr
 
@@ -104,7 +97,7 @@ def test_offline_gc_on_a_read_only_data_dir_is_one_line_and_exit_1(tmp_path):
     store.close()
     _read_only(data)
     try:
-        r = run_kvd("gc", "--data-dir", str(data), "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout", "0.5",
+        r = kvd("gc", "--data-dir", str(data), "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout", "0.5",
                     prefix=prefix)
     finally:
         _writable(data)
@@ -123,17 +116,17 @@ def test_stats_and_stop_obey_an_endpoint_set_only_in_kvd_toml(daemon_factory, tm
     (config_home / "kvd").mkdir(parents=True)
     (config_home / "kvd" / "kvd.toml").write_text(f'endpoint = "{d.endpoint}"\n')
     env = {"XDG_CONFIG_HOME": str(config_home)}  # the default config path; no flag, no KVD_ENDPOINT
-    r = run_kvd("config", "--json", env=env)
+    r = kvd("config", "--json", env=env)
     assert json.loads(r.stdout)["settings"]["endpoint"]["source"] == f"file:{config_home / 'kvd' / 'kvd.toml'}"
-    r = run_kvd("stats", "--json", env=env)
+    r = kvd("stats", "--json", env=env)
     assert r.returncode == 0, r.stderr
     stats = json.loads(r.stdout)
     assert stats["server"]["endpoint"] == d.endpoint and stats["namespaces"]["toml-ns"]["entries"] == 2
     assert stats["server"]["data_dir"] == str(d.data_dir)
-    r = run_kvd("gc", "--namespace", "toml-ns", "--json", env=env)
+    r = kvd("gc", "--namespace", "toml-ns", "--json", env=env)
     assert r.returncode == 0 and json.loads(r.stdout)["entries"] == 2, r.stderr
     with d.client("toml-ns", strict=True) as c:
         assert c.stats()["server"]["requests"]["GC"] == 1  # sent once, not again for an exit code
-    r = run_kvd("stop", env=env)
+    r = kvd("stop", env=env)
     assert r.returncode == 0, r.stderr
     assert d.proc.wait(10) == 0

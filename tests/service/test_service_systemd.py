@@ -15,7 +15,8 @@ import pytest
 
 from kvd.service import systemd
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
+
 ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(
     ANALYZE is None, reason="systemd-analyze not installed (apt-get install -y systemd)"

@@ -6,11 +6,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import numpy as np
 
-from support import prefix_snapshot
+from support import TESTS, prefix_snapshot
 
 WORKER = textwrap.dedent(
     """
@@ -59,7 +58,7 @@ def test_threads_share_one_client(kvd_daemon):
 
 
 def test_processes_in_parallel(kvd_daemon):
-    tests = str(Path(__file__).parent)
+    tests = str(TESTS)
     procs = [
         subprocess.Popen([sys.executable, "-c", WORKER.format(tests=tests, endpoint=kvd_daemon.endpoint, wid=w)])
         for w in range(4)

@@ -38,13 +38,6 @@ from support import (
 FAST = dict(min_free_bytes=0, reconcile=False, touch_flush_s=0.05)
 
 
-def _wait(pred, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def _bounded(fn, fifos, timeout=5.0):
     """fn() in a thread; if it is still inside after `timeout` (blocked on
     a FIFO), unblock it by opening the FIFOs for writing, then fail."""
@@ -85,7 +78,7 @@ def test_a_fifo_under_a_blobs_name_is_corrupt_never_a_hang(tmp_path):
     store = SsdStore(tmp_path, 64 << 20, **FAST)
     try:
         assert _bounded(lambda: store.get(entries[0].id), fifos) is None  # a GET: a miss
-        _wait(lambda: store.counters["quarantined"] == 1, what="the FIFO quarantined")
+        wait_until(lambda: store.counters["quarantined"] == 1, what="the FIFO quarantined")
         assert not store.contains(entries[0].id) and store.counters["checksum_failures"] == 1
         assert not fifos[0].exists() and len(list((tmp_path / QUARANTINE_DIR).iterdir())) == 1
         report = _bounded(lambda: store.check(), fifos)  # kvd verify's check
@@ -115,7 +108,7 @@ def test_open_errors_of_one_path_are_a_miss_and_quarantined_not_raised(tmp_path)
     try:
         for e in entries[:2]:
             assert store.get(e.id) is None  # was: OSError, INTERNAL on the wire
-            _wait(lambda: not store.contains(e.id), what="the row dropped")
+            wait_until(lambda: not store.contains(e.id), what="the row dropped")
             assert store.get(e.id) is None
         assert store.counters["read_errors"] == 1 and store.counters["checksum_failures"] == 2
         assert store.degraded is None  # one path each, not the disk
@@ -238,7 +231,7 @@ def test_a_disk_turned_read_only_degrades_once_and_admin_writes_are_busy(ext4, c
             for e in entries:
                 assert_same(store.get(e.id), e)
             time.sleep(store.touch_flush_s * 2)
-        _wait(lambda: store.degraded is not None, what="degraded")
+        wait_until(lambda: store.degraded is not None, what="degraded")
         assert "Read-only" in store.degraded, store.degraded
         with pytest.raises(Busy, match="refuses writes"):  # `kvd gc --ssd-gb 0`: was INTERNAL
             store.evict(0)
@@ -314,7 +307,7 @@ def test_a_pack_removed_under_the_store_is_never_acknowledged_and_replaced(tmp_p
         assert store.pack is not old_pack and (tmp_path / PACK_DIR / "data.mdb").is_file()
         for e in (kept, lost):  # their rows name nothing now: misses, then dropped
             assert store.get(e.id) is None
-        _wait(lambda: store.entries == 0, what="the rows dropped")
+        wait_until(lambda: store.entries == 0, what="the rows dropped")
     finally:
         store.close()
     store = SsdStore(tmp_path, 64 << 20, **FAST)  # and the next start is clean
@@ -336,7 +329,7 @@ def test_an_index_removed_under_the_store_is_never_acknowledged_and_healed(tmp_p
         assert store.flush(5)
         assert [ok for _, ok in told] == [True, False]  # its row went into a removed file
         assert store.degraded is not None and "index" in store.degraded, store.degraded
-        _wait(lambda: store.heal is not None and store.heal.done, what="the index rebuilt")
+        wait_until(lambda: store.heal is not None and store.heal.done, what="the index rebuilt")
         for e in entries:  # their blobs were durable: the rebuild found them both
             assert_same(store.get(e.id), e)
     finally:
@@ -353,10 +346,10 @@ def test_an_lmdb_file_cut_short_is_replaced_before_it_is_read(tmp_path, what):
         assert store.flush(5)
         old = store.pack if what == PACK_DIR else store.index
         os.truncate(tmp_path / what / "data.mdb", 8192)  # a read past it would be a SIGBUS
-        _wait(lambda: (store.pack if what == PACK_DIR else store.index) is not old, what="the file replaced")
+        wait_until(lambda: (store.pack if what == PACK_DIR else store.index) is not old, what="the file replaced")
         assert list(tmp_path.glob(f"{what}.bad-*"))
         if what == INDEX_DIR:  # rebuilt from the pack, which is intact
-            _wait(lambda: store.heal.done, what="the index rebuilt")
+            wait_until(lambda: store.heal.done, what="the index rebuilt")
             assert_same(store.get(entries[7].id), entries[7])
         else:  # the pack's entries are lost: misses
             assert store.get(entries[7].id) is None

@@ -20,7 +20,8 @@ import pytest
 
 from kvd.service import systemd
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
+
 MANAGER = next((p for p in ("/lib/systemd/systemd", "/usr/lib/systemd/systemd") if os.access(p, os.X_OK)), None)
 
 

@@ -21,7 +21,8 @@ import pytest
 import zmq
 
 from kvd.cli import exits
-from test_cli_errors import assert_one_line_error, run_kvd
+from support import kvd
+from test_cli_errors import assert_one_line_error
 
 HELLO = {"version": 1, "server": "junk", "limits": {}, "chunk_tokens": 256, "features": []}
 
@@ -75,7 +76,7 @@ def junk():
 def kvd_against(d: JunkDaemon, args: tuple[str, ...], stats: dict | None = None, gc: dict | None = None):
     d.replies = {"STATS": {"stats": stats if stats is not None else {}},
                  "GC": {"entries": 1, "bytes": 2, "dry_run": True, **(gc or {})}}
-    return run_kvd(*args, "--endpoint", d.endpoint, "--timeout", "5")
+    return kvd(*args, "--endpoint", d.endpoint, "--timeout", "5")
 
 
 STATS, TOP, LS, GC = ("stats",), ("top", "--count", "1"), ("ls",), ("gc", "--dry-run")
@@ -142,5 +143,5 @@ def test_an_explain_detail_no_view_can_be_drawn_from_is_one_line_and_exit_1(junk
     tokens.write_text("1 2 3")
     junk.replies = {"EXPLAIN": {"n": 0, "tokens": 3, "reason": "miss", "message": "m", "boundaries": [],
                                 "detail": {"fields": fields}}}
-    r = run_kvd("explain", "--namespace", "ns", "--tokens-file", str(tokens), "--endpoint", junk.endpoint, "--timeout", "5")
+    r = kvd("explain", "--namespace", "ns", "--tokens-file", str(tokens), "--endpoint", junk.endpoint, "--timeout", "5")
     assert_one_line_error(r, exits.FAILED, "malformed EXPLAIN reply")

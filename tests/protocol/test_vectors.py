@@ -13,7 +13,9 @@ import pytest
 from kvd.protocol import codec, keys
 from kvd.protocol.errors import ERRORS, ProtocolError
 
-PROTO = Path(__file__).resolve().parent.parent / "proto"
+from support import REPO
+
+PROTO = REPO / "proto"
 VECTORS = PROTO / "vectors"
 MESSAGES = sorted(p.stem for p in (VECTORS / "messages").glob("*.hex"))
 INVALID = sorted(p.stem for p in (VECTORS / "invalid").glob("*.hex"))

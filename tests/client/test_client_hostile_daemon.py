@@ -227,7 +227,7 @@ def test_boundary_state_that_does_not_decode_is_a_miss(fakes, case):
     assert c.get(TOKENS) is None
     assert c.counters["get_inconsistent"] == 1 and c.counters["get_hit"] == 0
     _, strict = fakes(handler, client={"strict": True})
-    with pytest.raises(ValueError):  # strict: what get_inconsistent raises (tests/test_untrusted_replies.py)
+    with pytest.raises(ValueError):  # strict: what get_inconsistent raises (tests/client/test_untrusted_replies.py)
         strict.get(TOKENS)
 
 

@@ -28,11 +28,10 @@ from kvd.config import ConfigError, resolve
 from kvd.server import governor as pressure, metrics
 from kvd.service import install as svc
 from kvd.service import systemd
-from support import free_port, scrape, wait_until
+from support import REPO, free_port, scrape, wait_until
 from test_service_install import home  # noqa: F401  (the fixture `svc_home` builds on)
 from test_service_systemd_live import MANAGER_UP
 
-REPO = Path(__file__).resolve().parent.parent
 ANALYZE = shutil.which("systemd-analyze")
 
 

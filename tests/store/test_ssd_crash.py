@@ -23,7 +23,7 @@ from kvd.store.ssd import SsdStore
 
 from kvd.store.base import entry_id
 
-from support import assert_same, key_of, make_entry
+from support import TESTS, assert_same, key_of, make_entry
 
 PER_RUN = 3000
 WIDTH = 256  # 2 bf16 tensors of 2x16x256: 32 KiB per entry
@@ -76,7 +76,7 @@ def _check(root, runs_done: int) -> int:
 def test_kill_9_during_heavy_spill_many_times(tmp_path):
     root = tmp_path / "data"
     rng = random.Random(12345)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(__file__)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), str(TESTS)])}
     kills = 0
     served = []
     runs = 12

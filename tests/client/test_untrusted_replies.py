@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from models import build, prefill, prompt
+from models import llama_model, prefill, prompt  # noqa: F401  (the fixture `llama`)
 
 from kvd.protocol.codec import Tensor
 from kvd_client import Snapshot, _chunking
@@ -73,12 +73,6 @@ def test_a_peer_changing_the_layout_meta_between_chunks_is_a_miss(kvd_daemon):
     assert owner.get(longer) is None and owner.counters["get_inconsistent"] == 1
     with pytest.raises(ValueError, match="another layout"):
         kvd_daemon.client("victim", chunk_tokens=CHUNK, strict=True).get(longer)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    with mx.stream(mx.new_thread_local_stream(mx.cpu)):
-        yield build("llama")
 
 
 def test_wrong_shaped_chunks_from_a_peer_are_a_miss_for_fetch(kvd_daemon, llama):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from functools import cache as memoize
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -27,6 +26,7 @@ from kvd_client.mlx_lm import _format as F
 from kvd_client.mlx_lm import namespace_for, rebuild, snapshot
 from kvd_client.mlx_lm_files import read
 from models import build, prefill, prompt
+from support import TESTS
 
 N_TOKENS = 100
 
@@ -262,7 +262,7 @@ print("RESAVED", mlx_lm.__version__)
 """
 
 
-RECORDED_031 = Path(__file__).parent / "fixtures" / "mlx_lm_031_files.msgpack.gz"
+RECORDED_031 = TESTS / "fixtures" / "mlx_lm_031_files.msgpack.gz"
 
 
 @memoize

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import plistlib
-from pathlib import Path
 
 import pytest
 
 from kvd.service import launchd
 
+from support import REPO
+
 HOME = "/Users/alice"
 PYTHON = "/Users/alice/venvs/kvd 2/bin/python3"  # a space: no shell may be involved
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_render_plist_keys_and_types():

@@ -4,7 +4,6 @@ fuzzing, and the remote_url forms and their redaction. No server needed."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +15,9 @@ from kvd.protocol import remote_value as rv
 from kvd.protocol.codec import Tensor
 from kvd.store.remote import url as remote_url
 
-VECTORS = Path(__file__).resolve().parent.parent / "proto" / "vectors" / "remote"
+from support import REPO
+
+VECTORS = REPO / "proto" / "vectors" / "remote"
 NAMES = sorted(p.stem for p in VECTORS.glob("*.hex"))
 
 

@@ -23,7 +23,7 @@ from kvd.store.ram import RamStore
 
 from support import ALL_DTYPES, FakeClock, assert_same, charged, make_entry
 
-# Each blob its own file: these tests look at the files (tests/test_pack.py: the pack).
+# Each blob its own file: these tests look at the files (tests/store/test_pack.py: the pack).
 FAST = dict(min_free_bytes=0, retry_s=0.2, touch_flush_s=0.05, pack_max_bytes=0)
 
 

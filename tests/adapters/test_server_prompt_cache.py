@@ -17,14 +17,9 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from kvd_client.mlx_lm_server import KvdPromptCache, ModelRef
-from models import build, greedy, prefill, prompt
+from models import build, greedy, llama_model, prefill, prompt  # noqa: F401  (the fixture `llama`)
 
 KEY = ("model", None, None)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return build("llama")
 
 
 @pytest.fixture(scope="module")

@@ -461,7 +461,7 @@ def test_verify_repair_offline_refuses_beside_the_daemon(daemon_factory):
 
 def _without_dac_override(d) -> None:
     """Run daemon `d` without the capabilities that let root ignore permission
-    bits (as tests/test_cli_errors.py does), so a read-only folder is one."""
+    bits (as tests/service/test_cli_errors.py does), so a read-only folder is one."""
     if os.geteuid() != 0:
         return
     setpriv = shutil.which("setpriv")

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import os
-import time
 
 from kvd.store.datadir import blob_path
 from kvd.store.ssd import SsdStore
 
-from support import filled_store, assert_same, make_entry
+from support import assert_same, filled_store, make_entry, wait_until
 
 
 def _fill(tmp_path, n=10):
     return filled_store(tmp_path, [make_entry(i, dtype_list=["bfloat16", "float32"]) for i in range(n)])
-
-
-def _wait(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def test_flipped_truncated_and_deleted_blobs(tmp_path):
@@ -42,7 +34,7 @@ def test_flipped_truncated_and_deleted_blobs(tmp_path):
         for e in entries:
             if e not in (flipped, truncated, deleted):
                 assert_same(store.get(e.id), e)
-        _wait(lambda: store.counters["quarantined"] == 2 and store.counters["rows_repaired"] == 1)
+        wait_until(lambda: store.counters["quarantined"] == 2 and store.counters["rows_repaired"] == 1)
         c = store.counters
         assert c["checksum_failures"] == 2 and c["misses"] == 3
         quarantined = sorted(p.name.split(".")[0] for p in (tmp_path / "quarantine").iterdir())
@@ -77,7 +69,7 @@ def test_header_damage_and_a_foreign_file_under_a_blob_name(tmp_path):
         for e in entries[:3]:
             assert store.get(e.id) is None
         assert_same(store.get(entries[3].id), entries[3])
-        _wait(lambda: store.counters["quarantined"] == 3)
+        wait_until(lambda: store.counters["quarantined"] == 3)
         assert store.counters["checksum_failures"] == 3
     finally:
         store.close()

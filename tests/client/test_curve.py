@@ -7,17 +7,13 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import socket
 import stat
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
-from support import prefix_snapshot
+from support import free_port, kvd, prefix_snapshot, wait_until
 
 from kvd.cli import exits
 from kvd.endpoint import write_cert
@@ -26,23 +22,11 @@ from kvd_client import AuthenticationFailed, Client
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
 
 
-def run_kvd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
-    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=60,
-                          env={**clean, **(env or {})})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def keys(tmp_path) -> Path:
     d = tmp_path / "keys"
-    assert run_kvd("keys", "init", "--keys-dir", str(d)).returncode == 0
-    r = run_kvd("keys", "add-client", "alice", "--keys-dir", str(d))
+    assert kvd("keys", "init", "--keys-dir", str(d)).returncode == 0
+    r = kvd("keys", "add-client", "alice", "--keys-dir", str(d))
     assert r.returncode == 0, r.stderr
     return d
 
@@ -52,9 +36,9 @@ def test_kvd_keys_makes_private_files_and_lists_them(keys):
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700
     for path in ("server.key_secret", "server.key", "authorized/alice.key", "clients/alice.key_secret"):
         assert stat.S_IMODE(os.lstat(keys / path).st_mode) == 0o600, path
-    r = run_kvd("keys", "ls", "--keys-dir", str(keys))
+    r = kvd("keys", "ls", "--keys-dir", str(keys))
     assert r.returncode == 0 and "authorized: 1" in r.stdout and "alice" in r.stdout
-    r = run_kvd("keys", "init", "--keys-dir", str(keys))
+    r = kvd("keys", "init", "--keys-dir", str(keys))
     assert r.returncode == exits.REFUSED and "already has a key pair" in r.stderr
     # A secret another user could read is refused, not used.
     (keys / "clients" / "alice.key_secret").chmod(0o644)
@@ -70,11 +54,12 @@ def _serve_tcp(daemon_factory, *args: str, endpoint: str):
 
 
 def _wait(d, client: Client) -> None:
-    deadline = time.monotonic() + 30
-    while client.ping() is None:
+    """Until `client` (with its keys: the fixture's own probe has none) reaches `d`."""
+    def up():
         assert d.proc.poll() is None, d.log()
-        assert time.monotonic() < deadline, d.log()
-        time.sleep(0.05)
+        return client.ping() is not None
+
+    wait_until(up, 30, what=d.log)
 
 
 def test_curve_round_trip_and_refused_clients(daemon_factory, keys, tmp_path):
@@ -111,7 +96,7 @@ def test_curve_round_trip_and_refused_clients(daemon_factory, keys, tmp_path):
             assert c.get(s) is None and c.probe(s).n == 0 and not c.put(s, snap)
             assert c.counters["error_auth_failed"] >= 1
     # The CLI says so in one line.
-    r = run_kvd("stats", "--endpoint", endpoint, "--keys-dir", str(mallory), "--timeout", "2")
+    r = kvd("stats", "--endpoint", endpoint, "--keys-dir", str(mallory), "--timeout", "2")
     assert r.returncode == exits.REFUSED and r.stderr.count("\n") == 1 and "refused the CURVE handshake" in r.stderr
     # Nothing the refused clients sent was served.
     assert alice.stats()["server"]["requests"].get("PUT") == 1
@@ -162,5 +147,5 @@ def test_allow_insecure_tcp_warns_at_start_and_in_stats(daemon_factory, tmp_path
     c = Client(endpoint, namespace="t", keys_dir=str(tmp_path / "nokeys"), timeout=5)
     _wait(d, c)
     assert "WITHOUT authentication" in d.log()
-    r = run_kvd("stats", "--endpoint", endpoint, "--keys-dir", str(tmp_path / "nokeys"))
+    r = kvd("stats", "--endpoint", endpoint, "--keys-dir", str(tmp_path / "nokeys"))
     assert r.returncode == 0 and "WARNING: serving " + endpoint + " WITHOUT authentication" in r.stdout

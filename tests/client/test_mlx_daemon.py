@@ -10,13 +10,13 @@ of the same prefix.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from support import TESTS
+
 
 CHUNK = 64  # small chunks, so chunk granularity shows with tiny prompts
 
@@ -81,7 +81,7 @@ print("RESULT " + json.dumps(out))
 
 def run_child(role, endpoint, cases, transport="auto"):
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD.format(here=HERE, chunk=CHUNK), role, endpoint, json.dumps(cases), transport],
+        [sys.executable, "-c", CHILD.format(here=str(TESTS), chunk=CHUNK), role, endpoint, json.dumps(cases), transport],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -28,9 +28,8 @@ from kvd.protocol.shm import parse_segment_name
 from kvd.host import segments as shm_server
 from kvd.server.shm.folders import plane_dirs, plane_prefix
 from kvd_client import Busy, Client
-from support import ALL_DTYPES, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled, wait_until
+from support import ALL_DTYPES, TESTS, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled, wait_until
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _shm_stats(client) -> dict:
@@ -160,7 +159,7 @@ def test_client_killed_holding_a_lease_is_reclaimed(short_lease, mode):
         if mode == "read":
             assert c.put(toks, prefix_snapshot(toks))
         base = _shm_stats(c)["used_bytes"]
-        child = subprocess.Popen([sys.executable, "-c", HOLDER.format(here=HERE), mode, short_lease.endpoint],
+        child = subprocess.Popen([sys.executable, "-c", HOLDER.format(here=str(TESTS)), mode, short_lease.endpoint],
                                  stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "READY"
@@ -385,7 +384,7 @@ def test_a_cold_hit_is_read_straight_into_shared_memory(daemon_factory):
 
 def test_memory_given_back_leaves_the_arena(daemon_factory):
     """Evicted entries' segments are removed (clients unmap them too); under memory
-    pressure the free ranges' pages go back as well (tests/test_pressure.py, cgroup)."""
+    pressure the free ranges' pages go back as well (tests/server/test_pressure.py, cgroup)."""
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")  # 4 MiB segments
     with d.client("give", strict=True) as c:
         for i in range(6):

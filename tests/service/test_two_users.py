@@ -30,7 +30,8 @@ import pytest
 
 from kvd.cli import exits
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import REPO
+
 SYSTEM_PY = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
 SITE = Path(sysconfig.get_paths()["purelib"])
 UMASKS = ["000", "002", "022", "077"]
@@ -57,7 +58,7 @@ def _skip_reason() -> str | None:
         return "useradd or setpriv is missing"
     if not SYSTEM_PY.exists():
         return f"other users need a python they may run; {SYSTEM_PY} is missing"
-    for p in (SITE, ROOT / "kvd", ROOT / "client"):
+    for p in (SITE, REPO / "kvd", REPO / "client"):
         if not _world_usable(p):
             return f"{p} is not readable by other users"
     return None

@@ -16,7 +16,7 @@ import zmq
 from kvd.protocol import codec
 from kvd_client import Client, DaemonUnavailable, Snapshot
 
-from support import no_more_threads, prefix_snapshot, random_tensor, snapshot_for
+from support import TESTS, no_more_threads, prefix_snapshot, random_tensor, snapshot_for
 
 PUT_IN_CHILD = textwrap.dedent(
     """
@@ -33,7 +33,7 @@ PUT_IN_CHILD = textwrap.dedent(
 
 def test_round_trip_every_dtype_between_processes(kvd_daemon):
     n = 700
-    code = PUT_IN_CHILD.format(tests=str(__import__("pathlib").Path(__file__).parent), endpoint=kvd_daemon.endpoint, n=n)
+    code = PUT_IN_CHILD.format(tests=str(TESTS), endpoint=kvd_daemon.endpoint, n=n)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     expected = snapshot_for(n, seed=5, boundary=True)
     with kvd_daemon.client("xproc", strict=True) as c:

@@ -180,7 +180,7 @@ def test_a_put_of_held_chunks_asks_a_write_through_daemon_to_confirm_them(daemon
     """Every chunk held, a client sends nothing -- but held may mean "in RAM,
     on its way to the disk" (another client's PUT): to a write-through daemon
     (HELLO `features`) it sends a PUT of no chunks, answered once all of them
-    are on disk (tests/test_handler.py shows the wait). Write-back: nothing."""
+    are on disk (tests/server/test_handler.py shows the wait). Write-back: nothing."""
     d = daemon_factory("--ram-mb", "64", *(["--write-through"] if write_through else []))
     s = _seq(11)
     with d.client("held", strict=True) as a, d.client("held", strict=True) as b:
