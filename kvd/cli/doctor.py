@@ -202,7 +202,7 @@ def check_daemon(ctx) -> Check:
     h = ctx.host
     ep = ctx.cfg.endpoint
     timeout = min(ctx.cfg.timeout, _PING_S)
-    answered, why = ctx.answered = h.ping(ep, timeout)
+    answered, why = ctx.answered = h.ping(ep, timeout, ctx.cfg.keys_dir, ctx.cfg.client_key)
     how = f"a kvd_client ping, {timeout:g} s timeout"
     if answered:
         return Check("daemon", OK, f"answers at {ep} ({why})", how)
@@ -256,16 +256,17 @@ def check_shm(ctx) -> Check:
     except (OSError, AssertionError) as err:
         return Check("shared memory", FAIL, f"a segment in {where} failed: {err}; clients fall back to frames, "
                      "which are slower", "the daemon's Arena")
-    done = f"a {size(trial.nbytes)} segment made in {trial.folder.parent}, written, read back through a 2nd mapping, removed"
     fs = _fs_type(trial.folder.parent)
-    on = f" on {fs}" if fs else ""
+    done = (f"a {size(trial.nbytes)} segment in {trial.folder.parent}{f' ({fs})' if fs else ''}: made, written, "
+            "read back through a second mapping, removed")
     if trial.sealed:
-        return Check("shared memory", OK, done + on, "sealed memfd, named by a symlink, mmap")
+        return Check("shared memory", OK, done, "sealed memfd named by a symlink, mmap")
     if sys.platform.startswith("linux"):
-        why = ("memfd_create or sealing refused here: segments are unsealed files 0600" +
-               on + ("; not tmpfs: their pages are written back to disk" if fs != "tmpfs" else ""))
+        why = "memfd_create or sealing refused here: segments are unsealed files 0600"
+        if fs != "tmpfs":
+            why += f" on {fs or 'a filesystem of unknown type'}, not tmpfs: their pages are written back to disk"
         return Check("shared memory", WARN, f"{done}; {why}", "file 0600, mmap")
-    return Check("shared memory", OK, done + on, "file 0600 in a 0700 folder, mmap")
+    return Check("shared memory", OK, done, "file 0600 in a 0700 folder, mmap")
 
 
 def _existing(path: Path) -> Path:
@@ -299,7 +300,7 @@ def check_data_dir(ctx) -> Check:
     st = os.statvfs(at)
     free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     fs = _fs_type(at)
-    where = f"{d}" + ("" if at == d else f" (not made yet; measured at {at})")
+    where = f"{d}" + ("" if at == d else f" (not made yet; measured at {at}, its nearest existing parent)")
     detail = f"{where}: {size(free)} free of {size(total)}" + (f", {fs}" if fs else "")
     how = "statvfs" + (", /proc/mounts" if fs else "")
     min_free = int(ctx.cfg.min_free_gb * (1 << 30))
@@ -324,7 +325,8 @@ def check_fsync(ctx) -> Check:
     try:
         fd, tmp = tempfile.mkstemp(prefix=".kvd-doctor-", dir=at)
     except OSError as err:
-        return Check("fsync", FAIL, f"cannot create a file in {at}: {err.strerror or err}", how)
+        return Check("fsync", FAIL, f"cannot create a file in {at}: {err.strerror or err} "
+                     "(the daemon would serve from RAM only, degraded)", how)
     note = ""
     try:
         t0 = time.perf_counter()
@@ -341,11 +343,13 @@ def check_fsync(ctx) -> Check:
         if os.pread(fd, len(data), 0) != data:
             return Check("fsync", FAIL, f"a file in {at} read back other bytes than were written", how)
     except OSError as err:
-        return Check("fsync", FAIL, f"cannot write and sync a file in {at}: {err.strerror or err}", how)
+        return Check("fsync", FAIL, f"cannot write and sync a file in {at}: {err.strerror or err} "
+                     "(the daemon would serve from RAM only, degraded)", how)
     finally:
         os.close(fd)
         os.unlink(tmp)
-    return Check("fsync", WARN if note else OK, f"64 KiB written, synced and read back in {at} in {ms:.1f} ms{note}", how)
+    return Check("fsync", WARN if note else OK, f"64 KiB written, synced and read back in {at}{'' if at == Path(d) else ' (the data dir is not made yet)'}"
+                 f" in {ms:.1f} ms{note}", how)
 
 
 def check_pressure(ctx) -> Check:
@@ -434,7 +438,7 @@ def run_checks(cfg) -> list[Check]:
 
 
 @main.command()
-@config_options(names=("endpoint", "timeout", "data_dir", "pressure_source", "shm", "min_free_gb", "remote_url"))
+@config_options(names=("endpoint", "timeout", "keys_dir", "client_key", "data_dir", "pressure_source", "shm", "min_free_gb", "remote_url"))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
 def doctor(as_json: bool, **flags) -> None:
     """Check this machine: what kvd will use here, and what is wrong.

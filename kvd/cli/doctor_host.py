@@ -144,6 +144,19 @@ def service_state(endpoint: str, answered: tuple[bool, str]) -> ServiceState:
     return ServiceState(st.init, st.path, st.installed, st.loaded, st.loaded_detail, log)
 
 
-def ping(endpoint: str, timeout: float) -> tuple[bool, str]:
-    """(True, "ping 0.12 ms") if a daemon answers at `endpoint` within `timeout`, else (False, why)."""
-    return svc.ping(endpoint, timeout)
+def ping(endpoint: str, timeout: float, keys_dir: str | None, client_key: str) -> tuple[bool, str]:
+    """(True, "ping 0.12 ms") if a daemon answers at `endpoint` within `timeout`,
+    else (False, why). A strict client: it says why, and logs nothing."""
+    from kvd_client import Client, DaemonUnavailable
+
+    try:
+        with Client(endpoint, namespace="kvd-admin", timeout=timeout, strict=True,
+                    keys_dir=keys_dir, client_key=client_key) as client:
+            rtt = client.ping()
+    except DaemonUnavailable as exc:
+        return False, str(exc)
+    except Exception as exc:  # any failure means "not answering"; say why
+        return False, f"{type(exc).__name__}: {exc}"
+    if rtt is None:
+        return False, f"no reply within {timeout:g} s"
+    return True, f"ping {rtt * 1000:.2f} ms"
