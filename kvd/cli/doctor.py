@@ -212,7 +212,8 @@ def check_daemon(ctx) -> Check:
         locked = None
     if locked:
         return Check("daemon", WARN, f"a daemon holds {ep}'s lock but did not answer ({why}): busy, starting or stuck?", how)
-    return Check("daemon", WARN, f"none answers at {ep} ({why}); start one with `kvd serve` or `kvd service install`", how)
+    why = "" if ep in why else f" ({why})"  # the client's "no daemon at EP" says nothing more
+    return Check("daemon", WARN, f"none answers at {ep}{why}; start one with `kvd serve` or `kvd service install`", how)
 
 
 def check_fds(ctx) -> Check:
@@ -365,11 +366,9 @@ def check_pressure(ctx) -> Check:
 
 
 def check_service(ctx) -> Check:
-    from kvd.service.install import UnsupportedPlatform
-
     try:
         st = ctx.host.service_state(ctx.cfg.endpoint, getattr(ctx, "answered", (False, "not pinged")))
-    except UnsupportedPlatform as err:
+    except ctx.host.UnsupportedPlatform as err:
         return Check("service", WARN, str(err))
     if not st.installed:
         return Check("service", OK, f"not installed ({st.path}); `kvd service install` runs kvd at login", st.init)
@@ -387,8 +386,8 @@ def check_vllm_mlx(ctx) -> Check:
     if "error" in got:
         return Check("vllm-mlx", WARN, f"{version}; the adapter cannot be imported: {got['error']}", how)
     if got["missing"]:
-        return Check("vllm-mlx", WARN, f"{version} lacks what the adapter needs ({', '.join(got['missing'])}; "
-                     f"tested with {got['tested']}): kvd-vllm-mlx runs it without kvd", how)
+        return Check("vllm-mlx", WARN, f"{version}: the adapter's check failed ({', '.join(got['missing'])}; "
+                     f"tested with {got['tested']}): kvd-vllm-mlx would run it without kvd", how)
     return Check("vllm-mlx", OK, f"{version}: has everything the adapter needs (tested with {got['tested']})", how)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The imports to repoint once kvd/host/ lands (fds.py, memory.py, pressure.py, segments.py).
-from kvd.endpoint import (  # noqa: F401  (re-exported for doctor)
+from kvd.endpoint import (
     EndpointError, check_endpoint, check_run_dir, check_socket, endpoint_locked, ipc_path, is_default_run_dir,
 )
 from kvd.protocol.shm import segment_name
@@ -28,6 +28,12 @@ from kvd.server.pressure import Sample, make_source
 from kvd.server.shm import Arena, new_plane_dir, plane_prefix
 from kvd.service import install as svc
 from kvd.service import launchd, systemd
+from kvd.service.install import UnsupportedPlatform
+
+# What doctor calls from kvd.endpoint as it is (it stays where it is).
+__all__ = ["EndpointError", "check_endpoint", "check_run_dir", "check_socket", "endpoint_locked", "ipc_path",
+           "is_default_run_dir", "fd_limits", "memory_watch", "pressure_sample", "segment_folder", "try_segment",
+           "service_state", "UnsupportedPlatform", "ping"]
 
 
 # -- fd limits --------------------------------------------------------------------
@@ -134,7 +140,7 @@ class ServiceState:
 def service_state(endpoint: str, answered: tuple[bool, str]) -> ServiceState:
     """Whether kvd's per-user service is installed and loaded here (launchctl /
     systemctl asked), and where it logs. `answered` is the ping already made,
-    so the daemon is not asked twice. Raises svc.UnsupportedPlatform elsewhere."""
+    so the daemon is not asked twice. Raises UnsupportedPlatform off macOS and Linux."""
     t = svc.Target.current()
     st = svc.status(t, endpoint, pinger=lambda _ep: answered)
     if t.init == "launchd":
