@@ -180,16 +180,17 @@ def check_endpoint(ctx) -> Check:
         return Check("endpoint", OK, f"{ep} (tcp: no folder to check; shared memory is not offered)",
                      "kvd.endpoint rules 1-2")
     folder = path.parent
-    default = h.is_default_run_dir(folder)
+    try:
+        h.check_socket(path)  # on every ipc endpoint
+    except h.EndpointError as err:
+        return Check("endpoint", FAIL, f"{ep}: {err}", "kvd.endpoint rule 5: clients refuse it")
     try:
         h.check_run_dir(folder)
-        h.check_socket(path)
     except h.EndpointError as err:
-        if default:
+        if h.is_default_run_dir(folder):
             return Check("endpoint", FAIL, f"{ep}: {err}", "kvd.endpoint rule 5: the daemon and clients refuse it")
-        where = f"{ep}: {err}"
-        return Check("endpoint", WARN, f"{where} (a folder you chose: kvd does not refuse it)",
-                     "kvd.endpoint rule 5 (enforced for the default folders only)")
+        return Check("endpoint", WARN, f"{ep}: {err} (a folder you chose: kvd does not refuse it)",
+                     "kvd.endpoint rule 5, enforced for the default folders only")
     if not folder.exists():
         return Check("endpoint", OK, f"{ep}: folder {folder} does not exist yet (the daemon makes it 0700)",
                      "kvd.endpoint rules 1-5")
@@ -219,7 +220,7 @@ def check_daemon(ctx) -> Check:
 def check_fds(ctx) -> Check:
     fd = ctx.host.fd_limits()
     detail = (f"soft {_n(fd.soft)}, hard {_n(fd.hard)}; kvd serve raises the soft limit to {_n(fd.raised)}: "
-              f"max_peers {fd.max_peers}")
+              f"default max_peers {fd.max_peers}")
     how = "RLIMIT_NOFILE, raised at start as kvd serve does"
     if fd.raised < _FD_WARN:
         return Check("fd limit", WARN, f"{detail} (under {_FD_WARN}: raise it, e.g. ulimit -n or LimitNOFILE=)", how)
@@ -372,9 +373,7 @@ def check_service(ctx) -> Check:
         return Check("service", WARN, str(err))
     if not st.installed:
         return Check("service", OK, f"not installed ({st.path}); `kvd service install` runs kvd at login", st.init)
-    loaded = "loaded" if st.loaded else "not loaded"
-    detail = f"installed ({st.path}), {loaded}" + (f" ({st.loaded_detail})" if st.loaded_detail else "")
-    return Check("service", OK if st.loaded else WARN, f"{detail}; logs: {st.log}", st.init)
+    return Check("service", OK if st.loaded else WARN, f"installed ({st.path}); {st.asked}; logs: {st.log}", st.init)
 
 
 def check_vllm_mlx(ctx) -> Check:

@@ -132,8 +132,8 @@ class ServiceState:
     init: str
     path: str
     installed: bool
-    loaded: bool
-    loaded_detail: str
+    loaded: bool  # launchd: bootstrapped; systemd: active
+    asked: str  # what was asked and the answer, in words
     log: str  # where its output goes
 
 
@@ -145,9 +145,11 @@ def service_state(endpoint: str, answered: tuple[bool, str]) -> ServiceState:
     st = svc.status(t, endpoint, pinger=lambda _ep: answered)
     if t.init == "launchd":
         log = str(launchd.log_dir(t.home) / "kvd.err.log")
+        asked = f"launchctl print {t.launchd_domain}/{launchd.LABEL}: {'loaded' if st.loaded else 'not loaded'}"
     else:
         log = f"journalctl --user -u {systemd.UNIT_NAME}"
-    return ServiceState(st.init, st.path, st.installed, st.loaded, st.loaded_detail, log)
+        asked = f"systemctl --user is-active {systemd.UNIT_NAME}: {st.loaded_detail or ('active' if st.loaded else '?')}"
+    return ServiceState(st.init, st.path, st.installed, st.loaded, asked, log)
 
 
 def ping(endpoint: str, timeout: float, keys_dir: str | None, client_key: str) -> tuple[bool, str]:
