@@ -46,7 +46,7 @@ def main() -> None:
 
 def _register() -> None:
     # Imported here so each module can `from kvd.cli import main` if it needs to.
-    from kvd.cli import admin, config_cmd, explain, inspect, keys_cmd, serve, service_cmd, top, transfer  # noqa: F401
+    from kvd.cli import admin, config_cmd, doctor, explain, inspect, keys_cmd, serve, service_cmd, top, transfer  # noqa: F401
 
 
 _register()
