@@ -3,8 +3,7 @@
 Every call doctor makes into the daemon's OS-facing modules (fd limits, RSS
 and malloc tuning, memory-pressure sources, shared-memory segments), the
 endpoint rules and the service files goes through this module, so that when
-that code moves (kvd/server/{peers,pressure,shm}.py -> kvd/host/) only the
-import lines below change. Each function runs the daemon's own code on this
+that code moves only the import lines below change. Each function runs the daemon's own code on this
 machine -- nothing here re-implements what the daemon does, so a doctor line
 is true of `kvd serve` too.
 """
@@ -18,14 +17,17 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-# The imports to repoint once kvd/host/ lands (fds.py, memory.py, pressure.py, segments.py).
 from kvd.endpoint import (
     EndpointError, check_endpoint, check_run_dir, check_socket, endpoint_locked, ipc_path, is_default_run_dir,
 )
 from kvd.protocol.shm import segment_name
-from kvd.server.peers import default_max_peers, raise_fd_limit, rss_bytes, tune_malloc
-from kvd.server.pressure import Sample, make_source
-from kvd.server.shm import Arena, new_plane_dir, plane_prefix
+from kvd.host.fds import raise_fd_limit
+from kvd.host.memory import rss_bytes, tune_malloc
+from kvd.host.pressure import Sample
+from kvd.server.admission.caps import default_max_peers
+from kvd.server.governor import make_source
+from kvd.server.shm.arena import Arena
+from kvd.server.shm.folders import new_plane_dir, plane_prefix
 from kvd.service import install as svc
 from kvd.service import launchd, systemd
 from kvd.service.install import UnsupportedPlatform
