@@ -61,7 +61,7 @@ class Check:
 # -- the child process that imports mlx ------------------------------------------------
 
 # Run with `python -c`: each probe is caught on its own, and the whole answer
-# is one JSON object on stdout.
+# is one JSON object on the last line of stdout (an import may print before it).
 _PROBE = r"""
 import json, sys
 out = {}
@@ -83,7 +83,7 @@ if "mlx_lm" in sys.argv[1:]:
         out["mlx_lm"] = {"missing": [n for n in ("run", "LRUPromptCache") if not hasattr(s, n)]}
     except BaseException as err:
         out["mlx_lm"] = {"error": f"{type(err).__name__}: {err}"}
-sys.stdout.write(json.dumps(out))
+sys.stdout.write("\n" + json.dumps(out) + "\n")
 """
 
 
@@ -100,9 +100,12 @@ class _Probe:
 
     def __init__(self):
         args = [a for a, dist in (("vllm", "vllm-mlx"), ("mlx_lm", "mlx-lm")) if _version(dist)]
-        self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
         self._answer: dict | None = None
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, *args], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        except OSError as err:  # no fd, no memory, no process left
+            self._answer = {"error": f"cannot start a child process: {err.strerror or err}"}
 
     def result(self) -> dict:
         if self._answer is None:
@@ -114,7 +117,7 @@ class _Probe:
                 self._answer = {"error": f"importing mlx took over {_PROBE_S:.0f} s"}
                 return self._answer
             try:
-                self._answer = json.loads(out)
+                self._answer = json.loads((out.strip().splitlines() or [""])[-1])
             except ValueError:
                 last = (err.strip().splitlines() or [f"exit status {self._proc.returncode}"])[-1]
                 self._answer = {"error": f"the probe process died: {last}"}
@@ -189,7 +192,10 @@ def check_endpoint(ctx) -> Check:
     except h.EndpointError as err:
         if h.is_default_run_dir(folder):
             return Check("endpoint", FAIL, f"{ep}: {err}", "kvd.endpoint rule 5: the daemon and clients refuse it")
-        return Check("endpoint", WARN, f"{ep}: {err} (a folder you chose: kvd does not refuse it)",
+        # kvd.endpoint's words are a refusal; for a folder the operator chose
+        # kvd does not refuse, so doctor says what is wrong without "refusing".
+        fault = str(err).removeprefix("refusing ")
+        return Check("endpoint", WARN, f"{ep}: {fault} (a folder you chose: kvd does not refuse it)",
                      "kvd.endpoint rule 5, enforced for the default folders only")
     if not folder.exists():
         return Check("endpoint", OK, f"{ep}: folder {folder} does not exist yet (the daemon makes it 0700)",

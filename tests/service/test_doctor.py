@@ -1,6 +1,7 @@
 """`kvd doctor`, the real command in a child process: healthy against a real
 daemon, then one thing broken at a time -- a run dir other users may enter,
-an unreachable daemon, a full disk, an fd limit of 64 -- each time checking
+an unreachable daemon, a full disk, an fd limit of 64, an mlx that cannot be
+imported -- each time checking
 that the matching line says so, and the exit status (1 only for a failure).
 """
 
@@ -150,3 +151,15 @@ def test_a_full_disk_fails_the_write_and_warns_on_space(folder):
     assert "0 B free of 64.0 KiB, tmpfs" in got["data dir"]["detail"] and "under min_free_gb" in got["data dir"]["detail"]
     assert got["fsync"]["status"] == "fail" and "No space left on device" in got["fsync"]["detail"], got["fsync"]
     assert out.returncode == 1, out.stdout + out.stderr
+
+
+def test_an_mlx_that_cannot_be_imported_is_a_warning_not_a_crash(folder, tmp_path):
+    # A package named mlx that raises on import, first on the path: doctor
+    # imports mlx only in its child process, which says so in a line.
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx" / "__init__.py").write_text('raise ImportError("broken on purpose")\n')
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = run("--json", "--endpoint", f"ipc://{folder}/kvd.sock", "--data-dir", str(folder / "data"), env=env)
+    got = checks(out.stdout)
+    assert got["mlx"]["status"] == "warn" and "cannot import mlx: ImportError: broken on purpose" in got["mlx"]["detail"]
+    assert out.returncode == 0, out.stdout + out.stderr
