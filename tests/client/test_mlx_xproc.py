@@ -86,7 +86,7 @@ def tokens_for(kind: str, dtype_name: str, n: int) -> list[int]:
 STORE = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, {here!r})
+    sys.path[:0] = [{here!r}, {tests!r}]
     import mlx.core as mx
     from test_mlx_xproc import CHUNK_TOKENS, DTYPES, KINDS, build, tokens_for
     from kvd_client import Client
@@ -117,7 +117,7 @@ def _store(work: Path, prefix: str):
     from conftest import DaemonProcess
 
     d = DaemonProcess(work, ["--ram-mb", "256"]).start()
-    r = subprocess.run([sys.executable, "-c", STORE.format(here=str(TESTS), endpoint=d.endpoint, prefix=prefix, kinds=list(KINDS))],
+    r = subprocess.run([sys.executable, "-c", STORE.format(here=str(Path(__file__).resolve().parent), tests=str(TESTS), endpoint=d.endpoint, prefix=prefix, kinds=list(KINDS))],
                        capture_output=True, text=True, timeout=180)
     if r.returncode != 0 or "STORED" not in r.stdout:
         d.stop()
