@@ -141,11 +141,10 @@ class Nodes:
             except Exception as exc:  # noqa: BLE001 - a node down: ask the next one
                 last = exc
                 continue
-            text = info.decode() if isinstance(info, bytes) else str(info)
-            fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-            self.state = fields.get("cluster_state", "unknown").strip()
-            if self.state != "ok":
-                self.stale = True  # a failover under way: the map will change
+            fields = {str(k): str(v).strip() for k, v in info.items()} if isinstance(info, dict) else {}
+            self.state = fields.get("cluster_state", "unknown")
+            if self.state != "ok" or fields.get("cluster_known_nodes") != str(len(client.get_nodes())):
+                self.stale = True  # a failover under way, or nodes added: the map will change
             return
         self.state = "unreachable"
         raise last if last is not None else ConnectionError("no cluster node known")
