@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import re
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -115,16 +116,18 @@ def test_a_slot_migration_under_a_mixed_load_costs_misses_at_most(cluster, daemo
            "--cluster-to", cluster.node_id(dst), "--cluster-slots", "1000", "--cluster-yes"]
     new = [list(range(500_000 + 10_000 * i, 500_000 + 10_000 * i + 600)) for i in range(30)]
     with a.client(NS) as ca, b.client(NS) as cb:
-        reshard = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log = tempfile.TemporaryFile("w+")  # a pipe nobody reads would fill and stall redis-cli
+        reshard = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
         rng = random.Random(43)
         i = 0
-        while reshard.poll() is None or i < 5:
+        deadline = time.monotonic() + 120
+        while (reshard.poll() is None or i < 5) and time.monotonic() < deadline:
             if i < len(new):
                 assert ca.put(new[i], prefix_snapshot(new[i]))
             pick = SEQS + new[: max(1, i - 2)]
             check(cb, [rng.choice(pick)], all_hit=False)
             i += 1
-        assert reshard.wait(60) == 0, reshard.stdout.read()[-2000:]
+        assert reshard.wait(60) == 0, (log.seek(0), log.read()[-2000:])
         for toks in new[i:]:
             assert ca.put(toks, prefix_snapshot(toks))
         wait_for(lambda: remote(ca), lambda r: r["backlog"] == 0)
