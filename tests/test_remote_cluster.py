@@ -51,8 +51,9 @@ def wait_for(what, cond, timeout: float = 20.0, every: float = 0.05):
         time.sleep(every)
 
 
-def daemon(daemon_factory, cluster, *extra: str):
-    return daemon_factory("--ram-mb", "64", "--data-dir", "none", "--remote-url", cluster.url, "--remote-cluster", *extra)
+def daemon(daemon_factory, cluster, *extra: str, env: dict | None = None):
+    return daemon_factory("--ram-mb", "64", "--data-dir", "none", "--remote-url", cluster.url, "--remote-cluster", *extra,
+                          env=env)
 
 
 def store(client, seqs) -> None:
@@ -140,32 +141,43 @@ def test_a_slot_migration_under_a_mixed_load_costs_misses_at_most(cluster, daemo
 
 def test_a_primary_killed_mid_read_costs_misses_and_its_replica_takes_over(cluster, daemon_factory):
     replicated(cluster)  # so the replica promoted holds every value: nothing may be lost
-    b = daemon(daemon_factory, cluster, "--remote-timeout-s", "0.5")
+    # B asks a dead primary's replica (remote_read_replicas, the default);
+    # P keeps reads on primaries, so the dead one's keys are misses.
+    b = daemon(daemon_factory, cluster)
+    p = daemon(daemon_factory, cluster, env={"KVD_REMOTE_READ_REPLICAS": "false"})
     victim = cluster.roles()[0][2]
     errors: list[BaseException] = []
-    reads = [0]
+    reads: dict = {b: [], p: []}  # hits per pass
     stop = threading.Event()
 
-    def reader():
+    def reader(d):
         try:
-            with b.client(NS) as cb:
+            with d.client(NS) as c:
                 while not stop.is_set():
-                    # A fresh daemon would promote what it read: ask for it, then
-                    # for sequences B may not have yet; every hit is checked.
-                    check(cb, SEQS, all_hit=False)
-                    reads[0] += 1
+                    c.gc(ns=NS, dry_run=False, orphans=False)  # its RAM emptied: every read goes to the cluster
+                    reads[d].append(check(c, SEQS, all_hit=False))  # every hit bit-exact
         except BaseException as exc:  # noqa: BLE001 - what the test asserts is absent
             errors.append(exc)
 
-    t = threading.Thread(target=reader)
-    t.start()
-    time.sleep(0.3)
+    threads = [threading.Thread(target=reader, args=(d,)) for d in (b, p)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: min(map(len, reads.values())), lambda n: n >= 2)
     victim.stop()  # SIGKILL
-    time.sleep(1.0)
+    after = {d: len(r) for d, r in reads.items()}
+    wait_for(lambda: min(len(reads[d]) - after[d] for d in reads), lambda n: n >= 5)
     stop.set()
-    t.join(30)
+    for t in threads:
+        t.join(30)
     assert not errors, errors
-    assert reads[0] > 0
+    dead = f"127.0.0.1:{victim.port}"
+    with b.client(NS) as cb, p.client(NS) as cp:
+        rb, rp = remote(cb), remote(cp)
+        # The killed node's reads failed, counted under its name, and nothing else went wrong.
+        for r in (rb, rp):
+            assert r["node_errors"].get(dead, 0) > 0 and r["checksum_failures"] == 0 and r["auth_failures"] == 0, r
+    # Primaries only: the dead node's keys were misses until the failover.
+    assert min(reads[p][after[p]:]) < len(SEQS), reads[p]
     cluster.wait_ok(60)  # the replica promoted, every slot covered again
     assert len(cluster.roles()[0]) == 3
     c = daemon(daemon_factory, cluster)

@@ -18,8 +18,11 @@ Rules:
    slot's replicas, on connections that sent READONLY. Values never change
    under one key and carry a MAC, so a replica that lags gives misses, never
    wrong bytes.
-3. A failed node is skipped (its keys are misses at once) for `_DOWN_S`, so
-   a black-holed node costs one timeout, not one per read.
+3. A node that refused or reset a connection is skipped (its keys are
+   misses at once, or its replicas are asked) for `_DOWN_S`. A read that ran
+   out of time is counted but skips nothing: on a loaded machine a slow
+   read is not a dead node (a black-holed node costs each read its
+   deadline until the cluster fails it over and the map moves its slots).
 4. Any node failure or redirect marks the slot map stale; the writer thread
    refreshes it (`watch`, at most every `_REFRESH_S`), never a read. The
    watch also asks CLUSTER INFO (`cluster_state`); when no node answers it,

@@ -463,6 +463,8 @@ class RemoteTier:
         slots, and None (a miss) for the keys of a node that failed or
         redirected (cluster.py rules 1-3). Raises only on a single server, or
         when the read was abandoned."""
+        import redis
+
         nodes = self.nodes
         if nodes is None:
             return get_many(self._reader, keys, self.alloc, deadline=deadline, **kw)
@@ -480,7 +482,7 @@ class RemoteTier:
                 except self._errors as exc:
                     if deadline.stop is not None and deadline.stop.is_set():
                         raise  # abandoned: not the node's fault
-                    nodes.failed(node, exc)
+                    nodes.failed(node, exc, down=not isinstance(exc, redis.TimeoutError))
                     continue
                 if any(isinstance(r, Refused) and redirected(r) for r in got):
                     nodes.failed(node, down=False)
