@@ -41,10 +41,12 @@ _REFRESH_S = 0.5  # slot map refreshes at most this often
 WATCH_S = 5.0  # CLUSTER INFO at least this often while the writer is idle
 
 
-def cluster_client(url: str, timeout: float, tls: dict[str, Any], read_replicas: bool) -> Any:
-    """A RedisCluster for `url` (any node), bounded waits, a few quick retries
-    for the redirects it follows itself. Raises what discovery raises when no
-    node answers (RedisClusterException, redis.RedisError)."""
+def cluster_client(url: str, timeout: float, tls: dict[str, Any], read_replicas: bool, retries: int) -> Any:
+    """A RedisCluster for `url` (any node), bounded waits, `retries` quick
+    retries for the redirects it follows itself (the reader's 0: a read on the
+    loop thread waits one timeout at most, a redirect is a miss; the writer's
+    a few). Raises what discovery raises when no node answers
+    (RedisClusterException, redis.RedisError)."""
     from redis.backoff import NoBackoff
     from redis.cluster import RedisCluster
     from redis.retry import Retry
@@ -55,7 +57,7 @@ def cluster_client(url: str, timeout: float, tls: dict[str, Any], read_replicas:
 
     extra = {"redis_connect_func": readonly} if read_replicas else {}
     return RedisCluster.from_url(
-        url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 2),
+        url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), retries),
         health_check_interval=0, **tls, **extra,
     )
 
@@ -127,6 +129,14 @@ class Nodes:
             if down:
                 self._down[node.name] = time.monotonic() + _DOWN_S
             self.stale = True
+
+    def failed_key(self, key: bytes) -> None:
+        """A command redis-py routed itself (a tails hash) failed: count it under the key's primary."""
+        from redis.crc import key_slot
+
+        owners = self.client.nodes_manager.slots_cache.get(key_slot(key)) or []
+        if owners:
+            self.failed(owners[0], down=False)
 
     def watch(self) -> None:
         """Rule 4, on the writer thread: refresh a stale slot map, then ask one

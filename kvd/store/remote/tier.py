@@ -117,10 +117,10 @@ class RemoteTier:
         # first use: discovery needs a node that answers, a start does not.
         self.nodes: Nodes | None = None
         if cluster:
-            def make(replicas: bool) -> Any:
-                return cluster_client(client_url(url), timeout, _tls(url, ca_file), replicas)
-            self.nodes = Nodes(lambda: make(read_replicas), read_replicas)
-            self._writer_nodes = Nodes(lambda: make(False), False)
+            def make(replicas: bool, retries: int) -> Any:
+                return cluster_client(client_url(url), timeout, _tls(url, ca_file), replicas, retries)
+            self.nodes = Nodes(lambda: make(read_replicas, 0), read_replicas)
+            self._writer_nodes = Nodes(lambda: make(False, 2), False)
         else:
             self._reader_client = _client(url, timeout, ca_file)
             self._writer_client = _client(url, timeout, ca_file)
@@ -530,7 +530,12 @@ class RemoteTier:
         return n, bytes.fromhex(field.decode())
 
     def _tails_failed(self, parent: bytes, exc: BaseException) -> None:
-        if _about_the_server(exc):
+        if self.nodes is not None and (redirected(exc) or _about_the_server(exc)):
+            try:  # cluster.py rule 1: that node's miss, not the tier's episode
+                self.nodes.failed_key(rv.tails_key(parent))
+            except self._errors:
+                pass
+        elif _about_the_server(exc):
             self._failed(exc, "tails")
         else:  # rule 3: a key of another type under the tails hash's name
             self._add("checksum_failures")
