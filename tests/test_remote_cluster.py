@@ -12,6 +12,7 @@ what a failing node may cost is a miss, never an exception or a wrong byte
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import subprocess
@@ -22,7 +23,7 @@ import time
 import pytest
 
 from redis_server import CLUSTER_SKIP, RedisCluster, cluster_supported
-from support import assert_prefix_hit, prefix_snapshot
+from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, scrape
 
 pytestmark = pytest.mark.skipif(not cluster_supported(), reason=CLUSTER_SKIP)
 
@@ -143,7 +144,8 @@ def test_a_primary_killed_mid_read_costs_misses_and_its_replica_takes_over(clust
     replicated(cluster)  # so the replica promoted holds every value: nothing may be lost
     # B asks a dead primary's replica (remote_read_replicas, the default);
     # P keeps reads on primaries, so the dead one's keys are misses.
-    b = daemon(daemon_factory, cluster)
+    port = free_port()
+    b = daemon(daemon_factory, cluster, "--metrics-port", str(port))
     p = daemon(daemon_factory, cluster, env={"KVD_REMOTE_READ_REPLICAS": "false"})
     victim = cluster.roles()[0][2]
     errors: list[BaseException] = []
@@ -178,6 +180,14 @@ def test_a_primary_killed_mid_read_costs_misses_and_its_replica_takes_over(clust
             assert r["node_errors"].get(dead, 0) > 0 and r["checksum_failures"] == 0 and r["auth_failures"] == 0, r
     # Primaries only: the dead node's keys were misses until the failover.
     assert min(reads[p][after[p]:]) < len(SEQS), reads[p]
+    # What an operator sees: `kvd stats --json` and /metrics, per node.
+    shown = json.loads(kvd("stats", "--json", "--endpoint", b.endpoint).stdout)["tiers"]["remote"]
+    assert shown["node_errors"].get(dead, 0) > 0 and shown["cluster_nodes"] >= 3 and "cluster_state" in shown
+    table = kvd("stats", "--endpoint", b.endpoint)
+    assert table.returncode == 0 and "cluster_state=" in table.stdout and dead in table.stdout, table
+    metrics = scrape(port)
+    assert metrics[("kvd_tier_node_errors_total", (("node", dead), ("tier", "remote")))] > 0
+    assert ("kvd_tier_cluster_ok", (("tier", "remote"),)) in metrics
     cluster.wait_ok(60)  # the replica promoted, every slot covered again
     assert len(cluster.roles()[0]) == 3
     c = daemon(daemon_factory, cluster)
