@@ -122,6 +122,68 @@ class Nodes:
     def redis(self, node: Any) -> Any:
         return self.client.get_redis_connection(node)
 
+    def prefixes(self, keys: Sequence[bytes], nbytes: int, errors: tuple[type[BaseException], ...],
+                 server_error: Callable[[BaseException], bool]) -> list[Any]:
+        """The first `nbytes` of each key (GETRANGE), one pipeline per node
+        owning their slots; b"" for the keys of a node that failed or
+        redirected (rules 1-3), an error reply `server_error` calls about one
+        key (WRONGTYPE) in its place. Raises `errors` only from discovery."""
+        out: list[Any] = [b""] * len(keys)
+        groups, _ = self.groups(keys)
+        for candidates, idx in groups:
+            for node in candidates:
+                pipe = self.redis(node).pipeline(transaction=False)
+                for i in idx:
+                    pipe.getrange(keys[i], 0, nbytes - 1)
+                try:
+                    found = pipe.execute(raise_on_error=False)
+                except errors as exc:
+                    self.failed(node, exc)
+                    continue
+                if any(isinstance(r, Exception) and not redirected(r) and server_error(r) for r in found):
+                    self.failed(node)  # LOADING, MASTERDOWN, ...: the node answers no key now
+                    continue
+                if any(isinstance(r, Exception) and redirected(r) for r in found):
+                    self.failed(node, down=False)
+                for i, r in zip(idx, found):
+                    out[i] = b"" if isinstance(r, Exception) and redirected(r) else r
+                break
+        return out
+
+    def get(self, keys: Sequence[bytes], alloc: Any, deadline: Any, errors: tuple[type[BaseException], ...],
+            **kw: Any) -> list[Any]:
+        """get_many of `keys` (kw: its sizes, groups, most), one pipeline per
+        node owning their slots; None (a miss) for the keys of a node that
+        failed or redirected (rules 1-3), and for those left when the
+        deadline ran out. Raises only when the read was abandoned (the
+        deadline's stop flag: not the node's fault)."""
+        import redis
+
+        from kvd.store.remote.get import Refused, get_many
+
+        out: list[Any] = [None] * len(keys)
+        groups, _ = self.groups(keys)
+        for candidates, idx in groups:
+            sub = {k: (v if k == "most" else [v[i] for i in idx]) for k, v in kw.items()}
+            for node in candidates:
+                if deadline.stop is not None and deadline.stop.is_set():
+                    deadline.left()  # raises: abandoned by the loop thread
+                if time.monotonic() >= deadline.at:
+                    return out  # the read's time is up: the rest are misses, no node to blame
+                try:
+                    got = get_many(self.redis(node), [keys[i] for i in idx], alloc, deadline=deadline, **sub)
+                except errors as exc:
+                    if deadline.stop is not None and deadline.stop.is_set():
+                        raise
+                    self.failed(node, exc, down=not isinstance(exc, redis.TimeoutError))
+                    continue
+                if any(isinstance(r, Refused) and redirected(r) for r in got):
+                    self.failed(node, down=False)
+                for i, r in zip(idx, got):
+                    out[i] = None if isinstance(r, Refused) and redirected(r) else r
+                break
+        return out
+
     def failed(self, node: Any, exc: BaseException | None = None, *, down: bool = True) -> None:
         """Rule 1 and 3: count it under the node's name, skip the node a while, refresh the map."""
         with self._lock:

@@ -405,7 +405,7 @@ class RemoteTier:
         keys = [rv.value_key(eid[:32], eid[32]) for eid in eids]
         try:
             if self.nodes is not None:
-                found = self._prefixes_by_node(keys)
+                found = self.nodes.prefixes(keys, rv.PRESENCE_BYTES, self._errors, _about_the_server)
             else:
                 pipe = self._reader.pipeline(transaction=False)
                 for key in keys:
@@ -430,66 +430,11 @@ class RemoteTier:
             held.append(ok)
         return held
 
-    def _prefixes_by_node(self, keys: Sequence[bytes]) -> list[Any]:
-        """The first PRESENCE_BYTES of each key, one pipeline per node owning
-        their slots; b"" for the keys of a node that failed or redirected
-        (cluster.py rules 1-3)."""
-        nodes = self.nodes
-        assert nodes is not None
-        out: list[Any] = [b""] * len(keys)
-        groups, _ = nodes.groups(keys)
-        for candidates, idx in groups:
-            for node in candidates:
-                pipe = nodes.redis(node).pipeline(transaction=False)
-                for i in idx:
-                    pipe.getrange(keys[i], 0, rv.PRESENCE_BYTES - 1)
-                try:
-                    found = pipe.execute(raise_on_error=False)
-                except self._errors as exc:
-                    nodes.failed(node, exc)
-                    continue
-                if any(isinstance(r, Exception) and not redirected(r) and _about_the_server(r) for r in found):
-                    nodes.failed(node)
-                    continue
-                if any(isinstance(r, Exception) and redirected(r) for r in found):
-                    nodes.failed(node, down=False)
-                for i, r in zip(idx, found):
-                    out[i] = b"" if isinstance(r, Exception) and redirected(r) else r
-                break
-        return out
-
     def _get(self, keys: Sequence[bytes], deadline: Deadline, **kw: Any) -> list[Any]:
-        """get_many of `keys`; on a cluster one pipeline per node owning their
-        slots, and None (a miss) for the keys of a node that failed or
-        redirected (cluster.py rules 1-3). Raises only on a single server, or
-        when the read was abandoned."""
-        import redis
-
-        nodes = self.nodes
-        if nodes is None:
+        """get_many of `keys`: on a cluster, one pipeline per node (Nodes.get)."""
+        if self.nodes is None:
             return get_many(self._reader, keys, self.alloc, deadline=deadline, **kw)
-        out: list[Any] = [None] * len(keys)
-        groups, _ = nodes.groups(keys)
-        for candidates, idx in groups:
-            sub = {k: (v if k == "most" else [v[i] for i in idx]) for k, v in kw.items()}
-            for node in candidates:
-                if deadline.stop is not None and deadline.stop.is_set():
-                    deadline.left()  # raises: abandoned by the loop thread
-                if time.monotonic() >= deadline.at:
-                    return out  # the read's time is up: the rest are misses, no node to blame
-                try:
-                    got = get_many(nodes.redis(node), [keys[i] for i in idx], self.alloc, deadline=deadline, **sub)
-                except self._errors as exc:
-                    if deadline.stop is not None and deadline.stop.is_set():
-                        raise  # abandoned: not the node's fault
-                    nodes.failed(node, exc, down=not isinstance(exc, redis.TimeoutError))
-                    continue
-                if any(isinstance(r, Refused) and redirected(r) for r in got):
-                    nodes.failed(node, down=False)
-                for i, r in zip(idx, got):
-                    out[i] = None if isinstance(r, Refused) and redirected(r) else r
-                break
-        return out
+        return self.nodes.get(keys, self.alloc, deadline, self._errors, **kw)
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         """(length, key) of tails the server lists under `parent`: one HSCAN
