@@ -1,5 +1,7 @@
-"""A throwaway Redis/Valkey server for the remote-tier tests and benchmarks.
+"""A throwaway Redis/Valkey server (or cluster) for the remote-tier tests and benchmarks.
 
+`RedisCluster` joins six of them (three primaries, three replicas) with
+`redis-cli --cluster create` and waits for cluster_state:ok everywhere.
 `RedisServer` runs the real `valkey-server` or `redis-server` binary on a
 free loopback port with a temporary dir, no persistence, and waits for it to
 answer PING (polling the socket, with a deadline). `redis_binary()` is None
@@ -234,6 +236,5 @@ def cluster_supported() -> bool:
     cli = shutil.which("valkey-cli") or shutil.which("redis-cli")
     if binary is None or cli is None:
         return False
-    out = subprocess.run([cli, "--cluster", "help"], capture_output=True, text=True).stdout + \
-        subprocess.run([cli, "--cluster", "help"], capture_output=True, text=True).stderr
-    return "create" in out
+    done = subprocess.run([cli, "--cluster", "help"], capture_output=True, text=True)
+    return "create" in done.stdout + done.stderr
