@@ -505,6 +505,9 @@ class RemoteTier:
         out: dict[bytes, Entry] = {}
         for eid, h in heads.items():
             refused = next((p for p in parts.get(eid, ()) if isinstance(p, Refused)), None)
+            if self.nodes is not None and any(p is None for p in parts.get(eid, ())):
+                self._add("misses")  # its node failed or moved the slot after the main value was read
+                continue
             try:
                 if refused is not None:
                     raise rv.BadRemoteValue(f"part refused: {refused.reason}")
