@@ -1,6 +1,6 @@
 """The shared remote tier: what "machine B" gets from what "machine A" stored.
 
-    python bench/bench_remote.py [--reps 5]
+    python bench/bench_remote.py [--reps 5] [--cluster]
 
 Starts a throwaway redis-server (or valkey-server) on loopback and two
 daemons A and B pointing at it (separate data dirs; B keeps RAM only so a
@@ -17,6 +17,11 @@ GC empties it). Prints, with baselines measured in the same run:
          from the remote through B, then the last token through the model)
          against B's own cold prefill, with the random-weight demo model
          (examples/demo_shared_prefix.py; nothing is downloaded).
+
+With --cluster the server is a Redis Cluster of three primaries and three
+replicas on loopback (tests/redis_server.py), the daemons run with
+--remote-cluster, and the baseline is redis-py's RedisCluster pipelined GET
+(grouped by node) of the same values; the TTFT part is skipped.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ sys.path.insert(0, str(ROOT.parent / "tests"))
 from _util import GiB, daemon, machine, median_time  # noqa: E402
 
 LAYERS, HEADS, DIM, T = 32, 8, 128, 2048
+
+
+class _Done(Exception):
+    """--cluster: the fetch figures are taken; skip the TTFT part."""
 
 
 def wait_written(client, n: int, timeout: float = 300.0) -> None:
@@ -60,10 +69,11 @@ def main() -> None:
     from kvd.protocol import remote_value as rv
     from kvd_client import Client, HostTensor, Snapshot
     from kvd_client.mlx_lm import namespace_for
-    from redis_server import RedisServer, redis_binary
+    from redis_server import RedisCluster, RedisServer, redis_binary
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cluster", action="store_true", help="a 3-primary, 3-replica Redis Cluster instead of one server")
     args = p.parse_args()
     if redis_binary() is None:
         sys.exit("bench_remote: needs redis-server or valkey-server on PATH")
@@ -78,14 +88,22 @@ def main() -> None:
     print(f"kvd remote bench: {LAYERS} layers x {HEADS} KV heads x dim {DIM}, {T} tokens bf16 = "
           f"{nbytes / 2**20:.0f} MiB; {machine()}; {Path(redis_binary()).name}; median of {reps}")
 
-    server = RedisServer("--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru").start()
+    if args.cluster:
+        server = RedisCluster().start()
+        for node in server.servers:
+            node.client().config_set("maxmemory", "2gb")
+            node.client().config_set("maxmemory-policy", "allkeys-lru")
+        folder = server.servers[0].dir
+    else:
+        server = RedisServer("--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru").start()
+        folder = server.dir
     try:
         url = server.url
         from kvd.endpoint import write_remote_key
 
-        key = server.dir / "remote.key"  # the tier key both daemons sign and check with
+        key = folder / "remote.key"  # the tier key both daemons sign and check with
         write_remote_key(key)
-        shared = ("--remote-url", url, "--remote-key-file", str(key))
+        shared = ("--remote-url", url, "--remote-key-file", str(key), *(("--remote-cluster",) if args.cluster else ()))
         with daemon("--ram-mb", "2048", *shared) as a, \
                 daemon("--ram-mb", "2048", "--data-dir", "none", *shared) as b:
             ep_a, ep_b = a.endpoint, b.endpoint
@@ -95,7 +113,12 @@ def main() -> None:
             wait_written(ca, T // 256)
 
             # Baseline: redis-py's pipelined GET of the very values kvd reads.
-            r = server.client()
+            if args.cluster:
+                import redis.cluster
+
+                r = redis.cluster.RedisCluster.from_url(url)
+            else:
+                r = server.client()
             names = []
             for key in keys.chain("bench-remote", 256, keys.token_bytes(toks)):
                 main = rv.value_key(key, 0)
@@ -133,6 +156,10 @@ def main() -> None:
             assert all(hit.sliced[n].array.tobytes() == t.array.tobytes() for n, (t, _) in sliced.items())
             local_s = median_time(fetch_b, reps)  # B holds it now: its RAM tier's speed, for scale
             rstats = cb.stats()["tiers"]["remote"]
+            if args.cluster:
+                for cl in (ca, cb):
+                    cl.close()
+                raise _Done
 
             # TTFT on B for a prompt A stored, vs B's own cold prefill.
             model = build_model()
@@ -169,9 +196,11 @@ def main() -> None:
                 _, n_reused = kb.fetch(prompt)
                 for cl in (ka, kb, ca, cb):
                     cl.close()
+    except _Done:
+        pass
     finally:
         server.close()
-        shutil.rmtree(server.dir, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
     gib = nbytes / GiB
     print(f"redis-py pipelined GET (baseline) {raw_s * 1e3:8.1f} ms  {gib / raw_s:5.2f} GiB/s")
@@ -180,6 +209,10 @@ def main() -> None:
     print(f"  per rep (raw, then B's fetch, alternated): ratios {' '.join(f'{r:.2f}' for r in pair_ratios)}")
     print(f"B fetch, after promotion (RAM)     {local_s * 1e3:8.1f} ms  {gib / local_s:5.2f} GiB/s")
     print(f"  remote tier on B: hits={rstats['hits']} bytes_in={rstats['bytes_in']} exists_queries={rstats['exists_queries']}")
+    if args.cluster:
+        print(f"  cluster: {rstats['cluster_primaries']} primaries, {rstats['cluster_nodes']} nodes known, "
+              f"state {rstats['cluster_state']}, node errors {rstats['node_errors']}")
+        return
     print(f"TTFT on B, {T}-token prompt: cold prefill {cold_s * 1e3:.1f} ms, stored by A and fetched via the remote "
           f"{warm_s * 1e3:.1f} ms ({n_reused} tokens reused) -> {cold_s / warm_s:.1f}x faster")
 

@@ -431,6 +431,12 @@ SETTINGS: tuple[Setting, ...] = (
             "keep it above the largest PUT (max_message_mb)."),
     Setting("remote_batch", _int(1), 32,
             "Entries written to the remote per pipelined batch."),
+    Setting("remote_cluster", _bool, False,
+            "The remote is a Redis/Valkey Cluster: remote_url names any node, the others and the slot map are "
+            "discovered; a node that fails or moves a slot costs misses, never errors."),
+    Setting("remote_read_replicas", _bool, True,
+            "On a cluster, a read whose primary does not answer is asked of that slot's replicas (READONLY; a "
+            "lagging replica gives misses, never wrong bytes); false = reads on primaries only."),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

@@ -1,5 +1,7 @@
-"""A throwaway Redis/Valkey server for the remote-tier tests and benchmarks.
+"""A throwaway Redis/Valkey server (or cluster) for the remote-tier tests and benchmarks.
 
+`RedisCluster` joins six of them (three primaries, three replicas) with
+`redis-cli --cluster create` and waits for cluster_state:ok everywhere.
 `RedisServer` runs the real `valkey-server` or `redis-server` binary on a
 free loopback port with a temporary dir, no persistence, and waits for it to
 answer PING (polling the socket, with a deadline). `redis_binary()` is None
@@ -138,3 +140,101 @@ def write_entries(url: str, entries) -> None:
         assert writer.flush(30)
     finally:
         writer.close()
+
+
+CLUSTER_SKIP = "redis-server/redis-cli without cluster support (cluster-enabled, redis-cli --cluster)"
+
+
+class RedisCluster:
+    """Three primaries and three replicas on loopback ports, each a RedisServer
+    with cluster mode on, joined by `redis-cli --cluster create`. `start()`
+    returns once every node says cluster_state:ok (or raises past its deadline)."""
+
+    def __init__(self, primaries: int = 3, node_timeout_ms: int = 1500):
+        self.cli = shutil.which("valkey-cli") or shutil.which("redis-cli")
+        if self.cli is None:
+            raise RuntimeError(CLUSTER_SKIP)
+        self.servers = [
+            RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                        "--cluster-node-timeout", str(node_timeout_ms), port=_cluster_port())
+            for _ in range(2 * primaries)
+        ]
+        self.primaries = primaries
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    def start(self, timeout: float = 30.0) -> "RedisCluster":
+        for s in self.servers:
+            s.start()
+        addrs = [f"127.0.0.1:{s.port}" for s in self.servers]
+        done = subprocess.run([self.cli, "--cluster", "create", *addrs, "--cluster-replicas", "1", "--cluster-yes"],
+                              capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-1000:]} {done.stderr[-1000:]}")
+        self.wait_ok(timeout)
+        return self
+
+    def alive(self) -> list[RedisServer]:
+        return [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
+
+    def info(self, server: RedisServer) -> dict[str, str]:
+        info = server.client().execute_command("CLUSTER INFO")  # redis-py parses it into a dict
+        return {k: str(v) for k, v in info.items()}
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every live node says cluster_state:ok and knows all 16384 slots as ok."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if all(self.info(s).get("cluster_state") == "ok" and self.info(s).get("cluster_slots_ok") == "16384"
+                       for s in self.alive()) and len(self.roles()[0]) == self.primaries and all(
+                           s.client().info("replication").get("master_link_status") == "up" for s in self.roles()[1]):
+                    return
+            except Exception:  # noqa: BLE001 - a node still starting
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not ok after {timeout}s")
+            time.sleep(0.1)
+
+    def roles(self) -> tuple[list[RedisServer], list[RedisServer]]:
+        """(primaries, replicas) among the live nodes, as each says of itself."""
+        prim, repl = [], []
+        for s in self.alive():
+            role = s.client().execute_command("ROLE")[0]
+            (prim if role in (b"master", "master") else repl).append(s)
+        return prim, repl
+
+    def node_id(self, server: RedisServer) -> str:
+        return server.client().execute_command("CLUSTER MYID").decode()
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.close()
+
+
+def _cluster_port() -> int:
+    """A free port P <= 55535 whose bus port P + 10000 is free too (a cluster node needs both)."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def cluster_supported() -> bool:
+    """redis-server and redis-cli that can make a cluster (Redis >= 5, or Valkey)."""
+    binary = redis_binary()
+    cli = shutil.which("valkey-cli") or shutil.which("redis-cli")
+    if binary is None or cli is None:
+        return False
+    done = subprocess.run([cli, "--cluster", "help"], capture_output=True, text=True)
+    return "create" in done.stdout + done.stderr

@@ -36,6 +36,7 @@ _TIER_EXTRAS = (
     "stored", "too_big", "spills", "drops", "checksum_failures", "quarantined", "bad_rows", "index_errors",
     "queue_entries", "queue_bytes",
     "url", "key", "auth_failures", "written", "bytes_out", "bytes_in", "backlog", "backlog_dropped", "errors",  # the remote tier
+    "cluster_state", "cluster_nodes", "node_errors",  # the remote tier on a cluster
 )
 
 

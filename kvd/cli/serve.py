@@ -227,6 +227,7 @@ def serve(**flags) -> None:
         store = with_remote(local, cfg.remote_url, dict(
             auth=remote_auth, ca_file=cfg.remote_ca_file, ttl_s=cfg.remote_ttl_s, timeout=cfg.remote_timeout_s, part_bytes=cfg.remote_part_mb * MiB,
             backlog_bytes=cfg.remote_backlog_mb * MiB, batch_entries=cfg.remote_batch,
+            cluster=cfg.remote_cluster, read_replicas=cfg.remote_read_replicas,
             max_entry_bytes=cfg.max_message_mb * MiB,  # a remote header promising more is refused unread
         ))
     except ImportError as err:  # remote_url without the kvd[remote] extra

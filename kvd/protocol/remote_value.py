@@ -9,10 +9,13 @@ and back, so it is tested byte for byte against proto/vectors/remote/ and
 fuzzed like the wire codec. The layout is specified in proto/PROTOCOL.md
 section 13; in short:
 
-    key     kvd:2:<hex chain key>          a chunk
-            kvd:2:<hex chain key>:b        the boundary state at its end
-            <key>:p<i>                     part i >= 1 of a value over the part size
-            kvd:2:<hex parent key>:tails   hash: hex tail key -> "<length>:<hex tag>"
+    key     kvd:2:{<hex chain key>}          a chunk
+            kvd:2:{<hex chain key>}:b        the boundary state at its end
+            <key>:p<i>                       part i >= 1 of a value over the part size
+            kvd:2:{<hex parent key>}:tails   hash: hex tail key -> "<length>:<hex tag>"
+            (the braces are a Redis Cluster hash tag: a chunk, its parts, its
+            boundary and the tails hash of its children share one slot, so
+            one node answers a read of one value; chunks spread over all nodes)
 
     value   "KVR2" | u32 H | key tag (16) | MAC (32) | header (msgpack, H bytes) | payload part 0
 
@@ -163,8 +166,8 @@ class RemoteEntry:
 
 
 def value_key(key: bytes, kind: int) -> bytes:
-    """The remote key of an entry: kvd:1:<hex chain key>, with ":b" for boundary state."""
-    return PREFIX + key.hex().encode() + (b":b" if kind == 1 else b"")
+    """The remote key of an entry: kvd:2:{<hex chain key>}, with ":b" for boundary state."""
+    return PREFIX + b"{" + key.hex().encode() + (b"}:b" if kind == 1 else b"}")
 
 
 def part_key(main: bytes, i: int) -> bytes:
@@ -174,7 +177,7 @@ def part_key(main: bytes, i: int) -> bytes:
 
 def tails_key(parent: bytes) -> bytes:
     """The hash listing the tail chunks stored under `parent` (field: hex key, value: length)."""
-    return PREFIX + parent.hex().encode() + b":tails"
+    return PREFIX + b"{" + parent.hex().encode() + b"}:tails"
 
 
 def encode(entry: RemoteEntry, part_bytes: int, auth: RemoteKey) -> list[bytes]:

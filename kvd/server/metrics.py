@@ -108,6 +108,15 @@ class DaemonCollector:
                 families.setdefault("recovered", GaugeMetricFamily(
                     "kvd_tier_index_rebuild_recovered", "Entries the last index rebuild recovered from the blobs", labels=["tier"],
                 )).add_metric([tier], heal.get("recovered", 0))
+            if isinstance(values.get("node_errors"), dict):  # the remote tier on a cluster (kvd/store/remote/cluster.py)
+                fam = families.setdefault("node_errors", CounterMetricFamily(
+                    "kvd_tier_node_errors", "Reads a cluster node failed or redirected, by node", labels=["tier", "node"]))
+                for node, n in sorted(values["node_errors"].items()):
+                    fam.add_metric([tier, node], n)
+            if isinstance(values.get("cluster_state"), str):
+                families.setdefault("cluster_ok", GaugeMetricFamily(
+                    "kvd_tier_cluster_ok", "1 while the cluster's last CLUSTER INFO said cluster_state:ok", labels=["tier"],
+                )).add_metric([tier], int(values["cluster_state"] == "ok"))
             if isinstance(values.get("degraded"), bool):
                 families.setdefault(
                     "degraded", GaugeMetricFamily("kvd_tier_degraded", "1 while the tier is degraded (SSD: disk full, I/O errors; remote: unreachable)", labels=["tier"])

@@ -3,7 +3,9 @@
 Modules: `tier` (RemoteTier: the connections, the write-behind thread, the
 reads and the failure rules), `layered` (WithRemote: the local store in
 front of it, a `Store` itself), `get` (pipelined GETs read straight into
-buffers), `url` (the URL forms and their redaction). Only this package
+buffers), `cluster` (`remote_cluster`: reads grouped by the node owning
+each slot, per-node failures, the slot map's watcher), `url` (the URL forms
+and their redaction). Only this package
 imports redis, and only inside functions. This file imports nothing, so
 the settings table can check a URL (`url`) without loading the tier.
 
@@ -86,9 +88,19 @@ GET of an id no queued batch holds starts a new stream (the old one's batches
 are abandoned); boundary state is read alone on the loop thread and leaves
 the stream be.
 
+On a cluster (`remote_cluster`) the same rules hold per node: one value's
+keys share a slot (their hash tag), the reads of a batch go out as one
+pipeline per node, and a node that fails or redirects is a miss for its
+keys only, never rule 1 for the tier (kvd/store/remote/cluster.py has the
+rules). Writes go through redis-py's cluster pipeline, which groups them by
+node and follows MOVED/ASK; one that fails is treated as rule 2 (reads go
+on, the batch is retried on the backoff once the slot map is refreshed).
+The tier is degraded (rule 1) only when no node answers CLUSTER INFO.
+
 Thread rules: the loop thread reads with its own connections, the reader
 threads (read-ahead) with the same pool, the writer thread with another; they
 share only the backlog and the counters, under its condition (the writer's
 `bytes_out` and the loop thread's `exists_queries` and `promotions` have one
-writer each and are plain).
+writer each and are plain). On a cluster a watcher thread refreshes the slot
+map (redis-py's, under its own lock) and reads cluster_state.
 """

@@ -17,6 +17,7 @@ from kvd.protocol import remote_value as rv
 from kvd.protocol.limits import DEFAULT_LIMITS
 from kvd.store.base import CHUNK, Entry, as_stored
 from kvd.store.pools import OrInline
+from kvd.store.remote.cluster import Nodes, cluster_client, redirected
 from kvd.store.remote.get import SERVER_ERRORS, Alloc, Deadline, Refused, get_many, np_alloc
 from kvd.store.remote.url import client_url, redact
 
@@ -29,14 +30,18 @@ _TAILS_LISTED = 512  # tails one HSCAN page may give (`tails` without a query): 
 TAILS_ASKED = 1024  # candidate tails one HMGET asks about (`tails_for`)
 
 
+def _tls(url: str, ca_file: str | None) -> dict[str, Any]:
+    """For a rediss:// URL, the CA file its server's certificate must chain to."""
+    return {"ssl_ca_certs": ca_file} if ca_file and client_url(url).startswith("rediss://") else {}
+
+
 def _client(url: str, timeout: float, ca_file: str | None = None):
-    """A redis-py client with bounded waits and no silent retries (and, for a
-    rediss:// URL, the CA file its server's certificate must chain to)."""
+    """A redis-py client with bounded waits and no silent retries."""
     import redis  # the optional extra kvd[remote]; imported only when the tier is on
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    tls = {"ssl_ca_certs": ca_file} if ca_file and client_url(url).startswith("rediss://") else {}
+    tls = _tls(url, ca_file)
     return redis.Redis.from_url(
         client_url(url), socket_timeout=timeout, socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0, **tls,
@@ -45,8 +50,9 @@ def _client(url: str, timeout: float, ca_file: str | None = None):
 
 def _errors() -> tuple[type[BaseException], ...]:
     import redis
+    from redis.exceptions import RedisClusterException  # discovery's "no node answers" is no RedisError
 
-    return (redis.RedisError, OSError)
+    return (redis.RedisError, OSError, RedisClusterException)
 
 
 def _reply_code(exc: BaseException) -> str:
@@ -87,7 +93,7 @@ class RemoteTier:
     def __init__(
         self, url: str, *, auth: rv.RemoteKey, ca_file: str | None = None, ttl_s: int = 0, timeout: float = 0.5, part_bytes: int = 32 * MiB,
         batch_entries: int = 32, backlog_bytes: int = 1024 * MiB, fetch_bytes: int = 64 * MiB,
-        max_entry_bytes: int = DEFAULT_LIMITS.max_message_bytes,
+        max_entry_bytes: int = DEFAULT_LIMITS.max_message_bytes, cluster: bool = False, read_replicas: bool = True,
     ):
         self.url = url
         self.shown_url = redact(url)
@@ -107,8 +113,17 @@ class RemoteTier:
         # Where fetched values land (their tensors are views into them): the
         # daemon points this at its shared-memory arena when it has one.
         self.alloc: Alloc = np_alloc
-        self._reader = _client(url, timeout, ca_file)
-        self._writer = _client(url, timeout, ca_file)
+        # On a cluster (kvd/store/remote/cluster.py) the clients are made on
+        # first use: discovery needs a node that answers, a start does not.
+        self.nodes: Nodes | None = None
+        if cluster:
+            def make(replicas: bool, retries: int) -> Any:
+                return cluster_client(client_url(url), timeout, _tls(url, ca_file), replicas, retries)
+            self.nodes = Nodes(lambda: make(read_replicas, 0), read_replicas)
+            self._writer_nodes = Nodes(lambda: make(False, 2), False)
+        else:
+            self._reader_client = _client(url, timeout, ca_file)
+            self._writer_client = _client(url, timeout, ca_file)
         self.cond = threading.Condition()
         self._backlog: OrderedDict[bytes, Entry] = OrderedDict()
         self._inflight: set[bytes] = set()
@@ -133,6 +148,18 @@ class RemoteTier:
         self._reads = OrInline(2, "kvd-remote-read")  # see Read-ahead; inline if no thread can start
         self._thread = threading.Thread(target=self._run, name="kvd-remote", daemon=True)
         self._thread.start()
+        self._watch_stop = threading.Event()
+        if self.nodes is not None:
+            threading.Thread(target=self.nodes.run, args=(self._watch_stop, lambda exc: self._failed(exc, "cluster"), self._recovered),
+                             name="kvd-remote-watch", daemon=True).start()
+
+    @property
+    def _reader(self) -> Any:
+        return self.nodes.client if self.nodes is not None else self._reader_client
+
+    @property
+    def _writer(self) -> Any:
+        return self._writer_nodes.client if self.nodes is not None else self._writer_client
 
     # -- the failure rules ------------------------------------------------------
     def _failed(self, exc: BaseException, where: str) -> None:
@@ -243,7 +270,12 @@ class RemoteTier:
             try:
                 refusal = self._write(batch)
             except self._errors as exc:
-                self._failed(exc, "write")
+                if self.nodes is None:
+                    self._failed(exc, "write")
+                else:  # one node failing or a slot moving: the others still read; retry once the map is new
+                    self.nodes.stale = True
+                    self._writer_nodes.stale = True
+                    self._refused(f"cluster: {type(exc).__name__}: {exc}")
             except Exception:  # a bug: log it, drop the batch, keep the thread
                 log.exception("remote writer: unexpected error (batch dropped)")
                 self._done(batch, written=False)
@@ -260,7 +292,10 @@ class RemoteTier:
 
     def _probe(self) -> None:
         try:
-            self._writer.ping()
+            if self.nodes is not None:
+                self.nodes.watch()
+            else:
+                self._writer.ping()
         except self._errors as exc:
             with self.cond:
                 self.counters["errors"] += 1
@@ -348,7 +383,10 @@ class RemoteTier:
             self.cond.notify_all()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._reads.shutdown(wait=False, cancel_futures=True)
-        for client in (self._reader, self._writer):
+        self._watch_stop.set()
+        clients = [self._reader_client, self._writer_client] if self.nodes is None else \
+            [n._client for n in (self.nodes, self._writer_nodes) if n._client is not None]
+        for client in clients:
             try:
                 client.close()
             except Exception:  # noqa: BLE001 - closing a broken connection
@@ -369,11 +407,15 @@ class RemoteTier:
         when degraded. A value there without a good tag is counted, not held."""
         if not eids or self.degraded:
             return [False] * len(eids)
-        pipe = self._reader.pipeline(transaction=False)
-        for eid in eids:
-            pipe.getrange(rv.value_key(eid[:32], eid[32]), 0, rv.PRESENCE_BYTES - 1)
+        keys = [rv.value_key(eid[:32], eid[32]) for eid in eids]
         try:
-            found = pipe.execute(raise_on_error=False)
+            if self.nodes is not None:
+                found = self.nodes.prefixes(keys, rv.PRESENCE_BYTES, self._errors, _about_the_server)
+            else:
+                pipe = self._reader.pipeline(transaction=False)
+                for key in keys:
+                    pipe.getrange(key, 0, rv.PRESENCE_BYTES - 1)
+                found = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             self._failed(exc, "exists")
             return [False] * len(eids)
@@ -392,6 +434,12 @@ class RemoteTier:
                 self._forged(eid, "its key tag is not the shared secret's")
             held.append(ok)
         return held
+
+    def _get(self, keys: Sequence[bytes], deadline: Deadline, **kw: Any) -> list[Any]:
+        """get_many of `keys`: on a cluster, one pipeline per node (Nodes.get)."""
+        if self.nodes is None:
+            return get_many(self._reader, keys, self.alloc, deadline=deadline, **kw)
+        return self.nodes.get(keys, self.alloc, deadline, self._errors, **kw)
 
     def tails(self, parent: bytes) -> list[tuple[int, bytes]]:
         """(length, key) of tails the server lists under `parent`: one HSCAN
@@ -432,7 +480,12 @@ class RemoteTier:
         return n, bytes.fromhex(field.decode())
 
     def _tails_failed(self, parent: bytes, exc: BaseException) -> None:
-        if _about_the_server(exc):
+        if self.nodes is not None and (redirected(exc) or _about_the_server(exc)):
+            try:  # cluster.py rule 1: that node's miss, not the tier's episode
+                self.nodes.failed_key(rv.tails_key(parent))
+            except self._errors:
+                pass
+        elif _about_the_server(exc):
             self._failed(exc, "tails")
         else:  # rule 3: a key of another type under the tails hash's name
             self._add("checksum_failures")
@@ -457,6 +510,9 @@ class RemoteTier:
         out: dict[bytes, Entry] = {}
         for eid, h in heads.items():
             refused = next((p for p in parts.get(eid, ()) if isinstance(p, Refused)), None)
+            if self.nodes is not None and any(p is None for p in parts.get(eid, ())):
+                self._add("misses")  # its node failed or moved the slot after the main value was read
+                continue
             try:
                 if refused is not None:
                     raise rv.BadRemoteValue(f"part refused: {refused.reason}")
@@ -477,7 +533,7 @@ class RemoteTier:
     def _heads(self, eids: Sequence[bytes], deadline: Deadline) -> dict[bytes, rv.Head]:
         """The headers of `eids`' main values (the misses and refusals counted)."""
         keys = [rv.value_key(eid[:32], eid[32]) for eid in eids]
-        mains = get_many(self._reader, keys, self.alloc, most=rv.max_main_bytes(self.max_entry_bytes), deadline=deadline)
+        mains = self._get(keys, deadline, most=rv.max_main_bytes(self.max_entry_bytes))
         heads: dict[bytes, rv.Head] = {}
         for eid, value in zip(eids, mains):
             if value is None:
@@ -506,7 +562,7 @@ class RemoteTier:
             names += [rv.part_key(main, i) for i in range(1, h.parts)]
             sizes += lengths
             groups += [n] * len(lengths)
-        got = iter(get_many(self._reader, names, self.alloc, sizes=sizes, groups=groups, deadline=deadline))
+        got = iter(self._get(names, deadline, sizes=sizes, groups=groups))
         parts: dict[bytes, list[Any]] = {}
         for eid, h in split:
             parts[eid] = [next(got) for _ in range(1, h.parts)]
@@ -545,7 +601,7 @@ class RemoteTier:
             **self.counters, "backlog": backlog, "backlog_bytes": nbytes, "backlog_max_bytes": self.backlog_bytes,
             "degraded": self.degraded, "degraded_since": self.degraded_since, "degraded_reason": self.degraded_reason,
             "writes_refused": self.writes_refused, "url": self.shown_url, "ttl_s": self.ttl_s,
-            "key": self.auth.fingerprint,
+            "key": self.auth.fingerprint, **(self.nodes.stats() if self.nodes is not None else {}),
         }
 
 
