@@ -214,7 +214,7 @@ def test_only_the_mlx_adapter_imports_mlx():
     assert seen >= 3, "found no module importing mlx: the check is not seeing the source"
 
 
-REMOTE_TIER = ("kvd.store.remote.tier", "kvd.store.remote.get")  # the tier, and its reply reader
+REMOTE_TIER = ("kvd.store.remote.tier", "kvd.store.remote.get", "kvd.store.remote.cluster")  # the tier, its reply reader, its cluster reads
 
 
 def test_only_the_remote_tier_imports_the_redis_client_and_only_inside_functions():
