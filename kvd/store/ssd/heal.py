@@ -398,7 +398,7 @@ def walk_steps(store: "SsdStore") -> Iterator[None]:
                         last = bytes(cur.key())
                         if db is index.rows:
                             try:
-                                row = Row.unpack(cur.value())
+                                row = Row.unpack(cur.value(), index.bounds)
                                 if row.kind == BOUNDARY:
                                     boundary_ns.add(row.ns)
                             except RowDamaged:
