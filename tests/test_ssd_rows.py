@@ -180,3 +180,91 @@ def test_gc_orphans_empties_a_quarantine_holding_anything(daemon_factory, tmp_pa
         r = kvd(*args)
         assert r.returncode == 0, (r.stdout, r.stderr)
         assert list(qdir.iterdir()) == [] and outside.read_bytes() == b"precious"
+
+
+# -- the check itself, sans I/O --------------------------------------------------------
+
+
+def _sound_row() -> dict:
+    from kvd.store.ssd.index import Row
+
+    row = Row(ns="n", kind=0, parent=bytes(32), start=256, length=256, tail=False, nbytes=4096 + 10,
+              file_size=4096 + 300, disk_bytes=8192, checksum=(1 << 64) - 1, fmt=1,
+              tensors=[["k", "bfloat16", [1, 8, 256]], ["v", "uint8", [0, 5]]], atime=1.7e9, state="ssd", slot=3)
+    return msgmap(row)
+
+
+def msgmap(row) -> dict:
+    return msgpack.unpackb(row.pack(), raw=False)
+
+
+JUNK = [None, True, -1, 0, 1 << 63, (1 << 64) - 1, -(1 << 63), 1e308, -0.0, math.inf, math.nan, "", "x" * 300,
+        b"", b"\xff" * 33, [], [[]], [["k", "float32", [1 << 62, 1 << 62]]], [["k", "int4", [1]]], {}, {"a": 1}]
+
+
+@pytest.mark.parametrize("field", list(_sound_row()))
+def test_check_accepts_a_sound_row_and_any_garbage_is_rowdamaged_or_sane(field):
+    from kvd.store.ssd.index import Bounds, Row, RowDamaged
+
+    bounds = Bounds.of(64 << 20, 1 << 20)
+    Row.unpack(msgpack.packb(_sound_row(), use_bin_type=True), bounds)
+    for junk in JUNK:
+        raw = msgpack.packb({**_sound_row(), field: junk}, use_bin_type=True)
+        try:
+            row = Row.unpack(raw, bounds)
+        except RowDamaged:
+            continue
+        # Accepted: then every use of it is safe -- within the bounds.
+        assert 8 <= row.file_size <= bounds.max_blob_bytes and row.nbytes <= row.file_size
+        assert 0 <= row.atime <= 1 << 34 and row.state in ("ssd", "pack")
+
+
+def test_a_row_larger_than_the_largest_message_is_damaged():
+    from kvd.store.ssd.index import Bounds, Row, RowDamaged
+
+    raw = msgpack.packb({**_sound_row(), "file_size": 5 << 20, "nbytes": 4 << 20}, use_bin_type=True)
+    Row.unpack(raw, Bounds.of(64 << 20, 8 << 20))
+    with pytest.raises(RowDamaged, match="nbytes"):
+        Row.unpack(raw, Bounds.of(64 << 20, 1 << 20))  # max_message_bytes 1 MiB
+    with pytest.raises(RowDamaged, match="file_size"):
+        Row.unpack(raw, Bounds.of(4 << 20, 8 << 20))  # a 4 MiB budget
+
+
+# -- a real SsdStore, and the offline commands ------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["file_size", "disk_bytes", "atime", "tensors-product", "length"])
+def test_store_and_offline_commands_meet_a_garbage_row_without_a_big_allocation(tmp_path, what):
+    import tracemalloc
+
+    from kvd.store.ssd import SsdStore
+    from support import assert_same, filled_store, make_entry
+
+    entries = filled_store(tmp_path, [make_entry(i) for i in range(3)])
+    victim = entries[1]
+    _garble_field(tmp_path, victim.id, what)
+    for args in (["verify", "--dry-run"], ["stats", "--offline"], ["ls", "--offline"], ["gc", "--orphans"]):
+        r = kvd(*args, "--data-dir", str(tmp_path), "--endpoint", f"ipc://{tmp_path}/none.sock")
+        assert r.returncode in (0, 1) and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0, reconcile=False)
+    try:
+        store.writer.submit(lambda: None).result()  # the start-up walk may have met the row: let it
+        tracemalloc.start()
+        try:
+            got = store.get(victim.id)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, peak
+        if got is not None:  # repaired already, from its intact blob
+            assert_same(got, victim)
+        wait_until(lambda: store.counters["rows_repaired"] + store.counters["quarantined"] >= 1, what="the repair")
+        assert store.counters["bad_rows"] == 1
+        for e in entries:
+            got = store.get(e.id)
+            assert got is None if e is victim and store.counters["quarantined"] else got is not None
+    finally:
+        store.close()
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False) as store:
+        report = store.check()
+        assert report.ok, report.summary()

@@ -76,21 +76,32 @@ class RowDamaged(KvdError):
     the LMDB file): its entry is served as a miss, and the writer repairs it."""
 
 
+# The largest message any daemon may be set to take (kvd.config: max_message_mb
+# is at most 2**40 MiB): what bounds a blob when the setting is not known
+# (offline commands, a readonly index).
+ANY_ENTRY_BYTES = 1 << 60
+
+
 @dataclass(frozen=True, slots=True)
 class Bounds:
     """What a sane row of this tier may hold (`Row.check`).
 
-    `max_blob_bytes`: no blob is larger -- the tier's budget, and the largest
-    message the daemon takes (an entry arrived in one) plus a header."""
+    `max_entry_bytes`: no entry is larger (its tensors and meta, `nbytes`) --
+    the tier's budget, and the largest message the daemon takes (an entry
+    arrived in one). `max_blob_bytes`: no blob file is larger -- that, and a
+    header."""
 
-    max_blob_bytes: int = 1 << 62
+    max_entry_bytes: int = ANY_ENTRY_BYTES
+    max_blob_bytes: int = ANY_ENTRY_BYTES + DEFAULT_LIMITS.max_header_bytes
     limits: Limits = DEFAULT_LIMITS
 
     @classmethod
     def of(cls, budget_bytes: int, max_entry_bytes: int | None, limits: Limits = DEFAULT_LIMITS) -> "Bounds":
-        """The bounds of a tier with that budget taking entries of up to `max_entry_bytes` (None: any)."""
-        most = budget_bytes if max_entry_bytes is None else min(budget_bytes, max_entry_bytes + limits.max_header_bytes)
-        return cls(max(0, int(most)), limits)
+        """The bounds of a tier with that budget taking entries of up to
+        `max_entry_bytes` (None: whatever a daemon may be set to take)."""
+        budget = max(0, int(budget_bytes))
+        entry = ANY_ENTRY_BYTES if max_entry_bytes is None else max_entry_bytes
+        return cls(min(budget, entry), min(budget, entry + limits.max_header_bytes), limits)
 
 
 DEFAULT_BOUNDS = Bounds()
@@ -174,7 +185,7 @@ def _insane(row: Row, bounds: Bounds) -> str | None:
         return f"tokens {row.start!r}+{row.length!r}"
     if not _int(row.file_size, 8, bounds.max_blob_bytes):  # 8: a blob's header length alone
         return f"file_size {row.file_size!r}"
-    if not _int(row.nbytes, 0, row.file_size):  # the tensors and meta are inside the file
+    if not _int(row.nbytes, 0, min(row.file_size, bounds.max_entry_bytes)):  # the tensors and meta are in the file
         return f"nbytes {row.nbytes!r}"
     # Blocks allocated: fewer (compression, holes), or the file rounded up to
     # the filesystem's records -- never a budget's worth more.
