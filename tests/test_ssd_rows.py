@@ -268,3 +268,25 @@ def test_store_and_offline_commands_meet_a_garbage_row_without_a_big_allocation(
     with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False) as store:
         report = store.check()
         assert report.ok, report.summary()
+
+
+def test_a_rebuild_indexes_no_row_a_read_would_refuse(tmp_path):
+    # A blob larger than this tier now takes (max_message_mb lowered since):
+    # the rebuild quarantines it rather than index a row every read refuses.
+    from kvd.store.datadir import QUARANTINE_DIR
+    from kvd.store.ssd import SsdStore
+    from support import assert_same, filled_store, make_entry
+
+    entries = filled_store(tmp_path, [make_entry(i, tokens=16 * (i + 1)) for i in range(3)])
+    big = max(entries, key=lambda e: e.nbytes)
+    small = min(e.nbytes for e in entries)
+    assert big.nbytes > small
+    with SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False, rebuild="test",
+                  max_entry_bytes=big.nbytes - 1) as store:
+        assert store.heal.quarantined == sum(e.nbytes > big.nbytes - 1 for e in entries)
+        assert store.get(big.id) is None
+        for e in entries:
+            if e.nbytes < big.nbytes:
+                assert_same(store.get(e.id), e)
+        assert store.check().ok
+    assert len(list((tmp_path / QUARANTINE_DIR).iterdir())) == store.heal.quarantined
