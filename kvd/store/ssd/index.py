@@ -61,6 +61,7 @@ from kvd.protocol.limits import DEFAULT_LIMITS, Limits
 from kvd.store.base import BOUNDARY, CHUNK
 from kvd.store.ssd.blobfile import FORMAT_VERSION
 from kvd.store.ssd.lmdbenv import DEFAULT_MAP_SIZE, Env, IndexBusy
+from kvd.store.ssd.pack import PACKED
 
 __all__ = ["DEFAULT_MAP_SIZE", "INDEX_FORMAT", "Bounds", "IncompatibleIndex", "Index", "IndexBusy", "Row", "RowDamaged"]
 
@@ -110,7 +111,7 @@ _MAX_TOKENS = 1 << 32
 # Seconds since the epoch: a recency key holds microseconds in 8 bytes, and
 # no clock reads past this (year 2514).
 _MAX_ATIME = float(1 << 34)
-_STATES = ("ssd", "pack")  # pack.PACKED; pack.py imports this module's neighbours, not this one
+_STATES = ("ssd", PACKED)  # its own file, or the pack
 
 
 @dataclass(slots=True)
