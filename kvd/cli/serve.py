@@ -202,6 +202,7 @@ def serve(**flags) -> None:
             queue_entries=cfg.spill_queue,
             queue_bytes=cfg.dirty_max_mb * MiB,
             pack_max_bytes=cfg.pack_max_kb * 1024,
+            max_entry_bytes=cfg.max_message_mb * MiB,  # bounds what a sane index row says (index.Row.check)
             flush_within_s=cfg.stop_timeout / 3,  # what a stop may have to write, by time
         )
     except (DataDirBusy, IncompatibleIndex) as err:

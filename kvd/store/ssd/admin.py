@@ -17,6 +17,11 @@ the writer idle.
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import lmdb
@@ -27,6 +32,8 @@ from kvd.store.datadir import QUARANTINE_DIR, ensure_blob_dirs, ensure_quarantin
 from kvd.store.ssd import heal
 from kvd.store.ssd.budget import DISK_ERRNOS
 from kvd.store.ssd.index import Index, Row
+
+log = logging.getLogger("kvd.store.ssd")
 
 
 class Admin:
@@ -121,21 +128,13 @@ class Admin:
         return checked, failed
 
     def purge_quarantine(self, *, dry_run: bool = False) -> tuple[int, int]:
-        """Delete quarantined blobs. Returns (files, bytes). A quarantine
-        folder that is missing or not a folder is made again (heal.py)."""
-        n = nbytes = 0
+        """Delete whatever the quarantine folder holds (`purge`). Returns
+        (files, bytes). A quarantine folder that is missing or not a folder
+        is made again (heal.py)."""
         qdir = self.root / QUARANTINE_DIR if dry_run else ensure_quarantine(self.root)
         if qdir is None or not qdir.is_dir():
             return 0, 0
-        for path in qdir.iterdir():
-            try:
-                nbytes += path.stat().st_size
-                if not dry_run:
-                    path.unlink()
-                n += 1
-            except FileNotFoundError:
-                pass
-        return n, nbytes
+        return purge(qdir, dry_run=dry_run)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued entry is written (or dropped)."""
@@ -215,3 +214,49 @@ def _take_while_old(index: Index, txn, cutoff: float) -> Iterator[tuple[bytes, R
         row = index.get(txn, eid)
         if row is not None:
             yield eid, row
+
+
+def purge(qdir: Path, *, dry_run: bool = False) -> tuple[int, int]:
+    """Delete everything in the folder `qdir`: what the tier quarantined
+    (blob files), and whatever else came to be there -- folders (whole
+    trees), symlinks, FIFOs, sockets. Returns (names removed, bytes of the
+    regular files among them).
+
+    Nothing is followed: a symlink is unlinked, never its target (which may
+    be anyone's file), and `lstat` decides what each name is, so a FIFO is
+    never opened. A name that vanishes meanwhile is skipped; one that cannot
+    be removed (no permission) is left, for the operator."""
+    n = nbytes = 0
+    for entry in os.scandir(qdir):
+        try:
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                size = _tree_bytes(entry.path)
+                if not dry_run:
+                    shutil.rmtree(entry.path)  # a symlink inside is unlinked, not followed
+            else:
+                size = entry.stat(follow_symlinks=False).st_size if stat.S_ISREG(mode) else 0
+                if not dry_run:
+                    os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("ssd: could not remove %s from the quarantine (%s); left there", entry.path, exc)
+            continue
+        n += 1
+        nbytes += size
+    return n, nbytes
+
+
+def _tree_bytes(top: str) -> int:
+    """Bytes of the regular files under the folder `top` (symlinks not followed)."""
+    total = 0
+    for folder, _, files in os.walk(top):  # followlinks=False: a symlinked folder is a name, not a tree
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total

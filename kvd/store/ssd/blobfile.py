@@ -383,6 +383,11 @@ def read_blob(fd: int, size: int, checksum: int, alloc: Callable[[int], Any] | N
 
     Raises BlobCorrupt on any disagreement; OSError for I/O errors.
     """
+    # Before a buffer is sized by `size`: the index's word for it is checked
+    # (index.Row.check), but a file of another size is corrupt whatever it says.
+    have = os.fstat(fd).st_size
+    if have != size:
+        raise BlobCorrupt(f"file of {have} bytes where {size} were recorded")
     return checked_blob(read_all(fd, size, alloc), size, checksum)
 
 

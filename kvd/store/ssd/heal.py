@@ -403,7 +403,7 @@ def walk_steps(store: "SsdStore") -> Iterator[None]:
                         last = bytes(cur.key())
                         if db is index.rows:
                             try:
-                                row = Row.unpack(cur.value())
+                                row = Row.unpack(cur.value(), index.bounds)
                                 if row.kind == BOUNDARY:
                                     boundary_ns.add(row.ns)
                             except RowDamaged:
@@ -641,9 +641,10 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
         nonlocal read
         try:
             row, verified = recover()
+            row.check(index.bounds)  # a row no read would take (a blob larger than this tier takes): not indexed
         except FileNotFoundError:
             return False  # evicted or quarantined meanwhile
-        except (BlobCorrupt, OSError) as exc:
+        except (BlobCorrupt, RowDamaged, OSError) as exc:
             if len(heal.failures) < MAX_FAILURES:
                 heal.failures.append([eid.hex(), f"corrupt: {exc}"])
             log.warning("ssd: %s %s is bad (%s); quarantined while rebuilding the index", what, eid.hex(), exc)

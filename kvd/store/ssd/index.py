@@ -30,7 +30,10 @@ Rules kept by every write (`put_row`, `delete_row`, `touch_many`):
 3. Transactions are re-runnable: `write(fn)` may run `fn` again after growing
    the map on MapFullError, so `fn` must not touch state outside the txn.
 
-Damage. A row whose bytes do not decode raises RowDamaged from `get`; the
+Damage. A row whose bytes do not decode, or that decodes to a field out of
+its bounds (`Row.check`: a size no blob here can have, a dtype kvd does not
+know, a shape whose bytes do not add up, ...), raises RowDamaged from `get`
+-- before anything sizes a buffer or packs a key from it; the
 eid is remembered in `damaged`, and `iter_rows`/`oldest` step over it, so
 no scan (eviction, a drop, a check) stumbles on garbage. The SSD tier's
 writer then removes it with `drop_damaged` (every trace, sums recounted).
@@ -52,10 +55,15 @@ from typing import Any, Iterable, Iterator
 
 import msgpack
 
+from kvd.protocol.dtypes import DTYPES
 from kvd.protocol.errors import KvdError
+from kvd.protocol.limits import DEFAULT_LIMITS, Limits
+from kvd.store.base import BOUNDARY, CHUNK
+from kvd.store.ssd.blobfile import FORMAT_VERSION
 from kvd.store.ssd.lmdbenv import DEFAULT_MAP_SIZE, Env, IndexBusy
+from kvd.store.ssd.pack import PACKED
 
-__all__ = ["DEFAULT_MAP_SIZE", "INDEX_FORMAT", "IncompatibleIndex", "Index", "IndexBusy", "Row", "RowDamaged"]
+__all__ = ["DEFAULT_MAP_SIZE", "INDEX_FORMAT", "Bounds", "IncompatibleIndex", "Index", "IndexBusy", "Row", "RowDamaged"]
 
 INDEX_FORMAT = 1
 
@@ -65,7 +73,45 @@ class IncompatibleIndex(KvdError, RuntimeError):
 
 
 class RowDamaged(KvdError):
-    """An index row does not decode (garbage bytes in the LMDB file): its entry is served as a miss."""
+    """An index row does not decode, or holds a field out of bounds (garbage in
+    the LMDB file): its entry is served as a miss, and the writer repairs it."""
+
+
+# The largest message any daemon may be set to take (kvd.config: max_message_mb
+# is at most 2**40 MiB): what bounds a blob when the setting is not known
+# (offline commands, a readonly index).
+ANY_ENTRY_BYTES = 1 << 60
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What a sane row of this tier may hold (`Row.check`).
+
+    `max_entry_bytes`: no entry is larger (its tensors and meta, `nbytes`) --
+    the tier's budget, and the largest message the daemon takes (an entry
+    arrived in one). `max_blob_bytes`: no blob file is larger -- that, and a
+    header."""
+
+    max_entry_bytes: int = ANY_ENTRY_BYTES
+    max_blob_bytes: int = ANY_ENTRY_BYTES + DEFAULT_LIMITS.max_header_bytes
+    limits: Limits = DEFAULT_LIMITS
+
+    @classmethod
+    def of(cls, budget_bytes: int, max_entry_bytes: int | None, limits: Limits = DEFAULT_LIMITS) -> "Bounds":
+        """The bounds of a tier with that budget taking entries of up to
+        `max_entry_bytes` (None: whatever a daemon may be set to take)."""
+        budget = max(0, int(budget_bytes))
+        entry = ANY_ENTRY_BYTES if max_entry_bytes is None else max_entry_bytes
+        return cls(min(budget, entry), min(budget, entry + limits.max_header_bytes), limits)
+
+
+DEFAULT_BOUNDS = Bounds()
+# Where a blob's tail key packs the length (4 bytes), and past any sequence.
+_MAX_TOKENS = 1 << 32
+# Seconds since the epoch: a recency key holds microseconds in 8 bytes, and
+# no clock reads past this (year 2514).
+_MAX_ATIME = float(1 << 34)
+_STATES = ("ssd", PACKED)  # its own file, or the pack
 
 
 @dataclass(slots=True)
@@ -94,22 +140,97 @@ class Row:
         return msgpack.packb({k: getattr(self, k) for k in self.__slots__}, use_bin_type=True)
 
     @classmethod
-    def unpack(cls, raw: bytes) -> "Row":
-        """Decode a row. Raises RowDamaged for bytes that are not one."""
+    def unpack(cls, raw: bytes, bounds: Bounds = DEFAULT_BOUNDS) -> "Row":
+        """Decode a row and `check` it. Raises RowDamaged for bytes that are not a sane one."""
         try:
             d = msgpack.unpackb(raw, raw=False)
             # Tolerate fields a newer kvd added: keep only the ones we know.
             row = cls(**{k: d[k] for k in cls.__slots__ if k in d})
-            if not (isinstance(row.ns, str) and isinstance(row.parent, bytes) and len(row.parent) == 32
-                    and all(isinstance(getattr(row, k), int) for k in _INT_FIELDS)
-                    and isinstance(row.atime, (int, float)) and 0 <= row.slot < 1 << 64):
-                raise ValueError("a field of the wrong type")
-            return row
         except Exception as exc:  # msgpack raises many kinds; every one means the same here
             raise RowDamaged(f"undecodable index row: {exc!r}") from None
+        return row.check(bounds)
+
+    def check(self, bounds: Bounds = DEFAULT_BOUNDS) -> "Row":
+        """This row, if every field is of its type and within `bounds`.
+        Raises RowDamaged naming the first field that is not.
+
+        Every use of a row trusts these: the read path sizes a buffer by
+        `file_size`, the budget sums `disk_bytes`, a recency key packs
+        `atime`, a tail key `length`. So a row is checked whole, when it is
+        read from the index, and a row failing here is garbage however it
+        came to be (a torn page, a flipped bit, a bug): a miss, and the
+        writer's to repair (repair.py)."""
+        why = _insane(self, bounds)
+        if why is not None:
+            raise RowDamaged(f"bad index row: {why}")
+        return self
 
 
-_INT_FIELDS = ("kind", "start", "length", "nbytes", "file_size", "disk_bytes", "checksum", "fmt", "slot")
+def _int(v: Any, lo: int, hi: int) -> bool:
+    """`v` is an int (not a bool) in [lo, hi]."""
+    return type(v) is int and lo <= v <= hi
+
+
+def _insane(row: Row, bounds: Bounds) -> str | None:
+    """What is wrong with `row` (see Row.check), or None."""
+    lim = bounds.limits
+    if not isinstance(row.ns, str) or len(row.ns.encode("utf-8", "surrogatepass")) > lim.max_namespace_bytes:
+        return "ns"
+    if row.kind not in (CHUNK, BOUNDARY) or type(row.kind) is not int:
+        return f"kind {row.kind!r}"
+    if not isinstance(row.parent, bytes) or len(row.parent) != 32:
+        return "parent"
+    if type(row.tail) is not bool:
+        return "tail"
+    if not (_int(row.start, 0, _MAX_TOKENS) and _int(row.length, 0, _MAX_TOKENS - row.start)):
+        return f"tokens {row.start!r}+{row.length!r}"
+    if not _int(row.file_size, 8, bounds.max_blob_bytes):  # 8: a blob's header length alone
+        return f"file_size {row.file_size!r}"
+    if not _int(row.nbytes, 0, min(row.file_size, bounds.max_entry_bytes)):  # the tensors and meta are in the file
+        return f"nbytes {row.nbytes!r}"
+    # Blocks allocated: fewer (compression, holes), or the file rounded up to
+    # the filesystem's records -- never a budget's worth more.
+    if not _int(row.disk_bytes, 0, max(2 * row.file_size, row.file_size + (16 << 20))):
+        return f"disk_bytes {row.disk_bytes!r}"
+    if not _int(row.checksum, 0, (1 << 64) - 1):  # xxh3_64
+        return "checksum"
+    if not _int(row.fmt, 1, FORMAT_VERSION):
+        return f"fmt {row.fmt!r}"
+    if type(row.atime) not in (int, float) or not 0 <= row.atime <= _MAX_ATIME:  # NaN fails too
+        return f"atime {row.atime!r}"
+    if row.state not in _STATES or type(row.state) is not str:
+        return f"state {row.state!r}"
+    if not _int(row.slot, 0, (1 << 64) - 1):
+        return f"slot {row.slot!r}"
+    return _insane_tensors(row.tensors, row.nbytes, lim)
+
+
+def _insane_tensors(tensors: Any, nbytes: int, lim: Limits) -> str | None:
+    """What is wrong with a row's tensor summary [[name, dtype, shape], ...], or None."""
+    if not isinstance(tensors, list) or len(tensors) > lim.max_frames:
+        return "tensors"
+    total = 0
+    for t in tensors:
+        if not isinstance(t, (list, tuple)) or len(t) != 3:
+            return "a tensor"
+        name, dtype, shape = t
+        if not isinstance(name, str) or len(name) > lim.max_meta_bytes:
+            return "a tensor's name"
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            return f"dtype {dtype!r}"
+        if not isinstance(shape, (list, tuple)) or len(shape) > lim.max_rank:
+            return "a tensor's rank"
+        size = DTYPES[dtype][0]
+        for dim in shape:
+            if not _int(dim, 0, nbytes):
+                return f"a tensor's dim {dim!r}"
+            size *= dim
+            if size > nbytes:  # stop at once: a product of garbage dims grows without bound
+                return "a tensor's shape (more bytes than the entry)"
+        total += size
+        if total > nbytes:
+            return "the tensors' shapes (more bytes than the entry)"
+    return None
 
 
 _INDEXES = itertools.count(1)
@@ -142,6 +263,9 @@ class Index(Env):
         # Rows found undecodable by any reader; the SSD tier's writer repairs
         # them (`drop_damaged`). A set: adding is atomic under the GIL.
         self.damaged: set[bytes] = set()
+        # What a sane row holds here (Row.check): set by the SSD tier from its
+        # budget and the largest message it takes.
+        self.bounds = DEFAULT_BOUNDS
         # A walk of the recency order may resume where it stopped (quota.py)
         # only if no key has been put below that place since: `lru_guard` is
         # the highest place a walk will resume at, `lru_moves` counts the keys
@@ -174,7 +298,7 @@ class Index(Env):
         if raw is None:
             return None
         try:
-            return Row.unpack(raw)
+            return Row.unpack(raw, self.bounds)
         except RowDamaged:
             self.damaged.add(bytes(eid))
             raise
@@ -207,7 +331,7 @@ class Index(Env):
             if raw is None:
                 continue  # a stray recency key (a repaired row's): nothing to evict
             try:
-                row = Row.unpack(raw)
+                row = Row.unpack(raw, self.bounds)
             except RowDamaged:
                 self.damaged.add(eid)
                 continue
@@ -240,7 +364,7 @@ class Index(Env):
         remembered in `damaged`."""
         for k, v in txn.cursor(db=self.rows).iternext(keys=True, values=True):
             try:
-                yield bytes(k), Row.unpack(v)
+                yield bytes(k), Row.unpack(v, self.bounds)
             except RowDamaged:
                 self.damaged.add(bytes(k))
 
@@ -307,7 +431,7 @@ class Index(Env):
             if raw is None:
                 continue
             try:
-                Row.unpack(raw)
+                Row.unpack(raw, self.bounds)
                 continue  # it decodes (mended since): not this method's business
             except RowDamaged:
                 txn.delete(eid, db=self.rows)

@@ -28,9 +28,12 @@ def _quarantine_usage(root: Path) -> tuple[int, int]:
     n = nbytes = 0
     qdir = root / QUARANTINE_DIR
     if qdir.is_dir():
-        for entry in os.scandir(qdir):
+        for entry in os.scandir(qdir):  # a symlink is a name there, never followed (admin.purge)
             n += 1
-            nbytes += entry.stat().st_size
+            try:
+                nbytes += entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                pass
     return n, nbytes
 
 

@@ -91,7 +91,8 @@ def reconcile_steps(
             if ok and prev is not None and bytes(cur.key()) == prev:
                 ok = cur.next()
             while ok and len(rows) < 512:
-                rows.append((bytes(cur.key()), _row(cur.value())))
+                eid = bytes(cur.key())
+                rows.append((eid, _row(store.index, eid, cur.value())))
                 ok = cur.next()
         hi = rows[-1][0] if ok else None  # the last step takes the old table's keys to its end
         named = {pack_key(eid, row.slot) for eid, row in rows if row is not None and row.state == PACKED}
@@ -166,9 +167,10 @@ def _names(store: "SsdStore", txn, key: bytes) -> bool | None:
     return row is not None and row.state == PACKED and pack_key(eid, row.slot) == key
 
 
-def _row(raw: bytes) -> Row | None:
-    """The row, or None if it does not decode (the writer repairs damaged rows)."""
+def _row(index, eid: bytes, raw: bytes) -> Row | None:
+    """The row, or None if it is damaged (remembered for the writer to repair)."""
     try:
-        return Row.unpack(raw)
+        return Row.unpack(raw, index.bounds)
     except RowDamaged:
+        index.damaged.add(eid)
         return None

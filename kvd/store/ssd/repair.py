@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A blob that fails its checksum, a file that is not a blob (a FIFO, a
 folder, a symlink), a blob gone while its row stays, a row whose bytes do
-not decode: whoever meets it (a read on the daemon thread, an eviction, a
+not decode or hold a field out of bounds (index.Row.check): whoever meets it (a read on the daemon thread, an eviction, a
 check) hides the entry at once (`_mark_bad`: `_bad`, which every lookup
 consults) and submits its quarantine to the writer, which drops its row
 and moves its blob into the quarantine folder (`_quarantine_now`,
@@ -30,7 +30,7 @@ import lmdb
 
 from kvd.store.ssd import heal
 from kvd.store.ssd.blobfile import BlobCorrupt
-from kvd.store.ssd.index import IndexBusy, Row
+from kvd.store.ssd.index import IndexBusy, Row, RowDamaged
 from kvd.store.ssd.pack import PACKED, pack_key
 
 log = logging.getLogger("kvd.store.ssd")
@@ -96,6 +96,7 @@ class Repair:
         except (OSError, lmdb.Error) as exc:
             self._degrade(f"cannot replace the damaged index: {exc}")
             return
+        new.bounds = self.row_bounds
         self.index, self.heal = new, h
         self.entries, self.bytes = 0, 0
         self.boundaries_known = False  # the rebuild may index blobs the old index had lost: walked again
@@ -212,14 +213,16 @@ class Repair:
 
     def _recovered_row(self, eid: bytes, key: bytes | None) -> Row | None:
         """The row the blob of `eid` carries (in the pack at `key`, or else
-        its file), if the blob passes its own checksum; None if it does not
-        (or predates kvd_sum, or is gone)."""
+        its file), if the blob passes its own checksum and that row is sane
+        here (Row.check: a blob larger than this tier takes is not served);
+        None if not (or it predates kvd_sum, or is gone)."""
         try:
             if key is not None:
                 row, verified = heal.recover_packed(self.pack, key, atime=self._clock())
             else:
                 row, verified = heal.recover_row(self.path(eid), eid)
-        except (BlobCorrupt, OSError, lmdb.Error):
+            row.check(self.index.bounds)
+        except (BlobCorrupt, RowDamaged, OSError, lmdb.Error):
             return None
         return row if verified else None
 

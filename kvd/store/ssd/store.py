@@ -83,7 +83,7 @@ from kvd.store.ssd import heal
 from kvd.store.ssd.admin import Admin
 from kvd.store.ssd.batch import Batch
 from kvd.store.ssd.budget import DEFAULT_MIN_FREE, Budget
-from kvd.store.ssd.index import DEFAULT_MAP_SIZE, IndexBusy
+from kvd.store.ssd.index import DEFAULT_MAP_SIZE, Bounds, IndexBusy
 from kvd.store.ssd.intake import Intake
 from kvd.store.ssd.leases import Leases
 from kvd.store.ssd.reads import Reads
@@ -109,7 +109,9 @@ class SsdStore(Leases, Reads, Intake, Recency, Batch, Budget, Repair, Upkeep, Ad
     the caller (used by offline gc; `put` is not available that way), and an
     index rebuild (heal.py) is finished before the constructor returns.
     `rebuild="why"` moves the index aside and rebuilds it whatever its state
-    (`kvd verify --repair`).
+    (`kvd verify --repair`). `max_entry_bytes`: the largest message the
+    daemon takes (None: no bound but the budget); with the budget, it bounds
+    what a sane index row may say (index.Row.check).
     """
 
     name = "ssd"
@@ -131,6 +133,7 @@ class SsdStore(Leases, Reads, Intake, Recency, Batch, Budget, Repair, Upkeep, Ad
         background: bool = True,
         reconcile: bool = True,
         rebuild: str | None = None,
+        max_entry_bytes: int | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.root = ensure_dirs(root)
@@ -141,12 +144,14 @@ class SsdStore(Leases, Reads, Intake, Recency, Batch, Budget, Repair, Upkeep, Ad
         self._init_reads()
         self._init_repair()
         self._clock = clock
+        self.row_bounds = Bounds.of(budget_bytes, max_entry_bytes)
         self._lock_file = DataDirLock(self.root).acquire()
         try:
             self.index, self.heal = heal.open_index(self.root, map_size=map_size, rebuild=rebuild)
         except BaseException:
             self._lock_file.release()
             raise
+        self.index.bounds = self.row_bounds
         try:
             self.pack = heal.open_pack(self.root, map_size=map_size)
         except BaseException:
