@@ -63,23 +63,23 @@ class Check:
 # Run with `python -c`: each probe is caught on its own, and the whole answer
 # is one JSON object on the last line of stdout (an import may print before it).
 _PROBE = r"""
-import json, sys
+import importlib, json, sys
 out = {}
 try:
-    import mlx.core as mx
+    mx = importlib.import_module("mlx.core")  # this child's import; kvd's own processes never load mlx
     out["mlx"] = {"version": getattr(mx, "__version__", "?"), "metal": bool(mx.metal.is_available()),
                   "device": str(mx.default_device())}
 except BaseException as err:
     out["mlx"] = {"error": f"{type(err).__name__}: {err}"}
 if "vllm" in sys.argv[1:]:
     try:
-        import kvd_client.vllm_mlx as a
+        a = importlib.import_module("kvd_client.vllm_mlx")
         out["vllm_mlx"] = {"missing": a.missing(), "tested": a.TESTED_VERSION}
     except BaseException as err:
         out["vllm_mlx"] = {"error": f"{type(err).__name__}: {err}"}
 if "mlx_lm" in sys.argv[1:]:
     try:
-        import mlx_lm.server as s
+        s = importlib.import_module("mlx_lm.server")
         out["mlx_lm"] = {"missing": [n for n in ("run", "LRUPromptCache") if not hasattr(s, n)]}
     except BaseException as err:
         out["mlx_lm"] = {"error": f"{type(err).__name__}: {err}"}
