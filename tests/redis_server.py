@@ -22,6 +22,19 @@ import pytest
 
 from support import free_port
 
+def remote(client) -> dict:
+    """A daemon's remote-tier stats, through `client`."""
+    return client.stats()["tiers"]["remote"]
+
+
+@pytest.fixture(name="server")
+def function_server():
+    """A server of this test's own (import this into a test module)."""
+    s = RedisServer().start()
+    yield s
+    s.close()
+
+
 def session_key():
     """The remote key every test daemon reads (conftest writes it in the sandbox's keys dir)."""
     from kvd.endpoint import read_remote_key, remote_key_path

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from redis_server import CLUSTER_SKIP, RedisCluster, cluster_supported
+from redis_server import CLUSTER_SKIP, RedisCluster, cluster_supported, remote
 from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, scrape
 
 pytestmark = pytest.mark.skipif(not cluster_supported(), reason=CLUSTER_SKIP)
@@ -36,10 +36,6 @@ def cluster():
     c = RedisCluster().start()
     yield c
     c.close()
-
-
-def remote(client) -> dict:
-    return client.stats()["tiers"]["remote"]
 
 
 def wait_for(what, cond, timeout: float = 20.0, every: float = 0.05):

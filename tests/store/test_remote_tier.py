@@ -21,23 +21,12 @@ import pytest
 
 from kvd.protocol import keys
 from kvd.protocol import remote_value as rv
-from redis_server import SKIP_REASON, RedisServer, redis_binary
+from redis_server import SKIP_REASON, RedisServer, redis_binary, function_server, remote  # noqa: F401 (the fixture "server")
 from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, scrape
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
 
 NS = "remote-test"
-
-
-@pytest.fixture
-def server():
-    s = RedisServer().start()
-    yield s
-    s.close()
-
-
-def remote(client) -> dict:
-    return client.stats()["tiers"]["remote"]
 
 
 def wait_for(what, cond, timeout: float = 15.0):

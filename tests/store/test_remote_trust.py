@@ -21,24 +21,13 @@ import pytest
 
 from kvd.protocol import keys
 from kvd.protocol import remote_value as rv
-from redis_server import SKIP_REASON, RedisServer, redis_binary, session_key
+from redis_server import SKIP_REASON, RedisServer, redis_binary, session_key, function_server, remote  # noqa: F401 (the fixture "server")
 from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, wait_until
 
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
 
 NS = "trust-test"
 CT = 256  # the daemons' chunk size
-
-
-@pytest.fixture
-def server():
-    s = RedisServer().start()
-    yield s
-    s.close()
-
-
-def remote(client) -> dict:
-    return client.stats()["tiers"]["remote"]
 
 
 def store_and_flush(daemon, tokens, n_entries: int) -> None:
