@@ -61,6 +61,65 @@ print(n, flush=True)
 sys.stdin.read()
 """
 
+# Frame bombs: a ZMTP 3.0 DEALER by hand sends M messages, each the given
+# header (hex) and then F empty frames (16 MB on the wire for 8 M), one
+# sendall each, and after each waits for the reply. Prints, on one line, per
+# message the reply's error name (or "EOF": the daemon cut the connection),
+# then "again:" and what a new connection's PING got.
+BOMB = r"""
+import msgpack, socket, struct, sys
+path, m, f, header = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
+
+def connect():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31))
+    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    s.sendall(b"\x04" + bytes([len(body)]) + body)
+    f = s.makefile("rb")
+    f.read(64)  # the daemon's greeting
+    return s, f
+
+def frame():
+    flags = r.read(1)
+    if not flags:
+        return None
+    n = r.read(1)[0] if not flags[0] & 2 else struct.unpack(">Q", r.read(8))[0]
+    return flags[0], r.read(n)
+
+def reply():
+    try:
+        while True:  # commands (READY), then the reply's frames
+            got = frame()
+            if got is None:
+                return "EOF"
+            flags, body = got
+            if not flags & 4 and not flags & 1:
+                got = msgpack.unpackb(body)
+                return got.get("name") or got.get("type", "?")
+    except (OSError, IndexError, struct.error):
+        return "EOF"
+
+bomb = bytes([1, len(header)]) + header + b"\x01\x00" * (f - 1) + b"\x00\x00"
+s, r = connect()
+out = []
+for _ in range(m):
+    try:
+        s.sendall(bomb)
+    except OSError:
+        out.append("EOF")
+        break
+    out.append(reply())
+s2, r = connect()
+try:
+    s2.sendall(bytes([0, len(header)]) + header)
+except OSError:
+    pass
+out += ["again:", reply()]
+print(" ".join(out), flush=True)
+sys.stdin.read()
+"""
+
 # N DEALERs that each send M rounds of the given one-frame requests (hex)
 # and never read a reply.
 MUTE = r"""

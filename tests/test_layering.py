@@ -276,6 +276,9 @@ OS_EXEMPT = {
     # libzmq's accept()/accept4() GOT slots rewritten through ctypes: Linux,
     # ELF, x86-64 and aarch64 only; the mechanism is the module (see its docstring).
     "kvd.server.admission.acceptguard",
+    # libzmq's zmq_recviov and libc's free through ctypes, to drop a frame bomb's
+    # parts in C: not OS-specific, but ctypes (drain.py's docstring).
+    "kvd.server.admission.drain",
     # the per-user socket folder, the ipc path length, a peer's uid (SO_PEERCRED / LOCAL_PEERCRED).
     "kvd.endpoint",
     # per-user config and cache folders (XDG on Linux, ~/Library on macOS).

@@ -57,7 +57,7 @@ from kvd.server.handler import Deferred, Handler, ShutdownRequested
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.admission.outbox import Outbox, start_collector
-from kvd.server.admission import acceptguard
+from kvd.server.admission import acceptguard, drain
 from kvd.server.admission.caps import default_max_peers, io_threads, listen_backlog, memory_ceiling
 from kvd.server.admission.connections import connection_id, origin
 from kvd.server.admission.gate import PeerGate
@@ -117,6 +117,9 @@ class Daemon:
         self.on_ready = on_ready
         self.on_tick = on_tick
         self.dropped_replies = 0
+        self.dropped_frames = 0  # parts of messages over the frame limit, dropped unread (_recv)
+        self.dropping_seconds = 0.0  # what dropping them took of the serving thread
+        self.offenders = drain.Offenders()
         self.latency = Latency()
         self.turns = Turns()
         self._conns: dict[int, _Conn] = {}  # fd -> the connection on it, as of its identity's first request
@@ -250,7 +253,10 @@ class Daemon:
         self._ceiling = memory_ceiling(max(0, getattr(ram, "bytes", 0) - shared) + spilled, self.limits)
 
     def peer_stats(self) -> dict:
-        out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling}
+        out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling,
+               "oversized_messages": self.offenders.strikes, "dropped_frames": self.dropped_frames,
+               "dropping_ms": round(1000 * self.dropping_seconds, 3),
+               "bans": self.offenders.bans}
         if self.gate is not None:
             out.update(self.gate.stats())
         if self.outbox is not None:
@@ -494,11 +500,23 @@ class Daemon:
         frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
         parts, more = [frame], frame.more
         keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
-        while more:
+        while more and len(parts) < keep:
             frame = sock.recv(copy=False)
             more = frame.more
-            if len(parts) < keep:
-                parts.append(frame)
+            parts.append(frame)
+        if more:
+            # A frame bomb: the rest is dropped in C (drain.py), and a process
+            # that keeps sending them is banned (drain.Offenders).
+            started = time.perf_counter()
+            self.dropped_frames += drain.Dropper(sock).rest()
+            self.dropping_seconds += time.perf_counter() - started
+            conn = self._conn(parts[0].bytes, parts[1].get(zmq.SRCFD))
+            who = conn.origin if conn is not None else None
+            ban = self.offenders.strike(who)
+            if ban is not None and self.gate is not None:
+                fds = [fd for fd, c in self._conns.items() if c.origin == who]
+                self.gate.ban(who, fds, ban)
+                self.ratelog.warning(f"banned {who!r}", "banned %s for %.0f s: messages over the frame limit", who.decode(), ban)
         return parts
 
     def _maybe_log_summary(self) -> None:

@@ -152,6 +152,12 @@ Rules the gate keeps:
    it; the guard then accepts at most the room the gate gives it
    (`acceptguard.set_budget`), so a window admits no more than the cap
    allows however long it stays open.
+9. A process that keeps sending messages over the frame limit (frame
+   bombs: drain.py) is banned by the serving loop (`ban`): its connections
+   are shed, and a connection it makes while banned is shed as soon as
+   its ACCEPTED event is read (one SO_PEERCRED read per accept, only while
+   someone is banned). It learns of the first one from the TOO_MANY_FRAMES
+   reply; the ban ends by itself.
 """
 
 from __future__ import annotations
@@ -171,7 +177,7 @@ from kvd.host.fds import fd_limit, open_fds, swap_fd, wait_readable
 from kvd.host.memory import can_trim, rss_bytes, trim_malloc
 from kvd.server.admission import acceptguard
 from kvd.server.admission.caps import RESERVE_FDS, default_max_peers
-from kvd.server.admission.connections import connection_id, shut_down, sockname, stand_in
+from kvd.server.admission.connections import connection_id, origin, shut_down, sockname, stand_in
 
 log = logging.getLogger("kvd.server")
 
@@ -247,8 +253,10 @@ class PeerGate(threading.Thread):
         self._own_counted_at = float("-inf")
         self.sockname = None  # the listener's address: what a peer's fd reports as its own
         self.counters = dict.fromkeys(
-            ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "high_water", "pauses", "fd_limit_changes"), 0
+            ("accepted", "disconnected", "shed_over_cap", "shed_for_memory", "shed_banned", "high_water", "pauses",
+             "fd_limit_changes"), 0
         )
+        self.banned: dict[bytes, float] = {}  # origin -> banned until (rule 9)
         self._refusals = self._refusals_seen = 0  # accepts the guard found no fd for (rule 8)
         self._refusals_logged_at = float("-inf")
         self._halt = threading.Event()
@@ -279,6 +287,22 @@ class PeerGate(threading.Thread):
             "connected": len(self.peers), "max_peers": self.max_peers, "paused": self.paused,
             "accept_guard": acceptguard.installed(), "refused_no_fd": acceptguard.refused(), **self.counters,
         }
+
+    def ban(self, who: bytes, fds: list[int], seconds: float) -> None:
+        """Shed process `who`'s connections (`fds`, as the serving loop knows
+        them) and cut off its new ones for `seconds` (rule 9; drain.Offenders
+        says who)."""
+        self.banned[who] = self.clock() + seconds
+        for fd in fds:
+            if self._shed(fd):
+                self.counters["shed_banned"] += 1
+
+    def _banned(self, fd: int) -> bool:
+        now = self.clock()
+        for who, until in list(self.banned.items()):
+            if until <= now:
+                del self.banned[who]
+        return bool(self.banned) and origin(fd) in self.banned
 
     def refused(self) -> None:
         """libzmq's accept() found no fd free (rule 8; on libzmq's I/O
@@ -507,6 +531,10 @@ class PeerGate(threading.Thread):
             self.closing.pop(fd, None)  # the number was reused: the old one is closed
             self.counters["accepted"] += 1
             self.counters["high_water"] = max(self.counters["high_water"], len(self.peers) + len(self.closing))
+            if self.banned and self._banned(fd):
+                if self._shed(fd):
+                    self.counters["shed_banned"] += 1
+                return
             if fd >= self.fd_alarm or not self._open_ok():
                 self.pause()  # past rule 5's mark, or the table is nearly full whatever our count says
         elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):

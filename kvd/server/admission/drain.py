@@ -1,0 +1,186 @@
+"""Dropping the rest of a message at libzmq's speed: what a frame bomb costs.
+
+ZeroMQ delivers a message whole: once its first part has been read, every
+other part must be read before any other peer's message can be (libzmq's
+fair queue asserts on it). ZMQ_MAXMSGSIZE bounds one frame, not the number
+of frames, so a peer can send one message of 8 M empty frames (16 MB on the
+wire). Read a frame at a time through pyzmq, that held the serving thread
+~1 us a frame: 8-12 s for such a message, with every other peer waiting.
+
+`rest` reads what is left of the current message with libzmq's own
+`zmq_recviov`, which loops in C over up to `BATCH` parts a call and stops at
+the end of the message; the parts are copied into buffers it mallocs, which
+are freed by a thread of their own (`_Freer`: `map` over libc's free, no
+bytecode per part), so the serving thread is back at its socket as soon as
+the message is read. The GIL is let go during each call (ctypes.CDLL).
+Measured on this 2-core machine (`python bench/bench_stress.py`'s frame
+bomb): ~60-250 ns a part, against ~1,000-1,200 through pyzmq.
+
+libzmq is found where pyzmq keeps it (its wheels' bundled copy) or as the
+system's, and only a copy this process has already loaded is used
+(RTLD_NOLOAD): the socket handle belongs to that copy. Where none is found
+(`available()` False) the parts are read through pyzmq, as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import glob
+import logging
+import os
+import queue
+import threading
+
+import zmq
+
+log = logging.getLogger("kvd.server")
+
+BATCH = 1 << 16  # parts per zmq_recviov call: a 1 MiB iovec array
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _candidates() -> list[str]:
+    here = os.path.dirname(zmq.__file__)
+    found = sorted(glob.glob(os.path.join(here, os.pardir, "pyzmq.libs", "libzmq*")))  # Linux wheels
+    found += sorted(glob.glob(os.path.join(here, ".dylibs", "libzmq*")))  # macOS wheels
+    found += sorted(glob.glob(os.path.join(here, "backend", "cython", "_zmq.*")))  # libzmq linked in
+    system = ctypes.util.find_library("zmq")
+    if system:
+        found.append(system)
+    return found
+
+
+def _load():
+    mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LOCAL", 0)
+    if not getattr(os, "RTLD_NOLOAD", 0):
+        return None
+    for path in _candidates():
+        try:
+            lib = ctypes.CDLL(path, mode=mode)
+            fn = lib.zmq_recviov
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Iovec), ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]
+        libc = ctypes.CDLL(None)
+        free = libc.free
+        free.restype, free.argtypes = None, [ctypes.c_void_p]
+        return fn, free
+    return None
+
+
+_fns = _load()
+
+
+def available() -> bool:
+    return _fns is not None
+
+
+class _Freer(threading.Thread):
+    """Frees the buffers zmq_recviov malloc'd, off the serving thread."""
+
+    def __init__(self, free):
+        super().__init__(name="kvd-drop", daemon=True)
+        self.free = free
+        self.todo: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        free = self.free
+        while True:
+            collections.deque(map(free, self.todo.get()), maxlen=0)
+
+
+_freer: _Freer | None = None
+_freer_lock = threading.Lock()
+
+
+def _free_later(pointers: list[int]) -> None:
+    global _freer
+    if _freer is None:
+        with _freer_lock:
+            if _freer is None:
+                _freer = _Freer(_fns[1])  # type: ignore[index]
+    _freer.todo.put(pointers)
+
+
+class Dropper:
+    """Drops the rest of the current message of one socket; one per socket,
+    used by the thread that owns it."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self._iov = (_Iovec * BATCH)() if _fns is not None else None
+        self._count = ctypes.c_size_t()
+
+    def rest(self) -> int:
+        """Read and drop the parts left of the message being read; how many."""
+        sock, n = self.sock, 0
+        if self._iov is None:
+            while sock.get(zmq.RCVMORE):
+                sock.recv(copy=True)
+                n += 1
+            return n
+        recviov = _fns[0]  # type: ignore[index]
+        handle = ctypes.c_void_p(sock.underlying)
+        starts = memoryview(self._iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")
+        while sock.get(zmq.RCVMORE):
+            self._count.value = BATCH
+            rc = recviov(handle, self._iov, ctypes.byref(self._count), zmq.DONTWAIT)
+            got = self._count.value
+            if got:
+                _free_later(starts[0 : 2 * got : 2].tolist())
+            n += got
+            if rc < 0 and got == 0:
+                # Cannot happen for a message's later parts (they are all here);
+                # read them through pyzmq rather than spin.
+                log.warning("zmq_recviov failed (errno %d); dropping the rest part by part", ctypes.get_errno())
+                while sock.get(zmq.RCVMORE):
+                    sock.recv(copy=True)
+                    n += 1
+        return n
+
+
+class Offenders:
+    """Processes that sent messages over the frame limit (`strike`).
+
+    A kvd client never does: it learns the limit from HELLO. The first such
+    message from a process is answered TOO_MANY_FRAMES like any other; a
+    second within `window` seconds bans the process: its connections are
+    shed and its new ones cut off at accept (the gate, `PeerGate.ban`) for
+    `first_ban` seconds, twice as long at each ban after, up to `longest`.
+    A process is told by its pid (kvd.server.admission.connections.origin);
+    over TCP, where one host may be many clients, nobody is banned."""
+
+    def __init__(self, window: float = 60.0, first_ban: float = 10.0, longest: float = 300.0, clock=None):
+        import time
+
+        self.window, self.first_ban, self.longest = window, first_ban, longest
+        self.clock = clock or time.monotonic
+        self._last: dict[bytes, float] = {}  # origin -> its last strike
+        self._bans: dict[bytes, float] = {}  # origin -> its last ban's length
+        self.strikes = self.bans = 0
+
+    def strike(self, who: bytes | None) -> float | None:
+        """One more oversized message from `who`: the ban's length if it is
+        banned now, else None."""
+        self.strikes += 1
+        if who is None:
+            return None
+        now = self.clock()
+        last, self._last[who] = self._last.get(who), now
+        if len(self._last) > 4096:  # forget the oldest half: a pid is reused, a flood of them is not kept
+            for k in sorted(self._last, key=self._last.__getitem__)[:2048]:
+                self._last.pop(k, None)
+                self._bans.pop(k, None)
+        if last is None or now - last > self.window:
+            return None
+        ban = min(self.longest, 2 * self._bans[who]) if who in self._bans else self.first_ban
+        self._bans[who] = ban
+        self.bans += 1
+        return ban
