@@ -157,7 +157,7 @@ class Handler:
         store = self.store
         method = getattr(self, "on_" + msg.type.lower())
         try:
-            with store.reading("defer" if store.room_to_wait() else "local"):
+            with store.reading("defer" if store.room_to_wait() else "local", local_first=msg.type == "GET"):
                 return method(msg)
         except Pending as pending:
             fields: dict[str, Any] = {}
@@ -170,7 +170,7 @@ class Handler:
         its reply, or park it once more under `token`."""
         self.shm_proven = proven
         try:
-            with self.store.reading("defer", fresh=False):
+            with self.store.reading("defer", fresh=False, local_first=msg.type == "GET"):
                 _, got = method(msg)
         except Pending as pending:
             self.store.wait(pending, lambda token: self._again(msg, method, fields, proven, token), token)

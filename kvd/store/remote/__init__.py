@@ -82,7 +82,11 @@ At most 64 requests wait so; past that a request is served from the local
 tiers alone. A GET page whose next chunk is still on its way ends before it
 (the client asks for the rest). A stream's batch a parked GET waits for is
 never abandoned by another client's stream: it finishes aside. EXPLAIN and
-in-process callers read in "block" mode, as below.
+in-process callers read in "block" mode, as below. A GET the local tiers
+already hit does not wait for the server to extend it (`local_first`): it
+takes an answer a reader thread brought within 2 s (any request's), else
+serves the local prefix while a reader thread asks, for the requests after
+it; a LOOKUP always waits for the server's answer.
 A read on the daemon's loop thread ("block") waits at most `timeout` seconds in all
 (for a batch on the reader threads as for its own round trips; every
 pipeline of GETs has that deadline however slowly its bytes trickle in), once

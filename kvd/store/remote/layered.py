@@ -27,6 +27,10 @@ _WAITS_MAX = 64  # requests parked on remote answers at once; past it a request 
 # asked (the one parked on it, served again), never a later one: another
 # daemon's write is seen by the next request, as when the loop thread asked.
 _ANSWERS_MAX = 1 << 16
+# A GET the local tiers already hit does not wait for the server to extend
+# it: it takes an answer asked within this long (any request's), else serves
+# the local prefix and lets a reader thread ask, for the requests after it.
+_HINT_S = 2.0
 _RESULTS_MAX = 256
 
 
@@ -74,6 +78,7 @@ class WithRemote(Store):
         self._settled: Callable[..., None] | None = None  # the daemon's news callback (parking.Wakeup)
         self._waits: dict[bytes, tuple[Future, Callable[[bytes], None], float]] = {}  # token -> (awaited, redo, since)
         self._serial = 0
+        self._local_first = self._local_hit = False  # see reading(); a local chunk hit so far in this request
         self._since = 0.0  # when the request being served first came (answers asked since then are its own)
         self._answers: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()  # EXISTS answers: (held, asked at)
         self._asking: dict[bytes, tuple[Future, float]] = {}  # ids an EXISTS on a reader thread is asking about
@@ -117,16 +122,18 @@ class WithRemote(Store):
         return len(self._waits) < _WAITS_MAX
 
     @contextmanager
-    def reading(self, mode: str, *, fresh: bool = True) -> Iterator[None]:
+    def reading(self, mode: str, *, fresh: bool = True, local_first: bool = False) -> Iterator[None]:
         """Serve one request in `mode`: "block", "defer" or "local"; `fresh`:
-        it just came (not a parked one served again)."""
+        it just came (not a parked one served again); `local_first` (a GET):
+        once the local tiers hit, the server's answers are hints (_HINT_S)."""
         if fresh:
             self._since = time.monotonic()
+        self._local_first, self._local_hit = local_first, False
         old, self.mode = self.mode, mode
         try:
             yield
         finally:
-            self.mode = old
+            self.mode, self._local_first = old, False
 
     def wait(self, pending: Pending, redo: Callable[[bytes], None], token: bytes | None = None) -> bytes:
         """Park a request on `pending`'s answer: once it is in, `tick` calls
@@ -149,8 +156,7 @@ class WithRemote(Store):
                 redo(token)
             except Exception:  # noqa: BLE001 - the redo answers its own errors; a bug must not stop the tick
                 log.exception("remote: serving a parked request again failed")
-        for key in [k for k, (fut, _) in self._calls.items() if fut.done()]:
-            del self._calls[key]  # answered, and its request did not ask again
+        self._harvest()
         if self._side:
             waited = self._waited()
             for fid, batch in list(self._side.items()):
@@ -202,27 +208,50 @@ class WithRemote(Store):
                     self._asking[e] = (fut, asked)
         raise Pending(self._asking[missing[0]][0])
 
+    def _hinted(self, want: list[bytes]) -> list[bool]:
+        """Answers to `want` for a GET with a local hit: any asked within
+        _HINT_S, else "not held" now and a reader thread asks (never Pending)."""
+        self._absorb()
+        fresh = time.monotonic() - _HINT_S
+        got = [a[0] if (a := self._answers.get(e)) is not None and a[1] >= fresh else None for e in want]
+        new = [e for e, a in zip(want, got) if a is None and e not in self._asking]
+        if new:
+            asked = time.monotonic()
+            fut = self.remote.submit(self.remote.exists, new)
+            self._jobs.append((new, fut, asked))
+            for e in new:
+                self._asking[e] = (fut, asked)
+        return [bool(a) for a in got]
+
+    def _harvest(self) -> None:
+        """Tails questions answered: into _results (a later request may take them)."""
+        for key in [k for k, (fut, _) in self._calls.items() if fut.done()]:
+            fut, asked = self._calls.pop(key)
+            try:
+                value = fut.result()
+            except (CancelledError, Exception):  # noqa: BLE001 - the tier counts its own failures
+                value = []
+            self._results[key] = (value, asked)
+            self._results.move_to_end(key)
+        while len(self._results) > _RESULTS_MAX:
+            self._results.popitem(last=False)
+
     def _later(self, key: tuple, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` (a tails question) answered by a reader thread: Pending until it is."""
+        self._harvest()
         got = self._results.get(key)
-        if got is not None and got[1] >= self._since:
+        hint = self._local_first and self._local_hit
+        if got is not None and got[1] >= (time.monotonic() - _HINT_S if hint else self._since):
             return got[0]
         call = self._calls.get(key)
         if call is None or call[1] < self._since:
             call = self._calls[key] = (self.remote.submit(fn, *args), time.monotonic())
-        fut, asked = call
-        if not fut.done():
-            raise Pending(fut)
-        del self._calls[key]
-        try:
-            value = fut.result()
-        except (CancelledError, Exception):  # noqa: BLE001 - the tier counts its own failures
-            value = []
-        self._results[key] = (value, asked)
-        self._results.move_to_end(key)
-        while len(self._results) > _RESULTS_MAX:
-            self._results.popitem(last=False)
-        return value
+        if not call[0].done():
+            if hint:
+                return []  # the local prefix now; the answer serves the requests after this one
+            raise Pending(call[0])
+        self._harvest()
+        return self._results[key][0]
 
     # -- lookups -------------------------------------------------------------
     def _remember(self, eids: Iterable[bytes]) -> None:
@@ -237,13 +266,17 @@ class WithRemote(Store):
 
     def held(self, eids: Sequence[bytes]) -> list[bool]:
         out = self.local.held(eids)
+        if not self._local_hit and any(have and eid[32] == CHUNK for eid, have in zip(eids, out)):
+            self._local_hit = True
         ask = [i for i, have in enumerate(out) if not have and eids[i] not in self._known and eids[i] not in self._fetched]
         for i, have in enumerate(out):
             if not have and (eids[i] in self._known or eids[i] in self._fetched):
                 out[i] = True
         if ask and self._remote_ok():
             want = [eids[i] for i in ask]
-            if self.mode == "defer":
+            if self.mode == "defer" and self._local_first and self._local_hit:
+                found = self._hinted(want)
+            elif self.mode == "defer":
                 found = self._exists_later(want)
             else:
                 found = self.remote.exists(want)
