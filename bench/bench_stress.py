@@ -18,11 +18,20 @@ each in its own process and ongoing while the client measures:
                   as answered: more than the disk can write behind
   churn           4 peers each connect, PING, read the reply and hang up, as
                   fast as they can: every request on a new connection
+  tiny-flood      a peer PUTs new sequences of 8,000 tiny chunks each
+                  (chunk_tokens=1, 4 bytes a chunk), back to back (issue 44)
+  frame-bomb      a peer sends one message of 8 M empty frames, again and
+                  again, reading each answer (issue 44)
+  paused-remote   the daemon has a remote tier (a real redis-server); a peer
+                  pauses the server (SIGSTOP) for 0.3 s, within
+                  remote_timeout_s, and GETs a new prompt meanwhile (the
+                  daemon must ask the server), again and again (issue 44)
 
 Each attack gets a fresh daemon (damage must not carry over from one row to
 the next): the client measures idle, then the attack runs `--warmup` seconds
 (3) and the client measures again. Prints p50/p99 idle and under attack,
-their ratio, and the daemon's peak RSS.
+their ratio, and the daemon's peak RSS; at the end, which attacks kept the
+good client's p99 within 2x of its idle p99 (issue 44's bar).
 `--daemon-python` runs the daemon with another interpreter (e.g. an older
 checkout's venv) to compare.
 """
@@ -30,6 +39,7 @@ checkout's venv) to compare.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -45,6 +55,72 @@ from stress import CHURN, FLOOD, HAMMER, PARTIAL, PUMP, STORM, attack, status  #
 
 from kvd.protocol import codec, keys  # noqa: E402
 from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
+
+
+# A peer that PUTs new sequences of N tiny chunks (chunk_tokens=1, a 4-byte
+# tensor each) as fast as they are answered, until stdin closes.
+TINY = r"""
+import select, sys, zmq
+from kvd.protocol import codec, keys
+ep, n = sys.argv[1], int(sys.argv[2])
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(ep)
+data = [bytes([i % 256]) * 4 for i in range(n)]
+print("ready", flush=True)
+seq = 0
+while not select.select([sys.stdin], [], [], 0)[0]:
+    seq += 1
+    chunks = [{"index": i, "tensors": [codec.Tensor("k", "uint8", (1, 1, 4), data[i])], "meta": b""} for i in range(n)]
+    toks = keys.token_bytes(range(seq * n, seq * n + n))
+    s.send_multipart(codec.encode("PUT", {"ns": "tiny", "tokens": toks, "chunk_tokens": 1, "chunks": chunks}, id=seq), copy=False)
+    s.recv_multipart()
+"""
+
+# A peer that sends one message of N empty frames (a PING header first),
+# reads the answer (an error), and sends it again, until stdin closes.
+BOMB = r"""
+import select, sys, zmq
+ep, n = sys.argv[1], int(sys.argv[2])
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.setsockopt(zmq.RCVTIMEO, 60000)
+s.connect(ep)
+from kvd.protocol import codec
+msg = [codec.encode("PING", {}, id=9)[0]] + [b""] * (n - 1)
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    s.send_multipart(msg, copy=True)
+    try:
+        s.recv_multipart()
+    except zmq.Again:
+        pass
+"""
+
+# A peer that pauses the remote server (SIGSTOP) for P seconds and, while it
+# is paused, GETs a prompt nobody stored (the daemon must ask the server),
+# again and again until stdin closes. The server is always resumed.
+PAUSER = r"""
+import os, select, signal, sys, threading
+from kvd_client import Client
+ep, pid, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+c = Client(ep, namespace="paused", timeout=10.0)
+c.ping()
+print("ready", flush=True)
+seq = 0
+try:
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        seq += 1
+        os.kill(pid, signal.SIGSTOP)
+        timer = threading.Timer(pause, os.kill, (pid, signal.SIGCONT))
+        timer.start()
+        c.get(list(range(seq * 1000, seq * 1000 + 600)))
+        timer.join()
+finally:
+    os.kill(pid, signal.SIGCONT)
+"""
 
 
 def percentiles(client: Client, tokens, samples: int) -> tuple[float, float, int]:
@@ -85,8 +161,27 @@ def setup(ep: str, workdir: Path):
         "heavy-peers": (HAMMER, ep, str(lookup), "8"),
         "put-storm": (STORM, ep, "4"),
         "churn": (CHURN, ep, "4", ping),
+        "tiny-flood": (TINY, ep, "8000"),
+        "frame-bomb": (BOMB, ep, str(8 << 20)),
     }
     return good, tokens + [0], attacks
+
+
+def remote_for(stack: contextlib.ExitStack):
+    """A throwaway redis-server and the daemon arguments that use it as the
+    remote tier (a tier key of its own in the server's dir); (None, []) if
+    neither redis-server nor valkey-server is installed."""
+    from redis_server import RedisServer, redis_binary
+
+    from kvd.endpoint import write_remote_key
+
+    if redis_binary() is None:
+        return None, []
+    server = RedisServer().start()
+    stack.callback(server.close)
+    key = server.dir / "remote.key"
+    write_remote_key(key)
+    return server, ["--remote-url", server.url, "--remote-key-file", str(key)]
 
 
 def overhead(python: str) -> None:
@@ -126,11 +221,21 @@ def main() -> None:
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
           f"{'misses':>7} {'peak MB':>8}" + (f" {'fl p50':>8} {'fl p99':>8} {'fl p99x':>7}" if args.floor else ""))
     names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "heavy-peers",
-             "put-storm", "churn"]
+             "put-storm", "churn", "tiny-flood", "frame-bomb", "paused-remote"]
+    ratios: dict[str, float] = {}
     for name in args.only.split(",") if args.only else names:
-        with daemon("--ram-mb", "64", "--max-message-mb", "16", python=args.daemon_python) as d:
+        remote = contextlib.ExitStack()
+        extra: list[str] = []
+        if name == "paused-remote":
+            server, extra = remote_for(remote)
+            if server is None:
+                print(f"{name:>15} skipped: no redis-server or valkey-server on PATH")
+                continue
+        with remote, daemon("--ram-mb", "64", "--max-message-mb", "16", *extra, python=args.daemon_python) as d:
             proc = d.proc
             good, tokens, attacks = setup(d.endpoint, d.workdir)
+            if name == "paused-remote":
+                attacks[name] = (PAUSER, d.endpoint, str(server.proc.pid), "0.3")
             i50, i99, _ = percentiles(good, tokens, args.samples)
             with attack(*attacks[name]):
                 time.sleep(args.warmup)  # let the attack reach its steady state (pipes full, ...)
@@ -147,10 +252,14 @@ def main() -> None:
                         time.sleep(args.warmup)
                         f50, f99, _ = percentiles(good, tokens, args.samples)
                 floor = f" {f50 * 1e3:8.2f} {f99 * 1e3:8.2f} {f99 / i99:6.1f}x"
+            ratios[name] = p99 / i99
             print(f"{name:>15} {i50 * 1e3:9.2f} {i99 * 1e3:9.2f} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / i50:6.1f}x "
                   f"{p99 / i99:6.1f}x {misses:7d} {peak:8.0f}{floor}{'' if alive else '  DAEMON DIED'}", flush=True)
     print("x: under attack over idle, same daemon (lower is better); fl: the attack on another daemon; misses: GETs that did not come back whole "
           "(a miss after the client's 5 s timeout); peak MB: the daemon's peak RSS")
+    within = [n for n, r in ratios.items() if r <= 2.0]
+    print(f"p99 within 2x of idle: {len(within)} of {len(ratios)} attacks ({', '.join(within) or 'none'}); "
+          f"over: {', '.join(f'{n} {r:.1f}x' for n, r in ratios.items() if r > 2.0) or 'none'}")
 
 
 if __name__ == "__main__":

@@ -381,7 +381,7 @@ def test_client_public_surface_is_pinned():
 
 
 # Not errors: raised to unwind a SHUTDOWN request through the handler.
-CONTROL_FLOW = {"kvd.server.handler.ShutdownRequested"}
+CONTROL_FLOW = {"kvd.server.handler.ShutdownRequested", "kvd.store.remote.pending.Pending"}  # never reach a peer
 
 
 def drawn() -> dict[str, str | None]:

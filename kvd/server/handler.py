@@ -13,6 +13,15 @@ requests are served between them instead of waiting for a whole SSD fetch.
 Every page re-matches the chain, so a page can only shrink `n`, never
 serve a byte of a chunk the store no longer holds.
 
+Nothing here waits for the remote tier: a LOOKUP or GET that needs the
+server raises `Pending` in the store (kvd/store/remote/pending.py), and is
+answered later, parked like a write-through PUT (`Deferred`: the daemon
+parks the reply under a token the store reports when the answer is in). The
+store's `tick` then serves the request again from the start, on this thread,
+and fills the parked reply; a request served again that needs the server
+once more waits again under the same token. Past `room_to_wait()` a
+request is served from the local tiers alone.
+
 Work per request is bounded by `limits.max_chunks`: LOOKUP, GET and EXPLAIN
 walk at most that many chunks of a sequence (their answer never goes past
 them), and a PUT of a sequence longer than that is BAD_FIELD. A chunk costs a
@@ -31,6 +40,7 @@ from typing import Any
 from kvd import __version__
 from kvd.protocol import keys
 from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
+from kvd.protocol import errors as E
 from kvd.protocol.errors import BadField, NotPersisted, UnsupportedVersion
 from kvd.protocol.limits import Limits
 from kvd.server.chains import Chains
@@ -39,6 +49,11 @@ from kvd.server.explain import SequenceRecord, explain
 from kvd.server.prefix import Link, match
 from kvd.server.ratelog import now_and_then
 from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, as_stored, entry_id
+from kvd.store.remote.pending import Pending
+
+# Requests the remote tier may answer later (the module docstring), and
+# what a parked one answers if serving it again fails.
+_DEFERRABLE = {"LOOKUP": {"n": 0, "boundaries": []}, "GET": {"n": 0, "end": 0, "chunks": []}}
 
 # Optional protocol features this daemon implements, advertised in HELLO.
 FEATURES = ("media",)  # media-aware keys (PROTOCOL.md section 4.1)
@@ -133,7 +148,43 @@ class Handler:
             self.shm.expire()
             if msg.get("shm") is not None:
                 self.shm_proven = self.shm.admit(msg["shm"])
+        if msg.type in _DEFERRABLE and getattr(self.store, "defers", False):
+            return self._deferrable(msg)
         return getattr(self, "on_" + msg.type.lower())(msg)
+
+    # -- answered later: the remote tier's round trips off this thread ----------
+    def _deferrable(self, msg: Message):
+        store = self.store
+        method = getattr(self, "on_" + msg.type.lower())
+        try:
+            with store.reading("defer" if store.room_to_wait() else "local", local_first=msg.type == "GET"):
+                return method(msg)
+        except Pending as pending:
+            fields: dict[str, Any] = {}
+            proven = self.shm_proven
+            token = store.wait(pending, lambda token: self._again(msg, method, fields, proven, token))
+            return msg.type, Deferred(fields, [token])
+
+    def _again(self, msg: Message, method, fields: dict[str, Any], proven: bool, token: bytes) -> None:
+        """Serve a parked request again (the store's tick, this thread): fill
+        its reply, or park it once more under `token`."""
+        self.shm_proven = proven
+        try:
+            with self.store.reading("defer", fresh=False, local_first=msg.type == "GET"):
+                _, got = method(msg)
+        except Pending as pending:
+            self.store.wait(pending, lambda token: self._again(msg, method, fields, proven, token), token)
+            return
+        except (E.ProtocolError, E.ServerError) as err:
+            self.errors[err.name] += 1
+            log.warning("parked %s failed: %s: %s; answered as a miss", msg.type, err.name, err.message)
+            got = _DEFERRABLE[msg.type]
+        except Exception:  # noqa: BLE001 - a bug: logged, and a miss rather than a request never answered
+            self.errors["INTERNAL"] += 1
+            log.exception("internal error serving a parked %s; answered as a miss", msg.type)
+            got = _DEFERRABLE[msg.type]
+        fields.clear()
+        fields.update(got)
 
     # -- session -----------------------------------------------------------
     def on_hello(self, msg: Message):
@@ -179,12 +230,10 @@ class Handler:
         links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg), self.chains)
         cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
         need_boundary, start = msg["need_boundary"], msg["start"]
-        c = self.counters(ns)
+        chunks, n, boundary = self._collect(links, cap, need_boundary, start)
+        c = self.counters(ns)  # (after the page: a GET parked on the remote tier is counted once, when served)
         if start == 0:
             c["gets"] += 1
-
-        chunks, n, boundary = self._collect(links, cap, need_boundary, start)
-        if start == 0:
             c["hits" if n else "misses"] += 1
             c["tokens_served"] += n
         if not n or (not chunks and n != start):
@@ -232,7 +281,12 @@ class Handler:
                 continue
             if chunks and time.perf_counter() > deadline:
                 break  # slow reads (disk): let other requests in; the client continues
-            entry = self._get(entry_id(link.key, CHUNK))
+            try:
+                entry = self._get(entry_id(link.key, CHUNK))
+            except Pending:
+                if chunks:
+                    break  # on its way from the remote tier: it starts the next page
+                raise
             cost = 0 if entry is None else _reply_bytes(entry)
             if entry is None or cost > budget:  # lost since matching (e.g. a failed checksum), or too big to send: serve less
                 n = link.start

@@ -290,3 +290,74 @@ def test_a_remote_read_with_no_thread_to_spare_is_served_not_internal(server, da
             assert hit is not None and hit.n == 600
             assert_prefix_hit(hit, tokens)
         assert cb.stats()["server"]["errors"].get("INTERNAL", 0) == 0
+
+
+def _p99(samples: list[float]) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
+def test_a_paused_remote_holds_nobody_but_its_asker(server, daemon_factory):
+    """Issue 44: with the server SIGSTOPped, a GET that needs it waits (its
+    round trip runs on a reader thread, the request parked) while another
+    client's PINGs keep their latency, and so do its GETs of what the local
+    tiers hold (they do not wait for the server to extend them); the GET
+    then answers: a miss after remote_timeout_s, or the value once the
+    server resumes."""
+    import threading
+
+    timeout = 2.0
+    a, b = pair(daemon_factory, server.url, "--remote-timeout-s", str(timeout))
+    first, second = list(range(300)), list(range(7000, 7300))
+    with a.client(NS, strict=True) as ca, b.client(NS, strict=True, timeout=10.0) as cb, \
+            b.client("bystander", strict=True, timeout=10.0) as other:
+        assert ca.put(first, prefix_snapshot(first)) and ca.put(second, prefix_snapshot(second))
+        mine = list(range(50_000, 50_300))
+        assert other.put(mine, prefix_snapshot(mine))  # the bystander's own, in B's RAM
+        written(ca, 4)
+        idle = [other.ping() for _ in range(300)]
+        assert None not in idle
+
+        def get_while_pinging(tokens, while_waiting=None):
+            got: dict = {}
+            asker = threading.Thread(target=lambda: got.update(hit=cb.get(tokens), at=time.monotonic()))
+            before = other.stats()["server"]["requests"].get("GET", 0)
+            start = time.monotonic()
+            asker.start()
+            pings, local_gets = [], []
+            while asker.is_alive():
+                pings.append(other.ping())
+                t0 = time.monotonic()
+                own = other.get(mine + [1, 2, 3])  # a local hit; the server might hold more of it
+                local_gets.append(time.monotonic() - t0)
+                assert own is not None and own.n == 300
+                if while_waiting is not None and other.stats()["server"]["requests"].get("GET", 0) > before:
+                    while_waiting()  # the GET is in (parked on the server): now act
+                    while_waiting = None
+            asker.join()
+            assert None not in pings
+            assert max(local_gets) < timeout / 4, max(local_gets)
+            return got["hit"], got["at"] - start, pings
+
+        server.proc.send_signal(signal.SIGSTOP)  # alive, accepting, never answering
+        try:
+            hit, waited, pings = get_while_pinging(first)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert hit is None and waited >= 0.8 * timeout  # the asker waited for the server, then missed
+        assert remote(cb)["degraded"]
+        # Before: the serving thread waited with the asker, so PINGs took up to remote_timeout_s.
+        assert len(pings) >= 30, len(pings)
+        bound = max(10 * _p99(idle), 0.05)
+        assert _p99(pings) <= bound and max(pings) < timeout / 4, (_p99(idle), _p99(pings), max(pings))
+
+        wait_for(lambda: remote(cb), lambda r: not r["degraded"])  # the tier probes and resumes by itself
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            hit, waited, pings = get_while_pinging(second, lambda: server.proc.send_signal(signal.SIGCONT))
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert hit is not None and hit.n == 300  # served once the server answered, within its timeout
+        assert_prefix_hit(hit, second)
+        assert _p99(pings) <= bound, (_p99(idle), _p99(pings))
+        assert cb.stats()["server"]["errors"].get("INTERNAL", 0) == 0

@@ -393,6 +393,11 @@ class RemoteTier:
                 pass
 
     # -- reads (the daemon's loop thread) ---------------------------------------
+    def submit(self, fn: Any, *args: Any) -> Future:
+        """`fn(*args)` on a reader thread (inline when none can start): a
+        LOOKUP's EXISTS or tails round trip, off the serving thread."""
+        return self._reads.submit(fn, *args)
+
     def read_ahead(self, eids: Sequence[bytes], stop: threading.Event) -> Future:
         """`fetch(eids, stop)` on the reader thread; the Future's result is its
         dict. Batches start in the order queued, two at a time (two threads, so
@@ -423,7 +428,7 @@ class RemoteTier:
         if any(_about_the_server(exc) for exc in errors):
             self._failed(next(exc for exc in errors if _about_the_server(exc)), "exists")
             return [False] * len(eids)
-        self.counters["exists_queries"] += 1
+        self._add("exists_queries")  # on a reader thread in a deferred LOOKUP
         held = []
         for eid, prefix in zip(eids, found):
             if isinstance(prefix, Exception):  # rule 3: a key of another type under our name
