@@ -11,6 +11,15 @@ mode (the baseline: answered from RAM) and once with `--write-through`
 of concurrent clients share the writer's batches (one parallel fsync round and
 one LMDB commit each), so write-through throughput grows with the clients.
 Prints PUTs/s and p50/p99 latency, and the write-through/baseline ratio.
+
+    .venv/bin/python bench/bench_write_through.py --sizes 256,1024 [--reps 3]
+
+Big stores, durable soon after (issue 42): one client PUTs a cache of SIZE
+MiB (bf16, 8 heads x 128, 256-token chunks of 4 MiB per layer-sized tensor)
+into a write-through daemon, which answers once every chunk is fsynced and
+indexed; against the baseline measured in the same run on the same
+filesystem: one `write` + `fsync` of the same bytes into one new file.
+Prints the medians and the ratio (target: <= 1.5x).
 """
 
 from __future__ import annotations
@@ -64,11 +73,65 @@ def measure(write_through: bool, clients: int, puts: int) -> tuple[float, float,
     return rate, q[49] * 1e3, q[98] * 1e3
 
 
+def big_store(size_mib: int, reps: int, transport: str) -> tuple[float, float]:
+    """Median seconds of (a write-through PUT of `size_mib`, one write+fsync of
+    as many bytes), alternating which goes first."""
+    import os
+
+    from kvd_client import HostTensor, Snapshot
+
+    heads, dim = 8, 128
+    tokens = size_mib * (1 << 20) // (heads * dim * 2)
+    raw = np.random.default_rng(size_mib).integers(0, 1 << 16, size=(1, heads, tokens, dim), dtype=np.uint16)
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-big-", dir="/tmp"))
+    args = ["--ram-mb", str(2 * size_mib + 256), "--min-free-gb", "0", "--write-through",
+            "--max-message-mb", str(max(512, size_mib + 16))]
+    d = DaemonProcess(workdir, args).start()
+    kvd_s, raw_s = [], []
+    try:
+        with d.client("bench-big", strict=True, timeout=120, transport=transport) as c:
+            for r in range(reps):
+                def kvd_once() -> None:
+                    s = np.arange(tokens) + 10_000_000 * (r + 1)
+                    snap = Snapshot(sliced={"k": (HostTensor("bfloat16", raw), 2)})
+                    t = time.perf_counter()
+                    assert c.put(s, snap)
+                    kvd_s.append(time.perf_counter() - t)
+
+                def raw_once() -> None:
+                    path = d.data_dir / f"raw-{r}"
+                    t = time.perf_counter()
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                    mv = memoryview(raw).cast("B")
+                    while mv:
+                        mv = mv[os.write(fd, mv):]
+                    os.fsync(fd)
+                    os.close(fd)
+                    raw_s.append(time.perf_counter() - t)
+                    os.unlink(path)
+
+                for fn in ((kvd_once, raw_once) if r % 2 else (raw_once, kvd_once)):
+                    fn()
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return statistics.median(kvd_s), statistics.median(raw_s)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--puts", type=int, default=400)
     ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--sizes", default="", help="MiB per store, e.g. 256,1024: big write-through stores instead")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--transport", default="shm", choices=["shm", "frames"])
     a = ap.parse_args()
+    if a.sizes:
+        print(f"{'MiB':>6} {'store s':>8} {'write+fsync s':>13}  ratio (write-through store, {a.transport}; medians of {a.reps})")
+        for size in [int(x) for x in a.sizes.split(",")]:
+            k, w = big_store(size, a.reps, a.transport)
+            print(f"{size:>6} {k:>8.3f} {w:>13.3f}  {k / w:.2f}x")
+        return
     print(f"{'mode':>14} {'clients':>7} {'PUT/s':>8} {'p50 ms':>7} {'p99 ms':>7}  ratio to write-back")
     for n in [int(x) for x in a.clients.split(",")]:
         base = measure(False, n, a.puts)

@@ -209,8 +209,9 @@ def _log_file_usable(path: str | None) -> None:
 
 
 def _ram_mb(raw: Any) -> int | str:
-    """MiB as an integer >= 1, or "auto" (sized from the machine when the
-    daemon starts: kvd.server.governor.auto_ram_mb)."""
+    """MiB as an integer >= 1, or "auto" (sized when the daemon starts:
+    kvd.server.governor.auto_ram_mb for ram_mb, the RAM tier's budget for
+    dirty_max_mb)."""
     if isinstance(raw, str) and raw.strip().lower() == "auto":
         return "auto"
     try:
@@ -364,11 +365,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("spill_queue", _int(1), 256,
             "Most chunks in the SSD writer's queue. In write-back mode more wait in RAM, and a chunk "
             "RAM lets go enters the queue regardless (dirty_max_mb bounds the bytes of both)."),
-    Setting("dirty_max_mb", _int(1, MAX_MB), 256,
-            "Bytes of stored chunks not yet on disk, in MiB: in write-back mode the backlog a stop "
-            "has to write (while it is full, or would take the writer more than a third of "
-            "stop_timeout at its recent pace, a PUT is answered BUSY); in write-through mode the most "
-            "that PUTs waiting for their fsync may hold (past it a PUT is answered BUSY)."),
+    Setting("dirty_max_mb", _ram_mb, "auto",
+            "Bytes of stored chunks not yet on disk, in MiB, or \"auto\": the RAM tier's budget. In "
+            "write-back mode the most the backlog (what a stop has to write) may hold: past it, or "
+            "when a PUT would make it more than a stop can write at the disk's pace, a PUT is answered "
+            "BUSY (docs/durability.md); in write-through mode the most that PUTs waiting for their fsync "
+            "may hold (past it a PUT is answered BUSY)."),
     Setting("pack_max_kb", _int(0, MAX_KB), 64,
             "Chunks whose blob is at most this many KiB are packed into one LMDB file "
             "(data_dir/pack) instead of a file each: a file costs more to create than a small "

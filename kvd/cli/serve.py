@@ -86,6 +86,19 @@ def _threads_fit(n: int) -> bool:
     return len(started) == n
 
 
+def _stop_margin(stop_timeout: float) -> float:
+    """What a stop keeps of `stop_timeout` for closing the index and exiting."""
+    return min(1.0, 0.25 * stop_timeout)
+
+
+def _stop_write_s(stop_timeout: float) -> float:
+    """The seconds a stop leaves the SSD writer for the backlog: what the
+    store's close gets (stop_timeout less its margin), less the part it keeps
+    for the batch in hand (SsdStore.close)."""
+    left = stop_timeout - _stop_margin(stop_timeout)
+    return left - min(1.0, 0.2 * left)
+
+
 def _drop_plane(daemon) -> None:
     """A bind that failed after making the shared-memory plane removes it:
     its folder in /dev/shm would outlive the run (a clean stop leaves none)."""
@@ -192,6 +205,7 @@ def serve(**flags) -> None:
     ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
     if cfg.ram_mb == "auto":
         log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
+    dirty_max_mb = ram_mb if cfg.dirty_max_mb == "auto" else cfg.dirty_max_mb
     try:
         local = open_store(
             ram_mb * MiB,
@@ -200,10 +214,11 @@ def serve(**flags) -> None:
             write_through=cfg.write_through,
             min_free_bytes=int(cfg.min_free_gb * GiB),
             queue_entries=cfg.spill_queue,
-            queue_bytes=cfg.dirty_max_mb * MiB,
+            queue_bytes=dirty_max_mb * MiB,
             pack_max_bytes=cfg.pack_max_kb * 1024,
             max_entry_bytes=cfg.max_message_mb * MiB,  # bounds what a sane index row says (index.Row.check)
-            flush_within_s=cfg.stop_timeout / 3,  # what a stop may have to write, by time
+            stop_write_s=_stop_write_s(cfg.stop_timeout),  # what a stop may have to write, by time
+            dirty_max_bytes=None if cfg.dirty_max_mb == "auto" else cfg.dirty_max_mb * MiB,
         )
     except (DataDirBusy, IncompatibleIndex) as err:
         log.error("cannot open data dir %s: %s", cfg.data_dir, err)
@@ -266,7 +281,7 @@ def serve(**flags) -> None:
         shm=cfg.shm,
         shm_lease_s=cfg.shm_lease_s,
         stop_timeout=cfg.stop_timeout,
-        parked_max_bytes=cfg.dirty_max_mb * MiB,
+        parked_max_bytes=dirty_max_mb * MiB,
         max_peers=max_peers,
     )
     if cfg.quota:
@@ -321,8 +336,7 @@ def serve(**flags) -> None:
         # writer gets what is left of it, less a margin for closing the index
         # and exiting; what it has not written by then is logged (ssd.py).
         since = daemon.stopping_since if daemon.stopping_since is not None else time.monotonic()
-        margin = min(1.0, 0.25 * cfg.stop_timeout)
-        left = max(0.0, cfg.stop_timeout - margin - (time.monotonic() - since))
+        left = max(0.0, cfg.stop_timeout - _stop_margin(cfg.stop_timeout) - (time.monotonic() - since))
         store.close(timeout=left)
         notifier.close()
     log.info("stopped")

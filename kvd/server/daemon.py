@@ -581,7 +581,11 @@ class Daemon:
             if msg.type in ("PUT", "SLOTS") and not self.write_through and self._refuse_put is not None:
                 # A shared-memory PUT is refused at SLOTS, before it takes arena
                 # slots; its COMMIT, like a PUT admitted a moment ago, is not.
-                if (why := self._refuse_put()) is not None:
+                # The PUT counts with the grants awaiting their COMMIT: those are
+                # backlog already (kvd.store.tiered, PUT).
+                shm = self.handler.shm
+                if (why := self._refuse_put(self._waiting_bytes(msg, frames), len(msg.get("chunks") or ()),
+                                            shm.granted_bytes if shm is not None else 0)) is not None:
                     raise E.Busy(f"write-back: {why}; retry later")
             rtype, fields = self.handler.handle(msg)
             if isinstance(fields, Deferred):

@@ -12,14 +12,18 @@ Policy table (data, not code paths):
     PUT      RAM, and the SSD write is queued at once (write-behind), so
              disk follows RAM continuously. Write-back: if the queue is full,
              the entry waits in `behind` (oldest first) and `tick()` queues it
-             when the writer has made room. The dirty backlog -- the queue
-             and `behind` -- is bounded by bytes (the queue's `max_bytes`,
-             `dirty_max_mb`) and by time (`flush_within_s` of writing at the
-             writer's recent pace, spill.Pace): while it is at either bound,
-             `refuse_put()` says why and the daemon answers write-back PUTs
-             BUSY, so a stop has at most that much to write and a client
-             storing faster than the disk writes is refused, not everyone
-             stalled. Write-through: the
+             when the writer has made room. The dirty backlog -- the queue,
+             `behind`, and the shared-memory grants that will be PUTs -- is
+             bounded by bytes (`dirty_max_mb`, or with "auto" the RAM tier's
+             budget; plus the PUT admitted last) and by time: with the PUT
+             asking it must be writable
+             within `stop_write_s` (what a stop leaves the writer) at the pace
+             a stop counts on: a third of the writer's recent pace
+             (spill.Pace), or spill.FLOOR_PACE if faster or nothing was
+             measured yet. Past either bound `refuse_put()` says why and the
+             daemon answers write-back PUTs BUSY, so a stop has at most that
+             much to write and a client storing faster than the disk writes
+             is refused, not everyone stalled. Write-through: the
              queue takes it regardless (the daemon bounds the PUTs waiting on
              it) and `persist()` says which entries a PUT must wait for. An
              entry larger than the whole RAM budget goes to SSD directly.
@@ -44,8 +48,10 @@ Policy table (data, not code paths):
              behind.
     DROP     both tiers and the spill queue.
     CLOSE    (persist=True) every RAM entry not on disk -- the dirty
-             backlog, normally bounded by the queue -- is queued, oldest
-             first, and written out, for at most `timeout` seconds; then the
+             backlog, bounded as PUT says -- is queued, oldest first (so
+             each sequence is written from its first chunk on, and what a
+             slow disk leaves is the newest chunks), and written out, for
+             at most `timeout` seconds; then the
              index is closed. Entries already written (all the others) cost
              nothing, so a stop's work does not grow with the RAM tier. A
              clean stop within its time serves everything after a restart;
@@ -67,6 +73,7 @@ from kvd.store.base import CHUNK, Entry, PutOutcome, Store
 from kvd.store.ssd.index import IndexBusy
 from kvd.store.ram import RamStore
 from kvd.store.ssd import DEFAULT_MIN_FREE, SsdStore
+from kvd.store.ssd.spill import FLOOR_PACE, PACE_SHARE
 
 
 class TieredStore(Store):
@@ -74,14 +81,16 @@ class TieredStore(Store):
 
     def __init__(
         self, ram: RamStore, ssd: SsdStore, *, write_through: bool = False, promote_max_fraction: float = 0.25,
-        flush_within_s: float | None = None,
+        stop_write_s: float | None = None, dirty_max_bytes: int | None = None,
     ):
         self.ram = ram
         self.ssd = ssd
         self.write_through = write_through
-        # Write-back: the backlog is also bounded by time, at the writer's
-        # recent pace (refuse_put); the daemon sets a third of stop_timeout.
-        self.flush_within_s = flush_within_s
+        # Write-back: the backlog is also bounded by time, what a stop leaves
+        # the writer (refuse_put; the daemon derives it from stop_timeout).
+        self.stop_write_s = stop_write_s
+        # ... and by bytes: `dirty_max_mb`, or None ("auto"): the RAM tier's budget.
+        self.dirty_max_bytes = dirty_max_bytes
         self.promote_max_bytes = int(ram.budget_bytes * promote_max_fraction)
         self.counters = {"hits": 0, "misses": 0, "promotions": 0, "promotions_skipped": 0, "ssd_served_bytes": 0,
                          "backlog_refusals": 0}
@@ -177,28 +186,51 @@ class TieredStore(Store):
                 self.behind_bytes += entry.nbytes
         return outcome
 
-    def refuse_put(self) -> str | None:
-        """Write-back: why a PUT is refused now (the dirty backlog is at its
-        bound, see PUT above; the refusal is counted), or None."""
+    def refuse_put(self, nbytes: int = 0, entries: int = 0, granted: int = 0) -> str | None:
+        """Write-back: why a PUT of `entries` chunks, `nbytes`, is refused
+        now (the dirty backlog is at its bound in bytes, or with this PUT
+        would pass it in time, see PUT above; the refusal is counted), or
+        None. `granted`: shared-memory slot bytes granted and not yet
+        committed (PUTs on their way). A PUT into an empty backlog is taken
+        whatever its size."""
         if self.write_through:
             return None
         queue = self.ssd.queue
-        dirty = queue.bytes + self.behind_bytes
-        if dirty >= queue.max_bytes:
+        held = queue.bytes + self.behind_bytes
+        if not held + granted:
+            return None
+        dirty, n = held + granted + nbytes, len(queue) + len(self.behind) + entries
+        cap = self.dirty_max_bytes if self.dirty_max_bytes is not None else self.ram.budget_bytes
+        # Bytes are memory: what is committed is held to the cap (plus the PUT
+        # admitted last), the grants are the arena's. Time is the stop's:
+        # everything on its way counts.
+        if held >= cap:
             self.counters["backlog_refusals"] += 1
-            return f"{dirty >> 20} MiB stored are {BACKLOG_FULL} (dirty_max_mb is {queue.max_bytes >> 20}): the disk is behind"
-        if self.flush_within_s is None or not dirty:
+            what = f"dirty_max_mb is {cap >> 20}" if self.dirty_max_bytes is not None else \
+                f"dirty_max_mb is auto: the RAM tier's {cap >> 20} MiB"
+            return f"{held >> 20} MiB stored are {BACKLOG_FULL} ({what}): the disk is behind"
+        if self.stop_write_s is None:
             return None
         # By time too: a stop must write the backlog within stop_timeout, and
         # 256 MiB of 4 KiB chunks is 30 s of a writer at 2k chunks/s (a slow
         # disk, a quota churning, a loaded machine: slower still).
-        n = len(queue) + len(self.behind)
-        seconds = self.ssd.writer.pace.seconds_for(n, dirty)
-        if seconds is None or seconds <= self.flush_within_s:
+        seconds = self.stop_seconds(n, dirty)
+        if seconds <= self.stop_write_s:
             return None
         self.counters["backlog_refusals"] += 1
-        return (f"{n} chunks stored are {BACKLOG_FULL}: about {seconds:.1f} s of writing at the disk's recent pace, "
-                f"past the {self.flush_within_s:g} s a stop leaves for it: the disk is behind")
+        return (f"{n} chunks ({dirty >> 20} MiB) would be {BACKLOG_FULL}: about {seconds:.1f} s of writing at the pace a "
+                f"stop counts on, past the {self.stop_write_s:g} s a stop leaves for it: the disk is behind")
+
+    def stop_seconds(self, entries: int, nbytes: int) -> float:
+        """How long a stop would take to write `entries` of `nbytes`: at a
+        third of the writer's recent pace, or at FLOOR_PACE if that is faster
+        (or nothing was measured yet)."""
+        rates = self.ssd.writer.pace.rates()
+        per_entry, per_byte = FLOOR_PACE
+        if rates is not None:
+            per_entry = max(per_entry, rates[0] * PACE_SHARE)
+            per_byte = max(per_byte, rates[1] * PACE_SHARE)
+        return max(entries / per_entry, nbytes / per_byte)
 
     def persist(self, entries: Iterable[Entry], also: Iterable[bytes] = ()) -> tuple[list[bytes], list[bytes]]:
         """Write-through: (ids still being written, ids that cannot be) among
@@ -356,7 +388,8 @@ def open_store(
     min_free_bytes: int = DEFAULT_MIN_FREE,
     remote_url: str | None = None,
     remote_options: dict[str, Any] | None = None,
-    flush_within_s: float | None = None,
+    stop_write_s: float | None = None,
+    dirty_max_bytes: int | None = None,
     **ssd_options: Any,
 ) -> Store:
     """The store the daemon serves from.
@@ -368,9 +401,10 @@ def open_store(
     retry_s, durable, ...). With `remote_url`, the local store is wrapped
     in `WithRemote` (kvd/store/remote/): a shared Redis/Valkey tier behind
     it, made with `remote_options` (ttl_s, timeout, part_bytes, ...).
-    `flush_within_s`: write-back PUTs are refused while the dirty backlog
-    would take longer to write, at the writer's recent pace (None: no bound
-    by time, only `queue_bytes`).
+    `stop_write_s`: write-back PUTs are refused while the dirty backlog
+    would take a stop longer to write (TieredStore.stop_seconds; None: no
+    bound by time); `dirty_max_bytes`: nor may it hold more bytes (None:
+    the RAM tier's budget).
 
     Raises ValueError for a data dir without an SSD budget, DataDirBusy if
     another process uses the data dir, IncompatibleIndex if a different kvd
@@ -384,7 +418,7 @@ def open_store(
             raise ValueError("a data dir needs ssd_bytes > 0 (omit the data dir for RAM only)")
         ssd = SsdStore(data_dir, ssd_bytes, min_free_bytes=min_free_bytes, **ssd_options)
         local = TieredStore(RamStore(ram_bytes, overhead=True), ssd, write_through=write_through,
-                            flush_within_s=flush_within_s)
+                            stop_write_s=stop_write_s, dirty_max_bytes=dirty_max_bytes)
     return with_remote(local, remote_url, remote_options)
 
 

@@ -299,28 +299,60 @@ def test_pace_is_the_writers_last_seconds():
     assert pace.seconds_for(3000, 3000 << 10) == pytest.approx(3.0, rel=0.01)
 
 
-def test_write_back_backlog_is_bounded_by_time_at_the_writers_pace(tmp_path, stores):
+def test_write_back_backlog_is_bounded_by_time_at_the_pace_a_stop_counts_on(tmp_path, stores):
     """`dirty_max_mb` of small chunks can be minutes of writing; a stop has
-    `stop_timeout`. Past `flush_within_s` of writing at the writer's recent
-    pace, write-back PUTs are refused (the daemon answers BUSY)."""
-    store = stores(64 << 20, tmp_path, background=False, flush_within_s=2.0)  # no writer: the backlog stays
+    `stop_timeout`. A write-back PUT that would make the backlog take a stop
+    longer than `stop_write_s` is refused (the daemon answers BUSY): at
+    FLOOR_PACE until the writer has measured itself, then at a third of its
+    recent pace when that is faster."""
+    from kvd.store.ssd.spill import FLOOR_PACE
+
+    store = stores(64 << 20, tmp_path, background=False, stop_write_s=2.0)  # no writer: the backlog stays
     nbytes = make_entry(0).nbytes
-    assert store.refuse_put() is None
-    for i in range(300):
+    assert store.refuse_put(1 << 40, 10**6) is None  # into an empty backlog: whatever its size
+    floor = int(2.0 * FLOOR_PACE[0])  # chunks a stop writes in 2 s at the floor
+    for i in range(floor):
         store.put(make_entry(i))
-    assert store.dirty() == (300, 300 * nbytes)
-    assert store.refuse_put() is None  # the pace is not known yet: only dirty_max_mb bounds it
-    store.ssd.writer.pace.observe(100, 100 * nbytes, 1.0)  # 100 chunks in the writer's last second
-    why = store.refuse_put()
-    assert why is not None and "300 chunks stored are not on disk yet: about 3.0 s" in why, why
+    assert store.dirty() == (floor, floor * nbytes)
+    assert store.refuse_put() is None  # what is held fits
+    why = store.refuse_put(nbytes, 1)  # one chunk more would not
+    assert why is not None and f"{floor + 1} chunks" in why and "about 2.0 s" in why, why
     assert store.counters["backlog_refusals"] == 1
-    store.ssd.writer.pace.observe(400, 400 * nbytes, 1.0)  # faster: 300 chunks are 1.2 s now
-    assert store.refuse_put() is None
+    store.ssd.writer.pace.observe(1000, 1000 * nbytes, 1.0)  # a fast writer: a stop counts on 333/s
+    assert store.refuse_put(60 * nbytes, 60) is None
+    assert store.refuse_put(500 * nbytes, 500) is not None  # 700 chunks: 2.1 s at 333/s
+    for _ in range(4):
+        store.ssd.writer.pace.observe(10, 10 * nbytes, 1.0)  # slower than the floor: the floor holds
+    assert store.refuse_put(nbytes, 1) is not None and store.refuse_put() is None
     # Write-through bounds its waiting PUTs otherwise (dirty_max_mb), never by this.
-    wt = stores(64 << 20, tmp_path / "wt", background=False, flush_within_s=0.001, write_through=True)
+    wt = stores(64 << 20, tmp_path / "wt", background=False, stop_write_s=0.001, write_through=True)
     wt.ssd.writer.pace.observe(1, nbytes, 1.0)
     wt.put(make_entry(0))
-    assert wt.refuse_put() is None
+    assert wt.refuse_put(1 << 30, 1) is None
+
+
+def test_write_back_backlog_bytes_are_bounded_by_ram_or_dirty_max_mb(tmp_path, stores):
+    """By bytes: "auto" (None) is the RAM tier's budget, a number is that;
+    a PUT is refused once the backlog committed is at it (the last one
+    admitted may pass it). Shared-memory grants not yet committed count in
+    time (they are the stop's to write), not in bytes (the arena's)."""
+    one = make_entry(0)
+    auto = stores(4 * one.nbytes, tmp_path / "auto", background=False)
+    auto.put(one)
+    assert auto.refuse_put(10 * one.nbytes, 1) is None  # under the cap: admitted, whatever its size
+    for i in range(1, 4):
+        auto.put(make_entry(i))
+    why = auto.refuse_put(one.nbytes, 1)
+    assert why is not None and "dirty_max_mb is auto" in why, why
+    fixed = stores(64 * one.nbytes, tmp_path / "fixed", background=False, dirty_max_bytes=2 * one.nbytes)
+    fixed.put(one)
+    assert fixed.refuse_put(one.nbytes, 1, granted=1 << 20) is None
+    fixed.put(make_entry(1))
+    why = fixed.refuse_put(one.nbytes, 1)
+    assert why is not None and "dirty_max_mb is 0" in why, why  # (0 MiB: a few KiB here)
+    timed = stores(64 * one.nbytes, tmp_path / "timed", background=False, stop_write_s=1.0)
+    timed.put(one)
+    assert timed.refuse_put(one.nbytes, 1, granted=1 << 30) is not None  # a GiB on its way: 4 s at the floor
 
 
 def test_tails_from_every_tier_and_after_restart(tmp_path, stores):

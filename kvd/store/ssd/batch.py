@@ -16,8 +16,10 @@ The writer thread (spill.py) takes a batch from the spill queue and calls
      own blobs first if only they stand in the way), then `_write_blob`:
      into the pack if small (pack.py), else a file of its own (blobfile.py).
   3. Group sync (`_synced`: the pack's blobs in one synced transaction, the
-     files and their folders fsynced together), then all their rows in one
-     synced LMDB transaction (`_commit`).
+     files and their folders fsynced together; a file's fsync begins on a
+     helper thread as soon as it is written, so the disk writes it while the
+     writer copies the next), then all their rows in one synced LMDB
+     transaction (`_commit`).
   4. `_check_files`, then `settled` (called by the writer) tells
      `on_settled` which entries are durable (the daemon answers
      write-through PUTs from that).
@@ -55,7 +57,7 @@ from kvd.store.base import BOUNDARY, Entry, as_stored
 from kvd.store.datadir import BLOB_DIR, eid_of_blob, ensure_folder
 from kvd.store.pools import OrInline
 from kvd.store.ssd import blobfile
-from kvd.store.ssd.blobfile import Unencodable
+from kvd.store.ssd.blobfile import Altered, Unencodable
 from kvd.store.ssd.budget import DISK_ERRNOS
 from kvd.store.ssd.index import Row
 from kvd.store.ssd.pack import PACKED, pack_key, packed_disk_bytes, slot_of
@@ -88,6 +90,7 @@ class Batch:
         self.durable = durable
         self.pack_max_bytes = int(pack_max_bytes)  # blobs up to this size go to the pack (pack.py)
         self._packing: dict[bytes, bytes] = {}  # a batch's packed blobs, until synced
+        self._syncing: dict = {}  # a batch's blob files whose fsync has begun: path -> future (_synced)
         # Told after every batch which of its entries are now durable
         # ((eid, True)) or were dropped ((eid, False)), with the degraded
         # reason if any; called on the writer thread (spill.py, ordering rule).
@@ -133,6 +136,7 @@ class Batch:
             raise
         finally:
             self._packing.clear()
+            self._syncing.clear()
             if self._riding:  # no commit carried them: recorded again, for the next one (or idle's)
                 self._untake_touches(self._riding)
                 self._riding = {}
@@ -228,25 +232,32 @@ class Batch:
         `_synced` does it for the whole batch). Its blob info and row state;
         None if it could not be (dropped, counted)."""
         eid = entry.id
-        # Bytes in a shared-memory slot are written from a checked private
-        # copy: what a process wrote into the slot after COMMIT never lands.
-        whole = as_stored(entry)
-        if whole is None:
-            log.warning("ssd: %s not written: its shared-memory bytes changed after they were stored", eid.hex())
-            self._drop(entry, "altered")
-            return None
-        entry = whole
         try:
             if est <= self.pack_max_bytes:
+                # Bytes in a shared-memory slot are packed from a checked
+                # private copy: what a process wrote into the slot after
+                # COMMIT never lands. (A file is written from the slot and
+                # checked as it is written: write_blob, Altered.)
+                whole = as_stored(entry)
+                if whole is None:
+                    raise Altered("changed in its shared-memory slot after COMMIT")
                 # Into the pack (pack.py), with the batch's others, at _synced.
-                buf, checksum = blobfile.encode_blob(entry)
+                buf, checksum = blobfile.encode_blob(whole)
                 self._packing[eid] = buf
                 info = blobfile.BlobInfo(len(buf), packed_disk_bytes(len(buf)), checksum)
                 state = PACKED
             else:
-                # Synced with the rest of the batch before any row commits (_synced).
-                info = blobfile.write_blob(self.path(eid), entry, durable=False)
+                # Synced before any row commits (_synced); its fsync starts
+                # now, while the writer goes on with the batch's next blob.
+                path = self.path(eid)
+                info = blobfile.write_blob(path, entry, durable=False)
                 state = "ssd"
+                if self.durable:
+                    self._syncing[path] = blobfile.start_sync(path, self._threads())
+        except Altered:
+            log.warning("ssd: %s not written: its shared-memory bytes changed after they were stored", eid.hex())
+            self._drop(entry, "altered")
+            return None
         except Unencodable as exc:
             log.error("ssd: cannot store %s: %s", eid.hex(), exc)
             self._drop(entry, "unencodable")
@@ -367,7 +378,9 @@ class Batch:
                 self._degrade(f"writing to the pack failed: {exc}")
         files = [self.path(eid) for eid, row in written if row.state != PACKED]
         if self.durable and files:
-            failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._threads())
+            started = {f: self._syncing.pop(f) for f in files if f in self._syncing}
+            failed = blobfile.sync_group(files, {f.parent for f in files} | {self.root / BLOB_DIR}, self._threads(),
+                                         started)
             for path, exc in failed.items():
                 eid = eid_of_blob(path.name)
                 lost.add(eid)

@@ -96,6 +96,11 @@ class Unencodable(KvdError, ValueError):
     """The entry cannot be written as a safetensors file (duplicate or reserved tensor names)."""
 
 
+class Altered(KvdError):
+    """A tensor in a shared-memory slot no longer holds the bytes fixed at its
+    COMMIT (kvd.store.base.as_stored): nothing was written under its name."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlobInfo:
     file_size: int  # bytes in the file
@@ -200,12 +205,22 @@ def _sync_file(path: Path) -> None:
         os.close(fd)
 
 
-def sync_group(files: list[Path], dirs: set[Path], pool) -> dict[Path, OSError]:
+def start_sync(path: Path, pool):
+    """Begin the fsync of `path` (written with durable=False) on `pool`: the
+    writer starts each big blob's as soon as it is written, so the disk
+    writes one while the writer encodes and copies the next; `sync_group`
+    waits for it with the others."""
+    return pool.submit(_sync_file, path)
+
+
+def sync_group(files: list[Path], dirs: set[Path], pool, started: dict | None = None) -> dict[Path, OSError]:
     """Make `files` (written with durable=False) and the folders naming them
     durable, using `pool` (a concurrent.futures executor) to fsync in
-    parallel. Returns {file: error} for each file that is not durable (its own
-    fsync failed, or its folder's); empty when all are."""
-    file_futs = {f: pool.submit(_sync_file, f) for f in files}
+    parallel; `started`: {file: future} of fsyncs already begun (start_sync).
+    Returns {file: error} for each file that is not durable (its own fsync
+    failed, or its folder's); empty when all are."""
+    started = started or {}
+    file_futs = {f: started.get(f) or pool.submit(_sync_file, f) for f in files}
     dir_futs = {d: pool.submit(fsync_dir, d) for d in dirs}
     failed: dict[Path, OSError] = {}
     dir_errors = {}
@@ -226,16 +241,19 @@ def sync_group(files: list[Path], dirs: set[Path], pool) -> dict[Path, OSError]:
 _BOUNCE_BYTES = 1 << 20
 
 
-def _write_all(fd: int, mv: memoryview, hasher, bounce: memoryview) -> None:
+def _write_all(fd: int, mv: memoryview, hasher, bounce: memoryview, also=None) -> None:
     """Write `mv` to `fd`, hashing exactly what is written: each piece is
     copied into `bounce` (ours alone) first, then hashed and written from
     there. A tensor in shared memory can change under us -- a client writing
     into its slot after COMMIT -- and a checksum of other bytes than the
-    file's would make a good blob look corrupt (quarantined, a lost entry)."""
+    file's would make a good blob look corrupt (quarantined, a lost entry).
+    `also`: a second hasher fed the same pieces (a slot's own digest)."""
     for pos in range(0, len(mv), len(bounce)):
         piece = bounce[: min(len(bounce), len(mv) - pos)]
         piece[:] = mv[pos : pos + len(piece)]
         hasher.update(piece)
+        if also is not None:
+            also.update(piece)
         while piece:
             n = os.write(fd, piece)
             piece = piece[n:]
@@ -256,9 +274,17 @@ def temp_path(path: Path) -> Path:
 def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
     """Write `entry` to `path` crash-safely (see module docstring).
 
+    Tensors in shared-memory slots (a `digest` on their data, see
+    kvd.store.base.as_stored) are written from the slot through the bounce
+    buffer, and what was written is checked against the digest fixed at
+    COMMIT: no private copy of the whole entry first. The file is
+    preallocated where the OS can (posix_fallocate): its extents are taken
+    at once, not grown write by write.
+
     Returns the file's size, allocated bytes and checksum. Raises Unencodable
-    for an entry safetensors cannot express, OSError for I/O errors (the temp
-    file is removed first; nothing at `path` is touched unless the rename ran).
+    for an entry safetensors cannot express, Altered for a slot changed since
+    its COMMIT, OSError for I/O errors (the temp file is removed first;
+    nothing at `path` is touched unless the rename ran).
     """
     head = encode_header(entry)
     parent = path.parent
@@ -276,10 +302,16 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
     try:
         try:
+            size = len(head) + sum(_buffer(t.data).nbytes for t in entry.tensors)
+            _preallocate(fd, size)
             bounce = memoryview(bytearray(min(_BOUNCE_BYTES, max(len(head), entry.nbytes))))
             _write_all(fd, memoryview(head), hasher, bounce)
             for t in entry.tensors:
-                _write_all(fd, _buffer(t.data), hasher, bounce)
+                digest = getattr(t.data, "digest", None)
+                check = xxhash.xxh3_64() if digest is not None else None
+                _write_all(fd, _buffer(t.data), hasher, bounce, check)
+                if check is not None and check.intdigest() != digest:
+                    raise Altered(f"tensor {t.name!r} changed in its shared-memory slot after COMMIT")
             if durable:
                 full_fsync(fd)
             st = os.fstat(fd)
@@ -297,6 +329,20 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
     # st_blocks is in 512-byte units whatever the filesystem's block size.
     disk = st.st_blocks * 512 if st.st_blocks else st.st_size
     return BlobInfo(file_size=st.st_size, disk_bytes=max(disk, st.st_size), checksum=hasher.intdigest())
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve `size` bytes for the file at once where the OS offers it
+    (Linux; macOS has no posix_fallocate and grows files well by itself).
+    Best effort: a filesystem that cannot (EOPNOTSUPP, EINVAL) is written
+    as before; a full disk fails here, before any byte is copied."""
+    if size < _BOUNCE_BYTES or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            raise
 
 
 def encode_blob(entry: Entry) -> tuple[bytes, int]:

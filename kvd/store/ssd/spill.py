@@ -34,10 +34,10 @@ queue again when the news arrives was queued anew, and the news is not about
 that copy.
 
 `Pace` keeps what the writer's recent batches took (entries, bytes, seconds
-of its time): how long the backlog would take to write at that pace is what
-the write-back PUTs are admitted against (TieredStore.refuse_put), so that a
-stop can write it within `stop_timeout` however slow the disk or the writer
-has become.
+of its time): how long the backlog would take to write at a third of that
+pace (or at FLOOR_PACE, if faster) is what the write-back PUTs are admitted
+against (TieredStore.refuse_put), so that a stop can write it within
+`stop_timeout` however slow the disk or the writer has become.
 """
 
 from __future__ import annotations
@@ -216,6 +216,19 @@ class Sink(Protocol):
 
 RETRIES = 3  # failures in a row before the writer gives a batch up
 
+# The pace a stop counts on from any disk kvd runs on, measured or not:
+# (chunks, bytes) a second. Any SSD writes faster in bytes (SATA ~500 MB/s,
+# NVMe and a Mac's 1-3 GB/s; this machine ~1.2 GiB/s with fsync); 100
+# chunks/s is a file and its fsyncs per chunk on a busy machine (the pack
+# does ~700/s). A floor, and not the measured pace alone: a writer that
+# wrote only small chunks measured next to nothing in bytes a second, and one
+# measured while clients took the CPU measured less than a stop gets.
+# Slower disks (a hard disk, a network share) set dirty_max_mb
+# (docs/durability.md).
+FLOOR_PACE = (100.0, float(256 << 20))
+# What a stop counts on of the measured pace: a third (a busy disk slows).
+PACE_SHARE = 1 / 3
+
 
 class Pace:
     """The writer's recent pace: its last batches' entries, bytes and
@@ -239,6 +252,14 @@ class Pace:
             e, b, t, drop = e - de, b - db, t - dt, drop + 1
         del batches[:drop]
         self.totals = (e, b, t)
+
+    def rates(self) -> tuple[float, float] | None:
+        """(entries, bytes) a second of the writer's recent work, or None if
+        it has not worked long enough to tell."""
+        e, b, t = self.totals
+        if t < self.min_s or e <= 0:
+            return None
+        return e / t, b / t
 
     def seconds_for(self, entries: int, nbytes: int) -> float | None:
         """About how long `entries` of `nbytes` would take the writer at its
