@@ -200,7 +200,10 @@ class Turns:
             # a 125 ms PUT of 8,000 tiny chunks then had every other turn, issue 44).
             began = min(now - seconds, self._popped_at)
             if began < self._others_until(peer):  # others are about: this turn uses heavy peers' share
-                self._credit = (self._credit_at(now) - cost, now)
+                # What the others waited is the turn's wall time, when it is longer than its
+                # CPU time (a busy machine, a message of 8,000 frames read part by part).
+                held = max(cost, now - self._popped_at) if self._popped_at <= now else cost
+                self._credit = (self._credit_at(now) - held, now)
         elif seconds > 0 and mean <= self.heavy_s:
             self._light = [(peer, now), self._light[1 if self._light[0][0] == peer else 0]]
 
