@@ -81,22 +81,24 @@ while not select.select([sys.stdin], [], [], 0)[0]:
 # A peer that sends one message of N empty frames (a PING header first),
 # reads the answer (an error), and sends it again, until stdin closes.
 BOMB = r"""
-import select, sys, zmq
+import sys, zmq
 ep, n = sys.argv[1], int(sys.argv[2])
 ctx = zmq.Context()
 s = ctx.socket(zmq.DEALER)
 s.setsockopt(zmq.LINGER, 0)
-s.setsockopt(zmq.RCVTIMEO, 60000)
 s.connect(ep)
 from kvd.protocol import codec
 msg = [codec.encode("PING", {}, id=9)[0]] + [b""] * (n - 1)
+poller = zmq.Poller()
+poller.register(s, zmq.POLLIN)
+poller.register(0, zmq.POLLIN)  # stdin: closed when the attack ends
 print("ready", flush=True)
-while not select.select([sys.stdin], [], [], 0)[0]:
+while True:
     s.send_multipart(msg, copy=True)
-    try:
-        s.recv_multipart()
-    except zmq.Again:
-        pass
+    events = dict(poller.poll())
+    if 0 in events:
+        break
+    s.recv_multipart()
 """
 
 # A peer that pauses the remote server (SIGSTOP) for P seconds and, while it

@@ -98,7 +98,9 @@ class ShutdownRequested(Exception):
 
 class Deferred:
     """Reply fields to send only once the entries `eids` are on disk
-    (write-through PUT); the daemon parks them (kvd/server/parking.py)."""
+    (write-through PUT), or once no token of `eids` is queued in the store
+    (a request waiting for the remote tier, filled in by then: `_again`);
+    the daemon parks them (kvd/server/parking.py)."""
 
     __slots__ = ("fields", "eids")
 
@@ -187,6 +189,8 @@ class Handler:
             self.errors["INTERNAL"] += 1
             log.exception("internal error serving a parked %s; answered as a miss", msg.type)
             got = _DEFERRABLE[msg.type]
+        finally:
+            self.shm_proven = False
         fields.clear()
         fields.update(got)
 
