@@ -1,5 +1,10 @@
 """Encode, decode and validate kvd/1 messages. Sans I/O.
 
+Why one module of ~600 lines: it is the protocol's rules as code -- the
+field checks, the message table and the decoder that applies them in order
+-- and a rule read apart from the table it serves is a rule misread; the
+header's bounded unpacking (skim.py) already lives apart.
+
 A message is a list of frames: frame 0 is a msgpack map (the header), frames
 1..N-1 are raw tensor bytes that the header refers to by index. This module
 turns frames into a `Message` (checking every rule in proto/PROTOCOL.md) and
