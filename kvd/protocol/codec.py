@@ -1,5 +1,10 @@
 """Encode, decode and validate kvd/1 messages. Sans I/O.
 
+Why one module of ~600 lines: it is the protocol's rules as code -- the
+field checks, the message table and the decoder that applies them in order
+-- and a rule read apart from the table it serves is a rule misread; the
+header's bounded unpacking (skim.py) already lives apart.
+
 A message is a list of frames: frame 0 is a msgpack map (the header), frames
 1..N-1 are raw tensor bytes that the header refers to by index. This module
 turns frames into a `Message` (checking every rule in proto/PROTOCOL.md) and
@@ -297,6 +302,65 @@ def _array_of(item: Callable) -> Callable:
     return check
 
 
+def _put_chunks(v, ctx):
+    """A PUT's chunks, checked in one tight loop: a PUT of 8,000 tiny chunks
+    took ~50 ms of the serving thread through the generic schema walk (a
+    path string, a call per field; issue 44), ~4x less here. Anything the
+    loop does not take as plainly valid goes the generic way, which finds
+    the same first broken rule and raises its exact error."""
+    fast = _put_chunks_fast(v, ctx)
+    return fast if fast is not None else _GENERIC_PUT_CHUNKS(v, ctx)
+
+
+def _put_chunks_fast(v, ctx) -> list | None:
+    if type(v) is not list:
+        return None
+    limits, frames = ctx.limits, ctx.frames
+    nframes, max_rank, max_meta = len(frames), limits.max_rank, limits.max_meta_bytes
+    table = dtypes.DTYPES
+    used = set(ctx.used)
+    out = []
+    for c in v:
+        if type(c) is not dict:
+            return None
+        index, tensors, meta = c.get("index"), c.get("tensors"), c.get("meta")
+        if type(index) is not int or not 0 <= index < U64 or type(tensors) is not list:
+            return None
+        if meta is None:
+            meta = b""
+        elif type(meta) is not bytes or len(meta) > max_meta:
+            return None
+        got = []
+        for t in tensors:
+            if type(t) is not dict:
+                return None
+            name, dtype, shape, idx = t.get("name"), t.get("dtype"), t.get("shape"), t.get("frame")
+            if type(name) is not str or type(dtype) is not str or type(shape) is not list or type(idx) is not int:
+                return None
+            size = table.get(dtype)
+            if size is None or len(shape) > max_rank or not 1 <= idx < nframes or idx in used:
+                return None
+            n = size[0]
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    return None
+                n *= d
+            data = frames[idx]
+            if (len(data) if type(data) is bytes else memoryview(data).nbytes) != n:
+                return None
+            used.add(idx)
+            got.append(Tensor(name, dtype, tuple(shape), data))
+        if len(got) > 1:
+            names = [x.name for x in got]
+            if len(set(names)) != len(names) or "__metadata__" in names:
+                return None
+        elif got and got[0].name == "__metadata__":
+            return None
+        out.append({"index": index, "tensors": got, "meta": meta})
+    ctx.used = used
+    return out
+
+
 def _req(check):
     return (check, True, None)
 
@@ -306,6 +370,7 @@ def _opt(check, default=None):
 
 
 _PUT_CHUNK = {"index": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
+_GENERIC_PUT_CHUNKS = _array_of(_record(_PUT_CHUNK))
 _GET_CHUNK = {"start": _req(_uint), "length": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY = {"tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY_AT = {"at": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
@@ -326,7 +391,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "shm": _opt(_map),  # section 14: proof and releases; the reply may then carry descriptors
     },
     "PUT": {
-        **_SEQ, "chunks": _req(_array_of(_record(_PUT_CHUNK))), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_map),
+        **_SEQ, "chunks": _req(_put_chunks), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_map),
     },
     "EXPLAIN": {**_QUERY, "need_boundary": _opt(_bool, False), "ns_meta": _opt(_map)},
     "SLOTS": {

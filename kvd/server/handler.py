@@ -53,7 +53,11 @@ from kvd.store.remote.pending import Pending
 
 # Requests the remote tier may answer later (the module docstring), and
 # what a parked one answers if serving it again fails.
-_DEFERRABLE = {"LOOKUP": {"n": 0, "boundaries": []}, "GET": {"n": 0, "end": 0, "chunks": []}}
+_DEFERRABLE = {
+    "LOOKUP": {"n": 0, "boundaries": []},
+    "GET": {"n": 0, "end": 0, "chunks": []},
+    "EXPLAIN": {"n": 0, "tokens": 0, "reason": "error", "message": "serving it failed; see the daemon log", "boundaries": []},
+}
 
 # Optional protocol features this daemon implements, advertised in HELLO.
 FEATURES = ("media",)  # media-aware keys (PROTOCOL.md section 4.1)
@@ -94,7 +98,9 @@ class ShutdownRequested(Exception):
 
 class Deferred:
     """Reply fields to send only once the entries `eids` are on disk
-    (write-through PUT); the daemon parks them (kvd/server/parking.py)."""
+    (write-through PUT), or once no token of `eids` is queued in the store
+    (a request waiting for the remote tier, filled in by then: `_again`);
+    the daemon parks them (kvd/server/parking.py)."""
 
     __slots__ = ("fields", "eids")
 
@@ -183,6 +189,8 @@ class Handler:
             self.errors["INTERNAL"] += 1
             log.exception("internal error serving a parked %s; answered as a miss", msg.type)
             got = _DEFERRABLE[msg.type]
+        finally:
+            self.shm_proven = False
         fields.clear()
         fields.update(got)
 
@@ -446,9 +454,10 @@ class Handler:
         return "COMMIT", self.on_put(put)[1]
 
     def on_explain(self, msg: Message):
-        self.counters(msg["ns"])["explains"] += 1
         fields = {**msg.fields, "tokens": self._walked(msg)}
-        return "EXPLAIN", explain(self.store, self.evictions, self.sequences, fields, media=_media(msg))
+        reply = explain(self.store, self.evictions, self.sequences, fields, media=_media(msg))
+        self.counters(msg["ns"])["explains"] += 1  # (after: one parked on the remote tier counts once)
+        return "EXPLAIN", reply
 
     # -- admin -----------------------------------------------------------------
     def on_stats(self, msg: Message):

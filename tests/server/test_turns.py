@@ -52,24 +52,49 @@ def test_a_request_passed_over_max_passes_times_goes_next_one_at_a_time():
         t.put(name.encode(), name, 0)
     for i in range(3):
         assert t.overdue() is None
-        t.charge(b"light", 0.0, 0, now=0.0)  # one request served ahead of them
+        t.charge(b"light", 0.0001, 0, now=0.0)  # one request served ahead of them
     assert t.overdue() is None
-    t.charge(b"light", 0.0, 0, now=0.0)
+    t.charge(b"light", 0.0001, 0, now=0.0)
     assert t.overdue() == "h0" and t.counters["overdue"] == 1
     # h1 was passed over as often, but goes only after max_passes more: the
     # heavy requests are spread among the others, not served in one burst
     assert t.overdue() is None
-    t.charge(b"h0", 0.003, 0, now=0.0, waited=True)
+    t.charge(b"h0", 0.003, 0, now=0.0, waited=True)  # 1 ms past heavy peers' burst: due 4 ms on (share 1/4)
     for i in range(3):
-        t.charge(b"light", 0.0, 0, now=0.0)
+        t.charge(b"light", 0.0001, 0, now=0.0)
         assert t.overdue() is None
-    t.charge(b"light", 0.0, 0, now=0.0)
+    t.charge(b"light", 0.0001, 0, now=0.0)
+    assert t.overdue() is None  # passed over enough, but heavy peers had their share
+    t.charge(b"light", 0.0001, 0, now=0.004)
     assert t.overdue() == "h1"
     # a turn given any other way (a quiet socket's) restarts the count too
-    t.charge(b"h1", 0.003, 0, now=0.0, waited=True)
+    t.charge(b"h1", 0.003, 0, now=0.004, waited=True)
     for i in range(3):
-        t.charge(b"light", 0.0, 0, now=0.0)
-    assert t.take(0.0) == "h2" and t.overdue() is None and len(t) == 0
+        t.charge(b"light", 0.0001, 0, now=0.004)
+    assert t.take(1.0) == "h2" and t.overdue() is None and len(t) == 0
+
+
+def test_passes_alone_do_not_give_a_heavy_peer_more_than_its_share_but_max_wait_s_does():
+    """Issue 44: a client sending back to back never leaves the socket quiet;
+    a 90 ms request must not have a turn every max_passes requests."""
+    t = Turns(max_passes=4, max_wait_s=1.0)
+    t.charge(b"light", 0.0005, 0, now=0.0)
+    t.put(b"heavy", "p0", 0)
+    assert t.pop() == "p0"
+    t.charge(b"heavy", 0.09, 0, now=0.0, waited=True)  # a turn of 90 ms: due 0.36 s on
+    t.put(b"heavy", "p1", 0)
+    for i in range(1, 200):  # 1 ms apart: 0.2 s of requests, far past max_passes
+        t.charge(b"light", 0.0005, 0, now=i * 0.001)
+        assert t.overdue() is None
+    t.charge(b"light", 0.0005, 0, now=0.4)
+    assert t.overdue() == "p1"  # its share is due again
+    t.put(b"heavy", "p2", 0)
+    t.charge(b"heavy", 10.0, 0, now=0.4, waited=True)  # a share far in the future...
+    for i in range(5):
+        t.charge(b"light", 0.0005, 0, now=0.5)
+    assert t.overdue() is None
+    t.charge(b"light", 0.0005, 0, now=1.41)
+    assert t.overdue() == "p2"  # ...but it waited max_wait_s
 
 
 def test_room_is_bounded_in_count_and_bytes():

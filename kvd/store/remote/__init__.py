@@ -67,7 +67,7 @@ Failure rules:
 3. An error reply about one key (WRONGTYPE: another program's key of another
    type under our name) is that key's refusal: a miss and `checksum_failures`
    on a read, a lost tail shortcut on a write; never rule 1.
-Off the serving thread: in the daemon, a LOOKUP's or GET's round trips
+Off the serving thread: in the daemon, a LOOKUP's, GET's or EXPLAIN's round trips
 (EXISTS, the tails hash, a GET's batches, boundary state) run on the reader
 threads, never on the loop thread. `WithRemote.reading("defer")` makes a
 read that needs the server start it on a reader thread and raise `Pending`
@@ -81,8 +81,8 @@ before. One that needs the server again waits again under the same token.
 At most 64 requests wait so; past that a request is served from the local
 tiers alone. A GET page whose next chunk is still on its way ends before it
 (the client asks for the rest). A stream's batch a parked GET waits for is
-never abandoned by another client's stream: it finishes aside. EXPLAIN and
-in-process callers read in "block" mode, as below. A GET the local tiers
+never abandoned by another client's stream: it finishes aside. In-process
+callers (no daemon to tell) read in "block" mode, as below. A GET the local tiers
 already hit does not wait for the server to extend it (`local_first`): it
 takes an answer a reader thread brought within 2 s (any request's), else
 serves the local prefix while a reader thread asks, for the requests after

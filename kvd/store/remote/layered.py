@@ -185,8 +185,9 @@ class WithRemote(Store):
             for eid, f in zip(ids, found):
                 if self._asking.get(eid, (None,))[0] is fut:
                     del self._asking[eid]
-                self._answers[eid] = (f, asked)
-                self._answers.move_to_end(eid)
+                if (had := self._answers.get(eid)) is None or had[1] <= asked:  # never a newer answer overwritten
+                    self._answers[eid] = (f, asked)
+                    self._answers.move_to_end(eid)
             self._remember(eid for eid, f in zip(ids, found) if f)
         self._jobs = left
         while len(self._answers) > _ANSWERS_MAX:

@@ -1,7 +1,12 @@
 """RemoteTier: the connections to the server, the write-behind thread, the
 reads (key-tag LOOKUPs, pipelined GETs read ahead on two threads, every value's
 MAC checked) and the failure rules. The theory of operation is the package's
-docstring (kvd/store/remote/__init__.py)."""
+docstring (kvd/store/remote/__init__.py).
+
+Why one module of ~600 lines: the failure rules (degraded, refused, one
+key's error) are shared by the writer, the reads and the probes, and each
+of them is a few lines of the same state under one condition.
+"""
 
 
 from __future__ import annotations
