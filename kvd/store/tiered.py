@@ -218,8 +218,9 @@ class TieredStore(Store):
         if seconds <= self.stop_write_s:
             return None
         self.counters["backlog_refusals"] += 1
-        return (f"{n} chunks ({dirty >> 20} MiB) would be {BACKLOG_FULL}: about {seconds:.1f} s of writing at the pace a "
-                f"stop counts on, past the {self.stop_write_s:g} s a stop leaves for it: the disk is behind")
+        return (f"with this PUT {n} chunks ({dirty >> 20} MiB) stored are {BACKLOG_FULL}: about {seconds:.1f} s of "
+                f"writing at the pace a stop counts on, past the {self.stop_write_s:g} s a stop leaves for it: "
+                f"the disk is behind")
 
     def stop_seconds(self, entries: int, nbytes: int) -> float:
         """How long a stop would take to write `entries` of `nbytes`: at a
@@ -357,7 +358,10 @@ class TieredStore(Store):
         return {
             "tiers": {**r["tiers"], **s["tiers"]},
             "store": dict(
-                self.counters, write_through=self.write_through, dirty_entries=dirty_entries, dirty_bytes=dirty_bytes
+                self.counters, write_through=self.write_through, dirty_entries=dirty_entries, dirty_bytes=dirty_bytes,
+                # The backlog's bounds now (refuse_put): bytes, and what a stop would take to write it.
+                dirty_max_bytes=self.dirty_max_bytes if self.dirty_max_bytes is not None else self.ram.budget_bytes,
+                dirty_stop_s=round(self.stop_seconds(dirty_entries, dirty_bytes), 3), stop_write_s=self.stop_write_s,
             ),
             "namespaces": dict(sorted(namespaces.items())),
         }
