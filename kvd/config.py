@@ -362,6 +362,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Stop writing to the SSD tier when its disk has less free space than this, in GiB."),
     Setting("write_through", _bool, False,
             "Write every chunk to the SSD tier when it is stored, not only when evicted from RAM."),
+    Setting("full_fsync", _bool, False,
+            "On macOS, flush the drive's own cache at each sync of a blob file (F_FULLFSYNC): "
+            "what a power loss cannot take back, at several times the cost. Off, a sync survives a "
+            "crash of kvd or of the OS. Elsewhere fsync already does both: no effect."),
     Setting("spill_queue", _int(1), 256,
             "Most chunks in the SSD writer's queue. In write-back mode more wait in RAM, and a chunk "
             "RAM lets go enters the queue regardless (dirty_max_mb bounds the bytes of both)."),

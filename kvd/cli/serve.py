@@ -216,6 +216,7 @@ def serve(**flags) -> None:
             queue_entries=cfg.spill_queue,
             queue_bytes=dirty_max_mb * MiB,
             pack_max_bytes=cfg.pack_max_kb * 1024,
+            full_fsync=cfg.full_fsync,
             max_entry_bytes=cfg.max_message_mb * MiB,  # bounds what a sane index row says (index.Row.check)
             stop_write_s=_stop_write_s(cfg.stop_timeout),  # what a stop may have to write, by time
             dirty_max_bytes=None if cfg.dirty_max_mb == "auto" else cfg.dirty_max_mb * MiB,
