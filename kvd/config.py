@@ -370,7 +370,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Most chunks in the SSD writer's queue. In write-back mode more wait in RAM, and a chunk "
             "RAM lets go enters the queue regardless (dirty_max_mb bounds the bytes of both)."),
     Setting("dirty_max_mb", _ram_mb, "auto",
-            "Bytes of stored chunks not yet on disk, in MiB, or \"auto\": the RAM tier's budget. In "
+            "Bytes of stored chunks not yet on disk, in MiB, or \"auto\": the RAM tier's budget, at "
+            "least 256 MiB. In "
             "write-back mode the most the backlog (what a stop has to write) may hold: past it, or "
             "when a PUT would make it more than a stop can write at the disk's pace, a PUT is answered "
             "BUSY (docs/durability.md); in write-through mode the most that PUTs waiting for their fsync "

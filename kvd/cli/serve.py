@@ -205,7 +205,8 @@ def serve(**flags) -> None:
     ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
     if cfg.ram_mb == "auto":
         log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
-    dirty_max_mb = ram_mb if cfg.dirty_max_mb == "auto" else cfg.dirty_max_mb
+    # "auto": the RAM tier's budget, at least 256 MiB (kvd.store.tiered.AUTO_DIRTY_MIN).
+    dirty_max_mb = max(ram_mb, 256) if cfg.dirty_max_mb == "auto" else cfg.dirty_max_mb
     try:
         local = open_store(
             ram_mb * MiB,
