@@ -7,8 +7,9 @@ One command:
 
 Offers a real `kvd serve` (write-back, RAM tier big enough for everything)
 `--entries` small chunks (16 tokens, ~0.5 KiB each) as fast as a client can
-PUT them (the daemon refuses PUTs BUSY while its backlog would take more than
-a third of stop_timeout to write: counted), sends SIGTERM at once, and reports
+PUT them (the daemon refuses PUTs BUSY while its backlog would take a stop
+longer to write than stop_timeout leaves it, docs/durability.md: counted),
+sends SIGTERM at once, and reports
 how long the process took to exit, how many entries it said it could not
 persist, and how many a restart serves against how many were acknowledged. `--baseline-src` runs the same against another kvd source tree (e.g.
 `git archive <commit> | tar -x -C /tmp/old`) -- the daemon before this change,

@@ -12,14 +12,17 @@ of concurrent clients share the writer's batches (one parallel fsync round and
 one LMDB commit each), so write-through throughput grows with the clients.
 Prints PUTs/s and p50/p99 latency, and the write-through/baseline ratio.
 
-    .venv/bin/python bench/bench_write_through.py --sizes 256,1024 [--reps 3]
+    .venv/bin/python bench/bench_write_through.py --sizes 256,1024 [--reps 3] [--baseline-src DIR]
 
 Big stores, durable soon after (issue 42): one client PUTs a cache of SIZE
-MiB (bf16, 8 heads x 128, 256-token chunks of 4 MiB per layer-sized tensor)
-into a write-through daemon, which answers once every chunk is fsynced and
+MiB (bf16 keys and values of 32 layers x 8 heads x 128: 256 MiB is 2,048
+tokens, eight 256-token chunks of 32 MiB) into a write-through daemon, which answers once every chunk is fsynced and
 indexed; against the baseline measured in the same run on the same
-filesystem: one `write` + `fsync` of the same bytes into one new file.
-Prints the medians and the ratio (target: <= 1.5x).
+filesystem: one `write` + `fsync` of the same bytes into one new file; and
+a write-back store of them (answered from RAM: the transport alone), so the
+part after the transport shows apart. Prints the medians and the ratios
+(target: durable <= 1.5x write+fsync). `--baseline-src` runs the daemons from
+another source tree (`git archive REV | tar -x -C DIR`): the figures before.
 """
 
 from __future__ import annotations
@@ -73,33 +76,44 @@ def measure(write_through: bool, clients: int, puts: int) -> tuple[float, float,
     return rate, q[49] * 1e3, q[98] * 1e3
 
 
-def big_store(size_mib: int, reps: int, transport: str) -> tuple[float, float]:
-    """Median seconds of (a write-through PUT of `size_mib`, one write+fsync of
-    as many bytes), alternating which goes first."""
+def big_store(size_mib: int, reps: int, transport: str, pythonpath: str | None) -> dict[str, float]:
+    """Median seconds of one write+fsync of `size_mib` ("raw"), of a
+    write-through PUT of as many bytes ("durable": answered once on disk), and
+    of a write-back PUT of them ("acked": the transport alone, answered from
+    RAM), the order rotating from one repetition to the next."""
     import os
 
     from kvd_client import HostTensor, Snapshot
 
-    heads, dim = 8, 128
-    tokens = size_mib * (1 << 20) // (heads * dim * 2)
-    raw = np.random.default_rng(size_mib).integers(0, 1 << 16, size=(1, heads, tokens, dim), dtype=np.uint16)
-    workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-big-", dir="/tmp"))
-    args = ["--ram-mb", str(2 * size_mib + 256), "--min-free-gb", "0", "--write-through",
-            "--max-message-mb", str(max(512, size_mib + 16))]
-    d = DaemonProcess(workdir, args).start()
-    kvd_s, raw_s = [], []
+    layers, heads, dim = 32, 8, 128  # a llama-8B-like cache: 256 MiB is 2,048 tokens
+    tokens = size_mib * (1 << 20) // (layers * 2 * heads * dim * 2)
+    raw = np.random.default_rng(size_mib).integers(0, 1 << 16, size=(2 * layers, 1, heads, tokens, dim), dtype=np.uint16)
+    snap = Snapshot(sliced={f"{i // 2}.{'kv'[i % 2]}": (HostTensor("bfloat16", raw[i]), 2) for i in range(2 * layers)})
+    dirs = [Path(tempfile.mkdtemp(prefix="kvd-bench-big-", dir="/tmp")) for _ in range(2)]
+    args = ["--ram-mb", str(2 * size_mib + 256), "--min-free-gb", "0", "--max-message-mb", str(max(512, size_mib + 16))]
+    wt = DaemonProcess(dirs[0], args + ["--write-through"], pythonpath=pythonpath).start()
+    wb = DaemonProcess(dirs[1], args, pythonpath=pythonpath).start()
+    took: dict[str, list[float]] = {"raw": [], "durable": [], "acked": []}
     try:
-        with d.client("bench-big", strict=True, timeout=120, transport=transport) as c:
+        with wt.client("bench-big", strict=True, timeout=120, transport=transport) as cwt, \
+                wb.client("bench-big", strict=True, timeout=120, transport=transport) as cwb:
             for r in range(reps):
-                def kvd_once() -> None:
-                    s = np.arange(tokens) + 10_000_000 * (r + 1)
-                    snap = Snapshot(sliced={"k": (HostTensor("bfloat16", raw), 2)})
-                    t = time.perf_counter()
-                    assert c.put(s, snap)
-                    kvd_s.append(time.perf_counter() - t)
+                s = np.arange(tokens) + 10_000_000 * (r + 1)
 
-                def raw_once() -> None:
-                    path = d.data_dir / f"raw-{r}"
+                def durable() -> None:
+                    t = time.perf_counter()
+                    assert cwt.put(s, snap)
+                    took["durable"].append(time.perf_counter() - t)
+
+                def acked() -> None:
+                    t = time.perf_counter()
+                    assert cwb.put(s, snap)
+                    took["acked"].append(time.perf_counter() - t)
+                    while cwb.stats()["store"]["dirty_bytes"]:  # written behind before the next measure
+                        time.sleep(0.05)
+
+                def write_fsync() -> None:
+                    path = wt.data_dir / f"raw-{r}"
                     t = time.perf_counter()
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                     mv = memoryview(raw).cast("B")
@@ -107,15 +121,18 @@ def big_store(size_mib: int, reps: int, transport: str) -> tuple[float, float]:
                         mv = mv[os.write(fd, mv):]
                     os.fsync(fd)
                     os.close(fd)
-                    raw_s.append(time.perf_counter() - t)
+                    took["raw"].append(time.perf_counter() - t)
                     os.unlink(path)
 
-                for fn in ((kvd_once, raw_once) if r % 2 else (raw_once, kvd_once)):
+                order = [write_fsync, durable, acked]
+                for fn in order[r % 3:] + order[: r % 3]:
                     fn()
     finally:
-        d.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-    return statistics.median(kvd_s), statistics.median(raw_s)
+        wt.stop()
+        wb.stop()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    return {k: statistics.median(v) for k, v in took.items()}
 
 
 def main() -> None:
@@ -125,12 +142,16 @@ def main() -> None:
     ap.add_argument("--sizes", default="", help="MiB per store, e.g. 256,1024: big write-through stores instead")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--transport", default="shm", choices=["shm", "frames"])
+    ap.add_argument("--baseline-src", default=None, help="run the daemons from this source tree (an older kvd)")
     a = ap.parse_args()
     if a.sizes:
-        print(f"{'MiB':>6} {'store s':>8} {'write+fsync s':>13}  ratio (write-through store, {a.transport}; medians of {a.reps})")
+        print(f"{a.transport}, medians of {a.reps} (seconds); durable = a write-through store, answered once on disk;\n"
+              f"acked = a write-back store (the transport alone); on disk = durable - acked, the part after the transport")
+        print(f"{'MiB':>6} {'write+fsync':>11} {'durable':>8} {'acked':>6}  {'durable/raw':>11} {'on disk/raw':>11}")
         for size in [int(x) for x in a.sizes.split(",")]:
-            k, w = big_store(size, a.reps, a.transport)
-            print(f"{size:>6} {k:>8.3f} {w:>13.3f}  {k / w:.2f}x")
+            m = big_store(size, a.reps, a.transport, a.baseline_src)
+            print(f"{size:>6} {m['raw']:>11.3f} {m['durable']:>8.3f} {m['acked']:>6.3f}  "
+                  f"{m['durable'] / m['raw']:>10.2f}x {(m['durable'] - m['acked']) / m['raw']:>10.2f}x")
         return
     print(f"{'mode':>14} {'clients':>7} {'PUT/s':>8} {'p50 ms':>7} {'p99 ms':>7}  ratio to write-back")
     for n in [int(x) for x in a.clients.split(",")]:

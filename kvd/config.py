@@ -362,11 +362,16 @@ SETTINGS: tuple[Setting, ...] = (
             "Stop writing to the SSD tier when its disk has less free space than this, in GiB."),
     Setting("write_through", _bool, False,
             "Write every chunk to the SSD tier when it is stored, not only when evicted from RAM."),
+    Setting("full_fsync", _bool, False,
+            "On macOS, flush the drive's own cache at each sync of a blob file (F_FULLFSYNC): "
+            "what a power loss cannot take back, at several times the cost. Off, a sync survives a "
+            "crash of kvd or of the OS. Elsewhere fsync already does both: no effect."),
     Setting("spill_queue", _int(1), 256,
             "Most chunks in the SSD writer's queue. In write-back mode more wait in RAM, and a chunk "
             "RAM lets go enters the queue regardless (dirty_max_mb bounds the bytes of both)."),
     Setting("dirty_max_mb", _ram_mb, "auto",
-            "Bytes of stored chunks not yet on disk, in MiB, or \"auto\": the RAM tier's budget. In "
+            "Bytes of stored chunks not yet on disk, in MiB, or \"auto\": the RAM tier's budget, at "
+            "least 256 MiB. In "
             "write-back mode the most the backlog (what a stop has to write) may hold: past it, or "
             "when a PUT would make it more than a stop can write at the disk's pace, a PUT is answered "
             "BUSY (docs/durability.md); in write-through mode the most that PUTs waiting for their fsync "

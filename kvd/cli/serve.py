@@ -205,7 +205,8 @@ def serve(**flags) -> None:
     ram_mb = auto_ram_mb() if cfg.ram_mb == "auto" else cfg.ram_mb
     if cfg.ram_mb == "auto":
         log.info("ram_mb = auto: %d MiB (an eighth of the memory this daemon may use)", ram_mb)
-    dirty_max_mb = ram_mb if cfg.dirty_max_mb == "auto" else cfg.dirty_max_mb
+    # "auto": the RAM tier's budget, at least 256 MiB (kvd.store.tiered.AUTO_DIRTY_MIN).
+    dirty_max_mb = max(ram_mb, 256) if cfg.dirty_max_mb == "auto" else cfg.dirty_max_mb
     try:
         local = open_store(
             ram_mb * MiB,
@@ -216,6 +217,7 @@ def serve(**flags) -> None:
             queue_entries=cfg.spill_queue,
             queue_bytes=dirty_max_mb * MiB,
             pack_max_bytes=cfg.pack_max_kb * 1024,
+            full_fsync=cfg.full_fsync,
             max_entry_bytes=cfg.max_message_mb * MiB,  # bounds what a sane index row says (index.Row.check)
             stop_write_s=_stop_write_s(cfg.stop_timeout),  # what a stop may have to write, by time
             dirty_max_bytes=None if cfg.dirty_max_mb == "auto" else cfg.dirty_max_mb * MiB,

@@ -45,6 +45,7 @@ this drawing against the classes themselves.
      +-- BadRemoteValue             kvd.protocol.remote_value: a remote-tier value is not the entry its key names
      |    +-- ForgedRemoteValue    kvd.protocol.remote_value: its tag or MAC is not the tier key's
      +-- Unencodable                kvd.store.ssd.blobfile: an entry cannot be written as safetensors
+     +-- Altered                    kvd.store.ssd.blobfile: a slot's bytes changed after COMMIT (not written)
      +-- ServiceError               kvd.service.install: installing or removing the service failed
           +-- UnsupportedPlatform   kvd.service.install: no init system kvd knows
           +-- CommandFailed         kvd.service.install: launchctl/systemctl exited non-zero

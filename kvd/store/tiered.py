@@ -15,7 +15,7 @@ Policy table (data, not code paths):
              when the writer has made room. The dirty backlog -- the queue,
              `behind`, and the shared-memory grants that will be PUTs -- is
              bounded by bytes (`dirty_max_mb`, or with "auto" the RAM tier's
-             budget; plus the PUT admitted last) and by time: with the PUT
+             budget, at least 256 MiB; plus the PUT admitted last) and by time: with the PUT
              asking it must be writable
              within `stop_write_s` (what a stop leaves the writer) at the pace
              a stop counts on: a third of the writer's recent pace
@@ -74,6 +74,10 @@ from kvd.store.ssd.index import IndexBusy
 from kvd.store.ram import RamStore
 from kvd.store.ssd import DEFAULT_MIN_FREE, SsdStore
 from kvd.store.ssd.spill import FLOOR_PACE, PACE_SHARE
+
+
+# dirty_max_mb = "auto": the RAM tier's budget, but never less than this.
+AUTO_DIRTY_MIN = 256 << 20
 
 
 class TieredStore(Store):
@@ -200,7 +204,7 @@ class TieredStore(Store):
         if not held + granted:
             return None
         dirty, n = held + granted + nbytes, len(queue) + len(self.behind) + entries
-        cap = self.dirty_max_bytes if self.dirty_max_bytes is not None else self.ram.budget_bytes
+        cap = self.dirty_max()
         # Bytes are memory: what is committed is held to the cap (plus the PUT
         # admitted last), the grants are the arena's. Time is the stop's:
         # everything on its way counts.
@@ -218,8 +222,18 @@ class TieredStore(Store):
         if seconds <= self.stop_write_s:
             return None
         self.counters["backlog_refusals"] += 1
-        return (f"{n} chunks ({dirty >> 20} MiB) would be {BACKLOG_FULL}: about {seconds:.1f} s of writing at the pace a "
-                f"stop counts on, past the {self.stop_write_s:g} s a stop leaves for it: the disk is behind")
+        return (f"with this PUT {n} chunks ({dirty >> 20} MiB) stored are {BACKLOG_FULL}: about {seconds:.1f} s of "
+                f"writing at the pace a stop counts on, past the {self.stop_write_s:g} s a stop leaves for it: "
+                f"the disk is behind")
+
+    def dirty_max(self) -> int:
+        """The backlog's bound in bytes: `dirty_max_mb`, or with "auto" the
+        RAM tier's budget as the governor has it now, at least AUTO_DIRTY_MIN
+        (a RAM tier of a few MiB, there to make entries spill, still lets the
+        disk fall that far behind, as the former default did)."""
+        if self.dirty_max_bytes is not None:
+            return self.dirty_max_bytes
+        return max(self.ram.budget_bytes, AUTO_DIRTY_MIN)
 
     def stop_seconds(self, entries: int, nbytes: int) -> float:
         """How long a stop would take to write `entries` of `nbytes`: at a
@@ -357,7 +371,10 @@ class TieredStore(Store):
         return {
             "tiers": {**r["tiers"], **s["tiers"]},
             "store": dict(
-                self.counters, write_through=self.write_through, dirty_entries=dirty_entries, dirty_bytes=dirty_bytes
+                self.counters, write_through=self.write_through, dirty_entries=dirty_entries, dirty_bytes=dirty_bytes,
+                # The backlog's bounds now (refuse_put): bytes, and what a stop would take to write it.
+                dirty_max_bytes=self.dirty_max(),
+                dirty_stop_s=round(self.stop_seconds(dirty_entries, dirty_bytes), 3), stop_write_s=self.stop_write_s,
             ),
             "namespaces": dict(sorted(namespaces.items())),
         }

@@ -149,3 +149,50 @@ def test_a_tensor_changed_while_written_still_makes_a_good_blob(tmp_path, monkey
     data = np.frombuffer(memoryview(got.tensors[0].data).cast("B"), np.uint8)
     assert data.size == src.size and info.checksum == xxhash.xxh3_64_intdigest(path.read_bytes())
     assert (data[: 1 << 20] == np.arange(1 << 20, dtype=np.uint8)).all()  # the piece as copied
+
+
+class _Slot(np.ndarray):
+    """A tensor's bytes in a shared-memory slot, with the digest fixed at COMMIT."""
+
+    digest: int | None = None
+
+
+def test_a_slot_changed_after_commit_is_checked_as_written_and_nothing_lands(tmp_path, monkeypatch):
+    """Slot tensors are written from the slot (no private copy of the whole
+    entry) and checked against their COMMIT digest as they are written: a
+    scribble in the middle of the write raises Altered, and neither the blob
+    nor its temp file is left. One untouched is written, preallocated."""
+    src = np.arange(3 * (1 << 20), dtype=np.uint8).view(_Slot)  # 3 MiB: several pieces
+    src.digest = xxhash.xxh3_64_intdigest(src.tobytes())
+    entry = Entry(namespace="ns", key=b"k" * 32, kind=0, parent=b"p" * 32, start=0, length=4,
+                  tensors=(Tensor("k", "uint8", (src.size,), src),))
+    path, info = _write(tmp_path, entry)  # untouched: written
+    assert os.stat(path).st_blocks * 512 >= info.file_size
+    real_write, calls = os.write, [0]
+
+    def write(fd, data):
+        calls[0] += 1
+        if calls[0] == 2:  # the header went first: now the tensor's first piece
+            src[-1] ^= 0xFF  # a process writes on into the slot after COMMIT
+        return real_write(fd, data)
+
+    monkeypatch.setattr(blobfile.os, "write", write)
+    other = tmp_path / "cd" / "blob.safetensors"
+    with pytest.raises(blobfile.Altered):
+        blobfile.write_blob(other, entry)
+    monkeypatch.undo()
+    assert os.listdir(other.parent) == []
+
+
+def test_sync_group_waits_for_fsyncs_already_begun(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    entry = make_entry(3)
+    paths = [tmp_path / "ab" / f"{i}.safetensors" for i in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        started = {}
+        for p in paths:
+            blobfile.write_blob(p, entry, durable=False)
+            started[p] = blobfile.start_sync(p, pool)
+        failed = blobfile.sync_group(paths, {tmp_path / "ab"}, pool, started)
+    assert failed == {} and all(started[p].done() and started[p].exception() is None for p in paths)

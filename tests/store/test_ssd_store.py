@@ -122,7 +122,7 @@ def test_a_full_queue_moves_evicted_backlog_into_it_without_waiting_or_dropping(
     backlog says it is full, and the queue counts what RAM no longer holds."""
     entries = [make_entry(i) for i in range(8)]
     n = entries[0].nbytes
-    store = stores(charged(entries[0]), tmp_path, queue_bytes=2 * n)
+    store = stores(charged(entries[0]), tmp_path, queue_bytes=2 * n, dirty_max_bytes=2 * n)
     gate = _block_writer(store.ssd)
     assert store.refuse_put() is None
     for e in entries:
@@ -332,16 +332,24 @@ def test_write_back_backlog_is_bounded_by_time_at_the_pace_a_stop_counts_on(tmp_
 
 
 def test_write_back_backlog_bytes_are_bounded_by_ram_or_dirty_max_mb(tmp_path, stores):
-    """By bytes: "auto" (None) is the RAM tier's budget, a number is that;
-    a PUT is refused once the backlog committed is at it (the last one
-    admitted may pass it). Shared-memory grants not yet committed count in
-    time (they are the stop's to write), not in bytes (the arena's)."""
+    """By bytes: "auto" (None) is the RAM tier's budget, at least 256 MiB; a
+    number is that. A PUT is refused once the backlog committed is at it
+    (the last one admitted may pass it). Shared-memory grants not yet
+    committed count in time (they are the stop's to write), not in bytes
+    (the arena's)."""
+    import dataclasses
+
+    from kvd.store.base import Tensor
+    from kvd.store.tiered import AUTO_DIRTY_MIN
+
     one = make_entry(0)
-    auto = stores(4 * one.nbytes, tmp_path / "auto", background=False)
+    assert stores(3 << 30, tmp_path / "big", background=False).dirty_max() == 3 << 30
+    auto = stores(4 * one.nbytes, tmp_path / "auto", ssd_bytes=1 << 30, background=False)
+    assert auto.dirty_max() == AUTO_DIRTY_MIN
     auto.put(one)
     assert auto.refuse_put(10 * one.nbytes, 1) is None  # under the cap: admitted, whatever its size
-    for i in range(1, 4):
-        auto.put(make_entry(i))
+    zeros = np.zeros(AUTO_DIRTY_MIN, np.uint8)  # pages never touched: no memory taken
+    auto.put(dataclasses.replace(make_entry(1), tensors=(Tensor("k", "uint8", (zeros.size,), zeros),), nbytes=0))
     why = auto.refuse_put(one.nbytes, 1)
     assert why is not None and "dirty_max_mb is auto" in why, why
     fixed = stores(64 * one.nbytes, tmp_path / "fixed", background=False, dirty_max_bytes=2 * one.nbytes)

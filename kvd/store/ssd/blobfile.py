@@ -29,8 +29,8 @@ so a blob rewritten after an eviction has the checksum it had before.
 
 Write protocol (`write_blob`)
 -----------------------------
-temp name in the target's directory -> write -> fsync (F_FULLFSYNC on macOS,
-where fsync does not flush the drive cache) -> rename over the final name ->
+temp name in the target's directory -> write -> fsync (F_FULLFSYNC on macOS
+with `full_fsync`: there fsync does not flush the drive cache) -> rename over the final name ->
 fsync the directory. Only then may the caller commit an index row. A crash at
 any step leaves either nothing, a temp file, or a complete blob without a
 row -- never a row pointing at a partial file. On error the temp file is
@@ -176,9 +176,24 @@ def embedded_sum_ok(buf: bytes | bytearray) -> bool | None:
     return hasher.hexdigest().encode("ascii") == want
 
 
+# macOS's fsync hands the data to the drive, whose cache a power loss may
+# still lose; F_FULLFSYNC flushes that cache too, at several times the cost.
+# Used only where the `full_fsync` setting asks (one policy per process: the
+# daemon sets it when it opens its store, set_full_fsync). Elsewhere fsync
+# already reaches stable storage and the setting changes nothing.
+_FULL = False
+
+
+def set_full_fsync(on: bool) -> None:
+    """Whether syncs use F_FULLFSYNC where it exists (the `full_fsync` setting)."""
+    global _FULL
+    _FULL = bool(on)
+
+
 def full_fsync(fd: int) -> None:
-    """Flush `fd` to stable storage: F_FULLFSYNC on macOS, fsync elsewhere."""
-    if sys.platform == "darwin":
+    """Flush `fd` to stable storage: fsync, or F_FULLFSYNC on macOS when the
+    `full_fsync` setting asks for it (set_full_fsync)."""
+    if _FULL and sys.platform == "darwin":
         import fcntl
 
         try:

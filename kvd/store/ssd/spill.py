@@ -362,7 +362,11 @@ class Writer:
             self._failures = 0
         self.queue.done(batch)
         self.sink.settled(batch)
-        self.pace.observe(len(batch), sum(e.nbytes for e in batch), time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        nbytes = sum(e.nbytes for e in batch)
+        self.pace.observe(len(batch), nbytes, took)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("spill writer: batch of %d (%d bytes) in %.3f s", len(batch), nbytes, took)
 
     def _run(self) -> None:
         more = True  # background work (e.g. reconcile) may be waiting

@@ -79,7 +79,7 @@ import lmdb
 
 from kvd.store.base import Entry, Store
 from kvd.store.datadir import DataDirLock, blob_path, ensure_dirs
-from kvd.store.ssd import heal
+from kvd.store.ssd import blobfile, heal
 from kvd.store.ssd.admin import Admin
 from kvd.store.ssd.batch import Batch
 from kvd.store.ssd.budget import DEFAULT_MIN_FREE, Budget
@@ -130,12 +130,15 @@ class SsdStore(Leases, Reads, Intake, Recency, Batch, Budget, Repair, Upkeep, Ad
         map_size: int = DEFAULT_MAP_SIZE,
         pack_max_bytes: int = 64 << 10,
         durable: bool = True,
+        full_fsync: bool | None = None,
         background: bool = True,
         reconcile: bool = True,
         rebuild: str | None = None,
         max_entry_bytes: int | None = None,
         clock: Callable[[], float] = time.time,
     ):
+        if full_fsync is not None:  # the daemon's setting; offline commands leave the policy as it is
+            blobfile.set_full_fsync(full_fsync)
         self.root = ensure_dirs(root)
         self._init_budget(budget_bytes, min_free_bytes, retry_s)
         self._init_leases(lease_s)
