@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -74,6 +75,25 @@ def probe_memfd() -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def probe_shm_open() -> bool:
+    """Whether POSIX shm_open objects can be made here (Linux and macOS;
+    Python's `_posixshmem`, as multiprocessing.shared_memory uses)."""
+    try:
+        import _posixshmem
+    except ImportError:
+        return False
+    name = f"/kvd-{os.getuid()}-{secrets.token_hex(8)}"
+    try:
+        fd = _posixshmem.shm_open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as err:
+        log.warning("shared memory: shm_open refused (%s); segments are files in the folder", err)
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        _posixshmem.shm_unlink(name)
+    return True
 
 
 def new_segment(folder: Path, name: str, size: int, sealed: bool) -> int:

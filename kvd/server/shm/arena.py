@@ -50,7 +50,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvd.host.segments import name_segment, names_segment, new_segment, probe_memfd
+from kvd.host.segments import name_segment, names_segment, new_segment
+from kvd.host.select import mechanism
 from kvd.protocol.shm import Descriptor, align_up, segment_name
 from kvd.server.shm.freespace import FreeSpace
 from kvd.server.ratelog import now_and_then
@@ -94,7 +95,8 @@ class Arena:
 
     def __init__(self, folder: Path, run_id: str, capacity: int | Callable[[], int], segment_bytes: int = SEGMENT_BYTES):
         self.folder, self.run_id = folder, run_id
-        self.sealed = probe_memfd()  # segments are sealed memfds (plane.py rule 5), else files
+        self.mechanism = mechanism("shared_memory")  # memfd | shm_open | files (kvd.host.select)
+        self.sealed = self.mechanism == "memfd"  # sealed memfds (plane.py rule 5)
         # Bytes the arena may use: a number, or a callable read at each
         # allocation (the daemon's follows the RAM tier's budget as memory
         # pressure moves it, so under pressure shm PUTs fall back to frames).
