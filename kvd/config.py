@@ -182,7 +182,7 @@ def _host(raw: Any) -> str:
     return value
 
 
-_host.kind = "choice"  # type: ignore[attr-defined]
+_host.kind = "host"  # type: ignore[attr-defined]
 
 
 def _optional_path(raw: Any) -> str | None:
@@ -506,7 +506,7 @@ class Config:
 # TOML has types: a file value must already be of its setting's type.
 _TOML_TYPES = {
     "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "choice": (str,), "path": (str,),
-    "int_auto": (int, str), "source": (str,), "url": (str,),
+    "int_auto": (int, str), "source": (str,), "url": (str,), "host": (str,),
 }
 
 
@@ -683,7 +683,7 @@ def config_options(command: Callable | None = None, *, names: tuple[str, ...] | 
             "float": click.FLOAT,
             "choice": click.Choice(LOG_LEVELS, case_sensitive=False),
         }.get(s.kind, click.STRING)
-        metavar = {"path": "PATH|none", "int_auto": "MIB|auto", "source": "auto|off|file:PATH", "url": "URL|none"}.get(s.kind)
+        metavar = {"path": "PATH|none", "int_auto": "MIB|auto", "source": "auto|off|file:PATH", "url": "URL|none", "host": "auto|portable"}.get(s.kind)
         command = click.option(
             s.flag, s.name, type=click_type, default=None, metavar=metavar, help=help_text
         )(command)
