@@ -5,9 +5,16 @@ section)."""
 
 from __future__ import annotations
 
-import numpy as np
+import os
+import re
+import stat
+from pathlib import Path
 
-from support import assert_prefix_hit, prefix_snapshot
+import numpy as np
+import pytest
+
+from kvd.protocol.shm import parse_segment_name
+from support import ALL_DTYPES, assert_prefix_hit, prefix_snapshot
 
 
 def test_the_host_section_names_each_concerns_mechanism(daemon_factory):
@@ -17,3 +24,59 @@ def test_the_host_section_names_each_concerns_mechanism(daemon_factory):
         assert c.stats()["host"] == {"host": "auto", "shared_memory": "memfd"}
     with portable.client() as c:
         assert c.stats()["host"] == {"host": "portable", "shared_memory": "shm_open"}
+
+
+def _objects() -> set[str]:
+    """This user's kvd shm_open objects (Linux keeps them in /dev/shm)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvd-{os.getuid()}-")
+            and not os.path.isdir("/dev/shm/" + n)}  # the planes' folders are named kvd-<uid>-... too
+
+
+def _portable(daemon_factory, *args: str):
+    return daemon_factory("--ram-mb", "64", "--data-dir", "none", *args, env={"KVD_HOST": "portable"})
+
+
+@pytest.mark.parametrize("put_via,get_via", [("shm", "shm"), ("frames", "shm"), ("shm", "frames")])
+def test_shm_open_segments_round_trip_every_dtype_bit_exact(daemon_factory, put_via, get_via):
+    d = _portable(daemon_factory)
+    toks = np.arange(700)
+    snap = prefix_snapshot(toks, boundary=True)
+    assert {name.split(".", 1)[1] for name in snap.sliced} == set(ALL_DTYPES)
+    with d.client("rt", strict=True, transport=put_via) as p:
+        assert p.put(toks, snap)
+        assert p.counters["shm_puts"] == (put_via == "shm")
+    with d.client("rt", strict=True, transport=get_via) as g:
+        hit = g.get(toks, need_boundary=True)
+        assert_prefix_hit(hit, toks)
+        assert hit.boundary["state"].array.tobytes() == snap.boundary["state"].array.tobytes()
+        assert g.counters["shm_gets"] == (get_via == "shm")
+
+
+def test_segments_are_private_memory_objects_named_in_the_folder_and_gone_after_a_stop(daemon_factory):
+    """Segments are POSIX shm objects (memory: /dev/shm on Linux), 0600,
+    named `/kvd-<uid>-<hex>` within macOS's 31 characters; the folder holds
+    only their names (no segment file, no /proc link); a clean stop unlinks
+    them, and a start after a kill -9 unlinks what the killed run left."""
+    before = _objects()
+    d = _portable(daemon_factory)
+    toks = np.arange(512)
+    with d.client("obj", strict=True, transport="shm") as c:
+        assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
+        folder = Path(c.stats()["shm"]["dir"])
+    records = [n for n in os.listdir(folder) if n.endswith(".shm")]
+    assert records and not [n for n in os.listdir(folder) if parse_segment_name(n)]
+    names = {(folder / r).read_text() for r in records}
+    for name in names:
+        assert len(name) <= 31 and re.fullmatch(rf"/kvd-{os.getuid()}-[0-9a-f]+", name)
+        st = os.stat("/dev/shm" + name)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert {"/" + n for n in _objects() - before} == names
+    d.kill()
+    assert {"/" + n for n in _objects() - before} == names  # a kill leaves them ...
+    d.start()  # ... the next start on the endpoint sweeps them
+    assert not names & {"/" + n for n in _objects()}
+    with d.client("obj", strict=True, transport="shm") as c:
+        assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
+        assert_prefix_hit(c.get(toks), toks)
+    d.stop()
+    assert _objects() == before

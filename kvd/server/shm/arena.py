@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvd.host.segments import name_segment, names_segment, new_segment
+from kvd.host.segments import name_segment, names_segment, new_segment, unlink_segment
 from kvd.host.select import mechanism
 from kvd.protocol.shm import Descriptor, align_up, segment_name
 from kvd.server.shm.freespace import FreeSpace
@@ -204,12 +204,12 @@ class Arena:
             return None
         seg = len(self._maps)
         name = segment_name(self.run_id, seg)
-        fd = new_segment(self.folder, name, seg_size, self.sealed)  # sparse: slots reserve their pages (_reserve)
+        fd = new_segment(self.folder, name, seg_size, self.mechanism)  # sparse: slots reserve their pages (_reserve)
         try:
             mm = mmap.mmap(fd, seg_size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
-            unlink_name(self.folder / name)
+            unlink_segment(self.folder, name)
             raise
         self._fds.append(fd)
         self._maps.append(mm)
@@ -335,7 +335,7 @@ class Arena:
         self._draining.discard(seg)
         self._sizes[seg], self._reserved[seg] = 0, bytearray()
         self._space.drop(seg)
-        unlink_name(self.folder / segment_name(self.run_id, seg))
+        unlink_segment(self.folder, segment_name(self.run_id, seg))
         try:
             mm.close()
         except BufferError:  # a view still exports it: the mapping goes with that view
@@ -379,7 +379,7 @@ class Arena:
     def unlink(self) -> None:
         """Remove this run's segment names (mappings stay valid until unmapped)."""
         for seg in self.live():
-            unlink_name(self.folder / segment_name(self.run_id, seg))
+            unlink_segment(self.folder, segment_name(self.run_id, seg))
 
     def repair(self) -> int:
         """Put back the names of live segments removed or replaced under us

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvd.endpoint import check_run_dir
-from kvd.host.segments import pid_namespace
+from kvd.host.segments import NAME_SUFFIX, pid_namespace, unlink_segment
 from kvd.protocol.codec import Message
 from kvd.protocol.errors import BadField
 from kvd.protocol.shm import LeaseTable, check_proof, stale_segments
@@ -73,8 +73,8 @@ class ShmPlane(GetReplies, SlotGrants):
         self.run_id = secrets.token_hex(4)
         folder.mkdir(mode=0o700, exist_ok=True)
         check_run_dir(folder)  # ours, 0700, not a symlink: else UnsafeEndpoint
-        for name in stale_segments(os.listdir(folder), self.run_id):
-            os.unlink(folder / name)
+        for name in stale_segments([n.removesuffix(NAME_SUFFIX) for n in os.listdir(folder)], self.run_id):
+            unlink_segment(folder, name)
         self.nonce = secrets.token_bytes(32)
         self._write_nonce()
         self.arena = Arena(folder, self.run_id, capacity, segment_bytes)
@@ -128,6 +128,8 @@ class ShmPlane(GetReplies, SlotGrants):
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
         offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
+        if self.arena.mechanism == "shm_open":  # segments are POSIX shm objects named in <segment>.shm
+            offer["segments"] = "shm_open"
         if self.arena.sealed:  # segments are links into /proc/<pid>/fd: clients open nothing else (rule 5)
             offer["pid"] = os.getpid()
             ns = pid_namespace()
