@@ -371,6 +371,7 @@ def test_old_clients_without_shm_keep_working(kvd_daemon):
         s.close(0)
 
 
+@pytest.mark.skipif(not MEMFD, reason="shm_open segments can be cut short: cold hits land in the heap first")
 def test_a_cold_hit_is_read_straight_into_shared_memory(daemon_factory):
     """An SSD-tier read lands in a slot: the shm GET needs no daemon-side copy."""
     d = daemon_factory("--ram-mb", "64")

@@ -80,3 +80,31 @@ def test_segments_are_private_memory_objects_named_in_the_folder_and_gone_after_
         assert_prefix_hit(c.get(toks), toks)
     d.stop()
     assert _objects() == before
+
+
+@pytest.mark.parametrize("reader", ["frames", "shm"])
+def test_a_segment_cut_short_under_the_daemon_costs_its_entries_never_the_daemon(daemon_factory, reader):
+    """On the portable host (as on macOS without its refusal of a second
+    ftruncate) a process of the daemon's uid can cut a shm_open segment short;
+    touching a mapped page past the new end would be SIGBUS. The daemon reads
+    such segments with pread: the entry a client wrote there is a miss (a
+    short read), dropped; the daemon stays up and serves another client over
+    shared memory, in a segment that is whole."""
+    d = _portable(daemon_factory)
+    toks, other = np.arange(512), np.arange(5000, 5512)
+    with d.client("cut", strict=True, transport="shm") as a:
+        assert a.put(toks, prefix_snapshot(toks)) and a.counters["shm_puts"] == 1
+        folder = Path(a.stats()["shm"]["dir"])
+    names = [(folder / n).read_text() for n in os.listdir(folder) if n.endswith(".shm")]
+    assert names
+    for name in names:
+        os.truncate("/dev/shm" + name, 0)  # what any process of this uid may do
+    with d.client("cut", transport=reader) as b:
+        assert b.get(toks) is None  # damaged: a miss, not a crash
+    with d.client("cut", strict=True, transport="shm") as c:
+        assert c.put(other, prefix_snapshot(other)) and c.counters["shm_puts"] == 1
+        assert_prefix_hit(c.get(other), other)
+        assert c.counters["shm_gets"] == 1
+        s = c.stats()
+    assert s["shm"]["shrunk_segments"] >= 1
+    assert d.proc.poll() is None

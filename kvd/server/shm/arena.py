@@ -130,7 +130,7 @@ class Arena:
         self._reserve_failures = 0
         self.used = 0
         self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0,
-                         "grow_failures": 0, "lost_slots": 0, "names_repaired": 0}
+                         "grow_failures": 0, "lost_slots": 0, "names_repaired": 0, "shrunk_segments": 0}
         self.lean = False  # keep no free memory warm (give_back), until the next alloc
 
     # -- allocation ----------------------------------------------------------
@@ -143,6 +143,10 @@ class Arena:
                 self.counters["alloc_failures"] += 1
                 return None
             found = self._space.take(size)
+            while found is not None and not self.sealed and self._cut_short(found[0]):
+                self._space.give(found[0], found[1], size)
+                self._drain_shrunk(found[0])  # never allocated in again
+                found = self._space.take(size)
             if found is None:
                 try:
                     found = self._grow(size)
@@ -240,6 +244,69 @@ class Arena:
         pages[lo:hi] = b"\x01" * (hi - lo)
         return True
 
+    # -- segments a process may cut short (shm_open, files: not sealed) -------
+    # On Linux a process of the daemon's uid can ftruncate a POSIX shm object
+    # (/dev/shm/kvd-...) or a file; a touch of a mapped page past the new end
+    # is SIGBUS. So the daemon never touches such a segment's pages in user
+    # space: it copies out with pread (a short read: the entry is damaged, a
+    # miss) and in with pwrite (past the end, the object grows back), and
+    # stops allocating in a segment found cut short. Memfds are sealed
+    # against shrinking: their pages are copied directly.
+    def copy_out(self, data: Any) -> bytes | None:
+        """A private copy of a slot's bytes (`data`, a view of one), or None
+        if its segment was cut short under them (any thread)."""
+        found = self.locate(data) if not self.sealed else None
+        if found is None:
+            return bytes(memoryview(data).cast("B"))
+        slot, desc = found
+        parts, off, left = [], desc.offset, desc.length
+        try:
+            while left:
+                got = os.pread(self._fds[slot.seg], left, off)
+                if not got:
+                    break
+                parts.append(got)
+                off, left = off + len(got), left - len(got)
+        except OSError:
+            pass
+        if left:
+            with self._locked():
+                self._drain_shrunk(slot.seg)
+            return None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def copy_in(self, dst: "SlotArray", src: Any) -> None:
+        """Write `src`'s bytes into the slot view `dst` (the daemon's own
+        writes: an entry moved into the arena)."""
+        found = self.locate(dst) if not self.sealed else None
+        if found is None:
+            dst[:] = np.frombuffer(memoryview(src).cast("B"), np.uint8)
+            return
+        view, off = memoryview(src).cast("B"), found[1].offset
+        while view.nbytes:  # past the end of a cut segment the object grows back: no fault
+            n = os.pwrite(self._fds[found[0].seg], view, off)
+            view, off = view[n:], off + n
+
+    def _cut_short(self, seg: int) -> bool:
+        try:
+            return os.fstat(self._fds[seg]).st_size < self._sizes[seg]
+        except OSError:
+            return True
+
+    def _drain_shrunk(self, seg: int) -> None:
+        """A segment was cut short (under the lock): nothing more is allocated
+        in it, its free pages go back, and it goes with its last live slot."""
+        if self._maps[seg] is None or seg in self._draining:
+            return
+        self.counters["shrunk_segments"] += 1
+        log.warning("shared-memory segment %d was cut short by another process: its entries are misses", seg)
+        self._draining.add(seg)
+        for start, n in self._space.ranges(seg):
+            self._punch(seg, start, n)
+        self._space.drop(seg)
+        if not self._seg_used[seg]:
+            self._remove(seg)
+
     def trim(self) -> int:
         """Give back the pages of every free range and remove all-free segments.
         Returns the bytes handed back."""
@@ -265,7 +332,8 @@ class Arena:
         hi = (off + n) // _PAGE * _PAGE
         if hi <= lo or not hasattr(mmap, "MADV_REMOVE"):
             return 0
-        self._maps[seg].madvise(mmap.MADV_REMOVE, lo, hi - lo)
+        with contextlib.suppress(OSError):  # past the end of a segment cut short
+            self._maps[seg].madvise(mmap.MADV_REMOVE, lo, hi - lo)
         self._reserved[seg][lo // _PAGE:hi // _PAGE] = bytes((hi - lo) // _PAGE)
         return hi - lo
 

@@ -85,6 +85,14 @@ def open_plane(daemon) -> None:
                 daemon.ratelog.warning("shm repair", "shared memory: cannot restore the plane's folder: %s", err)
 
     daemon.on_tick = on_tick
+    if not plane.arena.sealed:
+        # Segments another process may cut short: the SSD and remote readers
+        # (and their checks) would touch their pages; they read into the heap,
+        # and a GET over shm moves the entry in with pwrite (Arena.copy_in).
+        daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
+        log.info("shared memory offered: %s (%s segments, capacity %d MiB, lease %gs)", plane.folder,
+                 plane.arena.mechanism, plane.arena.capacity >> 20, plane.leases.lease_seconds)
+        return
     ssd = getattr(daemon.store, "ssd", None)
     if ssd is not None and hasattr(ssd, "read_buffers"):
         ssd.read_buffers = plane.arena.alloc  # a cold hit lands in shared memory, never a bytearray first
