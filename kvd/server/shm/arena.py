@@ -132,6 +132,8 @@ class Arena:
         self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0,
                          "grow_failures": 0, "lost_slots": 0, "names_repaired": 0, "shrunk_segments": 0}
         self.lean = False  # keep no free memory warm (give_back), until the next alloc
+        self.allocated = 0  # bytes allocated so far, in all (kvd/server/shm/prepare.py reads it)
+        self.on_alloc: Callable[[], None] | None = None  # told after a slot is handed out (the preparer)
 
     # -- allocation ----------------------------------------------------------
     def alloc(self, nbytes: int) -> SlotArray | None:
@@ -166,11 +168,14 @@ class Arena:
                 return None
             self.used += size
             self._seg_used[seg] += size
+            self.allocated += size  # the preparer's measure of demand (prepare.py)
             self.counters["allocs"] += 1
             self._sids += 1
             slot = Slot(self, seg, off, size, self._sids)
         arr = np.frombuffer(self._maps[seg], np.uint8, count=nbytes, offset=off).view(SlotArray)
         arr.slot = slot
+        if self.on_alloc is not None:
+            self.on_alloc()
         return arr
 
     @property
@@ -225,6 +230,50 @@ class Arena:
         if seg_size > size:
             self._space.give(seg, size, seg_size - size)
         return seg, 0
+
+    # -- segments prepared ahead of demand (kvd/server/shm/prepare.py) ------------
+    def spare_prepared(self) -> int:
+        """Free bytes whose pages are reserved, in segments that allocate."""
+        with self._locked():
+            return sum(n - self._seg_used[seg] for seg, n in enumerate(self._sizes)
+                       if seg not in self._draining and self._maps[seg] is not None)
+
+    def begin_segment(self, room: int) -> tuple[int, int] | None:
+        """A new segment for the preparer, made and mapped but not yet offered
+        to `alloc` (its free space is given in `end_segment`), if the arena may
+        hold one more within `room` mapped bytes; else None."""
+        with self._locked():
+            mapped = sum(n for seg, n in enumerate(self._sizes) if seg not in self._draining)
+            if (mapped + self.segment_bytes > room or len(self._maps) >= _MAX_SEGMENTS
+                    or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
+                return None
+            seg = len(self._maps)
+            name = segment_name(self.run_id, seg)
+            fd = new_segment(self.folder, name, self.segment_bytes, self.mechanism)
+            try:
+                mm = mmap.mmap(fd, self.segment_bytes, flags=mmap.MAP_SHARED)
+            except BaseException:
+                os.close(fd)
+                unlink_segment(self.folder, name)
+                raise
+            self._fds.append(fd)
+            self._maps.append(mm)
+            self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
+            self._sizes.append(self.segment_bytes)
+            self._reserved.append(bytearray(-(-self.segment_bytes // _PAGE)))
+            self._seg_used.append(0)
+            self._seg_lost.append(0)
+            return seg, fd
+
+    def end_segment(self, seg: int, reserved: bool) -> None:
+        """Offer a prepared segment to `alloc`: its pages reserved (`reserved`:
+        posix_fallocate of the whole of it, done outside the lock, held)."""
+        with self._locked():
+            if self._maps[seg] is None:
+                return
+            if reserved:
+                self._reserved[seg][:] = b"\x01" * len(self._reserved[seg])
+            self._space.give(seg, 0, self._sizes[seg])
 
     def _reserve(self, seg: int, off: int, size: int) -> bool:
         if not hasattr(os, "posix_fallocate"):

@@ -78,6 +78,7 @@ class ShmPlane(GetReplies, SlotGrants):
         self.nonce = secrets.token_bytes(32)
         self._write_nonce()
         self.arena = Arena(folder, self.run_id, capacity, segment_bytes)
+        self.preparer = None  # kvd/server/shm/prepare.py, started by startup.py
         self.leases = LeaseTable(lease_seconds)
         self._clock = clock
         self._held: dict[int, list[Slot]] = {}  # lease id -> the slots it keeps alive
@@ -185,10 +186,12 @@ class ShmPlane(GetReplies, SlotGrants):
         return {"run": self.run_id, "dir": str(self.folder), "lease_s": self.leases.lease_seconds,
                 "leases": len(self._held), "pending": len(self._pending), "pending_bytes": self.pending_bytes,
                 "granted_bytes": self.granted_bytes,
-                **self.arena.stats(), **self.counters}
+                **self.arena.stats(), **self.counters, **(self.preparer.stats() if self.preparer else {})}
 
     def close(self) -> None:
         """A clean stop leaves nothing: segments, nonce, folder."""
+        if self.preparer is not None:
+            self.preparer.stop()
         self._held.clear()
         self._pending.clear()
         self._pending_cost.clear()

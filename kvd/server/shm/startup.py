@@ -8,6 +8,7 @@ import time
 from kvd.endpoint import ipc_path
 from kvd.server.shm.folders import new_plane_dir, sweep_plane_dirs
 from kvd.server.shm.plane import ShmPlane
+from kvd.server.shm.prepare import Preparer
 
 log = logging.getLogger("kvd.server")
 
@@ -65,6 +66,11 @@ def open_plane(daemon) -> None:
     daemon.handler.shm = plane
     ram = getattr(daemon.store, "ram", daemon.store)
     full_budget = getattr(ram, "budget_bytes", 0)
+    try:  # pages ready before a PUT needs them; not while the RAM tier yields to pressure
+        plane.preparer = Preparer(plane.arena, lambda: getattr(ram, "budget_bytes", full_budget) >= full_budget).start()
+    except RuntimeError as err:  # no thread to be had: slots reserve their pages as they are handed out
+        plane.preparer = None
+        log.warning("shared memory: no thread to prepare segments ahead of demand: %s", err)
     last, checked = [0.0], [time.monotonic()]
     ticked = daemon.on_tick
 
