@@ -11,9 +11,9 @@ costs no syscall.
 
 How far ahead: twice the bytes allocated in the busiest recent interval
 (each wake measures the bytes allocated since the last, and the figure
-decays by a tenth per wake), at least a quarter of the RAM tier's budget
-(at most 1 GiB; two segments if more) from the start, so a new daemon's
-first puts find pages ready -- and never past the
+decays by a tenth per wake), at least two segments, from the first PUT on
+(not before: a daemon started in a tight memory cgroup must not jump at
+start, tests/server/test_pressure.py) -- and never past the
 ceiling: the segments that allocate hold at most half the arena's capacity
 plus one segment (the RAM tier's budget, about: what a warm daemon keeps
 mapped anyway, `Arena.keep_free`). Nothing is prepared while the RAM tier
@@ -33,7 +33,6 @@ from kvd.server.shm.arena import Arena
 log = logging.getLogger("kvd.server")
 
 WAKE_S = 0.05  # the thread looks at demand at least this often
-FLOOR_MAX = 1 << 30  # prepared at least: a quarter of the RAM budget, at most this
 
 
 class Preparer:
@@ -63,8 +62,9 @@ class Preparer:
         allocated = self.arena.allocated
         self._burst = max(self._burst * 0.9, float(allocated - self._seen))
         self._seen = allocated
-        floor = max(2 * self.arena.segment_bytes, min(self.arena.capacity // 8, FLOOR_MAX))
-        return max(floor, int(2 * self._burst))
+        if not allocated:
+            return 0  # nothing before the first PUT: a daemon in a tight memory cgroup sees no jump at start
+        return max(2 * self.arena.segment_bytes, int(2 * self._burst))
 
     def step(self) -> bool:
         """Prepare one segment if wanted and allowed; whether one was."""
