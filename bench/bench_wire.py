@@ -1,6 +1,6 @@
 """Put and get 16, 64 and 256 MiB snapshots through a real daemon.
 
-    python bench/bench_wire.py [--reps 5] [--sizes 16,64,256] [--transports frames,shm,shm-noverify]
+    python bench/bench_wire.py [--reps 5] [--sizes 16,64,256] [--transports frames,shm,shm-noverify] [--host auto|portable]
 
 Prints, per size and data plane (frames over ipc; shm, the shared-memory
 plane of PROTOCOL.md section 14), the throughput of Client.put and Client.get
@@ -18,6 +18,8 @@ RAM tier already full, so every put also evicts): on this VM, receiving into
 a process whose memory is still growing is several times slower, for raw
 pyzmq too. `shm-noverify` is the shm plane with `Client(verify=False)`: a get
 that does not check the digests fixed at COMMIT (the price of the check).
+`--host portable` runs the daemon on the portable host (KVD_HOST: shm_open
+segments, as on macOS, instead of sealed memfds).
 The snapshot is a realistic layout: 32 layers x (keys, values) of
 (1, 8 KV heads, T tokens, 128) bfloat16, T chosen to hit the size.
 """
@@ -119,10 +121,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", default="16,64,256", help="snapshot sizes in MiB")
     ap.add_argument("--transports", default="frames,shm,shm-noverify", help="data planes to measure")
+    ap.add_argument("--host", default="auto", choices=("auto", "portable"), help="the daemon's host (KVD_HOST)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     transports = args.transports.split(",")
-    print(f"# bench_wire  {machine()}  reps={args.reps} (medians)")
+    print(f"# bench_wire  {machine()}  reps={args.reps} (medians)  host={args.host}")
     print(f"{'MiB':>5} {'plane':>12} {'op':>4} {'kvd GiB/s':>10} {'raw zmq GiB/s':>14} {'memcpy GiB/s':>13}"
           f" {'fresh GiB/s':>12} {'kvd/raw':>8} {'kvd/memcpy':>11} {'t/fresh':>8}")
     # RAM tier only: this measures the wire and the RAM tier. With an SSD tier
@@ -131,7 +134,7 @@ def main() -> None:
     # Above 1 GiB the RAM tier holds one snapshot (this machine has 24 GiB
     # and other tenants): the steady state is then "each put evicts the last".
     ram_mb = 4 * max(sizes) + 256 if max(sizes) <= 1024 else max(sizes) + 256
-    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as d:
+    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", env={"KVD_HOST": args.host}) as d:
         endpoint = d.endpoint
         for mib in sizes:
           n_tokens = mib * MiB // BYTES_PER_TOKEN

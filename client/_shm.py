@@ -92,6 +92,9 @@ class Link:
         if (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not math.isfinite(lease_s)
                 or not 0 < lease_s <= _MAX_LEASE_S):
             raise ShmUnavailable(f"shm offer: lease_s {lease_s!r} is not a number of seconds")
+        # "shm_open": segments are POSIX shm objects, each named in `<segment>.shm`
+        # (macOS, and Linux's portable host); else files or links to memfds.
+        self.shm_open = offer.get("segments") == "shm_open"
         pid = offer.get("pid")
         self.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
         self.broken = False  # a segment could not be opened or mapped (Core cools off from shm)
@@ -130,6 +133,8 @@ class Link:
         """An fd of `name` in the folder, only if a non-empty regular file of
         our uid (rule 2; kvd.endpoint's lock file is opened the same way);
         with `memfd`, also through a link to the daemon's memfd of that name."""
+        if memfd and self.shm_open:
+            return self._open_shm(name, flags)
         path = self.dir / name
         try:
             target = os.readlink(path) if memfd and self.pid is not None else None
@@ -162,6 +167,36 @@ class Link:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size == 0:
             os.close(fd)
             raise ShmUnavailable(f"{name} in {self.dir} is not a non-empty regular file of ours")
+        return fd
+
+    def _open_shm(self, name: str, flags: int) -> int:
+        """An fd of the POSIX shm object `<name>.shm` names (rule 2): a name
+        of our uid's form, an object of our uid, not empty."""
+        fd = self._open(name + ".shm", os.O_RDONLY)
+        try:
+            posix = os.read(fd, 64).decode("ascii", "replace")
+        except OSError as err:
+            raise ShmUnavailable(f"{name}.shm in {self.dir}: {err}") from None
+        finally:
+            os.close(fd)
+        if not re.fullmatch(rf"/kvd-{os.getuid()}-[0-9a-f]{{8,20}}", posix):
+            raise ShmUnavailable(f"{name}.shm in {self.dir} names {posix!r}, not a shm object of ours")
+        try:
+            import _posixshmem
+
+            fd = _posixshmem.shm_open(posix, flags & (os.O_RDONLY | os.O_RDWR), 0)
+        except (ImportError, OSError) as err:
+            raise ShmUnavailable(f"shm object {posix} ({name}): {err}") from None
+        try:
+            st = os.fstat(fd)
+        except OSError as err:
+            os.close(fd)
+            raise ShmUnavailable(f"shm object {posix}: {err}") from None
+        # macOS's fstat of a shm object may report no file type: only a regular
+        # file, or none, is one; owned by us; not (or no longer) empty.
+        if stat.S_IFMT(st.st_mode) not in (stat.S_IFREG, 0) or st.st_uid != os.getuid() or st.st_size == 0:
+            os.close(fd)
+            raise ShmUnavailable(f"shm object {posix} ({name}) is not a non-empty object of ours")
         return fd
 
     def _segment(self, seg: int, writable: bool) -> mmap.mmap:

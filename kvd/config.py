@@ -175,6 +175,16 @@ def _log_level(raw: Any) -> str:
 _log_level.kind = "choice"  # type: ignore[attr-defined]
 
 
+def _host(raw: Any) -> str:
+    value = _str(raw).lower()
+    if value not in ("auto", "portable"):  # kvd.host.select.HOSTS
+        raise ValueError(f"expected auto or portable, got {raw!r}")
+    return value
+
+
+_host.kind = "host"  # type: ignore[attr-defined]
+
+
 def _optional_path(raw: Any) -> str | None:
     """A path, or None for "" / "none" / "off". `~` is expanded; relative
     paths are made absolute by `resolve` (against the file's folder for values
@@ -412,6 +422,10 @@ SETTINGS: tuple[Setting, ...] = (
             "(segments in <socket>.shm/; tcp:// never gets it)."),
     Setting("shm_lease_s", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 30.0,
             "Seconds a client may hold shared-memory slots it was handed before they are reclaimed."),
+    Setting("host", _host, "auto",
+            "Developer setting: \"portable\" makes the daemon use only the POSIX mechanisms macOS runs "
+            "(shm_open segments instead of memfds, ...), so Linux CI exercises macOS's code; \"auto\": this "
+            "OS's best. `kvd stats --json` names each concern's mechanism (section `host`)."),
     Setting("gc_on_tick", _bool, True,
             "Collect cyclic garbage on the daemon's tick and freeze what survives, so no request waits for a "
             "scan of the whole RAM tier (false: CPython's own collector)."),
@@ -499,7 +513,7 @@ class Config:
 # TOML has types: a file value must already be of its setting's type.
 _TOML_TYPES = {
     "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "choice": (str,), "path": (str,),
-    "int_auto": (int, str), "source": (str,), "url": (str,),
+    "int_auto": (int, str), "source": (str,), "url": (str,), "host": (str,),
 }
 
 
@@ -676,7 +690,7 @@ def config_options(command: Callable | None = None, *, names: tuple[str, ...] | 
             "float": click.FLOAT,
             "choice": click.Choice(LOG_LEVELS, case_sensitive=False),
         }.get(s.kind, click.STRING)
-        metavar = {"path": "PATH|none", "int_auto": "MIB|auto", "source": "auto|off|file:PATH", "url": "URL|none"}.get(s.kind)
+        metavar = {"path": "PATH|none", "int_auto": "MIB|auto", "source": "auto|off|file:PATH", "url": "URL|none", "host": "auto|portable"}.get(s.kind)
         command = click.option(
             s.flag, s.name, type=click_type, default=None, metavar=metavar, help=help_text
         )(command)

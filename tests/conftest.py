@@ -58,6 +58,13 @@ class DaemonProcess(_launcher()):
 
     namespace = "test"
 
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None, **kw):
+        # KVD_TEST_HOST=portable runs every daemon on the portable host (the
+        # POSIX-only mechanisms macOS runs: kvd/host/select.py); KVD_* of the
+        # environment never reach a test's daemon otherwise.
+        host = os.environ.get("KVD_TEST_HOST")
+        super().__init__(workdir, args, {**({"KVD_HOST": host} if host else {}), **(env or {})}, **kw)
+
 
 @pytest.fixture
 def daemon_factory():
@@ -75,12 +82,14 @@ def daemon_factory():
         return d
 
     yield make
-    from kvd.server.shm.folders import plane_dirs
+    from kvd.server.shm.folders import plane_dirs, sweep_plane_dirs
 
     for d in started:
         d.stop()
         # A daemon a test killed -9 leaves its shared-memory segments until
-        # the next start on its endpoint, which a temp endpoint never sees.
+        # the next start on its endpoint, which a temp endpoint never sees
+        # (shm_open objects are named from the folder: sweep them first).
+        sweep_plane_dirs(d.workdir / "kvd.sock")
         for folder in plane_dirs(d.workdir / "kvd.sock"):
             shutil.rmtree(folder, ignore_errors=True)
     for path in dirs:

@@ -14,6 +14,8 @@ import click
 
 from kvd.cli import exits, main
 from kvd.config import BY_NAME, ConfigError, config_options, resolve
+from kvd.host.select import mechanisms as host_mechanisms
+from kvd.host.select import use as select_host
 from kvd.protocol.limits import MiB, Limits
 
 GiB = 1 << 30
@@ -186,6 +188,7 @@ def serve(**flags) -> None:
         click.echo(f"kvd: log_file {cfg.log_file}: cannot open: {err.strerror or err}", err=True)
         raise SystemExit(exits.CONFIG)
     log = logging.getLogger("kvd.server")
+    select_host(cfg.host)  # before anything asks the OS for a mechanism (kvd.host.select)
     notifier = Notifier.from_env()
     notifier.status("starting: opening the store")
     # Before anything opens a file: libzmq aborts on EMFILE (kvd.server.admission.gate).
@@ -291,6 +294,7 @@ def serve(**flags) -> None:
     if governor is not None:
         daemon.handler.stats_sections["pressure"] = governor.stats
     daemon.handler.stats_sections["gc"] = lambda stats: collector.stats()
+    daemon.handler.stats_sections["host"] = lambda stats: host_mechanisms()
     if not _threads_fit(_threads_bind_starts(cfg.endpoint, io_threads())):
         _refused_thread(log, RuntimeError("can't start new thread"), "starting ZeroMQ", store)
     try:

@@ -1,20 +1,37 @@
 """Shared-memory segments as the OS makes them, and where they can live:
-the host half of the daemon's shared-memory plane (kvd/server/shm/).
+the host half of the daemon's shared-memory plane (kvd/server/shm/). Which
+mechanism a run uses is decided in kvd/host/select.py (`shared_memory`).
 
 What each OS gives:
 
-    Linux   memfd_create() with sealing: a segment is a memfd sealed against
-            shrinking (F_SEAL_SHRINK | F_SEAL_SEAL), so no process can cut it
-            short under a mapping (the next touch of its pages would be
-            SIGBUS, in the daemon and in every client), named in the plane's
-            folder by a symlink to /proc/<pid>/fd/<fd> (which only processes
-            allowed to inspect the daemon, i.e. of its uid, can open). It
-            dies with the daemon and its clients' mappings. The folder goes
-            in /dev/shm when that is a tmpfs (`memory_folder`); a client
-            checks it shares the daemon's pid namespace (`pid_namespace`).
+    Linux   memfd_create() with sealing ("memfd", the default): a segment is
+            a memfd sealed against shrinking (F_SEAL_SHRINK | F_SEAL_SEAL), so
+            no process can cut it short under a mapping (the next touch of its
+            pages would be SIGBUS, in the daemon and in every client), named in
+            the plane's folder by a symlink to /proc/<pid>/fd/<fd> (which only
+            processes allowed to inspect the daemon, i.e. of its uid, can
+            open). It dies with the daemon and its clients' mappings. The
+            folder goes in /dev/shm when that is a tmpfs (`memory_folder`); a
+            client checks it shares the daemon's pid namespace (`pid_namespace`).
             A seccomp filter may forbid memfd_create: then as below.
-    macOS   no memfd: a segment is a file 0600 in the folder, which sits
-            beside the socket (README, known limits); no pid namespaces.
+    macOS,  POSIX shm_open() objects ("shm_open"; on Linux with host =
+    portable  portable): memory, never a file on disk. Named
+            `/kvd-<uid>-<random hex>` (at most 31 characters: macOS's
+            PSHMNAMLEN), created O_CREAT | O_EXCL 0600, so no other user can
+            take or open the name; the plane's folder holds `<segment>.shm`,
+            a 0600 file with that name, which is how a client (no /proc on
+            macOS) finds it. The name lives as long as the segment: a client
+            that connects later must still open it (ZeroMQ cannot hand over
+            an fd); it is unlinked when the segment goes, at a clean stop, and
+            by the next start on the endpoint after a kill (`unlink_segment`,
+            from the name files). Such an object cannot be sealed: on Linux a
+            process of the daemon's uid can ftruncate /dev/shm/kvd-... short,
+            so the daemon never touches these segments' pages in user space
+            where a client can write them: it reads and writes them with
+            pread/pwrite on the fd (`Arena.copy_out`), and a short read is a
+            damaged entry, a miss. macOS refuses a second ftruncate of a
+            POSIX shm object (EINVAL), so there no process can shrink one.
+    other   no POSIX shm: a segment is a file 0600 in the folder ("files").
 """
 
 from __future__ import annotations
@@ -23,6 +40,9 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
+import secrets
+import stat
 import sys
 from pathlib import Path
 
@@ -76,13 +96,64 @@ def probe_memfd() -> bool:
         os.close(fd)
 
 
-def new_segment(folder: Path, name: str, size: int, sealed: bool) -> int:
+def probe_shm_open() -> bool:
+    """Whether POSIX shm_open objects can be made here (Linux and macOS;
+    Python's `_posixshmem`, as multiprocessing.shared_memory uses)."""
+    try:
+        import _posixshmem
+    except ImportError:
+        return False
+    name = f"/kvd-{os.getuid()}-{secrets.token_hex(8)}"
+    try:
+        fd = _posixshmem.shm_open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as err:
+        log.warning("shared memory: shm_open refused (%s); segments are files in the folder", err)
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        _posixshmem.shm_unlink(name)
+    return True
+
+
+SHM_NAME_MAX = 31  # macOS's PSHMNAMLEN, the leading slash included
+NAME_SUFFIX = ".shm"  # `<segment>.shm` in the folder: the POSIX name of a shm_open segment
+_SHM_NAME = re.compile(r"/kvd-([0-9]+)-[0-9a-f]{8,20}")
+
+
+def shm_name(uid: int | None = None) -> str:
+    """A fresh POSIX shm name: `/kvd-<uid>-<random hex>`, as long as macOS allows."""
+    prefix = f"/kvd-{os.getuid() if uid is None else uid}-"
+    return prefix + secrets.token_hex(10)[:min(20, SHM_NAME_MAX - len(prefix))]
+
+
+def read_shm_name(path: Path) -> str | None:
+    """The POSIX name a `<segment>.shm` file holds, if it is one of ours (a
+    regular file, our uid, a name of our uid's form); else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        name = os.read(fd, 64).decode("ascii", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    m = _SHM_NAME.fullmatch(name)
+    return name if m and int(m.group(1)) == os.getuid() else None
+
+
+def new_segment(folder: Path, name: str, size: int, mechanism: str) -> int:
     """A new segment of `size` bytes (sparse), open read-write, named `name`
     in `folder`: the one OS-specific step of the arena (kvd/server/shm/arena.py,
-    rule 5). `sealed` (Linux, `probe_memfd`): a memfd sealed against
-    shrinking, named by a symlink to /proc/<pid>/fd/<fd>. Else: a file 0600."""
+    rule 5). `mechanism` (kvd.host.select): "memfd", a memfd sealed against
+    shrinking, named by a symlink to /proc/<pid>/fd/<fd>; "shm_open", a POSIX
+    shm object named in `<name>.shm`; "files", a file 0600."""
     path = folder / name
-    if not sealed:
+    if mechanism == "files":
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -92,6 +163,8 @@ def new_segment(folder: Path, name: str, size: int, sealed: bool) -> int:
                 os.unlink(path)
             raise
         return fd
+    if mechanism == "shm_open":
+        return _new_shm(folder, name, size)
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, 0o600)
@@ -102,6 +175,51 @@ def new_segment(folder: Path, name: str, size: int, sealed: bool) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _new_shm(folder: Path, name: str, size: int) -> int:
+    import _posixshmem
+
+    for _ in range(8):
+        posix = shm_name()
+        try:
+            fd = _posixshmem.shm_open(posix, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # taken (by another user, say): draw again
+            continue
+        break
+    else:
+        raise FileExistsError("no free POSIX shm name")
+    try:
+        os.set_inheritable(fd, False)
+        os.ftruncate(fd, size)  # the one ftruncate macOS allows
+        record = os.open(folder / (name + NAME_SUFFIX),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(record, posix.encode())
+        finally:
+            os.close(record)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            _posixshmem.shm_unlink(posix)
+        raise
+    return fd
+
+
+def unlink_segment(folder: Path, name: str) -> None:
+    """Remove a segment's name from the folder (the mapping and fds stay
+    valid): its link or file, and for a shm_open segment the POSIX name its
+    `.shm` file holds, then that file. What is gone already is no error."""
+    record = folder / (name + NAME_SUFFIX)
+    posix = read_shm_name(record)
+    if posix is not None:
+        import _posixshmem
+
+        with contextlib.suppress(FileNotFoundError):
+            _posixshmem.shm_unlink(posix)
+    for path in (record, folder / name):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def name_segment(path: Path, fd: int) -> None:

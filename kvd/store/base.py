@@ -91,9 +91,13 @@ def as_stored(entry: Entry) -> Entry | None:
     for t in entry.tensors:
         digest = getattr(t.data, "digest", None)
         if digest is not None:
-            t = dataclasses.replace(t, data=bytes(memoryview(t.data).cast("B")))
-            if xxhash.xxh3_64_intdigest(t.data) != digest:
+            # The slot's arena copies: with pread where another process may
+            # cut the segment short (None: it was), never a SIGBUS here.
+            slot = getattr(t.data, "slot", None)
+            data = slot.arena.copy_out(t.data) if slot is not None else bytes(memoryview(t.data).cast("B"))
+            if data is None or xxhash.xxh3_64_intdigest(data) != digest:
                 return None
+            t = dataclasses.replace(t, data=data)
         copies.append(t)
     return dataclasses.replace(entry, tensors=tuple(copies))
 

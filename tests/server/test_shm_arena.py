@@ -52,7 +52,7 @@ class Model:
         self.free: list[list[tuple[int, int]]] = []
         self.used, self.lean = 0, False
         self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0,
-                         "grow_failures": 0, "lost_slots": 0, "names_repaired": 0}
+                         "grow_failures": 0, "lost_slots": 0, "names_repaired": 0, "shrunk_segments": 0}
 
     def keep_free(self) -> int:
         return self.seg_bytes if self.lean else max(self.seg_bytes, self.capacity() // 2)

@@ -32,6 +32,12 @@ from support import ALL_DTYPES, TESTS, assert_prefix_hit, free_port, prefix_snap
 
 
 
+# Segments are memfds (Linux, the auto host); KVD_TEST_HOST=portable runs
+# these tests against shm_open segments (tests/server/test_shm_portable.py).
+MEMFD = shm_server._SEALED and os.environ.get("KVD_TEST_HOST") != "portable"
+SUFFIX = "" if MEMFD or not shm_server._SEALED else ".shm"  # a shm_open segment's name file
+
+
 def _shm_stats(client) -> dict:
     return client.stats()["shm"]
 
@@ -70,7 +76,8 @@ def test_segments_are_private_and_named_for_this_run(kvd_daemon):
     assert plane_dirs(kvd_daemon.workdir / "kvd.sock") == [folder]
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
     names = sorted(os.listdir(folder))
-    assert names == ["kvd-%s-0" % s["run"], "nonce"]
+    assert "kvd-%s-0%s" % (s["run"], SUFFIX) in names and "nonce" in names  # and segments prepared ahead
+    assert all(n == "nonce" or parse_segment_name(n.removesuffix(SUFFIX or "\0"))[0] == s["run"] for n in names)
     for name in names:
         st = os.stat(folder / name)  # a segment's name may be a symlink to the daemon's memfd
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
@@ -202,7 +209,7 @@ def test_daemon_killed_with_slots_mapped(daemon_factory):
         old_run, folder = old["run"], Path(old["dir"])
         d.kill()
         assert c.get(toks) is None  # a miss, not a crash; the old mapping is still valid memory
-        assert any(parse_segment_name(n) == (old_run, 0) for n in os.listdir(folder))
+        assert any(parse_segment_name(n.removesuffix(".shm")) == (old_run, 0) for n in os.listdir(folder))
         d.start()
         c.retry_now()
         assert c.get(toks) is None  # the new run holds nothing (RAM only); the stale proof gets frames
@@ -250,7 +257,7 @@ def test_planted_folder_names_neither_stop_the_plane_nor_get_removed(daemon_fact
         link.unlink()
 
 
-@pytest.mark.skipif(not shm_server._SEALED, reason="sealed segments are Linux memfds")
+@pytest.mark.skipif(not MEMFD, reason="sealed segments are Linux memfds (shm_open: test_shm_portable.py)")
 def test_no_process_can_cut_a_segment_short_under_the_daemon(daemon_factory):
     """Truncating a segment file used to kill the daemon with SIGBUS (its
     spill writer, or libzmq sending a frame from the slot) and every client
@@ -279,7 +286,7 @@ def test_no_process_can_cut_a_segment_short_under_the_daemon(daemon_factory):
     assert d.proc.poll() is None
 
 
-@pytest.mark.skipif(not shm_server._SEALED, reason="names are put back for memfd segments (Linux)")
+@pytest.mark.skipif(not MEMFD, reason="names are put back for memfd segments (Linux)")
 def test_the_plane_is_put_back_after_its_folder_is_removed(daemon_factory):
     """`rm -rf` of the plane's folder (a tmp cleaner, systemd's RemoveIPC) made
     the next segment fail to grow: INTERNAL for SLOTS and shm GETs of frame-PUT
@@ -308,7 +315,7 @@ def test_the_plane_is_put_back_after_its_folder_is_removed(daemon_factory):
     assert "INTERNAL" not in d.log_path.read_text(errors="replace")
 
 
-@pytest.mark.skipif(not shm_server._SEALED, reason="segments are Linux memfds")
+@pytest.mark.skipif(not MEMFD, reason="segments are Linux memfds")
 @pytest.mark.parametrize("impostor", ["a file", "a memfd of the same name elsewhere"])
 def test_a_client_writes_only_into_the_daemons_own_segments(daemon_factory, impostor):
     """A segment's name replaced by a file (rename over it) got a fresh
@@ -365,6 +372,7 @@ def test_old_clients_without_shm_keep_working(kvd_daemon):
         s.close(0)
 
 
+@pytest.mark.skipif(not MEMFD, reason="shm_open segments can be cut short: cold hits land in the heap first")
 def test_a_cold_hit_is_read_straight_into_shared_memory(daemon_factory):
     """An SSD-tier read lands in a slot: the shm GET needs no daemon-side copy."""
     d = daemon_factory("--ram-mb", "64")

@@ -24,6 +24,7 @@ SAMPLES = {
     "int_auto": ((11, "auto", "13"), (11, "auto", 13)),
     "source": (("off", "file:/tmp/p", "AUTO"), ("off", "file:/tmp/p", "auto")),
     "url": (("redis://h:6379/0", "valkey://u:p@h2:1", "rediss://h3:6380"),) * 2,
+    "host": (("portable", "AUTO", "portable"), ("portable", "auto", "portable")),
 }
 
 

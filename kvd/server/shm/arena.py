@@ -50,7 +50,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvd.host.segments import name_segment, names_segment, new_segment, probe_memfd
+from kvd.host.segments import name_segment, names_segment, new_segment, unlink_segment
+from kvd.host.select import mechanism
 from kvd.protocol.shm import Descriptor, align_up, segment_name
 from kvd.server.shm.freespace import FreeSpace
 from kvd.server.ratelog import now_and_then
@@ -94,7 +95,8 @@ class Arena:
 
     def __init__(self, folder: Path, run_id: str, capacity: int | Callable[[], int], segment_bytes: int = SEGMENT_BYTES):
         self.folder, self.run_id = folder, run_id
-        self.sealed = probe_memfd()  # segments are sealed memfds (plane.py rule 5), else files
+        self.mechanism = mechanism("shared_memory")  # memfd | shm_open | files (kvd.host.select)
+        self.sealed = self.mechanism == "memfd"  # sealed memfds (plane.py rule 5)
         # Bytes the arena may use: a number, or a callable read at each
         # allocation (the daemon's follows the RAM tier's budget as memory
         # pressure moves it, so under pressure shm PUTs fall back to frames).
@@ -128,8 +130,10 @@ class Arena:
         self._reserve_failures = 0
         self.used = 0
         self.counters = {"allocs": 0, "alloc_failures": 0, "segments_removed": 0, "trimmed_bytes": 0,
-                         "grow_failures": 0, "lost_slots": 0, "names_repaired": 0}
+                         "grow_failures": 0, "lost_slots": 0, "names_repaired": 0, "shrunk_segments": 0}
         self.lean = False  # keep no free memory warm (give_back), until the next alloc
+        self.allocated = 0  # bytes allocated so far, in all (kvd/server/shm/prepare.py reads it)
+        self.on_alloc: Callable[[], None] | None = None  # told after a slot is handed out (the preparer)
 
     # -- allocation ----------------------------------------------------------
     def alloc(self, nbytes: int) -> SlotArray | None:
@@ -141,6 +145,10 @@ class Arena:
                 self.counters["alloc_failures"] += 1
                 return None
             found = self._space.take(size)
+            while found is not None and not self.sealed and self._cut_short(found[0]):
+                self._space.give(found[0], found[1], size)
+                self._drain_shrunk(found[0])  # never allocated in again
+                found = self._space.take(size)
             if found is None:
                 try:
                     found = self._grow(size)
@@ -160,11 +168,14 @@ class Arena:
                 return None
             self.used += size
             self._seg_used[seg] += size
+            self.allocated += size  # the preparer's measure of demand (prepare.py)
             self.counters["allocs"] += 1
             self._sids += 1
             slot = Slot(self, seg, off, size, self._sids)
         arr = np.frombuffer(self._maps[seg], np.uint8, count=nbytes, offset=off).view(SlotArray)
         arr.slot = slot
+        if self.on_alloc is not None:
+            self.on_alloc()
         return arr
 
     @property
@@ -202,12 +213,12 @@ class Arena:
             return None
         seg = len(self._maps)
         name = segment_name(self.run_id, seg)
-        fd = new_segment(self.folder, name, seg_size, self.sealed)  # sparse: slots reserve their pages (_reserve)
+        fd = new_segment(self.folder, name, seg_size, self.mechanism)  # sparse: slots reserve their pages (_reserve)
         try:
             mm = mmap.mmap(fd, seg_size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
-            unlink_name(self.folder / name)
+            unlink_segment(self.folder, name)
             raise
         self._fds.append(fd)
         self._maps.append(mm)
@@ -219,6 +230,50 @@ class Arena:
         if seg_size > size:
             self._space.give(seg, size, seg_size - size)
         return seg, 0
+
+    # -- segments prepared ahead of demand (kvd/server/shm/prepare.py) ------------
+    def spare_prepared(self) -> int:
+        """Free bytes whose pages are reserved, in segments that allocate."""
+        with self._locked():
+            return sum(n - self._seg_used[seg] for seg, n in enumerate(self._sizes)
+                       if seg not in self._draining and self._maps[seg] is not None)
+
+    def begin_segment(self, room: int) -> tuple[int, int] | None:
+        """A new segment for the preparer, made and mapped but not yet offered
+        to `alloc` (its free space is given in `end_segment`), if the arena may
+        hold one more within `room` mapped bytes; else None."""
+        with self._locked():
+            mapped = sum(n for seg, n in enumerate(self._sizes) if seg not in self._draining)
+            if (mapped + self.segment_bytes > room or len(self._maps) >= _MAX_SEGMENTS
+                    or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
+                return None
+            seg = len(self._maps)
+            name = segment_name(self.run_id, seg)
+            fd = new_segment(self.folder, name, self.segment_bytes, self.mechanism)
+            try:
+                mm = mmap.mmap(fd, self.segment_bytes, flags=mmap.MAP_SHARED)
+            except BaseException:
+                os.close(fd)
+                unlink_segment(self.folder, name)
+                raise
+            self._fds.append(fd)
+            self._maps.append(mm)
+            self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
+            self._sizes.append(self.segment_bytes)
+            self._reserved.append(bytearray(-(-self.segment_bytes // _PAGE)))
+            self._seg_used.append(0)
+            self._seg_lost.append(0)
+            return seg, fd
+
+    def end_segment(self, seg: int, reserved: bool) -> None:
+        """Offer a prepared segment to `alloc`: its pages reserved (`reserved`:
+        posix_fallocate of the whole of it, done outside the lock, held)."""
+        with self._locked():
+            if self._maps[seg] is None:
+                return
+            if reserved:
+                self._reserved[seg][:] = b"\x01" * len(self._reserved[seg])
+            self._space.give(seg, 0, self._sizes[seg])
 
     def _reserve(self, seg: int, off: int, size: int) -> bool:
         if not hasattr(os, "posix_fallocate"):
@@ -237,6 +292,69 @@ class Arena:
             return False
         pages[lo:hi] = b"\x01" * (hi - lo)
         return True
+
+    # -- segments a process may cut short (shm_open, files: not sealed) -------
+    # On Linux a process of the daemon's uid can ftruncate a POSIX shm object
+    # (/dev/shm/kvd-...) or a file; a touch of a mapped page past the new end
+    # is SIGBUS. So the daemon never touches such a segment's pages in user
+    # space: it copies out with pread (a short read: the entry is damaged, a
+    # miss) and in with pwrite (past the end, the object grows back), and
+    # stops allocating in a segment found cut short. Memfds are sealed
+    # against shrinking: their pages are copied directly.
+    def copy_out(self, data: Any) -> bytes | None:
+        """A private copy of a slot's bytes (`data`, a view of one), or None
+        if its segment was cut short under them (any thread)."""
+        found = self.locate(data) if not self.sealed else None
+        if found is None:
+            return bytes(memoryview(data).cast("B"))
+        slot, desc = found
+        parts, off, left = [], desc.offset, desc.length
+        try:
+            while left:
+                got = os.pread(self._fds[slot.seg], left, off)
+                if not got:
+                    break
+                parts.append(got)
+                off, left = off + len(got), left - len(got)
+        except OSError:
+            pass
+        if left:
+            with self._locked():
+                self._drain_shrunk(slot.seg)
+            return None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def copy_in(self, dst: "SlotArray", src: Any) -> None:
+        """Write `src`'s bytes into the slot view `dst` (the daemon's own
+        writes: an entry moved into the arena)."""
+        found = self.locate(dst) if not self.sealed else None
+        if found is None:
+            dst[:] = np.frombuffer(memoryview(src).cast("B"), np.uint8)
+            return
+        view, off = memoryview(src).cast("B"), found[1].offset
+        while view.nbytes:  # past the end of a cut segment the object grows back: no fault
+            n = os.pwrite(self._fds[found[0].seg], view, off)
+            view, off = view[n:], off + n
+
+    def _cut_short(self, seg: int) -> bool:
+        try:
+            return os.fstat(self._fds[seg]).st_size < self._sizes[seg]
+        except OSError:
+            return True
+
+    def _drain_shrunk(self, seg: int) -> None:
+        """A segment was cut short (under the lock): nothing more is allocated
+        in it, its free pages go back, and it goes with its last live slot."""
+        if self._maps[seg] is None or seg in self._draining:
+            return
+        self.counters["shrunk_segments"] += 1
+        log.warning("shared-memory segment %d was cut short by another process: its entries are misses", seg)
+        self._draining.add(seg)
+        for start, n in self._space.ranges(seg):
+            self._punch(seg, start, n)
+        self._space.drop(seg)
+        if not self._seg_used[seg]:
+            self._remove(seg)
 
     def trim(self) -> int:
         """Give back the pages of every free range and remove all-free segments.
@@ -263,7 +381,8 @@ class Arena:
         hi = (off + n) // _PAGE * _PAGE
         if hi <= lo or not hasattr(mmap, "MADV_REMOVE"):
             return 0
-        self._maps[seg].madvise(mmap.MADV_REMOVE, lo, hi - lo)
+        with contextlib.suppress(OSError):  # past the end of a segment cut short
+            self._maps[seg].madvise(mmap.MADV_REMOVE, lo, hi - lo)
         self._reserved[seg][lo // _PAGE:hi // _PAGE] = bytes((hi - lo) // _PAGE)
         return hi - lo
 
@@ -333,7 +452,7 @@ class Arena:
         self._draining.discard(seg)
         self._sizes[seg], self._reserved[seg] = 0, bytearray()
         self._space.drop(seg)
-        unlink_name(self.folder / segment_name(self.run_id, seg))
+        unlink_segment(self.folder, segment_name(self.run_id, seg))
         try:
             mm.close()
         except BufferError:  # a view still exports it: the mapping goes with that view
@@ -377,7 +496,7 @@ class Arena:
     def unlink(self) -> None:
         """Remove this run's segment names (mappings stay valid until unmapped)."""
         for seg in self.live():
-            unlink_name(self.folder / segment_name(self.run_id, seg))
+            unlink_segment(self.folder, segment_name(self.run_id, seg))
 
     def repair(self) -> int:
         """Put back the names of live segments removed or replaced under us

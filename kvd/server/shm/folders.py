@@ -16,7 +16,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from kvd.host.segments import memory_folder
+from kvd.host.segments import NAME_SUFFIX, memory_folder, unlink_segment
 from kvd.protocol.shm import parse_segment_name
 
 log = logging.getLogger("kvd.server")
@@ -69,7 +69,9 @@ def sweep_plane_dirs(socket_path: Path) -> int:
     for folder in plane_dirs(socket_path):
         try:
             for name in os.listdir(folder):
-                if parse_segment_name(name) is not None or name == NONCE_FILE or name.startswith(NONCE_FILE + "."):
+                if parse_segment_name(name.removesuffix(NAME_SUFFIX)) is not None:
+                    unlink_segment(folder, name.removesuffix(NAME_SUFFIX))  # a shm_open segment's POSIX name too
+                elif name == NONCE_FILE or name.startswith(NONCE_FILE + "."):
                     os.unlink(folder / name)
             folder.rmdir()
             gone += 1

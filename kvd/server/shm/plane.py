@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvd.endpoint import check_run_dir
-from kvd.host.segments import pid_namespace
+from kvd.host.segments import NAME_SUFFIX, pid_namespace, unlink_segment
 from kvd.protocol.codec import Message
 from kvd.protocol.errors import BadField
 from kvd.protocol.shm import LeaseTable, check_proof, stale_segments
@@ -73,11 +73,12 @@ class ShmPlane(GetReplies, SlotGrants):
         self.run_id = secrets.token_hex(4)
         folder.mkdir(mode=0o700, exist_ok=True)
         check_run_dir(folder)  # ours, 0700, not a symlink: else UnsafeEndpoint
-        for name in stale_segments(os.listdir(folder), self.run_id):
-            os.unlink(folder / name)
+        for name in stale_segments([n.removesuffix(NAME_SUFFIX) for n in os.listdir(folder)], self.run_id):
+            unlink_segment(folder, name)
         self.nonce = secrets.token_bytes(32)
         self._write_nonce()
         self.arena = Arena(folder, self.run_id, capacity, segment_bytes)
+        self.preparer = None  # kvd/server/shm/prepare.py, started by startup.py
         self.leases = LeaseTable(lease_seconds)
         self._clock = clock
         self._held: dict[int, list[Slot]] = {}  # lease id -> the slots it keeps alive
@@ -128,6 +129,8 @@ class ShmPlane(GetReplies, SlotGrants):
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
         offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
+        if self.arena.mechanism == "shm_open":  # segments are POSIX shm objects named in <segment>.shm
+            offer["segments"] = "shm_open"
         if self.arena.sealed:  # segments are links into /proc/<pid>/fd: clients open nothing else (rule 5)
             offer["pid"] = os.getpid()
             ns = pid_namespace()
@@ -183,10 +186,12 @@ class ShmPlane(GetReplies, SlotGrants):
         return {"run": self.run_id, "dir": str(self.folder), "lease_s": self.leases.lease_seconds,
                 "leases": len(self._held), "pending": len(self._pending), "pending_bytes": self.pending_bytes,
                 "granted_bytes": self.granted_bytes,
-                **self.arena.stats(), **self.counters}
+                **self.arena.stats(), **self.counters, **(self.preparer.stats() if self.preparer else {})}
 
     def close(self) -> None:
         """A clean stop leaves nothing: segments, nonce, folder."""
+        if self.preparer is not None:
+            self.preparer.stop()
         self._held.clear()
         self._pending.clear()
         self._pending_cost.clear()

@@ -84,7 +84,7 @@ class GetReplies:
             n = t.nbytes
             dst = arr[pos:pos + n]
             if n:
-                dst[:] = np.frombuffer(memoryview(t.data).cast("B"), np.uint8)
+                self.arena.copy_in(dst, t.data)  # pwrite where a segment can be cut short
             # Fixed from the private bytes it came from: a write into the slot
             # from now on is found wherever the bytes go.
             dst.digest = xxhash.xxh3_64_intdigest(t.data)

@@ -8,6 +8,7 @@ import time
 from kvd.endpoint import ipc_path
 from kvd.server.shm.folders import new_plane_dir, sweep_plane_dirs
 from kvd.server.shm.plane import ShmPlane
+from kvd.server.shm.prepare import Preparer
 
 log = logging.getLogger("kvd.server")
 
@@ -65,6 +66,11 @@ def open_plane(daemon) -> None:
     daemon.handler.shm = plane
     ram = getattr(daemon.store, "ram", daemon.store)
     full_budget = getattr(ram, "budget_bytes", 0)
+    try:  # pages ready before a PUT needs them; not while the RAM tier yields to pressure
+        plane.preparer = Preparer(plane.arena, lambda: getattr(ram, "budget_bytes", full_budget) >= full_budget).start()
+    except RuntimeError as err:  # no thread to be had: slots reserve their pages as they are handed out
+        plane.preparer = None
+        log.warning("shared memory: no thread to prepare segments ahead of demand: %s", err)
     last, checked = [0.0], [time.monotonic()]
     ticked = daemon.on_tick
 
@@ -85,6 +91,14 @@ def open_plane(daemon) -> None:
                 daemon.ratelog.warning("shm repair", "shared memory: cannot restore the plane's folder: %s", err)
 
     daemon.on_tick = on_tick
+    if not plane.arena.sealed:
+        # Segments another process may cut short: the SSD and remote readers
+        # (and their checks) would touch their pages; they read into the heap,
+        # and a GET over shm moves the entry in with pwrite (Arena.copy_in).
+        daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
+        log.info("shared memory offered: %s (%s segments, capacity %d MiB, lease %gs)", plane.folder,
+                 plane.arena.mechanism, plane.arena.capacity >> 20, plane.leases.lease_seconds)
+        return
     ssd = getattr(daemon.store, "ssd", None)
     if ssd is not None and hasattr(ssd, "read_buffers"):
         ssd.read_buffers = plane.arena.alloc  # a cold hit lands in shared memory, never a bytearray first

@@ -1,0 +1,86 @@
+"""A put into a freshly started daemon against a warm one's (issue 42).
+
+    python bench/bench_fresh.py [--mib 256] [--ram-mb 2048] [--steady 5] [--host auto|portable] [--gap-ms 0]
+
+Starts a daemon (RAM tier only, `--ram-mb`), and over the shared-memory plane
+puts snapshots of `--mib` MiB (bench_wire.py's layout: 32 layers x keys and
+values, bf16) with fresh token ids each time, from one client:
+  * fresh: the puts that fill the RAM tier of the new daemon (its arena
+    growing), their median and the very first one;
+  * steady: `--steady` puts once the tier is full (each evicts the oldest);
+  * new client: the first put of a client that connects to the warm daemon.
+Each is printed in GiB/s and as a ratio to steady (targets: fresh >= 0.5,
+new client's first >= 0.5), with numpy baselines from the same run: a copy
+into an already-touched buffer (memcpy) and into fresh memory.
+`--gap-ms` waits between puts, as a model server's puts are spaced by
+generation (0: back to back, the worst case). The lead re-runs figures on a
+quiet machine; on a shared one, read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import GiB, MiB, daemon, machine, median_time  # noqa: E402
+from bench_wire import BYTES_PER_TOKEN, snapshot  # noqa: E402
+
+from kvd_client import Client  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--ram-mb", type=int, default=2048)
+    ap.add_argument("--steady", type=int, default=5)
+    ap.add_argument("--host", default="auto", choices=("auto", "portable"))
+    ap.add_argument("--gap-ms", type=float, default=0.0)
+    args = ap.parse_args()
+    n_tokens = args.mib * MiB // BYTES_PER_TOKEN
+    snap = snapshot(n_tokens, seed=1)
+    nbytes = snap.nbytes
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)
+    t_mem = median_time(lambda: np.copyto(dst, src), 5)
+    t_fresh = median_time(lambda: src.copy(), 5)
+    del dst
+    counter = iter(range(1, 10**9))
+
+    def put(c) -> float:
+        toks = np.arange(n_tokens) + next(counter) * 1_000_000
+        if args.gap_ms:
+            time.sleep(args.gap_ms / 1000)  # a model server generating between puts
+        t0 = time.perf_counter()
+        assert c.put(toks, snap)
+        return time.perf_counter() - t0
+
+    fill = max(1, args.ram_mb // args.mib)
+    with daemon("--ram-mb", str(args.ram_mb), "--data-dir", "none", env={"KVD_HOST": args.host}) as d:
+        with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c:
+            fresh = [put(c) for _ in range(fill)]
+            steady = [put(c) for _ in range(args.steady)]
+            assert c.counters["shm_puts"] == fill + args.steady
+            host = c.stats().get("host", {})
+        with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c2:
+            first_new = put(c2)
+            again = put(c2)
+    rate = lambda t: nbytes / t / GiB  # noqa: E731
+    t_steady = statistics.median(steady)
+    print(f"# bench_fresh  {machine()}  {args.mib} MiB puts, ram_mb={args.ram_mb}, host={host}, gap={args.gap_ms} ms")
+    print(f"baselines: memcpy {rate(t_mem):.2f} GiB/s, fresh-memory copy {rate(t_fresh):.2f} GiB/s")
+    rows = [("fresh daemon, median of the fill", statistics.median(fresh)), ("fresh daemon, first put", fresh[0]),
+            ("steady state", t_steady), ("new client, first put", first_new), ("new client, second put", again)]
+    for label, t in rows:
+        print(f"{label:34s} {rate(t):6.2f} GiB/s  {t_steady / t:5.2f}x steady  {t_mem / t:5.2f}x memcpy")
+    print("fill puts GiB/s:", " ".join(f"{rate(t):.2f}" for t in fresh))
+
+
+if __name__ == "__main__":
+    main()
