@@ -38,6 +38,7 @@ import zmq
 log = logging.getLogger("kvd.server")
 
 BATCH = 1 << 16  # parts per zmq_recviov call: a 1 MiB iovec array
+_PENDING_BATCHES = 4  # batches of buffers waiting to be freed, at most
 
 
 class _Iovec(ctypes.Structure):
@@ -87,7 +88,9 @@ class _Freer(threading.Thread):
     def __init__(self, free):
         super().__init__(name="kvd-drop", daemon=True)
         self.free = free
-        self.todo: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        # At most a few batches wait (~2 MiB of small buffers each): past that
+        # the reader waits for the frees, so a bomb's parts never pile up.
+        self.todo: queue.Queue[list[int]] = queue.Queue(maxsize=_PENDING_BATCHES)
         self.start()
 
     def run(self) -> None:
