@@ -269,12 +269,22 @@ def _sysctl_int(name: str, ctype=ctypes.c_int64) -> int | None:
     return int(value.value)
 
 
+# <sys/event.h>: NOTE_MEMORYSTATUS_PRESSURE_NORMAL 0x1, _WARN 0x2, _CRITICAL 0x4,
+# the values kern.memorystatus_vm_pressure_level holds.
+DARWIN_LEVELS = {1: "normal", 2: "warn", 4: "critical"}
+
+
+def darwin_level(raw: int | None) -> str:
+    """The level for a kern.memorystatus_vm_pressure_level value (pure: tested
+    against recorded `sysctl` outputs); unreadable or unknown reads as normal."""
+    return DARWIN_LEVELS.get(raw if raw is not None else 1, "normal")
+
+
 def darwin_sample(previous: str = "normal") -> Sample:
     """The kernel's memory-pressure level (the one the dispatch source reports)."""
     raw = _sysctl_int("kern.memorystatus_vm_pressure_level", ctypes.c_int)
     total = _sysctl_int("hw.memsize")
-    level = {1: "normal", 2: "warn", 4: "critical"}.get(raw or 1, "normal")
-    return Sample(level, f"kern.memorystatus_vm_pressure_level={raw}", None, total)
+    return Sample(darwin_level(raw), f"kern.memorystatus_vm_pressure_level={raw}", None, total)
 
 
 # -- the one OS switch ------------------------------------------------------------

@@ -99,3 +99,35 @@ if __name__ == "__main__":  # python -m kvd.service.launchd > launchd/io.kvd.dae
     import sys
 
     sys.stdout.buffer.write(render_plist(home=EXAMPLE_HOME, python=EXAMPLE_PYTHON))
+
+
+def parse_print(text: str) -> dict[str, str]:
+    """The top-level `key = value` lines of `launchctl print <domain>/<label>`
+    (state, pid, program, path, stdout path, last exit code, ...), pure so it
+    is tested against recorded outputs. Nested blocks (`arguments = {`,
+    `environment = {`) are skipped; the first occurrence of a key wins."""
+    out: dict[str, str] = {}
+    depth = 0
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.endswith("{"):
+            depth += 1
+            continue
+        if stripped == "}":
+            depth = max(0, depth - 1)
+            continue
+        if depth == 1 and " = " in stripped:
+            key, _, value = stripped.partition(" = ")
+            out.setdefault(key.strip(), value.strip())
+    return out
+
+
+def describe_print(text: str) -> str:
+    """One line from `launchctl print`: state, pid, last exit code."""
+    f = parse_print(text)
+    parts = [f"state {f.get('state', '?')}"]
+    if "pid" in f:
+        parts.append(f"pid {f['pid']}")
+    if "last exit code" in f:
+        parts.append(f"last exit code {f['last exit code']}")
+    return ", ".join(parts)

@@ -1,0 +1,53 @@
+"""The macOS parsers against recorded outputs (tests/host/fixtures/macos; read
+its README for where they come from): the OS call is a thin wrapper, its parsing
+a pure function tested here on any OS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvd.host import pressure
+from kvd.service import launchd
+
+FIX = Path(__file__).parent / "fixtures" / "macos"
+
+
+def sysctl_value(text: str) -> int:
+    name, _, value = text.strip().partition(": ")
+    assert name == "kern.memorystatus_vm_pressure_level"
+    return int(value)
+
+
+@pytest.mark.parametrize("n, level", [(1, "normal"), (2, "warn"), (4, "critical")])
+def test_each_recorded_pressure_level_maps_to_kvds_level(n, level):
+    raw = sysctl_value((FIX / f"sysctl_pressure_{n}.txt").read_text())
+    assert raw == n and pressure.darwin_level(raw) == level
+
+
+def test_an_unreadable_or_unknown_pressure_value_reads_as_normal():
+    assert pressure.darwin_level(None) == "normal"
+    assert pressure.darwin_level(0) == "normal" and pressure.darwin_level(3) == "normal"
+
+
+def test_launchctl_print_of_a_running_agent():
+    f = launchd.parse_print((FIX / "launchctl_print_running.txt").read_text())
+    assert f["state"] == "running" and f["pid"] == "4242"
+    assert f["path"].endswith("Library/LaunchAgents/io.kvd.daemon.plist")
+    assert f["stdout path"].endswith("kvd.out.log") and f["stderr path"].endswith("kvd.err.log")
+    assert f["last exit code"] == "(never exited)"
+    assert "XPC_SERVICE_NAME" not in f and "activation rate" not in f  # nested blocks skipped
+    assert launchd.describe_print((FIX / "launchctl_print_running.txt").read_text()) == \
+        "state running, pid 4242, last exit code (never exited)"
+
+
+def test_launchctl_print_of_an_agent_that_exited():
+    text = (FIX / "launchctl_print_exited.txt").read_text()
+    f = launchd.parse_print(text)
+    assert f["state"] == "not running" and "pid" not in f and f["runs"] == "3"
+    assert launchd.describe_print(text) == "state not running, last exit code 78: EX_CONFIG"
+
+
+def test_launchctl_print_of_nothing_says_so():
+    assert launchd.describe_print("") == "state ?"
