@@ -51,3 +51,36 @@ def test_launchctl_print_of_an_agent_that_exited():
 
 def test_launchctl_print_of_nothing_says_so():
     assert launchd.describe_print("") == "state ?"
+
+
+def quoted_xucred() -> str:
+    import inspect
+
+    from kvd import endpoint
+
+    src = inspect.getsource(endpoint)
+    return src[src.index("#define XUCRED_VERSION"):src.index("XUCRED_SIZE =")]
+
+
+def test_the_xucred_size_is_the_quoted_struct():
+    import re
+
+    from kvd import endpoint
+
+    text = quoted_xucred()
+    ngroups = int(re.search(r"#define NGROUPS (\d+)", text).group(1))
+    fields = re.findall(r"(u_int|uid_t|short|gid_t)\s+(\w+)(?:\[NGROUPS\])?;", text)
+    assert [n for _, n in fields] == ["cr_version", "cr_uid", "cr_ngroups", "cr_groups"]
+    # u_int, uid_t, gid_t are 4 bytes, short 2 with 2 of padding before the gid_t array
+    assert endpoint.XUCRED_SIZE == 4 + 4 + 2 + 2 + ngroups * 4
+    assert "#define LOCAL_PEERCRED  0x001" in text and "#define SOL_LOCAL       0" in text
+
+
+def test_recorded_local_peercred_bytes_give_the_uid():
+    from kvd import endpoint
+
+    lines = (FIX / "local_peercred_xucred.hex").read_text().splitlines()
+    raw = bytes.fromhex("".join(x for x in lines if not x.startswith("#")))
+    assert len(raw) == endpoint.XUCRED_SIZE and endpoint.xucred_uid(raw) == 501
+    assert endpoint.xucred_uid(b"\1\0\0\0" + raw[4:]) is None  # another layout version
+    assert endpoint.xucred_uid(raw[:6]) is None
