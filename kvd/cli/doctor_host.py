@@ -76,7 +76,16 @@ def pressure_sample(spec: str) -> Sample | None:
     """One sample of the `pressure_source` setting's source; None for "off".
     Raises ValueError for a spec the daemon would refuse too."""
     source = make_source(spec)
-    return None if source is None else source("normal")
+    if source is None:
+        return None
+    sample = source("normal")
+    if sample.available is None:  # macOS's sysctl gives a level, no figure: vm_stat's, once
+        from dataclasses import replace
+
+        from kvd.host.pressure import darwin_vm_available
+
+        sample = replace(sample, available=darwin_vm_available())
+    return sample
 
 
 # -- shared memory ----------------------------------------------------------------

@@ -84,3 +84,16 @@ def test_recorded_local_peercred_bytes_give_the_uid():
     assert len(raw) == endpoint.XUCRED_SIZE and endpoint.xucred_uid(raw) == 501
     assert endpoint.xucred_uid(b"\1\0\0\0" + raw[4:]) is None  # another layout version
     assert endpoint.xucred_uid(raw[:6]) is None
+
+
+def test_vm_stat_gives_page_size_and_pages():
+    page, pages = pressure.parse_vm_stat((FIX / "vm_stat.txt").read_text())
+    assert page == 16384  # Apple Silicon's 16 KiB pages
+    assert pages["Pages free"] == 12345 and pages["Translation faults"] == 987654321
+    assert pages["Pages stored in compressor"] == 654321 and len(pages) == 22
+    assert pressure.vm_stat_available(page, pages) == 16384 * (12345 + 389012 + 4567)
+
+
+def test_what_is_not_vm_stat_is_refused():
+    with pytest.raises(ValueError, match="not vm_stat output"):
+        pressure.parse_vm_stat("Pages free: 1.\n")
