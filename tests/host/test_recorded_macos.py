@@ -97,3 +97,18 @@ def test_vm_stat_gives_page_size_and_pages():
 def test_what_is_not_vm_stat_is_refused():
     with pytest.raises(ValueError, match="not vm_stat output"):
         pressure.parse_vm_stat("Pages free: 1.\n")
+
+
+def test_service_status_reports_the_recorded_launchctl_print(tmp_path):
+    from kvd.service import install as svc
+
+    t = svc.Target("launchd", tmp_path, 501, "/usr/bin/python3", {"HOME": str(tmp_path)})
+    asked = []
+
+    def launchctl(argv):  # the thin wrapper's seam: what a Mac printed
+        asked.append(tuple(argv))
+        return svc.Result(0, (FIX / "launchctl_print_running.txt").read_text())
+
+    st = svc.status(t, "ipc:///nowhere/kvd.sock", runner=launchctl, pinger=lambda ep: (True, "ping 0.10 ms"))
+    assert asked == [("launchctl", "print", "gui/501/io.kvd.daemon")]
+    assert st.loaded and st.loaded_detail == "state running, pid 4242, last exit code (never exited)"
