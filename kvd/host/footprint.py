@@ -115,7 +115,6 @@ def _load():
 
 
 _CALL = _load()
-_BUF = RusageInfoV2()  # reused: the gate's thread is the only sampler
 
 
 def available() -> bool:
@@ -129,7 +128,7 @@ def phys_footprint(call=None, pid: int | None = None) -> int | None:
     fn = call if call is not None else _CALL
     if fn is None:
         return None
-    buf = _BUF if call is None else RusageInfoV2()
+    buf = RusageInfoV2()  # one per call: the call drops the GIL, so a shared one could be torn
     if fn(os.getpid() if pid is None else pid, RUSAGE_INFO_V2, ctypes.addressof(buf)) != 0:
         return None
     return int(buf.ri_phys_footprint)
