@@ -312,6 +312,33 @@ def endpoint_locked(endpoint: str) -> bool | None:
         os.close(fd)
 
 
+# macOS SDK, <sys/ucred.h> and <sys/un.h>, quoted (tests/host/test_recorded_macos.py
+# parses it and checks XUCRED_SIZE and the parse against recorded bytes):
+#     #define XUCRED_VERSION  0
+#     #define NGROUPS 16  (NGROUPS_MAX, <sys/syslimits.h>)
+#     struct xucred {
+#             u_int   cr_version;             /* structure layout version */
+#             uid_t   cr_uid;                 /* effective user id */
+#             short   cr_ngroups;             /* number of advisory groups */
+#             gid_t   cr_groups[NGROUPS];     /* advisory group list */
+#     };
+#     #define SOL_LOCAL       0
+#     #define LOCAL_PEERCRED  0x001           /* retrieve peer credentials */
+XUCRED_SIZE = 76  # 4 + 4 + 2 (+2 padding) + 16 * 4
+
+
+def xucred_uid(raw: bytes) -> int | None:
+    """cr_uid of a struct xucred as LOCAL_PEERCRED returns it (pure: tested
+    against recorded bytes), None for another layout version or short bytes."""
+    import struct
+
+    try:
+        version, uid = struct.unpack_from("=2I", raw)
+    except struct.error:
+        return None
+    return uid if version == 0 else None
+
+
 def peer_uid(fd: int) -> int | None:
     """The uid of the process at the other end of the unix-socket connection
     `fd`; None if it cannot be told (not a unix socket, closed, another OS).
@@ -328,9 +355,8 @@ def peer_uid(fd: int) -> int | None:
             return None
         if sys.platform == "linux":  # struct ucred {pid, uid, gid}
             return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-        if sys.platform == "darwin":  # SOL_LOCAL, LOCAL_PEERCRED: struct xucred {version (0), uid, ...}
-            version, uid = struct.unpack_from("=2I", s.getsockopt(0, 1, 76))
-            return uid if version == 0 else None
+        if sys.platform == "darwin":  # SOL_LOCAL (0), LOCAL_PEERCRED (1)
+            return xucred_uid(s.getsockopt(0, 1, XUCRED_SIZE))
         return None
     except (OSError, struct.error):
         return None

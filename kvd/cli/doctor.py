@@ -245,8 +245,9 @@ def check_memory(ctx) -> Check:
     if rss is None:
         return Check("memory", WARN, f"RSS cannot be read cheaply here: the daemon's memory watchdog is off; {malloc}",
                      "rss_bytes, mallopt")
+    source = "proc_pid_rusage ri_phys_footprint" if ctx.host.footprint_available() else "/proc/self/statm"
     return Check("memory", OK, f"RSS readable (this process: {size(rss)}); {malloc}",
-                 "/proc/self/statm for the peer gate's watchdog, mallopt")
+                 f"{source} for the peer gate's watchdog, mallopt")
 
 
 def check_shm(ctx) -> Check:

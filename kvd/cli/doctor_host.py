@@ -65,11 +65,27 @@ def memory_watch() -> tuple[int | None, bool]:
     return rss_bytes(), tune_malloc()
 
 
+def footprint_available() -> bool:
+    """Whether RSS comes from macOS's proc_pid_rusage (else /proc/self/statm)."""
+    from kvd.host import footprint
+
+    return footprint.available()
+
+
 def pressure_sample(spec: str) -> Sample | None:
     """One sample of the `pressure_source` setting's source; None for "off".
     Raises ValueError for a spec the daemon would refuse too."""
     source = make_source(spec)
-    return None if source is None else source("normal")
+    if source is None:
+        return None
+    sample = source("normal")
+    if sample.available is None:  # macOS's sysctl gives a level, no figure: vm_stat's, once
+        from dataclasses import replace
+
+        from kvd.host.pressure import darwin_vm_available
+
+        sample = replace(sample, available=darwin_vm_available())
+    return sample
 
 
 # -- shared memory ----------------------------------------------------------------

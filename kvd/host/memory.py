@@ -7,14 +7,17 @@ What each OS gives:
             leaves out file-backed maps such as the index's and shared
             memory); glibc's mallopt() and malloc_trim() through ctypes (not
             under musl: no controls there).
-    macOS   no cheap RSS reading (`rss_bytes` is None: the daemon's memory
-            watchdog is off there; the per-frame limit and the reply budgets
-            still hold); no glibc: `tune_malloc` and `trim_malloc` do nothing.
+    macOS   the physical footprint from proc_pid_rusage() (ri_phys_footprint,
+            kvd/host/footprint.py: anonymous and compressed memory, leaving out
+            file-backed maps), so the memory watchdog holds there too; no
+            glibc: `tune_malloc` and `trim_malloc` do nothing.
 """
 
 from __future__ import annotations
 
 import os
+
+from kvd.host import footprint
 
 
 def _libc():
@@ -56,9 +59,8 @@ def tune_malloc() -> bool:
 
 def rss_bytes() -> int | None:
     """This process's anonymous resident memory (Linux: RssAnon, which leaves
-    out the index's file-backed map and shared memory), or None where the
-    system does not tell it cheaply (macOS: the watchdog is off there; the
-    per-frame limit and the reply budgets still hold).
+    out the index's file-backed map and shared memory; macOS: the physical
+    footprint, ri_phys_footprint), or None where the system tells neither.
 
     Read from /proc/self/statm (resident less shared pages: RssAnon), kept
     open and read again in place: ~2 us, where parsing /proc/self/status took
@@ -69,11 +71,11 @@ def rss_bytes() -> int | None:
             _STATM = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             _STATM = -1  # no /proc (macOS): not asked again
-            return None
+            return footprint.phys_footprint()
         except OSError:
             return None  # no fd free this time (EMFILE): tried again at the next sample
     if _STATM < 0:
-        return None
+        return footprint.phys_footprint()
     try:
         fields = os.pread(_STATM, 128, 0).split()
         return (int(fields[1]) - int(fields[2])) * _PAGE

@@ -21,8 +21,11 @@ What each OS gives:
             pressure and cut the RAM budget to the floor. Where memory.stat
             lacks those keys: usage less inactive file cache.
     macOS   sysctl kern.memorystatus_vm_pressure_level via ctypes (the
-            kernel's own level: 1 normal, 2 warn, 4 critical) and hw.memsize.
-            Not exercised by the test suite (it runs on Linux).
+            kernel's own level: 1 normal, 2 warn, 4 critical) and hw.memsize;
+            `kvd doctor` adds vm_stat's free + inactive + speculative pages.
+            The calls are thin wrappers; their parsing (`darwin_level`,
+            `parse_vm_stat`) is tested against recorded outputs
+            (tests/host/test_recorded_macos.py).
     other   no source: always "normal".
 
 Levels have hysteresis: each measure enters a level at one threshold and
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,12 +273,61 @@ def _sysctl_int(name: str, ctype=ctypes.c_int64) -> int | None:
     return int(value.value)
 
 
+# <sys/event.h>: NOTE_MEMORYSTATUS_PRESSURE_NORMAL 0x1, _WARN 0x2, _CRITICAL 0x4,
+# the values kern.memorystatus_vm_pressure_level holds.
+DARWIN_LEVELS = {1: "normal", 2: "warn", 4: "critical"}
+
+
+def darwin_level(raw: int | None) -> str:
+    """The level for a kern.memorystatus_vm_pressure_level value (pure: tested
+    against recorded `sysctl` outputs); unreadable or unknown reads as normal."""
+    return DARWIN_LEVELS.get(raw if raw is not None else 1, "normal")
+
+
+def parse_vm_stat(text: str) -> tuple[int, dict[str, int]]:
+    """(page size, {field: pages}) from `vm_stat`'s output (pure: tested against
+    recorded outputs). Its first line is "Mach Virtual Memory Statistics: (page
+    size of 16384 bytes)"; then lines "Pages free:   12345." (a trailing dot).
+    Raises ValueError when the header is not there."""
+    head, _, rest = text.partition("\n")
+    m = re.search(r"page size of (\d+) bytes", head)
+    if m is None:
+        raise ValueError(f"not vm_stat output: {head[:80]!r}")
+    pages = {}
+    for line in rest.splitlines():
+        name, sep, value = line.rpartition(":")
+        value = value.strip().rstrip(".")
+        if sep and value.isdigit():
+            pages[name.strip().strip('"')] = int(value)
+    return int(m.group(1)), pages
+
+
+def vm_stat_available(page: int, pages: dict[str, int]) -> int:
+    """Bytes the system could hand out without compressing or swapping: free,
+    inactive and speculative pages (what Activity Monitor's "available" adds
+    up to, less purgeable memory it also counts)."""
+    return page * sum(pages.get(k, 0) for k in ("Pages free", "Pages inactive", "Pages speculative"))
+
+
+def darwin_vm_available() -> int | None:
+    """Thin wrapper: run `vm_stat` once (for `kvd doctor`, not the daemon's
+    sampling: a process per reading is too dear there); None off macOS."""
+    import subprocess
+
+    if sys.platform != "darwin":
+        return None
+    try:
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5, check=True).stdout
+        return vm_stat_available(*parse_vm_stat(out))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 def darwin_sample(previous: str = "normal") -> Sample:
     """The kernel's memory-pressure level (the one the dispatch source reports)."""
     raw = _sysctl_int("kern.memorystatus_vm_pressure_level", ctypes.c_int)
     total = _sysctl_int("hw.memsize")
-    level = {1: "normal", 2: "warn", 4: "critical"}.get(raw or 1, "normal")
-    return Sample(level, f"kern.memorystatus_vm_pressure_level={raw}", None, total)
+    return Sample(darwin_level(raw), f"kern.memorystatus_vm_pressure_level={raw}", None, total)
 
 
 # -- the one OS switch ------------------------------------------------------------

@@ -345,7 +345,8 @@ def status(t: Target, endpoint: str, runner: Runner | None = None,
     path = t.service_path
     if t.init == "launchd":
         r = runner(("launchctl", "print", f"{t.launchd_domain}/{launchd.LABEL}"))
-        loaded, detail = r.returncode == 0, "" if r.returncode == 0 else "not bootstrapped"
+        loaded = r.returncode == 0
+        detail = launchd.describe_print(r.stdout or "") if loaded else "not bootstrapped"
     else:
         r = runner(("systemctl", "--user", "is-active", systemd.UNIT_NAME))
         detail = (r.stdout.strip() or r.stderr.strip()).splitlines()[0] if (r.stdout or r.stderr) else ""

@@ -163,3 +163,27 @@ def test_an_mlx_that_cannot_be_imported_is_a_warning_not_a_crash(folder, tmp_pat
     got = checks(out.stdout)
     assert got["mlx"]["status"] == "warn" and "cannot import mlx: ImportError: broken on purpose" in got["mlx"]["detail"]
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_it_names_the_mechanism_this_os_gives(folder):
+    # The memory, fsync and pressure lines say where their readings come from:
+    # on Linux /proc and fsync; on a Mac proc_pid_rusage, F_FULLFSYNC and sysctl.
+    out = run("--json", "--endpoint", f"ipc://{folder}/kvd.sock", "--data-dir", str(folder / "data"))
+    got = checks(out.stdout)
+    mac = sys.platform == "darwin"
+    assert got["memory"]["status"] == "ok", got["memory"]  # the watchdog can read RSS on both OSes
+    assert got["memory"]["mechanism"].startswith("proc_pid_rusage ri_phys_footprint" if mac else "/proc/self/statm")
+    assert got["fsync"]["status"] == "ok"
+    assert got["fsync"]["mechanism"] == ("F_FULLFSYNC, then fsync" if mac else "fsync (no F_FULLFSYNC here)")
+    assert got["pressure"]["mechanism"] == ("sysctl kern.memorystatus_vm_pressure_level" if mac else "/proc/meminfo, PSI, cgroups")
+    assert got["pressure"]["detail"].startswith(("auto: normal", "auto: warn", "auto: critical")), got["pressure"]
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(sys.platform != "darwin", reason="a real Mac's doctor: launchd, Metal, F_FULLFSYNC")
+def test_on_a_mac_every_line_is_ok_or_a_warning():
+    out = run("--json")
+    doc = json.loads(out.stdout)
+    assert doc["ok"] is True and out.returncode == 0, out.stdout
+    got = checks(out.stdout)
+    assert got["service"]["mechanism"] == "launchd" or "launchd" in got["service"]["detail"], got["service"]
