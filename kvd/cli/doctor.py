@@ -39,6 +39,7 @@ import click
 from kvd.cli import exits, main
 from kvd.cli.common import printable, settings, size
 from kvd.config import config_options
+from kvd.host.select import use as select_host
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 _FD_WARN = 1024  # under this kvd serve runs, with a small peer cap
@@ -270,6 +271,11 @@ def check_shm(ctx) -> Check:
             "read back through a second mapping, removed")
     if trial.sealed:
         return Check("shared memory", OK, done, "sealed memfd named by a symlink, mmap")
+    if trial.mechanism == "shm_open":
+        how = "POSIX shm_open object named in a 0600 file"
+        if sys.platform.startswith("linux"):  # host = portable: unsealed, so the daemon reads them with pread
+            how += " (host = portable), pread/pwrite in the daemon"
+        return Check("shared memory", OK, done, how + ", mmap in clients")
     if sys.platform.startswith("linux"):
         why = "memfd_create or sealing refused here: segments are unsealed files 0600"
         if fs != "tmpfs":
@@ -329,7 +335,14 @@ def check_fsync(ctx) -> Check:
         return Check("fsync", OK, "not used (no data dir)")
     at = _existing(Path(d))
     full = getattr(fcntl, "F_FULLFSYNC", None)
-    how = "F_FULLFSYNC, then fsync" if full is not None else "fsync (no F_FULLFSYNC here)"
+    if full is None:
+        how = "fsync (no F_FULLFSYNC here)"
+    elif not ctx.cfg.full_fsync:
+        # Blob files take fsync only unless full_fsync asks (kvd.store.ssd.blobfile);
+        # the check still tries F_FULLFSYNC, to say whether asking would work.
+        how = "fsync (F_FULLFSYNC only with full_fsync = true)"
+    else:
+        how = "F_FULLFSYNC, then fsync"
     data = os.urandom(64 << 10)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".kvd-doctor-", dir=at)
@@ -457,6 +470,7 @@ def doctor(as_json: bool, **flags) -> None:
     (something here would stop kvd from working), 78 for bad configuration.
     """
     cfg = settings(flags)
+    select_host(cfg.host)  # the mechanisms kvd serve would use (kvd.host.select)
     checks = run_checks(cfg)
     failed = [c for c in checks if c.status == FAIL]
     code = exits.FAILED if failed else exits.OK

@@ -24,6 +24,7 @@ from kvd.protocol.shm import segment_name
 from kvd.host.fds import raise_fd_limit
 from kvd.host.memory import rss_bytes, tune_malloc
 from kvd.host.pressure import Sample
+from kvd.host.segments import read_shm_name
 from kvd.server.admission.caps import default_max_peers
 from kvd.server.governor import make_source
 from kvd.server.shm.arena import Arena
@@ -96,6 +97,21 @@ class SegmentTrial:
     folder: Path
     sealed: bool  # a sealed memfd named by a symlink (Linux), else a file 0600
     nbytes: int
+    mechanism: str = "memfd"  # memfd | shm_open | files (kvd.host.select)
+
+
+def _open_segment(folder: Path, name: str, mechanism: str) -> int:
+    """A read-only fd of segment `name`, opened the way a client opens it
+    (client/_shm.py): a POSIX shm object through the name its `.shm` file
+    holds, else the folder's link or file."""
+    if mechanism != "shm_open":
+        return os.open(folder / name, os.O_RDONLY | os.O_CLOEXEC)
+    import _posixshmem
+
+    posix = read_shm_name(folder / (name + ".shm"))
+    if posix is None:
+        raise OSError(f"{name}.shm in {folder} does not name a shm object of ours")
+    return _posixshmem.shm_open(posix, os.O_RDONLY, 0)
 
 
 def segment_folder(socket_path: Path) -> Path:
@@ -123,7 +139,7 @@ def try_segment(socket_path: Path, nbytes: int = 1 << 16) -> SegmentTrial:
         pattern = secrets.token_bytes(nbytes)
         slot[:] = memoryview(pattern)
         seg, off = slot.slot.seg, slot.slot.off
-        fd = os.open(folder / segment_name(run_id, seg), os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open_segment(folder, segment_name(run_id, seg), arena.mechanism)
         try:
             with mmap.mmap(fd, off + nbytes, prot=mmap.PROT_READ) as view:
                 back = bytes(view[off:off + nbytes])
@@ -132,7 +148,7 @@ def try_segment(socket_path: Path, nbytes: int = 1 << 16) -> SegmentTrial:
         if back != pattern:
             raise AssertionError("a second mapping of the segment read back other bytes than were written")
         del slot
-        return SegmentTrial(folder, arena.sealed, nbytes)
+        return SegmentTrial(folder, arena.sealed, nbytes, arena.mechanism)
     finally:
         if arena is not None:
             arena.unlink()

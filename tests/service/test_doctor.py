@@ -174,10 +174,19 @@ def test_it_names_the_mechanism_this_os_gives(folder):
     assert got["memory"]["status"] == "ok", got["memory"]  # the watchdog can read RSS on both OSes
     assert got["memory"]["mechanism"].startswith("proc_pid_rusage ri_phys_footprint" if mac else "/proc/self/statm")
     assert got["fsync"]["status"] == "ok"
-    assert got["fsync"]["mechanism"] == ("F_FULLFSYNC, then fsync" if mac else "fsync (no F_FULLFSYNC here)")
+    assert got["fsync"]["mechanism"] == ("fsync (F_FULLFSYNC only with full_fsync = true)" if mac else "fsync (no F_FULLFSYNC here)")
     assert got["pressure"]["mechanism"] == ("sysctl kern.memorystatus_vm_pressure_level" if mac else "/proc/meminfo, PSI, cgroups")
     assert got["pressure"]["detail"].startswith(("auto: normal", "auto: warn", "auto: critical")), got["pressure"]
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_portable_host_is_what_it_names(folder):
+    # KVD_HOST=portable (the developer setting CI uses to run macOS's mechanisms
+    # here): doctor makes its trial segment as a POSIX shm_open object and says so.
+    env = os.environ | {"KVD_HOST": "portable"}
+    out = run("--json", "--endpoint", f"ipc://{folder}/kvd.sock", "--data-dir", str(folder / "data"), env=env)
+    shm = checks(out.stdout)["shared memory"]
+    assert shm["status"] == "ok" and shm["mechanism"].startswith("POSIX shm_open object"), shm
 
 
 @pytest.mark.skipif(sys.platform != "darwin", reason="a real Mac's doctor: launchd, Metal, F_FULLFSYNC")
