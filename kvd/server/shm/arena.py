@@ -211,9 +211,17 @@ class Arena:
         if (held + seg_size > self.capacity or len(self._maps) >= _MAX_SEGMENTS
                 or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
             return None
+        seg = self._add_segment(seg_size)
+        if seg_size > size:
+            self._space.give(seg, size, seg_size - size)
+        return seg, 0
+
+    def _add_segment(self, seg_size: int) -> int:
+        """Make, map and record segment number len(self._maps), sparse (slots
+        reserve their pages, _reserve); its number. Under the lock."""
         seg = len(self._maps)
         name = segment_name(self.run_id, seg)
-        fd = new_segment(self.folder, name, seg_size, self.mechanism)  # sparse: slots reserve their pages (_reserve)
+        fd = new_segment(self.folder, name, seg_size, self.mechanism)
         try:
             mm = mmap.mmap(fd, seg_size, flags=mmap.MAP_SHARED)
         except BaseException:
@@ -227,9 +235,7 @@ class Arena:
         self._reserved.append(bytearray(-(-seg_size // _PAGE)))  # pages reserved so far (_reserve)
         self._seg_used.append(0)
         self._seg_lost.append(0)
-        if seg_size > size:
-            self._space.give(seg, size, seg_size - size)
-        return seg, 0
+        return seg
 
     # -- segments prepared ahead of demand (kvd/server/shm/prepare.py) ------------
     def spare_prepared(self) -> int:
@@ -247,23 +253,8 @@ class Arena:
             if (mapped + self.segment_bytes > room or len(self._maps) >= _MAX_SEGMENTS
                     or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
                 return None
-            seg = len(self._maps)
-            name = segment_name(self.run_id, seg)
-            fd = new_segment(self.folder, name, self.segment_bytes, self.mechanism)
-            try:
-                mm = mmap.mmap(fd, self.segment_bytes, flags=mmap.MAP_SHARED)
-            except BaseException:
-                os.close(fd)
-                unlink_segment(self.folder, name)
-                raise
-            self._fds.append(fd)
-            self._maps.append(mm)
-            self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
-            self._sizes.append(self.segment_bytes)
-            self._reserved.append(bytearray(-(-self.segment_bytes // _PAGE)))
-            self._seg_used.append(0)
-            self._seg_lost.append(0)
-            return seg, fd
+            seg = self._add_segment(self.segment_bytes)
+            return seg, self._fds[seg]
 
     def end_segment(self, seg: int, reserved: bool) -> None:
         """Offer a prepared segment to `alloc`: its pages reserved (`reserved`:
