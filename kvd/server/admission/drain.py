@@ -32,6 +32,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 import zmq
 
@@ -161,8 +162,6 @@ class Offenders:
     over TCP, where one host may be many clients, nobody is banned."""
 
     def __init__(self, window: float = 60.0, first_ban: float = 10.0, longest: float = 300.0, clock=None):
-        import time
-
         self.window, self.first_ban, self.longest = window, first_ban, longest
         self.clock = clock or time.monotonic
         self._last: dict[bytes, float] = {}  # origin -> its last strike
