@@ -193,6 +193,14 @@ class WithRemote(Store):
         while len(self._answers) > _ANSWERS_MAX:
             self._answers.popitem(last=False)
 
+    def _ask_exists(self, ids: list[bytes]) -> None:
+        """An EXISTS of `ids` on a reader thread, its answer taken by `_absorb`."""
+        asked = time.monotonic()
+        fut = self.remote.submit(self.remote.exists, ids)
+        self._jobs.append((ids, fut, asked))
+        for e in ids:
+            self._asking[e] = (fut, asked)
+
     def _exists_later(self, want: list[bytes]) -> list[bool]:
         """`remote.exists(want)` answered by a reader thread: Pending until it is."""
         for _ in range(2):  # (a second look: the pool ran it inline, no thread to spare)
@@ -202,11 +210,7 @@ class WithRemote(Store):
                 return [self._answers[e][0] for e in want]
             new = [e for e in missing if e not in self._asking or self._asking[e][1] < self._since]
             if new:
-                asked = time.monotonic()
-                fut = self.remote.submit(self.remote.exists, new)
-                self._jobs.append((new, fut, asked))
-                for e in new:
-                    self._asking[e] = (fut, asked)
+                self._ask_exists(new)
         raise Pending(self._asking[missing[0]][0])
 
     def _hinted(self, want: list[bytes]) -> list[bool]:
@@ -217,11 +221,7 @@ class WithRemote(Store):
         got = [a[0] if (a := self._answers.get(e)) is not None and a[1] >= fresh else None for e in want]
         new = [e for e, a in zip(want, got) if a is None and e not in self._asking]
         if new:
-            asked = time.monotonic()
-            fut = self.remote.submit(self.remote.exists, new)
-            self._jobs.append((new, fut, asked))
-            for e in new:
-                self._asking[e] = (fut, asked)
+            self._ask_exists(new)
         return [bool(a) for a in got]
 
     def _harvest(self) -> None:
