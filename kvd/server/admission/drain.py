@@ -51,9 +51,12 @@ def _candidates() -> list[str]:
     found = sorted(glob.glob(os.path.join(here, os.pardir, "pyzmq.libs", "libzmq*")))  # Linux wheels
     found += sorted(glob.glob(os.path.join(here, ".dylibs", "libzmq*")))  # macOS wheels
     found += sorted(glob.glob(os.path.join(here, "backend", "cython", "_zmq.*")))  # libzmq linked in
-    system = ctypes.util.find_library("zmq")
-    if system:
-        found.append(system)
+    if not found:
+        # Only then: find_library runs ldconfig and a compiler (~10 ms a
+        # start, and 15 s of fork retries under a tight pids limit).
+        system = ctypes.util.find_library("zmq")
+        if system:
+            found.append(system)
     return found
 
 
