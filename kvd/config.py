@@ -424,7 +424,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a client may hold shared-memory slots it was handed before they are reclaimed."),
     Setting("host", _host, "auto",
             "Developer setting: \"portable\" makes the daemon use only the POSIX mechanisms macOS runs "
-            "(shm_open segments instead of memfds, ...), so Linux CI exercises macOS's code; \"auto\": this "
+            "(shm_open segments instead of memfds, open fds from /dev/fd, no accept() patch, no PSI), so Linux CI exercises macOS's code; \"auto\": this "
             "OS's best. `kvd stats --json` names each concern's mechanism (section `host`)."),
     Setting("gc_on_tick", _bool, True,
             "Collect cyclic garbage on the daemon's tick and freeze what survives, so no request waits for a "

@@ -39,6 +39,24 @@ def _session_remote_key() -> None:
 _session_remote_key()
 
 
+# The tests that reach an OS seam (kvd/host/select.py: shared memory, fds and
+# the accept guard, process memory, pressure, peers, the doctor). `./dev test`
+# runs them a second time on the portable host -- the POSIX-only mechanisms
+# macOS runs -- as `KVD_TEST_HOST=portable pytest -m seam`.
+SEAMS = (
+    "host/", "server/test_shm_", "server/test_peers.py", "server/test_pressure.py", "server/test_hostile_host.py",
+    "server/test_backlog_keeps.py", "client/test_mlx_daemon.py", "service/test_doctor.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        where = Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
+        if where.startswith(SEAMS):
+            item.add_marker(pytest.mark.seam)
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(_SANDBOX, ignore_errors=True)
 

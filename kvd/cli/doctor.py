@@ -39,6 +39,8 @@ import click
 from kvd.cli import exits, main
 from kvd.cli.common import printable, settings, size
 from kvd.config import config_options
+from kvd.host.select import mechanism as host_mechanism
+from kvd.host.select import mechanisms as host_mechanisms
 from kvd.host.select import use as select_host
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -224,11 +226,21 @@ def check_daemon(ctx) -> Check:
     return Check("daemon", WARN, f"none answers at {ep}{why}; start one with `kvd serve` or `kvd service install`", how)
 
 
+def check_host(ctx) -> Check:
+    """The host seam's choice for each OS concern (kvd.host.select), as `kvd
+    serve` with these settings would make it."""
+    chosen = host_mechanisms()
+    name = chosen.pop("host")
+    return Check("host", OK, f"{name}: " + ", ".join(f"{concern} {how}" for concern, how in chosen.items()),
+                 "kvd.host.select (the host setting, KVD_HOST)")
+
+
 def check_fds(ctx) -> Check:
     fd = ctx.host.fd_limits()
     detail = (f"soft {_n(fd.soft)}, hard {_n(fd.hard)}; kvd serve raises the soft limit to {_n(fd.raised)}: "
               f"default max_peers {fd.max_peers}")
-    how = "RLIMIT_NOFILE, raised at start as kvd serve does"
+    how = (f"RLIMIT_NOFILE, raised at start as kvd serve does; open fds from {host_mechanism('open_fds')}; "
+           f"accept: {host_mechanism('accept_guard')}")
     if fd.raised < _FD_WARN:
         return Check("fd limit", WARN, f"{detail} (under {_FD_WARN}: raise it, e.g. ulimit -n or LimitNOFILE=)", how)
     return Check("fd limit", OK, detail, how)
@@ -246,7 +258,8 @@ def check_memory(ctx) -> Check:
     if rss is None:
         return Check("memory", WARN, f"RSS cannot be read cheaply here: the daemon's memory watchdog is off; {malloc}",
                      "rss_bytes, mallopt")
-    source = "proc_pid_rusage ri_phys_footprint" if ctx.host.footprint_available() else "/proc/self/statm"
+    source = {"proc_pid_rusage": "proc_pid_rusage ri_phys_footprint", "statm": "/proc/self/statm"}.get(
+        host_mechanism("process_memory"), host_mechanism("process_memory"))
     return Check("memory", OK, f"RSS readable (this process: {size(rss)}); {malloc}",
                  f"{source} for the peer gate's watchdog, mallopt")
 
@@ -380,8 +393,9 @@ def check_pressure(ctx) -> Check:
     if sample is None:
         return Check("pressure", OK, "off: the RAM tier keeps its budget whatever the machine's memory")
     avail = f"; {size(sample.available)} available of {size(sample.total)}" if sample.available is not None else ""
-    how = {"linux": "/proc/meminfo, PSI, cgroups", "darwin": "sysctl kern.memorystatus_vm_pressure_level"}
-    mech = f"file {spec[5:]}" if spec.startswith("file:") else how.get(sys.platform, "none on " + sys.platform)
+    how = {"meminfo+psi+cgroup": "/proc/meminfo, PSI, cgroups", "meminfo+cgroup": "/proc/meminfo, cgroups (no PSI)",
+           "sysctl+vm_stat": "sysctl kern.memorystatus_vm_pressure_level, vm_stat"}
+    mech = f"file {spec[5:]}" if spec.startswith("file:") else how.get(host_mechanism("memory_pressure"), "none on " + sys.platform)
     status = OK if sample.level == "normal" else WARN
     return Check("pressure", status, f"{spec}: {sample.level} ({sample.reason}){avail}", mech)
 
@@ -427,7 +441,7 @@ def check_mlx_lm_server(ctx) -> Check:
 
 # In the order they print. The daemon's ping comes before the service, which reuses it.
 CHECKS: list[tuple[str, Callable]] = [
-    ("python", check_python), ("packages", check_packages), ("redis", check_redis), ("mlx", check_mlx),
+    ("host", check_host), ("python", check_python), ("packages", check_packages), ("redis", check_redis), ("mlx", check_mlx),
     ("endpoint", check_endpoint), ("daemon", check_daemon), ("fd limit", check_fds), ("memory", check_memory),
     ("shared memory", check_shm), ("data dir", check_data_dir), ("fsync", check_fsync),
     ("pressure", check_pressure), ("service", check_service), ("vllm-mlx", check_vllm_mlx),

@@ -24,6 +24,8 @@ import os
 import resource
 import select
 
+from kvd.host import select as chosen  # the host seam (not the stdlib's select)
+
 
 def raise_fd_limit() -> tuple[int, int]:
     """Raise the soft RLIMIT_NOFILE to the hard limit; returns (soft, hard) after.
@@ -60,14 +62,15 @@ def open_fds(limit: int) -> int | None:
     itself opens); `limit` when listing needs an fd there is none for (the
     table is full); None where it cannot be told without opening one per fd
     (no /proc/self/fd nor /dev/fd)."""
-    for folder in ("/proc/self/fd", "/dev/fd"):
-        try:
-            return len(os.listdir(folder)) - 1
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return limit  # EMFILE or ENFILE: as full as it gets
-    return None
+    folder = chosen.mechanism("open_fds")  # /proc/self/fd, or /dev/fd (macOS, portable)
+    if folder == "none":
+        return None
+    try:
+        return len(os.listdir(folder)) - 1
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return limit  # EMFILE or ENFILE: as full as it gets
 
 
 def _swap_fd():

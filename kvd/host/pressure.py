@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kvd.host import select
+
 LEVELS = ("normal", "warn", "critical")
 MiB = 1 << 20
 GiB = 1 << 30
@@ -227,11 +229,12 @@ def own_cgroups(proc_cgroup: str = "/proc/self/cgroup", mounts: tuple[Path | Non
 class LinuxSource:
     """MemAvailable, PSI and the daemon's cgroups (see the module docstring)."""
 
-    def __init__(self, cgroups: list[_Cgroup] | None = None):
+    def __init__(self, cgroups: list[_Cgroup] | None = None, psi: bool = True):
         # A process can be moved to another cgroup while it runs (a service
         # manager, a test): unless given, they are looked up at each sample
         # (one small file; the mount points are read once).
         self._fixed = cgroups
+        self._psi = psi  # False on the portable host (kvd.host.select): no PSI
         self._mounts = _mounts() if cgroups is None else (None, None)
 
     @property
@@ -246,7 +249,7 @@ class LinuxSource:
             used = 1 - avail / total
             levels.append(classify("used", used, previous))
             reasons.append(f"MemAvailable {avail / GiB:.1f} of {total / GiB:.1f} GiB")
-        psi = _psi_some_avg10()
+        psi = _psi_some_avg10() if self._psi else None
         if psi is not None:
             levels.append(classify("psi", psi, previous))
             reasons.append(f"psi some avg10={psi:.1f}")
@@ -336,7 +339,7 @@ def darwin_sample(previous: str = "normal") -> Sample:
 def system_source() -> Source:
     """This machine's pressure source (module docstring)."""
     if sys.platform.startswith("linux"):
-        return LinuxSource()
+        return LinuxSource(psi=select.mechanism("memory_pressure") == "meminfo+psi+cgroup")
     if sys.platform == "darwin":
         return darwin_sample
     return lambda previous="normal": Sample("normal", f"no pressure source on {sys.platform}")

@@ -10,8 +10,21 @@ Two hosts, chosen by the `host` setting (`KVD_HOST`, a developer setting):
 
 `mechanisms()` names, per concern, what is used:
 
-    concern        Linux (auto)   portable / macOS       no POSIX shm
-    shared_memory  memfd          shm_open               files
+    concern            Linux (auto)          portable (Linux)       macOS
+    shared_memory      memfd (sealed)        shm_open               shm_open
+    open_fds           /proc/self/fd         /dev/fd                /dev/fd
+    accept_guard       patched accept        gate only              gate only
+    memory_pressure    meminfo+psi+cgroup    meminfo+cgroup         sysctl+vm_stat
+    process_memory     statm                 statm                  proc_pid_rusage
+    peer_credentials   SO_PEERCRED           SO_PEERCRED            LOCAL_PEERPID
+    service            systemd               systemd                launchd
+
+What portable cannot change on Linux, it keeps: no POSIX call tells a
+process's own resident memory or its peer's pid, and macOS's
+proc_pid_rusage, LOCAL_PEERPID, sysctl and vm_stat do not exist here (their
+ctypes declarations and parsers are checked against quoted SDK headers and
+recorded outputs: tests/host/). Where neither works the mechanism is "none"
+(or "files" for shared memory): the concern is off, and `kvd doctor` says so.
 
 A concern is added as one entry of `_CONCERNS`: a function of the host's
 name (and this OS) that returns its mechanism's name; modules of kvd.host
@@ -54,7 +67,57 @@ def _shared_memory() -> str:
     return "shm_open" if segments.probe_shm_open() else "files"
 
 
-_CONCERNS: dict[str, Callable[[], str]] = {"shared_memory": _shared_memory}
+def _linux() -> bool:
+    return sys.platform.startswith("linux")
+
+
+def _open_fds() -> str:
+    import os
+
+    if not portable() and os.path.isdir("/proc/self/fd"):
+        return "/proc/self/fd"
+    return "/dev/fd" if os.path.isdir("/dev/fd") else "none"
+
+
+def _accept_guard() -> str:
+    # libzmq's accept() patched through its GOT (kvd.server.admission.acceptguard):
+    # an ELF-only trick, so Linux's auto host alone has it.
+    return "patched accept" if _linux() and not portable() else "gate only"
+
+
+def _memory_pressure() -> str:
+    if _linux():
+        return "meminfo+cgroup" if portable() else "meminfo+psi+cgroup"
+    return "sysctl+vm_stat" if sys.platform == "darwin" else "none"
+
+
+def _process_memory() -> str:
+    if _linux():
+        return "statm"
+    return "proc_pid_rusage" if sys.platform == "darwin" else "none"
+
+
+def _peer_credentials() -> str:
+    if _linux():
+        return "SO_PEERCRED"
+    return "LOCAL_PEERPID" if sys.platform == "darwin" else "none"
+
+
+def _service() -> str:
+    if _linux():
+        return "systemd"
+    return "launchd" if sys.platform == "darwin" else "none"
+
+
+_CONCERNS: dict[str, Callable[[], str]] = {
+    "shared_memory": _shared_memory,
+    "open_fds": _open_fds,
+    "accept_guard": _accept_guard,
+    "memory_pressure": _memory_pressure,
+    "process_memory": _process_memory,
+    "peer_credentials": _peer_credentials,
+    "service": _service,
+}
 _cache: dict[str, str] = {}
 
 

@@ -58,6 +58,7 @@ from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.admission.outbox import Outbox, start_collector
 from kvd.server.admission import acceptguard, drain
+from kvd.host import select as host_select
 from kvd.server.admission.caps import default_max_peers, io_threads, listen_backlog, memory_ceiling
 from kvd.server.admission.connections import connection_id, origin
 from kvd.server.admission.gate import PeerGate
@@ -191,7 +192,8 @@ class Daemon:
             # and libzmq's accept() drops a newcomer rather than abort when no
             # fd is free (kvd.server.admission.acceptguard; the gate is told, rule 8).
             monitor = sock.get_monitor_socket(PeerGate.EVENTS)
-            self._guarded = acceptguard.install(on_refused=self._on_refused)
+            if host_select.mechanism("accept_guard") == "patched accept":  # not macOS, not portable
+                self._guarded = acceptguard.install(on_refused=self._on_refused)
             sock.bind(self.endpoint)
         except Exception:
             if monitor is not None:

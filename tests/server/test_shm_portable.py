@@ -14,16 +14,33 @@ import numpy as np
 import pytest
 
 from kvd.protocol.shm import parse_segment_name
-from support import ALL_DTYPES, assert_prefix_hit, prefix_snapshot
+from support import ALL_DTYPES, assert_prefix_hit, prefix_snapshot, wait_until
 
 
 def test_the_host_section_names_each_concerns_mechanism(daemon_factory):
-    auto = daemon_factory("--ram-mb", "64")
+    auto = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "auto"})
     portable = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "portable"})
+    linux = {"process_memory": "statm", "peer_credentials": "SO_PEERCRED", "service": "systemd"}
     with auto.client() as c:
-        assert c.stats()["host"] == {"host": "auto", "shared_memory": "memfd"}
+        stats = _sampled(c)
+        assert stats["host"] == {"host": "auto", "shared_memory": "memfd", "open_fds": "/proc/self/fd",
+                                 "accept_guard": "patched accept", "memory_pressure": "meminfo+psi+cgroup", **linux}
+        assert stats["peers"]["accept_guard"] is True
+        assert ("psi some" in stats["pressure"]["reason"]) == os.path.exists("/proc/pressure/memory")
     with portable.client() as c:
-        assert c.stats()["host"] == {"host": "portable", "shared_memory": "shm_open"}
+        stats = _sampled(c)
+        assert stats["host"] == {"host": "portable", "shared_memory": "shm_open", "open_fds": "/dev/fd",
+                                 "accept_guard": "gate only", "memory_pressure": "meminfo+cgroup", **linux}
+        # Each selection took effect, not only its name: libzmq's accept() is
+        # not patched and PSI is not read (what macOS runs).
+        assert stats["peers"]["accept_guard"] is False
+        assert "psi" not in stats["pressure"]["reason"] and "MemAvailable" in stats["pressure"]["reason"]
+
+
+def _sampled(client) -> dict:
+    """Stats once the pressure source has been read (the governor's first tick)."""
+    wait_until(lambda: client.stats()["pressure"]["reason"] != "not sampled yet", what="a pressure sample")
+    return client.stats()
 
 
 def _objects() -> set[str]:

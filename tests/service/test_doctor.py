@@ -20,7 +20,7 @@ import pytest
 
 from support import kvd
 
-NAMES = ["python", "packages", "redis", "mlx", "endpoint", "daemon", "fd limit", "memory", "shared memory",
+NAMES = ["host", "python", "packages", "redis", "mlx", "endpoint", "daemon", "fd limit", "memory", "shared memory",
          "data dir", "fsync", "pressure", "service", "vllm-mlx", "mlx-lm server"]
 
 
@@ -185,8 +185,17 @@ def test_the_portable_host_is_what_it_names(folder):
     # here): doctor makes its trial segment as a POSIX shm_open object and says so.
     env = os.environ | {"KVD_HOST": "portable"}
     out = run("--json", "--endpoint", f"ipc://{folder}/kvd.sock", "--data-dir", str(folder / "data"), env=env)
-    shm = checks(out.stdout)["shared memory"]
+    got = checks(out.stdout)
+    shm = got["shared memory"]
     assert shm["status"] == "ok" and shm["mechanism"].startswith("POSIX shm_open object"), shm
+    # Every concern's choice is named, and the lines that use one follow it.
+    assert got["host"]["detail"] == ("portable: shared_memory shm_open, open_fds /dev/fd, accept_guard gate only, "
+                                     "memory_pressure meminfo+cgroup, process_memory statm, "
+                                     "peer_credentials SO_PEERCRED, service systemd"), got["host"]
+    assert "open fds from /dev/fd" in got["fd limit"]["mechanism"] and "gate only" in got["fd limit"]["mechanism"]
+    assert got["pressure"]["mechanism"] == "/proc/meminfo, cgroups (no PSI)" and "psi" not in got["pressure"]["detail"]
+    auto = checks(run("--json", "--endpoint", f"ipc://{folder}/kvd.sock", "--data-dir", str(folder / "data")).stdout)
+    assert auto["host"]["detail"].startswith("auto: shared_memory memfd, open_fds /proc/self/fd, accept_guard patched accept")
 
 
 @pytest.mark.skipif(sys.platform != "darwin", reason="a real Mac's doctor: launchd, Metal, F_FULLFSYNC")
