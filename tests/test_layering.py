@@ -283,8 +283,6 @@ OS_EXEMPT = {
     "kvd.endpoint",
     # per-user config and cache folders (XDG on Linux, ~/Library on macOS).
     "kvd.config", "kvd.store.datadir",
-    # fsync of files and folders (F_FULLFSYNC on macOS).
-    "kvd.store.ssd.blobfile",
     # launchd (macOS) vs systemd (Linux).
     "kvd.service.install",
     # counting the process's threads (/proc/self/task) before it starts any.

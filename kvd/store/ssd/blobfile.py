@@ -65,6 +65,7 @@ from typing import Any, Callable
 
 import xxhash
 
+from kvd.host import files as host_files
 from kvd.protocol import dtypes
 from kvd.protocol.errors import KvdError
 from kvd.store.base import Entry, Tensor
@@ -176,40 +177,9 @@ def embedded_sum_ok(buf: bytes | bytearray) -> bool | None:
     return hasher.hexdigest().encode("ascii") == want
 
 
-# macOS's fsync hands the data to the drive, whose cache a power loss may
-# still lose; F_FULLFSYNC flushes that cache too, at several times the cost.
-# Used only where the `full_fsync` setting asks (one policy per process: the
-# daemon sets it when it opens its store, set_full_fsync). Elsewhere fsync
-# already reaches stable storage and the setting changes nothing.
-_FULL = False
-
-
-def set_full_fsync(on: bool) -> None:
-    """Whether syncs use F_FULLFSYNC where it exists (the `full_fsync` setting)."""
-    global _FULL
-    _FULL = bool(on)
-
-
-def full_fsync(fd: int) -> None:
-    """Flush `fd` to stable storage: fsync, or F_FULLFSYNC on macOS when the
-    `full_fsync` setting asks for it (set_full_fsync)."""
-    if _FULL and sys.platform == "darwin":
-        import fcntl
-
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:
-            pass  # some filesystems (network, FAT) refuse it; fsync is the best left
-    os.fsync(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        full_fsync(fd)
-    finally:
-        os.close(fd)
+# fsync semantics per OS (F_FULLFSYNC where the `full_fsync` setting asks)
+# live in kvd/host/files.py; these names are the store's.
+set_full_fsync, full_fsync, fsync_dir = host_files.set_full_fsync, host_files.full_fsync, host_files.fsync_dir
 
 
 def _sync_file(path: Path) -> None:
@@ -347,17 +317,11 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
 
 
 def _preallocate(fd: int, size: int) -> None:
-    """Reserve `size` bytes for the file at once where the OS offers it
-    (Linux; macOS has no posix_fallocate and grows files well by itself).
-    Best effort: a filesystem that cannot (EOPNOTSUPP, EINVAL) is written
-    as before; a full disk fails here, before any byte is copied."""
-    if size < _BOUNCE_BYTES or not hasattr(os, "posix_fallocate"):
-        return
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
-            raise
+    """Reserve a big blob's extents at once (kvd/host/files.py: Linux's
+    posix_fallocate; macOS grows files well by itself): a full disk fails
+    here, before any byte is copied."""
+    if size >= _BOUNCE_BYTES:
+        host_files.preallocate(fd, size)
 
 
 def encode_blob(entry: Entry) -> tuple[bytes, int]:
