@@ -285,8 +285,6 @@ OS_EXEMPT = {
     "kvd.config", "kvd.store.datadir",
     # launchd (macOS) vs systemd (Linux).
     "kvd.service.install",
-    # counting the process's threads (/proc/self/task) before it starts any.
-    "kvd.cli.serve",
     # `kvd doctor` says which mechanism each OS gives (its report names them) and reads
     # the data dir's filesystem type from /proc/mounts; the mechanisms themselves it
     # runs through kvd.host and the daemon's own code (kvd/cli/doctor_host.py).

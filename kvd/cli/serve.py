@@ -15,6 +15,7 @@ import click
 from kvd.cli import exits, main
 from kvd.config import BY_NAME, ConfigError, config_options, resolve
 from kvd.host.select import mechanisms as host_mechanisms
+from kvd.host.threads import task_count
 from kvd.host.select import use as select_host
 from kvd.protocol.limits import MiB, Limits
 
@@ -59,17 +60,11 @@ def _threads_fit(n: int) -> bool:
     """Can `n` more threads start now? libzmq aborts the process (SIGABRT,
     src/thread.cpp) when it cannot start one, where Python raises: so before
     it starts its own, as many are started here, then let go, and their
-    tasks waited for until the kernel has released them (/proc/self/task:
+    tasks waited for until the kernel has released them (kvd/host/threads.py:
     a thread joined in Python still counts against a pids limit for a
     moment). A probe, not a reservation: another process in the same
     cgroup can still take the last task in between."""
-    def tasks() -> int | None:
-        try:
-            return len(os.listdir("/proc/self/task"))
-        except OSError:
-            return None
-
-    before, go, started = tasks(), threading.Event(), []
+    before, go, started = task_count(), threading.Event(), []
     try:
         for _ in range(n):
             t = threading.Thread(target=go.wait, name="kvd-thread-probe", daemon=True)
@@ -83,7 +78,7 @@ def _threads_fit(n: int) -> bool:
         for t in started:
             t.join()
     deadline = time.monotonic() + 1.0
-    while before is not None and (tasks() or 0) > before and time.monotonic() < deadline:
+    while before is not None and (task_count() or 0) > before and time.monotonic() < deadline:
         time.sleep(0.001)
     return len(started) == n
 
