@@ -38,12 +38,12 @@ from __future__ import annotations
 import math
 import os
 import stat
-import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from kvd.host.dirs import config_dir
 from kvd.endpoint import EndpointError, check_endpoint, default_endpoint, default_keys_dir, file_kind
 from kvd.protocol.errors import KvdError
 
@@ -267,23 +267,13 @@ def _redact_url(value: Any) -> Any:
 # --- per-user default locations ------------------------------------------------
 
 
-def _home(environ: Mapping[str, str]) -> Path:
-    return Path(environ.get("HOME") or Path.home())
-
-
 def default_config_path(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
     """Return the per-user config file path (which may not exist).
 
     macOS: ~/Library/Application Support/kvd/kvd.toml;
     elsewhere: $XDG_CONFIG_HOME/kvd/kvd.toml, else ~/.config/kvd/kvd.toml.
     """
-    environ = os.environ if environ is None else environ
-    platform = sys.platform if platform is None else platform
-    home = _home(environ)
-    if platform == "darwin":
-        return home / "Library" / "Application Support" / "kvd" / "kvd.toml"
-    base = environ.get("XDG_CONFIG_HOME") or ""
-    return (Path(base) if os.path.isabs(base) else home / ".config") / "kvd" / "kvd.toml"
+    return config_dir(environ, platform) / "kvd.toml"  # kvd/host/dirs.py
 
 
 def default_data_dir(environ: Mapping[str, str] | None = None, platform: str | None = None) -> str:

@@ -50,10 +50,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from kvd.host.dirs import MAX_IPC_PATH, config_dir, run_dirs
 from kvd.protocol.errors import KvdError
 
 # sun_path is 108 bytes on Linux and 104 on macOS, NUL included.
-MAX_IPC_PATH = 103 if sys.platform == "darwin" else 107
 TRANSPORTS = ("ipc", "tcp")
 
 
@@ -89,17 +89,7 @@ def default_run_dirs(environ: dict[str, str] | None = None) -> list[Path]:
     Every one of them is checked by rule 5 when an endpoint's socket lies in it.
     """
     env = os.environ if environ is None else environ
-    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
-    dirs: list[Path] = []
-    if sys.platform == "darwin":
-        dirs.append(home / "Library" / "Caches" / "kvd" / "run")
-    else:
-        runtime = env.get("XDG_RUNTIME_DIR")
-        if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
-            dirs.append(Path(runtime) / "kvd")
-        xdg = env.get("XDG_CACHE_HOME")
-        cache = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".cache"
-        dirs.append(cache / "kvd" / "run")
+    dirs = run_dirs(env)  # kvd/host/dirs.py: XDG on Linux, ~/Library on macOS
     # sun_path is short: a deep home dir may not fit, and then only /tmp does.
     usable = [d for d in dirs if len(str(d / "kvd.sock").encode()) <= MAX_IPC_PATH]
     tmp = Path("/tmp") / f"kvd-{os.getuid()}"
@@ -425,12 +415,7 @@ def is_tcp(endpoint: str) -> bool:
 def default_keys_dir(environ: dict[str, str] | None = None) -> Path:
     """`<config dir>/keys`: ~/.config/kvd/keys ($XDG_CONFIG_HOME), macOS
     ~/Library/Application Support/kvd/keys (the config file's folder)."""
-    env = os.environ if environ is None else environ
-    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
-    if sys.platform == "darwin":
-        return home / "Library" / "Application Support" / "kvd" / "keys"
-    xdg = env.get("XDG_CONFIG_HOME") or ""
-    return (Path(xdg) if os.path.isabs(xdg) else home / ".config") / "kvd" / "keys"
+    return config_dir(environ) / "keys"
 
 
 def check_key_file(path: Path) -> None:

@@ -279,10 +279,8 @@ OS_EXEMPT = {
     # libzmq's zmq_recviov and libc's free through ctypes, to drop a frame bomb's
     # parts in C: not OS-specific, but ctypes (drain.py's docstring).
     "kvd.server.admission.drain",
-    # the per-user socket folder, the ipc path length, a peer's uid (SO_PEERCRED / LOCAL_PEERCRED).
+    # a peer's uid (SO_PEERCRED / LOCAL_PEERCRED) on a socket libzmq owns.
     "kvd.endpoint",
-    # per-user config and cache folders (XDG on Linux, ~/Library on macOS).
-    "kvd.config", "kvd.store.datadir",
     # launchd (macOS) vs systemd (Linux).
     "kvd.service.install",
     # `kvd doctor` says which mechanism each OS gives (its report names them) and reads

@@ -29,11 +29,11 @@ import fcntl
 import logging
 import os
 import stat
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+from kvd.host.dirs import cache_dir
 from kvd.protocol.errors import KvdError
 
 INDEX_DIR = "index"
@@ -60,15 +60,7 @@ def default_data_dir(environ=None, platform: str | None = None) -> Path:
     macOS: ~/Library/Caches/kvd. Elsewhere: $XDG_CACHE_HOME/kvd, else ~/.cache/kvd.
     `environ` and `platform` default to this process's.
     """
-    environ = os.environ if environ is None else environ
-    platform = sys.platform if platform is None else platform
-    home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()
-    if platform == "darwin":
-        return home / "Library" / "Caches" / "kvd"
-    xdg = environ.get("XDG_CACHE_HOME")
-    # The XDG spec says a relative value is invalid and must be ignored.
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else home / ".cache"
-    return base / "kvd"
+    return cache_dir(environ, platform)  # kvd/host/dirs.py
 
 
 def ensure_dirs(root: str | os.PathLike) -> Path:

@@ -58,7 +58,6 @@ import json
 import os
 import stat
 import struct
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
