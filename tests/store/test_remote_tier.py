@@ -256,6 +256,8 @@ def test_a_remote_that_hangs_costs_one_timeout_then_nothing_until_it_answers(ser
         assert_prefix_hit(hit, second)
 
 
+@pytest.mark.skipif(os.environ.get("KVD_TEST_HOST") == "portable",
+                    reason="shm_open segments can be cut short: the daemon reads cold hits into its heap first")
 def test_a_remote_hit_is_read_straight_into_shared_memory(server, daemon_factory):
     """Values fetched from the remote land in arena slots: the shm GET that
     serves them needs no daemon-side copy, and the bytes are still exact."""
