@@ -63,6 +63,7 @@ from kvd.protocol.errors import BadField
 from kvd.protocol.shm import LeaseTable, check_proof, parse_segment_name, stale_segments
 from kvd.server.shm.arena import SEGMENT_BYTES, Arena, Slot, unlink_name
 from kvd.server.shm.folders import NONCE_FILE
+from kvd.server.shm.handout import Handout
 from kvd.server.shm.reads import READ_LEASES, GetReplies
 from kvd.server.shm.writes import PENDING_BYTES, PENDING_LEASES, SlotGrants
 
@@ -147,6 +148,13 @@ class ShmPlane(GetReplies, SlotGrants):
             if ns is not None:  # a client in another pid namespace cannot open them
                 offer["pidns"] = ns
         return offer
+
+    def hand_out(self) -> None:
+        """Start the fd hand-out where segments have no name (shm_open, rule
+        5); nothing to do for memfds and files. Raises OSError (a socket path
+        too long for the OS) or RuntimeError (no thread to be had)."""
+        if self.arena.mechanism == "shm_open":
+            self.handout = Handout(self.folder, self.segment_fd).start()
 
     def segment_fd(self, name: str) -> int | None:
         """A new fd of the live segment `name` (its caller closes it), or None
