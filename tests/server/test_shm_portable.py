@@ -20,7 +20,7 @@ from test_shm_handout import ask_fds
 
 
 def test_the_host_section_names_each_concerns_mechanism(daemon_factory):
-    auto = daemon_factory("--ram-mb", "64")
+    auto = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "auto"})  # whatever KVD_TEST_HOST says
     portable = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "portable"})
     with auto.client() as c:
         assert c.stats()["host"] == {"host": "auto", "shared_memory": "memfd"}
