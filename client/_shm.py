@@ -195,10 +195,10 @@ class Link:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(_HANDOUT_TIMEOUT_S)
                 s.connect(self.handout)
+                s.sendall(handout.encode_request([name]))  # a name is no secret; what comes back is checked
                 uid = peer_uid(s.fileno())
                 if uid is None or uid not in (os.getuid(), 0):
                     raise ShmUnavailable(f"the fd hand-out {self.handout} is served by uid {uid}, not by you")
-                s.sendall(handout.encode_request([name]))
                 data, fds, msg_flags, _ = socket.recv_fds(s, handout.MAX_REPLY, 1)
                 while data and not data.endswith(b"\n") and len(data) <= handout.MAX_REPLY:
                     more = s.recv(handout.MAX_REPLY)  # a stream may split the line; fds come with its first bytes

@@ -210,6 +210,7 @@ class Handout:
         peer = _Peer(conn, self._clock() + self.deadline_s)
         self._peers[conn.fileno()] = peer
         self._sel.register(conn, selectors.EVENT_READ, peer)
+        self._read(peer)  # a client sends its request as it connects: often here already
 
     def _read(self, peer: _Peer) -> None:
         try:
