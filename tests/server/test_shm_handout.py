@@ -186,3 +186,35 @@ def test_a_peer_of_another_uid_is_refused(served):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["b''", "0"]
     assert still_serves()["handout_refused_peers"] == 1
+
+
+def test_a_lookup_with_no_fd_left_is_told_busy_and_the_service_goes_on(tmp_path):
+    """In-process, the service alone: a lookup that cannot dup (EMFILE) costs
+    that request a BUSY refusal; the next request is answered with its fd."""
+    import errno
+
+    from kvd.server.shm.handout import Handout
+
+    folder = tmp_path / "plane"
+    folder.mkdir(mode=0o700)
+    seg = os.open(tmp_path / "segment", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(seg, 4096)
+    full = [True]
+
+    def lookup(name: str) -> int | None:
+        if full[0]:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return os.dup(seg)
+
+    h = Handout(folder, lookup).start()
+    try:
+        assert _raw(folder / "fds", handout.encode_request(["kvd-0a1b2c3d-0"])) == b"kvd-fds/1 error 200 BUSY\n"
+        full[0] = False
+        statuses, fds = ask_fds(folder / "fds", ["kvd-0a1b2c3d-0"])
+        assert statuses == ["ok"] and os.fstat(fds[0]).st_ino == os.fstat(seg).st_ino
+        os.close(fds[0])
+        assert h.stats()["handout_busy"] == 1 and h.stats()["handout_fds_handed"] == 1
+    finally:
+        h.stop()
+        os.close(seg)
+    assert not (folder / "fds").exists()  # a stop removes its socket's name

@@ -242,9 +242,15 @@ class Handout:
                 statuses.append(GONE if fd is None else OK)
                 if fd is not None:
                     fds.append(fd)
-            self.counters["gone"] += statuses.count(GONE)
-            if self._answer(peer.sock, encode_reply(statuses), fds):
-                self.counters["fds_handed"] += len(fds)
+        except OSError as err:  # no fd left to dup with (EMFILE): ask again later
+            self.counters["busy"] += 1
+            self._answer(peer.sock, encode_refusal(Busy(f"no fd to hand out now: {err}")), [])
+            statuses = []
+        try:
+            if statuses:
+                self.counters["gone"] += statuses.count(GONE)
+                if self._answer(peer.sock, encode_reply(statuses), fds):
+                    self.counters["fds_handed"] += len(fds)
         finally:
             for fd in fds:  # the peer holds its own now (rule 4)
                 os.close(fd)
