@@ -28,12 +28,6 @@ def test_the_host_section_names_each_concerns_mechanism(daemon_factory):
         assert c.stats()["host"] == {"host": "portable", "shared_memory": "shm_open"}
 
 
-def _objects() -> set[str]:
-    """This user's kvd shm_open objects (Linux keeps them in /dev/shm)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvd-{os.getuid()}-")
-            and not os.path.isdir("/dev/shm/" + n)}  # the planes' folders are named kvd-<uid>-... too
-
-
 def _portable(daemon_factory, *args: str):
     return daemon_factory("--ram-mb", "64", "--data-dir", "none", *args, env={"KVD_HOST": "portable"})
 
@@ -54,14 +48,34 @@ def test_shm_open_segments_round_trip_every_dtype_bit_exact(daemon_factory, put_
         assert g.counters["shm_gets"] == (get_via == "shm")
 
 
+def _named(inodes: set[int]) -> set[str]:
+    """Names in /dev/shm of these objects. By inode, not by comparing listings:
+    other processes of this uid (other daemons, their probes) make names there too."""
+    found = set()
+    for n in os.listdir("/dev/shm"):
+        try:
+            if os.stat("/dev/shm/" + n).st_ino in inodes:
+                found.add(n)
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _segment_inodes(folder: Path, run: str) -> tuple[set[int], list[int]]:
+    """The inodes of this run's live segments (the first 32 indexes), and the
+    fds the hand-out gave for them (the caller closes them)."""
+    statuses, fds = ask_fds(folder / "fds", [f"kvd-{run}-{i}" for i in range(32)])
+    assert statuses.count("ok") == len(fds) >= 1
+    return {os.fstat(fd).st_ino for fd in fds}, fds
+
+
 def test_no_segment_keeps_a_name_once_made_and_a_client_connecting_later_gets_them_by_fd(daemon_factory):
     """Segments are POSIX shm objects whose names are unlinked as soon as they
     are made: while the daemon serves, with segments live (prepared ones too),
-    no `/dev/shm/kvd-<uid>-<hex>` object exists and the folder holds only the
-    nonce and the hand-out socket. A client that connects later still gets
-    hits over shared memory, bit-exact, its segments handed over by fd; a
-    kill -9 leaves no object behind, and the next start sweeps the folder."""
-    before = _objects()
+    none is named in /dev/shm and the folder holds only the nonce and the
+    hand-out socket. A client that connects later still gets hits over shared
+    memory, bit-exact, its segments handed over by fd; a kill -9 leaves no
+    name behind, and the next start sweeps the folder."""
     d = _portable(daemon_factory)
     toks = np.arange(700)
     snap = prefix_snapshot(toks, boundary=True)
@@ -70,24 +84,32 @@ def test_no_segment_keeps_a_name_once_made_and_a_client_connecting_later_gets_th
         s = c.stats()["shm"]
     folder = Path(s["dir"])
     assert s["segments"] >= 1 and s["handout_fds_handed"] >= 1
-    assert _objects() == before  # every segment live, none named
-    assert sorted(os.listdir(folder)) == ["fds", "nonce"]
-    assert stat.S_ISSOCK(os.lstat(folder / "fds").st_mode)
-    with d.client("obj", strict=True, transport="shm") as later:
-        hit = later.get(toks, need_boundary=True)
-        assert_prefix_hit(hit, toks)
-        assert hit.boundary["state"].array.tobytes() == snap.boundary["state"].array.tobytes()
-        assert later.counters["shm_gets"] == 1
-    assert _objects() == before
-    d.kill()
-    assert _objects() == before  # nothing for a kill -9 to leave
+    inodes, fds = _segment_inodes(folder, s["run"])
+    try:
+        assert len(inodes) >= s["segments"] and _named(inodes) == set()  # every segment live (more prepared meanwhile), none named
+        assert sorted(os.listdir(folder)) == ["fds", "nonce"]
+        assert stat.S_ISSOCK(os.lstat(folder / "fds").st_mode)
+        with d.client("obj", strict=True, transport="shm") as later:
+            hit = later.get(toks, need_boundary=True)
+            assert_prefix_hit(hit, toks)
+            assert hit.boundary["state"].array.tobytes() == snap.boundary["state"].array.tobytes()
+            assert later.counters["shm_gets"] == 1
+        d.kill()
+        assert _named(inodes) == set()  # nothing for a kill -9 to leave (we still hold the objects)
+    finally:
+        for fd in fds:
+            os.close(fd)
     d.start()
     assert plane_dirs(d.workdir / "kvd.sock") != [folder] and not folder.exists()
     with d.client("obj", strict=True, transport="shm") as c:
         assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
         assert_prefix_hit(c.get(toks), toks)
+        s = c.stats()["shm"]
+    inodes, fds = _segment_inodes(Path(s["dir"]), s["run"])
+    for fd in fds:
+        os.close(fd)
     d.stop()
-    assert _objects() == before
+    assert _named(inodes) == set()
 
 
 def test_an_older_client_refuses_the_offer_cleanly_and_uses_frames(daemon_factory):
