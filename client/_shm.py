@@ -26,8 +26,11 @@ Rules (the daemon is not trusted to be well-behaved, PROTOCOL.md section 11):
    frames or misses.
 2. The nonce and segments are opened O_NONBLOCK | O_NOFOLLOW and checked with
    fstat before a byte is read: a FIFO would block open() for ever, a symlink
-   could lead anywhere, and an empty or special file cannot be mapped. The
-   one symlink followed is a segment's to the daemon's own memfd (on Linux
+   could lead anywhere, and an empty or special file cannot be mapped. Where
+   the offer names a `handout` socket (shm_open segments, whose names the
+   daemon unlinked at once: macOS, Linux's portable host) a segment's fd is
+   asked of it instead (PROTOCOL.md section 15), from a peer of our uid or
+   root, and checked the same way. The one symlink followed is a segment's to the daemon's own memfd (on Linux
    the daemon's segments are memfds sealed against shrinking, named by links
    to /proc/<its pid>/fd/<fd>; kvd.server.shm rule 5): the link must point
    into the pid the offer names, and what opens must be the memfd of that
@@ -45,6 +48,7 @@ import math
 import mmap
 import os
 import re
+import socket
 import stat
 import threading
 import time
@@ -53,7 +57,8 @@ from typing import Any
 
 import numpy as np
 
-from kvd.endpoint import check_run_dir
+from kvd.endpoint import check_run_dir, peer_uid
+from kvd.protocol import handout
 from kvd.protocol.codec import Tensor
 from kvd.protocol.errors import KvdError
 from kvd.protocol.shm import Descriptor, segment_name
@@ -61,6 +66,7 @@ from kvd.protocol.shm import Descriptor, segment_name
 _NONCE_BYTES = 64  # the daemon writes >= 16; more than this is not a nonce of ours
 _MAX_LEASE_S = 3600.0  # an offer of longer leases is not believed
 _OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_HANDOUT_TIMEOUT_S = 1.0  # the daemon's hand-out answers at once; a call's budget is seconds at most
 
 
 class Viewed(np.ndarray):
@@ -85,6 +91,14 @@ class Link:
     def __init__(self, offer: dict[str, Any]):
         """Raises ShmUnavailable (a bad offer, no nonce of ours) or UnsafeEndpoint."""
         folder, run, lease_s = offer.get("dir"), offer.get("run"), offer.get("lease_s")
+        # `handout`: segments are handed out by fd from this socket in the
+        # daemon's folder (rule 2), which then is the folder (no `dir`).
+        fds_at = offer.get("handout")
+        if fds_at is not None:
+            if not isinstance(fds_at, str) or not os.path.isabs(fds_at) or "\0" in fds_at:
+                raise ShmUnavailable(f"shm offer: handout {fds_at!r} is not an absolute path")
+            folder = os.path.dirname(fds_at) if folder is None else folder
+        self.handout: str | None = fds_at
         if not isinstance(folder, str) or not os.path.isabs(folder) or "\0" in folder:
             raise ShmUnavailable(f"shm offer: dir {folder!r} is not an absolute path")
         if not isinstance(run, str) or not re.fullmatch(r"[0-9a-f]{8}", run):
@@ -133,6 +147,8 @@ class Link:
         """An fd of `name` in the folder, only if a non-empty regular file of
         our uid (rule 2; kvd.endpoint's lock file is opened the same way);
         with `memfd`, also through a link to the daemon's memfd of that name."""
+        if memfd and self.handout is not None:
+            return self._handed(name)
         if memfd and self.shm_open:
             return self._open_shm(name, flags)
         path = self.dir / name
@@ -167,6 +183,50 @@ class Link:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size == 0:
             os.close(fd)
             raise ShmUnavailable(f"{name} in {self.dir} is not a non-empty regular file of ours")
+        return fd
+
+    def _handed(self, name: str) -> int:
+        """An fd of segment `name`, handed out by the daemon (rule 2): over its
+        `handout` socket, from a process of our uid or root, and then only a
+        non-empty object of ours. Read-write, as the daemon holds it (a
+        reader maps it read-only all the same, rule 4)."""
+        fds: list[int] = []
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(_HANDOUT_TIMEOUT_S)
+                s.connect(self.handout)
+                s.sendall(handout.encode_request([name]))  # a name is no secret; what comes back is checked
+                uid = peer_uid(s.fileno())
+                if uid is None or uid not in (os.getuid(), 0):
+                    raise ShmUnavailable(f"the fd hand-out {self.handout} is served by uid {uid}, not by you")
+                data, fds, msg_flags, _ = socket.recv_fds(s, handout.MAX_REPLY, 1)
+                while data and not data.endswith(b"\n") and len(data) <= handout.MAX_REPLY:
+                    more = s.recv(handout.MAX_REPLY)  # a stream may split the line; fds come with its first bytes
+                    if not more:
+                        break
+                    data += more
+            if msg_flags & getattr(socket, "MSG_CTRUNC", 0):
+                raise ShmUnavailable(f"the fd hand-out sent more fds than asked for {name}")
+            status = handout.parse_reply(data, 1)
+            if status != [handout.OK] or len(fds) != 1:
+                raise ShmUnavailable(f"segment {name} is {status[0]} (the daemon removed it, or restarted)")
+            fd = fds.pop()
+        except ShmUnavailable:
+            raise
+        except (OSError, KvdError) as err:  # no socket (a restart), a refusal, a malformed reply
+            raise ShmUnavailable(f"fd hand-out {self.handout} ({name}): {err}") from None
+        finally:
+            for extra in fds:
+                os.close(extra)
+        try:
+            st = os.fstat(fd)
+        except OSError as err:
+            os.close(fd)
+            raise ShmUnavailable(f"segment {name} handed out: {err}") from None
+        # macOS's fstat of a shm object may report no file type (as in _open_shm).
+        if stat.S_IFMT(st.st_mode) not in (stat.S_IFREG, 0) or st.st_uid != os.getuid() or st.st_size == 0:
+            os.close(fd)
+            raise ShmUnavailable(f"segment {name} handed out is not a non-empty object of ours")
         return fd
 
     def _open_shm(self, name: str, flags: int) -> int:

@@ -281,11 +281,11 @@ def check_shm(ctx) -> Check:
                      "which are slower", "the daemon's Arena")
     fs = _fs_type(trial.folder.parent)
     done = (f"a {size(trial.nbytes)} segment in {trial.folder.parent}{f' ({fs})' if fs else ''}: made, written, "
-            "read back through a second mapping, removed")
+            + ("handed over by fd, " if trial.handed else "") + "read back through a second mapping, removed")
     if trial.sealed:
         return Check("shared memory", OK, done, "sealed memfd named by a symlink, mmap")
     if trial.mechanism == "shm_open":
-        how = "POSIX shm_open object named in a 0600 file"
+        how = "POSIX shm_open object, unlinked at once, handed out by fd (SCM_RIGHTS)"
         if sys.platform.startswith("linux"):  # host = portable: unsealed, so the daemon reads them with pread
             how += " (host = portable), pread/pwrite in the daemon"
         return Check("shared memory", OK, done, how + ", mmap in clients")

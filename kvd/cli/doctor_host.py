@@ -14,6 +14,7 @@ import mmap
 import os
 import resource
 import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +25,11 @@ from kvd.protocol.shm import segment_name
 from kvd.host.fds import raise_fd_limit
 from kvd.host.memory import rss_bytes, tune_malloc
 from kvd.host.pressure import Sample
-from kvd.host.segments import read_shm_name
 from kvd.server.admission.caps import default_max_peers
 from kvd.server.governor import make_source
-from kvd.server.shm.arena import Arena
+from kvd.protocol import handout
+from kvd.protocol.errors import KvdError
+from kvd.server.shm.plane import ShmPlane
 from kvd.server.shm.folders import new_plane_dir, plane_prefix
 from kvd.service import install as svc
 from kvd.service import launchd, systemd
@@ -98,20 +100,30 @@ class SegmentTrial:
     sealed: bool  # a sealed memfd named by a symlink (Linux), else a file 0600
     nbytes: int
     mechanism: str = "memfd"  # memfd | shm_open | files (kvd.host.select)
+    handed: bool = False  # got by fd from the plane's hand-out service (a shm_open segment has no name)
 
 
-def _open_segment(folder: Path, name: str, mechanism: str) -> int:
-    """A read-only fd of segment `name`, opened the way a client opens it
-    (client/_shm.py): a POSIX shm object through the name its `.shm` file
-    holds, else the folder's link or file."""
-    if mechanism != "shm_open":
-        return os.open(folder / name, os.O_RDONLY | os.O_CLOEXEC)
-    import _posixshmem
-
-    posix = read_shm_name(folder / (name + ".shm"))
-    if posix is None:
-        raise OSError(f"{name}.shm in {folder} does not name a shm object of ours")
-    return _posixshmem.shm_open(posix, os.O_RDONLY, 0)
+def _open_segment(plane: ShmPlane, name: str) -> int:
+    """A read-only fd of segment `name`, got the way a client gets it
+    (client/_shm.py): a shm_open segment, which has no name, by fd from the
+    plane's hand-out service (SCM_RIGHTS); else the folder's link or file."""
+    if plane.handout is None:
+        return os.open(plane.folder / name, os.O_RDONLY | os.O_CLOEXEC)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5.0)
+        s.connect(str(plane.handout.path))
+        s.sendall(handout.encode_request([name]))
+        data, fds, _, _ = socket.recv_fds(s, handout.MAX_REPLY, 1)
+    try:
+        if handout.parse_reply(data, 1) != [handout.OK] or len(fds) != 1:
+            raise OSError(f"the fd hand-out did not hand out {name}: {data!r}")
+    except BaseException as err:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(err, KvdError):
+            raise OSError(f"the fd hand-out refused {name}: {err}") from None
+        raise
+    return fds[0]
 
 
 def segment_folder(socket_path: Path) -> Path:
@@ -121,25 +133,27 @@ def segment_folder(socket_path: Path) -> Path:
 
 def try_segment(socket_path: Path, nbytes: int = 1 << 16) -> SegmentTrial:
     """Make a segment the way the daemon does (a fresh run folder, the daemon's
-    Arena), write a pattern into a slot, read it back through a second mapping
-    opened by the segment's name (the way a client maps it), then remove the
-    segment and the folder. Raises OSError or AssertionError (read back wrong).
+    ShmPlane and its Arena; where segments have no name, its fd hand-out),
+    write a pattern into a slot, read it back through a second mapping of an
+    fd got the way a client gets it (by the segment's name, or handed over by
+    the hand-out service), then remove the segment and the folder. Raises
+    OSError or AssertionError (read back wrong).
 
     The folder is named like a daemon run's, so should this process be killed
     midway, the next `kvd serve` on the endpoint sweeps it."""
     folder = new_plane_dir(socket_path)
-    arena = None
+    plane = None
     try:
-        check_run_dir(folder)
-        run_id = secrets.token_hex(4)
-        arena = Arena(folder, run_id, capacity=4 * nbytes, segment_bytes=4 * nbytes)
+        plane = ShmPlane(folder, capacity=4 * nbytes, lease_seconds=1.0, segment_bytes=4 * nbytes)
+        plane.hand_out()  # the daemon's own hand-out service, where segments have no name
+        arena, run_id = plane.arena, plane.run_id
         slot = arena.alloc(nbytes)
         if slot is None:
             raise OSError(f"the arena could not allocate {nbytes} bytes (see the warning above, if any)")
         pattern = secrets.token_bytes(nbytes)
         slot[:] = memoryview(pattern)
         seg, off = slot.slot.seg, slot.slot.off
-        fd = _open_segment(folder, segment_name(run_id, seg), arena.mechanism)
+        fd = _open_segment(plane, segment_name(run_id, seg))
         try:
             with mmap.mmap(fd, off + nbytes, prot=mmap.PROT_READ) as view:
                 back = bytes(view[off:off + nbytes])
@@ -148,10 +162,10 @@ def try_segment(socket_path: Path, nbytes: int = 1 << 16) -> SegmentTrial:
         if back != pattern:
             raise AssertionError("a second mapping of the segment read back other bytes than were written")
         del slot
-        return SegmentTrial(folder, arena.sealed, nbytes, arena.mechanism)
+        return SegmentTrial(folder, arena.sealed, nbytes, arena.mechanism, handed=plane.handout is not None)
     finally:
-        if arena is not None:
-            arena.unlink()
+        if plane is not None:
+            plane.close()  # the hand-out, the segments' names, the nonce, the folder
         for name in os.listdir(folder) if folder.is_dir() else ():
             os.unlink(folder / name)
         if folder.is_dir():

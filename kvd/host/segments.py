@@ -15,19 +15,20 @@ What each OS gives:
             client checks it shares the daemon's pid namespace (`pid_namespace`).
             A seccomp filter may forbid memfd_create: then as below.
     macOS,  POSIX shm_open() objects ("shm_open"; on Linux with host =
-    portable  portable): memory, never a file on disk. Named
+    portable  portable): memory, never a file on disk. Made under a name
             `/kvd-<uid>-<random hex>` (at most 31 characters: macOS's
             PSHMNAMLEN), created O_CREAT | O_EXCL 0600, so no other user can
-            take or open the name; the plane's folder holds `<segment>.shm`,
-            a 0600 file with that name, which is how a client (no /proc on
-            macOS) finds it. The name lives as long as the segment: a client
-            that connects later must still open it (ZeroMQ cannot hand over
-            an fd); it is unlinked when the segment goes, at a clean stop, and
-            by the next start on the endpoint after a kill (`unlink_segment`,
-            from the name files). Such an object cannot be sealed: on Linux a
-            process of the daemon's uid can ftruncate /dev/shm/kvd-... short,
-            so the daemon never touches these segments' pages in user space
-            where a client can write them: it reads and writes them with
+            take or open the name, and unlinked at once: the daemon keeps the
+            fd, and a client gets the segment from the daemon's hand-out
+            service as an fd (SCM_RIGHTS, kvd/server/shm/handout.py). So no
+            name outlives its creation: none to squat, none a kill -9 leaves
+            behind. (Earlier daemons kept the name while the segment
+            lived, written in a `<segment>.shm` file of the folder: a start
+            still unlinks what such a file names, `unlink_segment`.) Such an
+            object cannot be sealed: on Linux a process of the daemon's uid
+            holding its fd (any client it was handed to) can ftruncate it
+            short, so the daemon never touches these segments' pages in user
+            space where a client can write them: it reads and writes them with
             pread/pwrite on the fd (`Arena.copy_out`), and a short read is a
             damaged entry, a miss. macOS refuses a second ftruncate of a
             POSIX shm object (EINVAL), so there no process can shrink one.
@@ -116,7 +117,7 @@ def probe_shm_open() -> bool:
 
 
 SHM_NAME_MAX = 31  # macOS's PSHMNAMLEN, the leading slash included
-NAME_SUFFIX = ".shm"  # `<segment>.shm` in the folder: the POSIX name of a shm_open segment
+NAME_SUFFIX = ".shm"  # `<segment>.shm`: where earlier daemons wrote a shm_open segment's POSIX name
 _SHM_NAME = re.compile(r"/kvd-([0-9]+)-[0-9a-f]{8,20}")
 
 
@@ -151,7 +152,7 @@ def new_segment(folder: Path, name: str, size: int, mechanism: str) -> int:
     in `folder`: the one OS-specific step of the arena (kvd/server/shm/arena.py,
     rule 5). `mechanism` (kvd.host.select): "memfd", a memfd sealed against
     shrinking, named by a symlink to /proc/<pid>/fd/<fd>; "shm_open", a POSIX
-    shm object named in `<name>.shm`; "files", a file 0600."""
+    shm object with no name left (handed out by fd); "files", a file 0600."""
     path = folder / name
     if mechanism == "files":
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -164,7 +165,7 @@ def new_segment(folder: Path, name: str, size: int, mechanism: str) -> int:
             raise
         return fd
     if mechanism == "shm_open":
-        return _new_shm(folder, name, size)
+        return _new_shm(size)
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, 0o600)
@@ -177,7 +178,9 @@ def new_segment(folder: Path, name: str, size: int, mechanism: str) -> int:
     return fd
 
 
-def _new_shm(folder: Path, name: str, size: int) -> int:
+def _new_shm(size: int) -> int:
+    """A POSIX shm object of `size` bytes whose name is already gone: only
+    its fd holds it (the module docstring)."""
     import _posixshmem
 
     for _ in range(8):
@@ -189,27 +192,23 @@ def _new_shm(folder: Path, name: str, size: int) -> int:
         break
     else:
         raise FileExistsError("no free POSIX shm name")
+    # The name goes before anything can fail or be killed: nothing to leave behind.
+    with contextlib.suppress(OSError):
+        _posixshmem.shm_unlink(posix)
     try:
         os.set_inheritable(fd, False)
         os.ftruncate(fd, size)  # the one ftruncate macOS allows
-        record = os.open(folder / (name + NAME_SUFFIX),
-                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(record, posix.encode())
-        finally:
-            os.close(record)
     except BaseException:
         os.close(fd)
-        with contextlib.suppress(OSError):
-            _posixshmem.shm_unlink(posix)
         raise
     return fd
 
 
 def unlink_segment(folder: Path, name: str) -> None:
     """Remove a segment's name from the folder (the mapping and fds stay
-    valid): its link or file, and for a shm_open segment the POSIX name its
-    `.shm` file holds, then that file. What is gone already is no error."""
+    valid): its link or file, and for a shm_open segment of an earlier daemon
+    the POSIX name its `.shm` file holds, then that file. What is gone
+    already is no error."""
     record = folder / (name + NAME_SUFFIX)
     posix = read_shm_name(record)
     if posix is not None:

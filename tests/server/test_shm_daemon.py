@@ -35,7 +35,8 @@ from support import ALL_DTYPES, TESTS, assert_prefix_hit, free_port, prefix_snap
 # Segments are memfds (Linux, the auto host); KVD_TEST_HOST=portable runs
 # these tests against shm_open segments (tests/server/test_shm_portable.py).
 MEMFD = shm_server._SEALED and os.environ.get("KVD_TEST_HOST") != "portable"
-SUFFIX = "" if MEMFD or not shm_server._SEALED else ".shm"  # a shm_open segment's name file
+# shm_open segments have no name: handed out by fd (tests/server/test_shm_handout.py)
+NAMELESS = not MEMFD and shm_server._SEALED
 
 
 def _shm_stats(client) -> dict:
@@ -76,8 +77,12 @@ def test_segments_are_private_and_named_for_this_run(kvd_daemon):
     assert plane_dirs(kvd_daemon.workdir / "kvd.sock") == [folder]
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
     names = sorted(os.listdir(folder))
-    assert "kvd-%s-0%s" % (s["run"], SUFFIX) in names and "nonce" in names  # and segments prepared ahead
-    assert all(n == "nonce" or parse_segment_name(n.removesuffix(SUFFIX or "\0"))[0] == s["run"] for n in names)
+    if NAMELESS:
+        assert names == ["fds", "nonce"]
+        names.remove("fds")  # the hand-out's socket
+    else:
+        assert "kvd-%s-0" % s["run"] in names and "nonce" in names  # and segments prepared ahead
+        assert all(n == "nonce" or parse_segment_name(n)[0] == s["run"] for n in names)
     for name in names:
         st = os.stat(folder / name)  # a segment's name may be a symlink to the daemon's memfd
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
@@ -209,7 +214,7 @@ def test_daemon_killed_with_slots_mapped(daemon_factory):
         old_run, folder = old["run"], Path(old["dir"])
         d.kill()
         assert c.get(toks) is None  # a miss, not a crash; the old mapping is still valid memory
-        assert any(parse_segment_name(n.removesuffix(".shm")) == (old_run, 0) for n in os.listdir(folder))
+        assert NAMELESS or any(parse_segment_name(n) == (old_run, 0) for n in os.listdir(folder))
         d.start()
         c.retry_now()
         assert c.get(toks) is None  # the new run holds nothing (RAM only); the stale proof gets frames

@@ -6,19 +6,21 @@ section)."""
 from __future__ import annotations
 
 import os
-import re
 import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvd.protocol.shm import parse_segment_name
-from support import ALL_DTYPES, assert_prefix_hit, prefix_snapshot, wait_until
+from kvd.protocol import codec
+from kvd.server.shm.folders import plane_dirs
+from kvd_client._shm import Link, ShmUnavailable
+from support import ALL_DTYPES, ask_raw, assert_prefix_hit, prefix_snapshot, wait_until
+from test_shm_handout import ask_fds
 
 
 def test_the_host_section_names_each_concerns_mechanism(daemon_factory):
-    auto = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "auto"})
+    auto = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "auto"})  # whatever KVD_TEST_HOST says
     portable = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "portable"})
     linux = {"process_memory": "statm", "peer_credentials": "SO_PEERCRED", "service": "systemd"}
     with auto.client() as c:
@@ -43,12 +45,6 @@ def _sampled(client) -> dict:
     return client.stats()
 
 
-def _objects() -> set[str]:
-    """This user's kvd shm_open objects (Linux keeps them in /dev/shm)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvd-{os.getuid()}-")
-            and not os.path.isdir("/dev/shm/" + n)}  # the planes' folders are named kvd-<uid>-... too
-
-
 def _portable(daemon_factory, *args: str):
     return daemon_factory("--ram-mb", "64", "--data-dir", "none", *args, env={"KVD_HOST": "portable"})
 
@@ -69,35 +65,79 @@ def test_shm_open_segments_round_trip_every_dtype_bit_exact(daemon_factory, put_
         assert g.counters["shm_gets"] == (get_via == "shm")
 
 
-def test_segments_are_private_memory_objects_named_in_the_folder_and_gone_after_a_stop(daemon_factory):
-    """Segments are POSIX shm objects (memory: /dev/shm on Linux), 0600,
-    named `/kvd-<uid>-<hex>` within macOS's 31 characters; the folder holds
-    only their names (no segment file, no /proc link); a clean stop unlinks
-    them, and a start after a kill -9 unlinks what the killed run left."""
-    before = _objects()
+def _named(inodes: set[int]) -> set[str]:
+    """Names in /dev/shm of these objects. By inode, not by comparing listings:
+    other processes of this uid (other daemons, their probes) make names there too."""
+    found = set()
+    for n in os.listdir("/dev/shm"):
+        try:
+            if os.stat("/dev/shm/" + n).st_ino in inodes:
+                found.add(n)
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _segment_inodes(folder: Path, run: str) -> tuple[set[int], list[int]]:
+    """The inodes of this run's live segments (the first 32 indexes), and the
+    fds the hand-out gave for them (the caller closes them)."""
+    statuses, fds = ask_fds(folder / "fds", [f"kvd-{run}-{i}" for i in range(32)])
+    assert statuses.count("ok") == len(fds) >= 1
+    return {os.fstat(fd).st_ino for fd in fds}, fds
+
+
+def test_no_segment_keeps_a_name_once_made_and_a_client_connecting_later_gets_them_by_fd(daemon_factory):
+    """Segments are POSIX shm objects whose names are unlinked as soon as they
+    are made: while the daemon serves, with segments live (prepared ones too),
+    none is named in /dev/shm and the folder holds only the nonce and the
+    hand-out socket. A client that connects later still gets hits over shared
+    memory, bit-exact, its segments handed over by fd; a kill -9 leaves no
+    name behind, and the next start sweeps the folder."""
     d = _portable(daemon_factory)
-    toks = np.arange(512)
+    toks = np.arange(700)
+    snap = prefix_snapshot(toks, boundary=True)
     with d.client("obj", strict=True, transport="shm") as c:
-        assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
-        folder = Path(c.stats()["shm"]["dir"])
-    records = [n for n in os.listdir(folder) if n.endswith(".shm")]
-    assert records and not [n for n in os.listdir(folder) if parse_segment_name(n)]
-    names = {(folder / r).read_text() for r in records}
-    for name in names:
-        assert len(name) <= 31 and re.fullmatch(rf"/kvd-{os.getuid()}-[0-9a-f]+", name)
-        st = os.stat("/dev/shm" + name)
-        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
-    assert names <= {"/" + n for n in _objects() - before}
-    d.kill()  # (segments prepared ahead of demand may have come meanwhile: read the names again)
-    names = {(folder / r).read_text() for r in os.listdir(folder) if r.endswith(".shm")}
-    assert {"/" + n for n in _objects() - before} == names  # a kill leaves them ...
-    d.start()  # ... the next start on the endpoint sweeps them
-    assert not names & {"/" + n for n in _objects()}
+        assert c.put(toks, snap) and c.counters["shm_puts"] == 1
+        s = c.stats()["shm"]
+    folder = Path(s["dir"])
+    assert s["segments"] >= 1 and s["handout_fds_handed"] >= 1
+    inodes, fds = _segment_inodes(folder, s["run"])
+    try:
+        assert len(inodes) >= s["segments"] and _named(inodes) == set()  # every segment live (more prepared meanwhile), none named
+        assert sorted(os.listdir(folder)) == ["fds", "nonce"]
+        assert stat.S_ISSOCK(os.lstat(folder / "fds").st_mode)
+        with d.client("obj", strict=True, transport="shm") as later:
+            hit = later.get(toks, need_boundary=True)
+            assert_prefix_hit(hit, toks)
+            assert hit.boundary["state"].array.tobytes() == snap.boundary["state"].array.tobytes()
+            assert later.counters["shm_gets"] == 1
+        d.kill()
+        assert _named(inodes) == set()  # nothing for a kill -9 to leave (we still hold the objects)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    d.start()
+    assert plane_dirs(d.workdir / "kvd.sock") != [folder] and not folder.exists()
     with d.client("obj", strict=True, transport="shm") as c:
         assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
         assert_prefix_hit(c.get(toks), toks)
+        s = c.stats()["shm"]
+    inodes, fds = _segment_inodes(Path(s["dir"]), s["run"])
+    for fd in fds:
+        os.close(fd)
     d.stop()
-    assert _objects() == before
+    assert _named(inodes) == set()
+
+
+def test_an_older_client_refuses_the_offer_cleanly_and_uses_frames(daemon_factory):
+    """A client of revision 1.13 requires `dir` in the offer: the hand-out's
+    offer has none, so such a client refuses the offer when it makes its link
+    (frames from then on) instead of taking grants it cannot map."""
+    d = _portable(daemon_factory)
+    offer = ask_raw(d.endpoint, codec.encode("HELLO", {"versions": [1]}, id=1))["shm"]
+    assert "dir" not in offer and offer["handout"].endswith("/fds")
+    with pytest.raises(ShmUnavailable, match="dir None"):
+        Link({k: v for k, v in offer.items() if k != "handout"})  # what an older client sees
 
 
 @pytest.mark.parametrize("reader", ["frames", "shm"])
@@ -113,10 +153,12 @@ def test_a_segment_cut_short_under_the_daemon_costs_its_entries_never_the_daemon
     with d.client("cut", strict=True, transport="shm") as a:
         assert a.put(toks, prefix_snapshot(toks)) and a.counters["shm_puts"] == 1
         folder = Path(a.stats()["shm"]["dir"])
-    names = [(folder / n).read_text() for n in os.listdir(folder) if n.endswith(".shm")]
-    assert names
-    for name in names:
-        os.truncate("/dev/shm" + name, 0)  # what any process of this uid may do
+        run, live = a.stats()["shm"]["run"], a.stats()["shm"]["segments"]
+    statuses, fds = ask_fds(folder / "fds", [f"kvd-{run}-{i}" for i in range(live + 4)])
+    assert fds and statuses.count("ok") == len(fds)
+    for fd in fds:
+        os.ftruncate(fd, 0)  # what any process of this uid holding the fd may do
+        os.close(fd)
     with d.client("cut", transport=reader) as b:
         assert b.get(toks) is None  # damaged: a miss, not a crash
     with d.client("cut", strict=True, transport="shm") as c:

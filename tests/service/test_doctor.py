@@ -182,7 +182,8 @@ def test_it_names_the_mechanism_this_os_gives(folder):
 
 def test_the_portable_host_is_what_it_names(folder):
     # KVD_HOST=portable (the developer setting CI uses to run macOS's mechanisms
-    # here): doctor makes its trial segment as a POSIX shm_open object and says so.
+    # here): doctor makes its trial segment as a POSIX shm_open object with no
+    # name, gets it back by fd from the daemon's own hand-out service, and says so.
     env = os.environ | {"KVD_HOST": "portable"}
     out = run("--json", "--endpoint", f"ipc://{folder}/kvd.sock", "--data-dir", str(folder / "data"), env=env)
     got = checks(out.stdout)
@@ -196,6 +197,7 @@ def test_the_portable_host_is_what_it_names(folder):
     assert got["pressure"]["mechanism"] == "/proc/meminfo, cgroups (no PSI)" and "psi" not in got["pressure"]["detail"]
     auto = checks(run("--json", "--endpoint", f"ipc://{folder}/kvd.sock", "--data-dir", str(folder / "data")).stdout)
     assert auto["host"]["detail"].startswith("auto: shared_memory memfd, open_fds /proc/self/fd, accept_guard patched accept")
+    assert "handed out by fd" in shm["mechanism"] and "handed over by fd" in shm["detail"], shm
 
 
 @pytest.mark.skipif(sys.platform != "darwin", reason="a real Mac's doctor: launchd, Metal, F_FULLFSYNC")

@@ -22,6 +22,7 @@ from kvd.protocol.shm import parse_segment_name
 log = logging.getLogger("kvd.server")
 
 NONCE_FILE = "nonce"
+HANDOUT_SOCKET = "fds"  # the segment hand-out's socket (kvd/server/shm/handout.py)
 _RUN_DIR = re.compile(r"-[0-9a-f]{16}")  # a run's folder: the prefix and this
 
 
@@ -62,8 +63,8 @@ def plane_dirs(socket_path: Path, uid: int | None = None) -> list[Path]:
 
 def sweep_plane_dirs(socket_path: Path) -> int:
     """Remove the folders killed runs on this endpoint left (call it holding
-    the endpoint's lock: no other daemon serves it): their segments and
-    nonce, then the folder. Anything else in one stays, and so does that
+    the endpoint's lock: no other daemon serves it): their segments, nonce
+    and hand-out socket, then the folder. Anything else in one stays, and so does that
     folder. Returns how many folders went."""
     gone = 0
     for folder in plane_dirs(socket_path):
@@ -71,7 +72,7 @@ def sweep_plane_dirs(socket_path: Path) -> int:
             for name in os.listdir(folder):
                 if parse_segment_name(name.removesuffix(NAME_SUFFIX)) is not None:
                     unlink_segment(folder, name.removesuffix(NAME_SUFFIX))  # a shm_open segment's POSIX name too
-                elif name == NONCE_FILE or name.startswith(NONCE_FILE + "."):
+                elif name == NONCE_FILE or name.startswith(NONCE_FILE + ".") or name == HANDOUT_SOCKET:
                     os.unlink(folder / name)
             folder.rmdir()
             gone += 1

@@ -37,9 +37,14 @@ Rules the plane keeps (the sans-I/O halves are in kvd.protocol.shm):
    mapping turns the next touch of its pages into SIGBUS, in the daemon's
    spill writer or libzmq's sending thread, and in every client. A segment
    dies with the daemon and its clients' mappings, never left in /dev/shm.
-   Elsewhere a segment is a file 0600 in the folder (README, known limits).
+   Where there are no memfds (macOS; Linux with host = portable) a segment
+   is a POSIX shm_open object whose name is unlinked as soon as it is made:
+   clients get it by fd from the hand-out service (`handout`, offered in
+   HELLO; kvd/server/shm/handout.py), which `segment_fd` answers. Without
+   POSIX shm a segment is a file 0600 in the folder (README, known limits).
    Names removed or replaced under the daemon (a tmp cleaner, systemd's
-   RemoveIPC) are put back within a second (`ShmPlane.repair`).
+   RemoveIPC) are put back within a second (`ShmPlane.repair`; the hand-out
+   binds its socket again by itself).
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ from kvd.endpoint import check_run_dir
 from kvd.host.segments import NAME_SUFFIX, pid_namespace, unlink_segment
 from kvd.protocol.codec import Message
 from kvd.protocol.errors import BadField
-from kvd.protocol.shm import LeaseTable, check_proof, stale_segments
+from kvd.protocol.shm import LeaseTable, check_proof, parse_segment_name, stale_segments
 from kvd.server.shm.arena import SEGMENT_BYTES, Arena, Slot, unlink_name
 from kvd.server.shm.folders import NONCE_FILE
+from kvd.server.shm.handout import Handout
 from kvd.server.shm.reads import READ_LEASES, GetReplies
 from kvd.server.shm.writes import PENDING_BYTES, PENDING_LEASES, SlotGrants
 
@@ -79,6 +85,7 @@ class ShmPlane(GetReplies, SlotGrants):
         self._write_nonce()
         self.arena = Arena(folder, self.run_id, capacity, segment_bytes)
         self.preparer = None  # kvd/server/shm/prepare.py, started by startup.py
+        self.handout = None  # kvd/server/shm/handout.py, started by startup.py (shm_open segments)
         self.leases = LeaseTable(lease_seconds)
         self._clock = clock
         self._held: dict[int, list[Slot]] = {}  # lease id -> the slots it keeps alive
@@ -129,14 +136,40 @@ class ShmPlane(GetReplies, SlotGrants):
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
         offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
-        if self.arena.mechanism == "shm_open":  # segments are POSIX shm objects named in <segment>.shm
-            offer["segments"] = "shm_open"
+        if self.handout is not None:
+            # Segments are handed out by fd (rule 5). No `dir`: a client that
+            # does not know `handout` then refuses the offer (a bad offer, frames
+            # at once) instead of failing on every segment it cannot open.
+            del offer["dir"]
+            offer["handout"] = str(self.handout.path)
         if self.arena.sealed:  # segments are links into /proc/<pid>/fd: clients open nothing else (rule 5)
             offer["pid"] = os.getpid()
             ns = pid_namespace()
             if ns is not None:  # a client in another pid namespace cannot open them
                 offer["pidns"] = ns
         return offer
+
+    def hand_out(self) -> None:
+        """Start the fd hand-out where segments have no name (shm_open, rule
+        5); nothing to do for memfds and files. Raises OSError (a socket path
+        too long for the OS) or RuntimeError (no thread to be had)."""
+        if self.arena.mechanism == "shm_open":
+            self.handout = Handout(self.folder, self.segment_fd).start()
+
+    def segment_fd(self, name: str) -> int | None:
+        """A new fd of the live segment `name` (its caller closes it), or None
+        if this run has no such segment: the hand-out's lookup, on its thread.
+        The dup is made under the arena's lock, so a segment removed meanwhile
+        never answers with whatever fd took its number."""
+        parsed = parse_segment_name(name)
+        if parsed is None or parsed[0] != self.run_id:
+            return None
+        arena = self.arena
+        with arena._locked():  # noqa: SLF001 -- the arena's own lock, held for one dup
+            seg = parsed[1]
+            if seg >= len(arena._maps) or arena._maps[seg] is None:
+                return None
+            return os.dup(arena._fds[seg])
 
     # -- leases ----------------------------------------------------------------
     def expire(self) -> None:
@@ -186,12 +219,15 @@ class ShmPlane(GetReplies, SlotGrants):
         return {"run": self.run_id, "dir": str(self.folder), "lease_s": self.leases.lease_seconds,
                 "leases": len(self._held), "pending": len(self._pending), "pending_bytes": self.pending_bytes,
                 "granted_bytes": self.granted_bytes,
-                **self.arena.stats(), **self.counters, **(self.preparer.stats() if self.preparer else {})}
+                **self.arena.stats(), **self.counters, **(self.preparer.stats() if self.preparer else {}),
+                **(self.handout.stats() if self.handout else {})}
 
     def close(self) -> None:
         """A clean stop leaves nothing: segments, nonce, folder."""
         if self.preparer is not None:
             self.preparer.stop()
+        if self.handout is not None:
+            self.handout.stop()  # its socket's name goes too
         self._held.clear()
         self._pending.clear()
         self._pending_cost.clear()

@@ -63,6 +63,12 @@ def open_plane(daemon) -> None:
     except Exception as err:  # an unsafe folder, a full disk: frames still work
         log.warning("shared memory disabled: %s", err)
         return
+    try:  # segments with no name (shm_open): clients get them by fd (plane.py rule 5)
+        plane.hand_out()
+    except (OSError, RuntimeError) as err:  # a socket path too long, no thread to be had
+        log.warning("shared memory disabled: no fd hand-out in %s: %s", plane.folder, err)
+        plane.close()
+        return
     daemon.handler.shm = plane
     ram = getattr(daemon.store, "ram", daemon.store)
     full_budget = getattr(ram, "budget_bytes", 0)
