@@ -302,18 +302,28 @@ def endpoint_locked(endpoint: str) -> bool | None:
         os.close(fd)
 
 
-# macOS SDK, <sys/ucred.h> and <sys/un.h>, quoted (tests/host/test_recorded_macos.py
-# parses it and checks XUCRED_SIZE and the parse against recorded bytes):
-#     #define XUCRED_VERSION  0
-#     #define NGROUPS 16  (NGROUPS_MAX, <sys/syslimits.h>)
+# macOS: struct xucred and the socket option, quoted verbatim (tabs expanded) from
+# Apple's xnu, the source of the SDK's headers: apple-oss-distributions/xnu, tag
+# xnu-11417.101.15, commit e3723e1f17661b24996789d8afc084c0c3303b26 (the same text at
+# xnu-10002.1.13). tests/host/test_recorded_macos.py parses it and checks XUCRED_SIZE,
+# the option numbers peer_uid passes and the parse against it.
+#   bsd/sys/ucred.h, lines 203-209:
 #     struct xucred {
 #             u_int   cr_version;             /* structure layout version */
 #             uid_t   cr_uid;                 /* effective user id */
 #             short   cr_ngroups;             /* number of advisory groups */
 #             gid_t   cr_groups[NGROUPS];     /* advisory group list */
 #     };
-#     #define SOL_LOCAL       0
-#     #define LOCAL_PEERCRED  0x001           /* retrieve peer credentials */
+#     #define XUCRED_VERSION  0
+#   bsd/sys/param.h, line 100; bsd/sys/syslimits.h, line 104:
+#     #define NGROUPS         NGROUPS_MAX     /* max number groups */
+#     #define NGROUPS_MAX                16   /* max supplemental group id's */
+#   bsd/sys/un.h, lines 84-88:
+#     /* Level number of get/setsockopt for local domain sockets */
+#     #define SOL_LOCAL               0
+#
+#     /* Socket options. */
+#     #define LOCAL_PEERCRED          0x001           /* retrieve peer credentials */
 XUCRED_SIZE = 76  # 4 + 4 + 2 (+2 padding) + 16 * 4
 
 

@@ -16,6 +16,18 @@ Why without the GIL (kvd/server/admission/gate.py, `_admit`): os.dup2 and
 select() release it, and getting it back waits for whichever thread took
 it -- up to a switch interval with the listener open, in which libzmq could
 accept hundreds of connections.
+
+macOS's OPEN_MAX, quoted verbatim (tabs expanded) from Apple's xnu:
+apple-oss-distributions/xnu, tag xnu-11417.101.15, commit
+e3723e1f17661b24996789d8afc084c0c3303b26 (tests/host/test_darwin_declarations.py
+checks OPEN_MAX against it; Python's resource module supplies RLIMIT_NOFILE
+and RLIM_INFINITY, quoted for the reader of `raise_fd_limit`).
+    bsd/sys/syslimits.h, line 108:
+        #define OPEN_MAX                10240   /* max open files per process - todo, make a config option? */
+    bsd/sys/resource.h, lines 496 and 515:
+        #define RLIM_INFINITY   (((__uint64_t)1 << 63) - 1)     /* no limit */
+        #define RLIMIT_NOFILE   8               /* number of open files */
+END_XNU_QUOTE
 """
 
 from __future__ import annotations
@@ -26,6 +38,8 @@ import select
 
 from kvd.host import select as chosen  # the host seam (not the stdlib's select)
 
+OPEN_MAX = 10240  # macOS's ceiling for the soft limit (quoted above)
+
 
 def raise_fd_limit() -> tuple[int, int]:
     """Raise the soft RLIMIT_NOFILE to the hard limit; returns (soft, hard) after.
@@ -33,7 +47,7 @@ def raise_fd_limit() -> tuple[int, int]:
     macOS reports an unlimited hard limit it does not grant; there the soft
     limit goes as high as the kernel allows (OPEN_MAX, 10240)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    for want in (hard, 10240):
+    for want in (hard, OPEN_MAX):
         if want == resource.RLIM_INFINITY or want <= soft:
             continue
         try:

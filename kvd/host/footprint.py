@@ -10,15 +10,20 @@ What each OS gives:
             and compressed memory, which leaves out file-backed maps (the
             index's) and, like RssAnon, counts what this process dirtied.
 
-The C declarations below are quoted from the macOS SDK (MacOSX.sdk,
-usr/include/libproc.h and usr/include/sys/resource.h; the layout has been
-stable since 10.9 for v2, v4 since 10.13); tests/host/test_footprint.py parses
-this quote and checks the ctypes Structure against it field for field, so the
-quote and the Structure cannot drift apart. Versions v3..v6 extend v2 at its
-end: asking for v2 works on every macOS kvd runs on.
+The C declarations below are quoted verbatim (tabs expanded, indented) from
+Apple's open-source xnu, the source of the SDK's headers: repository
+apple-oss-distributions/xnu, tag xnu-11417.101.15 (the macOS 15 kernel), commit
+e3723e1f17661b24996789d8afc084c0c3303b26, files bsd/sys/resource.h and
+libsyscall/wrappers/libproc/libproc.h, which the SDK installs as
+usr/include/sys/resource.h and usr/include/libproc.h (resource.h at tag
+xnu-10002.1.13, macOS 14, has the same text). tests/host/test_footprint.py
+parses this quote and checks the ctypes Structure, the flavor and the
+call's argtypes/restype against it field for field, so the quote and the
+declarations cannot drift apart. Versions v3..v6 extend v2 at its end:
+asking for v2 works on every macOS kvd runs on.
 
 SDK_QUOTE:
-    // <sys/resource.h>
+    // xnu bsd/sys/resource.h (the SDK's usr/include/sys/resource.h), lines 192-206:
     #define RUSAGE_INFO_V0  0
     #define RUSAGE_INFO_V1  1
     #define RUSAGE_INFO_V2  2
@@ -26,9 +31,16 @@ SDK_QUOTE:
     #define RUSAGE_INFO_V4  4
     #define RUSAGE_INFO_V5  5
     #define RUSAGE_INFO_V6  6
+    #define RUSAGE_INFO_CURRENT RUSAGE_INFO_V6
+
+    /*
+     * Flags for RUSAGE_INFO_V5
+     */
+    #define RU_PROC_RUNS_RESLIDE    0x00000001      /* proc has reslid shared cache */
 
     typedef void *rusage_info_t;
 
+    // the same file, lines 242-262:
     struct rusage_info_v2 {
             uint8_t  ri_uuid[16];
             uint64_t ri_user_time;
@@ -51,7 +63,12 @@ SDK_QUOTE:
             uint64_t ri_diskio_byteswritten;
     };
 
-    // <libproc.h>
+    // xnu libsyscall/wrappers/libproc/libproc.h (the SDK's usr/include/libproc.h), lines 106-111:
+    /*
+     * Return resource usage information for the given pid, which can be a live process or a zombie.
+     *
+     * Returns 0 on success; or -1 on failure, with errno set to indicate the specific error.
+     */
     int proc_pid_rusage(int pid, int flavor, rusage_info_t *buffer) __OSX_AVAILABLE_STARTING(__MAC_10_9, __IPHONE_7_0);
 END_SDK_QUOTE
 """

@@ -267,17 +267,68 @@ class LinuxSource:
 # -- macOS ------------------------------------------------------------------------
 
 
-def _sysctl_int(name: str, ctype=ctypes.c_int64) -> int | None:
-    lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    value = ctype(0)
+# The kernel's side, quoted verbatim (tabs expanded) from Apple's xnu:
+# apple-oss-distributions/xnu, tag xnu-11417.101.15, commit
+# e3723e1f17661b24996789d8afc084c0c3303b26. tests/host/test_recorded_macos.py
+# parses it and checks DARWIN_LEVELS, SYSCTL_CTYPES and the sysctlbyname
+# declaration against it. (event_private.h is not in the SDK: the values reach
+# user space as the sysctl's value and as libdispatch's memory-pressure flags.)
+#   bsd/sys/event_private.h, lines 298-303:
+#     /*
+#      * data/hint fflags for EVFILT_MEMORYSTATUS, shared with userspace.
+#      */
+#     #define NOTE_MEMORYSTATUS_PRESSURE_NORMAL       0x00000001      /* system memory pressure has returned to normal */
+#     #define NOTE_MEMORYSTATUS_PRESSURE_WARN         0x00000002      /* system memory pressure has changed to the warning state */
+#     #define NOTE_MEMORYSTATUS_PRESSURE_CRITICAL     0x00000004      /* system memory pressure has changed to the critical state */
+#   bsd/kern/kern_memorystatus_notify.c, lines 1805-1807 and 1817-1818 (the handler
+#   and the release kernels' declaration):
+#             uint32_t dispatch_level = convert_internal_pressure_level_to_dispatch_level(memorystatus_vm_pressure_level);
+#
+#             return SYSCTL_OUT(req, &dispatch_level, sizeof(dispatch_level));
+#     SYSCTL_PROC(_kern, OID_AUTO, memorystatus_vm_pressure_level, CTLTYPE_INT | CTLFLAG_RD | CTLFLAG_LOCKED | CTLFLAG_MASKED,
+#         0, 0, &sysctl_memorystatus_vm_pressure_level, "I", "");
+#   bsd/kern/kern_mib.c, line 925 (macOS):
+#     SYSCTL_QUAD(_hw, HW_MEMSIZE, memsize, CTLFLAG_RD | CTLFLAG_KERN | CTLFLAG_LOCKED, &max_mem_actual, "");
+#   bsd/sys/sysctl.h, lines 1449-1450:
+#     int     sysctlbyname(const char *, void *__sized_by(*oldlenp), size_t *oldlenp,
+#         void *__sized_by(newlen), size_t newlen);
+# END_XNU_QUOTE
+
+# What each sysctl kvd reads holds: the handler's uint32_t, SYSCTL_QUAD's 64 bits.
+SYSCTL_CTYPES = {"kern.memorystatus_vm_pressure_level": ctypes.c_uint32, "hw.memsize": ctypes.c_uint64}
+SYSCTLBYNAME_ARGTYPES = (ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+                         ctypes.c_size_t)
+SYSCTLBYNAME_RESTYPE = ctypes.c_int
+
+
+def bind_sysctlbyname(lib) -> object:
+    """Declare sysctlbyname on `lib` as <sys/sysctl.h> does (quoted above); returns it."""
+    fn = lib.sysctlbyname
+    fn.argtypes = SYSCTLBYNAME_ARGTYPES
+    fn.restype = SYSCTLBYNAME_RESTYPE
+    return fn
+
+
+_SYSCTLBYNAME = None  # bound on first use (macOS only)
+
+
+def sysctl_int(name: str, call=None) -> int | None:
+    """The value of the sysctl `name` (one of SYSCTL_CTYPES), None if the call
+    fails. `call` stands in for the bound sysctlbyname (tests off a Mac)."""
+    global _SYSCTLBYNAME
+    if call is None:
+        if _SYSCTLBYNAME is None:
+            _SYSCTLBYNAME = bind_sysctlbyname(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True))
+        call = _SYSCTLBYNAME
+    value = SYSCTL_CTYPES[name](0)
     size = ctypes.c_size_t(ctypes.sizeof(value))
-    if lib.sysctlbyname(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+    if call(name.encode(), ctypes.addressof(value), ctypes.byref(size), None, 0) != 0:
         return None
     return int(value.value)
 
 
-# <sys/event.h>: NOTE_MEMORYSTATUS_PRESSURE_NORMAL 0x1, _WARN 0x2, _CRITICAL 0x4,
-# the values kern.memorystatus_vm_pressure_level holds.
+# NOTE_MEMORYSTATUS_PRESSURE_NORMAL, _WARN, _CRITICAL (quoted above): the values
+# kern.memorystatus_vm_pressure_level holds.
 DARWIN_LEVELS = {1: "normal", 2: "warn", 4: "critical"}
 
 
@@ -328,8 +379,8 @@ def darwin_vm_available() -> int | None:
 
 def darwin_sample(previous: str = "normal") -> Sample:
     """The kernel's memory-pressure level (the one the dispatch source reports)."""
-    raw = _sysctl_int("kern.memorystatus_vm_pressure_level", ctypes.c_int)
-    total = _sysctl_int("hw.memsize")
+    raw = sysctl_int("kern.memorystatus_vm_pressure_level")
+    total = sysctl_int("hw.memsize")
     return Sample(darwin_level(raw), f"kern.memorystatus_vm_pressure_level={raw}", None, total)
 
 
@@ -349,7 +400,7 @@ def memory_total() -> int | None:
     """Bytes of memory this process may use: physical memory, or the tightest
     cgroup limit if lower. None if unknown."""
     if sys.platform == "darwin":
-        total = _sysctl_int("hw.memsize")
+        total = sysctl_int("hw.memsize")
     else:
         total = _meminfo().get("MemTotal")
         for cg in own_cgroups() if sys.platform.startswith("linux") else []:

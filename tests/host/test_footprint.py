@@ -58,6 +58,8 @@ def test_the_call_is_declared_as_the_prototype():
     proto = re.search(r"int proc_pid_rusage\(int pid, int flavor, rusage_info_t \*buffer\)", quote())
     assert proto, "the prototype quote changed: re-check ARGTYPES"
     assert "typedef void *rusage_info_t;" in quote()
+    # what phys_footprint takes for success (and anything else for failure)
+    assert "Returns 0 on success; or -1 on failure" in quote()
     # int, int, a pointer (the struct's address), returning int
     assert footprint.ARGTYPES == (ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
     assert footprint.RESTYPE is ctypes.c_int
