@@ -554,6 +554,8 @@ def test_the_paused_listeners_stand_in_cannot_be_reached(daemon_factory):
     with open("/proc/net/unix") as f:
         rows = [line.split() for line in f][1:]
     listening = [r for r in rows if r[6] in inodes and r[3] == "00010000"]  # __SO_ACCEPTCON
+    # The portable host's segment hand-out listens too, at `fds` in the plane's 0700 folder.
+    listening = [r for r in listening if not (len(r) > 7 and r[7].endswith("/fds"))]
     assert len(listening) == 2, listening  # the endpoint and the stand-in
     endpoint = d.endpoint[len("ipc://"):]
     names = [r[7] if len(r) > 7 else "" for r in listening]  # a name a socket was bound to, kept once unlinked
