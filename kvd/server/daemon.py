@@ -561,13 +561,21 @@ class Daemon:
                 reply, shutdown, mtype = self._handle(frames, identity)
         if reply is not None:  # None: parked until its entries are on disk, or more turns to come
             self._send(identity, reply, frames, conn and conn.where)
+        nbytes = sum(len(f) for f in frames)
+        while self._left is not None and not self.turns.room(nbytes):
+            # No room to wait: served to its end now, as a request too big to wait is.
+            rest, self._left = self._left, None
+            with self.lock:
+                reply, _, mtype = self._handle(frames, identity, rest)
+            if reply is not None:
+                self._send(identity, reply, frames, conn and conn.where)
         if self._left is not None:  # its next turn comes as a heavy peer's does (turns.py rule 5)
-            self.turns.put_first(identity, self._left._replace(conn=conn), sum(len(f) for f in frames))
+            self.turns.put_first(identity, self._left._replace(conn=conn), nbytes)
         elapsed = time.perf_counter() - started
         # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
         cpu = time.thread_time() - cpu
         # (A request's bytes are charged with its first turn: they arrived once.)
-        self.turns.charge(identity, cpu, 0 if left is not None else sum(len(f) for f in frames), time.monotonic(),
+        self.turns.charge(identity, cpu, 0 if left is not None else nbytes, time.monotonic(),
                           waited=waited, origin=conn and conn.origin)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):

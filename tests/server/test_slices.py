@@ -110,13 +110,16 @@ def test_a_lookup_served_in_turns_gives_exactly_the_answer_of_a_whole_one():
     assert got == whole(h, lookup(toks)) == ("LOOKUP", {"n": 2000, "boundaries": []})
 
 
-def test_a_ping_sent_while_a_long_put_is_in_progress_is_answered_before_the_puts_reply(tmp_path):
+@pytest.mark.parametrize("room", [True, False])
+def test_a_ping_sent_while_a_long_put_is_in_progress_is_answered_before_the_puts_reply(tmp_path, room):
     """One peer's PUT of 4,096 tiny chunks arrives first, a client's PING
     second: the PING's reply is sent after the PUT's first turn, before the
     PUT's own (served whole, as before, the PUT went first). One step a
-    turn (slice_seconds 0): the order of events alone, whatever the machine's speed."""
+    turn (slice_seconds 0): the order of events alone, whatever the machine's
+    speed. Without room to wait (turns.py rule 3), the PUT is served to its end first."""
     d = Daemon(RamStore(64 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
-    d.turns = Turns(active_s=0.0)  # no share to wait for: turns come as soon as the socket is quiet
+    # No share to wait for: turns come as soon as the socket is quiet.
+    d.turns = Turns(active_s=0.0) if room else Turns(active_s=0.0, max_waiting=0)
     d.handler.slice_seconds = 0.0
     d.bind()
     ctx = zmq.Context.instance()
@@ -146,6 +149,11 @@ def test_a_ping_sent_while_a_long_put_is_in_progress_is_answered_before_the_puts
         client.send_multipart(codec.encode("PING", {}, id=6))
         arrive()
         d._serve_waiting(recv, most=8)  # the PUT's first turn, the PING, a few more of the PUT's turns
+        if not room:
+            assert peer.poll(5000) and client.poll(5000)
+            assert codec.decode_reply(peer.recv_multipart())["stored"] == 4096
+            assert d.turns.stats()["sliced"] == 0
+            return
         assert client.poll(5000), "the PING was not answered"
         assert msgpack.unpackb(client.recv_multipart()[0])["type"] == "PING"
         assert not peer.poll(0), "the PUT was answered before the PING"

@@ -58,7 +58,8 @@ Rules:
    between them as an `Unfinished`, ahead of its peer's later requests
    (rule 1: its reply goes first) and like them otherwise: its next turn
    comes as a heavy peer's does, so a client's PING waits for one turn of
-   it (`slice_seconds`), not for all of it.
+   it (`slice_seconds`), not for all of it. Rule 3 holds: without room, it
+   is served to its end at once.
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ class Turns:
         self.counters["deferred"] += 1
 
     def put_first(self, peer: bytes, request: Any, nbytes: int) -> None:
-        """Keep `request` ahead of `peer`'s other waiting requests (rule 5),
-        room or not: it was served already, its bytes are held either way."""
+        """Keep `request` ahead of `peer`'s other waiting requests (rule 5;
+        check `room()` first: without room, the loop serves it to its end)."""
         at = next((i for i, w in enumerate(self._waiting) if w[1] == peer), len(self._waiting))
         self._waiting.insert(at, (self._served, peer, nbytes, request, self._now))
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
