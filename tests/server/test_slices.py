@@ -167,3 +167,50 @@ def test_a_ping_sent_while_a_long_put_is_in_progress_is_answered_before_the_puts
         peer.close()
         client.close()
         d.close()
+
+
+def test_a_request_of_many_frames_is_decoded_apart_and_answered_as_if_decoded_inline(tmp_path):
+    """Over APART_FRAMES frames a request is decoded on its own thread
+    (decoding.py): a broken one gets the very error the decoder raises, a
+    whole one is stored, and a PING sent after both is answered too."""
+    from kvd.server.decoding import APART_FRAMES
+
+    d = Daemon(RamStore(64 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
+    d.turns = Turns(active_s=0.0)
+    d.bind()
+    ctx = zmq.Context.instance()
+    peer, client = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (peer, client):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(d.endpoint)
+        n = APART_FRAMES + 10
+        chunks = [{"index": i, "tensors": [codec.Tensor("k", "uint8", (4,), bytes([i % 256]) * 4)], "meta": b""} for i in range(n)]
+        good = codec.encode("PUT", {"ns": "t", "tokens": keys.token_bytes(range(n)), "chunk_tokens": 1, "chunks": chunks}, id=1)
+        broken = codec.encode("PUT", {"ns": "t", "tokens": keys.token_bytes(range(n)), "chunk_tokens": 1, "chunks": chunks}, id=2)
+        broken.append(b"x")  # a frame no tensor refers to
+        with pytest.raises(Exception) as inline:
+            codec.decode_request([bytes(f) for f in broken])
+        for m in (broken, good):
+            peer.send_multipart(m)
+        client.send_multipart(codec.encode("PING", {}, id=3))
+        replies: dict[int, object] = {}
+        deadline = time.monotonic() + 30
+        while len(replies) < 3:
+            assert time.monotonic() < deadline, f"answered only {sorted(replies)}"
+            d._sock.poll(10)
+            try:
+                d._serve_waiting(lambda: d._recv(d._sock))
+            except zmq.Again:
+                pass
+            for s in (peer, client):
+                while s.poll(0):
+                    r = codec.decode_reply(s.recv_multipart())
+                    replies[r.id] = r
+        assert replies[2].type == "ERROR" and replies[2]["code"] == inline.value.code
+        assert replies[1].type == "PUT" and replies[1]["stored"] == n
+        assert replies[3].type == "PING"
+    finally:
+        peer.close()
+        client.close()
+        d.close()
