@@ -43,7 +43,6 @@ import math
 import signal
 import threading
 import time
-from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -57,7 +56,6 @@ from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_ke
 from kvd.server.handler import Deferred, Handler, ShutdownRequested, Sliced
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
-from kvd.server.decoding import APART_FRAMES, Decoder
 from kvd.server.admission.outbox import Outbox, start_collector
 from kvd.server.admission import acceptguard, drain
 from kvd.server.admission.caps import default_max_peers, io_threads, listen_backlog, memory_ceiling
@@ -124,7 +122,6 @@ class Daemon:
         self.offenders = drain.Offenders()
         self.latency = Latency()
         self.turns = Turns()
-        self.decoder = Decoder()  # requests of many frames (decoding.py)
         self._conns: dict[int, _Conn] = {}  # fd -> the connection on it, as of its identity's first request
         self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
@@ -559,9 +556,6 @@ class Daemon:
         elif self.outbox is not None and self.outbox.saturated(identity):
             # Its replies would be dropped or refused anyway: do no work for it.
             reply, shutdown, mtype = self._busy(frames, "replies to this peer are not being read; read them"), False, "BUSY"
-        elif len(frames) > APART_FRAMES:  # decoded apart; it waits in turns meanwhile (decoding.py)
-            self._left = Unfinished(identity, frames, self.decoder.submit(frames, self.limits), None, 0, None)
-            reply, shutdown, mtype = None, False, "DECODING"
         else:
             with self.lock:
                 reply, shutdown, mtype = self._handle(frames, identity)
@@ -583,8 +577,7 @@ class Daemon:
         # (A request's bytes are charged with its first turn: they arrived once.)
         self.turns.charge(identity, cpu, 0 if left is not None else nbytes, time.monotonic(),
                           waited=waited, origin=conn and conn.origin)
-        if mtype != "DECODING":
-            self.latency.observe(mtype, elapsed)
+        self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)
         return shutdown
@@ -594,20 +587,11 @@ class Daemon:
         type for metrics) for one request, or for the next turn of `left`.
         A request with turns to come is left in `self._left`."""
         shutdown = False
-        if left is not None and isinstance(left.msg, Future):  # decoded apart (decoding.py)
-            if not left.msg.done():
-                wait([left.msg], timeout=self.handler.slice_seconds)  # the GIL is the decoder's meanwhile
-            if not left.msg.done():
-                self._left = left
-                return None, False, "DECODING"
-            frames, left, decoded = left.frames, None, left.msg
-        else:
-            decoded = None
         if left is not None:
             msg = left.msg
         else:
             try:
-                msg = codec.decode_request(frames, self.limits) if decoded is None else decoded.result()
+                msg = codec.decode_request(frames, self.limits)
             except E.ProtocolError as err:
                 self.handler.errors[err.name] += 1
                 self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
