@@ -29,8 +29,8 @@ SHA-256 and a few dict lookups (~1-2 us), so one request holds the loop for
 milliseconds, not the second a 1 M-token LOOKUP with chunk_tokens=1 took.
 
 Milliseconds are still too long to make a client's PING wait (issue 44): a
-PUT of 8,000 tiny chunks took 40-70 ms here, a LOOKUP of 8,192 held chunks
-~25 ms. So a PUT or LOOKUP of more than `SLICE_CHUNKS` chunks is served in
+PUT of 8,000 tiny chunks took 40-90 ms here, a LOOKUP of 8,192 held chunks
+22-50 ms when it hashes their keys. So a PUT or LOOKUP of more than `SLICE_CHUNKS` chunks is served in
 turns: `handle` returns `Sliced`, whose `resume(budget)` does about `budget`
 seconds of it and says whether it is done; the daemon serves other peers'
 requests between turns (kvd/server/admission/turns.py). The steps are the
