@@ -135,6 +135,9 @@ finally:
 CELL_SECONDS = 60.0  # a cell stops early past this (a frame bomb makes every GET wait seconds)
 
 
+WORST: list[float] = []  # the slowest round trips of the last cell, for --worst
+
+
 def percentiles(client: Client, tokens, samples: int) -> tuple[float, float, int]:
     times, misses = [], 0
     stop = time.monotonic() + CELL_SECONDS
@@ -146,6 +149,7 @@ def percentiles(client: Client, tokens, samples: int) -> tuple[float, float, int
         hit = client.get(tokens, max_tokens=300)
         times.append(time.perf_counter() - t0)
         misses += hit is None or hit.n != 300
+    WORST[:] = sorted(times)[-20:]
     return float(np.percentile(times, 50)), float(np.percentile(times, 99)), misses
 
 
@@ -226,6 +230,7 @@ def main() -> None:
     ap.add_argument("--daemon-python", default=sys.executable)
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds each attack runs before measuring")
     ap.add_argument("--only", default="", help="comma-separated attack names")
+    ap.add_argument("--worst", action="store_true", help="also print each cell's 20 slowest round trips under attack (ms)")
     ap.add_argument("--overhead", action="store_true", help="measure the RAM tier's per-entry overhead instead")
     ap.add_argument("--floor", action="store_true",
                     help="also time the good client while the attack hits another daemon (the CPU contention floor)")
@@ -256,6 +261,7 @@ def main() -> None:
             with attack(*attacks[name]):
                 time.sleep(args.warmup)  # let the attack reach its steady state (pipes full, ...)
                 p50, p99, misses = percentiles(good, tokens, args.samples)
+                worst = list(WORST)
                 peak = status(proc.pid, "VmHWM") / MiB
             alive = proc.poll() is None
             floor = ""
@@ -271,6 +277,8 @@ def main() -> None:
             ratios[name] = p99 / i99
             print(f"{name:>15} {i50 * 1e3:9.2f} {i99 * 1e3:9.2f} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / i50:6.1f}x "
                   f"{p99 / i99:6.1f}x {misses:7d} {peak:8.0f}{floor}{'' if alive else '  DAEMON DIED'}", flush=True)
+            if args.worst:
+                print(f"{'':>15} slowest ms: {' '.join(f'{t * 1e3:.1f}' for t in worst)}", flush=True)
     print("x: under attack over idle, same daemon (lower is better); fl: the attack on another daemon; misses: GETs that did not come back whole "
           "(a miss after the client's 5 s timeout); peak MB: the daemon's peak RSS")
     within = [n for n, r in ratios.items() if r <= 2.0]

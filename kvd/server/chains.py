@@ -99,9 +99,11 @@ class Chains:
         tokens and its keys end where these begin."""
         known = seq.keys
         parent = known[m - 1] if m else keys.root_key(seq.ns, seq.ct)
-        mine = seq.tokens is tokens
         for i, key in enumerate(keys.chain_from(parent, seq.ct, tokens, m), m):
-            if mine and len(known) == i:
+            # Asked each time: a request served in turns (handler.Sliced) takes
+            # its keys between steps, and another may have made `seq` another
+            # sequence's (`_keep`) meanwhile: its tokens object is then another.
+            if seq.tokens is tokens and len(known) == i:
                 known.append(key)
             self.hashed += 1
             yield key

@@ -53,7 +53,7 @@ from kvd.protocol import errors as E
 from kvd.protocol.codec import Message
 from kvd.protocol.limits import Limits
 from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_keys_dir, is_tcp, server_keys
-from kvd.server.handler import Deferred, Handler, ShutdownRequested
+from kvd.server.handler import Deferred, Handler, ShutdownRequested, Sliced
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.admission.outbox import Outbox, start_collector
@@ -63,7 +63,7 @@ from kvd.server.admission.caps import default_max_peers, io_threads, listen_back
 from kvd.server.admission.connections import connection_id, origin
 from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
-from kvd.server.admission.turns import Turns
+from kvd.server.admission.turns import Turns, Unfinished
 from kvd.store.base import Store
 
 log = logging.getLogger("kvd.server")
@@ -538,49 +538,76 @@ class Daemon:
         log.info("activity %s", " ".join(parts))
 
     def _serve_one(self, raw: list[zmq.Frame], waited: bool = False) -> bool:
-        """Serve one request; True if it asked the daemon to shut down."""
-        identity, payload = raw[0].bytes, raw[1:]
-        fd = payload[0].get(zmq.SRCFD) if payload else None
-        conn = self._conn(identity, fd)
-        if self.gate is not None:
-            self.gate.touch(fd)
-        frames = _kept(payload)
+        """Serve one request, or the next turn of one served in turns
+        (`raw` an Unfinished); True if it asked the daemon to shut down."""
+        left = raw if isinstance(raw, Unfinished) else None
+        if left is not None:
+            identity, frames, conn = left.identity, left.frames, left.conn
+        else:
+            identity, payload = raw[0].bytes, raw[1:]
+            fd = payload[0].get(zmq.SRCFD) if payload else None
+            conn = self._conn(identity, fd)
+            if self.gate is not None:
+                self.gate.touch(fd)
+            frames = _kept(payload)
         started, cpu = time.perf_counter(), time.thread_time()
-        if self.outbox is not None and self.outbox.saturated(identity):
+        self._left = None
+        if left is not None:
+            with self.lock:
+                reply, shutdown, mtype = self._handle(frames, identity, left)
+        elif self.outbox is not None and self.outbox.saturated(identity):
             # Its replies would be dropped or refused anyway: do no work for it.
             reply, shutdown, mtype = self._busy(frames, "replies to this peer are not being read; read them"), False, "BUSY"
         else:
             with self.lock:
                 reply, shutdown, mtype = self._handle(frames, identity)
-        if reply is not None:  # None: parked until its entries are on disk
+        if reply is not None:  # None: parked until its entries are on disk, or more turns to come
             self._send(identity, reply, frames, conn and conn.where)
+        nbytes = sum(len(f) for f in frames)
+        while self._left is not None and not self.turns.room(nbytes):
+            # No room to wait: served to its end now, as a request too big to wait is.
+            rest, self._left = self._left, None
+            with self.lock:
+                reply, _, mtype = self._handle(frames, identity, rest)
+            if reply is not None:
+                self._send(identity, reply, frames, conn and conn.where)
+        if self._left is not None:  # its next turn comes as a heavy peer's does (turns.py rule 5)
+            self.turns.put_first(identity, self._left._replace(conn=conn), nbytes)
         elapsed = time.perf_counter() - started
         # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
         cpu = time.thread_time() - cpu
-        self.turns.charge(identity, cpu, sum(len(f) for f in frames), time.monotonic(), waited=waited,
-                          origin=conn and conn.origin)
+        # (A request's bytes are charged with its first turn: they arrived once.)
+        self.turns.charge(identity, cpu, 0 if left is not None else nbytes, time.monotonic(),
+                          waited=waited, origin=conn and conn.origin)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)
         return shutdown
 
-    def _handle(self, frames: list, identity: bytes = b"") -> tuple[list | None, bool, str]:
-        """(reply frames or None if parked, shutdown?, message type for metrics) for one request."""
+    def _handle(self, frames: list, identity: bytes = b"", left: Unfinished | None = None) -> tuple[list | None, bool, str]:
+        """(reply frames or None if parked or unfinished, shutdown?, message
+        type for metrics) for one request, or for the next turn of `left`.
+        A request with turns to come is left in `self._left`."""
         shutdown = False
-        try:
-            msg = codec.decode_request(frames, self.limits)
-        except E.ProtocolError as err:
-            self.handler.errors[err.name] += 1
-            self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
-            return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
+        if left is not None:
+            msg = left.msg
+        else:
+            try:
+                msg = codec.decode_request(frames, self.limits)
+            except E.ProtocolError as err:
+                self.handler.errors[err.name] += 1
+                self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)
+                return codec.encode_error(err, id=codec.peek_id(frames) if frames else 0), False, "INVALID"
         try:
             nbytes = 0
-            if msg.type in ("PUT", "SLOTS", "COMMIT") and self.write_through:
+            if left is not None:
+                rtype, fields, nbytes = msg.type, left.sliced, left.nbytes
+            elif msg.type in ("PUT", "SLOTS", "COMMIT") and self.write_through:
                 nbytes = self._waiting_bytes(msg, frames)
                 # A COMMIT's bytes were admitted with its SLOTS (and are in the arena by now).
                 if msg.type != "COMMIT" and (why := self._admit_waiting(identity, nbytes)) is not None:
                     raise E.Busy(f"write-through: {why}; retry later")
-            if msg.type in ("PUT", "SLOTS") and not self.write_through and self._refuse_put is not None:
+            if left is None and msg.type in ("PUT", "SLOTS") and not self.write_through and self._refuse_put is not None:
                 # A shared-memory PUT is refused at SLOTS, before it takes arena
                 # slots; its COMMIT, like a PUT admitted a moment ago, is not.
                 # The PUT counts with the grants awaiting their COMMIT: those are
@@ -589,7 +616,14 @@ class Daemon:
                 if (why := self._refuse_put(self._waiting_bytes(msg, frames), len(msg.get("chunks") or ()),
                                             shm.granted_bytes if shm is not None else 0)) is not None:
                     raise E.Busy(f"write-back: {why}; retry later")
-            rtype, fields = self.handler.handle(msg)
+            if left is None:
+                rtype, fields = self.handler.handle(msg)
+            if isinstance(fields, Sliced):
+                got = fields.resume(self.handler.slice_seconds)
+                if got is None:
+                    self._left = Unfinished(identity, frames, msg, fields, nbytes, None)
+                    return None, False, msg.type
+                rtype, fields = got
             if isinstance(fields, Deferred):
                 self.parking.park(identity, msg.id, fields.fields, fields.eids, nbytes, rtype)
                 return None, False, msg.type

@@ -27,6 +27,17 @@ walk at most that many chunks of a sequence (their answer never goes past
 them), and a PUT of a sequence longer than that is BAD_FIELD. A chunk costs a
 SHA-256 and a few dict lookups (~1-2 us), so one request holds the loop for
 milliseconds, not the second a 1 M-token LOOKUP with chunk_tokens=1 took.
+
+Milliseconds are still too long to make a client's PING wait (issue 44): a
+PUT of 8,000 tiny chunks took 40-90 ms here, a LOOKUP of 8,192 held chunks
+22-50 ms when it hashes their keys. So a PUT or LOOKUP of more than `SLICE_CHUNKS` chunks is served in
+turns: `handle` returns `Sliced`, whose `resume(budget)` does about `budget`
+seconds of it and says whether it is done; the daemon serves other peers'
+requests between turns (kvd/server/admission/turns.py). The steps are the
+same code as an unsliced request's, so the answer is the same; between them
+the store may change (another PUT, an eviction), as between two requests. A
+PUT checks everything before it stores anything (a refused PUT stores
+nothing), then stores its chunks, a block per step.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Generator
 
 from kvd import __version__
 from kvd.protocol import keys
@@ -46,7 +57,7 @@ from kvd.protocol.limits import Limits
 from kvd.server.chains import Chains
 from kvd.server.evictions import EvictionRecord
 from kvd.server.explain import SequenceRecord, explain
-from kvd.server.prefix import Link, match
+from kvd.server.prefix import Link, match, match_steps
 from kvd.server.ratelog import now_and_then
 from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, as_stored, entry_id
 from kvd.store.remote.pending import Pending
@@ -108,6 +119,46 @@ class Deferred:
         self.fields, self.eids = fields, eids
 
 
+# A PUT or LOOKUP of more chunks than this is served in turns (`Sliced`); a
+# step is this many chunks of a PUT (~64 x 5-8 us) or one block of a match.
+SLICE_CHUNKS = 256
+_STEP_CHUNKS = 64
+
+
+class Sliced:
+    """A request served in turns: `resume(budget)` runs its steps for about
+    `budget` seconds (at least one step) and returns (reply type, fields)
+    once it is done, None while some is left. Raises what the request
+    raises (a wire error is its answer)."""
+
+    __slots__ = ("_steps", "turns")
+
+    def __init__(self, steps: Generator[None, None, tuple[str, Any]]):
+        self._steps = steps
+        self.turns = 0  # resumed so far
+
+    def resume(self, budget: float) -> tuple[str, Any] | None:
+        self.turns += 1
+        until = time.perf_counter() + budget
+        steps = self._steps
+        try:
+            while True:
+                next(steps)
+                if time.perf_counter() >= until:
+                    return None
+        except StopIteration as done:
+            return done.value
+
+
+def finish(steps: Generator[None, None, Any]) -> Any:
+    """Run `steps` to the end: what they return."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 class Handler:
     """Serves decoded requests against a Store; keeps per-namespace counters."""
 
@@ -118,6 +169,7 @@ class Handler:
         self.chunk_tokens = chunk_tokens
         self.started = time.time()
         self.page_seconds = 0.02  # reading time after which a GET page is cut (>= 1 chunk)
+        self.slice_seconds = 0.002  # a turn of a request served in turns (`Sliced`; >= 1 step)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ns_counters: dict[str, Counter[str]] = {}  # the _MAX_NS_COUNTERS most recently used, oldest first
@@ -223,8 +275,14 @@ class Handler:
         return msg["tokens"][: 4 * self.limits.max_chunks * msg["chunk_tokens"]]
 
     def on_lookup(self, msg: Message):
+        steps = self._lookup_steps(msg)
+        long = len(msg["tokens"]) > 4 * SLICE_CHUNKS * msg["chunk_tokens"]
+        # (A store that may answer later serves it whole: its reading() scope is one call's.)
+        return ("LOOKUP", Sliced(steps)) if long and not getattr(self.store, "defers", False) else finish(steps)
+
+    def _lookup_steps(self, msg: Message):
         ns = msg["ns"]
-        links = match(self.store, ns, msg["chunk_tokens"], self._walked(msg), _media(msg), self.chains)
+        links = yield from match_steps(self.store, ns, msg["chunk_tokens"], self._walked(msg), _media(msg), self.chains)
         n = links[-1].end if links else 0
         c = self.counters(ns)
         c["lookups"] += 1
@@ -365,6 +423,9 @@ class Handler:
     def _put_chain(self, msg: Message) -> list[bytes]:
         """A PUT's (or SLOTS's) chain keys, once every check it gets before
         anything is stored has passed (BadField otherwise)."""
+        return finish(self._put_chain_steps(msg))
+
+    def _put_chain_steps(self, msg: Message):
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
         n_tokens = len(tokens_le) // 4
         if -(-n_tokens // ct) > self.limits.max_chunks:
@@ -372,7 +433,12 @@ class Handler:
                 f"{n_tokens} tokens in chunks of {ct} are {-(-n_tokens // ct)} chunks; the limit is "
                 f"{self.limits.max_chunks} (use a larger chunk_tokens or a shorter sequence)"
             )
-        chain = self.chains.chain(ns, ct, tokens_le, _media(msg))
+        known, rest = self.chains.walk(ns, ct, tokens_le, _media(msg))
+        chain = list(known)
+        for key in rest:
+            chain.append(key)
+            if len(chain) % _STEP_CHUNKS == 0:
+                yield
         for chunk in msg["chunks"]:
             if chunk["index"] >= len(chain):
                 raise BadField(f"chunk index {chunk['index']} is past the last chunk ({len(chain) - 1}) of {n_tokens} tokens")
@@ -381,15 +447,21 @@ class Handler:
         return chain
 
     def on_put(self, msg: Message):
+        steps = self._put_steps(msg)
+        return ("PUT", Sliced(steps)) if len(msg["chunks"]) > SLICE_CHUNKS else finish(steps)
+
+    def _put_steps(self, msg: Message):
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
         n_tokens = len(tokens_le) // 4
         # Everything checked before anything is stored: a PUT refused leaves the store as it was.
-        chain = self._put_chain(msg)
+        chain = yield from self._put_chain_steps(msg)
         boundary = msg.get("boundary")
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
         held: list[Entry] = []  # stored or already there: write-through waits for them
-        for chunk in msg["chunks"]:
+        for j, chunk in enumerate(msg["chunks"], 1):
+            if j % _STEP_CHUNKS == 0:
+                yield
             i = chunk["index"]
             start = i * ct
             length = min(ct, n_tokens - start)
@@ -451,7 +523,8 @@ class Handler:
 
     def on_commit(self, msg: Message):
         put = self._shm_admitted(msg).commit(msg["lease"], msg.get("digests"))
-        return "COMMIT", self.on_put(put)[1]
+        # Whole: its chunks are in arena slots whose lease ends with this call.
+        return "COMMIT", finish(self._put_steps(put))[1]
 
     def on_explain(self, msg: Message):
         fields = {**msg.fields, "tokens": self._walked(msg)}

@@ -13,7 +13,7 @@ tail lists grow with every conversation, asks for those alone.
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
+from typing import Generator, NamedTuple
 
 from kvd.protocol import keys
 from kvd.server.chains import Chains
@@ -44,6 +44,22 @@ def match(
     `media` spans (checked) are part of the keys (keys.span_key). `chains`:
     recent sequences' keys, so a query that shares chunks with one is not
     hashed again (chains.py)."""
+    steps = match_steps(store, namespace, chunk_tokens, tokens_le, media, chains)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def match_steps(
+    store: Store, namespace: str, chunk_tokens: int, tokens_le: bytes, media: keys.Media = (), chains: Chains | None = None
+) -> Generator[None, None, list[Link]]:
+    """`match` in steps: yields after each block of chunks asked about (at
+    most 64: ~0.2 ms), returns the links. A caller may serve others between
+    steps (a LOOKUP served in turns, kvd/server/handler.py `Sliced`); each
+    block is one index transaction, so what a step sees is consistent, and a
+    chunk dropped between steps ends the match where a later one would."""
     n_tokens = len(tokens_le) // 4
     parent = keys.root_key(namespace, chunk_tokens)
     links: list[Link] = []
@@ -85,6 +101,7 @@ def match(
                 pos = n_tokens
         if k < nb:
             break
+        yield
     if pos < n_tokens:
         remaining = n_tokens - pos
         candidates = keys.tail_candidates(parent, tokens_le, pos, min(remaining, chunk_tokens - 1), media)

@@ -54,16 +54,36 @@ Rules:
    nothing waiting.
 4. No I/O and no clock of its own: the loop passes the time (testable with
    any clock); `overdue` goes by the latest time it was given.
+5. A request served in turns (kvd/server/handler.py `Sliced`) waits here
+   between them as an `Unfinished`, ahead of its peer's later requests
+   (rule 1: its reply goes first) and like them otherwise: its next turn
+   comes as a heavy peer's does, so a client's PING waits for one turn of
+   it (`slice_seconds`), not for all of it. Rule 3 holds: without room, it
+   is served to its end at once.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 # Seconds charged per byte a request carries: ~2 GB/s, what receiving it
 # through a unix socket and libzmq costs this machine's CPUs.
 BYTE_SECONDS = 0.5e-9
+
+
+class Unfinished(NamedTuple):
+    """A request part-served (rule 5): its peer, its frames (its tensors and
+    tokens are views of them), the decoded message, what is left of it (a
+    handler.Sliced), the bytes it holds while it waits for the disk, and
+    its connection as the daemon knows it."""
+
+    identity: bytes
+    frames: list
+    msg: Any
+    sliced: Any
+    nbytes: int
+    conn: Any
 
 
 class Turns:
@@ -105,7 +125,7 @@ class Turns:
         # The last two peers served that are not heavy, and when: (peer, time), newest first.
         self._light: list[tuple[bytes, float]] = [(b"", float("-inf"))] * 2
         self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
-        self.counters = {"deferred": 0, "overdue": 0}
+        self.counters = {"deferred": 0, "overdue": 0, "sliced": 0}
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -126,6 +146,15 @@ class Turns:
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.bytes += nbytes
         self.counters["deferred"] += 1
+
+    def put_first(self, peer: bytes, request: Any, nbytes: int) -> None:
+        """Keep `request` ahead of `peer`'s other waiting requests (rule 5;
+        check `room()` first: without room, the loop serves it to its end)."""
+        at = next((i for i, w in enumerate(self._waiting) if w[1] == peer), len(self._waiting))
+        self._waiting.insert(at, (self._served, peer, nbytes, request, self._now))
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        self.bytes += nbytes
+        self.counters["sliced"] += 1
 
     def overdue(self) -> Any | None:
         """The oldest waiting request if `max_passes` others went ahead of it

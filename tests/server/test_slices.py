@@ -1,0 +1,169 @@
+"""Requests served in turns (handler.Sliced, turns.py rule 5): the same
+answer as served whole, and other peers' requests served in between."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from kvd.protocol import codec, keys
+from kvd.protocol.codec import Message, Tensor
+from kvd.protocol.errors import BadField
+from kvd.protocol.limits import Limits
+from kvd.server.admission.turns import Turns
+from kvd.server.daemon import Daemon
+from kvd.server.handler import SLICE_CHUNKS, Handler, Sliced
+from kvd.store import RamStore
+from kvd.store.base import CHUNK, entry_id
+
+
+def tiny_put(tokens: np.ndarray, indexes=None, boundary: bool = False) -> Message:
+    """A PUT of one 4-byte chunk per token (chunk_tokens=1): issue 44's tiny flood."""
+    idx = range(len(tokens)) if indexes is None else indexes
+    chunks = [{"index": i, "tensors": [Tensor("k", "uint8", (4,), np.full(4, i % 251, np.uint8))], "meta": b"m%d" % i}
+              for i in idx]
+    fields = {"ns": "n", "tokens": keys.token_bytes(tokens), "chunk_tokens": 1, "chunks": chunks}
+    if boundary:
+        fields["boundary"] = {"tensors": [Tensor("b", "uint8", (8,), np.arange(8, dtype=np.uint8))], "meta": b"b"}
+    return Message("PUT", fields)
+
+
+def lookup(tokens: np.ndarray) -> Message:
+    return Message("LOOKUP", {"ns": "n", "tokens": keys.token_bytes(tokens), "chunk_tokens": 1})
+
+
+def in_turns(h: Handler, msg: Message) -> tuple[tuple, int]:
+    """Serve `msg` one step per turn (a budget of 0): (the answer, turns taken)."""
+    rtype, sliced = h.handle(msg)
+    assert isinstance(sliced, Sliced)
+    while (got := sliced.resume(0.0)) is None:
+        pass
+    assert got[0] == rtype
+    return got, sliced.turns
+
+
+def whole(h: Handler, msg: Message) -> tuple:
+    rtype, sliced = h.handle(msg)
+    assert isinstance(sliced, Sliced)
+    got = sliced.resume(float("inf"))
+    assert sliced.turns == 1
+    return got
+
+
+def held(h: Handler, tokens: np.ndarray) -> list:
+    """What a GET serves of `tokens` (every page), as plain values."""
+    out, start = [], 0
+    while True:
+        _, r = h.handle(Message("GET", {"ns": "n", "tokens": keys.token_bytes(tokens), "chunk_tokens": 1,
+                                         "max_tokens": None, "need_boundary": True, "start": start}))
+        out += [(c["start"], c["length"], c["meta"], [bytes(t.data) for t in c["tensors"]]) for c in r["chunks"]]
+        if "boundary" in r:
+            out.append(("boundary", r["boundary"]["at"], r["boundary"]["meta"]))
+        if r["end"] >= r["n"]:
+            return out
+        start = r["end"]
+
+
+def test_a_put_served_in_turns_stores_and_answers_what_a_whole_one_does():
+    toks = np.arange(3000)
+    a, b = Handler(RamStore(1 << 30), Limits()), Handler(RamStore(1 << 30), Limits())
+    got, turns = in_turns(a, tiny_put(toks, boundary=True))
+    assert turns > 3000 // 64  # a turn per block of chunks, for the keys and again for the stores
+    assert got == whole(b, tiny_put(toks, boundary=True)) == ("PUT", {"stored": 3001, "duplicate": 0, "too_big": 0, "dropped": 0})
+    assert held(a, toks) == held(b, toks) and len(held(a, toks)) == 3001
+    # Again: all duplicates, in turns too.
+    assert in_turns(a, tiny_put(toks))[0] == ("PUT", {"stored": 0, "duplicate": 3000, "too_big": 0, "dropped": 0})
+
+
+def test_a_put_refused_in_turns_stores_nothing_and_short_ones_are_served_whole():
+    h = Handler(RamStore(1 << 30), Limits())
+    toks = np.arange(2000)
+    rtype, sliced = h.handle(tiny_put(toks, indexes=[*range(1999), 5000]))
+    with pytest.raises(BadField, match="past the last chunk"):
+        while sliced.resume(0.0) is None:
+            pass
+    assert sliced.turns > 1 and h.store.stats()["tiers"]["ram"]["entries"] == 0
+    short = np.arange(SLICE_CHUNKS)
+    assert h.handle(tiny_put(short))[1]["stored"] == SLICE_CHUNKS  # not Sliced: a dict
+    assert h.handle(lookup(short))[1]["n"] == SLICE_CHUNKS
+
+
+def test_a_lookup_served_in_turns_gives_exactly_the_answer_of_a_whole_one():
+    h = Handler(RamStore(1 << 30), Limits())
+    toks = np.arange(4096)
+    h.handle(tiny_put(toks[:3000], boundary=True))[1].resume(float("inf"))
+    for query in (toks, toks[:3000], toks[:2999], np.concatenate([toks[:1500], toks[:10]])):
+        got, turns = in_turns(h, lookup(query))
+        assert got == whole(h, lookup(query))
+        assert turns > 1
+    assert in_turns(h, lookup(toks))[0] == ("LOOKUP", {"n": 3000, "boundaries": [3000]})
+    # A chunk dropped between turns ends the match where a later LOOKUP's would.
+    rtype, sliced = h.handle(lookup(toks))
+    assert sliced.resume(0.0) is None
+    assert h.store.discard(entry_id(h.chains.chain("n", 1, keys.token_bytes(toks))[2000], CHUNK))
+    while (got := sliced.resume(0.0)) is None:
+        pass
+    assert got == whole(h, lookup(toks)) == ("LOOKUP", {"n": 2000, "boundaries": []})
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_ping_sent_while_a_long_put_is_in_progress_is_answered_before_the_puts_reply(tmp_path, room):
+    """One peer's PUT of 4,096 tiny chunks arrives first, a client's PING
+    second: the PING's reply is sent after the PUT's first turn, before the
+    PUT's own (served whole, as before, the PUT went first). One step a
+    turn (slice_seconds 0): the order of events alone, whatever the machine's
+    speed. Without room to wait (turns.py rule 3), the PUT is served to its end first."""
+    d = Daemon(RamStore(64 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
+    # No share to wait for: turns come as soon as the socket is quiet.
+    d.turns = Turns(active_s=0.0) if room else Turns(active_s=0.0, max_waiting=0)
+    d.handler.slice_seconds = 0.0
+    d.bind()
+    ctx = zmq.Context.instance()
+    peer, client = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    waiting: list = []
+
+    def arrive() -> None:
+        deadline = time.monotonic() + 10
+        while not d._sock.poll(100):
+            assert time.monotonic() < deadline, "the request did not arrive"
+        waiting.append(d._recv(d._sock))
+
+    def recv():
+        if not waiting:
+            raise zmq.Again()
+        return waiting.pop(0)
+
+    try:
+        for s in (peer, client):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(d.endpoint)
+        toks = keys.token_bytes(range(4096))
+        chunks = [{"index": i, "tensors": [codec.Tensor("k", "uint8", (4,), bytes([i % 256]) * 4)], "meta": b""}
+                  for i in range(4096)]
+        peer.send_multipart(codec.encode("PUT", {"ns": "t", "tokens": toks, "chunk_tokens": 1, "chunks": chunks}, id=5))
+        arrive()  # the PUT is in before the PING is sent
+        client.send_multipart(codec.encode("PING", {}, id=6))
+        arrive()
+        d._serve_waiting(recv, most=8)  # the PUT's first turn, the PING, a few more of the PUT's turns
+        if not room:
+            assert peer.poll(5000) and client.poll(5000)
+            assert codec.decode_reply(peer.recv_multipart())["stored"] == 4096
+            assert d.turns.stats()["sliced"] == 0
+            return
+        assert client.poll(5000), "the PING was not answered"
+        assert msgpack.unpackb(client.recv_multipart()[0])["type"] == "PING"
+        assert not peer.poll(0), "the PUT was answered before the PING"
+        assert d.turns.stats()["sliced"] > 0 and len(d.turns) == 1
+        while not peer.poll(0):
+            d._serve_waiting(recv)
+        reply = codec.decode_reply(peer.recv_multipart())
+        assert reply.type == "PUT" and reply.id == 5 and reply["stored"] == 4096
+        assert len(d.turns) == 0 and d.turns.stats()["waiting_turn"] == 0
+    finally:
+        peer.close()
+        client.close()
+        d.close()
