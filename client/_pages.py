@@ -11,10 +11,13 @@ clear each of them anyway, and populating them measured no faster than the
 copy's own faults (`bench/RESULTS.md`, Session 25).
 
 Rules:
-1. Only a range SLOTS granted this client is populated, and only its pages
+1. A page is looked at once per mapping: the steady state's puts, into pages
+   this client has written before, cost no syscall here (a bitmap per
+   mapping of the pages granted to it so far).
+2. Only a range SLOTS granted this client is populated, and only its pages
    mincore() reports resident: nothing a client does here allocates a page
    (populating a hole would allocate it, charged to this process).
-2. Best effort: any failure (an old kernel's EINVAL, no mincore) turns this
+3. Best effort: any failure (an old kernel's EINVAL, no mincore) turns this
    off for the process and the copy faults pages in as before.
 
 What each OS gives:
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import weakref
 
 import numpy as np
 
@@ -53,6 +57,8 @@ def _mincore():
 _MINCORE = _mincore()
 _enabled = _MINCORE is not None
 counters = {"prefaulted_bytes": 0}  # pages populated in bulk, this process
+# Per mapping, per page: 1 once granted to this client (rule 1); goes with the mapping.
+_granted: "weakref.WeakKeyDictionary[mmap.mmap, bytearray]" = weakref.WeakKeyDictionary()
 
 
 def resident(mm: mmap.mmap, lo: int, hi: int) -> np.ndarray | None:
@@ -75,6 +81,13 @@ def prefault(mm: mmap.mmap, offset: int, length: int) -> int:
         return 0
     lo = offset - offset % _PAGE
     hi = min(len(mm), -(-(offset + length) // _PAGE) * _PAGE)
+    seen = _granted.get(mm)
+    if seen is None:
+        seen = _granted[mm] = bytearray(-(-len(mm) // _PAGE))
+    first, last = lo // _PAGE, hi // _PAGE
+    if seen.find(0, first, last) == -1:
+        return 0  # mapped here since an earlier grant (rule 1)
+    seen[first:last] = b"\x01" * (last - first)  # the copy about to run maps the rest
     try:
         present = resident(mm, lo, hi)
         if present is None:

@@ -43,6 +43,7 @@ def test_prefault_maps_resident_pages_and_allocates_none():
         assert done == 5 * PAGE  # pages 1, 2, 3, 10, 11: the resident ones inside the grant
         assert os.fstat(fd).st_blocks == blocks  # not a page allocated
         assert _pages.resident(client, 0, 64 * PAGE).nonzero()[0].tolist() == written
+        assert _pages.prefault(client, PAGE + 100, 29 * PAGE) == 0  # granted before: no syscall again
         for p in written:  # what the daemon wrote, seen through the client's mapping
             assert client[p * PAGE:(p + 1) * PAGE] == bytes([p]) * PAGE
     finally:
