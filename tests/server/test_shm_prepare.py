@@ -39,7 +39,7 @@ def test_pages_are_prepared_ahead_once_puts_come_never_past_the_budget(daemon_fa
     assert d.proc.poll() is None
 
 
-def test_what_a_fill_leaves_resident_stays_within_the_ram_budget(daemon_factory):
+def test_what_a_fill_leaves_resident_stays_within_the_ram_budget_and_two_segments(daemon_factory):
     # The arena's resident pages (the segments' allocated blocks), after a fill
     # that evicts: the RAM tier's budget plus the free memory kept warm for the
     # next puts (Arena.keep_free) and what the preparer holds ahead, within
