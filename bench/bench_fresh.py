@@ -1,6 +1,6 @@
 """A put into a freshly started daemon against a warm one's (issue 42).
 
-    python bench/bench_fresh.py [--mib 256] [--ram-mb 2048] [--steady 5] [--host auto|portable] [--gap-ms 0]
+    python bench/bench_fresh.py [--mib 256] [--ram-mb 2048] [--steady 5] [--host auto|portable] [--gap-ms 0] [--clients 5]
 
 Starts a daemon (RAM tier only, `--ram-mb`), and over the shared-memory plane
 puts snapshots of `--mib` MiB (bench_wire.py's layout: 32 layers x keys and
@@ -8,7 +8,9 @@ values, bf16) with fresh token ids each time, from one client:
   * fresh: the puts that fill the RAM tier of the new daemon (its arena
     growing), their median and the very first one;
   * steady: `--steady` puts once the tier is full (each evicts the oldest);
-  * new client: the first put of a client that connects to the warm daemon.
+  * new client: the first put of a client that connects to the warm daemon,
+    the median over `--clients` clients one after another (each its own
+    mappings, as a newly started model server has).
 Each is printed in GiB/s and as a ratio to steady (targets: fresh >= 0.5,
 new client's first >= 0.5), with numpy baselines from the same run: a copy
 into an already-touched buffer (memcpy) and into fresh memory.
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steady", type=int, default=5)
     ap.add_argument("--host", default="auto", choices=("auto", "portable"))
     ap.add_argument("--gap-ms", type=float, default=0.0)
+    ap.add_argument("--clients", type=int, default=5)
     args = ap.parse_args()
     n_tokens = args.mib * MiB // BYTES_PER_TOKEN
     snap = snapshot(n_tokens, seed=1)
@@ -68,18 +71,22 @@ def main() -> None:
             steady = [put(c) for _ in range(args.steady)]
             assert c.counters["shm_puts"] == fill + args.steady
             host = c.stats().get("host", {})
-        with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c2:
-            first_new = put(c2)
-            again = put(c2)
+        firsts, seconds = [], []
+        for _ in range(max(1, args.clients)):
+            with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c2:
+                firsts.append(put(c2))
+                seconds.append(put(c2))
+        first_new, again = statistics.median(firsts), statistics.median(seconds)
     rate = lambda t: nbytes / t / GiB  # noqa: E731
     t_steady = statistics.median(steady)
     print(f"# bench_fresh  {machine()}  {args.mib} MiB puts, ram_mb={args.ram_mb}, host={host}, gap={args.gap_ms} ms")
     print(f"baselines: memcpy {rate(t_mem):.2f} GiB/s, fresh-memory copy {rate(t_fresh):.2f} GiB/s")
     rows = [("fresh daemon, median of the fill", statistics.median(fresh)), ("fresh daemon, first put", fresh[0]),
-            ("steady state", t_steady), ("new client, first put", first_new), ("new client, second put", again)]
+            ("steady state", t_steady), (f"new client, first put (median of {len(firsts)})", first_new), ("new client, second put", again)]
     for label, t in rows:
-        print(f"{label:34s} {rate(t):6.2f} GiB/s  {t_steady / t:5.2f}x steady  {t_mem / t:5.2f}x memcpy")
+        print(f"{label:40s} {rate(t):6.2f} GiB/s  {t_steady / t:5.2f}x steady  {t_mem / t:5.2f}x memcpy")
     print("fill puts GiB/s:", " ".join(f"{rate(t):.2f}" for t in fresh))
+    print("new clients' first puts GiB/s:", " ".join(f"{rate(t):.2f}" for t in firsts))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ from kvd.protocol.codec import Tensor
 from kvd.protocol.errors import KvdError
 from kvd.protocol.shm import Descriptor, segment_name
 
+from kvd_client import _pages
+
 _NONCE_BYTES = 64  # the daemon writes >= 16; more than this is not a nonce of ours
 _MAX_LEASE_S = 3600.0  # an offer of longer leases is not believed
 _OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -301,6 +303,8 @@ class Link:
         try:
             if desc.offset + desc.length > len(mm):
                 raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {len(mm)} bytes")
+            if writable:  # a granted slot, about to be written: its pages mapped in bulk (_pages.py)
+                _pages.prefault(mm, desc.offset, desc.length)
             return memoryview(mm)[desc.offset:desc.offset + desc.length]
         except ValueError as err:  # closed meanwhile by another thread's retain(): a miss, not a crash
             raise ShmUnavailable(f"segment {desc.segment} of run {self.run}: {err}") from None
