@@ -4,7 +4,7 @@ Why one module of ~800 lines: `Core` is one object whose calls share a budget
 per public call, a transport, a HELLO's limits and a shared-memory link; the
 frames and shared-memory halves of PUT and GET fall back to each other
 mid-call, so they stay side by side. The pieces that stand alone live apart
-(_transport, _chunking, _shm, _explain, _media, _breaker, _retire).
+(_transport, _chunking, _shm, _pages, _explain, _media, _breaker, _retire).
 
 `Core` knows numpy snapshots and the wire, nothing of mlx; the public
 `kvd_client.Client` (in `_client`) is a `Core` that also holds an mlx-lm
