@@ -87,6 +87,21 @@ class ShmUnavailable(KvdError):
     name = "SHM_UNAVAILABLE"
 
 
+
+def _ours(fd: int, what: str) -> int:
+    """`fd` if it is a shm object of our uid and not (or no longer) empty; else
+    closed, and ShmUnavailable. macOS's fstat of a shm object may report no
+    file type: only a regular file, or none, is one."""
+    try:
+        st = os.fstat(fd)
+    except OSError as err:
+        os.close(fd)
+        raise ShmUnavailable(f"{what}: {err}") from None
+    if stat.S_IFMT(st.st_mode) not in (stat.S_IFREG, 0) or st.st_uid != os.getuid() or st.st_size == 0:
+        os.close(fd)
+        raise ShmUnavailable(f"{what} is not a non-empty object of ours")
+    return fd
+
 class Link:
     """Proof, mappings and pending releases for one daemon run (module docstring)."""
 
@@ -220,16 +235,7 @@ class Link:
         finally:
             for extra in fds:
                 os.close(extra)
-        try:
-            st = os.fstat(fd)
-        except OSError as err:
-            os.close(fd)
-            raise ShmUnavailable(f"segment {name} handed out: {err}") from None
-        # macOS's fstat of a shm object may report no file type (as in _open_shm).
-        if stat.S_IFMT(st.st_mode) not in (stat.S_IFREG, 0) or st.st_uid != os.getuid() or st.st_size == 0:
-            os.close(fd)
-            raise ShmUnavailable(f"segment {name} handed out is not a non-empty object of ours")
-        return fd
+        return _ours(fd, f"segment {name} handed out")
 
     def _open_shm(self, name: str, flags: int) -> int:
         """An fd of the POSIX shm object `<name>.shm` names (rule 2): a name
@@ -249,17 +255,7 @@ class Link:
             fd = _posixshmem.shm_open(posix, flags & (os.O_RDONLY | os.O_RDWR), 0)
         except (ImportError, OSError) as err:
             raise ShmUnavailable(f"shm object {posix} ({name}): {err}") from None
-        try:
-            st = os.fstat(fd)
-        except OSError as err:
-            os.close(fd)
-            raise ShmUnavailable(f"shm object {posix}: {err}") from None
-        # macOS's fstat of a shm object may report no file type: only a regular
-        # file, or none, is one; owned by us; not (or no longer) empty.
-        if stat.S_IFMT(st.st_mode) not in (stat.S_IFREG, 0) or st.st_uid != os.getuid() or st.st_size == 0:
-            os.close(fd)
-            raise ShmUnavailable(f"shm object {posix} ({name}) is not a non-empty object of ours")
-        return fd
+        return _ours(fd, f"shm object {posix} ({name})")
 
     def _segment(self, seg: int, writable: bool) -> mmap.mmap:
         mm = self._maps.get((seg, writable))
