@@ -68,13 +68,6 @@ def memory_watch() -> tuple[int | None, bool]:
     return rss_bytes(), tune_malloc()
 
 
-def footprint_available() -> bool:
-    """Whether RSS comes from macOS's proc_pid_rusage (else /proc/self/statm)."""
-    from kvd.host import footprint
-
-    return footprint.available()
-
-
 def pressure_sample(spec: str) -> Sample | None:
     """One sample of the `pressure_source` setting's source; None for "off".
     Raises ValueError for a spec the daemon would refuse too."""

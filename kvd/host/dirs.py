@@ -33,22 +33,22 @@ def _xdg(environ: Mapping[str, str], name: str, fallback: Path) -> Path:
     return Path(value) if os.path.isabs(value) else fallback
 
 
-def config_dir(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
-    """The per-user config folder (kvd.toml, keys/)."""
+def _folder(environ, platform, mac: tuple[str, ...], xdg: str, fallback: str) -> Path:
     environ = os.environ if environ is None else environ
     home = _home(environ)
     if (platform or sys.platform) == "darwin":
-        return home / "Library" / "Application Support" / "kvd"
-    return _xdg(environ, "XDG_CONFIG_HOME", home / ".config") / "kvd"
+        return home.joinpath("Library", *mac, "kvd")
+    return _xdg(environ, xdg, home / fallback) / "kvd"
+
+
+def config_dir(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
+    """The per-user config folder (kvd.toml, keys/)."""
+    return _folder(environ, platform, ("Application Support",), "XDG_CONFIG_HOME", ".config")
 
 
 def cache_dir(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
     """The per-user cache folder: the default data dir."""
-    environ = os.environ if environ is None else environ
-    home = _home(environ)
-    if (platform or sys.platform) == "darwin":
-        return home / "Library" / "Caches" / "kvd"
-    return _xdg(environ, "XDG_CACHE_HOME", home / ".cache") / "kvd"
+    return _folder(environ, platform, ("Caches",), "XDG_CACHE_HOME", ".cache")
 
 
 def run_dirs(environ: Mapping[str, str] | None = None, platform: str | None = None) -> list[Path]:

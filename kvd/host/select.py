@@ -33,6 +33,7 @@ ask `host()` or `mechanism(concern)` instead of deciding by themselves.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -72,8 +73,6 @@ def _linux() -> bool:
 
 
 def _open_fds() -> str:
-    import os
-
     if not portable() and os.path.isdir("/proc/self/fd"):
         return "/proc/self/fd"
     return "/dev/fd" if os.path.isdir("/dev/fd") else "none"
