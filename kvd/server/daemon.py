@@ -34,6 +34,10 @@ Rules the loop keeps:
    nobody else is waiting, and while others are active in at most a share of
    the time (kvd.server.admission.turns): a client is not queued behind peers that keep
    the daemon busy. A peer's own requests keep their order.
+7. Of the others, what waits on the socket is read first, and reads go
+   before writes (kvd.server.admission.ready): a model server's GET waits
+   for the request being served, not for one of every other peer's. What is
+   read and unserved at a stop is answered BUSY.
 """
 
 from __future__ import annotations
@@ -63,8 +67,10 @@ from kvd.server.admission.caps import default_max_peers, io_threads, listen_back
 from kvd.server.admission.connections import connection_id, origin
 from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
+from kvd.server.admission.ready import Ready
 from kvd.server.admission.turns import Turns, Unfinished
 from kvd.store.base import Store
+from kvd.store.courtesy import Courtesy
 
 log = logging.getLogger("kvd.server")
 
@@ -123,6 +129,12 @@ class Daemon:
         self.offenders = drain.Offenders()
         self.latency = Latency()
         self.turns = Turns()
+        self.ready = Ready()
+        # The SSD writer steps aside while a read is served (kvd.store.courtesy).
+        self.courtesy = Courtesy()
+        ssd = getattr(store, "ssd", None)
+        if ssd is not None and hasattr(ssd, "courtesy"):
+            ssd.courtesy = self.courtesy.pause
         self._conns: dict[int, _Conn] = {}  # fd -> the connection on it, as of its identity's first request
         self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
@@ -264,6 +276,8 @@ class Daemon:
         if self.outbox is not None:
             out.update(self.outbox.stats())
         out.update(self.turns.stats())
+        out.update(self.ready.stats())
+        out.update(self.courtesy.stats())
         return out
 
     def _secure_tcp(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
@@ -366,11 +380,11 @@ class Daemon:
                 due = self.turns.due(time.monotonic())
                 if due is not None:
                     wake = min(wake, due)
-                timeout_ms = max(0, math.ceil((wake - time.monotonic()) * 1000))
+                timeout_ms = 0 if len(self.ready) else max(0, math.ceil((wake - time.monotonic()) * 1000))
                 events = dict(poller.poll(timeout_ms))
                 if self.wakeup.fd in events:
                     self._settle()
-                if (sock in events or (due is not None and due <= time.monotonic())) and self._serve_waiting(lambda: self._recv(sock)) and stop_at is None:
+                if (sock in events or len(self.ready) or (due is not None and due <= time.monotonic())) and self._serve_waiting(lambda: self._recv(sock)) and stop_at is None:
                     # Keep serving briefly: a peer's unread reply is
                     # discarded when our end of the pipe goes away.
                     stop_at = time.monotonic() + self.shutdown_grace
@@ -393,6 +407,7 @@ class Daemon:
         finally:
             if self.stopping_since is None:
                 self.stopping_since = time.monotonic()
+            self._refuse_ready("the daemon is stopping")
             self._drain_parked(self.stopping_since + self.stop_timeout / 2)
             self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
@@ -439,6 +454,12 @@ class Daemon:
         for parked in self.parking.fail_all():
             self._answer(parked, "the daemon is stopping")
 
+    def _refuse_ready(self, why: str) -> None:
+        """Answer BUSY, unserved, what was read and waits in `ready`: its peers miss now."""
+        for raw in self.ready.drain():
+            identity, request = raw[0].bytes, _kept(raw[1:])
+            self._send(identity, self._busy(request, why), request)
+
     def _refuse_waiting(self, sock: zmq.Socket, why: str, most: int = 64) -> None:
         """Answer up to `most` waiting requests BUSY, unserved."""
         for _ in range(most):
@@ -451,35 +472,58 @@ class Daemon:
 
     def _serve_waiting(self, recv: Callable[[], list[zmq.Frame]], most: int = 64) -> bool:
         """Serve up to `most` requests (rule 6), then return to the loop: it
-        must tick under load. `recv` is the next message from the socket, or
-        raises zmq.Again. True if one asked the daemon to shut down."""
-        turns, shutdown = self.turns, False
+        must tick under load. Before each, whatever waits on the socket is
+        read into `ready` (rule 7); `recv` is the next message from the
+        socket, or raises zmq.Again. True if one asked the daemon to shut down."""
+        turns, ready, shutdown = self.turns, self.ready, False
         for _ in range(most):
             raw, waited = turns.overdue(), True
             if raw is None:
-                try:
-                    raw, waited = recv(), False
-                except zmq.Again:
-                    raw = turns.take(time.monotonic())  # nobody else asks: a heavy peer's turn, if due
+                shutdown = self._read_ready(recv) or shutdown
+                raw, waited = ready.pop(), False
+                if raw is None:
+                    raw, waited = turns.take(time.monotonic()), True  # nobody else asks: a heavy peer's turn, if due
                     if raw is None:
                         break
-                else:
-                    peer = raw[0].bytes
-                    conn = self._conn(peer, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None)
-                    if self.outbox is not None and self.outbox.mute(peer, conn and conn.where):
-                        # It does not read its replies: this request costs nothing more
-                        # (and is not charged: a mean pulled down by cheap drops would hide its process's heavy requests).
-                        self.dropped_replies += 1
-                        continue
-                    if turns.defers(peer, conn and conn.origin):
-                        nbytes = sum(len(f) for f in raw)
-                        while len(turns) and not turns.room(nbytes):
-                            shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
-                        if turns.room(nbytes):
-                            turns.put(peer, raw, nbytes)
-                            continue
-                        # too big to wait: served now (its peer has nothing waiting)
+                elif not ready.last_write:  # someone waits on it: the writer steps aside
+                    self.courtesy.serving()
+                    try:
+                        shutdown = self._serve_one(raw) or shutdown
+                    finally:
+                        self.courtesy.served()
+                    continue
             shutdown = self._serve_one(raw, waited=waited) or shutdown
+        return shutdown
+
+    def _read_ready(self, recv: Callable[[], list[zmq.Frame]]) -> bool:
+        """Read what waits on the socket into `ready`, or `turns` for a heavy
+        peer, while `ready` has room. True if a request served meanwhile (a
+        heavy one without room to wait) asked the daemon to shut down."""
+        turns, ready, shutdown = self.turns, self.ready, False
+        while ready.room():
+            try:
+                raw = recv()
+            except zmq.Again:
+                break
+            peer = raw[0].bytes
+            conn = self._conn(peer, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None)
+            if self.outbox is not None and self.outbox.mute(peer, conn and conn.where):
+                # It does not read its replies: this request costs nothing more
+                # (and is not charged: a mean pulled down by cheap drops would hide its process's heavy requests).
+                self.dropped_replies += 1
+                continue
+            nbytes = sum(len(f) for f in raw)
+            if not ready.peers_waiting(peer) and turns.defers(peer, conn and conn.origin):
+                while len(turns) and not turns.room(nbytes):
+                    shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
+                if turns.room(nbytes):
+                    turns.put(peer, raw, nbytes)
+                    continue
+                # too big to wait: served next (its peer has nothing waiting)
+            if not ready.room(nbytes):
+                shutdown = self._serve_one(raw) or shutdown  # no room: served now, as before this queue
+                break
+            ready.put(peer, raw, nbytes, codec.peek_type(raw[1]) if len(raw) > 1 else None)
         return shutdown
 
     def _conn(self, identity: bytes, fd: int | None) -> _Conn | None:
@@ -563,7 +607,7 @@ class Daemon:
                 reply, shutdown, mtype = self._handle(frames, identity)
         if reply is not None:  # None: parked until its entries are on disk, or more turns to come
             self._send(identity, reply, frames, conn and conn.where)
-        nbytes = sum(len(f) for f in frames)
+        nbytes = left.size if left is not None else sum(len(f) for f in frames)
         while self._left is not None and not self.turns.room(nbytes):
             # No room to wait: served to its end now, as a request too big to wait is.
             rest, self._left = self._left, None
@@ -572,7 +616,7 @@ class Daemon:
             if reply is not None:
                 self._send(identity, reply, frames, conn and conn.where)
         if self._left is not None:  # its next turn comes as a heavy peer's does (turns.py rule 5)
-            self.turns.put_first(identity, self._left._replace(conn=conn), nbytes)
+            self.turns.put_first(identity, self._left._replace(conn=conn, size=nbytes), nbytes)
         elapsed = time.perf_counter() - started
         # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
         cpu = time.thread_time() - cpu

@@ -50,7 +50,7 @@ from typing import Any, Generator
 
 from kvd import __version__
 from kvd.protocol import keys
-from kvd.protocol.codec import SUPPORTED_VERSIONS, Message
+from kvd.protocol.codec import SUPPORTED_VERSIONS, LazyChunks, Message
 from kvd.protocol import errors as E
 from kvd.protocol.errors import BadField, NotPersisted, UnsupportedVersion
 from kvd.protocol.limits import Limits
@@ -169,7 +169,7 @@ class Handler:
         self.chunk_tokens = chunk_tokens
         self.started = time.time()
         self.page_seconds = 0.02  # reading time after which a GET page is cut (>= 1 chunk)
-        self.slice_seconds = 0.002  # a turn of a request served in turns (`Sliced`; >= 1 step)
+        self.slice_seconds = 0.0005  # a turn of a request served in turns (`Sliced`; >= 1 step)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ns_counters: dict[str, Counter[str]] = {}  # the _MAX_NS_COUNTERS most recently used, oldest first
@@ -447,8 +447,14 @@ class Handler:
         return chain
 
     def on_put(self, msg: Message):
+        if isinstance(msg["chunks"], LazyChunks):  # a long PUT's chunks are decoded in its first turns
+            return "PUT", Sliced(self._lazy_put_steps(msg))
         steps = self._put_steps(msg)
         return ("PUT", Sliced(steps)) if len(msg["chunks"]) > SLICE_CHUNKS else finish(steps)
+
+    def _lazy_put_steps(self, msg: Message):
+        msg.fields["chunks"] = yield from msg["chunks"].steps(_STEP_CHUNKS)
+        return (yield from self._put_steps(msg))
 
     def _put_steps(self, msg: Message):
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]

@@ -64,7 +64,7 @@ def test_the_largest_well_formed_put_header_is_within_the_item_bound():
         for j in range(min(per, n - i * per))]} for i in range(-(-n // per))]
     fields = {"ns": "n", "tokens": bytes(4 * len(chunks)), "chunk_tokens": 1, "chunks": chunks}
     frames = [msgpack.packb({"v": 1, "type": "PUT", "id": 1, **fields})] + [b"\0"] * n
-    msg = codec.decode_request(frames, limits)
+    msg = codec.whole(codec.decode_request(frames, limits))
     assert sum(len(c["tensors"]) for c in msg["chunks"]) == n
 
 

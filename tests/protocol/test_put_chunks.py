@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvd.protocol import codec, keys
+from kvd.protocol import codec, keys, skim
 from kvd.protocol import errors as E
 from kvd.protocol.limits import Limits
 
@@ -29,7 +29,7 @@ def generic(frames: list):
 
 def outcome(decode, frames):
     try:
-        m = decode(frames)
+        m = codec.whole(decode(frames))  # a long PUT's chunks: decoded in turns when served, here at once
     except E.ProtocolError as err:
         return type(err), err.message
     return m.type, m.id, m.fields
@@ -91,6 +91,47 @@ def test_the_fast_check_agrees_with_the_generic_walk(case):
         assert fast[0] == "PUT" and len(fast[2]["chunks"]) == 3
     elif case not in ("no meta", "nil meta"):
         assert issubclass(fast[0], E.ProtocolError)
+
+
+LONG = 1200  # chunks: a header over skim.SKIM_BYTES with over skim.LAZY_ITEMS of them, left to LazyChunks
+
+
+@pytest.mark.parametrize("at", [0, 64, LONG - 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_long_puts_chunks_decoded_in_turns_agree_with_the_generic_walk(case, at):
+    def change(h):  # the case's damage to chunks at..at+2 of a long PUT (the first batch's, a later one's, the last)
+        window = {"chunks": h["chunks"][at : at + 3]}
+        CASES[case](window)
+        h["chunks"] = h["chunks"][:at] + window["chunks"] + h["chunks"][at + 3 :] if isinstance(window["chunks"], list) else window["chunks"]
+
+    frames = rewrite(put(LONG), change)
+    got = outcome(lambda f: codec.decode_request(f, LIMITS), frames)
+    assert got == outcome(generic, frames)
+    if case == "valid":
+        assert isinstance(codec.decode_request(frames, LIMITS).fields["chunks"], codec.LazyChunks)
+        assert got[0] == "PUT" and [c["index"] for c in got[2]["chunks"]] == list(range(LONG))
+    elif case not in ("no meta", "nil meta", "frame out of range"):  # (99 is a frame of a long PUT)
+        assert issubclass(got[0], E.ProtocolError)
+
+
+def test_a_long_puts_chunks_are_decoded_a_batch_a_step():
+    m = codec.decode_request(put(LONG), LIMITS)
+    steps, n = m.fields["chunks"].steps(batch=64), 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+            n += 1
+    assert n == -(-LONG // 64) and [c["index"] for c in done.value.value] == list(range(LONG))
+
+
+def test_a_long_arrays_items_in_other_fields_and_replies_are_decoded_whole():
+    # Only a PUT's chunks are left undecoded: a SLOTS's (specs, no frames) and a GET reply's are lists.
+    n = 4 * LONG
+    chunks = [{"index": i, "tensors": [codec.Tensor("t", "float16", (1, 2), None)]} for i in range(n)]
+    frames = codec.encode("SLOTS", {"ns": "a", "tokens": keys.token_bytes(range(n)), "chunk_tokens": 1, "chunks": chunks, "shm": {}}, id=1)
+    assert len(frames[0]) >= skim.SKIM_BYTES
+    slots = codec.decode_request(frames, Limits())
+    assert type(slots.fields["chunks"]) is list and [c["index"] for c in slots.fields["chunks"]] == list(range(n))
 
 
 def test_a_put_of_8000_tiny_chunks_decodes_as_the_generic_walk_does():

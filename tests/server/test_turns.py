@@ -47,7 +47,7 @@ def test_cost_is_a_running_mean_of_cpu_time_and_bytes():
 
 
 def test_a_request_passed_over_max_passes_times_goes_next_one_at_a_time():
-    t = Turns(max_passes=4)
+    t = Turns(max_passes=4, share=0.25)
     for name in ("h0", "h1", "h2"):  # three heavy peers' requests, waiting since the same moment
         t.put(name.encode(), name, 0)
     for i in range(3):
@@ -77,7 +77,7 @@ def test_a_request_passed_over_max_passes_times_goes_next_one_at_a_time():
 def test_passes_alone_do_not_give_a_heavy_peer_more_than_its_share_but_max_wait_s_does():
     """Issue 44: a client sending back to back never leaves the socket quiet;
     a 90 ms request must not have a turn every max_passes requests."""
-    t = Turns(max_passes=4, max_wait_s=1.0)
+    t = Turns(max_passes=4, max_wait_s=1.0, share=0.25)
     t.charge(b"light", 0.0005, 0, now=0.0)
     t.put(b"heavy", "p0", 0)
     assert t.pop() == "p0"

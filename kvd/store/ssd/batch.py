@@ -54,6 +54,7 @@ from typing import Callable
 import lmdb
 
 from kvd.store.base import BOUNDARY, Entry, as_stored
+from kvd.store.courtesy import never
 from kvd.store.datadir import BLOB_DIR, eid_of_blob, ensure_folder
 from kvd.store.pools import OrInline
 from kvd.store.ssd import blobfile
@@ -100,6 +101,7 @@ class Batch:
         self._pool: OrInline | None = None  # the writer's helper threads (_threads)
         self.prefetching = False  # read a batch's pages in ahead (write_batch)
         self.major_faults: Callable[[], int] = _major_faults
+        self.courtesy: Callable[[], None] = never  # the writer's pause point between entries (kvd.store.courtesy)
         self._errnos_logged: set[int | None] = set()
         self._path_errors: tuple[int | None, int] = (None, 0)  # one errno, how many writes in a row
         self._unsettled: set[bytes] = set()  # of the batch in hand: committed, yet not durable (_check_files)
@@ -119,6 +121,7 @@ class Batch:
                     self.abandoned.extend(batch[done.at:])
                     break
                 self._write_one(entry, ests[done.at], batch, done)
+                self.courtesy()
             if done.written:
                 done.committed += self._commit(self._synced(done.written, batch))
             if done.committed:
@@ -407,7 +410,11 @@ class Batch:
         def commit(txn):
             if riding:
                 self.index.touch_many(txn, riding)
-            added = [(eid, row) for eid, row in written if self.index.put_row(txn, eid, row)]
+            added, pause = [], self.courtesy
+            for eid, row in written:
+                if self.index.put_row(txn, eid, row):
+                    added.append((eid, row))
+                pause()
             return added, self.index.totals(txn)
 
         try:

@@ -1,0 +1,145 @@
+"""Requests read off the socket are served reads first (kvd.server.admission.ready):
+a model server's GET waits for the request being served, not for one of
+every writer's."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from kvd.protocol import codec, keys
+from kvd.server.admission.ready import Ready
+from kvd.server.daemon import Daemon
+from kvd.store import RamStore
+
+
+def test_reads_go_before_writes_and_otherwise_in_arrival_order():
+    r = Ready()
+    for peer, mtype in ((b"w1", "PUT"), (b"w2", "SLOTS"), (b"r1", "GET"), (b"w3", "COMMIT"), (b"r2", "LOOKUP"),
+                        (b"r3", "PING"), (b"w4", "GC"), (b"x", None)):
+        r.put(peer, peer, 1, mtype)
+    assert [r.pop() for _ in range(len(r))] == [b"r1", b"r2", b"r3", b"x", b"w1", b"w2", b"w3", b"w4"]
+    assert r.pop() is None and r.bytes == 0
+
+
+def test_a_peers_requests_keep_their_order_a_read_behind_its_own_write_included():
+    r = Ready()
+    r.put(b"a", "a-put", 1, "PUT")
+    r.put(b"a", "a-get", 1, "GET")  # must not overtake a's PUT (the GET may be for what the PUT stores)
+    r.put(b"b", "b-get", 1, "GET")
+    assert [r.pop(), r.pop(), r.pop()] == ["b-get", "a-put", "a-get"]
+
+
+def test_a_write_passed_over_max_passes_times_goes_next():
+    r = Ready(max_passes=3)
+    r.put(b"w", "w", 1, "PUT")
+    served = []
+    for i in range(5):  # a stream of reads, one waiting at a time
+        r.put(b"r%d" % i, "r%d" % i, 1, "GET")
+        served.append(r.pop())
+    assert served == ["r0", "r1", "r2", "w", "r3"]
+    assert r.pop() == "r4" and len(r) == 0
+
+
+def test_what_waits_is_bounded_in_count_and_bytes_and_one_always_may():
+    r = Ready(max_waiting=2, max_bytes=100)
+    assert r.room(1000)  # none waits: one may, whatever its size
+    r.put(b"a", "a", 1000, "PUT")
+    assert not r.room(0)
+    r.pop()
+    r.put(b"a", "a", 60, "GET")
+    assert r.room(40) and not r.room(41)
+    r.put(b"b", "b", 40, "GET")
+    assert not r.room(0)  # two waiting
+
+
+def test_drain_gives_every_waiting_request_oldest_first_and_empties():
+    r = Ready()
+    for i, mtype in enumerate(["PUT", "GET", "PUT", "PING"]):
+        r.put(b"p%d" % (i % 2), i, 1, mtype)
+    assert list(r.drain()) == [0, 1, 2, 3]
+    assert len(r) == 0 and r.bytes == 0 and r.pop() is None
+
+
+def test_the_type_is_read_from_the_headers_first_bytes():
+    assert codec.peek_type(codec.encode("GET", {"ns": "n"}, id=2**63)[0]) == "GET"
+    put = codec.encode("PUT", {"ns": "n", "tokens": bytes(4 << 20), "chunk_tokens": 1, "chunks": []}, id=7)[0]
+    assert codec.peek_type(put) == "PUT"
+    for junk in (b"", b"\xc1", b"\x93\x01\x02\x03", b"\x81\xa4type\x05", b"\x83\xa1v\x01\xa4type", bytes(range(256))):
+        assert codec.peek_type(junk) is None
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(RamStore(64 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
+    d.bind()
+    yield d
+    d.close()
+
+
+def test_a_get_waiting_with_four_writers_puts_is_served_first(daemon):
+    """Four peers' PUTs are waiting on the socket before a client's GET: the
+    GET is answered first (by a ROUTER's order it came fifth), then the PUTs
+    in their order."""
+    d = daemon
+    ctx = zmq.Context.instance()
+    writers = [ctx.socket(zmq.DEALER) for _ in range(4)]
+    reader = ctx.socket(zmq.DEALER)
+    toks = keys.token_bytes(range(256))
+    try:
+        for s in (*writers, reader):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(d.endpoint)
+        for i, w in enumerate(writers):
+            data = np.full(1 << 20, i, np.uint8)
+            w.send_multipart(codec.encode("PUT", {"ns": f"w{i}", "tokens": toks, "chunk_tokens": 256, "chunks": [
+                {"index": 0, "tensors": [codec.Tensor("k", "uint8", (1 << 20,), data)], "meta": b""}]}, id=i))
+        reader.send_multipart(codec.encode("GET", {"ns": "w0", "tokens": toks, "chunk_tokens": 256}, id=9))
+        deadline = time.monotonic() + 10
+        waiting: list = []
+        while len(waiting) < 5:  # all five are in before the daemon serves one
+            assert time.monotonic() < deadline, "the requests did not arrive"
+            if d._sock.poll(100):
+                waiting.append(d._recv(d._sock))
+
+        def recv():
+            if not waiting:
+                raise zmq.Again()
+            return waiting.pop(0)
+
+        d._serve_waiting(recv, most=1)
+        assert reader.poll(5000), "the GET was not answered first"
+        assert codec.decode_reply(reader.recv_multipart()).type == "GET"
+        assert not any(w.poll(0) for w in writers)
+        assert d.ready.stats()["ready"] == 4
+        d._serve_waiting(recv, most=4)
+        for i, w in enumerate(writers):
+            assert w.poll(5000)
+            reply = codec.decode_reply(w.recv_multipart())
+            assert reply.type == "PUT" and reply.id == i and reply["stored"] == 1
+    finally:
+        for s in (*writers, reader):
+            s.close()
+
+
+def test_what_was_read_and_not_served_at_a_stop_is_answered_busy(daemon):
+    d = daemon
+    ctx = zmq.Context.instance()
+    client = ctx.socket(zmq.DEALER)
+    try:
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(d.endpoint)
+        client.send_multipart(codec.encode("PING", {}, id=3))
+        assert d._sock.poll(5000)
+        raw = d._recv(d._sock)
+        d.ready.put(raw[0].bytes, raw, 0, "PING")
+        d._refuse_ready("the daemon is stopping")
+        assert client.poll(5000)
+        reply = codec.decode_reply(client.recv_multipart())
+        assert reply.type == "ERROR" and reply["name"] == "BUSY" and reply.id == 3
+        assert len(d.ready) == 0
+    finally:
+        client.close()

@@ -1,0 +1,44 @@
+"""The SSD writer steps aside while the serving thread answers a read
+(kvd.store.courtesy): it waits while a request is served, and is slowed,
+never stopped."""
+
+from __future__ import annotations
+
+import threading
+
+from kvd.store.courtesy import Courtesy
+
+
+def test_a_pause_while_nothing_is_served_does_not_wait():
+    c = Courtesy(max_wait_s=30.0)
+    c.pause()
+    assert c.pauses == 0
+
+
+def test_a_pause_while_a_request_is_served_waits_until_it_is_done():
+    c = Courtesy(max_wait_s=30.0)  # (a join within it proves served() ended the wait, not the clock)
+    order: list[str] = []
+    c.serving()
+    writer = threading.Thread(target=lambda: (c.pause(), order.append("writer")))
+    writer.start()
+    order.append("served")
+    c.served()
+    writer.join(20)
+    assert not writer.is_alive() and order == ["served", "writer"] and c.pauses in (0, 1)
+
+
+def test_a_wait_that_runs_out_leaves_the_writer_free_for_grace_s():
+    now = [100.0]
+    c = Courtesy(max_wait_s=0.0, grace_s=0.001, clock=lambda: now[0])
+    c.serving()  # and never served: a stream of requests
+    c.pause()
+    assert c.pauses == 1  # waited (max_wait_s, here none) and ran out
+    now[0] += 0.0005
+    c.pause()
+    assert c.pauses == 1  # within grace_s: not again
+    now[0] += 0.001
+    c.pause()
+    assert c.pauses == 2
+    c.served()
+    c.pause()
+    assert c.pauses == 2 and c.stats()["writer_pauses"] == 2
