@@ -167,3 +167,44 @@ def test_a_ping_sent_while_a_long_put_is_in_progress_is_answered_before_the_puts
         peer.close()
         client.close()
         d.close()
+
+
+@pytest.mark.parametrize("damage, code", [
+    ("dtype", "BAD_DTYPE"),  # chunk 3,000's tensor: an unknown dtype
+    ("frame", "BAD_FRAME_INDEX"),  # a frame no tensor references
+])
+def test_a_long_put_broken_far_into_its_chunks_is_refused_with_the_exact_error_and_stores_nothing(tmp_path, damage, code):
+    """A PUT of 4,096 tiny chunks over the wire: its chunks are decoded in its
+    turns (codec.LazyChunks), and a break at chunk 3,000 (or a frame left
+    over) is the error a whole decode gives, with nothing stored."""
+    d = Daemon(RamStore(64 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
+    d.handler.slice_seconds = 0.0  # one step a turn: the break is found turns after the first
+    d.bind()
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(d.endpoint)
+        n = 4096
+        toks = keys.token_bytes(range(n))
+        chunks = [{"index": i, "tensors": [codec.Tensor("k", "uint8", (4,), bytes([i % 256]) * 4)], "meta": b""}
+                  for i in range(n)]
+        frames = codec.encode("PUT", {"ns": "t", "tokens": toks, "chunk_tokens": 1, "chunks": chunks}, id=5)
+        header = msgpack.unpackb(frames[0], raw=False)
+        if damage == "dtype":
+            header["chunks"][3000]["tensors"][0]["dtype"] = "float7"
+        else:
+            frames.append(b"left over")
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+        assert isinstance(codec.decode_request(frames, d.limits)["chunks"], codec.LazyChunks)
+        peer.send_multipart(frames)
+        deadline = time.monotonic() + 30
+        while not peer.poll(0):
+            assert time.monotonic() < deadline, "no answer"
+            d._serve_waiting(lambda: d._recv(d._sock) if d._sock.poll(10) else (_ for _ in ()).throw(zmq.Again()))
+        reply = codec.decode_reply(peer.recv_multipart())
+        assert reply.type == "ERROR" and reply["name"] == code and reply.id == 5
+        assert d.turns.stats()["sliced"] > 10  # refused turns after its first, not at decode
+        assert d.store.stats()["tiers"]["ram"]["entries"] == 0
+    finally:
+        peer.close()
+        d.close()
