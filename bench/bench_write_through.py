@@ -20,7 +20,8 @@ tokens, eight 256-token chunks of 32 MiB) into a write-through daemon, which ans
 indexed; against the baseline measured in the same run on the same
 filesystem: one `write` + `fsync` of the same bytes into one new file; and
 a write-back store of them (answered from RAM: the transport alone), so the
-part after the transport shows apart. Prints the medians and the ratios
+part after the transport shows apart, and that write-back store until its
+backlog is on disk (spilled). Prints the medians and the ratios
 (target: durable <= 1.5x write+fsync). `--baseline-src` runs the daemons from
 another source tree (`git archive REV | tar -x -C DIR`): the figures before.
 """
@@ -78,9 +79,10 @@ def measure(write_through: bool, clients: int, puts: int) -> tuple[float, float,
 
 def big_store(size_mib: int, reps: int, transport: str, pythonpath: str | None) -> dict[str, float]:
     """Median seconds of one write+fsync of `size_mib` ("raw"), of a
-    write-through PUT of as many bytes ("durable": answered once on disk), and
-    of a write-back PUT of them ("acked": the transport alone, answered from
-    RAM), the order rotating from one repetition to the next."""
+    write-through PUT of as many bytes ("durable": answered once on disk), of
+    a write-back PUT of them ("acked": the transport alone, answered from
+    RAM) and of that PUT until its backlog is written ("spilled", polled
+    every 5 ms), the order rotating from one repetition to the next."""
     import os
 
     from kvd_client import HostTensor, Snapshot
@@ -93,7 +95,7 @@ def big_store(size_mib: int, reps: int, transport: str, pythonpath: str | None) 
     args = ["--ram-mb", str(2 * size_mib + 256), "--min-free-gb", "0", "--max-message-mb", str(max(512, size_mib + 16))]
     wt = DaemonProcess(dirs[0], args + ["--write-through"], pythonpath=pythonpath).start()
     wb = DaemonProcess(dirs[1], args, pythonpath=pythonpath).start()
-    took: dict[str, list[float]] = {"raw": [], "durable": [], "acked": []}
+    took: dict[str, list[float]] = {"raw": [], "durable": [], "acked": [], "spilled": []}
     try:
         with wt.client("bench-big", strict=True, timeout=120, transport=transport) as cwt, \
                 wb.client("bench-big", strict=True, timeout=120, transport=transport) as cwb:
@@ -109,8 +111,9 @@ def big_store(size_mib: int, reps: int, transport: str, pythonpath: str | None) 
                     t = time.perf_counter()
                     assert cwb.put(s, snap)
                     took["acked"].append(time.perf_counter() - t)
-                    while cwb.stats()["store"]["dirty_bytes"]:  # written behind before the next measure
-                        time.sleep(0.05)
+                    while cwb.stats()["store"]["dirty_bytes"]:  # written behind: the spill
+                        time.sleep(0.005)
+                    took["spilled"].append(time.perf_counter() - t)
 
                 def write_fsync() -> None:
                     path = wt.data_dir / f"raw-{r}"
@@ -147,11 +150,14 @@ def main() -> None:
     if a.sizes:
         print(f"{a.transport}, medians of {a.reps} (seconds); durable = a write-through store, answered once on disk;\n"
               f"acked = a write-back store (the transport alone); on disk = durable - acked, the part after the transport")
-        print(f"{'MiB':>6} {'write+fsync':>11} {'durable':>8} {'acked':>6}  {'durable/raw':>11} {'on disk/raw':>11}")
+        print("spilled = that write-back store until its backlog is on disk")
+        print(f"{'MiB':>6} {'write+fsync':>11} {'durable':>8} {'acked':>6} {'spilled':>8}  {'durable/raw':>11} "
+              f"{'on disk/raw':>11} {'spilled/raw':>11}")
         for size in [int(x) for x in a.sizes.split(",")]:
             m = big_store(size, a.reps, a.transport, a.baseline_src)
-            print(f"{size:>6} {m['raw']:>11.3f} {m['durable']:>8.3f} {m['acked']:>6.3f}  "
-                  f"{m['durable'] / m['raw']:>10.2f}x {(m['durable'] - m['acked']) / m['raw']:>10.2f}x")
+            print(f"{size:>6} {m['raw']:>11.3f} {m['durable']:>8.3f} {m['acked']:>6.3f} {m['spilled']:>8.3f}  "
+                  f"{m['durable'] / m['raw']:>10.2f}x {(m['durable'] - m['acked']) / m['raw']:>10.2f}x "
+                  f"{m['spilled'] / m['raw']:>10.2f}x", flush=True)
         return
     print(f"{'mode':>14} {'clients':>7} {'PUT/s':>8} {'p50 ms':>7} {'p99 ms':>7}  ratio to write-back")
     for n in [int(x) for x in a.clients.split(",")]:
