@@ -20,9 +20,12 @@ tokens, eight 256-token chunks of 32 MiB) into a write-through daemon, which ans
 indexed; against the baseline measured in the same run on the same
 filesystem: one `write` + `fsync` of the same bytes into one new file; and
 a write-back store of them (answered from RAM: the transport alone), so the
-part after the transport shows apart. Prints the medians and the ratios
-(target: durable <= 1.5x write+fsync). `--baseline-src` runs the daemons from
-another source tree (`git archive REV | tar -x -C DIR`): the figures before.
+part after the transport shows apart, and that write-back store until its
+backlog is on disk (spilled). Prints the medians and the ratios
+(target: durable <= 1.5x write+fsync). `--baseline-src DIR` also runs daemons
+from another source tree (`git archive REV | tar -x -C DIR`), measured in
+turn with this tree's in every repetition: the figures before, under the
+same load.
 """
 
 from __future__ import annotations
@@ -76,11 +79,14 @@ def measure(write_through: bool, clients: int, puts: int) -> tuple[float, float,
     return rate, q[49] * 1e3, q[98] * 1e3
 
 
-def big_store(size_mib: int, reps: int, transport: str, pythonpath: str | None) -> dict[str, float]:
-    """Median seconds of one write+fsync of `size_mib` ("raw"), of a
-    write-through PUT of as many bytes ("durable": answered once on disk), and
-    of a write-back PUT of them ("acked": the transport alone, answered from
-    RAM), the order rotating from one repetition to the next."""
+def big_store(size_mib: int, reps: int, transport: str, trees: dict[str, str | None]) -> dict[str, dict[str, float]]:
+    """Median seconds, per daemon source tree (name -> PYTHONPATH, None: this
+    one), of a write-through PUT of `size_mib` ("durable": answered once on
+    disk), of a write-back PUT of them ("acked": the transport alone, answered
+    from RAM) and of that PUT until its backlog is written ("spilled", polled
+    every 5 ms); and of one write+fsync of as many bytes ("raw", under the
+    name ""). The order rotates from one repetition to the next, so every
+    figure shares the machine's moods alike."""
     import os
 
     from kvd_client import HostTensor, Snapshot
@@ -89,50 +95,66 @@ def big_store(size_mib: int, reps: int, transport: str, pythonpath: str | None) 
     tokens = size_mib * (1 << 20) // (layers * 2 * heads * dim * 2)
     raw = np.random.default_rng(size_mib).integers(0, 1 << 16, size=(2 * layers, 1, heads, tokens, dim), dtype=np.uint16)
     snap = Snapshot(sliced={f"{i // 2}.{'kv'[i % 2]}": (HostTensor("bfloat16", raw[i]), 2) for i in range(2 * layers)})
-    dirs = [Path(tempfile.mkdtemp(prefix="kvd-bench-big-", dir="/tmp")) for _ in range(2)]
     args = ["--ram-mb", str(2 * size_mib + 256), "--min-free-gb", "0", "--max-message-mb", str(max(512, size_mib + 16))]
-    wt = DaemonProcess(dirs[0], args + ["--write-through"], pythonpath=pythonpath).start()
-    wb = DaemonProcess(dirs[1], args, pythonpath=pythonpath).start()
-    took: dict[str, list[float]] = {"raw": [], "durable": [], "acked": []}
+    dirs: list[Path] = []
+    daemons: list = []
+    clients: list = []
+    took: dict[str, dict[str, list[float]]] = {"": {"raw": []}}
+    steps = []
     try:
-        with wt.client("bench-big", strict=True, timeout=120, transport=transport) as cwt, \
-                wb.client("bench-big", strict=True, timeout=120, transport=transport) as cwb:
-            for r in range(reps):
+        for name, pythonpath in trees.items():
+            dirs += [Path(tempfile.mkdtemp(prefix="kvd-bench-big-", dir="/tmp")) for _ in range(2)]
+            wt = DaemonProcess(dirs[-2], args + ["--write-through"], pythonpath=pythonpath).start()
+            daemons.append(wt)
+            wb = DaemonProcess(dirs[-1], args, pythonpath=pythonpath).start()
+            daemons.append(wb)
+            cwt = wt.client("bench-big", strict=True, timeout=120, transport=transport)
+            cwb = wb.client("bench-big", strict=True, timeout=120, transport=transport)
+            clients += [cwt, cwb]
+            mine = took[name] = {"durable": [], "acked": [], "spilled": []}
+
+            def durable(r: int, c=cwt, mine=mine) -> None:
                 s = np.arange(tokens) + 10_000_000 * (r + 1)
+                t = time.perf_counter()
+                assert c.put(s, snap)
+                mine["durable"].append(time.perf_counter() - t)
 
-                def durable() -> None:
-                    t = time.perf_counter()
-                    assert cwt.put(s, snap)
-                    took["durable"].append(time.perf_counter() - t)
+            def acked(r: int, c=cwb, mine=mine) -> None:
+                s = np.arange(tokens) + 10_000_000 * (r + 1)
+                t = time.perf_counter()
+                assert c.put(s, snap)
+                mine["acked"].append(time.perf_counter() - t)
+                while c.stats()["store"]["dirty_bytes"]:  # written behind: the spill
+                    time.sleep(0.005)
+                mine["spilled"].append(time.perf_counter() - t)
 
-                def acked() -> None:
-                    t = time.perf_counter()
-                    assert cwb.put(s, snap)
-                    took["acked"].append(time.perf_counter() - t)
-                    while cwb.stats()["store"]["dirty_bytes"]:  # written behind before the next measure
-                        time.sleep(0.05)
+            steps += [durable, acked]
 
-                def write_fsync() -> None:
-                    path = wt.data_dir / f"raw-{r}"
-                    t = time.perf_counter()
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                    mv = memoryview(raw).cast("B")
-                    while mv:
-                        mv = mv[os.write(fd, mv):]
-                    os.fsync(fd)
-                    os.close(fd)
-                    took["raw"].append(time.perf_counter() - t)
-                    os.unlink(path)
+        def write_fsync(r: int) -> None:
+            path = dirs[0] / f"raw-{r}"
+            t = time.perf_counter()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            mv = memoryview(raw).cast("B")
+            while mv:
+                mv = mv[os.write(fd, mv):]
+            os.fsync(fd)
+            os.close(fd)
+            took[""]["raw"].append(time.perf_counter() - t)
+            os.unlink(path)
 
-                order = [write_fsync, durable, acked]
-                for fn in order[r % 3:] + order[: r % 3]:
-                    fn()
+        steps.append(write_fsync)
+        for r in range(reps):
+            k = r % len(steps)
+            for fn in steps[k:] + steps[:k]:
+                fn(r)
     finally:
-        wt.stop()
-        wb.stop()
+        for c in clients:
+            c.close()
+        for d in daemons:
+            d.stop()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
-    return {k: statistics.median(v) for k, v in took.items()}
+    return {name: {k: statistics.median(v) for k, v in m.items()} for name, m in took.items()}
 
 
 def main() -> None:
@@ -145,13 +167,22 @@ def main() -> None:
     ap.add_argument("--baseline-src", default=None, help="run the daemons from this source tree (an older kvd)")
     a = ap.parse_args()
     if a.sizes:
+        trees = {"this": None}
+        if a.baseline_src:
+            trees["baseline"] = a.baseline_src
         print(f"{a.transport}, medians of {a.reps} (seconds); durable = a write-through store, answered once on disk;\n"
-              f"acked = a write-back store (the transport alone); on disk = durable - acked, the part after the transport")
-        print(f"{'MiB':>6} {'write+fsync':>11} {'durable':>8} {'acked':>6}  {'durable/raw':>11} {'on disk/raw':>11}")
+              f"acked = a write-back store (the transport alone); on disk = durable - acked, the part after the transport;\n"
+              f"spilled = that write-back store until its backlog is on disk. Daemons of each tree measured in turn.")
+        print(f"{'MiB':>6} {'tree':>8} {'write+fsync':>11} {'durable':>8} {'acked':>6} {'spilled':>8}  {'durable/raw':>11} "
+              f"{'on disk/raw':>11} {'spilled/raw':>11}")
         for size in [int(x) for x in a.sizes.split(",")]:
-            m = big_store(size, a.reps, a.transport, a.baseline_src)
-            print(f"{size:>6} {m['raw']:>11.3f} {m['durable']:>8.3f} {m['acked']:>6.3f}  "
-                  f"{m['durable'] / m['raw']:>10.2f}x {(m['durable'] - m['acked']) / m['raw']:>10.2f}x")
+            got = big_store(size, a.reps, a.transport, trees)
+            raw = got[""]["raw"]
+            for name in trees:
+                m = got[name]
+                print(f"{size:>6} {name:>8} {raw:>11.3f} {m['durable']:>8.3f} {m['acked']:>6.3f} {m['spilled']:>8.3f}  "
+                      f"{m['durable'] / raw:>10.2f}x {(m['durable'] - m['acked']) / raw:>10.2f}x "
+                      f"{m['spilled'] / raw:>10.2f}x", flush=True)
         return
     print(f"{'mode':>14} {'clients':>7} {'PUT/s':>8} {'p50 ms':>7} {'p99 ms':>7}  ratio to write-back")
     for n in [int(x) for x in a.clients.split(",")]:

@@ -581,18 +581,33 @@ class Core:
             self.counters["shm_put_fallback"] += 1
             return None
         link.retain(grant.get("segments"))
+        refused = 0  # chunks of parts already committed that the daemon could not keep
         try:
             want = [c["tensors"] for c in chunks] + ([boundary["tensors"]] if boundary is not None else [])
             got = list(grant["chunks"]) + ([grant.get("boundary") or []] if boundary is not None else [])
             if [len(ts) for ts in want] != [len(ds) for ds in got] or any(
                     d.length != t.nbytes for ts, ds in zip(want, got) for t, d in zip(ts, ds)):
                 raise _shm.ShmUnavailable("the grant does not match the request")  # never commit it
-            pairs = [(t, d) for ts, ds in zip(want, got) for t, d in zip(ts, ds)]
-            digests = []
-            for t, desc in pairs:
-                if not link.in_time(sent_at):
-                    raise _shm.ShmUnavailable("write lease about to end")
-                digests.append(_copy_hashed(link.view(desc, writable=True), t))
+            # A daemon that takes a COMMIT in parts gets every ~_PART_BYTES of
+            # whole chunks as soon as they are copied: its disk writes them
+            # while the rest is copied (PROTOCOL.md section 14.4).
+            parts = "commit_parts" in (self._features or ()) and len(chunks) > 1
+            digests: list[int] = []
+            copied = 0
+            for j, (ts, ds) in enumerate(zip(want, got)):
+                for t, desc in zip(ts, ds):
+                    if not link.in_time(sent_at):
+                        raise _shm.ShmUnavailable("write lease about to end")
+                    digests.append(_copy_hashed(link.view(desc, writable=True), t))
+                    copied += desc.length
+                if parts and copied >= _PART_BYTES and j < len(chunks) - 1:
+                    reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field(), "digests": digests,
+                                                  "more": True}, background=background)
+                    if reply is None:  # not taken: nothing of this part is stored; the lease frees the rest
+                        return False
+                    refused += reply["too_big"] + reply["dropped"]
+                    self.counters["shm_put_parts"] += 1
+                    digests, copied = [], 0
         except _shm.ShmUnavailable as err:
             # Never COMMIT what may be half-written: the lease expires and
             # frees it. The PUT goes over frames instead (a segment removed
@@ -610,7 +625,7 @@ class Core:
         self.counters["shm_puts"] += 1
         self.counters["chunks_sent"] += len(chunks)
         self.counters["bytes_sent"] += nbytes
-        return reply["too_big"] == 0 and reply["dropped"] == 0
+        return refused == 0 and reply["too_big"] == 0 and reply["dropped"] == 0
 
     @_budgeted
     def get(
@@ -810,6 +825,10 @@ class Core:
 
 
 _HASH_BLOCK = 1 << 20  # copied then hashed while still in cache
+# A shared-memory PUT is committed in parts of at least this many bytes of
+# whole chunks (when the daemon takes parts): small enough that its disk starts
+# early, big enough that a part's round trip is noise beside its copy.
+_PART_BYTES = 16 << 20
 
 
 def _copy_hashed(slot: memoryview, t: Tensor) -> int:

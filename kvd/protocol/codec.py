@@ -439,7 +439,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         **_SEQ, "chunks": _req(_array_of(_record(_SLOTS_CHUNK))), "boundary": _opt(_record(_SLOTS_BOUNDARY)),
         "ns_meta": _opt(_map), "shm": _req(_map),
     },
-    "COMMIT": {"lease": _req(_uint), "shm": _req(_map), "digests": _opt(_uints)},
+    "COMMIT": {"lease": _req(_uint), "shm": _req(_map), "digests": _opt(_uints), "more": _opt(_bool, False)},
     "STATS": {"ns": _opt(_ns)},
     "GC": {
         "ram_bytes": _opt(_uint),

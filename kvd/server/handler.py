@@ -71,7 +71,7 @@ _DEFERRABLE = {
 }
 
 # Optional protocol features this daemon implements, advertised in HELLO.
-FEATURES = ("media",)  # media-aware keys (PROTOCOL.md section 4.1)
+FEATURES = ("media", "commit_parts")  # media-aware keys (PROTOCOL.md section 4.1), COMMIT in parts (14.4)
 
 
 def _media(msg: Message) -> tuple[keys.MediaSpan, ...]:
@@ -456,7 +456,7 @@ class Handler:
         msg.fields["chunks"] = yield from msg["chunks"].steps(_STEP_CHUNKS)
         return (yield from self._put_steps(msg))
 
-    def _put_steps(self, msg: Message):
+    def _put_steps(self, msg: Message, wait: bool = True):
         ns, tokens_le, ct = msg["ns"], msg["tokens"], msg["chunk_tokens"]
         n_tokens = len(tokens_le) // 4
         # Everything checked before anything is stored: a PUT refused leaves the store as it was.
@@ -492,7 +492,7 @@ class Handler:
                 held.append(entry)
         self.sequences.saw_put(ns, ct, tokens_le, chain, msg.get("ns_meta"))
         c = self.counters(ns)
-        c["puts"] += 1
+        c["puts"] += wait  # (a COMMIT's part is counted with its final COMMIT's PUT)
         c["chunks_stored"] += counts["stored"]
         c["chunks_duplicate"] += counts["duplicate"]
         c["chunks_too_big"] += counts["too_big"]
@@ -500,6 +500,8 @@ class Handler:
         # Write-through: the answer covers the whole sequence, chunks this PUT
         # did not carry too (its client skipped what a LOOKUP said is held:
         # perhaps another PUT's, still on its way to the disk).
+        if not wait:
+            return "PUT", counts
         also: list[bytes] = []
         if self.write_through and chain:
             carried = {e.id for e in held}
@@ -528,6 +530,11 @@ class Handler:
         return "SLOTS", plane.grant(msg, self.limits.max_message_bytes)
 
     def on_commit(self, msg: Message):
+        if msg["more"]:
+            # A part: stored (and queued for the disk) now, answered at once;
+            # write-through's wait is the final COMMIT's, for the whole sequence.
+            part = self._shm_admitted(msg).commit_part(msg["lease"], msg.get("digests"))
+            return "COMMIT", finish(self._put_steps(part, wait=False))[1]
         put = self._shm_admitted(msg).commit(msg["lease"], msg.get("digests"))
         # Whole: its chunks are in arena slots whose lease ends with this call.
         return "COMMIT", finish(self._put_steps(put))[1]

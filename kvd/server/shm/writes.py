@@ -2,6 +2,14 @@
 COMMIT hands the PUT they were granted for to the store (rule 3 of
 kvd/server/shm/plane.py). Grants awaiting COMMIT are bounded here. A mixin
 of ShmPlane: it uses the plane's arena, leases and counters.
+
+A big PUT may be committed in parts (PROTOCOL.md section 14.4, `more`): each
+part is the next whole chunks of the grant, in grant order, and goes to the
+store at once (so the SSD writer starts on it while the client copies the
+rest); the lease's pending PUT keeps only what is not committed yet, and the
+final COMMIT hands over that rest (the boundary state always with it). The
+grant's bytes stay counted (`granted_bytes`, `lease_bytes`) until that final
+COMMIT, so the bounds admitted at SLOTS still hold for the whole PUT.
 """
 
 from __future__ import annotations
@@ -130,16 +138,49 @@ class SlotGrants:
             return 0
         return sum(slot.size for slot in self._held[lease_id])
 
+    def commit_part(self, lease_id: int, digests: list[int] | None) -> Message:
+        """A PUT of the next whole chunks of a live write lease's grant, the
+        slots of those chunks now written: as many chunks as `digests` (the
+        client's, one per descriptor in grant order) covers, at least one, never
+        the boundary state nor the last chunk. The lease stays live for the
+        rest. BadField if the lease is unknown or expired, or the digests do
+        not end on a chunk's last tensor short of the last chunk."""
+        msg = self._pending.get(lease_id)
+        if msg is None:
+            raise BadField(f"no live shm write lease {lease_id}")
+        rest = msg["chunks"]
+        n, k = len(digests or ()), 0
+        while n > 0 and k < len(rest):
+            n -= len(rest[k]["tensors"])
+            k += 1
+        if not digests or n != 0 or k >= len(rest):
+            raise BadField(f"a COMMIT with more=true covers whole chunks before the last one; {len(digests or ())} "
+                           f"digests do not (lease {lease_id} has {len(rest)} chunks left)")
+        slots = self._held[lease_id]
+        first = len(slots) - len(rest) - (msg.get("boundary") is not None)  # slots committed before
+        now = self._clock()
+        for slot in slots[first:first + k]:
+            self.leases.commit(lease_id, slot.sid, now)  # BadField past the deadline
+        part, msg.fields["chunks"] = rest[:k], rest[k:]
+        for t, digest in zip((t for c in part for t in c["tensors"]), digests):
+            t.data.digest = digest
+        self.counters["commit_parts"] += 1
+        # ns_meta goes with the final COMMIT: it describes the whole sequence.
+        return Message("PUT", {**msg.fields, "chunks": part, "boundary": None, "ns_meta": None}, msg.id)
+
     def commit(self, lease_id: int, digests: list[int] | None = None) -> Message:
         """The PUT a live write lease was granted for, its slots now written,
         each tensor's bytes fixed by its digest (the client's, one per granted
-        descriptor in grant order, else computed here: one pass). BadField if
-        the lease is unknown or expired (its slots are gone)."""
+        descriptor in grant order not committed by a part before, else
+        computed here: one pass). Its chunks are those no part committed.
+        BadField if the lease is unknown or expired (its slots are gone)."""
         msg = self._pending.get(lease_id)
         if msg is None:
             raise BadField(f"no live shm write lease {lease_id}")
         now = self._clock()
-        for slot in self._held[lease_id]:
+        slots = self._held[lease_id]
+        left = len(msg["chunks"]) + (msg.get("boundary") is not None)
+        for slot in slots[len(slots) - left:]:
             self.leases.commit(lease_id, slot.sid, now)  # BadField past the deadline
         tensors = [t for c in msg["chunks"] for t in c["tensors"]]
         if msg.get("boundary") is not None:
