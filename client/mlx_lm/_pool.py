@@ -49,9 +49,12 @@ from kvd_client._transport import fork_lock
 
 ALIGN = 64
 IDLE_S = 10.0
-#: The process-wide pool's bound: a 1 GiB snapshot uploading while the next is
-#: taken (the writer queue's default bound is 1 GiB and always admits one).
-DEFAULT_LIMIT = 2 << 30
+#: The process-wide pool's bound: a backstop, not a budget. What the pool
+#: holds follows what is in flight -- a snapshot taken, the writer queue's
+#: (1 GiB by default, always one), the upload running -- and drains when
+#: idle; 4 GiB lets one 4 GiB cache (a 70B-class model at 8-16k tokens) or
+#: three 1 GiB ones land in touched memory.
+DEFAULT_LIMIT = 4 << 30
 
 
 def aligned(nbytes: int) -> int:
