@@ -187,8 +187,12 @@ class BufferPool:
                 return
             slab.free_since = self._clock()
             if self._reaper is None:
-                self._reaper = threading.Thread(target=self._reap, name="kvd-snapshot-pool", daemon=True)
-                self._reaper.start()
+                reaper = threading.Thread(target=self._reap, name="kvd-snapshot-pool", daemon=True)
+                try:
+                    reaper.start()
+                except RuntimeError:  # interpreter shutting down: nothing left to reap for
+                    return
+                self._reaper = reaper
             self._cv.notify_all()
 
     def _drop_idle(self, now: float) -> int:

@@ -9,6 +9,7 @@ returned, however the cache is changed right after.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import mlx.core as mx
@@ -124,6 +125,28 @@ def test_the_reaper_releases_idle_slabs_on_its_own():
     x = pool.lease(MiB).carve((MiB,), np.uint8)
     del x
     wait_until(lambda: pool.held_bytes == 0, what="the idle slab to be released")
+
+
+def test_a_forked_child_starts_a_pool_of_its_own():
+    pool = BufferPool(64 * MiB)
+    parents = pool.lease(2 * MiB).carve((2 * MiB,), np.uint8)
+    pid = os.fork()
+    if pid == 0:  # the child: numpy only, then out without running anything of pytest's
+        ok = False
+        try:
+            mine = pool.lease(MiB).carve((MiB,), np.uint8)
+            ok = pool.held_bytes < 2 * MiB and not np.shares_memory(mine, parents)
+            del parents  # the parent's lease: never given back into the child's pool
+            ok = ok and pool.free_bytes == 0
+            del mine
+            ok = ok and 0 < pool.free_bytes == pool.held_bytes < 2 * MiB
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pool.held_bytes >= 2 * MiB and pool.free_bytes == 0  # the parent's pool as it was
+    del parents
+    assert pool.free_bytes >= 2 * MiB
 
 
 # -- snapshots ----------------------------------------------------------------------
