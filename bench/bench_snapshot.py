@@ -67,6 +67,7 @@ def run(size_mib: int, reps: int, plane: str) -> None:
     memcpy = lambda: [np.copyto(d, np.asarray(v)) for d, v in zip(touched, views)]  # noqa: E731
     toks = list(range(T))
     rows: dict[str, list[float]] = {"memcpy": [], "store": [], "fetch": []}
+    misses = 0
     ram_mb = max(2048, 3 * nbytes // 2**20 + 256)
     with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as d:
         with Client(d.endpoint, namespace=f"bench-snap-{plane}", transport=plane, timeout=60.0) as kv:
@@ -79,15 +80,23 @@ def run(size_mib: int, reps: int, plane: str) -> None:
                 rows["store"].append(timed(lambda: kv.store(ids, caches)))
                 kv.flush_stores(300)
                 got = {}
-                rows["fetch"].append(timed(lambda: got.setdefault("hit", kv.fetch(ids + [1]))))
-                assert got["hit"][1] == T, got["hit"][1]
+                took = timed(lambda: got.setdefault("hit", kv.fetch(ids + [1])))
+                hit = got["hit"][1] == T
+                rows["fetch"].append(took if hit else None)  # a miss (seen under heavy load): left out
+                misses += not hit
                 del got
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    if misses:
+        print(f"{size_mib:5d} MiB [{plane:>6}] fetch() missed {misses} of {reps} (left out)")
+    m = statistics.median(rows["memcpy"])
     for k in ("store", "fetch"):
-        ratios = statistics.median(a / b for a, b in zip(rows[k], rows["memcpy"]))
-        print(f"{size_mib:5d} MiB [{plane:>6}] {k}() {med[k] * 1e3:8.1f} ms  {nbytes / 2**30 / med[k]:5.2f} GiB/s  "
-              f"memcpy {med['memcpy'] * 1e3:6.1f} ms  -> {med[k] / med['memcpy']:4.2f}x (median of per-rep ratios "
-              f"{ratios:4.2f}x; all: {' '.join(f'{a / b:.2f}' for a, b in zip(rows[k], rows['memcpy']))})", flush=True)
+        pairs = [(a, b) for a, b in zip(rows[k], rows["memcpy"]) if a is not None]
+        if not pairs:
+            continue
+        med = statistics.median(a for a, _ in pairs)
+        ratios = [a / b for a, b in pairs]
+        print(f"{size_mib:5d} MiB [{plane:>6}] {k}() {med * 1e3:8.1f} ms  {nbytes / 2**30 / med:5.2f} GiB/s  "
+              f"memcpy {m * 1e3:6.1f} ms  -> {med / m:4.2f}x (median of per-rep ratios "
+              f"{statistics.median(ratios):4.2f}x; all: {' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
 
 
 def main() -> None:
