@@ -24,7 +24,9 @@ class Client(Core):
 
     `Client(endpoint=None, namespace="default", timeout=5.0, chunk_tokens=256,
     strict=False)`; usable as a context manager; safe to share between threads.
-    Set `store_queue_bytes` to bound the snapshots waiting for the upload thread.
+    Set `store_queue_bytes` to bound the snapshots waiting for the upload thread,
+    and `snapshot_pool` to a `kvd_client.mlx_lm._pool.BufferPool` of its own
+    (None: fresh memory each time) instead of the process's shared one.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):

@@ -15,7 +15,9 @@ always runs on the thread that calls `store` / `fetch` (the generation
 thread, inside its `mx.stream` if it has one):
 
     store:  caller thread   take(): slice, eval, copy to numpy  -> Snapshot
-            writer thread   put(tokens, Snapshot)                (numpy only)
+                            (into a slab of the process's BufferPool)
+            writer thread   put(tokens, Snapshot)                (numpy only);
+                            dropping it gives the slab back to the pool
     fetch:  caller thread   get() -> Hit (numpy) -> rebuild(): mx.array, eval
 
 Does the model need boundary state? A model with any recurrent or
@@ -55,6 +57,8 @@ import weakref
 from typing import Any, Sequence
 
 from kvd_client.mlx_lm import _format as F
+from kvd_client.mlx_lm import _pool
+from kvd_client.mlx_lm._pool import BufferPool
 from kvd_client.mlx_lm._writer import DEFAULT_MAX_PENDING_BYTES, Writer
 
 _init_lock = threading.Lock()
@@ -66,6 +70,9 @@ class MlxMethods:
     #: Bytes of snapshots that may wait for the writer thread before `store`
     #: starts dropping new ones (at least one is always admitted).
     store_queue_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    #: Touched host memory snapshots are copied into (`_pool`): the process's
+    #: shared pool; None copies every snapshot into fresh memory.
+    snapshot_pool: BufferPool | None = _pool.SHARED
 
     # -- public --------------------------------------------------------------
     def store(
@@ -90,7 +97,7 @@ class MlxMethods:
 
         toks_in = host_tokens(tokens)
         try:
-            taken = take(toks_in, prompt_cache, start=self._mlx_held(toks_in, media))
+            taken = take(toks_in, prompt_cache, start=self._mlx_held(toks_in, media), pool=self.snapshot_pool)
         except F.UnsupportedCache:
             self._mlx_count("store_unsupported")
             if self._mlx_strict():
@@ -308,7 +315,8 @@ class MlxAdapter(MlxMethods):
     """`MlxMethods` bound to one numpy-level client (see module docstring).
 
     Forwards `put`/`get`/`probe` and reads `namespace`, `strict`, `timeout`,
-    `chunk_tokens`, `counters` and (if set) `store_queue_bytes` from it.
+    `chunk_tokens`, `counters` and (if set) `store_queue_bytes` and
+    `snapshot_pool` from it.
     `close()` drains queued stores only; the client closes its own sockets.
     """
 
@@ -330,6 +338,10 @@ class MlxAdapter(MlxMethods):
     @property
     def store_queue_bytes(self) -> int:  # type: ignore[override]
         return getattr(self._target(), "store_queue_bytes", DEFAULT_MAX_PENDING_BYTES)
+
+    @property
+    def snapshot_pool(self) -> BufferPool | None:  # type: ignore[override]
+        return getattr(self._target(), "snapshot_pool", _pool.SHARED)
 
     def put(self, tokens: Any, snapshot: Any, *, background: bool = False) -> bool:
         return self._target().put(tokens, snapshot, background=background)

@@ -15,10 +15,16 @@ Theory of operation
 3. reinterprets bfloat16 as uint16 (numpy's buffer protocol cannot carry
    bf16, and casting through float16/float32 is lossy or doubles the bytes);
 4. evaluates all of it with one `mx.eval` on the caller's stream, then copies
-   each array into memory numpy owns (`np.array`, a real copy: a numpy view of
-   a live `KVCache.keys` buffer would see later decode writes, and an array
-   still backed by mlx memory would be freed by mlx on whichever thread drops
-   it last).
+   each array into memory numpy owns (a real copy: a numpy view of a live
+   `KVCache.keys` buffer would see later decode writes, and an array still
+   backed by mlx memory would be freed by mlx on whichever thread drops it
+   last). The copies land in one slab leased from the process's `BufferPool`
+   (memory a finished snapshot left touched: the copy runs at memcpy speed
+   instead of page-faulting fresh memory), carved per tensor, each copied
+   with one `np.copyto` from a numpy alias of the evaluated mlx array; the
+   slab goes back to the pool when the last of its arrays is dropped (the
+   upload done). Without a pool, or past its bound, `np.array` copies into
+   fresh memory.
 
 The result holds numpy arrays and plain Python values only. Whatever thread
 handles it afterwards cannot reach an mlx object through it.
@@ -36,9 +42,12 @@ import numpy as np
 from kvd.protocol import dtypes
 from kvd_client._tensors import HostTensor, Snapshot
 from kvd_client.mlx_lm import _format as F
+from kvd_client.mlx_lm._pool import SHARED, BufferPool, aligned
 
 
-def take(tokens: Sequence[int], prompt_cache: Sequence[Any], *, start: int = 0) -> tuple[np.ndarray, Snapshot] | None:
+def take(
+    tokens: Sequence[int], prompt_cache: Sequence[Any], *, start: int = 0, pool: BufferPool | None = SHARED
+) -> tuple[np.ndarray, Snapshot] | None:
     """Snapshot `prompt_cache`, which was built by feeding `tokens` from position 0.
 
     Returns (the tokens the snapshot covers, the Snapshot), or None when the
@@ -47,7 +56,10 @@ def take(tokens: Sequence[int], prompt_cache: Sequence[Any], *, start: int = 0) 
     if every layer is sliceable. Token-axis tensors are copied from position
     `start` on (a chunk boundary the daemon already holds everything before);
     a `start` past T is ignored (everything is copied). Boundary state is
-    always copied whole.
+    always copied whole. The copies land in one slab leased from `pool`
+    (memory already touched, see `_pool`; the process's shared pool unless
+    told otherwise), or in fresh numpy memory with `pool=None` or past the
+    pool's bound.
 
     Raises UnsupportedCache for cache classes kvd does not know, and
     SnapshotMismatch when layers disagree on their offset or a boundary
@@ -84,8 +96,16 @@ def take(tokens: Sequence[int], prompt_cache: Sequence[Any], *, start: int = 0) 
     # model left on the cache buffers, all on the caller's stream.
     mx.eval(*(x for _, x, _, _ in plan.items))
     snap = Snapshot(meta=F.make_meta(layers), boundary_meta=plan.boundary_meta, start=plan.start)
+    lease = pool.lease(sum(aligned(x.nbytes) for _, x, _, _ in plan.items)) if pool is not None else None
     for name, x, wire, axis in plan.items:
-        host = HostTensor(wire, np.array(x, copy=True, order="C"))
+        if lease is None:
+            host = HostTensor(wire, np.array(x, copy=True, order="C"))
+        else:
+            src = np.asarray(x)  # an alias of mlx memory, dropped right after the copy
+            dst = lease.carve(src.shape, src.dtype)
+            np.copyto(dst, src, casting="no")
+            host = HostTensor(wire, dst)
+            del src
         if axis is None:
             snap.boundary[name] = host
         else:

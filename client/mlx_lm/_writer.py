@@ -20,6 +20,9 @@ Rules kept:
   in another process. The thread is a daemon: whatever is still queued when
   the interpreter exits is lost (it is a cache), so flush or close first if
   it matters.
+* The writer drops each snapshot as soon as its put returns: its arrays
+  live in a slab of the snapshot pool (`_pool`), which goes back for the
+  next store only when nothing holds them any more.
 * In a child made by os.fork() the writer thread does not exist, and the
   queue's lock may be held for ever (if the thread held it at the fork): the
   first call there starts a writer of its own, with an empty queue (what was
@@ -119,7 +122,9 @@ class Writer:
             except Exception:  # a bug below us must not kill the writer
                 log.exception("kvd store failed")
                 ok = False
-            del snapshot  # release the host copy before waiting for the next
+            # Dropping the host copy gives its slab back to the snapshot pool
+            # (`_pool`): the next store copies into it, touched already.
+            del snapshot
             # Count before clearing `_busy`, so a flush() that returns sees the tally.
             self._count("stored" if ok else "store_failed", 1)
             with self._cv:
