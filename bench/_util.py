@@ -86,6 +86,13 @@ def short_reason(counters: dict, stats: dict | None) -> str:
         why.append(f"RAM tier yielded to memory pressure ({pressure['evictions']} entries, "
                    f"{pressure.get('evicted_bytes', 0) / GiB:.1f} GiB; level {pressure.get('level')}: "
                    f"{pressure.get('reason')})")
+    counts = ((stats or {}).get("evictions") or {}).get("counts") or {}
+    ram = ((stats or {}).get("tiers") or {}).get("ram") or {}
+    lost = {k: ram[k] for k in ("dropped", "too_big", "altered") if ram.get(k)}
+    if counts or lost:
+        why.append(f"the daemon's RAM tier let entries go (evictions by cause {dict(counts)}"
+                   + (f", {lost}" if lost else "") + f"; it holds {ram.get('bytes', 0) / MiB:.0f} of "
+                   f"{ram.get('budget_bytes', 0) / MiB:.0f} MiB)")
     if counters.get("error_out_of_time") or counters.get("error_unavailable"):
         why.append("a request ran out of time (Client timeout)")
     seen = {k: v for k, v in counters.items()
