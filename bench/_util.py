@@ -82,9 +82,11 @@ def short_reason(counters: dict, stats: dict | None) -> str:
     if counters.get("shm_damaged"):
         why.append(f"{counters['shm_damaged']} damaged in shared memory")
     pressure = (stats or {}).get("pressure") or {}
-    if pressure.get("evictions"):
-        why.append(f"RAM tier yielded to memory pressure ({pressure['evictions']} entries, "
-                   f"{pressure.get('evicted_bytes', 0) / GiB:.1f} GiB; level {pressure.get('level')}: "
+    cut = pressure.get("ram_budget_bytes", 0) < pressure.get("ram_max_bytes", 0)
+    if pressure.get("evictions") or cut or pressure.get("shrinks"):
+        why.append(f"the RAM tier yielded to memory pressure (budget {pressure.get('ram_budget_bytes', 0) / MiB:.0f} "
+                   f"of {pressure.get('ram_max_bytes', 0) / MiB:.0f} MiB after {pressure.get('shrinks', 0)} shrinks, "
+                   f"{pressure.get('evictions', 0)} entries evicted by it; now {pressure.get('level')}: "
                    f"{pressure.get('reason')})")
     counts = ((stats or {}).get("evictions") or {}).get("counts") or {}
     ram = ((stats or {}).get("tiers") or {}).get("ram") or {}

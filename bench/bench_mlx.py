@@ -32,7 +32,7 @@ fetch that serves fewer tokens than were stored prints no figure: it says
 how many it served and why (the read lease, memory pressure, the RAM
 budget; _util.short_reason). The RAM tier is sized for what the run holds
 (one entry resident at 4 GiB), and a size is skipped, saying so, if the
-machine has not the memory for it (~3.5x the cache at 4 GiB).
+machine has not the memory for it (~13.5 GiB at 4 GiB).
   demo    fetch vs cold prefill of the same prefix with the demo model
           (examples/demo_shared_prefix.py), i.e. what a hit saves.
 """
@@ -79,6 +79,13 @@ def big_cache(tokens: int):
     return caches
 
 
+def ram_mb_for(nbytes: int) -> int:
+    """A warm RAM tier holds two entries beside the one being stored (one
+    from 2 GiB: three caches' worth would not fit beside the client's copies
+    on this 24 GiB machine, so each store there first empties it)."""
+    return (nbytes // MiB + 512) if nbytes >= BIG else (3 * nbytes // MiB + 512)
+
+
 def main() -> None:
     import mlx.core as mx
 
@@ -98,7 +105,8 @@ def main() -> None:
           f"medians of {args.reps} ({args.big_reps} from 2 GiB); load average {load_average()}", flush=True)
     verdicts = []
     for T in sizes:
-        if not room_for(int(3.5 * T * PER_TOKEN) + GiB, f"{T} tokens"):
+        nbytes = T * PER_TOKEN  # at most three copies held, or two beside the daemon's RAM tier
+        if not room_for(max(3 * nbytes, 2 * nbytes + ram_mb_for(nbytes) * MiB) + GiB, f"{T} tokens"):
             continue
         if not args.mlx_default_cache:
             # mlx keeps freed buffers for reuse up to its cache limit: on Metal that is
@@ -134,6 +142,7 @@ def one_size(T: int, args) -> str:
     touched = [np.array(v) for v in views]
     memcpy = median_time(lambda: [np.copyto(d, np.asarray(v)) for d, v in zip(touched, views)], reps)
     touched = views = None  # noqa: F841  (freed: at 4 GiB they are 8 GiB)
+    mx.clear_cache()  # and out of mlx's buffer cache
     take = median_time(lambda: snapshot(toks, caches), reps)
     print(f"baseline memcpy, touched dest    {memcpy * 1e3:9.1f} ms  {gibs(memcpy):5.2f} GiB/s")
     print(f"baseline copy to fresh numpy     {fresh * 1e3:9.1f} ms  {gibs(fresh):5.2f} GiB/s  {fresh / memcpy:5.2f}x memcpy")
@@ -143,10 +152,7 @@ def one_size(T: int, args) -> str:
     def ratio(s: float) -> str:
         return f"{s * 1e3:9.1f} ms  {gibs(s):5.2f} GiB/s  {s / memcpy:5.2f}x memcpy  {s / fresh:4.2f}x fresh"
 
-    # A warm RAM tier holds two entries beside the one being stored (one at
-    # 4 GiB: three caches' worth would not fit beside the client's copies on
-    # this 24 GiB machine, so each store there first empties it).
-    ram_mb = (nbytes // MiB + 512) if big else (3 * nbytes // MiB + 512)
+    ram_mb = ram_mb_for(nbytes)
     ids = lambda r: [(t + 1_000_003 * r) % 2**31 for t in toks]  # noqa: E731  # r: a cache never seen
     rounds = iter(range(1, 10**6))
     found: dict[tuple[str, str], tuple[float, float]] = {}  # (daemon, plane) -> (store, fetch) ratios
@@ -159,6 +165,10 @@ def one_size(T: int, args) -> str:
     for kind in args.daemons.split(","):
         for plane in args.transports.split(","):
             tag = f"[{kind:>5} {plane:>6}]"
+            # Beside the caches it holds: the daemon's copy and the snapshot or
+            # the fetched arrays. Other tenants may have taken memory since.
+            if big and not room_for(2 * nbytes + GiB, f"{tag} {nbytes // MiB} MiB"):
+                continue
             stats = None
             if kind == "warm":
                 with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as d, \
