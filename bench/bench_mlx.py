@@ -219,7 +219,7 @@ def one_size(T: int, args) -> str:
                                     t0 = time.perf_counter()
                                     kv.store(t, caches)
                                     store_times.append(time.perf_counter() - t0)
-                                    assert kv.flush_stores(600) and kv.probe(t).n == T, kv.counters
+                                    assert kv.flush_stores(600), kv.counters  # (a fetch short of T says why)
                                 else:
                                     ts, ns = fetch_times(kv, t + [1], 1)
                                     times += ts
