@@ -1,7 +1,7 @@
 """What kvd costs the generation thread, for mlx-lm caches of the size people run.
 
     python bench/bench_mlx.py [--reps 5] [--big-reps 3] [--sizes 256,1024,4096]
-                              [--daemons warm,fresh] [--transports frames,shm] [--no-demo]
+                              [--daemons warm,fresh] [--transports frames,shm] [--pressure-source auto|off] [--no-demo]
 
 Cache: 32 layers of KVCache, 8 KV heads, head dim 128, bfloat16 -- an 8B
 model's prompt cache, or a 70B-class model's at a quarter of the tokens:
@@ -96,6 +96,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=None, help="one cache of this many tokens instead of --sizes")
     p.add_argument("--daemons", default="warm,fresh")
     p.add_argument("--transports", default="frames,shm")
+    p.add_argument("--pressure-source", default="auto",
+                   help="the daemons' pressure_source (auto, their default: the RAM tier yields to this "
+                         "machine's memory pressure and a read comes back short, saying so; off: the paths alone)")
     p.add_argument("--no-demo", action="store_true", help="skip the demo-model comparison")
     p.add_argument("--mlx-default-cache", action="store_true",
                    help="keep mlx's buffer cache limit as it is (on Linux CPU, 32 MiB)")
@@ -171,7 +174,7 @@ def one_size(T: int, args) -> str:
                 continue
             stats = None
             if kind == "warm":
-                with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as d, \
+                with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source) as d, \
                         mlx_client(d.endpoint, f"bench-mlx-{plane}", transport=plane) as kv:
                     for _ in range(ram_mb * MiB // nbytes + 1):  # fill the RAM tier and go on until it recycles
                         assert kv.store(ids(next(rounds)), caches, wait=True), kv.counters
@@ -211,7 +214,7 @@ def one_size(T: int, args) -> str:
                 counters = {}
                 store_inc = wire = rebuild_s = float("nan")
                 for _ in range(reps):
-                    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none") as d:
+                    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source) as d:
                         t = ids(next(rounds))
                         for first in (True, False):
                             with mlx_client(d.endpoint, f"bench-mlx-{plane}", transport=plane) as kv:

@@ -2,6 +2,7 @@
 
     python bench/bench_wire.py [--reps 5] [--big-reps 3] [--sizes 16,64,256] [--daemons warm,fresh]
                                [--clients 3] [--transports frames,shm,shm-noverify] [--host auto|portable]
+                               [--pressure-source auto|off]
 
 Issue 42's table: `--sizes 256,1024,4096 --transports frames,shm`.
 
@@ -157,6 +158,9 @@ def main() -> None:
     ap.add_argument("--daemons", default="warm,fresh", help="warm (steady state, new clients), fresh (newly started)")
     ap.add_argument("--clients", type=int, default=3, help="new clients of the warm daemon, one put each")
     ap.add_argument("--transports", default="frames,shm,shm-noverify", help="data planes to measure")
+    ap.add_argument("--pressure-source", default="auto",
+                    help="the daemons' pressure_source (auto, their default: the RAM tier yields to this "
+                         "machine's memory pressure and a read comes back short, saying so; off: the paths alone)")
     ap.add_argument("--host", default="auto", choices=("auto", "portable"), help="the daemon's host (KVD_HOST)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -229,7 +233,8 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
         if big and not room_for(2 * nbytes + (1 << 30), f"{mib} MiB {plane}"):
             continue
         if "warm" in kinds:
-            with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", env=env) as d:
+            with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source,
+                        env=env) as d:
                 with client(d, plane) as c:
                     def fresh_ids():
                         timed_put.next = new_tokens()
@@ -269,7 +274,8 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
         if "fresh" in kinds:
             fills, first_puts, gets, got, counters, stats = [], [], [], [], {}, None
             for _ in range(reps):
-                with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", env=env) as d, client(d, plane) as c:
+                with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source,
+                            env=env) as d, client(d, plane) as c:
                     fill = [timed_put(c) for _ in range(max(1, ram_mb // mib))]  # the puts that fill its RAM tier
                     fills += fill
                     first_puts.append(fill[0])
