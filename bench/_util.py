@@ -1,4 +1,6 @@
-"""Small helpers shared by the benchmark scripts and examples (timing, the one daemon launcher)."""
+"""Small helpers shared by the benchmark scripts and examples (timing, the one
+daemon launcher, the memory a run may take, why a read came back short, and
+the issue-42 verdict lines)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ MiB = 1 << 20
 
 def median_time(fn, reps: int, setup=None) -> float:
     """Median wall time of fn() over reps runs (setup() before each, untimed)."""
+    return statistics.median(times_of(fn, reps, setup))
+
+
+def times_of(fn, reps: int, setup=None) -> list[float]:
+    """Wall times of fn() over reps runs (setup() before each, untimed)."""
     times = []
     for _ in range(reps):
         if setup is not None:
@@ -26,7 +33,88 @@ def median_time(fn, reps: int, setup=None) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def room_for(need: int, what: str) -> bool:
+    """Whether `need` bytes are available now; if not, say so (the caller
+    skips that size: a 4 GiB run on a shared 24 GiB machine must not push the
+    daemon's RAM tier into yielding to memory pressure, which a fetch then
+    reports as served short)."""
+    avail = mem_available()
+    if avail is None or avail >= need:
+        return True
+    print(f"{what}: skipped, needs ~{need / GiB:.1f} GiB available, {avail / GiB:.1f} GiB are (free -g)", flush=True)
+    return False
+
+
+def short_reason(counters: dict, stats: dict | None) -> str:
+    """Why a get or fetch served fewer tokens than were stored, from the
+    client's counters and the daemon's STATS (bench_mlx, bench_wire).
+
+    The causes seen at 4 GiB on this machine, each a limit, not a fault:
+      * the copy out of shared memory outlasted the read lease (`shm_lease_s`,
+        30 s by default; the client then throws the copy away: a miss,
+        counter `shm_late`): on this VM a first touch of memory the kernel
+        handed back to the host runs at ~0.3 GiB/s, so a 4 GiB fetch can take
+        longer than that on a loaded machine;
+      * the RAM tier yielded to memory pressure (`pressure_source`; it shrinks
+        when MemAvailable falls under 10% of RAM) between the pages of a GET:
+        the first page (512 MiB, `max_message_mb`) is served, the next chunk is
+        gone, and the hit ends there (4,096 of 32,768 tokens at 4 GiB);
+      * the RAM tier's budget (`ram_mb`) evicted the entry.
+    """
+    why = []
+    if counters.get("shm_late"):
+        why.append(f"{counters['shm_late']} copies outlasted the shm read lease (shm_lease_s)")
+    if counters.get("shm_damaged"):
+        why.append(f"{counters['shm_damaged']} damaged in shared memory")
+    pressure = (stats or {}).get("pressure") or {}
+    cut = pressure.get("ram_budget_bytes", 0) < pressure.get("ram_max_bytes", 0)
+    if pressure.get("evictions") or cut or pressure.get("shrinks"):
+        why.append(f"the RAM tier yielded to memory pressure (budget {pressure.get('ram_budget_bytes', 0) / MiB:.0f} "
+                   f"of {pressure.get('ram_max_bytes', 0) / MiB:.0f} MiB after {pressure.get('shrinks', 0)} shrinks, "
+                   f"{pressure.get('evictions', 0)} entries evicted by it; now {pressure.get('level')}: "
+                   f"{pressure.get('reason')})")
+    counts = ((stats or {}).get("evictions") or {}).get("counts") or {}
+    ram = ((stats or {}).get("tiers") or {}).get("ram") or {}
+    lost = {k: ram[k] for k in ("dropped", "too_big", "altered") if ram.get(k)}
+    if counts or lost:
+        why.append(f"the daemon's RAM tier let entries go (evictions by cause {dict(counts)}"
+                   + (f", {lost}" if lost else "") + f"; it holds {ram.get('bytes', 0) / MiB:.0f} of "
+                   f"{ram.get('budget_bytes', 0) / MiB:.0f} MiB)")
+    if counters.get("error_out_of_time") or counters.get("error_unavailable"):
+        why.append("a request ran out of time (Client timeout)")
+    seen = {k: v for k, v in counters.items()
+            if v and any(w in k for w in ("miss", "error", "fail", "late", "fallback", "unbeliev", "invalid", "abandon"))}
+    return "; ".join(why) or f"cause not named by the counters ({seen or 'none'}; see the daemon's log)"
+
+
+def ratio_verdict(label: str, value: float, limit: float, *, at_most: bool) -> str:
+    """'label 1.21x (<= 1.3x: met)' -- nan (not measured) says so."""
+    if value != value:  # nan
+        return f"{label} n/a"
+    ok = value <= limit if at_most else value >= limit
+    return f"{label} {value:.2f}x ({'<=' if at_most else '>='} {limit}x: {'met' if ok else 'NOT met'})"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 
 class DaemonProcess:

@@ -1,6 +1,10 @@
-"""Put and get 16, 64 and 256 MiB snapshots through a real daemon.
+"""Put and get snapshots of 16 MiB to 4 GiB through a real daemon, warm and freshly started.
 
-    python bench/bench_wire.py [--reps 5] [--sizes 16,64,256] [--transports frames,shm,shm-noverify] [--host auto|portable]
+    python bench/bench_wire.py [--reps 5] [--big-reps 3] [--sizes 16,64,256] [--daemons warm,fresh]
+                               [--clients 3] [--transports frames,shm,shm-noverify] [--host auto|portable]
+                               [--pressure-source auto|off]
+
+Issue 42's table: `--sizes 256,1024,4096 --transports frames,shm`.
 
 Prints, per size and data plane (frames over ipc; shm, the shared-memory
 plane of PROTOCOL.md section 14), the throughput of Client.put and Client.get
@@ -13,11 +17,22 @@ and their ratio to three baselines measured in the same run on the same machine:
     included) -- what a get must at least do, since it returns new arrays.
     `t/fresh` is the get's time over that copy's (issue 13's target: <= 1.2x
     over shm); for put, `kvd/memcpy` is the throughput ratio (target >= 0.5).
-The daemon runs with the RAM tier only and is measured at steady state (its
-RAM tier already full, so every put also evicts): on this VM, receiving into
-a process whose memory is still growing is several times slower, for raw
-pyzmq too. `shm-noverify` is the shm plane with `Client(verify=False)`: a get
-that does not check the digests fixed at COMMIT (the price of the check).
+The daemon runs with the RAM tier only, one per size and plane, measured
+  warm     at steady state (its RAM tier already full, so every put also
+           evicts; one long-lived client), and the first put of each of
+           `--clients` new clients of that warm daemon (`new client`);
+  fresh    started just before, one per rep: the puts that fill its RAM
+           tier (`fresh`, their median; `fresh 1st`, the first put's), then
+           its first get.
+On this VM receiving into a process whose memory is still growing is
+several times slower, for raw pyzmq too. `x steady` is a put's rate over the
+warm steady state's, and a line per size ends the run: issue 42's targets,
+a fresh daemon's fill and a new client's first put each >= 0.5x the steady
+state. A get served short (fewer tokens than were put) prints no figure but
+how many and why (_util.short_reason). A size is skipped, saying so, if the
+machine has not the memory for it (~13 GiB at 4 GiB). `shm-noverify` is
+the shm plane with `Client(verify=False)`: a get that does not check the
+digests fixed at COMMIT (the price of the check).
 `--host portable` runs the daemon on the portable host (KVD_HOST: shm_open
 segments, as on macOS, instead of sealed memfds).
 The snapshot is a realistic layout: 32 layers x (keys, values) of
@@ -27,6 +42,7 @@ The snapshot is a realistic layout: 32 layers x (keys, values) of
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,7 +54,8 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import GiB, MiB, daemon, machine, median_time  # noqa: E402
+from _util import (GiB, MiB, daemon, load_average, machine, median_time, ratio_verdict, room_for,  # noqa: E402
+                   short_reason, times_of)
 
 from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
 
@@ -104,82 +121,179 @@ def raw_zmq(frames: list[np.ndarray], reps: int, keep: int) -> tuple[float, floa
     return t_put, t_get
 
 
-def memcpy(nbytes: int, reps: int) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)
-    return median_time(lambda: np.copyto(dst, src), reps)
+def baselines(frames: list[np.ndarray], nbytes: int, reps: int) -> tuple[float, float]:
+    """Median times to copy the snapshot's frames into one already-touched
+    buffer (memcpy) and into one freshly allocated block (what a get joins into)."""
+    def into(dst: np.ndarray) -> None:
+        at = 0
+        for f in frames:
+            flat = f.reshape(-1).view(np.uint8)
+            dst[at:at + flat.nbytes] = flat
+            at += flat.nbytes
+
+    dst = np.empty(nbytes, dtype=np.uint8)
+    into(dst)
+    t_mem = median_time(lambda: into(dst), reps)
+    dst = None  # noqa: F841  (freed before the fresh copies)
+    t_fresh = median_time(lambda: into(np.empty(nbytes, dtype=np.uint8)), reps)
+    return t_mem, t_fresh
 
 
-def fresh_copy(nbytes: int, reps: int) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    return median_time(lambda: src.copy(), reps)
+HEADER = (f"{'MiB':>5} {'plane':>12} {'daemon':>10} {'op':>4} {'kvd GiB/s':>10} {'raw zmq GiB/s':>14} {'memcpy GiB/s':>13}"
+          f" {'fresh GiB/s':>12} {'kvd/raw':>8} {'kvd/memcpy':>11} {'t/fresh':>8} {'x steady':>9}")
+
+
+def ram_mb_for(mib: int) -> int:
+    """The RAM tier for snapshots of `mib`: four of them; from 2 GiB one
+    (this machine has 24 GiB and other tenants): the steady state is then
+    "each put evicts the last"."""
+    return mib + 256 if mib >= 2048 else 4 * mib + 256
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--big-reps", type=int, default=3, help="reps at 2 GiB and above")
     ap.add_argument("--sizes", default="16,64,256", help="snapshot sizes in MiB")
+    ap.add_argument("--daemons", default="warm,fresh", help="warm (steady state, new clients), fresh (newly started)")
+    ap.add_argument("--clients", type=int, default=3, help="new clients of the warm daemon, one put each")
     ap.add_argument("--transports", default="frames,shm,shm-noverify", help="data planes to measure")
+    ap.add_argument("--pressure-source", default="auto",
+                    help="the daemons' pressure_source (auto, their default: the RAM tier yields to this "
+                         "machine's memory pressure and a read comes back short, saying so; off: the paths alone)")
     ap.add_argument("--host", default="auto", choices=("auto", "portable"), help="the daemon's host (KVD_HOST)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     transports = args.transports.split(",")
-    print(f"# bench_wire  {machine()}  reps={args.reps} (medians)  host={args.host}")
-    print(f"{'MiB':>5} {'plane':>12} {'op':>4} {'kvd GiB/s':>10} {'raw zmq GiB/s':>14} {'memcpy GiB/s':>13}"
-          f" {'fresh GiB/s':>12} {'kvd/raw':>8} {'kvd/memcpy':>11} {'t/fresh':>8}")
+    kinds = args.daemons.split(",")
+    print(f"# bench_wire  {machine()}  reps={args.reps} ({args.big_reps} from 2 GiB; medians)  host={args.host}"
+          f"  load average {load_average()}")
+    print(HEADER, flush=True)
+    verdicts = []
+    for mib in sizes:
+        # The snapshot, the daemon's RAM tier, a get's copy (and the memcpy's destination, before).
+        if room_for((ram_mb_for(mib) + 2 * mib) * MiB + (1 << 30), f"{mib} MiB"):
+            verdicts.append(one_size(mib, args, transports, kinds))
+    for line in verdicts:
+        print(line)
+
+
+def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
+    n_tokens = mib * MiB // BYTES_PER_TOKEN
+    big = mib >= 2048
+    reps = args.big_reps if big else args.reps
+    snap = snapshot(n_tokens, seed=mib)
+    nbytes = snap.nbytes
+    frames = [t.array for t, _ in snap.sliced.values()]
+    raw_put, raw_get = raw_zmq(frames, reps, keep=1) if mib <= 1024 else (float("nan"),) * 2
+    t_mem, t_fresh = baselines(frames, nbytes, reps)
     # RAM tier only: this measures the wire and the RAM tier. With an SSD tier
     # a full RAM tier spills, and write-back pressure bounds PUT by the disk
     # (that is bench_ssd.py's subject).
-    # Above 1 GiB the RAM tier holds one snapshot (this machine has 24 GiB
-    # and other tenants): the steady state is then "each put evicts the last".
-    ram_mb = 4 * max(sizes) + 256 if max(sizes) <= 1024 else max(sizes) + 256
-    with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", env={"KVD_HOST": args.host}) as d:
-        endpoint = d.endpoint
-        for mib in sizes:
-          n_tokens = mib * MiB // BYTES_PER_TOKEN
-          snap = snapshot(n_tokens, seed=mib)
-          nbytes = snap.nbytes
-          frames = [t.array for t, _ in snap.sliced.values()]
-          raw_put, raw_get = raw_zmq(frames, args.reps, keep=1) if mib <= 1024 else (float("nan"),) * 2
-          t_mem = memcpy(nbytes, args.reps)
-          t_fresh = fresh_copy(nbytes, args.reps)
-          for plane in transports:
-            kind = "shm" if plane.startswith("shm") else plane
-            with Client(endpoint, namespace=f"bench-{mib}-{plane}", timeout=60, strict=True, transport=kind,
-                        verify=plane != "shm-noverify") as c:
-                counter = iter(range(10**9))
-                tokens = {"t": None}
+    ram_mb = ram_mb_for(mib)
+    env = {"KVD_HOST": args.host}
+    counter = iter(range(1, 10**9))
+    steady: dict[str, float] = {}
+    found: dict[tuple[str, str], float] = {}  # (plane, row) -> x steady
 
-                def fresh():  # new token ids each rep, so nothing dedups
-                    tokens["t"] = np.arange(n_tokens) + next(counter) * 1_000_000
-                    if mib > 1024:  # one snapshot at a time: empty the RAM tier first
-                        c.gc(ram_bytes=0)
+    def row(plane: str, kind: str, op: str, t: float, raw: float, served: list[int] | None = None,
+            reason: str = "") -> None:
+        if served is not None and min(served) < n_tokens:
+            print(f"{mib:>5} {plane:>12} {kind:>10} {op:>4}  SHORT: served {sorted(served)} of {n_tokens} tokens: "
+                  f"{reason}; no figure", flush=True)
+            return
+        x = f"{steady[plane] / t:>9.2f}" if op == "put" and plane in steady else f"{'':>9}"
+        print(f"{mib:>5} {plane:>12} {kind:>10} {op:>4} {nbytes / t / GiB:>10.2f} {nbytes / raw / GiB:>14.2f}"
+              f" {nbytes / t_mem / GiB:>13.2f} {nbytes / t_fresh / GiB:>12.2f} {raw / t:>8.2f}"
+              f" {t_mem / t:>11.3f} {t / t_fresh:>8.2f} {x}", flush=True)
 
-                def put():
-                    assert c.put(tokens["t"], snap)
+    def client(d, plane: str) -> Client:
+        return Client(d.endpoint, namespace=f"bench-{mib}-{plane}", timeout=120, strict=True,
+                      transport="shm" if plane.startswith("shm") else plane, verify=plane != "shm-noverify")
 
-                for _ in range(1 if mib > 1024 else ram_mb // mib + 1):  # steady state: a full RAM tier
-                    fresh()
-                    put()
-                t_put = median_time(put, args.reps, setup=fresh)
-                hit_tokens = tokens["t"]
+    def new_tokens() -> np.ndarray:  # new token ids each put, so nothing dedups
+        return np.arange(n_tokens) + next(counter) * 1_000_000
 
-                def get():
-                    hit = c.get(hit_tokens)
-                    assert hit is not None and hit.n == n_tokens
+    def timed_put(c: Client) -> float:
+        toks = new_tokens()
+        t0 = time.perf_counter()
+        assert c.put(toks, snap)
+        t = time.perf_counter() - t0
+        timed_put.last = toks
+        return t
 
-                get()
-                t_get = median_time(get, args.reps)
-                used = c.counters[f"shm_{'puts'}"], c.counters["shm_gets"]
-                assert (used[0] > 0 and used[1] > 0) == (kind == "shm"), (plane, used)
-            for op, t, raw in (("put", t_put, raw_put), ("get", t_get, raw_get)):
-                print(
-                    f"{mib:>5} {plane:>12} {op:>4} {nbytes / t / GiB:>10.2f} {nbytes / raw / GiB:>14.2f}"
-                    f" {nbytes / t_mem / GiB:>13.2f} {nbytes / t_fresh / GiB:>12.2f} {raw / t:>8.2f}"
-                    f" {t_mem / t:>11.3f} {t / t_fresh:>8.2f}", flush=True
-                )
-            c = None
+    def timed_get(c: Client, toks) -> tuple[list[float], list[int]]:
+        served = []
+        times = times_of(lambda: served.append(getattr(c.get(toks), "n", 0)), 1)
+        return times, served
+
+    for plane in transports:
+        kind = "shm" if plane.startswith("shm") else plane
+        # Beside the snapshot: the daemon's copy and a get's. Other tenants may have taken memory since.
+        if big and not room_for(2 * nbytes + (1 << 30), f"{mib} MiB {plane}"):
+            continue
+        if "warm" in kinds:
+            with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source,
+                        env=env) as d:
+                with client(d, plane) as c:
+                    def fresh_ids():
+                        timed_put.next = new_tokens()
+                        if big:  # one snapshot at a time: empty the RAM tier first
+                            c.gc(ram_bytes=0)
+
+                    def put():
+                        assert c.put(timed_put.next, snap)
+
+                    for _ in range(1 if big else ram_mb // mib + 1):  # steady state: a full RAM tier
+                        fresh_ids()
+                        put()
+                    t_put = median_time(put, reps, setup=fresh_ids)
+                    hit_tokens = timed_put.next
+                    got = []
+
+                    def get():
+                        got.append(getattr(c.get(hit_tokens), "n", 0))
+
+                    get()
+                    t_get = median_time(get, reps)
+                    used = c.counters["shm_puts"], c.counters["shm_gets"]
+                    assert (used[0] > 0 and used[1] > 0) == (kind == "shm") or min(got) < n_tokens, (plane, used)
+                    reason = short_reason(c.counters, c.stats()) if min(got) < n_tokens else ""
+                steady[plane] = t_put
+                row(plane, "warm", "put", t_put, raw_put)
+                row(plane, "warm", "get", t_get, raw_get, got, reason)
+                firsts = []
+                for _ in range(max(1, args.clients)):  # each its own mappings, as a newly started model server
+                    with client(d, plane) as c2:
+                        if big:
+                            c2.gc(ram_bytes=0)
+                        firsts.append(timed_put(c2))
+                t_new = statistics.median(firsts)
+                row(plane, "new client", "put", t_new, raw_put)
+                found[plane, "new client's first put"] = t_put / t_new
+        if "fresh" in kinds:
+            fills, first_puts, gets, got, counters, stats = [], [], [], [], {}, None
+            for _ in range(reps):
+                with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source,
+                            env=env) as d, client(d, plane) as c:
+                    fill = [timed_put(c) for _ in range(max(1, ram_mb // mib))]  # the puts that fill its RAM tier
+                    fills += fill
+                    first_puts.append(fill[0])
+                    ts, ns = timed_get(c, timed_put.last)
+                    gets += ts
+                    got += ns
+                    for k, v in c.counters.items():
+                        counters[k] = counters.get(k, 0) + v
+                    stats = c.stats() if min(ns) < n_tokens else stats
+            t_fill = statistics.median(fills)
+            row(plane, "fresh", "put", t_fill, raw_put)
+            row(plane, "fresh 1st", "put", statistics.median(first_puts), raw_put)
+            row(plane, "fresh", "get", statistics.median(gets), raw_get, got,
+                short_reason(counters, stats) if min(got) < n_tokens else "")
+            if plane in steady:
+                found[plane, "fresh daemon's fill"] = steady[plane] / t_fill
+    parts = [ratio_verdict(f"{plane} {what}", x, 0.5, at_most=False) for (plane, what), x in sorted(found.items())]
+    return f"targets at {mib} MiB (x the steady state's put): " + "; ".join(parts)
 
 
 if __name__ == "__main__":
