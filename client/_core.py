@@ -590,7 +590,7 @@ class Core:
                 raise _shm.ShmUnavailable("the grant does not match the request")  # never commit it
             # A daemon that takes a COMMIT in parts gets every ~_PART_BYTES of
             # whole chunks as soon as they are copied: its disk writes them
-            # while the rest is copied (PROTOCOL.md section 14.4).
+            # while the rest is copied (PROTOCOL.md section 14, COMMIT in parts).
             parts = "commit_parts" in (self._features or ()) and len(chunks) > 1
             digests: list[int] = []
             copied = 0

@@ -71,7 +71,7 @@ _DEFERRABLE = {
 }
 
 # Optional protocol features this daemon implements, advertised in HELLO.
-FEATURES = ("media", "commit_parts")  # media-aware keys (PROTOCOL.md section 4.1), COMMIT in parts (14.4)
+FEATURES = ("media", "commit_parts")  # media-aware keys (PROTOCOL.md section 4.1), COMMIT in parts (section 14)
 
 
 def _media(msg: Message) -> tuple[keys.MediaSpan, ...]:
@@ -497,11 +497,11 @@ class Handler:
         c["chunks_duplicate"] += counts["duplicate"]
         c["chunks_too_big"] += counts["too_big"]
         c["chunks_dropped"] += counts["dropped"]
+        if not wait:  # a COMMIT's part: taken, answered at once
+            return "PUT", counts
         # Write-through: the answer covers the whole sequence, chunks this PUT
         # did not carry too (its client skipped what a LOOKUP said is held:
         # perhaps another PUT's, still on its way to the disk).
-        if not wait:
-            return "PUT", counts
         also: list[bytes] = []
         if self.write_through and chain:
             carried = {e.id for e in held}

@@ -3,10 +3,10 @@ COMMIT hands the PUT they were granted for to the store (rule 3 of
 kvd/server/shm/plane.py). Grants awaiting COMMIT are bounded here. A mixin
 of ShmPlane: it uses the plane's arena, leases and counters.
 
-A big PUT may be committed in parts (PROTOCOL.md section 14.4, `more`): each
-part is the next whole chunks of the grant, in grant order, and goes to the
-store at once (so the SSD writer starts on it while the client copies the
-rest); the lease's pending PUT keeps only what is not committed yet, and the
+A big PUT may be committed in parts (PROTOCOL.md section 14, "COMMIT in
+parts": `more`): each part is the next whole chunks of the grant, in grant
+order, and goes to the store at once (so the SSD writer starts on it while
+the client copies the rest); the lease's pending PUT keeps only what is not committed yet, and the
 final COMMIT hands over that rest (the boundary state always with it). The
 grant's bytes stay counted (`granted_bytes`, `lease_bytes`) until that final
 COMMIT, so the bounds admitted at SLOTS still hold for the whole PUT.

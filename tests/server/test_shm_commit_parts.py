@@ -1,4 +1,4 @@
-"""A big shared-memory PUT committed in parts (PROTOCOL.md section 14.4,
+"""A big shared-memory PUT committed in parts (PROTOCOL.md section 14, COMMIT in parts,
 issue 42's "durable soon after"), against a real `kvd serve` with its SSD
 tier: each part goes to the store, and to the disk, while the client copies
 the rest; a write-through daemon still answers only once every chunk of the
