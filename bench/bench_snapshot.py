@@ -85,8 +85,10 @@ def run(size_mib: int, reps: int, plane: str) -> None:
                 rows["fetch"].append(took if hit else None)  # a miss (seen under heavy load): left out
                 misses += not hit
                 del got
+            counters = dict(kv.counters)
     if misses:
-        print(f"{size_mib:5d} MiB [{plane:>6}] fetch() missed {misses} of {reps} (left out)")
+        why = {k: v for k, v in counters.items() if "fail" in k or "drop" in k or "miss" in k or "busy" in k}
+        print(f"{size_mib:5d} MiB [{plane:>6}] fetch() missed {misses} of {reps} (left out; {why})")
     m = statistics.median(rows["memcpy"])
     for k in ("store", "fetch"):
         pairs = [(a, b) for a, b in zip(rows[k], rows["memcpy"]) if a is not None]
