@@ -622,7 +622,8 @@ class Daemon:
         cpu = time.thread_time() - cpu
         # (A request's bytes are charged with its first turn: they arrived once.)
         self.turns.charge(identity, cpu, 0 if left is not None else nbytes, time.monotonic(),
-                          waited=waited, origin=conn and conn.origin)
+                          waited=waited, origin=conn and conn.origin, parts=0 if left is not None else len(frames) + 1,
+                          more=self._left is not None)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)

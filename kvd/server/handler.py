@@ -122,7 +122,7 @@ class Deferred:
 # A PUT or LOOKUP of more chunks than this is served in turns (`Sliced`); a
 # step is this many chunks of a PUT (~64 x 5-8 us) or one block of a match.
 SLICE_CHUNKS = 256
-_STEP_CHUNKS = 64
+_STEP_CHUNKS = 16
 
 
 class Sliced:

@@ -325,3 +325,20 @@ def test_a_peer_that_reconnects_for_every_request_is_still_heavy(tmp_path):
             assert d.peer_stats()["deferred"] == i  # the first was served at once; the others waited their turn
     finally:
         d.close()
+
+
+def test_a_request_served_in_turns_costs_what_all_its_turns_cost_as_one_request():
+    """Sixty 0.5 ms turns of one PUT are one 30 ms request (heavy), not sixty
+    light ones; its frames are charged once, with its first turn."""
+    from kvd.server.admission.turns import PART_SECONDS
+
+    t = Turns()
+    t.charge(b"p", 0.0002, 0, now=0.0)  # an ordinary request first: light
+    assert not t.defers(b"p")
+    for i in range(59):
+        t.charge(b"p", 0.0005, 0, now=0.001 * i, waited=True, parts=8001 if i == 0 else 0, more=True)
+        assert t.cost(b"p") == pytest.approx(0.0002)  # unchanged until the request is done
+    t.charge(b"p", 0.0005, 0, now=0.06, waited=True)
+    whole = 60 * 0.0005 + 8001 * PART_SECONDS
+    assert t.cost(b"p") == pytest.approx(0.0002 + t.weight * (whole - 0.0002))
+    assert t.defers(b"p")
