@@ -240,3 +240,19 @@ def daemon(*args: str, **kw):
 
 def machine() -> str:
     return f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, {sys.platform}"
+
+
+def kv_cache(tokens: int, layers: int = 32, heads: int = 8, dim: int = 128):
+    """An mlx-lm prompt cache of `layers` KVCaches holding `tokens` tokens of
+    random bf16 keys (values = keys + 1): 32 x 8 x 128 is 128 KiB a token."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for i in range(layers):
+        c = KVCache()
+        k = mx.random.normal((1, heads, tokens, dim), key=mx.random.key(i)).astype(mx.bfloat16)
+        c.update_and_fetch(k, k + 1)
+        caches.append(c)
+        mx.eval(c.state)
+    return caches

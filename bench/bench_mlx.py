@@ -50,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "examples"))
-from _util import (GiB, MiB, daemon, load_average, machine, median_time, ratio_verdict, room_for,  # noqa: E402
+from _util import (GiB, MiB, kv_cache, daemon, load_average, machine, median_time, ratio_verdict, room_for,  # noqa: E402
                    short_reason, times_of)
 
 LAYERS, HEADS, DIM = 32, 8, 128
@@ -66,17 +66,7 @@ def mlx_client(endpoint, namespace, **kw):
 
 
 def big_cache(tokens: int):
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    caches = []
-    for i in range(LAYERS):
-        c = KVCache()
-        k = mx.random.normal((1, HEADS, tokens, DIM), key=mx.random.key(i)).astype(mx.bfloat16)
-        c.update_and_fetch(k, k + 1)
-        caches.append(c)
-        mx.eval(c.state)
-    return caches
+    return kv_cache(tokens, LAYERS, HEADS, DIM)
 
 
 def ram_mb_for(nbytes: int) -> int:

@@ -28,23 +28,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from _util import daemon, machine  # noqa: E402
+from _util import kv_cache, daemon, machine  # noqa: E402
 
 LAYERS, HEADS, DIM = 32, 8, 128
 
 
 def cache_of(tokens: int):
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    caches = []
-    for i in range(LAYERS):
-        c = KVCache()
-        k = mx.random.normal((1, HEADS, tokens, DIM), key=mx.random.key(i)).astype(mx.bfloat16)
-        c.update_and_fetch(k, k + 1)
-        caches.append(c)
-    mx.eval([c.state for c in caches])
-    return caches
+    return kv_cache(tokens, LAYERS, HEADS, DIM)
 
 
 def timed(fn) -> float:
@@ -84,7 +74,7 @@ def run(size_mib: int, reps: int, plane: str) -> None:
                 hit = got["hit"][1] == T
                 rows["fetch"].append(took if hit else None)  # a miss (seen under heavy load): left out
                 misses += not hit
-                del got
+                got.clear()  # the fetched arrays go before the next repetition
             counters = dict(kv.counters)
     if misses:
         why = {k: v for k, v in counters.items() if "fail" in k or "drop" in k or "miss" in k or "busy" in k}

@@ -302,3 +302,12 @@ def plain(x):
     if isinstance(x, float) and math.isnan(x):
         return "NaN"
     return x
+
+
+def numpy_owner(a):
+    """The object at the end of `a`'s base chain (through memoryviews): the owner of its memory."""
+    while True:
+        nxt = a.obj if isinstance(a, memoryview) else a.base
+        if nxt is None:
+            return a
+        a = nxt

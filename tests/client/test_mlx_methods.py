@@ -26,6 +26,7 @@ import pytest
 from mlx_lm.models import cache as C
 from mlx_lm.models.cache import make_prompt_cache
 from models import build, continue_from, prompt, raw
+from support import numpy_owner
 from fakes import FakeClient
 
 from kvd_client.mlx_lm import SnapshotMismatch, UnsupportedCache, namespace_for
@@ -125,14 +126,6 @@ def mlx_reachable(root):
         stack.extend(gc.get_referents(o))
     return None
 
-
-def numpy_owner(a):
-    """The object at the end of `a`'s base chain (through memoryviews): the owner of its memory."""
-    while True:
-        nxt = a.obj if isinstance(a, memoryview) else a.base
-        if nxt is None:
-            return a
-        a = nxt
 
 
 # -- threads -------------------------------------------------------------------------

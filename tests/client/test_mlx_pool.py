@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.models import cache as C
 from mlx_lm.models.cache import make_prompt_cache
 from models import build, prefill, prompt
-from support import FakeClock, wait_until
+from support import FakeClock, numpy_owner, wait_until
 
 from kvd_client import Client
 from kvd_client.mlx_lm import _pool, snapshot
@@ -26,14 +26,6 @@ from kvd_client.mlx_lm._pool import BufferPool
 
 MiB = 1 << 20
 
-
-def owner(a):
-    """The object at the end of `a`'s base chain (through memoryviews)."""
-    while True:
-        nxt = a.obj if isinstance(a, memoryview) else a.base
-        if nxt is None:
-            return a
-        a = nxt
 
 
 def arrays(snap):
@@ -160,7 +152,7 @@ def test_snapshots_copy_into_the_pool_and_two_live_ones_never_share_memory():
     _, one = snapshot(toks, cache, pool=pool)
     _, two = snapshot(toks, cache, pool=pool)
     for snap in (one, two):
-        assert all(owner(a) is not owner(arrays(want)[0]) and owner(a).flags.owndata for a in arrays(snap))
+        assert all(numpy_owner(a) is not numpy_owner(arrays(want)[0]) and numpy_owner(a).flags.owndata for a in arrays(snap))
         for name, (t, _) in want.sliced.items():
             assert snap.sliced[name][0].equal(t)
     assert not any(np.shares_memory(a, b) for a in arrays(one) for b in arrays(two))
