@@ -143,3 +143,25 @@ def test_what_was_read_and_not_served_at_a_stop_is_answered_busy(daemon):
         assert len(d.ready) == 0
     finally:
         client.close()
+
+
+def test_a_peer_with_many_requests_waiting_does_not_put_anothers_behind_all_of_them():
+    r = Ready()
+    for i in range(10):  # a peer that sent ten GETs at once
+        r.put(b"flood", f"f{i}", 1, "GET")
+    r.put(b"client", "c", 1, "GET")
+    r.put(b"writer", "w", 1, "PUT")
+    assert [r.pop() for _ in range(3)] == ["f0", "c", "f1"]  # the client's GET second, as the socket would have it
+    assert [r.pop() for _ in range(len(r))] == [f"f{i}" for i in range(2, 10)] + ["w"]
+
+
+def test_passes_count_from_when_a_request_became_its_peers_oldest():
+    """A peer that sent ten GETs at once has them all waiting long: the rule
+    for requests passed over does not make it the only one served."""
+    r = Ready(max_passes=3)
+    for i in range(10):
+        r.put(b"flood", f"f{i}", 1, "GET")
+    for _ in range(4):
+        r.pop()  # f0..f3: passes that do not count against its later ones
+    r.put(b"client", "c", 1, "GET")
+    assert r.pop() == "c"

@@ -24,7 +24,11 @@ Rules:
 1. A peer's requests are served in the order they came: only each peer's
    oldest request is a candidate, and it counts as a write if any of that
    peer's waiting requests is one (a read cannot overtake its own write).
-2. Nothing waits for ever: a request passed over `max_passes` times goes
+   Among peers of one class, the one served longest ago goes first, as the
+   socket's own fair queue would have it: a peer that sent 60 GETs at once
+   does not put a client's GET behind all 60.
+2. Nothing waits for ever: a peer's oldest request passed over
+   `max_passes` times (counted from when it became its peer's oldest) goes
    next, so writes keep flowing under any stream of reads.
 3. What waits here is bounded: at most `max_waiting` requests and
    `max_bytes` in all; without room the loop stops reading the socket
@@ -53,9 +57,11 @@ class Ready:
         self._n = 0
         self._seq = 0  # arrival order
         self._pops = 0
-        # peer -> its waiting requests, oldest first: (seq, pops at arrival, request, nbytes, a write?)
-        self._peers: dict[bytes, deque[tuple[int, int, Any, int, bool]]] = {}
+        # peer -> its waiting requests, oldest first: (seq, request, nbytes, a write?)
+        self._peers: dict[bytes, deque[tuple[int, Any, int, bool]]] = {}
+        self._head_since: dict[bytes, int] = {}  # peer -> pops when its oldest request became its oldest
         self._writes: dict[bytes, int] = {}  # peer -> how many of its waiting requests are writes
+        self._served_at: dict[bytes, int] = {}  # peer -> pops when it was last served, while it has more waiting
         self.counters = {"reordered": 0}
         self.last_write = False  # the request pop() returned last is a write (someone waits on the others)
 
@@ -69,7 +75,10 @@ class Ready:
     def put(self, peer: bytes, request: Any, nbytes: int, mtype: str | None) -> None:
         """Keep `request` (check `room()` first); `mtype` its header's type, if it names one."""
         write = mtype in WRITES
-        self._peers.setdefault(peer, deque()).append((self._seq, self._pops, request, nbytes, write))
+        if peer not in self._peers:
+            self._peers[peer] = deque()
+            self._head_since[peer] = self._pops
+        self._peers[peer].append((self._seq, request, nbytes, write))
         if write:
             self._writes[peer] = self._writes.get(peer, 0) + 1
         self._seq += 1
@@ -80,27 +89,31 @@ class Ready:
         """The next request to serve (rules 1 and 2), or None."""
         if not self._n:
             return None
-        best = oldest = None
-        writes = self._writes
+        best = longest = None
+        writes, since = self._writes, self._head_since
         for peer, q in self._peers.items():
-            seq, since = q[0][0], q[0][1]
-            if oldest is None or seq < oldest[0]:
-                oldest = (seq, since, peer)
-            key = (peer in writes, seq)
+            seq = q[0][0]
+            if longest is None or (since[peer], seq) < longest[0]:
+                longest = ((since[peer], seq), peer)
+            key = (peer in writes, self._served_at.get(peer, -1), seq)
             if best is None or key < best[0]:
                 best = (key, peer)
-        assert best is not None and oldest is not None
-        peer = oldest[2] if self._pops - oldest[1] >= self.max_passes else best[1]
-        if peer != oldest[2]:
+        assert best is not None and longest is not None
+        # Rule 2: the request passed over longest, once passed over max_passes times.
+        peer = longest[1] if self._pops - longest[0][0] >= self.max_passes else best[1]
+        if peer != longest[1]:
             self.counters["reordered"] += 1
         return self._take(peer)
 
     def _take(self, peer: bytes) -> Any:
         q = self._peers[peer]
-        _, _, request, nbytes, write = q.popleft()
+        _, request, nbytes, write = q.popleft()
         self.last_write = write
-        if not q:
-            del self._peers[peer]
+        if q:
+            self._served_at[peer] = self._head_since[peer] = self._pops + 1
+        else:
+            del self._peers[peer], self._head_since[peer]
+            self._served_at.pop(peer, None)
         if write:
             left = self._writes[peer] - 1
             if left:
@@ -116,10 +129,12 @@ class Ready:
         """Every waiting request, oldest first, removed (for a stop's refusals)."""
         items = sorted((e for q in self._peers.values() for e in q), key=lambda e: e[0])
         self._peers.clear()
+        self._head_since.clear()
         self._writes.clear()
+        self._served_at.clear()
         self._n, self.bytes = 0, 0
         for e in items:
-            yield e[2]
+            yield e[1]
 
     def peers_waiting(self, peer: bytes) -> bool:
         return peer in self._peers
