@@ -47,7 +47,10 @@ closed it) is dropped before a request is sent on it, and the request goes
 to the main socket, after a HELLO there that asks for a lane again; a lane
 that fails a request (no reply, a bad one) is dropped after it: that call
 is a miss like any other. A daemon that offers no lane (older, or at its
-bound) leaves the client on the main socket: lanes are never needed.
+bound) leaves the client on the main socket: lanes are never needed. The
+lane's Transport shares this one's lock: still one request in flight, and
+no socket touched by two threads (a POLLOUT check on the lane racing a
+request on it lost messages).
 
 ZeroMQ starts threads of its own on first need: the context's I/O threads
 with its first socket, pyzmq's garbage collector (a thread, and a context
@@ -182,7 +185,7 @@ class Transport:
         self.retry_interval = retry_interval
         self._pid = os.getpid()
         self._ctx = zmq.Context.instance()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # shared with our lane's Transport (one request in flight)
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._reply_limits = _DEFAULT_REPLY_LIMITS
@@ -232,7 +235,7 @@ class Transport:
             self._monitor = self._sock = None
             self._auth_error = self._peer_fd = None
             self._ctx = zmq.Context.instance()  # pyzmq makes a new one in a new process
-            self._lock = threading.Lock()  # the parent's may be held by a thread that did not fork
+            self._lock = threading.RLock()  # the parent's may be held by a thread that did not fork
             self._fresh, self._down_until = True, 0.0
             self._lane, self._rehello = None, False  # the parent's (it abandons itself): this child asks for its own
             self._pid = os.getpid()
@@ -452,7 +455,7 @@ class Transport:
         if lane is not None:
             lane.close()
 
-    def _take_lane(self, endpoint: Any) -> None:
+    def _take_lane(self, endpoint: Any, advertised: Any = None) -> None:
         """Send later requests to the lane a HELLO reply named, if it is an
         ipc socket in the main socket's folder."""
         path = ipc_path(endpoint) if isinstance(endpoint, str) and endpoint.startswith("ipc://") else None
@@ -460,6 +463,12 @@ class Transport:
             return
         lane = Transport(endpoint, connect_wait=self.connect_wait, retry_interval=self.retry_interval)
         lane._reply_limits = self._reply_limits
+        try:
+            # The bounds its replies will have (set_limits follows): a socket
+            # made under the defaults would be remade, and its connection with it.
+            lane.set_limits(Limits.from_wire(advertised))
+        except Exception:
+            pass  # not a map of limits: the caller's checks say so; the defaults meanwhile
         try:
             with lane._lock:
                 lane._check_safe()
@@ -471,15 +480,25 @@ class Transport:
             lane.close()
             return
         self._lane_since = time.monotonic()
-        old, self._lane = self._lane, lane
-        if old is not None:
-            old.close()
+        lane._lock = self._lock  # one request in flight per client, on either socket
+        self._drop_lane()
+        self._lane = lane
 
     def request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
         """Send a request and return its decoded reply: on our lane if we
         have one, else on the main socket. Raises as `_request`."""
         if self._pid != os.getpid():
             self._after_fork()
+        # Under the lock our lane shares: a ZeroMQ socket is for one thread at a time.
+        started = time.monotonic()
+        if not self._lock.acquire(timeout=max(0.0, timeout)):
+            raise DaemonUnavailable(f"client busy for {timeout:.1f}s (another call in flight)")
+        try:
+            return self._route(mtype, fields, timeout - (time.monotonic() - started))
+        finally:
+            self._lock.release()
+
+    def _route(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
         lane = self._lane
         if lane is not None and mtype != "HELLO":
             sock = lane._sock
@@ -583,14 +602,15 @@ class Transport:
                 if reply.id != rid:
                     continue  # a late reply to a request that timed out
                 break
+            if asked_lane and reply.type == "HELLO" and reply.get("lane") is not None:
+                # Under the lock: a HELLO of another thread waiting for it asks for no other.
+                self._take_lane(reply["lane"], reply.get("limits"))
         except zmq.ZMQError as err:  # anywhere else: making the socket, polling, receiving
             raise self._starved("talk to", err) from None
         finally:
             self._lock.release()
         if reply.type == "ERROR":
             raise from_code(reply["code"], reply["message"])
-        if asked_lane and reply.type == "HELLO" and reply.get("lane") is not None:
-            self._take_lane(reply["lane"])
         if reply.type != mtype:
             raise BadReply(f"asked {mtype}, got a {reply.type} reply")
         return reply

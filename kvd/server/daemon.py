@@ -228,7 +228,7 @@ class Daemon:
         if folder is not None:
             self.lanes = Lanes(ctx, folder, most=self.max_peers or default_max_peers(), configure=self._configure_lane)
             self.handler.hello_fields.append(self._offer_lane)
-        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=lambda conn: self.gate.shed(*conn),
+        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self._cut_off,
                              route=self.lanes.route if self.lanes is not None else None)
         self.gate.start()
         self._arm_gate(ctx)
@@ -241,6 +241,8 @@ class Daemon:
         sock.setsockopt(zmq.SNDHWM, _SNDHWM)
         sock.setsockopt(zmq.RCVHWM, 4)
         sock.setsockopt(zmq.BACKLOG, 4)
+        if self.outbox is not None:
+            sock.setsockopt(zmq.SNDTIMEO, self.outbox.retry_ms)  # outbox rule 1: a blocking retry is bounded
 
     def _offer_lane(self, hello: Message) -> dict:
         """HELLO's `lane` for a client that asked for one (kvd.server.lanes)."""
@@ -248,6 +250,15 @@ class Daemon:
             return {}
         endpoint = self.lanes.open()
         return {"lane": endpoint} if endpoint is not None else {}
+
+    def _cut_off(self, where: tuple[int, int | None]) -> bool:
+        """Cut off the connection at `where` (fd, connection id): a lane's is
+        closed with its lane, the main socket's peers are shed by the gate."""
+        lane = self.lanes.on(*where) if self.lanes is not None else None
+        if lane is not None:
+            self.lanes.close(lane, "lanes_cut_off", linger=0)  # type: ignore[union-attr]
+            return True
+        return self.gate is not None and self.gate.shed(*where)
 
     def _on_refused(self) -> None:
         """The accept guard found no fd for a connection (libzmq's I/O thread)."""
@@ -391,6 +402,8 @@ class Daemon:
             # waits behind no other socket's backlog.
             while ready:
                 s = ready.pop(0)
+                if s.closed:  # a lane closed meanwhile (cut off, banned)
+                    continue
                 try:
                     raw = self._recv(s)
                 except zmq.Again:
@@ -626,6 +639,9 @@ class Daemon:
         ban = self.offenders.strike(who)
         if ban is not None and self.gate is not None:
             fds = [fd for fd, c in self._conns.items() if c.origin == who]
+            for fd in fds:  # its lanes are closed; the gate cuts off its connections to the main socket
+                if self.lanes is not None and (lane := self.lanes.on(fd, self._conns[fd].where[1])) is not None:
+                    self.lanes.close(lane, "lanes_cut_off", linger=0)
             self.gate.ban(who, fds, ban)
             self.ratelog.warning(f"banned {who!r}", "banned %s for %.0f s: messages over the frame limit", who.decode(), ban)
 

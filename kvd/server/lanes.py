@@ -23,8 +23,15 @@ Rules the lanes keep:
    offered none, and its client stays on the main socket.
 3. Lanes do not leak: one whose client never sent on it within `grace`
    seconds, or whose connection is gone (its fd closed or reused: the
-   connection id changed), is closed at the next `reap`.
-4. Replies find their lane by identity: requests from a lane reach the
+   connection id changed) and nothing came on it for `gone_grace` seconds
+   since, is closed at a `reap`. The wait lets a client that remade its
+   socket (a new connection, maybe on another fd) be seen on it again.
+4. What is done to a connection is done to a lane's: a peer the outbox cuts
+   off (a hog, a muted peer) or a banned process (drain.Offenders) has its
+   lane closed (`on` finds it by fd and connection id). The gate's accept
+   limits and peer count concern the main socket, where every client comes
+   first; lanes are bounded by rule 2.
+5. Replies find their lane by identity: requests from a lane reach the
    serving loop under the lane's own identity (`PREFIX` + its token), which
    `route` turns back into the lane's socket and its peer's routing id. The
    main socket's own peers have libzmq's identities, which start with a zero
@@ -53,17 +60,18 @@ _PATH_MAX = 100  # ipc paths: 107 bytes on Linux, 104 on macOS, less a margin
 class Lane:
     """One client's socket and what the daemon knows of its connection."""
 
-    __slots__ = ("identity", "sock", "endpoint", "peer", "conn", "born", "doomed")
+    __slots__ = ("identity", "sock", "endpoint", "peer", "conn", "born", "doomed", "gone")
 
     def __init__(self, identity: bytes, sock: zmq.Socket, endpoint: str, born: float):
         self.identity, self.sock, self.endpoint, self.born = identity, sock, endpoint, born
         self.peer: bytes | None = None  # the client's routing id on this socket
         self.conn: tuple[int, int | None] | None = None  # (fd, connection id) of its connection
         self.doomed = False
+        self.gone: float | None = None  # when its connection was first found gone
 
     def seen(self, peer: bytes, fd: int | None) -> None:
         """A message came from `peer` on the connection at `fd`."""
-        self.peer = peer
+        self.peer, self.gone = peer, None
         if fd is not None and (self.conn is None or self.conn[0] != fd):
             self.conn = (fd, connection_id(fd))
 
@@ -72,15 +80,15 @@ class Lanes:
     """The daemon's lanes, owned by the serving thread (see the module docstring)."""
 
     def __init__(self, ctx: zmq.Context, folder: Path, *, most: int, configure: Callable[[zmq.Socket], None],
-                 grace: float = 10.0, clock: Callable[[], float] = time.monotonic):
+                 grace: float = 10.0, gone_grace: float = 1.0, clock: Callable[[], float] = time.monotonic):
         self.ctx, self.folder, self.most, self.configure = ctx, folder, most, configure
-        self.grace, self.clock = grace, clock
+        self.grace, self.gone_grace, self.clock = grace, gone_grace, clock
         self.by_identity: dict[bytes, Lane] = {}
         self.by_sock: dict[zmq.Socket, Lane] = {}
         self.added: list[Lane] = []  # opened since the loop last looked (it registers them with its poller)
         self.removed: list[Lane] = []  # closed since (it unregisters them)
         self.counters = dict.fromkeys(("lanes_opened", "lanes_refused", "lanes_closed_gone", "lanes_closed_unused",
-                                       "lanes_closed_for_frames"), 0)
+                                       "lanes_closed_for_frames", "lanes_cut_off"), 0)
 
     @staticmethod
     def possible(folder: Path) -> bool:
@@ -118,6 +126,13 @@ class Lanes:
             return None
         return lane.sock, lane.peer
 
+    def on(self, fd: int, conn_id: int | None) -> Lane | None:
+        """The lane whose connection is (fd, conn_id), if any."""
+        for lane in self.by_identity.values():
+            if lane.conn is not None and lane.conn[0] == fd and (conn_id is None or lane.conn[1] == conn_id):
+                return lane
+        return None
+
     def doom(self, lane: Lane) -> None:
         """A message over the frame limit came on `lane`: it is closed once its answer is queued."""
         lane.doomed = True
@@ -149,7 +164,10 @@ class Lanes:
                 if now - lane.born > self.grace:
                     self.close(lane, "lanes_closed_unused", linger=0)
             elif lane.conn[1] is None or connection_id(lane.conn[0]) != lane.conn[1]:
-                self.close(lane, "lanes_closed_gone", linger=0)
+                if lane.gone is None:
+                    lane.gone = now
+                elif now - lane.gone > self.gone_grace:
+                    self.close(lane, "lanes_closed_gone", linger=0)
 
     def close_all(self, linger: int = 500) -> None:
         for lane in list(self.by_identity.values()):
