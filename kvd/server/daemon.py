@@ -124,6 +124,7 @@ class Daemon:
         self.dropped_replies = 0
         self.dropped_frames = 0  # parts of messages over the frame limit, dropped unread (_recv)
         self.dropping_seconds = 0.0  # what dropping them took of the serving thread
+        self.lane_bomb_cpu = 0.0  # CPU time of the serving thread spent on lanes' messages over the limit
         self.offenders = drain.Offenders()
         self.latency = Latency()
         self.turns = Turns()
@@ -294,6 +295,7 @@ class Daemon:
         out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling,
                "oversized_messages": self.offenders.strikes, "dropped_frames": self.dropped_frames,
                "dropping_ms": round(1000 * self.dropping_seconds, 3),
+               "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
                "bans": self.offenders.bans}
         if self.gate is not None:
             out.update(self.gate.stats())
@@ -437,10 +439,12 @@ class Daemon:
                     stop_at = time.monotonic() + self.shutdown_grace
                     if self.stopping_since is None:
                         self.stopping_since = time.monotonic()
-                if self.lanes is not None and self.lanes.close_doomed():
-                    started = time.perf_counter()
+                if self.lanes is not None and self.lanes.doomed:
+                    started, cpu = time.perf_counter(), time.thread_time()
+                    self.lanes.close_doomed()
                     self._sync_lanes(poller)
                     self.dropping_seconds += time.perf_counter() - started
+                    self.lane_bomb_cpu += time.thread_time() - cpu
                 if stop_at is not None and time.monotonic() >= stop_at:
                     break
                 if time.monotonic() >= next_tick:
@@ -606,7 +610,7 @@ class Daemon:
         message is read in C, so a bomb costs milliseconds."""
         sock = lane.sock
         frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         parts: list = [frame]
         more = frame.more
         keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
@@ -616,20 +620,23 @@ class Daemon:
             parts.append(frame)
         if more and len(parts) < keep:
             rest, _ = drain.Dropper(sock).take(keep - len(parts))
-            if rest is None:  # over the limit: the decoder needs only the count
-                parts += [zmq.Frame(b"")] * (keep - len(parts))
-            else:
+            if rest is not None:
                 parts += [zmq.Frame(p) for p in rest]
             more = rest is None
-        elif more:
-            more = bool(sock.get(zmq.RCVMORE))
         lane.seen(parts[0].bytes, parts[1].get(zmq.SRCFD) if len(parts) > 1 else None)
         parts[0] = zmq.Frame(lane.identity)
-        if more:
-            self.lanes.doom(lane)  # type: ignore[union-attr]
-            self.dropping_seconds += time.perf_counter() - started
-            self._strike(lane.identity, lane.conn[0] if lane.conn is not None else None)
-        return parts
+        if not more:
+            return parts
+        # Over the limit: answered here (the handler would only count the
+        # frames), the lane doomed, the rest never read.
+        err = E.TooManyFrames(f"more than {self.limits.max_frames} frames; the limit is {self.limits.max_frames}")
+        self.handler.errors[err.name] += 1
+        self._send(lane.identity, codec.encode_error(err, id=codec.peek_id([parts[1].bytes]) if len(parts) > 1 else 0))
+        self.lanes.doom(lane)  # type: ignore[union-attr]
+        self._strike(lane.identity, lane.conn[0] if lane.conn is not None else None)
+        self.dropping_seconds += time.perf_counter() - started
+        self.lane_bomb_cpu += time.thread_time() - cpu
+        raise zmq.Again()  # nothing to serve: the next socket's message
 
     def _strike(self, identity: bytes, fd: int | None) -> None:
         """A message over the frame limit from the connection at `fd`: a

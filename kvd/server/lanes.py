@@ -87,6 +87,7 @@ class Lanes:
         self.by_sock: dict[zmq.Socket, Lane] = {}
         self.added: list[Lane] = []  # opened since the loop last looked (it registers them with its poller)
         self.removed: list[Lane] = []  # closed since (it unregisters them)
+        self.doomed: list[Lane] = []  # to close once their last answer is queued
         self.counters = dict.fromkeys(("lanes_opened", "lanes_refused", "lanes_closed_gone", "lanes_closed_unused",
                                        "lanes_closed_for_frames", "lanes_cut_off"), 0)
 
@@ -136,12 +137,12 @@ class Lanes:
     def doom(self, lane: Lane) -> None:
         """A message over the frame limit came on `lane`: it is closed once its answer is queued."""
         lane.doomed = True
+        self.doomed.append(lane)
 
-    def close_doomed(self) -> int:
-        doomed = [lane for lane in self.by_identity.values() if lane.doomed]
-        for lane in doomed:
+    def close_doomed(self) -> None:
+        for lane in self.doomed:
             self.close(lane, "lanes_closed_for_frames")
-        return len(doomed)
+        self.doomed.clear()
 
     def close(self, lane: Lane, why: str | None = None, linger: int = 500) -> None:
         """Close `lane`. A short linger lets its last answer out; what it has
@@ -174,6 +175,7 @@ class Lanes:
             self.close(lane, linger=linger)
         self.added.clear()
         self.removed.clear()
+        self.doomed.clear()
 
     def stats(self) -> dict:
         return {"lanes": len(self.by_identity), **self.counters}

@@ -157,10 +157,12 @@ def test_a_frame_bomb_on_a_lane_is_answered_within_100ms_of_serving_thread_and_o
     assert not pinger.failed, pinger.failed
     p = peers(d)
     assert p["oversized_messages"] == 1 and p["lanes_closed_for_frames"] == 1 and p["bans"] == 0
-    # The daemon's own count of serving-thread time spent on the bomb.
-    assert p["dropping_ms"] < 100, p["dropping_ms"]
+    # The daemon's own count of serving-thread time spent on the bomb (CPU:
+    # on a loaded machine the wall time, `dropping_ms`, adds preemption).
+    assert p["lane_bomb_cpu_ms"] < 100, p
     print(f"\nPING p99 before {pinger.p99_ms(pinger.times[:n_before]):.3f} ms, while the bomb arrived and after "
-          f"{pinger.p99_ms(pinger.times[n_before:]):.3f} ms; bomb's serving-thread time {p['dropping_ms']} ms")
+          f"{pinger.p99_ms(pinger.times[n_before:]):.3f} ms; the bomb took {p['lane_bomb_cpu_ms']} ms of the serving "
+          f"thread's CPU ({p['dropping_ms']} ms wall)")
     assert d.proc.poll() is None
 
 
@@ -247,4 +249,30 @@ def test_a_client_that_does_not_ask_for_a_lane_is_served_on_the_main_socket(daem
         assert os.path.dirname(path) == os.path.dirname(d.endpoint[len("ipc://"):])
         assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
     finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_lane_nobody_connects_to_is_closed_after_its_grace_and_lanes_are_bounded(tmp_path):
+    """In process, with an injected clock: a lane offered but never used is
+    closed by the first reap past `grace`; past `most`, none is offered."""
+    from kvd.server.lanes import Lanes
+
+    now = [100.0]
+    ctx = zmq.Context()
+    lanes = Lanes(ctx, tmp_path, most=2, configure=lambda s: s.setsockopt(zmq.LINGER, 0), grace=10.0,
+                  clock=lambda: now[0])
+    try:
+        first, second = lanes.open(), lanes.open()
+        assert first and second and first != second and lanes.open() is None
+        assert lanes.stats()["lanes"] == 2 and lanes.counters["lanes_refused"] == 1
+        now[0] += 9.0
+        lanes.reap()
+        assert lanes.stats()["lanes"] == 2
+        now[0] += 2.0
+        lanes.reap()
+        assert lanes.stats()["lanes"] == 0 and lanes.counters["lanes_closed_unused"] == 2
+        assert len(lanes.removed) == 2  # for the serving loop's poller
+        assert lanes.open() is not None  # room again
+    finally:
+        lanes.close_all(linger=0)
         ctx.destroy(linger=0)
