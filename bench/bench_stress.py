@@ -23,6 +23,8 @@ each in its own process and ongoing while the client measures:
   frame-bomb      a peer sends one message of 8 M empty frames (ZMTP written
                   by hand), again and again on a new connection, reading each
                   answer (issue 44)
+  lane-bomb       the same, each on a lane of its own, asked for in HELLO
+                  (issue 44; on the main socket where no lane is offered)
   paused-remote   the daemon has a remote tier (a real redis-server); a peer
                   pauses the server (SIGSTOP) for 0.3 s, within
                   remote_timeout_s, and GETs a new prompt meanwhile (the
@@ -108,6 +110,43 @@ while not select.select([sys.stdin], [], [], 0)[0]:  # again (on a new connectio
         s.close()
 """
 
+# The same bomb on a lane of its own (kvd/server/lanes.py): each time a
+# HELLO on the main socket asks for a lane, and the bomb goes there (a
+# daemon that offers none gets it on the main socket, like frame-bomb).
+LANE_BOMB = r"""
+import select, socket, struct, sys, zmq
+endpoint, n = sys.argv[1], int(sys.argv[2])
+from kvd.protocol import codec
+head = codec.encode("PING", {}, id=9)[0]
+greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+ready = b"\x05READY" + prop
+message = bytes([0x01, len(head)]) + bytes(head) + b"\x01\x00" * (n - 2) + b"\x00\x00"
+ctx = zmq.Context()
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    main = ctx.socket(zmq.DEALER)
+    main.setsockopt(zmq.LINGER, 0)
+    main.connect(endpoint)
+    path = endpoint[len("ipc://"):]
+    main.send_multipart(codec.encode("HELLO", {"versions": [1], "lanes": True}, id=1))
+    if main.poll(2000):
+        path = codec.decode_reply(main.recv_multipart()).get("lane", endpoint)[len("ipc://"):]
+    main.close(linger=0)
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        s.sendall(greeting + bytes([0x04, len(ready)]) + ready)
+        s.sendall(message)
+        r, _, _ = select.select([sys.stdin, s], [], [])
+        if s in r:
+            s.recv(1 << 16)
+    except OSError:
+        pass
+    finally:
+        s.close()
+"""
+
 # A peer that pauses the remote server (SIGSTOP) for P seconds and, while it
 # is paused, GETs a prompt nobody stored (the daemon must ask the server),
 # again and again until stdin closes. The server is always resumed.
@@ -183,6 +222,7 @@ def setup(ep: str, workdir: Path):
         "churn": (CHURN, ep, "4", ping),
         "tiny-flood": (TINY, ep, "8000"),
         "frame-bomb": (BOMB, path, str(8 << 20)),
+        "lane-bomb": (LANE_BOMB, ep, str(8 << 20)),
     }
     return good, tokens + [0], attacks
 
@@ -242,7 +282,7 @@ def main() -> None:
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
           f"{'misses':>7} {'peak MB':>8}" + (f" {'fl p50':>8} {'fl p99':>8} {'fl p99x':>7}" if args.floor else ""))
     names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "heavy-peers",
-             "put-storm", "churn", "tiny-flood", "frame-bomb", "paused-remote"]
+             "put-storm", "churn", "tiny-flood", "frame-bomb", "lane-bomb", "paused-remote"]
     ratios: dict[str, float] = {}
     for name in args.only.split(",") if args.only else names:
         remote = contextlib.ExitStack()

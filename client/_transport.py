@@ -37,6 +37,21 @@ its socket; in another process it abandons the inherited context, socket and
 lock (never closing them: that could block, or disturb the parent's own
 connection) and makes its own.
 
+Lanes (PROTOCOL.md, HELLO): on an ipc endpoint a HELLO asks for a lane, a
+socket the daemon binds for this client alone, so another client's frame
+bomb never holds this one's requests. When the reply names one (in the main
+socket's folder; anything else is ignored), later requests go there through
+a Transport of its own; the main socket stays connected (idle), for HELLO
+and to fall back on. A lane with no connection (the daemon restarted, or
+closed it) is dropped before a request is sent on it, and the request goes
+to the main socket, after a HELLO there that asks for a lane again; a lane
+that fails a request (no reply, a bad one) is dropped after it: that call
+is a miss like any other. A daemon that offers no lane (older, or at its
+bound) leaves the client on the main socket: lanes are never needed. The
+lane's Transport shares this one's lock: still one request in flight, and
+no socket touched by two threads (a POLLOUT check on the lane racing a
+request on it lost messages).
+
 ZeroMQ starts threads of its own on first need: the context's I/O threads
 with its first socket, pyzmq's garbage collector (a thread, and a context
 of its own) with the first zero-copy send -- the first PUT of tensor bytes.
@@ -70,6 +85,8 @@ from kvd.protocol.errors import KvdError, ProtocolError, from_code
 from kvd.protocol.limits import DEFAULT_LIMITS, Limits
 from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable
 
+_LANE_WAIT_S = 0.05  # what taking a lane may wait for its connection
+_LANE_CONNECT_S = 2.0  # a lane still unconnected this long after HELLO offered it is dropped
 _HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -168,7 +185,7 @@ class Transport:
         self.retry_interval = retry_interval
         self._pid = os.getpid()
         self._ctx = zmq.Context.instance()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # shared with our lane's Transport (one request in flight)
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._reply_limits = _DEFAULT_REPLY_LIMITS
@@ -178,6 +195,10 @@ class Transport:
         self._ipc = ipc_path(endpoint)
         # The run dir is checked only if it is a default one (kvd.endpoint rule 5).
         self._run_dir = self._ipc.parent if self._ipc is not None and is_default_run_dir(self._ipc.parent) else None
+        self._lane: Transport | None = None  # our lane, while we have one (module docstring)
+        self._hello: dict[str, Any] | None = None  # the last HELLO's fields: asked again to take a new lane
+        self._rehello = False  # a lane was lost without a failed call: ask HELLO before the next request
+        self._lane_since = 0.0  # when the lane was taken
         _warm_up(self._ctx)
 
     def _absent(self) -> str:
@@ -214,8 +235,9 @@ class Transport:
             self._monitor = self._sock = None
             self._auth_error = self._peer_fd = None
             self._ctx = zmq.Context.instance()  # pyzmq makes a new one in a new process
-            self._lock = threading.Lock()  # the parent's may be held by a thread that did not fork
+            self._lock = threading.RLock()  # the parent's may be held by a thread that did not fork
             self._fresh, self._down_until = True, 0.0
+            self._lane, self._rehello = None, False  # the parent's (it abandons itself): this child asks for its own
             self._pid = os.getpid()
             _warm_up(self._ctx)  # the parent's threads did not fork: this child's own, now
 
@@ -334,6 +356,9 @@ class Transport:
         request on (MAXMSGSIZE applies to connections made after it is set: a
         socket that must accept larger frames is remade)."""
         self._reply_limits = reply_limits(advertised)
+        lane = self._lane
+        if lane is not None:
+            lane.set_limits(advertised)
 
     def retry_now(self) -> None:
         """The daemon is known to be back (someone else reached it): drop the
@@ -341,6 +366,7 @@ class Transport:
         instead of failing fast or waiting out ZeroMQ's reconnect back-off."""
         if self._pid != os.getpid():
             self._after_fork()
+        self._drop_lane()
         with self._lock:
             self._reset()
             self._down_until = 0.0
@@ -348,6 +374,7 @@ class Transport:
     def close(self) -> None:
         if self._pid != os.getpid():
             self._after_fork()
+        self._drop_lane()
         with self._lock:
             self._reset()
 
@@ -422,8 +449,86 @@ class Transport:
                         f"the daemon at {self.endpoint} closed the connection before replying (stopped or restarted)"
                     )
 
+    # -- lanes (module docstring) ---------------------------------------------
+    def _drop_lane(self) -> None:
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.close()
+
+    def _take_lane(self, endpoint: Any, advertised: Any = None) -> None:
+        """Send later requests to the lane a HELLO reply named, if it is an
+        ipc socket in the main socket's folder."""
+        path = ipc_path(endpoint) if isinstance(endpoint, str) and endpoint.startswith("ipc://") else None
+        if path is None or self._ipc is None or path.parent != self._ipc.parent or path == self._ipc:
+            return
+        lane = Transport(endpoint, connect_wait=self.connect_wait, retry_interval=self.retry_interval)
+        lane._reply_limits = self._reply_limits
+        try:
+            # The bounds its replies will have (set_limits follows): a socket
+            # made under the defaults would be remade, and its connection with it.
+            lane.set_limits(Limits.from_wire(advertised))
+        except Exception:
+            pass  # not a map of limits: the caller's checks say so; the defaults meanwhile
+        try:
+            with lane._lock:
+                lane._check_safe()
+                # Connecting now, while the daemon that offered it is there; a
+                # moment's wait (an ipc handshake takes ~0.1 ms) so the next
+                # request finds it ready rather than going to the main socket.
+                lane._socket().poll(int(1000 * min(self.connect_wait, _LANE_WAIT_S)), zmq.POLLOUT)
+        except (KvdError, zmq.ZMQError):
+            lane.close()
+            return
+        self._lane_since = time.monotonic()
+        lane._lock = self._lock  # one request in flight per client, on either socket
+        self._drop_lane()
+        self._lane = lane
+
     def request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
-        """Send a request and return its decoded reply.
+        """Send a request and return its decoded reply: on our lane if we
+        have one, else on the main socket. Raises as `_request`."""
+        if self._pid != os.getpid():
+            self._after_fork()
+        # Under the lock our lane shares: a ZeroMQ socket is for one thread at a time.
+        started = time.monotonic()
+        if not self._lock.acquire(timeout=max(0.0, timeout)):
+            raise DaemonUnavailable(f"client busy for {timeout:.1f}s (another call in flight)")
+        try:
+            return self._route(mtype, fields, timeout - (time.monotonic() - started))
+        finally:
+            self._lock.release()
+
+    def _route(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
+        lane = self._lane
+        if lane is not None and mtype != "HELLO":
+            sock = lane._sock
+            ready = sock is not None and bool(sock.poll(0, zmq.POLLOUT))
+            if not ready and lane._fresh and time.monotonic() - self._lane_since < _LANE_CONNECT_S:
+                pass  # still connecting: this request goes to the main socket
+            elif not ready:
+                self._drop_lane()  # no connection: the daemon restarted or closed it
+                self._rehello = self._hello is not None
+            else:
+                try:
+                    return lane.request(mtype, fields, timeout)
+                except (DaemonUnavailable, BadReply, AuthenticationFailed, UnsafeEndpoint):
+                    self._drop_lane()
+                    self._rehello = self._hello is not None
+                    raise
+        if mtype == "HELLO":
+            self._hello, self._rehello = dict(fields or {}), False
+        elif self._rehello and self._ipc is not None:
+            self._rehello = False
+            started = time.monotonic()
+            try:
+                self._request("HELLO", self._hello, timeout)
+            except KvdError:
+                pass  # no lane: this request goes to the main socket all the same
+            timeout -= time.monotonic() - started
+        return self._request(mtype, fields, timeout)
+
+    def _request(self, mtype: str, fields: dict[str, Any] | None, timeout: float) -> Message:
+        """Send a request on the main socket and return its decoded reply.
 
         Raises UnsafeEndpoint (the run dir or socket may be another user's:
         no connection is made), AuthenticationFailed (the tcp endpoint refused
@@ -470,6 +575,9 @@ class Transport:
             self._dropped = False  # (one that dropped before the send took nothing of this request)
             self._fresh = False
             rid = next(self._ids)
+            asked_lane = mtype == "HELLO" and self._ipc is not None and self._lane is None
+            if asked_lane:
+                fields = {**(fields or {}), "lanes": True}
             frames = codec.encode(mtype, fields, id=rid)
             try:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -494,6 +602,9 @@ class Transport:
                 if reply.id != rid:
                     continue  # a late reply to a request that timed out
                 break
+            if asked_lane and reply.type == "HELLO" and reply.get("lane") is not None:
+                # Under the lock: a HELLO of another thread waiting for it asks for no other.
+                self._take_lane(reply["lane"], reply.get("limits"))
         except zmq.ZMQError as err:  # anywhere else: making the socket, polling, receiving
             raise self._starved("talk to", err) from None
         finally:

@@ -424,7 +424,7 @@ _PUT_REPLY = {"stored": _req(_uint), "duplicate": _req(_uint), "too_big": _req(_
 
 # The message table: type -> field schema, for requests and for replies.
 REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
-    "HELLO": {"versions": _req(_uints), "client": _opt(_str, "")},
+    "HELLO": {"versions": _req(_uints), "client": _opt(_str, ""), "lanes": _opt(_bool, False)},
     "PING": {},
     "LOOKUP": {**_QUERY},
     "GET": {
@@ -457,6 +457,7 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "version": _req(_uint), "server": _req(_str), "limits": _req(_map), "chunk_tokens": _req(_uint),
         "features": _opt(_array_of(_str), ()),
         "shm": _opt(_map),
+        "lane": _opt(_str),
     },
     "PING": {},
     "LOOKUP": {"n": _req(_uint), "boundaries": _req(_uints)},

@@ -56,7 +56,7 @@ from kvd.protocol import codec
 from kvd.protocol import errors as E
 from kvd.protocol.codec import Message
 from kvd.protocol.limits import Limits
-from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_keys_dir, is_tcp, server_keys
+from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_keys_dir, ipc_path, is_tcp, server_keys
 from kvd.server.handler import Deferred, Handler, ShutdownRequested, Sliced
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
@@ -69,6 +69,7 @@ from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.admission.ready import Ready
 from kvd.server.admission.turns import Turns, Unfinished
+from kvd.server.lanes import Lane, Lanes, folder_of
 from kvd.store.base import Store
 from kvd.store.courtesy import Courtesy
 
@@ -77,6 +78,10 @@ log = logging.getLogger("kvd.server")
 # Frames below this size are copied out of ZeroMQ's receive buffers so a small
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
+# Parts of a lane's message read through pyzmq; a longer one's next parts
+# are read in C (drain.Dropper.take), so a frame bomb costs its lane
+# milliseconds before it is answered and closed (kvd.server.lanes).
+_LANE_PYZMQ_PARTS = 1024
 # Unread replies a peer may have queued: a client has one request in flight,
 # so more than a few means it is not reading (kvd.server.admission.outbox).
 _SNDHWM = 16
@@ -126,6 +131,7 @@ class Daemon:
         self.dropped_replies = 0
         self.dropped_frames = 0  # parts of messages over the frame limit, dropped unread (_recv)
         self.dropping_seconds = 0.0  # what dropping them took of the serving thread
+        self.lane_bomb_cpu = 0.0  # CPU time of the serving thread spent on lanes' messages over the limit
         self.offenders = drain.Offenders()
         self.latency = Latency()
         self.turns = Turns()
@@ -172,6 +178,7 @@ class Daemon:
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._guarded = False  # this daemon installed the accept guard (kvd.server.admission.acceptguard)
+        self.lanes: Lanes | None = None  # a socket per client (kvd.server.lanes); ipc only
         self.shm_enabled, self.shm_lease_s = shm and not is_tcp(endpoint), shm_lease_s
 
     # -- lifecycle ---------------------------------------------------------
@@ -232,9 +239,41 @@ class Daemon:
         self.gate = PeerGate(
             monitor, max_peers=self.max_peers or default_max_peers(), ceiling=lambda: self._ceiling, over_unit=m
         )
-        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=lambda conn: self.gate.shed(*conn))
+        folder = None if is_tcp(self.endpoint) else folder_of(ipc_path(self.endpoint))
+        if folder is not None:
+            self.lanes = Lanes(ctx, folder, most=self.max_peers or default_max_peers(), configure=self._configure_lane)
+            self.handler.hello_fields.append(self._offer_lane)
+        self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self._cut_off,
+                             route=self.lanes.route if self.lanes is not None else None)
         self.gate.start()
         self._arm_gate(ctx)
+
+    def _configure_lane(self, sock: zmq.Socket) -> None:
+        """A lane's options: the main socket's (see bind), one peer's worth."""
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, 4)
+        sock.setsockopt(zmq.BACKLOG, 4)
+        if self.outbox is not None:
+            sock.setsockopt(zmq.SNDTIMEO, self.outbox.retry_ms)  # outbox rule 1: a blocking retry is bounded
+
+    def _offer_lane(self, hello: Message) -> dict:
+        """HELLO's `lane` for a client that asked for one (kvd.server.lanes)."""
+        if not hello.get("lanes") or self.lanes is None:
+            return {}
+        endpoint = self.lanes.open()
+        return {"lane": endpoint} if endpoint is not None else {}
+
+    def _cut_off(self, where: tuple[int, int | None]) -> bool:
+        """Cut off the connection at `where` (fd, connection id): a lane's is
+        closed with its lane, the main socket's peers are shed by the gate."""
+        lane = self.lanes.on(*where) if self.lanes is not None else None
+        if lane is not None:
+            self.lanes.close(lane, "lanes_cut_off", linger=0)  # type: ignore[union-attr]
+            return True
+        return self.gate is not None and self.gate.shed(*where)
 
     def _on_refused(self) -> None:
         """The accept guard found no fd for a connection (libzmq's I/O thread)."""
@@ -270,11 +309,14 @@ class Daemon:
         out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling,
                "oversized_messages": self.offenders.strikes, "dropped_frames": self.dropped_frames,
                "dropping_ms": round(1000 * self.dropping_seconds, 3),
+               "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
                "bans": self.offenders.bans}
         if self.gate is not None:
             out.update(self.gate.stats())
         if self.outbox is not None:
             out.update(self.outbox.stats())
+        if self.lanes is not None:
+            out.update(self.lanes.stats())
         out.update(self.turns.stats())
         out.update(self.ready.stats())
         out.update(self.courtesy.stats())
@@ -339,6 +381,8 @@ class Daemon:
             self.gate.join(timeout=2.0)
             self.gate.resume()  # libzmq must find its own listener when it closes it
             self.gate = None
+        if self.lanes is not None:
+            self.lanes.close_all()
         if self._sock is not None:
             # Let replies already queued (the SHUTDOWN acknowledgement above
             # all) reach their peers; a peer that is gone cannot hold us long.
@@ -369,6 +413,25 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self.wakeup.fd, zmq.POLLIN)
+        waiting: list[zmq.Socket] = []  # sockets with a message waiting, as the last poll found them
+
+        def recv() -> list[zmq.Frame]:
+            # One message from each ready socket in turn: a lane's client
+            # waits behind no other socket's backlog.
+            while waiting:
+                s = waiting.pop(0)
+                if s.closed:  # a lane closed meanwhile (cut off, banned)
+                    continue
+                try:
+                    raw = self._recv(s)
+                except zmq.Again:
+                    continue
+                lane = self.lanes.by_sock.get(s) if self.lanes is not None else None
+                if lane is None or not lane.doomed:
+                    waiting.append(s)
+                return raw
+            raise zmq.Again()
+
         log.info("serving endpoint=%s", self.endpoint)
         if self.on_ready is not None:
             self.on_ready()
@@ -381,15 +444,23 @@ class Daemon:
                 if due is not None:
                     wake = min(wake, due)
                 timeout_ms = 0 if len(self.ready) else max(0, math.ceil((wake - time.monotonic()) * 1000))
+                self._sync_lanes(poller)
                 events = dict(poller.poll(timeout_ms))
                 if self.wakeup.fd in events:
                     self._settle()
-                if (sock in events or len(self.ready) or (due is not None and due <= time.monotonic())) and self._serve_waiting(lambda: self._recv(sock)) and stop_at is None:
+                waiting[:] = [s for s in events if s is not self.wakeup.fd]
+                if (waiting or len(self.ready) or (due is not None and due <= time.monotonic())) and self._serve_waiting(recv) and stop_at is None:
                     # Keep serving briefly: a peer's unread reply is
                     # discarded when our end of the pipe goes away.
                     stop_at = time.monotonic() + self.shutdown_grace
                     if self.stopping_since is None:
                         self.stopping_since = time.monotonic()
+                if self.lanes is not None and self.lanes.doomed:
+                    started, cpu = time.perf_counter(), time.thread_time()
+                    self.lanes.close_doomed()
+                    self._sync_lanes(poller)
+                    self.dropping_seconds += time.perf_counter() - started
+                    self.lane_bomb_cpu += time.thread_time() - cpu
                 if stop_at is not None and time.monotonic() >= stop_at:
                     break
                 if time.monotonic() >= next_tick:
@@ -400,6 +471,8 @@ class Daemon:
                         self.outbox.sweep()
                     self._update_ceiling()
                     self.turns.forget(time.monotonic())
+                    if self.lanes is not None:
+                        self.lanes.reap()
                     with self.lock:
                         self.store.tick()
                     self._maybe_log_summary()
@@ -412,6 +485,18 @@ class Daemon:
             self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
             self.close()
+
+    def _sync_lanes(self, poller: zmq.Poller) -> None:
+        """The poller watches the lanes open now (kvd.server.lanes)."""
+        lanes = self.lanes
+        if lanes is None:
+            return
+        for lane in lanes.removed:
+            poller.unregister(lane.sock)
+        for lane in lanes.added:
+            poller.register(lane.sock, zmq.POLLIN)
+        lanes.removed.clear()
+        lanes.added.clear()
 
     # -- write-through: parked PUT replies (rule 4) ------------------------------
     def _settle(self) -> None:
@@ -542,7 +627,11 @@ class Daemon:
         its first part is here the rest is too). Parts past what the decoder
         needs to say TOO_MANY_FRAMES are read and dropped at once: a message of
         millions of empty frames costs no memory (recv_multipart would keep a
-        Frame object for each, ~280 bytes apiece)."""
+        Frame object for each, ~280 bytes apiece). A lane's message comes
+        under the lane's identity (_recv_lane)."""
+        lane = self.lanes.by_sock.get(sock) if self.lanes is not None else None
+        if lane is not None:
+            return self._recv_lane(lane)
         frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
         parts, more = [frame], frame.more
         keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
@@ -556,14 +645,58 @@ class Daemon:
             started = time.perf_counter()
             self.dropped_frames += drain.Dropper(sock).rest()
             self.dropping_seconds += time.perf_counter() - started
-            conn = self._conn(parts[0].bytes, parts[1].get(zmq.SRCFD))
-            who = conn.origin if conn is not None else None
-            ban = self.offenders.strike(who)
-            if ban is not None and self.gate is not None:
-                fds = [fd for fd, c in self._conns.items() if c.origin == who]
-                self.gate.ban(who, fds, ban)
-                self.ratelog.warning(f"banned {who!r}", "banned %s for %.0f s: messages over the frame limit", who.decode(), ban)
+            self._strike(parts[0].bytes, parts[1].get(zmq.SRCFD))
         return parts
+
+    def _recv_lane(self, lane: Lane) -> list[zmq.Frame]:
+        """One message from `lane`, as `_recv` returns it. A message over the
+        frame limit is read only as far as the decoder needs to answer
+        TOO_MANY_FRAMES, and its lane is doomed: closed once the answer is
+        queued, the rest never read (kvd.server.lanes). The bulk of a long
+        message is read in C, so a bomb costs milliseconds."""
+        sock = lane.sock
+        frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+        started, cpu = time.perf_counter(), time.thread_time()
+        parts: list = [frame]
+        more = frame.more
+        keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
+        while more and len(parts) < min(keep, _LANE_PYZMQ_PARTS):
+            frame = sock.recv(copy=False)
+            more = frame.more
+            parts.append(frame)
+        if more and len(parts) < keep:
+            rest, _ = drain.Dropper(sock).take(keep - len(parts))
+            if rest is not None:
+                parts += [zmq.Frame(p) for p in rest]
+            more = rest is None
+        lane.seen(parts[0].bytes, parts[1].get(zmq.SRCFD) if len(parts) > 1 else None)
+        parts[0] = zmq.Frame(lane.identity)
+        if not more:
+            return parts
+        # Over the limit: answered here (the handler would only count the
+        # frames), the lane doomed, the rest never read.
+        err = E.TooManyFrames(f"more than {self.limits.max_frames} frames; the limit is {self.limits.max_frames}")
+        self.handler.errors[err.name] += 1
+        self._send(lane.identity, codec.encode_error(err, id=codec.peek_id([parts[1].bytes]) if len(parts) > 1 else 0))
+        self.lanes.doom(lane)  # type: ignore[union-attr]
+        self._strike(lane.identity, lane.conn[0] if lane.conn is not None else None)
+        self.dropping_seconds += time.perf_counter() - started
+        self.lane_bomb_cpu += time.thread_time() - cpu
+        raise zmq.Again()  # nothing to serve: the next socket's message
+
+    def _strike(self, identity: bytes, fd: int | None) -> None:
+        """A message over the frame limit from the connection at `fd`: a
+        process that keeps sending them is banned (drain.Offenders)."""
+        conn = self._conn(identity, fd)
+        who = conn.origin if conn is not None else None
+        ban = self.offenders.strike(who)
+        if ban is not None and self.gate is not None:
+            fds = [fd for fd, c in self._conns.items() if c.origin == who]
+            for fd in fds:  # its lanes are closed; the gate cuts off its connections to the main socket
+                if self.lanes is not None and (lane := self.lanes.on(fd, self._conns[fd].where[1])) is not None:
+                    self.lanes.close(lane, "lanes_cut_off", linger=0)
+            self.gate.ban(who, fds, ban)
+            self.ratelog.warning(f"banned {who!r}", "banned %s for %.0f s: messages over the frame limit", who.decode(), ban)
 
     def _maybe_log_summary(self) -> None:
         """One info line per `summary_every` seconds with activity, for operators."""

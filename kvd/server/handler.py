@@ -184,6 +184,9 @@ class Handler:
         # The shared-memory plane (kvd.server.shm.plane.ShmPlane), set by the daemon
         # on an ipc endpoint; None: GET serves frames, SLOTS/COMMIT are refused.
         self.shm: Any = None
+        # Fields other parts of the daemon add to a HELLO reply (a lane,
+        # kvd.server.lanes): callables taking the HELLO, returning a map.
+        self.hello_fields: list[Any] = []
         self.shm_proven = False  # the request being served proved same host, same user
         self.altered = 0  # entries found written into after their COMMIT (`_get`)
 
@@ -261,6 +264,8 @@ class Handler:
         }
         if self.shm is not None:
             reply["shm"] = self.shm.offer()
+        for extra in self.hello_fields:
+            reply.update(extra(msg))
         return "HELLO", reply
 
     def on_ping(self, msg: Message):

@@ -153,6 +153,38 @@ class Dropper:
         return n
 
 
+    def take(self, most: int) -> tuple[list[bytes] | None, int]:
+        """Read up to `most` more parts of the message being read, in C.
+        (their bytes, n) if the message ended within them; (None, n) if
+        parts are still left after `most` (those read are dropped): the
+        message is over the limit, and what is left is not read at all.
+        Where zmq_recviov is missing the parts are read through pyzmq."""
+        sock, parts, n = self.sock, [], 0
+        if self._iov is None:
+            while sock.get(zmq.RCVMORE) and n < most:
+                parts.append(sock.recv(copy=True))
+                n += 1
+            return (None if sock.get(zmq.RCVMORE) else parts), n
+        recviov = _fns[0]  # type: ignore[index]
+        handle = ctypes.c_void_p(sock.underlying)
+        words = memoryview(self._iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")
+        read: list[int] = []  # base, length, base, length...
+        while sock.get(zmq.RCVMORE) and n < most:
+            self._count.value = min(BATCH, most - n)
+            rc = recviov(handle, self._iov, ctypes.byref(self._count), zmq.DONTWAIT)
+            got = self._count.value
+            read += words[0 : 2 * got].tolist()
+            n += got
+            if rc < 0 and got == 0:
+                break  # cannot happen for a message's later parts; never spin
+        over = bool(sock.get(zmq.RCVMORE))
+        if not over:  # a long message within the limit: its parts' bytes (copied; rare)
+            parts = [ctypes.string_at(b, size) if size else b"" for b, size in zip(read[0::2], read[1::2])]
+        if read:
+            _free_later(read[0::2])
+        return (None if over else parts), n
+
+
 class Offenders:
     """Processes that sent messages over the frame limit (`strike`).
 

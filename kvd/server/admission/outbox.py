@@ -72,6 +72,7 @@ from typing import Callable
 
 import zmq
 
+from kvd.server.lanes import PREFIX as LANE_PREFIX
 from kvd.server.ratelog import now_and_then
 
 log = logging.getLogger("kvd.server.outbox")
@@ -108,8 +109,12 @@ class Outbox:
         retry_ms: int = 2,
         disconnect: Callable[[object], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        route: Callable[[bytes], tuple[zmq.Socket, bytes] | None] | None = None,
     ):
         self.sock = sock
+        # A peer on a lane of its own (kvd.server.lanes): its identity names
+        # the lane; `route` gives the lane's socket and the peer's id there.
+        self.route = route
         self.disconnect = disconnect
         self.conns: dict[bytes, object] = {}  # identity -> the connection of its last request, while it has bytes queued
         self.cut: set[bytes] = set()  # peers cut off whose queued bytes libzmq has not freed yet
@@ -267,9 +272,16 @@ class Outbox:
         return outcome
 
     def _send(self, identity: bytes, parts: list) -> bool:
+        sock = self.sock
+        if self.route is not None and identity.startswith(LANE_PREFIX):
+            routed = self.route(identity)
+            if routed is None:  # its lane is closed: the client asks HELLO again
+                self.counters["dropped_gone"] += 1
+                return False
+            sock, parts[0] = routed
         try:
             try:
-                self.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
                 if self.full.pop(identity, None) is not None:
                     self.mutes.pop(identity, None)
                     self.cut_muted.discard(identity)
@@ -277,7 +289,7 @@ class Outbox:
             except zmq.Again:
                 if identity in self.full:
                     raise
-                self.sock.send_multipart(parts, copy=False)  # rule 1: one retry, SNDTIMEO bounds it
+                sock.send_multipart(parts, copy=False)  # rule 1: one retry, SNDTIMEO bounds it
                 return True
         except zmq.Again:
             if len(self.full) >= _MAX_FULL:
