@@ -38,6 +38,12 @@ Rules the loop keeps:
    before writes (kvd.server.admission.ready): a model server's GET waits
    for the request being served, not for one of every other peer's. What is
    read and unserved at a stop is answered BUSY.
+8. A message over the frame limit costs its sender, not the serving thread:
+   on a lane it is read only as far as the decoder needs and the lane is
+   closed (kvd.server.lanes); on the main socket, whose rest must be read
+   before any other message there, the socket is lent to a thread of its
+   own that drops the rest (drain.Lent) while the loop serves the lanes.
+   Replies to the main socket's peers wait meanwhile (Outbox.lend).
 """
 
 from __future__ import annotations
@@ -78,10 +84,12 @@ log = logging.getLogger("kvd.server")
 # Frames below this size are copied out of ZeroMQ's receive buffers so a small
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
-# Parts of a lane's message read through pyzmq; a longer one's next parts
-# are read in C (drain.Dropper.take), so a frame bomb costs its lane
-# milliseconds before it is answered and closed (kvd.server.lanes).
-_LANE_PYZMQ_PARTS = 1024
+# Parts of a message read through pyzmq (zero-copy frames); a longer one's
+# next parts are read in C (drain.Dropper.take: ~0.1 us a part, but each
+# part's bytes are then copied), so a frame bomb costs the serving thread
+# ~10-20 ms before it is answered (rule 8), and a PUT of up to 8,192 parts
+# keeps its frames uncopied.
+_PYZMQ_PARTS = 8192
 # Unread replies a peer may have queued: a client has one request in flight,
 # so more than a few means it is not reading (kvd.server.admission.outbox).
 _SNDHWM = 16
@@ -132,6 +140,10 @@ class Daemon:
         self.dropped_frames = 0  # parts of messages over the frame limit, dropped unread (_recv)
         self.dropping_seconds = 0.0  # what dropping them took of the serving thread
         self.lane_bomb_cpu = 0.0  # CPU time of the serving thread spent on lanes' messages over the limit
+        self.main_bomb_cpu = 0.0  # ... and on the main socket's, before it is lent (rule 8)
+        self._lent: drain.Lent | None = None  # the main socket, while a thread drops a bomb's rest
+        self.lent_seconds = 0.0  # how long the main socket was lent, in all
+        self.read_while_lent = 0  # requests read from lanes meanwhile
         self.offenders = drain.Offenders()
         self.latency = Latency()
         self.turns = Turns()
@@ -310,6 +322,9 @@ class Daemon:
                "oversized_messages": self.offenders.strikes, "dropped_frames": self.dropped_frames,
                "dropping_ms": round(1000 * self.dropping_seconds, 3),
                "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
+               "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
+               "main_lent": self._lent is not None, "main_lent_ms": round(1000 * self.lent_seconds, 3),
+               "read_while_lent": self.read_while_lent,
                "bans": self.offenders.bans}
         if self.gate is not None:
             out.update(self.gate.stats())
@@ -372,6 +387,7 @@ class Daemon:
         self._signal_fd = True
 
     def close(self) -> None:
+        self._take_back_main()
         if self.handler.shm is not None:
             self.handler.shm.close()
             self.handler.shm = None
@@ -414,13 +430,14 @@ class Daemon:
         poller.register(sock, zmq.POLLIN)
         poller.register(self.wakeup.fd, zmq.POLLIN)
         waiting: list[zmq.Socket] = []  # sockets with a message waiting, as the last poll found them
+        watching = True  # the poller watches the main socket (not while it is lent, rule 8)
 
         def recv() -> list[zmq.Frame]:
             # One message from each ready socket in turn: a lane's client
             # waits behind no other socket's backlog.
             while waiting:
                 s = waiting.pop(0)
-                if s.closed:  # a lane closed meanwhile (cut off, banned)
+                if s.closed or (s is sock and self._lent is not None):  # a lane closed meanwhile; the main socket lent
                     continue
                 try:
                     raw = self._recv(s)
@@ -429,6 +446,8 @@ class Daemon:
                 lane = self.lanes.by_sock.get(s) if self.lanes is not None else None
                 if lane is None or not lane.doomed:
                     waiting.append(s)
+                if self._lent is not None and s is not sock:
+                    self.read_while_lent += 1
                 return raw
             raise zmq.Again()
 
@@ -445,6 +464,7 @@ class Daemon:
                     wake = min(wake, due)
                 timeout_ms = 0 if len(self.ready) else max(0, math.ceil((wake - time.monotonic()) * 1000))
                 self._sync_lanes(poller)
+                watching = self._watch_main(poller, watching)
                 events = dict(poller.poll(timeout_ms))
                 if self.wakeup.fd in events:
                     self._settle()
@@ -480,11 +500,32 @@ class Daemon:
         finally:
             if self.stopping_since is None:
                 self.stopping_since = time.monotonic()
+            self._take_back_main()
             self._refuse_ready("the daemon is stopping")
             self._drain_parked(self.stopping_since + self.stop_timeout / 2)
             self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
             self.close()
+
+    def _watch_main(self, poller: zmq.Poller, watching: bool) -> bool:
+        """Rule 8: the poller leaves the main socket alone while it is lent;
+        once it is back, the replies held for its peers are sent."""
+        lent = self._lent
+        if lent is not None and lent.back.is_set():
+            self._lent = None
+            self.dropped_frames += lent.dropped
+            self.dropping_seconds += lent.seconds
+            self.lent_seconds += lent.seconds
+            if self.outbox is not None:
+                self.outbox.give_back()
+            lent = None
+        if lent is not None and watching:
+            poller.unregister(self._sock)
+            return False
+        if lent is None and not watching:
+            poller.register(self._sock, zmq.POLLIN)
+            return True
+        return watching
 
     def _sync_lanes(self, poller: zmq.Poller) -> None:
         """The poller watches the lanes open now (kvd.server.lanes)."""
@@ -526,15 +567,18 @@ class Daemon:
         """At stop: let parked PUTs complete until `deadline`, then refuse the
         rest. Requests that come meanwhile are answered BUSY at once: their
         peers miss now, not when the socket closes."""
-        sock = self._sock
+        socks = [self._sock] if self._sock is not None else []
+        if self.lanes is not None:
+            socks += [lane.sock for lane in self.lanes.by_sock.values() if not lane.doomed]
         poller = zmq.Poller()
         poller.register(self.wakeup.fd, zmq.POLLIN)
-        if sock is not None:
+        for sock in socks:
             poller.register(sock, zmq.POLLIN)
         while len(self.parking) and time.monotonic() < deadline:
             events = dict(poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))))
-            if sock is not None and sock in events:
-                self._refuse_waiting(sock, "the daemon is stopping")
+            for sock in socks:
+                if sock in events and not sock.closed:
+                    self._refuse_waiting(sock, "the daemon is stopping")
             self._settle()
         for parked in self.parking.fail_all():
             self._answer(parked, "the daemon is stopping")
@@ -633,20 +677,67 @@ class Daemon:
         if lane is not None:
             return self._recv_lane(lane)
         frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
-        parts, more = [frame], frame.more
+        cpu = time.thread_time()
+        parts, more = self._read_parts(sock, frame)
+        if not more:
+            return parts
+        # A frame bomb: answered here (the reply waits in the outbox until
+        # the socket is back), the rest dropped in C by a thread the socket
+        # is lent to (rule 8), and a process that keeps sending them is
+        # banned (drain.Offenders).
+        self._lend_main(sock)
+        self._too_many_frames(parts)
+        self._strike(parts[0].bytes, parts[1].get(zmq.SRCFD))
+        self.main_bomb_cpu += time.thread_time() - cpu
+        raise zmq.Again()  # nothing to serve: the next socket's message
+
+    def _too_many_frames(self, parts: list) -> None:
+        """Answer a message over the frame limit (`parts`: its first ones)."""
+        err = E.TooManyFrames(f"more than {self.limits.max_frames} frames; the limit is {self.limits.max_frames}")
+        self.handler.errors[err.name] += 1
+        self._send(parts[0].bytes, codec.encode_error(err, id=codec.peek_id([parts[1].bytes]) if len(parts) > 1 else 0))
+
+    def _take_back_main(self) -> None:
+        """A stop: the thread dropping a bomb's rest stops at its next batch
+        (~10 ms) and the main socket is the loop's again, its held replies
+        sent. If it never comes back, it is not closed under that thread."""
+        lent, self._lent = self._lent, None
+        if lent is None:
+            return
+        lent.halt.set()
+        if not lent.back.wait(5.0):
+            log.error("the thread dropping a frame bomb did not stop; leaving the main socket open")
+            self._sock = None
+            return
+        self.lent_seconds += lent.seconds
+        if self.outbox is not None:
+            self.outbox.give_back()
+
+    def _lend_main(self, sock: zmq.Socket) -> None:
+        """Rule 8: lend the main socket to a thread that drops the rest of
+        the message being read; the loop takes it back when it is done."""
+        if self.outbox is not None:
+            self.outbox.lend()
+        self._lent = drain.Lent(sock, self.wakeup.poke)
+
+    def _read_parts(self, sock: zmq.Socket, frame: zmq.Frame) -> tuple[list, bool]:
+        """The message whose first part is `frame`, read as far as the decoder
+        needs to say TOO_MANY_FRAMES: (parts, True) if parts are left past
+        that. Past `_PYZMQ_PARTS` the parts are read in C (drain.Dropper.take),
+        so reading a bomb's first `max_frames` costs milliseconds."""
+        parts: list = [frame]
+        more = frame.more
         keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
-        while more and len(parts) < keep:
+        while more and len(parts) < min(keep, _PYZMQ_PARTS):
             frame = sock.recv(copy=False)
             more = frame.more
             parts.append(frame)
-        if more:
-            # A frame bomb: the rest is dropped in C (drain.py), and a process
-            # that keeps sending them is banned (drain.Offenders).
-            started = time.perf_counter()
-            self.dropped_frames += drain.Dropper(sock).rest()
-            self.dropping_seconds += time.perf_counter() - started
-            self._strike(parts[0].bytes, parts[1].get(zmq.SRCFD))
-        return parts
+        if more and len(parts) < keep:
+            rest, _ = drain.Dropper(sock).take(keep - len(parts))
+            if rest is not None:
+                parts += [zmq.Frame(p) for p in rest]
+            more = rest is None
+        return parts, more
 
     def _recv_lane(self, lane: Lane) -> list[zmq.Frame]:
         """One message from `lane`, as `_recv` returns it. A message over the
@@ -657,27 +748,14 @@ class Daemon:
         sock = lane.sock
         frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
         started, cpu = time.perf_counter(), time.thread_time()
-        parts: list = [frame]
-        more = frame.more
-        keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
-        while more and len(parts) < min(keep, _LANE_PYZMQ_PARTS):
-            frame = sock.recv(copy=False)
-            more = frame.more
-            parts.append(frame)
-        if more and len(parts) < keep:
-            rest, _ = drain.Dropper(sock).take(keep - len(parts))
-            if rest is not None:
-                parts += [zmq.Frame(p) for p in rest]
-            more = rest is None
+        parts, more = self._read_parts(sock, frame)
         lane.seen(parts[0].bytes, parts[1].get(zmq.SRCFD) if len(parts) > 1 else None)
         parts[0] = zmq.Frame(lane.identity)
         if not more:
             return parts
         # Over the limit: answered here (the handler would only count the
         # frames), the lane doomed, the rest never read.
-        err = E.TooManyFrames(f"more than {self.limits.max_frames} frames; the limit is {self.limits.max_frames}")
-        self.handler.errors[err.name] += 1
-        self._send(lane.identity, codec.encode_error(err, id=codec.peek_id([parts[1].bytes]) if len(parts) > 1 else 0))
+        self._too_many_frames(parts)
         self.lanes.doom(lane)  # type: ignore[union-attr]
         self._strike(lane.identity, lane.conn[0] if lane.conn is not None else None)
         self.dropping_seconds += time.perf_counter() - started

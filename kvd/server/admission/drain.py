@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from typing import Callable
 
 import zmq
 
@@ -120,8 +121,9 @@ class Dropper:
     """Drops the rest of the current message of one socket; one per socket,
     used by the thread that owns it."""
 
-    def __init__(self, sock: zmq.Socket):
+    def __init__(self, sock: zmq.Socket, halt: threading.Event | None = None):
         self.sock = sock
+        self.halt = halt  # set: stop between batches, the rest left unread (the socket is closing)
         self._iov = (_Iovec * BATCH)() if _fns is not None else None
         self._count = ctypes.c_size_t()
 
@@ -136,7 +138,8 @@ class Dropper:
         recviov = _fns[0]  # type: ignore[index]
         handle = ctypes.c_void_p(sock.underlying)
         starts = memoryview(self._iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")
-        while sock.get(zmq.RCVMORE):
+        halt = self.halt
+        while sock.get(zmq.RCVMORE) and not (halt is not None and halt.is_set()):
             self._count.value = BATCH
             rc = recviov(handle, self._iov, ctypes.byref(self._count), zmq.DONTWAIT)
             got = self._count.value
@@ -183,6 +186,41 @@ class Dropper:
         if read:
             _free_later(read[0::2])
         return (None if over else parts), n
+
+
+class Lent(threading.Thread):
+    """The main socket lent to a thread of its own while it drops the rest of
+    a message over the frame limit (daemon rule 8).
+
+    On the main socket a bomb's rest must be read before any other message
+    there, and reading 8 M parts takes ~1.5 s even in C. The serving thread
+    reads only as far as the decoder needs, then lends the socket here and
+    goes on serving the lanes; it neither reads nor sends on the main socket
+    until `back` is set (replies to its peers wait in the outbox,
+    `Outbox.lend`). `done` is called from this thread once the socket is
+    back (the daemon pokes its loop). A ZeroMQ socket may change threads
+    this way: one user at a time, with the Event's lock as the barrier.
+    """
+
+    def __init__(self, sock: zmq.Socket, done: Callable[[], None]):
+        super().__init__(name="kvd-drop-main", daemon=True)
+        self.sock, self.done = sock, done
+        self.halt = threading.Event()  # the daemon is closing: stop at the next batch
+        self.back = threading.Event()
+        self.dropped = 0
+        self.seconds = 0.0
+        self.start()
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.dropped = Dropper(self.sock, self.halt).rest()
+        except Exception:  # noqa: BLE001 -- a closed context; the daemon is going
+            log.exception("dropping a message's rest failed")
+        finally:
+            self.seconds = time.perf_counter() - started
+            self.back.set()
+            self.done()
 
 
 class Offenders:

@@ -130,8 +130,11 @@ class Outbox:
         self.full: dict[bytes, float] = {}  # peers whose pipe is full -> when one was last let through (rule 3)
         self.mutes: dict[bytes, int] = {}  # full peers -> requests dropped since (rule 3)
         self.cut_muted: set[bytes] = set()  # full peers cut off for it (rule 3)
+        self.lent = False  # the main socket is lent to another thread (`lend`)
+        self.held: list[list] = []  # replies to its peers meanwhile, sent when it is back
+        self.held_bytes = 0
         self.counters = dict.fromkeys(("dropped_full", "dropped_gone", "refused_over_budget", "cut_off", "muted", "cut_muted",
-                                       "send_failures"), 0)
+                                       "send_failures", "held_while_lent", "dropped_while_lent"), 0)
 
     # -- budgets -------------------------------------------------------------
     def _prune(self, identity: bytes) -> int:
@@ -271,6 +274,18 @@ class Outbox:
                 self.conns[identity] = where
         return outcome
 
+    def lend(self) -> None:
+        """The main socket is another thread's until `give_back`: replies to
+        its peers are held (at most `total_bytes` of them), never sent."""
+        self.lent = True
+
+    def give_back(self) -> None:
+        """The main socket is back: send what was held, in order."""
+        self.lent = False
+        held, self.held, self.held_bytes = self.held, [], 0
+        for parts in held:
+            self._send(parts[0], parts)
+
     def _send(self, identity: bytes, parts: list) -> bool:
         sock = self.sock
         if self.route is not None and identity.startswith(LANE_PREFIX):
@@ -279,6 +294,15 @@ class Outbox:
                 self.counters["dropped_gone"] += 1
                 return False
             sock, parts[0] = routed
+        elif self.lent:
+            size = sum(_nbytes(f) for f in parts[1:])
+            if self.held_bytes + size > self.total_bytes:
+                self.counters["dropped_while_lent"] += 1
+                return False
+            self.held.append(parts)
+            self.held_bytes += size
+            self.counters["held_while_lent"] += 1
+            return True
         try:
             try:
                 sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
@@ -306,4 +330,5 @@ class Outbox:
         return False
 
     def stats(self) -> dict:
-        return {"queued_bytes": self.queued_bytes, "queued_peers": len(self.queued), "full_peers": len(self.full), **self.counters}
+        return {"queued_bytes": self.queued_bytes, "queued_peers": len(self.queued), "full_peers": len(self.full),
+                "held_bytes": self.held_bytes, **self.counters}
