@@ -255,6 +255,7 @@ class Daemon:
         if folder is not None:
             self.lanes = Lanes(ctx, folder, most=self.max_peers or default_max_peers(), configure=self._configure_lane)
             self.handler.hello_fields.append(self._offer_lane)
+            self.gate.lanes_folder = str(folder)  # gate rule 10: it sheds lanes' connections too
         self.outbox = Outbox(sock, peer_bytes=m, total_bytes=2 * m, disconnect=self._cut_off,
                              route=self.lanes.route if self.lanes is not None else None)
         self.gate.start()

@@ -30,7 +30,9 @@ Rules the lanes keep:
    off (a hog, a muted peer) or a banned process (drain.Offenders) has its
    lane closed (`on` finds it by fd and connection id). The gate's accept
    limits and peer count concern the main socket, where every client comes
-   first; lanes are bounded by rule 2.
+   first; lanes are bounded by rule 2. The gate learns the lanes'
+   connections from the accept guard and sheds them over the memory
+   ceiling like the main socket's (gate rule 10).
 5. Replies find their lane by identity: requests from a lane reach the
    serving loop under the lane's own identity (`PREFIX` + its token), which
    `route` turns back into the lane's socket and its peer's routing id. The

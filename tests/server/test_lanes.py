@@ -284,3 +284,37 @@ def test_a_lane_nobody_connects_to_is_closed_after_its_grace_and_lanes_are_bound
     finally:
         lanes.close_all(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_a_frame_bomb_on_a_lane_is_cut_off_before_it_is_whole_when_memory_is_over_the_ceiling(daemon_factory):
+    """Gate rule 10: the gate learns the lanes' connections from the accept
+    guard, so over the memory ceiling a lane stalled inside a message of 8 M
+    frames (~600 MB inside libzmq) is shed like a main-socket peer: its
+    sender sees its connection cut, never an answer; a client PINGing on its
+    own lane meanwhile has every PING answered; the daemon lives on."""
+    d = daemon_factory("--ram-mb", "16", "--max-message-mb", "16", "--data-dir", "none")
+    pinger = Pinger(d)
+    bomber = subprocess.Popen([sys.executable, "-c", LANE_BOMB, d.endpoint, str(FRAMES), PING, sys.path[0]],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert bomber.stdout.readline().strip() == "ready"
+        assert wait_for(lambda: peers(d)["lane_connections"] >= 1)  # the bomber's, seen at accept
+        pinger.start()
+        assert wait_for(lambda: len(pinger.times) >= 300)
+        bomber.stdin.write("go\n")
+        bomber.stdin.flush()
+        line = bomber.stdout.readline().strip()
+        n = len(pinger.times)
+        assert wait_for(lambda: len(pinger.times) >= n + 100)
+    finally:
+        pinger.stop.set()
+        pinger.join(30)
+        bomber.stdin.close()
+        bomber.wait(30)
+    # Cut off while it was still sending (its write fails) or right after.
+    err = bomber.stderr.read()
+    assert line == "EOF again: EOF" or (line == "" and ("BrokenPipeError" in err or "ConnectionResetError" in err)), (line, err)
+    assert not pinger.failed, pinger.failed
+    p = peers(d)
+    assert p["shed_for_memory"] >= 1 and p["oversized_messages"] == 0, p
+    assert d.proc.poll() is None

@@ -65,6 +65,7 @@ mapped.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import logging
@@ -94,6 +95,8 @@ class _State:
     listener: int | None = None  # the gate's duplicate of the real listener (gate.py), if it has one
     refused = 0  # newcomers dropped for want of an fd
     budget: int | None = None  # accepts left in the gate's open window (None: no bound)
+    main: int | None = None  # libzmq's fd of the main listener: the budget is its alone
+    others: collections.deque = collections.deque(maxlen=65536)  # connections accepted on other listeners (lanes)
     hooks: list[Callable[[], None]] = []  # told of every accept() that found no fd free
     users = 0  # install() less uninstall() calls
     patched: list[tuple[int, int]] = []  # (slot address, original value)
@@ -166,8 +169,27 @@ def _drop_newcomer(fd: int, flags: int) -> None:
         hook()
 
 
+def set_main(fd: int | None) -> None:
+    """libzmq's fd of the daemon's main listener (the gate's, from LISTENING).
+    The window's budget bounds accepts there only; connections accepted on
+    any other listener (the daemon's lanes) are kept for `accepted_elsewhere`."""
+    _State.main = fd
+
+
+def accepted_elsewhere() -> list[int]:
+    """The fds of connections accepted on listeners other than the main one
+    since the last call (at most the last 65,536)."""
+    out = []
+    others = _State.others
+    while others:
+        out.append(others.popleft())
+    return out
+
+
 def _guarded(fd: int, addr, alen, flags: int) -> int:
-    budget = _State.budget
+    main = _State.main
+    ours = main is None or fd == main
+    budget = _State.budget if ours else None
     if budget is not None and budget <= 0:
         ctypes.set_errno(errno.EAGAIN)
         return -1
@@ -175,6 +197,8 @@ def _guarded(fd: int, addr, alen, flags: int) -> int:
     if conn >= 0:
         if budget is not None:
             _State.budget = budget - 1  # the GIL is held from the read to here
+        elif not ours:
+            _State.others.append(conn)
         return conn
     err = ctypes.get_errno()
     if err in _NO_FD:

@@ -158,6 +158,17 @@ Rules the gate keeps:
    its ACCEPTED event is read (one SO_PEERCRED read per accept, only while
    someone is banned). It learns of the first one from the TOO_MANY_FRAMES
    reply; the ban ends by itself.
+10. The lanes' connections (kvd.server.lanes: a socket per client, each
+   with its own listener, so not in the main socket's monitor) are learnt
+   from the accept guard (`accepted_elsewhere`: accepts on any listener
+   but the main one, which alone the windows' budget bounds) and kept apart
+   from `peers`: they count in neither max_peers nor the listener's room.
+   Over the memory ceiling they are victims like the main socket's peers
+   (stalled: no request completed on them for `stall_seconds`), so a frame
+   bomb arriving on a lane is cut off before it is whole. No DISCONNECTED
+   comes for them: an entry is checked against its connection id before it
+   is shed, and those gone are forgotten once a second. Without the accept
+   guard (macOS) the gate does not see them.
 """
 
 from __future__ import annotations
@@ -222,6 +233,7 @@ class PeerGate(threading.Thread):
         tick: float = 0.02,
         quiet_tick: float = _QUIET_TICK,
         clock: Callable[[], float] = time.monotonic,
+        lanes_folder: str | None = None,
     ):
         super().__init__(name="kvd-peers", daemon=True)
         self.monitor = monitor
@@ -238,6 +250,11 @@ class PeerGate(threading.Thread):
         self.headroom: int | None = None  # the ceiling less RSS at the last sample (None: not sampled)
         self.clock = clock
         self.peers: dict[int, list] = {}  # fd -> [accepted at, last request at or None]
+        # Rule 10: the lanes' connections (kvd.server.lanes), from the accept
+        # guard: fd -> [accepted at, last request at or None, connection id].
+        self.lanes_folder = lanes_folder
+        self.lane_peers: dict[int, list] = {}
+        self._lanes_pruned_at = float("-inf")
         self.closing: dict[int, float] = {}  # fd -> shed at: shut down, libzmq has not closed it yet
         # fd -> last request at, for requests served before this thread read the
         # connection's ACCEPTED event (rule 4): without it a busy machine made a
@@ -272,6 +289,8 @@ class PeerGate(threading.Thread):
         if fd is None:
             return
         peer = self.peers.get(fd)
+        if peer is None:
+            peer = self.lane_peers.get(fd)
         if peer is not None:
             peer[1] = self.clock()
         else:
@@ -285,6 +304,7 @@ class PeerGate(threading.Thread):
     def stats(self) -> dict:
         return {
             "connected": len(self.peers), "max_peers": self.max_peers, "paused": self.paused,
+            "lane_connections": len(self.lane_peers),
             "accept_guard": acceptguard.installed(), "refused_no_fd": acceptguard.refused(), **self.counters,
         }
 
@@ -332,6 +352,7 @@ class PeerGate(threading.Thread):
                 if self.monitor in events:
                     self._drain()
                     self._balance()
+                self._adopt_lanes()
                 if watching and self._real in events:
                     self._admit()
                 if self._room() <= 0 and not self.closing and self._real is not None and _readable(self._real):
@@ -352,6 +373,8 @@ class PeerGate(threading.Thread):
             self.monitor.close(linger=0)
             if self._empty is not None:
                 self._empty.close()
+            if self.listener is not None:
+                acceptguard.set_main(None)
             if self._real is not None:
                 acceptguard.set_listener(None)
                 os.close(self._real)
@@ -529,6 +552,7 @@ class PeerGate(threading.Thread):
             # Served already if the serving loop got its request before this news.
             self.peers[fd] = [self.clock(), self._early.pop(fd, None)]
             self.closing.pop(fd, None)  # the number was reused: the old one is closed
+            self.lane_peers.pop(fd, None)
             self.counters["accepted"] += 1
             self.counters["high_water"] = max(self.counters["high_water"], len(self.peers) + len(self.closing))
             if self.banned and self._banned(fd):
@@ -545,12 +569,16 @@ class PeerGate(threading.Thread):
         elif kind == zmq.EVENT_MONITOR_STOPPED:
             self._halt.set()
 
-    def victims(self, stalled_only: bool = False) -> list[int]:
+    def victims(self, stalled_only: bool = False, lanes: bool = False) -> list[int]:
         """Peers in shedding order (rule 1); with `stalled_only`, only those
-        without a completed request for `stall_seconds`."""
+        without a completed request for `stall_seconds`; with `lanes`, the
+        lanes' connections among them (rule 10)."""
         now = self.clock()
         order = []
-        for fd, (accepted, last) in list(self.peers.items()):
+        table = [(fd, p[0], p[1]) for fd, p in list(self.peers.items())]
+        if lanes:
+            table += [(fd, p[0], p[1]) for fd, p in list(self.lane_peers.items())]
+        for fd, accepted, last in table:
             seen = last if last is not None else accepted
             if stalled_only and now - seen < self.stall_seconds:
                 continue
@@ -570,6 +598,7 @@ class PeerGate(threading.Thread):
             self._real = os.dup(fd)
             self.listener = fd
             acceptguard.set_listener(self._real)
+            acceptguard.set_main(fd)
         except OSError as err:
             log.warning("cannot prepare listener pauses (%s): shedding only", err)
             if self._empty is not None:
@@ -620,6 +649,8 @@ class PeerGate(threading.Thread):
         return self._shed(fd)
 
     def _shed(self, fd: int) -> bool:
+        if fd in self.lane_peers:
+            return self._shed_lane(fd)
         if fd not in self.peers:
             return False  # not (or no longer) a peer we know: never shed blindly
         self.peers.pop(fd, None)  # DISCONNECTED will follow; never shed twice
@@ -630,6 +661,46 @@ class PeerGate(threading.Thread):
         except OSError:
             return False  # closed meanwhile, or not a socket
         self.closing[fd] = self.clock()
+        return True
+
+    # -- the lanes' connections (rule 10) ----------------------------------------
+    def _adopt_lanes(self) -> None:
+        """Connections the accept guard saw accepted on the lanes' listeners."""
+        for fd in acceptguard.accepted_elsewhere():
+            if self._lane_conn(fd):
+                self.lane_peers[fd] = [self.clock(), self._early.pop(fd, None), connection_id(fd)]
+
+    def _lane_conn(self, fd: int) -> bool:
+        """Is `fd` a connection to one of this daemon's lanes?"""
+        if self.lanes_folder is None:
+            return False
+        try:
+            name = sockname(fd)
+        except OSError:
+            return False
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        return isinstance(name, str) and name.startswith(self.lanes_folder + os.sep + "l-")
+
+    def _prune_lanes(self) -> None:
+        """Forget lanes' connections that are gone (no DISCONNECTED comes for
+        them): at most once a second."""
+        now = self.clock()
+        if now - self._lanes_pruned_at < 1.0:
+            return
+        self._lanes_pruned_at = now
+        for fd, peer in list(self.lane_peers.items()):
+            if connection_id(fd) != peer[2]:
+                del self.lane_peers[fd]
+
+    def _shed_lane(self, fd: int) -> bool:
+        peer = self.lane_peers.pop(fd)
+        try:
+            if connection_id(fd) != peer[2] or not self._lane_conn(fd):
+                return False  # gone, or its number is someone else's now
+            shut_down(fd)
+        except OSError:
+            return False
         return True
 
     def _shed_over_cap(self) -> None:
@@ -670,7 +741,8 @@ class PeerGate(threading.Thread):
         if over <= 0:
             self._shed_at = None
             return
-        victims = self.victims(stalled_only=True)
+        self._prune_lanes()
+        victims = self.victims(stalled_only=True, lanes=True)
         # One peer per sample, or more when far over: one per `over_unit` bytes.
         n = 1 + over // self.over_unit
         if self._shed_at is not None:
@@ -685,7 +757,8 @@ class PeerGate(threading.Thread):
                 # only with peers that never completed a request.
                 if self.clock() - at < 1.0:
                     return
-                victims, n = [fd for fd in victims if self.peers.get(fd, (0, None))[1] is None], 1
+                never = {**self.peers, **self.lane_peers}
+                victims, n = [fd for fd in victims if never.get(fd, (0, None))[1] is None], 1
         shed = sum(self._shed(fd) for fd in victims[:n])
         if shed:
             self._shed_at = (self.clock(), rss)
