@@ -44,6 +44,11 @@ Rules the loop keeps:
    before any other message there, the socket is lent to a thread of its
    own that drops the rest (drain.Lent) while the loop serves the lanes.
    Replies to the main socket's peers wait meanwhile (Outbox.lend).
+9. A message of many parts is read in turns of `_TURN_PARTS`: between two,
+   the loop serves what waits on other sockets (a socket in the middle of
+   a message stays readable, and a lane's client waits behind no other
+   socket's message). On the main socket its other peers still wait for
+   the whole message: ZeroMQ hands a socket's messages out one at a time.
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ log = logging.getLogger("kvd.server")
 # Frames below this size are copied out of ZeroMQ's receive buffers so a small
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
+# Parts of a message read in one turn (rule 9): ~0.5 ms through pyzmq.
+_TURN_PARTS = 512
 # Parts of a message read through pyzmq (zero-copy frames); a longer one's
 # next parts are read in C (drain.Dropper.take: ~0.1 us a part, but each
 # part's bytes are then copied), so a frame bomb costs the serving thread
@@ -144,6 +151,8 @@ class Daemon:
         self._lent: drain.Lent | None = None  # the main socket, while a thread drops a bomb's rest
         self.lent_seconds = 0.0  # how long the main socket was lent, in all
         self.read_while_lent = 0  # requests read from lanes meanwhile
+        self._partial: dict[zmq.Socket, tuple[list, float]] = {}  # messages read in part (rule 9): parts, CPU so far
+        self.read_turns = 0  # turns a message's reading was cut into, past its first
         self.offenders = drain.Offenders()
         self.latency = Latency()
         self.turns = Turns()
@@ -325,7 +334,7 @@ class Daemon:
                "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
                "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
                "main_lent": self._lent is not None, "main_lent_ms": round(1000 * self.lent_seconds, 3),
-               "read_while_lent": self.read_while_lent,
+               "read_while_lent": self.read_while_lent, "read_turns": self.read_turns,
                "bans": self.offenders.bans}
         if self.gate is not None:
             out.update(self.gate.stats())
@@ -535,6 +544,7 @@ class Daemon:
             return
         for lane in lanes.removed:
             poller.unregister(lane.sock)
+            self._partial.pop(lane.sock, None)
         for lane in lanes.added:
             poller.register(lane.sock, zmq.POLLIN)
         lanes.removed.clear()
@@ -594,7 +604,7 @@ class Daemon:
         """Answer up to `most` waiting requests BUSY, unserved."""
         for _ in range(most):
             try:
-                raw = self._recv(sock)
+                raw = self._recv(sock, whole=True)
             except zmq.Again:
                 return
             identity, request = raw[0].bytes, _kept(raw[1:])
@@ -667,7 +677,7 @@ class Daemon:
             known = self._conns[fd] = _Conn(identity, origin(fd), (fd, connection_id(fd)))
         return known
 
-    def _recv(self, sock: zmq.Socket) -> list[zmq.Frame]:
+    def _recv(self, sock: zmq.Socket, whole: bool = False) -> list[zmq.Frame]:
         """One message, part by part (ZeroMQ delivers a message whole, so once
         its first part is here the rest is too). Parts past what the decoder
         needs to say TOO_MANY_FRAMES are read and dropped at once: a message of
@@ -676,10 +686,9 @@ class Daemon:
         under the lane's identity (_recv_lane)."""
         lane = self.lanes.by_sock.get(sock) if self.lanes is not None else None
         if lane is not None:
-            return self._recv_lane(lane)
-        frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+            return self._recv_lane(lane, whole)
         cpu = time.thread_time()
-        parts, more = self._read_parts(sock, frame)
+        parts, more, before = self._read_parts(sock, whole)
         if not more:
             return parts
         # A frame bomb: answered here (the reply waits in the outbox until
@@ -689,7 +698,7 @@ class Daemon:
         self._lend_main(sock)
         self._too_many_frames(parts)
         self._strike(parts[0].bytes, parts[1].get(zmq.SRCFD))
-        self.main_bomb_cpu += time.thread_time() - cpu
+        self.main_bomb_cpu += time.thread_time() - cpu + before
         raise zmq.Again()  # nothing to serve: the next socket's message
 
     def _too_many_frames(self, parts: list) -> None:
@@ -721,35 +730,49 @@ class Daemon:
             self.outbox.lend()
         self._lent = drain.Lent(sock, self.wakeup.poke)
 
-    def _read_parts(self, sock: zmq.Socket, frame: zmq.Frame) -> tuple[list, bool]:
-        """The message whose first part is `frame`, read as far as the decoder
-        needs to say TOO_MANY_FRAMES: (parts, True) if parts are left past
-        that. Past `_PYZMQ_PARTS` the parts are read in C (drain.Dropper.take),
-        so reading a bomb's first `max_frames` costs milliseconds."""
-        parts: list = [frame]
-        more = frame.more
+    def _read_parts(self, sock: zmq.Socket, whole: bool = False) -> tuple[list, bool, float]:
+        """The next message on `sock`, read as far as the decoder needs to say
+        TOO_MANY_FRAMES: (parts, True, cpu) if parts are left past that; `cpu`
+        is what its earlier turns took of the serving thread. Read in turns
+        of `_TURN_PARTS` parts (rule 9) unless `whole`: when a turn ends
+        first, zmq.Again, and its parts wait in `_partial` for the next.
+        Past `_PYZMQ_PARTS` the parts are read in C (drain.Dropper.take), so
+        reading a bomb's first `max_frames` costs milliseconds."""
+        held = self._partial.pop(sock, None)
+        if held is None:
+            frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+            parts, more, before = [frame], frame.more, 0.0
+        else:
+            parts, before = held
+            more = True
         keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
-        while more and len(parts) < min(keep, _PYZMQ_PARTS):
+        limit = min(keep, _PYZMQ_PARTS)
+        stop = limit if whole else min(limit, len(parts) + _TURN_PARTS)
+        cpu = time.thread_time()
+        while more and len(parts) < stop:
             frame = sock.recv(copy=False)
             more = frame.more
             parts.append(frame)
+        if more and len(parts) < limit:
+            self._partial[sock] = (parts, before + time.thread_time() - cpu)
+            self.read_turns += 1
+            raise zmq.Again()  # the loop serves what else waits and comes back
         if more and len(parts) < keep:
             rest, _ = drain.Dropper(sock).take(keep - len(parts))
             if rest is not None:
                 parts += [zmq.Frame(p) for p in rest]
             more = rest is None
-        return parts, more
+        return parts, more, before
 
-    def _recv_lane(self, lane: Lane) -> list[zmq.Frame]:
+    def _recv_lane(self, lane: Lane, whole: bool = False) -> list[zmq.Frame]:
         """One message from `lane`, as `_recv` returns it. A message over the
         frame limit is read only as far as the decoder needs to answer
         TOO_MANY_FRAMES, and its lane is doomed: closed once the answer is
         queued, the rest never read (kvd.server.lanes). The bulk of a long
         message is read in C, so a bomb costs milliseconds."""
         sock = lane.sock
-        frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
         started, cpu = time.perf_counter(), time.thread_time()
-        parts, more = self._read_parts(sock, frame)
+        parts, more, before = self._read_parts(sock, whole)
         lane.seen(parts[0].bytes, parts[1].get(zmq.SRCFD) if len(parts) > 1 else None)
         parts[0] = zmq.Frame(lane.identity)
         if not more:
@@ -760,7 +783,7 @@ class Daemon:
         self.lanes.doom(lane)  # type: ignore[union-attr]
         self._strike(lane.identity, lane.conn[0] if lane.conn is not None else None)
         self.dropping_seconds += time.perf_counter() - started
-        self.lane_bomb_cpu += time.thread_time() - cpu
+        self.lane_bomb_cpu += time.thread_time() - cpu + before
         raise zmq.Again()  # nothing to serve: the next socket's message
 
     def _strike(self, identity: bytes, fd: int | None) -> None:

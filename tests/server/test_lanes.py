@@ -318,3 +318,54 @@ def test_a_frame_bomb_on_a_lane_is_cut_off_before_it_is_whole_when_memory_is_ove
     p = peers(d)
     assert p["shed_for_memory"] >= 1 and p["oversized_messages"] == 0, p
     assert d.proc.poll() is None
+
+
+def test_a_long_message_on_a_lane_is_read_in_turns_and_another_sockets_request_is_read_in_between():
+    """Daemon rule 9: 4,000 parts on a lane are read 512 at a time; between
+    two turns a PING on the main socket is read whole; the lane's message,
+    taken up again, comes out whole and exact (every part, in order)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kvd.server.daemon import Daemon
+    from kvd.store import RamStore
+
+    home = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))  # short: lanes' ipc paths have a limit
+    d = Daemon(RamStore(16 << 20), f"ipc://{home / 'kvd.sock'}", shm=False)
+    d.bind()
+    ctx = zmq.Context.instance()
+    long_peer, pinger = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        lane = d.lanes.open()
+        assert lane is not None
+        lane_sock = next(iter(d.lanes.by_sock))
+        for s, ep in ((long_peer, lane), (pinger, d.endpoint)):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+        sent = [codec.encode("PING", {}, id=5)[0]] + [i.to_bytes(4, "big") for i in range(3_999)]
+        long_peer.send_multipart(sent)
+        assert lane_sock.poll(10_000), "the long message did not arrive"
+        with pytest.raises(zmq.Again):
+            d._recv(lane_sock)  # its first turn
+        assert len(d._partial[lane_sock][0]) == 513  # the identity and 512 parts
+        pinger.send_multipart(codec.encode("PING", {}, id=6))
+        assert d._sock.poll(10_000)
+        ping = d._recv(d._sock)
+        assert codec.peek_id([ping[1].bytes]) == 6
+        turns = 1
+        while True:
+            try:
+                got = d._recv(lane_sock)
+                break
+            except zmq.Again:
+                turns += 1
+        # 4,001 parts with the identity: cut after 513, 1,025, ... 3,585; whole in the 8th turn.
+        assert turns == 7 and d.read_turns == 7
+        assert got[0].bytes.startswith(b"\x01lane") and [f.bytes for f in got[1:]] == sent
+        assert lane_sock not in d._partial
+    finally:
+        for s in (long_peer, pinger):
+            s.close()
+        d.close()
+        shutil.rmtree(home, ignore_errors=True)

@@ -130,7 +130,7 @@ def test_a_ping_sent_while_a_long_put_is_in_progress_is_answered_before_the_puts
         deadline = time.monotonic() + 10
         while not d._sock.poll(100):
             assert time.monotonic() < deadline, "the request did not arrive"
-        waiting.append(d._recv(d._sock))
+        waiting.append(d._recv(d._sock, whole=True))
 
     def recv():
         if not waiting:
