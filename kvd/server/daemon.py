@@ -153,6 +153,7 @@ class Daemon:
         self.read_while_lent = 0  # requests read from lanes meanwhile
         self._partial: dict[zmq.Socket, tuple[list, float]] = {}  # messages read in part (rule 9): parts, CPU so far
         self.read_turns = 0  # turns a message's reading was cut into, past its first
+        self.banned_requests = 0  # requests of a banned process read before the gate cut it off
         self.offenders = drain.Offenders()
         self.latency = Latency()
         self.turns = Turns()
@@ -334,7 +335,7 @@ class Daemon:
                "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
                "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
                "main_lent": self._lent is not None, "main_lent_ms": round(1000 * self.lent_seconds, 3),
-               "read_while_lent": self.read_while_lent, "read_turns": self.read_turns,
+               "read_while_lent": self.read_while_lent, "read_turns": self.read_turns, "banned_requests": self.banned_requests,
                "bans": self.offenders.bans}
         if self.gate is not None:
             out.update(self.gate.stats())
@@ -647,6 +648,12 @@ class Daemon:
                 break
             peer = raw[0].bytes
             conn = self._conn(peer, raw[1].get(zmq.SRCFD) if len(raw) > 1 else None)
+            if conn is not None and self.gate is not None and self.gate.is_banned(conn.origin):
+                # Banned (gate rule 9), and its request came before the gate
+                # read its ACCEPTED news: unserved, its connection cut.
+                self.banned_requests += 1
+                self._cut_off(conn.where)
+                continue
             if self.outbox is not None and self.outbox.mute(peer, conn and conn.where):
                 # It does not read its replies: this request costs nothing more
                 # (and is not charged: a mean pulled down by cheap drops would hide its process's heavy requests).

@@ -157,7 +157,9 @@ Rules the gate keeps:
    are shed, and a connection it makes while banned is shed as soon as
    its ACCEPTED event is read (one SO_PEERCRED read per accept, only while
    someone is banned). It learns of the first one from the TOO_MANY_FRAMES
-   reply; the ban ends by itself.
+   reply; the ban ends by itself. The serving loop checks too (`is_banned`):
+   a request it reads from a banned process before this thread has read
+   the connection's ACCEPTED is not served, and the connection is cut.
 10. The lanes' connections (kvd.server.lanes: a socket per client, each
    with its own listener, so not in the main socket's monitor) are learnt
    from the accept guard (`accepted_elsewhere`: accepts on any listener
@@ -316,6 +318,11 @@ class PeerGate(threading.Thread):
         for fd in fds:
             if self._shed(fd):
                 self.counters["shed_banned"] += 1
+
+    def is_banned(self, who: bytes | None) -> bool:
+        """Is process `who` banned now (the serving loop's side of rule 9)?"""
+        until = self.banned.get(who) if who is not None and self.banned else None
+        return until is not None and until > self.clock()
 
     def _banned(self, fd: int) -> bool:
         now = self.clock()
