@@ -89,8 +89,10 @@ log = logging.getLogger("kvd.server")
 # Frames below this size are copied out of ZeroMQ's receive buffers so a small
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
-# Parts of a message read in one turn (rule 9): ~0.5 ms through pyzmq.
+# Parts of a message read in one turn (rule 9): ~0.5 ms through pyzmq, and
+# in C past _PYZMQ_PARTS.
 _TURN_PARTS = 512
+_TURN_C_PARTS = 2048
 # Parts of a message read through pyzmq (zero-copy frames); a longer one's
 # next parts are read in C (drain.Dropper.take: ~0.1 us a part, but each
 # part's bytes are then copied), so a frame bomb costs the serving thread
@@ -764,11 +766,18 @@ class Daemon:
             self._partial[sock] = (parts, before + time.thread_time() - cpu)
             self.read_turns += 1
             raise zmq.Again()  # the loop serves what else waits and comes back
+        # Past _PYZMQ_PARTS, in C: _TURN_C_PARTS a turn (their bytes copied).
+        while more and len(parts) < keep:
+            got, more = drain.read_some(sock, keep - len(parts) if whole else min(keep - len(parts), _TURN_C_PARTS))
+            parts += got
+            if not whole:
+                break
         if more and len(parts) < keep:
-            rest, _ = drain.Dropper(sock).take(keep - len(parts))
-            if rest is not None:
-                parts += [zmq.Frame(p) for p in rest]
-            more = rest is None
+            self._partial[sock] = (parts, before + time.thread_time() - cpu)
+            self.read_turns += 1
+            raise zmq.Again()  # the loop serves what else waits and comes back
+        if limit < len(parts) and not more:  # a long message within the limit (rare): its parts as frames
+            parts[limit:] = [zmq.Frame(p) for p in parts[limit:]]
         return parts, more, before
 
     def _recv_lane(self, lane: Lane, whole: bool = False) -> list[zmq.Frame]:

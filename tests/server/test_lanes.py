@@ -320,10 +320,12 @@ def test_a_frame_bomb_on_a_lane_is_cut_off_before_it_is_whole_when_memory_is_ove
     assert d.proc.poll() is None
 
 
-def test_a_long_message_on_a_lane_is_read_in_turns_and_another_sockets_request_is_read_in_between():
-    """Daemon rule 9: 4,000 parts on a lane are read 512 at a time; between
-    two turns a PING on the main socket is read whole; the lane's message,
-    taken up again, comes out whole and exact (every part, in order)."""
+@pytest.mark.parametrize("n", [4_000, 20_000])
+def test_a_long_message_on_a_lane_is_read_in_turns_and_another_sockets_request_is_read_in_between(n):
+    """Daemon rule 9: n parts on a lane are read 512 at a time (past 8,192
+    parts, 2,048 at a time in C); between two turns a PING on the main
+    socket is read whole; the lane's message, taken up again, comes out
+    whole and exact (every part, in order)."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -343,26 +345,42 @@ def test_a_long_message_on_a_lane_is_read_in_turns_and_another_sockets_request_i
         for s, ep in ((long_peer, lane), (pinger, d.endpoint)):
             s.setsockopt(zmq.LINGER, 0)
             s.connect(ep)
-        sent = [codec.encode("PING", {}, id=5)[0]] + [i.to_bytes(4, "big") for i in range(3_999)]
+        sent = [codec.encode("PING", {}, id=5)[0]] + [i.to_bytes(4, "big") for i in range(n - 1)]
         long_peer.send_multipart(sent)
         assert lane_sock.poll(10_000), "the long message did not arrive"
         with pytest.raises(zmq.Again):
             d._recv(lane_sock)  # its first turn
         assert len(d._partial[lane_sock][0]) == 513  # the identity and 512 parts
-        pinger.send_multipart(codec.encode("PING", {}, id=6))
-        assert d._sock.poll(10_000)
-        ping = d._recv(d._sock)
-        assert codec.peek_id([ping[1].bytes]) == 6
-        turns = 1
+        turns, pinged = 1, 0  # turns cut short so far (the first, above)
         while True:
+            if turns in (1, n // 1000):  # early, and (for 20,000) among the turns in C
+                pinger.send_multipart(codec.encode("PING", {}, id=6 + pinged))
+                assert d._sock.poll(10_000)
+                ping = d._recv(d._sock)
+                assert codec.peek_id([ping[1].bytes]) == 6 + pinged
+                pinged += 1
             try:
                 got = d._recv(lane_sock)
                 break
             except zmq.Again:
-                turns += 1
-        # 4,001 parts with the identity: cut after 513, 1,025, ... 3,585; whole in the 8th turn.
-        assert turns == 7 and d.read_turns == 7
-        assert got[0].bytes.startswith(b"\x01lane") and [f.bytes for f in got[1:]] == sent
+                pass
+            turns += 1
+        # n + 1 parts with the identity: 513, 1,025, ... through pyzmq up to
+        # 8,193, then 2,048 more a turn in C; the call that reads the last part returns.
+        got_, cut = 1, 0
+        while True:
+            if got_ < 8193:
+                got_ = min(n + 1, 8193, got_ + 512)
+                if got_ < min(n + 1, 8193):
+                    cut += 1
+                    continue
+            if got_ < n + 1:
+                got_ = min(n + 1, got_ + 2048)
+            if got_ == n + 1:
+                break
+            cut += 1
+        assert turns == cut and d.read_turns == cut, (turns, cut)
+        assert got[0].bytes.startswith(b"\x01lane") and [bytes(f.bytes) for f in got[1:]] == sent
         assert lane_sock not in d._partial
     finally:
         for s in (long_peer, pinger):
