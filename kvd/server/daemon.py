@@ -94,7 +94,7 @@ _KEEP_FRAME_BYTES = 64 * 1024
 _TURN_PARTS = 512
 _TURN_C_PARTS = 2048
 # Parts of a message read through pyzmq (zero-copy frames); a longer one's
-# next parts are read in C (drain.Dropper.take: ~0.1 us a part, but each
+# next parts are read in C (drain.read_some: ~0.1 us a part, but each
 # part's bytes are then copied), so a frame bomb costs the serving thread
 # ~10-20 ms before it is answered (rule 8), and a PUT of up to 8,192 parts
 # keeps its frames uncopied.
@@ -745,7 +745,7 @@ class Daemon:
         is what its earlier turns took of the serving thread. Read in turns
         of `_TURN_PARTS` parts (rule 9) unless `whole`: when a turn ends
         first, zmq.Again, and its parts wait in `_partial` for the next.
-        Past `_PYZMQ_PARTS` the parts are read in C (drain.Dropper.take), so
+        Past `_PYZMQ_PARTS` the parts are read in C (drain.read_some), so
         reading a bomb's first `max_frames` costs milliseconds."""
         held = self._partial.pop(sock, None)
         if held is None:
