@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from _util import MiB, daemon, machine  # noqa: E402
-from stress import CHURN, FLOOD, HAMMER, PARTIAL, PUMP, STORM, attack, status  # noqa: E402
+from stress import CHURN, FLOOD, HAMMER, PARTIAL, PUMP, STORM, ZMTP, attack, status  # noqa: E402
 
 from kvd.protocol import codec, keys  # noqa: E402
 from kvd_client import Client, HostTensor, Snapshot  # noqa: E402
@@ -81,47 +81,45 @@ while not select.select([sys.stdin], [], [], 0)[0]:
     s.recv_multipart()
 """
 
-# A peer that sends one message of N empty frames (a PING header first),
-# reads the answer (an error), and sends it again, until stdin closes.
-BOMB = r"""
-import select, socket, struct, sys
-path, n = sys.argv[1], int(sys.argv[2])
-from kvd.protocol import codec
-head = codec.encode("PING", {}, id=9)[0]
-# ZMTP 3.0 by hand (pyzmq's send_multipart takes ~18 s for 8 M frames here):
-# greeting (NULL mechanism), READY as a DEALER, then one message of n frames.
-greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
-prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-ready = b"\x05READY" + prop
-message = bytes([0x01, len(head)]) + bytes(head) + b"\x01\x00" * (n - 2) + b"\x00\x00"
-print("ready", flush=True)
-while not select.select([sys.stdin], [], [], 0)[0]:  # again (on a new connection if dropped) until stdin closes
-    s = socket.socket(socket.AF_UNIX)
+# One bomb on a connection of its own to `path`, then its answer (or the
+# daemon hanging up), or stdin closing.
+_ONCE = ZMTP + r"""
+import select, sys
+
+def bomb_once(path, message):
+    s = None
     try:
-        s.connect(path)
-        s.sendall(greeting + bytes([0x04, len(ready)]) + ready)
+        s, _ = zmtp_connect(path)
         s.sendall(message)
         r, _, _ = select.select([sys.stdin, s], [], [])
         if s in r:
-            s.recv(1 << 16)  # its answer (or the daemon hung up)
+            s.recv(1 << 16)
     except OSError:
         pass  # dropped by the daemon (its memory watchdog sheds such a peer)
     finally:
-        s.close()
+        if s is not None:
+            s.close()
+"""
+
+# A peer that sends one message of N empty frames (a PING header first),
+# reads the answer (an error), and sends it again, until stdin closes.
+BOMB = _ONCE + r"""
+path, n = sys.argv[1], int(sys.argv[2])
+from kvd.protocol import codec
+message = zmtp_bomb(codec.encode("PING", {}, id=9)[0], n - 1)
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:  # again (on a new connection if dropped) until stdin closes
+    bomb_once(path, message)
 """
 
 # The same bomb on a lane of its own (kvd/server/lanes.py): each time a
 # HELLO on the main socket asks for a lane, and the bomb goes there (a
 # daemon that offers none gets it on the main socket, like frame-bomb).
-LANE_BOMB = r"""
-import select, socket, struct, sys, zmq
+LANE_BOMB = _ONCE + r"""
+import zmq
 endpoint, n = sys.argv[1], int(sys.argv[2])
 from kvd.protocol import codec
-head = codec.encode("PING", {}, id=9)[0]
-greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
-prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-ready = b"\x05READY" + prop
-message = bytes([0x01, len(head)]) + bytes(head) + b"\x01\x00" * (n - 2) + b"\x00\x00"
+message = zmtp_bomb(codec.encode("PING", {}, id=9)[0], n - 1)
 ctx = zmq.Context()
 print("ready", flush=True)
 while not select.select([sys.stdin], [], [], 0)[0]:
@@ -133,18 +131,7 @@ while not select.select([sys.stdin], [], [], 0)[0]:
     if main.poll(2000):
         path = codec.decode_reply(main.recv_multipart()).get("lane", endpoint)[len("ipc://"):]
     main.close(linger=0)
-    s = socket.socket(socket.AF_UNIX)
-    try:
-        s.connect(path)
-        s.sendall(greeting + bytes([0x04, len(ready)]) + ready)
-        s.sendall(message)
-        r, _, _ = select.select([sys.stdin, s], [], [])
-        if s in r:
-            s.recv(1 << 16)
-    except OSError:
-        pass
-    finally:
-        s.close()
+    bomb_once(path, message)
 """
 
 # A peer that pauses the remote server (SIGSTOP) for P seconds and, while it

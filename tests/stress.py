@@ -61,36 +61,41 @@ print(n, flush=True)
 sys.stdin.read()
 """
 
-# Frame bombs: a ZMTP 3.0 DEALER by hand sends M messages, each the given
-# header (hex) and then F empty frames (16 MB on the wire for 8 M), one
-# sendall each, and after each waits for the reply. Prints, on one line, per
-# message the reply's error name (or "EOF": the daemon cut the connection),
-# then "again:" and what a new connection's PING got.
-BOMB = r"""
-import msgpack, socket, struct, sys
-path, m, f, header = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
+# ZMTP 3.0 by hand over AF_UNIX, for the frame-bomb scripts here, in
+# tests/server/test_lanes.py and in bench/bench_stress.py (pyzmq's
+# send_multipart takes ~18 s for 8 M frames): `zmtp_connect(path)` makes the
+# greeting (NULL mechanism) and READY as a DEALER, and returns the socket and
+# a reader past the daemon's greeting; `zmtp_bomb(header, f)` is one message
+# of the header then f empty frames (16 MB on the wire for 8 M);
+# `zmtp_reply(r)` reads a reply and gives its error name (or type), "EOF" if
+# the daemon cut the connection.
+ZMTP = r"""
+import msgpack, socket, struct
 
-def connect():
+def zmtp_connect(path):
     s = socket.socket(socket.AF_UNIX)
     s.connect(path)
     s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31))
     body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
     s.sendall(b"\x04" + bytes([len(body)]) + body)
-    f = s.makefile("rb")
-    f.read(64)  # the daemon's greeting
-    return s, f
+    r = s.makefile("rb")
+    r.read(64)  # the daemon's greeting
+    return s, r
 
-def frame():
+def zmtp_bomb(header, f):
+    return bytes([1, len(header)]) + bytes(header) + b"\x01\x00" * (f - 1) + b"\x00\x00"
+
+def _zmtp_frame(r):
     flags = r.read(1)
     if not flags:
         return None
     n = r.read(1)[0] if not flags[0] & 2 else struct.unpack(">Q", r.read(8))[0]
     return flags[0], r.read(n)
 
-def reply():
+def zmtp_reply(r):
     try:
         while True:  # commands (READY), then the reply's frames
-            got = frame()
+            got = _zmtp_frame(r)
             if got is None:
                 return "EOF"
             flags, body = got
@@ -99,9 +104,18 @@ def reply():
                 return got.get("name") or got.get("type", "?")
     except (OSError, IndexError, struct.error):
         return "EOF"
+"""
 
-bomb = bytes([1, len(header)]) + header + b"\x01\x00" * (f - 1) + b"\x00\x00"
-s, r = connect()
+# Frame bombs: a ZMTP DEALER by hand sends M messages, each the given header
+# (hex) and then F empty frames, one sendall each, and after each waits for
+# the reply. Prints, on one line, per message the reply's error name (or
+# "EOF": the daemon cut the connection), then "again:" and what a new
+# connection's PING got.
+BOMB = ZMTP + r"""
+import sys
+path, m, f, header = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
+bomb = zmtp_bomb(header, f)
+s, r = zmtp_connect(path)
 out = []
 for _ in range(m):
     try:
@@ -109,13 +123,13 @@ for _ in range(m):
     except OSError:
         out.append("EOF")
         break
-    out.append(reply())
-s2, r = connect()
+    out.append(zmtp_reply(r))
+s2, r = zmtp_connect(path)
 try:
     s2.sendall(bytes([0, len(header)]) + header)
 except OSError:
     pass
-out += ["again:", reply()]
+out += ["again:", zmtp_reply(r)]
 print(" ".join(out), flush=True)
 sys.stdin.read()
 """

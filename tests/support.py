@@ -311,3 +311,12 @@ def numpy_owner(a):
         if nxt is None:
             return a
         a = nxt
+
+
+def peer_stats(d) -> dict:
+    """The `peers` section of a running daemon's STATS, asked by a client of its own."""
+    c = d.client("watch", strict=True, timeout=30.0)
+    try:
+        return c.stats()["peers"]
+    finally:
+        c.close()

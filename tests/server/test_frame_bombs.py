@@ -18,19 +18,12 @@ from kvd.protocol.limits import Limits
 from kvd.server.admission import drain
 
 from stress import BOMB, attack
+from support import peer_stats
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bans by SO_PEERCRED pid (Linux)")
 
 FRAMES = 8_000_000
 PING = codec.encode("PING", {}, id=9)[0].hex()
-
-
-def peers(d) -> dict:
-    c = d.client("watch", strict=True, timeout=30.0)
-    try:
-        return c.stats()["peers"]
-    finally:
-        c.close()
 
 
 def test_the_rest_of_a_message_is_dropped_to_its_end_and_no_further(tmp_path):
@@ -59,7 +52,7 @@ def test_a_frame_bomb_is_answered_and_its_parts_dropped(daemon_factory):
     path = d.endpoint[len("ipc://"):]
     with attack(BOMB, path, "1", str(FRAMES), PING) as line:
         assert line == "TOO_MANY_FRAMES again: PING", line
-    p = peers(d)
+    p = peer_stats(d)
     kept = Limits().max_frames + 2  # the identity, then one frame over the limit
     assert p["oversized_messages"] == 1 and p["bans"] == 0
     assert p["dropped_frames"] == FRAMES + 2 - kept  # identity + header + FRAMES parts, less those read
@@ -76,6 +69,6 @@ def test_a_process_that_keeps_bombing_is_banned_and_others_are_served(daemon_fac
         # is cut (its reply with it), and so is the one it makes next.
         assert line == "TOO_MANY_FRAMES EOF again: EOF", line
         assert good.ping()  # another process is served as before
-    p = peers(d)
+    p = peer_stats(d)
     assert p["oversized_messages"] == 2 and p["bans"] == 1 and p["shed_banned"] >= 2
     assert d.proc.poll() is None

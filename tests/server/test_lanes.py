@@ -22,7 +22,8 @@ import zmq
 
 from kvd.protocol import codec
 
-from stress import BOMB, attack
+from stress import BOMB, ZMTP, attack
+from support import peer_stats
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ZMTP by hand over AF_UNIX; bans by pid")
 
@@ -34,8 +35,8 @@ PING = codec.encode("PING", {}, id=9)[0].hex()
 # and F empty frames (16 MB on the wire for 8 M) and prints the reply's
 # error name ("EOF": the connection was cut), then "again:" and what a PING
 # on the lane after it got (EOF: the lane is gone).
-LANE_BOMB = r"""
-import msgpack, socket, struct, sys, zmq
+LANE_BOMB = ZMTP + r"""
+import sys, zmq
 sys.path.insert(0, sys.argv[4])
 from kvd.protocol import codec
 endpoint, f, header = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
@@ -45,53 +46,19 @@ main.connect(endpoint)
 main.send_multipart(codec.encode("HELLO", {"versions": [1], "lanes": True}, id=1))
 assert main.poll(30000)
 lane = codec.decode_reply(main.recv_multipart())["lane"]
-path = lane[len("ipc://"):]
-
-def connect():
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(path)
-    s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31))
-    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    s.sendall(b"\x04" + bytes([len(body)]) + body)
-    r = s.makefile("rb")
-    r.read(64)
-    return s, r
-
-def reply(r):
-    try:
-        while True:
-            flags = r.read(1)
-            if not flags:
-                return "EOF"
-            n = r.read(1)[0] if not flags[0] & 2 else struct.unpack(">Q", r.read(8))[0]
-            body = r.read(n)
-            if not flags[0] & 4 and not flags[0] & 1:
-                got = msgpack.unpackb(body)
-                return got.get("name") or got.get("type", "?")
-    except (OSError, IndexError, struct.error):
-        return "EOF"
-
-s, r = connect()
+s, r = zmtp_connect(lane[len("ipc://"):])
 print("ready", flush=True)
 sys.stdin.readline()
-s.sendall(bytes([1, len(header)]) + header + b"\x01\x00" * (f - 1) + b"\x00\x00")
-out = [reply(r)]
+s.sendall(zmtp_bomb(header, f))
+out = [zmtp_reply(r)]
 try:
     s.sendall(bytes([0, len(header)]) + header)
-    out += ["again:", reply(r)]
+    out += ["again:", zmtp_reply(r)]
 except OSError:
     out += ["again:", "EOF"]
 print(" ".join(out), flush=True)
 sys.stdin.read()
 """
-
-
-def peers(d) -> dict:
-    c = d.client("watch", strict=True, timeout=30.0)
-    try:
-        return c.stats()["peers"]
-    finally:
-        c.close()
 
 
 def wait_for(what, deadline_s: float = 30.0):
@@ -129,16 +96,15 @@ class Pinger(threading.Thread):
         return 1000 * statistics.quantiles(times, n=100)[98] if len(times) >= 2 else float("nan")
 
 
-def test_a_frame_bomb_on_a_lane_is_answered_within_100ms_of_serving_thread_and_others_are_served(daemon_factory):
-    """The issue's test: 8 M empty frames on one client's lane while another
-    client PINGs on its own: answered TOO_MANY_FRAMES, under 100 ms of the
-    serving thread (the daemon's own `dropping_ms`), and every PING answered."""
-    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
-    pinger = Pinger(d)
+def lane_bomb(d, pinger: Pinger, seen=lambda: True) -> tuple[str, str, int]:
+    """LANE_BOMB's 8 M frames sent once `seen()` and `pinger` has 300 PINGs
+    answered; the pinger goes on until 300 more after the bomber's line.
+    Returns (that line, the bomber's stderr, PINGs before the bomb)."""
     bomber = subprocess.Popen([sys.executable, "-c", LANE_BOMB, d.endpoint, str(FRAMES), PING, sys.path[0]],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert bomber.stdout.readline().strip() == "ready"
+        assert wait_for(seen)
         pinger.start()
         assert wait_for(lambda: len(pinger.times) >= 300)
         n_before = len(pinger.times)
@@ -152,10 +118,20 @@ def test_a_frame_bomb_on_a_lane_is_answered_within_100ms_of_serving_thread_and_o
         pinger.join(30)
         bomber.stdin.close()
         bomber.wait(30)
+    return line, bomber.stderr.read(), n_before
+
+
+def test_a_frame_bomb_on_a_lane_is_answered_within_100ms_of_serving_thread_and_others_are_served(daemon_factory):
+    """The issue's test: 8 M empty frames on one client's lane while another
+    client PINGs on its own: answered TOO_MANY_FRAMES, under 100 ms of the
+    serving thread (the daemon's own `dropping_ms`), and every PING answered."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    pinger = Pinger(d)
+    line, _, n_before = lane_bomb(d, pinger)
     # Answered; the lane is closed after it (a PING on it gets no answer).
     assert line == "TOO_MANY_FRAMES again: EOF", line
     assert not pinger.failed, pinger.failed
-    p = peers(d)
+    p = peer_stats(d)
     assert p["oversized_messages"] == 1 and p["lanes_closed_for_frames"] == 1 and p["bans"] == 0
     # The daemon's own count of serving-thread time spent on the bomb (CPU:
     # on a loaded machine the wall time, `dropping_ms`, adds preemption).
@@ -185,7 +161,7 @@ def test_a_frame_bomb_on_the_main_socket_is_answered_within_100ms_of_serving_thr
         pinger.stop.set()
         pinger.join(30)
     assert not pinger.failed, pinger.failed
-    p = peers(d)
+    p = peer_stats(d)
     assert p["oversized_messages"] == 1 and p["lanes_closed_for_frames"] == 0
     assert p["dropped_frames"] >= FRAMES - 100_000 and not p["main_lent"], p
     assert p["main_bomb_cpu_ms"] < 100, p
@@ -294,28 +270,11 @@ def test_a_frame_bomb_on_a_lane_is_cut_off_before_it_is_whole_when_memory_is_ove
     own lane meanwhile has every PING answered; the daemon lives on."""
     d = daemon_factory("--ram-mb", "16", "--max-message-mb", "16", "--data-dir", "none")
     pinger = Pinger(d)
-    bomber = subprocess.Popen([sys.executable, "-c", LANE_BOMB, d.endpoint, str(FRAMES), PING, sys.path[0]],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert bomber.stdout.readline().strip() == "ready"
-        assert wait_for(lambda: peers(d)["lane_connections"] >= 1)  # the bomber's, seen at accept
-        pinger.start()
-        assert wait_for(lambda: len(pinger.times) >= 300)
-        bomber.stdin.write("go\n")
-        bomber.stdin.flush()
-        line = bomber.stdout.readline().strip()
-        n = len(pinger.times)
-        assert wait_for(lambda: len(pinger.times) >= n + 100)
-    finally:
-        pinger.stop.set()
-        pinger.join(30)
-        bomber.stdin.close()
-        bomber.wait(30)
+    line, err, _ = lane_bomb(d, pinger, seen=lambda: peer_stats(d)["lane_connections"] >= 1)  # the bomber's, at accept
     # Cut off while it was still sending (its write fails) or right after.
-    err = bomber.stderr.read()
     assert line == "EOF again: EOF" or (line == "" and ("BrokenPipeError" in err or "ConnectionResetError" in err)), (line, err)
     assert not pinger.failed, pinger.failed
-    p = peers(d)
+    p = peer_stats(d)
     assert p["shed_for_memory"] >= 1 and p["oversized_messages"] == 0, p
     assert d.proc.poll() is None
 
