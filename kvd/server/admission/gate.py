@@ -76,8 +76,12 @@ Rules the gate keeps:
    exceeds `ceiling()` (the RAM tier's bytes plus the allowance of
    `memory_ceiling`, see README "Memory"), it sheds stalled peers --
    connected, and no request completed for `stall_seconds` (0.25 s) -- one per
-   sample, or one per `over_unit` bytes over (the largest message), oldest
-   idle first. Shedding frees what libzmq held for them. A
+   sample, or one per `over_unit` bytes over (the largest message) of those
+   that never completed a request (a peer stalled inside its first message),
+   oldest idle first; when every stalled peer has completed one, one a
+   sample (a client idle between requests holds nothing, and one frame
+   bomb holds far more than `over_unit`). Shedding frees what libzmq held
+   for them. A
    peer is not stalled in its first quarter second, so an attack can
    overshoot by what it sends in that time before it is shed. Under the
    ceiling nobody is shed for being slow: a client sending a big message
@@ -750,8 +754,18 @@ class PeerGate(threading.Thread):
             return
         self._prune_lanes()
         victims = self.victims(stalled_only=True, lanes=True)
-        # One peer per sample, or more when far over: one per `over_unit` bytes.
+        table = {**self.peers, **self.lane_peers}
+        never = [fd for fd in victims if table.get(fd, (0, None))[1] is None]
+        # One peer per sample, or more when far over: one per `over_unit`
+        # bytes -- of those that never completed a request (a peer stalled
+        # inside its first message sorts first); else one that did. One
+        # sender can hold far more than `over_unit` (a frame bomb: ~600 MB
+        # for 8 M frames), and clients idle between requests hold nothing.
         n = 1 + over // self.over_unit
+        if never:
+            victims = never
+        else:
+            n = 1
         if self._shed_at is not None:
             at, before = self._shed_at
             if self.closing or self.clock() - at < 0.2:
@@ -764,8 +778,7 @@ class PeerGate(threading.Thread):
                 # only with peers that never completed a request.
                 if self.clock() - at < 1.0:
                     return
-                never = {**self.peers, **self.lane_peers}
-                victims, n = [fd for fd in victims if never.get(fd, (0, None))[1] is None], 1
+                victims, n = never, 1
         shed = sum(self._shed(fd) for fd in victims[:n])
         if shed:
             self._shed_at = (self.clock(), rss)
