@@ -616,6 +616,7 @@ class Core:
             log.debug("shm put abandoned: %s", err)
             self._shm_broke(link)
             return None
+        link.map_ahead(grant.get("segments"))  # the next puts' pages mapped meanwhile, off this thread (_pages.py)
         # The digests fix what was stored: bytes changed in a slot after this
         # (a buffer kept and reused) are found before they leave by any road.
         reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field(), "digests": digests},

@@ -15,9 +15,9 @@ pages sixteen a fault (client/_pages.py), not one.
 
 How far ahead:
 - From the start, before any PUT: the *window*, `shm_warm_mb` (kvd/config.py)
-  but at most the RAM tier's budget -- what a warm daemon keeps mapped
-  anyway (`Arena.keep_free`), so a new daemon's fill meets pages as ready
-  as a warm one's.
+  but at most the RAM tier's budget and a segment -- what a warm daemon
+  keeps mapped anyway (`Arena.keep_free`), so a new daemon's fill meets
+  pages as ready as a warm one's (kvd/server/shm/startup.py, `warm_window`).
 - Once puts come: twice the bytes allocated in the busiest recent interval
   (each wake measures the bytes allocated since the last, and the figure
   decays by a tenth per wake), at least two segments.
@@ -120,8 +120,8 @@ class Preparer:
                 log.debug("shared memory: cannot prepare a segment: %s", err)
         if reserved and populate(arena.address(seg), arena.segment_bytes):
             self.populated_bytes += arena.segment_bytes
+        self.prepared_bytes += arena.segment_bytes if reserved else 0  # counted before it is offered (stats)
         arena.end_segment(seg, reserved)
-        self.prepared_bytes += arena.segment_bytes if reserved else 0
         return reserved
 
     def _run(self) -> None:

@@ -35,9 +35,10 @@ WARM_BYTES = 4 << 30  # the window's size unless the daemon says (`shm_warm_mb`,
 def warm_window(daemon, budget: int, segment: int) -> int:
     """Bytes the preparer makes ready from the start, before any PUT
     (kvd/server/shm/prepare.py): the daemon's `shm_warm_bytes` (set by `kvd
-    serve` from `shm_warm_mb`) but at most the RAM tier's budget, in whole
-    segments."""
-    want = min(int(getattr(daemon, "shm_warm_bytes", WARM_BYTES)), int(budget))
+    serve` from `shm_warm_mb`) but at most the RAM tier's budget and a
+    segment (puts that fill the budget need a little more than it: slots are
+    aligned, and a chunk's slot does not straddle segments), in whole segments."""
+    want = min(int(getattr(daemon, "shm_warm_bytes", WARM_BYTES)), int(budget) + segment)
     return want // segment * segment
 
 
