@@ -23,10 +23,13 @@ def arena_capacity(store, segment: int):
 
 def segment_bytes(store) -> int:
     """A thirty-second of the RAM tier, 4 to 64 MiB: segments are reserved whole when
-    made, so a small daemon (a tight memory cgroup) must not reserve far ahead of use."""
+    made, so a small daemon (a tight memory cgroup) must not reserve far ahead of use.
+    A power of two: a chunk's slot (chunk_tokens of a layout, most often a power of
+    two too: 256 tokens x 128 KiB = 32 MiB) does not straddle segments, and a
+    40 MiB segment left 8 of every 40 unused (the prepared window fell short)."""
     ram = getattr(store, "ram", store)
     want = int(getattr(ram, "budget_bytes", 0)) // 32
-    return min(64 << 20, max(4 << 20, want >> 20 << 20))
+    return min(64 << 20, max(4 << 20, 1 << max(0, want.bit_length() - 1)))
 
 
 WARM_BYTES = 4 << 30  # the window's size unless the daemon says (`shm_warm_mb`, kvd/config.py)
