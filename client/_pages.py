@@ -142,9 +142,18 @@ class Premapper:
         self._mu = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Map nothing more (the client closed, or its daemon restarted): the
+        thread ends after the segment it is on."""
+        with self._mu:
+            self._stopped = True
+            self._queue.clear()
+        self._wake.set()
 
     def offer(self, live: list[int]) -> None:
-        if not _enabled:
+        if not _enabled or self._stopped:
             return
         with self._mu:
             new = [seg for seg in live if seg not in self._seen]
@@ -170,8 +179,11 @@ class Premapper:
                 if not self._queue:
                     self._thread = None
                     return
-            while self._queue:
-                seg = self._queue.popleft()
+            while True:
+                try:
+                    seg = self._queue.popleft()
+                except IndexError:  # emptied (or stopped) meanwhile
+                    break
                 try:
                     mm = self._segment(seg)
                 except Exception:  # noqa: BLE001 -- a segment gone meanwhile: nothing to map ahead
