@@ -11,7 +11,12 @@ segments made, mapped, reserved (posix_fallocate) and populated (the pages
 cleared and present: kvd.host.segments.populate, MADV_POPULATE_WRITE on
 Linux) away from the serving thread, offered to `Arena.alloc` only once
 ready. A slot carved from them costs no syscall, and a client maps their
-pages sixteen a fault (client/_pages.py), not one.
+pages sixteen a fault (client/_pages.py), not one. Pages are populated a
+few MiB per call (`_populate`): with one call per 64 MiB segment, a client
+connecting while a 4 GiB window was being prepared missed its 250 ms
+`connect_wait` now and then on this loaded 2-core VM (2 of ~25 connects;
+with 4 MiB calls none of 36 -- the likely cause, the daemon's mmap lock held
+through each call, is a guess).
 
 How far ahead:
 - From the start, before any PUT: the *window*, `shm_warm_mb` (kvd/config.py)
@@ -46,6 +51,7 @@ from kvd.server.shm.arena import Arena
 log = logging.getLogger("kvd.server")
 
 WAKE_S = 0.05  # the thread looks at demand at least this often
+POPULATE_STEP = 4 << 20  # bytes populated per call (`_populate`)
 AVAILABLE_SHARE = 4  # free prepared bytes stay within 1/AVAILABLE_SHARE of the memory available
 
 
@@ -118,11 +124,21 @@ class Preparer:
                 reserved = False
                 self.failures += 1
                 log.debug("shared memory: cannot prepare a segment: %s", err)
-        if reserved and populate(arena.address(seg), arena.segment_bytes):
+        if reserved and self._populate(arena.address(seg), arena.segment_bytes):
             self.populated_bytes += arena.segment_bytes
         self.prepared_bytes += arena.segment_bytes if reserved else 0  # counted before it is offered (stats)
         arena.end_segment(seg, reserved)
         return reserved
+
+    @staticmethod
+    def _populate(address: int, length: int) -> bool:
+        """Populate in POPULATE_STEP pieces: each holds this process's mmap lock
+        for ~1 ms, so a thread that maps or unmaps memory (libzmq, malloc) is
+        never kept waiting for a whole segment's (module docstring)."""
+        for off in range(0, length, POPULATE_STEP):
+            if not populate(address + off, min(POPULATE_STEP, length - off)):
+                return False
+        return True
 
     def _run(self) -> None:
         while not self._stop:
