@@ -2,7 +2,7 @@
 
     python bench/bench_wire.py [--reps 5] [--big-reps 3] [--sizes 16,64,256] [--daemons warm,fresh]
                                [--clients 3] [--transports frames,shm,shm-noverify] [--host auto|portable]
-                               [--pressure-source auto|off]
+                               [--pressure-source auto|off] [--load-pause-s 2]
 
 Issue 42's table: `--sizes 256,1024,4096 --transports frames,shm`.
 
@@ -23,13 +23,15 @@ The daemon runs with the RAM tier only, one per size and plane, measured
            `--clients` new clients of that warm daemon (`new client`);
   fresh    started just before, one per rep: the puts that fill its RAM
            tier (`fresh`, their median; `fresh 1st`, the first put's), then
-           its first get.
+           its first get; put at once after the start, and again as a model
+           server meets it (`fresh+load`, `load 1st`: the client connects,
+           then `--load-pause-s` of model loading before the first put).
 On this VM receiving into a process whose memory is still growing is
 several times slower, for raw pyzmq too. `x steady` is a put's rate over the
 warm steady state's, and a line per size ends the run: issue 42's targets,
 a fresh daemon's fill and a new client's first put each >= 0.5x the steady
-state. A get served short (fewer tokens than were put) prints no figure but
-how many and why (_util.short_reason). A size is skipped, saying so, if the
+state (the fill both at once and after the model load's pause). A get
+served short (fewer tokens than were put) prints no figure but how many and why (_util.short_reason). A size is skipped, saying so, if the
 machine has not the memory for it (~13 GiB at 4 GiB). `shm-noverify` is
 the shm plane with `Client(verify=False)`: a get that does not check the
 digests fixed at COMMIT (the price of the check).
@@ -161,6 +163,9 @@ def main() -> None:
     ap.add_argument("--pressure-source", default="auto",
                     help="the daemons' pressure_source (auto, their default: the RAM tier yields to this "
                          "machine's memory pressure and a read comes back short, saying so; off: the paths alone)")
+    ap.add_argument("--load-pause-s", type=float, default=2.0,
+                    help="fresh+load: seconds between a fresh daemon's client connecting and its first put "
+                         "(a model server loading its model); 0: no such rows")
     ap.add_argument("--host", default="auto", choices=("auto", "portable"), help="the daemon's host (KVD_HOST)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -271,11 +276,20 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
                 t_new = statistics.median(firsts)
                 row(plane, "new client", "put", t_new, raw_put)
                 found[plane, "new client's first put"] = t_put / t_new
-        if "fresh" in kinds:
+        # A fresh daemon met two ways: put at once after its start ("fresh"),
+        # and as a model server meets it ("fresh+load": started, the client
+        # connected and its HELLO answered, then a model load's pause of
+        # --load-pause-s before the first put).
+        for kind, pause in (("fresh", 0.0), ("fresh+load", args.load_pause_s)):
+            if "fresh" not in kinds or (pause and args.load_pause_s <= 0):
+                continue
             fills, first_puts, gets, got, counters, stats = [], [], [], [], {}, None
             for _ in range(reps):
                 with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source,
                             env=env) as d, client(d, plane) as c:
+                    if pause:
+                        c.limits()  # connected: HELLO asked and answered
+                        time.sleep(pause)  # the model loads (the pause modelled, not a wait for the daemon)
                     fill = [timed_put(c) for _ in range(max(1, ram_mb // mib))]  # the puts that fill its RAM tier
                     fills += fill
                     first_puts.append(fill[0])
@@ -286,12 +300,13 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
                         counters[k] = counters.get(k, 0) + v
                     stats = c.stats() if min(ns) < n_tokens else stats
             t_fill = statistics.median(fills)
-            row(plane, "fresh", "put", t_fill, raw_put)
-            row(plane, "fresh 1st", "put", statistics.median(first_puts), raw_put)
-            row(plane, "fresh", "get", statistics.median(gets), raw_get, got,
+            row(plane, kind, "put", t_fill, raw_put)
+            row(plane, "load 1st" if pause else "fresh 1st", "put", statistics.median(first_puts), raw_put)
+            row(plane, kind, "get", statistics.median(gets), raw_get, got,
                 short_reason(counters, stats) if min(got) < n_tokens else "")
             if plane in steady:
-                found[plane, "fresh daemon's fill"] = steady[plane] / t_fill
+                what = "fresh daemon's fill" if not pause else f"fresh daemon's fill after a {pause:g} s model load"
+                found[plane, what] = steady[plane] / t_fill
     parts = [ratio_verdict(f"{plane} {what}", x, 0.5, at_most=False) for (plane, what), x in sorted(found.items())]
     return f"targets at {mib} MiB (x the steady state's put): " + "; ".join(parts)
 

@@ -388,6 +388,8 @@ class Core:
     def _shm_reset(self) -> None:
         """Forget the link and ask HELLO again on the next call (a restarted daemon)."""
         with self._shm_lock:
+            if self._shm_link is not None:
+                self._shm_link.premap.stop()  # the old run's segments: not worth mapping now
             self._shm_offer, self._shm_link = None, None
         self._forget_daemon()
 
@@ -616,6 +618,7 @@ class Core:
             log.debug("shm put abandoned: %s", err)
             self._shm_broke(link)
             return None
+        link.map_ahead(grant.get("segments"))  # the next puts' pages mapped meanwhile, off this thread (_pages.py)
         # The digests fix what was stored: bytes changed in a slot after this
         # (a buffer kept and reused) are found before they leave by any road.
         reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field(), "digests": digests},
@@ -813,6 +816,9 @@ class Core:
             self._bg_transport.retry_now()
 
     def close(self) -> None:
+        link = self._shm_link
+        if link is not None:
+            link.premap.stop()  # nothing more mapped ahead for a client that is done
         self._transport.close()
         if self._bg_transport is not None:
             self._bg_transport.close()

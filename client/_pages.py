@@ -10,29 +10,44 @@ reserved (posix_fallocate) and never written are skipped: the kernel must
 clear each of them anyway, and populating them measured no faster than the
 copy's own faults (`bench/RESULTS.md`, Session 25).
 
+A segment the daemon prepared ahead of demand (kvd/server/shm/prepare.py)
+is reserved *and* populated there: its pages are resident and cleared, so
+they map sixteen a fault like written ones. `Premapper` maps the segments a
+reply lists as live (`segments`) on a thread of its own, `kvd-client-premap`,
+ahead of the puts that will be granted slots in them: a fresh daemon's fill
+then copies into pages this client has mapped already.
+
 Rules:
 1. A page is looked at once per mapping: the steady state's puts, into pages
    this client has written before, cost no syscall here (a bitmap per
    mapping of the pages granted to it so far).
-2. Only a range SLOTS granted this client is populated, and only its pages
-   mincore() reports resident: nothing a client does here allocates a page
-   (populating a hole would allocate it, charged to this process).
+2. Only pages mincore() reports resident are populated, in a range SLOTS
+   granted this client or in a live segment of the daemon (the premapper):
+   nothing a client does here allocates a page (populating a hole would
+   allocate it, charged to this process) -- but for a page the daemon hands
+   back (trim, under memory pressure) between the mincore() and the madvise()
+   of its run, a window of microseconds.
 3. Best effort: any failure (an old kernel's EINVAL, no mincore) turns this
    off for the process and the copy faults pages in as before.
 
 What each OS gives:
 
-    Linux   mincore() through ctypes; mmap.madvise(MADV_POPULATE_READ = 22,
-            Linux 5.14+; Python 3.11 has no name for it).
+    Linux   mincore() and madvise(MADV_POPULATE_READ = 22, Linux 5.14+;
+            Python 3.11 has no name for it) through ctypes, which releases
+            the GIL for the call (mmap.madvise holds it: a premap would stall
+            the caller's thread).
     macOS   no MADV_POPULATE_*: `prefault` does nothing (the copy faults
             pages in, as before).
 """
 
 from __future__ import annotations
 
+import collections
 import mmap
 import sys
+import threading
 import weakref
+from typing import Callable
 
 import numpy as np
 
@@ -40,23 +55,24 @@ _MADV_POPULATE_READ = 22  # include/uapi/asm-generic/mman-common.h, Linux 5.14
 _PAGE = mmap.PAGESIZE
 
 
-def _mincore():
+def _libc(name: str, *argtypes):
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+        fn.argtypes = tuple(getattr(ctypes, t) for t in argtypes)
         fn.restype = ctypes.c_int
         return fn
     except (OSError, AttributeError):
         return None
 
 
-_MINCORE = _mincore()
-_enabled = _MINCORE is not None
-counters = {"prefaulted_bytes": 0}  # pages populated in bulk, this process
+_MINCORE = _libc("mincore", "c_void_p", "c_size_t", "c_void_p")
+_MADVISE = _libc("madvise", "c_void_p", "c_size_t", "c_int")
+_enabled = _MINCORE is not None and _MADVISE is not None
+counters = {"prefaulted_bytes": 0, "premapped_segments": 0}  # pages populated in bulk, this process
 # Per mapping, per page: 1 once granted to this client (rule 1); goes with the mapping.
 _granted: "weakref.WeakKeyDictionary[mmap.mmap, bytearray]" = weakref.WeakKeyDictionary()
 
@@ -89,6 +105,7 @@ def prefault(mm: mmap.mmap, offset: int, length: int) -> int:
         return 0  # mapped here since an earlier grant (rule 1)
     seen[first:last] = b"\x01" * (last - first)  # the copy about to run maps the rest
     try:
+        base = np.frombuffer(mm, np.uint8, count=1)  # held: retain() cannot unmap under the madvise
         present = resident(mm, lo, hi)
         if present is None:
             _enabled = False
@@ -97,12 +114,79 @@ def prefault(mm: mmap.mmap, offset: int, length: int) -> int:
         # Runs of resident pages: where each starts and ends.
         edges = np.flatnonzero(np.diff(np.concatenate(([False], present, [False])).astype(np.int8)))
         for start, end in zip(edges[::2], edges[1::2]):
-            mm.madvise(_MADV_POPULATE_READ, lo + int(start) * _PAGE, int(end - start) * _PAGE)
-            done += int(end - start) * _PAGE
-    except OSError:  # EINVAL before Linux 5.14
-        _enabled = False
-        return 0
+            n = int(end - start) * _PAGE
+            if _MADVISE(base.ctypes.data + lo + int(start) * _PAGE, n, _MADV_POPULATE_READ) != 0:
+                _enabled = False  # EINVAL before Linux 5.14
+                return done
+            done += n
     except ValueError:  # the mapping closed meanwhile by another thread's retain(): the copy will say so
         return 0
     counters["prefaulted_bytes"] += done
     return done
+
+
+IDLE_S = 5.0  # a premapper's thread ends after this long with nothing to map (the next offer starts another)
+
+
+class Premapper:
+    """Maps the live segments of one daemon run ahead of use, off the
+    caller's thread (module docstring): `offer` a reply's list of live
+    segments; each new one is mapped (`segment(seg)`, the link's writable
+    mapping, or None if it cannot be had) and its resident pages populated
+    on the thread `kvd-client-premap`, once."""
+
+    def __init__(self, segment: Callable[[int], "mmap.mmap | None"]):
+        self._segment = segment
+        self._seen: set[int] = set()
+        self._queue: collections.deque[int] = collections.deque()
+        self._mu = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Map nothing more (the client closed, or its daemon restarted): the
+        thread ends after the segment it is on."""
+        with self._mu:
+            self._stopped = True
+            self._queue.clear()
+        self._wake.set()
+
+    def offer(self, live: list[int]) -> None:
+        if not _enabled or self._stopped:
+            return
+        with self._mu:
+            new = [seg for seg in live if seg not in self._seen]
+            if not new:
+                return
+            self._seen.update(new)
+            self._queue.extend(new)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvd-client-premap", daemon=True)
+                try:
+                    self._thread.start()
+                except RuntimeError:  # no thread to be had: the puts map their own pages, as before
+                    self._thread = None
+                    self._queue.clear()
+                    return
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(IDLE_S)
+            with self._mu:
+                self._wake.clear()
+                if not self._queue:
+                    self._thread = None
+                    return
+            while True:
+                try:
+                    seg = self._queue.popleft()
+                except IndexError:  # emptied (or stopped) meanwhile
+                    break
+                try:
+                    mm = self._segment(seg)
+                except Exception:  # noqa: BLE001 -- a segment gone meanwhile: nothing to map ahead
+                    mm = None
+                if mm is not None and prefault(mm, 0, len(mm)):
+                    counters["premapped_segments"] += 1

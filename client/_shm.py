@@ -148,6 +148,7 @@ class Link:
         self._maps: dict[tuple[int, bool], mmap.mmap] = {}  # (segment, writable)
         self._mu = threading.Lock()
         self._release: list[int] = []
+        self.premap = _pages.Premapper(self._premapped)  # live segments mapped ahead of puts (_pages.py)
 
     def field(self) -> dict[str, Any]:
         """The `shm` map of a request: proof, run, and the leases to end."""
@@ -257,6 +258,16 @@ class Link:
             raise ShmUnavailable(f"shm object {posix} ({name}): {err}") from None
         return _ours(fd, f"shm object {posix} ({name})")
 
+    def _premapped(self, seg: int) -> mmap.mmap | None:
+        """The writable mapping of `seg` for the premapper, or None: a segment
+        that cannot be had now is no fault of the link's (not `broken`)."""
+        broken = self.broken
+        try:
+            return self._segment(seg, True)
+        except ShmUnavailable:
+            self.broken = broken
+            return None
+
     def _segment(self, seg: int, writable: bool) -> mmap.mmap:
         mm = self._maps.get((seg, writable))
         if mm is None:
@@ -315,6 +326,13 @@ class Link:
         out = np.frombuffer(self.view(desc), dtype=np.uint8).view(Viewed)
         out.digest = desc.digest
         return out
+
+    def map_ahead(self, live: Any) -> None:
+        """Map the daemon's live segments (a SLOTS reply's list) this client
+        has not mapped yet, in the background (`_pages.Premapper`): called
+        once a put's own copy is done, so it never competes with that copy."""
+        if isinstance(live, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in live):
+            self.premap.offer(live)
 
     def retain(self, live: Any) -> None:
         """Unmap segments the daemon has removed (`live`: its current list), so

@@ -412,6 +412,10 @@ SETTINGS: tuple[Setting, ...] = (
             "(segments in <socket>.shm/; tcp:// never gets it)."),
     Setting("shm_lease_s", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 30.0,
             "Seconds a client may hold shared-memory slots it was handed before they are reclaimed."),
+    Setting("shm_warm_mb", _int(0, MAX_MB), 4096,
+            "MiB of shared memory the daemon makes ready in the background from its start, before any put, "
+            "so a new daemon's first puts run at a warm one's rate: at most the RAM tier's budget and a segment, and a "
+            "quarter of the memory available (a tight memory cgroup gets less or none); 0: none before the first put."),
     Setting("host", _host, "auto",
             "Developer setting: \"portable\" makes the daemon use only the POSIX mechanisms macOS runs "
             "(shm_open segments instead of memfds, open fds from /dev/fd, no accept() patch, no PSI), so Linux CI exercises macOS's code; \"auto\": this "

@@ -284,6 +284,7 @@ def serve(**flags) -> None:
         parked_max_bytes=dirty_max_mb * MiB,
         max_peers=max_peers,
     )
+    daemon.shm_warm_bytes = cfg.shm_warm_mb * MiB  # kvd/server/shm/startup.py: the preparer's window at start
     if cfg.quota:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report
     if governor is not None:

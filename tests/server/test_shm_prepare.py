@@ -1,29 +1,158 @@
 """Pages of the arena made ready ahead of demand (kvd/server/shm/prepare.py,
-issue 42), against a real `kvd serve`: nothing before the first PUT (a
-daemon in a tight memory cgroup sees no jump at start), then whole reserved
-segments ahead of demand, within the RAM budget's ceiling."""
+issue 42), against a real `kvd serve`: a window of segments from the start,
+before any PUT (`shm_warm_mb`, at most the RAM budget, within a quarter of
+the memory available: a daemon in a tight memory cgroup sees no jump), handed
+back under memory pressure; then whole reserved segments ahead of demand,
+within the RAM budget's ceiling. What a real daemon cannot be made to see (a
+small figure of available memory) is injected into a Preparer over a real
+arena."""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from support import assert_prefix_hit, prefix_snapshot, wait_until
+from kvd.server.shm.arena import Arena
+from kvd.server.shm.prepare import Preparer
+from support import assert_prefix_hit, kvd, prefix_snapshot, wait_until
 
 MiB = 1 << 20
+LINUX = sys.platform.startswith("linux")
+
+
+def test_a_started_daemon_prepares_its_window_before_any_put(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "32", "--data-dir", "none")
+    seg = 4 * MiB  # a thirty-second of 64 MiB, at least 4
+
+    def shm():
+        return json.loads(kvd("stats", "--json", "--endpoint", d.endpoint).stdout)["shm"]
+
+    s = wait_until(lambda: (x := shm())["prepared_free_bytes"] >= 32 * MiB and x, what="the window prepared")
+    assert s["prepare_window_bytes"] == 32 * MiB and s["used_bytes"] == 0 and s["allocs"] == 0
+    assert s["prepared_bytes"] == 32 * MiB and s["mapped_bytes"] == 32 * MiB  # the window, not past it
+    assert s["prepare_failures"] == 0
+    if LINUX:  # cleared and present (MADV_POPULATE_WRITE): a client maps them sixteen a fault
+        assert s["populated_bytes"] == 32 * MiB
+    toks = [np.arange(2048) + i * 100_000 for i in range(4)]
+    with d.client("warm", strict=True, transport="shm") as c:
+        for t in toks:
+            assert c.put(t, prefix_snapshot(t))
+        for t in toks:
+            assert_prefix_hit(c.get(t), t)  # bit-exact out of prepared pages
+        assert c.counters["shm_puts"] == len(toks)
+        s = c.stats()["shm"]
+    assert s["segments"] * seg == s["mapped_bytes"] and s["alloc_failures"] == 0
+
+
+def test_the_window_is_at_most_the_ram_budget_and_a_segment(daemon_factory):
+    d = daemon_factory("--ram-mb", "16", "--shm-warm-mb", "4096", "--data-dir", "none")
+    with d.client("budget", strict=True, transport="shm") as c:
+        s = wait_until(lambda: (x := c.stats()["shm"])["prepared_free_bytes"] >= 20 * MiB and x,
+                       what="the window prepared")
+        assert s["prepare_window_bytes"] == 20 * MiB  # 16 and one 4 MiB segment: a fill needs a little more
+        assert s["mapped_bytes"] == s["prepared_bytes"] == 20 * MiB, s
+
+
+def _blocks(folder: Path) -> int:
+    """Bytes the arena's segments hold allocated (their pages), as the kernel counts them."""
+    return sum(os.stat(p).st_blocks * 512 for p in folder.iterdir() if p.name != "nonce")
+
+
+@pytest.mark.skipif(not LINUX, reason="no MADV_POPULATE_READ: nothing is mapped ahead")
+def test_a_client_maps_the_prepared_segments_in_the_background_and_allocates_none(daemon_factory):
+    from kvd_client import _pages
+
+    d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "64", "--data-dir", "none")
+    with d.client("ahead", strict=True, transport="shm") as c:
+        s = wait_until(lambda: (x := c.stats()["shm"])["prepared_free_bytes"] >= 64 * MiB and x,
+                       what="the window prepared")
+        folder, live = Path(s["dir"]), s["segments"]
+        before, premapped = _blocks(folder), _pages.counters["premapped_segments"]
+        t = np.arange(2048)
+        assert c.put(t, prefix_snapshot(t))  # its SLOTS reply lists the live segments
+        # Every live segment mapped ahead but (at most) the one its slots were in, already mapped by the put.
+        wait_until(lambda: _pages.counters["premapped_segments"] - premapped >= live - 1, what="segments premapped")
+        assert _blocks(folder) == before  # the window's pages only: the client allocated none
+        assert c.counters["shm_puts"] == 1
+        assert_prefix_hit(c.get(t), t)
+
+
+def test_the_window_is_handed_back_under_memory_pressure(daemon_factory, tmp_path):
+    level = tmp_path / "level"
+    d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "32", "--data-dir", "none", "--ram-floor-mb", "8",
+                       "--pressure-source", f"file:{level}", "--pressure-poll-s", "0.05", "--pressure-calm-s", "3600")
+    with d.client("pressed", strict=True, transport="shm") as c:
+        wait_until(lambda: c.stats()["shm"]["prepared_free_bytes"] >= 32 * MiB, what="the window prepared")
+        level.write_text("critical\n")
+        s = wait_until(lambda: (x := c.stats()["shm"])["mapped_bytes"] == 0 and x, what="the window handed back")
+        assert s["trimmed_bytes"] >= 32 * MiB
+        prepared = s["prepared_bytes"]
+        t = np.arange(2048)
+        assert c.put(t, prefix_snapshot(t))  # still served, from memory reserved slot by slot
+        assert_prefix_hit(c.get(t), t)
+        assert c.stats()["shm"]["prepared_bytes"] == prepared  # nothing prepared while the tier yields
+
+
+@pytest.fixture
+def folder(tmp_path):
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    path = base / f"kvd-test-prepare-{os.getpid()}"
+    path.mkdir(mode=0o700)
+    yield path
+    for p in path.iterdir():
+        p.unlink()
+    path.rmdir()
+
+
+def _prepared(folder, *, available, allowed=lambda: True, window=16 * MiB) -> tuple[Arena, Preparer]:
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
+    prep = Preparer(arena, allowed, window=window, available=available)
+    while prep.step():  # the thread's loop, on this thread
+        pass
+    return arena, prep
+
+
+def test_the_window_stays_within_a_quarter_of_the_memory_available(folder):
+    # A tight memory cgroup (limit less working set) or a machine short of
+    # memory: 20 MiB available leaves room for one 4 MiB segment (0 + 4 <= 20 / 4),
+    # not a second (4 + 4 > (16 + 4) / 4, the first having taken its 4).
+    made: list[Arena] = []
+
+    def available():  # what the prepared pages took is no longer available
+        return 20 * MiB - (made[0].spare_prepared() if made else 0)
+
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
+    made.append(arena)
+    prep = Preparer(arena, window=16 * MiB, available=available)
+    while prep.step():
+        pass
+    assert arena.spare_prepared() == 4 * MiB and prep.held_back == 1
+    assert arena.trim() == 4 * MiB
+    arena2, prep2 = _prepared(folder, available=lambda: 10 * MiB)  # under four segments' worth: none at all
+    assert arena2.spare_prepared() == 0 and arena2.stats()["mapped_bytes"] == 0 and prep2.held_back == 1
+    arena3, prep3 = _prepared(folder, available=lambda: None)  # the OS does not say: the window whole
+    assert arena3.spare_prepared() == 16 * MiB and prep3.held_back == 0
+
+
+def test_nothing_is_prepared_while_the_ram_tier_yields(folder):
+    arena, prep = _prepared(folder, available=lambda: 1 << 40, allowed=lambda: False)
+    assert arena.spare_prepared() == 0 and prep.prepared_bytes == 0
 
 
 def test_pages_are_prepared_ahead_once_puts_come_never_past_the_budget(daemon_factory):
-    d = daemon_factory("--ram-mb", "256", "--data-dir", "none")
+    d = daemon_factory("--ram-mb", "256", "--shm-warm-mb", "0", "--data-dir", "none")
     toks = [np.arange(2048) + i * 100_000 for i in range(12)]
     with d.client("prep", strict=True, transport="shm") as c:
         def shm():
             return c.stats()["shm"]
 
         s = shm()
-        assert s["prepared_bytes"] == 0 and s["mapped_bytes"] == 0  # no jump at start (a tight cgroup)
+        assert s["prepared_bytes"] == 0 and s["mapped_bytes"] == 0  # no window: nothing before the first PUT
         assert c.put(toks[0], prefix_snapshot(toks[0]))
         seg = 8 * MiB  # a thirty-second of 256 MiB
         s = wait_until(lambda: (x := shm())["prepared_bytes"] >= 2 * seg and x, what="segments prepared ahead")

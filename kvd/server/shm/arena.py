@@ -256,6 +256,10 @@ class Arena:
             seg = self._add_segment(self.segment_bytes)
             return seg, self._fds[seg]
 
+    def address(self, seg: int) -> int:
+        """Where segment `seg` is mapped in this process (the preparer's populate)."""
+        return self._bases[seg]
+
     def end_segment(self, seg: int, reserved: bool) -> None:
         """Offer a prepared segment to `alloc`: its pages reserved (`reserved`:
         posix_fallocate of the whole of it, done outside the lock, held)."""

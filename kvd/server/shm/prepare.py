@@ -1,24 +1,41 @@
 """Pages of the arena made ready before a PUT needs them (issue 42).
 
 A freshly started daemon has no segments: each SLOTS made one and reserved
-its slots' pages on the serving thread (posix_fallocate: the kernel clears
-every page, ~2 GiB/s here), while the client waited, so a put into a fresh
-daemon ran at a fraction of a warm one's rate. The thread `kvd-shm-prep`
-keeps prepared free space ahead of demand instead: whole segments made,
-mapped and reserved (posix_fallocate of all of it) away from the serving
-thread, offered to `Arena.alloc` only once ready; a slot carved from them
-costs no syscall.
+its slots' pages on the serving thread (posix_fallocate, ~55 ms per 256 MiB
+here), and the client then faulted every page of its new mapping in one at a
+time (~115 ms more: the kernel clears a shmem page reserved by fallocate at
+its first fault, and fault-around skips pages not yet cleared), so a put
+into a fresh daemon ran at a fifth of a warm one's rate. The thread
+`kvd-shm-prep` keeps prepared free space ahead of demand instead: whole
+segments made, mapped, reserved (posix_fallocate) and populated (the pages
+cleared and present: kvd.host.segments.populate, MADV_POPULATE_WRITE on
+Linux) away from the serving thread, offered to `Arena.alloc` only once
+ready. A slot carved from them costs no syscall, and a client maps their
+pages sixteen a fault (client/_pages.py), not one. Pages are populated a
+few MiB per call (`_populate`): with one call per 64 MiB segment, a client
+connecting while a 4 GiB window was being prepared missed its 250 ms
+`connect_wait` now and then on this loaded 2-core VM (2 of ~25 connects;
+with 4 MiB calls none of 36 -- the likely cause, the daemon's mmap lock held
+through each call, is a guess).
 
-How far ahead: twice the bytes allocated in the busiest recent interval
-(each wake measures the bytes allocated since the last, and the figure
-decays by a tenth per wake), at least two segments, from the first PUT on
-(not before: a daemon started in a tight memory cgroup must not jump at
-start, tests/server/test_pressure.py) -- and never past the
-ceiling: the segments that allocate hold at most half the arena's capacity
-plus one segment (the RAM tier's budget, about: what a warm daemon keeps
-mapped anyway, `Arena.keep_free`). Nothing is prepared while the RAM tier
-yields to memory pressure (`allowed`), nor after `kvd gc --ram-mb` emptied
-it (`Arena.lean`), so memory handed back stays handed back.
+How far ahead:
+- From the start, before any PUT: the *window*, `shm_warm_mb` (kvd/config.py)
+  but at most the RAM tier's budget and a segment -- what a warm daemon
+  keeps mapped anyway (`Arena.keep_free`), so a new daemon's fill meets
+  pages as ready as a warm one's (kvd/server/shm/startup.py, `warm_window`).
+- Once puts come: twice the bytes allocated in the busiest recent interval
+  (each wake measures the bytes allocated since the last, and the figure
+  decays by a tenth per wake), at least two segments.
+Bounds, always: the segments that allocate hold at most half the arena's
+capacity plus one segment (the RAM tier's budget, about); a segment is made
+only while the free prepared bytes with it stay within a quarter of the
+memory available to the daemon (`available`: MemAvailable, or the tightest
+memory cgroup's limit less its working set, kvd.host.pressure), so a daemon
+in a tight memory cgroup sees no jump at start (tests/server/test_pressure.py);
+nothing is prepared while the RAM tier yields to memory pressure (`allowed`;
+the arena's `trim` then hands the free window back, kvd/server/shm/startup.py),
+nor after `kvd gc --ram-mb` emptied it (`Arena.lean`), so memory handed back
+stays handed back.
 """
 
 from __future__ import annotations
@@ -28,26 +45,34 @@ import os
 import threading
 from typing import Callable
 
+from kvd.host.segments import populate
 from kvd.server.shm.arena import Arena
 
 log = logging.getLogger("kvd.server")
 
 WAKE_S = 0.05  # the thread looks at demand at least this often
+POPULATE_STEP = 4 << 20  # bytes populated per call (`_populate`)
+AVAILABLE_SHARE = 4  # free prepared bytes stay within 1/AVAILABLE_SHARE of the memory available
 
 
 class Preparer:
-    def __init__(self, arena: Arena, allowed: Callable[[], bool] = lambda: True):
-        self.arena, self.allowed = arena, allowed
+    def __init__(self, arena: Arena, allowed: Callable[[], bool] = lambda: True, *, window: int = 0,
+                 available: Callable[[], int | None] = lambda: None):
+        self.arena, self.allowed, self.available = arena, allowed, available
+        self.window = max(0, int(window))  # bytes prepared from the start, before any PUT
         self._wake = threading.Event()
         self._stop = False
         self._seen = 0
         self._burst = 0.0
         self.prepared_bytes = 0
+        self.populated_bytes = 0
         self.failures = 0
+        self.held_back = 0  # segments not made for want of available memory
         self._thread = threading.Thread(target=self._run, name="kvd-shm-prep", daemon=True)
 
     def start(self) -> "Preparer":
         self.arena.on_alloc = self._wake.set
+        self._wake.set()  # the window at once, not after the first wait
         self._thread.start()
         return self
 
@@ -63,14 +88,29 @@ class Preparer:
         self._burst = max(self._burst * 0.9, float(allocated - self._seen))
         self._seen = allocated
         if not allocated:
-            return 0  # nothing before the first PUT: a daemon in a tight memory cgroup sees no jump at start
+            return self.window
         return max(2 * self.arena.segment_bytes, int(2 * self._burst))
+
+    def room(self, spare: int) -> bool:
+        """Whether one more segment fits the memory available (module docstring)."""
+        avail = self.available()
+        if avail is None:
+            return True
+        return spare + self.arena.segment_bytes <= (avail + spare) // AVAILABLE_SHARE
 
     def step(self) -> bool:
         """Prepare one segment if wanted and allowed; whether one was."""
         arena = self.arena
         want = self.ahead()
-        if arena.lean or not self.allowed() or arena.spare_prepared() >= want:
+        if arena.lean or not self.allowed():
+            return False
+        spare = arena.spare_prepared()
+        if spare + (0 if arena.allocated else arena.segment_bytes) > want:
+            return False  # before any PUT the window is a ceiling; after, a floor to keep
+        if spare >= want:
+            return False
+        if not self.room(spare):
+            self.held_back += 1
             return False
         begun = arena.begin_segment(room=arena.capacity // 2 + arena.segment_bytes)
         if begun is None:
@@ -84,9 +124,21 @@ class Preparer:
                 reserved = False
                 self.failures += 1
                 log.debug("shared memory: cannot prepare a segment: %s", err)
+        if reserved and self._populate(arena.address(seg), arena.segment_bytes):
+            self.populated_bytes += arena.segment_bytes
+        self.prepared_bytes += arena.segment_bytes if reserved else 0  # counted before it is offered (stats)
         arena.end_segment(seg, reserved)
-        self.prepared_bytes += arena.segment_bytes if reserved else 0
         return reserved
+
+    @staticmethod
+    def _populate(address: int, length: int) -> bool:
+        """Populate in POPULATE_STEP pieces: each holds this process's mmap lock
+        for ~1 ms, so a thread that maps or unmaps memory (libzmq, malloc) is
+        never kept waiting for a whole segment's (module docstring)."""
+        for off in range(0, length, POPULATE_STEP):
+            if not populate(address + off, min(POPULATE_STEP, length - off)):
+                return False
+        return True
 
     def _run(self) -> None:
         while not self._stop:
@@ -100,4 +152,6 @@ class Preparer:
                 log.debug("shared memory: preparing a segment failed: %s", err)
 
     def stats(self) -> dict[str, int]:
-        return {"prepared_bytes": self.prepared_bytes, "prepare_failures": self.failures}
+        return {"prepared_bytes": self.prepared_bytes, "populated_bytes": self.populated_bytes,
+                "prepare_window_bytes": self.window, "prepared_free_bytes": self.arena.spare_prepared(),
+                "prepare_held_back": self.held_back, "prepare_failures": self.failures}

@@ -23,10 +23,36 @@ def arena_capacity(store, segment: int):
 
 def segment_bytes(store) -> int:
     """A thirty-second of the RAM tier, 4 to 64 MiB: segments are reserved whole when
-    made, so a small daemon (a tight memory cgroup) must not reserve far ahead of use."""
+    made, so a small daemon (a tight memory cgroup) must not reserve far ahead of use.
+    A power of two: a chunk's slot (chunk_tokens of a layout, most often a power of
+    two too: 256 tokens x 128 KiB = 32 MiB) does not straddle segments, and a
+    40 MiB segment left 8 of every 40 unused (the prepared window fell short)."""
     ram = getattr(store, "ram", store)
     want = int(getattr(ram, "budget_bytes", 0)) // 32
-    return min(64 << 20, max(4 << 20, want >> 20 << 20))
+    return min(64 << 20, max(4 << 20, 1 << max(0, want.bit_length() - 1)))
+
+
+WARM_BYTES = 4 << 30  # the window's size unless the daemon says (`shm_warm_mb`, kvd/config.py)
+
+
+def warm_window(daemon, budget: int, segment: int) -> int:
+    """Bytes the preparer makes ready from the start, before any PUT
+    (kvd/server/shm/prepare.py): the daemon's `shm_warm_bytes` (set by `kvd
+    serve` from `shm_warm_mb`) but at most the RAM tier's budget and a
+    segment (puts that fill the budget need a little more than it: slots are
+    aligned, and a chunk's slot does not straddle segments), in whole segments."""
+    want = min(int(getattr(daemon, "shm_warm_bytes", WARM_BYTES)), int(budget) + segment)
+    return want // segment * segment
+
+
+def memory_available():
+    """Bytes the daemon could still get (MemAvailable, or its tightest memory
+    cgroup's limit less the working set: kvd.host.pressure), sampled at
+    each call, ~50 us; None where the OS does not say."""
+    from kvd.host.pressure import system_source
+
+    source = system_source()
+    return lambda: source("normal").available
 
 
 def _arena_or_heap(arena_alloc, heap_alloc):
@@ -72,8 +98,9 @@ def open_plane(daemon) -> None:
     daemon.handler.shm = plane
     ram = getattr(daemon.store, "ram", daemon.store)
     full_budget = getattr(ram, "budget_bytes", 0)
-    try:  # pages ready before a PUT needs them; not while the RAM tier yields to pressure
-        plane.preparer = Preparer(plane.arena, lambda: getattr(ram, "budget_bytes", full_budget) >= full_budget).start()
+    try:  # pages ready before a PUT needs them, from the start; not while the RAM tier yields to pressure
+        plane.preparer = Preparer(plane.arena, lambda: getattr(ram, "budget_bytes", full_budget) >= full_budget,
+                                  window=warm_window(daemon, full_budget, seg), available=memory_available()).start()
     except RuntimeError as err:  # no thread to be had: slots reserve their pages as they are handed out
         plane.preparer = None
         log.warning("shared memory: no thread to prepare segments ahead of demand: %s", err)
