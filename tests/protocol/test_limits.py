@@ -22,6 +22,14 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 CEILING = 200 << 20  # far above an idle daemon (~50 MB), far below what the attacks cost unbounded
 
 
+@pytest.fixture
+def kvd_daemon(daemon_factory):
+    """A daemon without the shared-memory window it would prepare at start
+    (`shm_warm_mb`, resident as soon as it is ready): these tests measure
+    what decoding costs in memory."""
+    return daemon_factory("--ram-mb", "256", "--shm-warm-mb", "0")
+
+
 def peak_rss(pid: int) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmHWM:"):
