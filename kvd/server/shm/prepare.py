@@ -35,7 +35,10 @@ in a tight memory cgroup sees no jump at start (tests/server/test_pressure.py);
 nothing is prepared while the RAM tier yields to memory pressure (`allowed`;
 the arena's `trim` then hands the free window back, kvd/server/shm/startup.py),
 nor after `kvd gc --ram-mb` emptied it (`Arena.lean`), so memory handed back
-stays handed back.
+stays handed back; nor while the daemon's fds fill half its fd table
+(`fds_ok`: a segment holds one, and the other half is the peers' bursts,
+kvd.server.admission.caps), so an fd limit lowered under a running daemon
+leaves room for its clients.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ AVAILABLE_SHARE = 4  # free prepared bytes stay within 1/AVAILABLE_SHARE of the 
 
 class Preparer:
     def __init__(self, arena: Arena, allowed: Callable[[], bool] = lambda: True, *, window: int = 0,
-                 available: Callable[[], int | None] = lambda: None):
-        self.arena, self.allowed, self.available = arena, allowed, available
+                 available: Callable[[], int | None] = lambda: None, fds_ok: Callable[[], bool] = lambda: True):
+        self.arena, self.allowed, self.available, self.fds_ok = arena, allowed, available, fds_ok
         self.window = max(0, int(window))  # bytes prepared from the start, before any PUT
         self._wake = threading.Event()
         self._stop = False
@@ -109,7 +112,7 @@ class Preparer:
             return False  # before any PUT the window is a ceiling; after, a floor to keep
         if spare >= want:
             return False
-        if not self.room(spare):
+        if not self.room(spare) or not self.fds_ok():
             self.held_back += 1
             return False
         begun = arena.begin_segment(room=arena.capacity // 2 + arena.segment_bytes)

@@ -6,6 +6,7 @@ import logging
 import time
 
 from kvd.endpoint import ipc_path
+from kvd.host.fds import fd_limit, open_fds
 from kvd.server.shm.folders import new_plane_dir, sweep_plane_dirs
 from kvd.server.shm.plane import ShmPlane
 from kvd.server.shm.prepare import Preparer
@@ -33,6 +34,14 @@ def segment_bytes(store) -> int:
 
 
 WARM_BYTES = 4 << 30  # the window's size unless the daemon says (`shm_warm_mb`, kvd/config.py)
+
+
+def _fds_ok() -> bool:
+    """Room in the fd table for one more segment: this process holds under
+    half of its limit (Preparer's docstring)."""
+    limit = fd_limit()
+    held = open_fds(limit)
+    return held is None or held + 1 <= limit // 2
 
 
 def warm_window(daemon, budget: int, segment: int) -> int:
@@ -100,7 +109,8 @@ def open_plane(daemon) -> None:
     full_budget = getattr(ram, "budget_bytes", 0)
     try:  # pages ready before a PUT needs them, from the start; not while the RAM tier yields to pressure
         plane.preparer = Preparer(plane.arena, lambda: getattr(ram, "budget_bytes", full_budget) >= full_budget,
-                                  window=warm_window(daemon, full_budget, seg), available=memory_available()).start()
+                                  window=warm_window(daemon, full_budget, seg), available=memory_available(),
+                                  fds_ok=_fds_ok).start()
     except RuntimeError as err:  # no thread to be had: slots reserve their pages as they are handed out
         plane.preparer = None
         log.warning("shared memory: no thread to prepare segments ahead of demand: %s", err)
