@@ -10,7 +10,8 @@ same bytes measured in the same run (alternating with the fetches):
   fetch     Client.fetch as the caller sees it;
   requests  the GET round trips (the daemon's side and the wire);
   join      check, allocation of the mlx memory, the copy (and hash) into it,
-            of which `loaded` or `zeroed` is the memory's road (_blocks);
+            of which `loaded` or `zeroed` is the memory's road (_blocks), and
+            `readinto` the copy and hash within the loaded road;
   rebuild   mlx-lm cache objects over that memory, evaluated.
 """
 
@@ -39,7 +40,9 @@ class Stages:
         self.spent: dict[str, float] = {}
 
     def wrap(self, owner, attr: str, label: str) -> None:
-        inner = getattr(owner, attr)
+        inner = getattr(owner, attr, None)
+        if inner is None:  # an older tree without this stage
+            return
 
         def timed(*a, **kw):
             t0 = time.perf_counter()
@@ -55,7 +58,11 @@ def main() -> None:
     import mlx.core as mx
 
     from kvd_client import Client, _chunking, _core
-    from kvd_client.mlx_lm import _blocks, _rebuild
+    from kvd_client.mlx_lm import _rebuild
+    try:
+        from kvd_client.mlx_lm import _blocks
+    except ImportError:  # an older tree (the baseline): no such stage
+        _blocks = None
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=256)
@@ -78,6 +85,8 @@ def main() -> None:
     stages.wrap(_core.Core, "_call", "requests")
     stages.wrap(_chunking, "join", "join")
     stages.wrap(_blocks, "_loaded", "loaded")
+    if _blocks is not None:
+        stages.wrap(_blocks._Source, "readinto", "readinto")  # the copy and hash, inside mx.load
     stages.wrap(_blocks, "_zeroed", "zeroed")
     stages.wrap(_rebuild, "rebuild", "rebuild")
     # _methods imports rebuild at call time from the module: the wrapper is what it finds.
