@@ -12,12 +12,14 @@ same bytes measured in the same run (alternating with the fetches):
   join      check, allocation of the mlx memory, the copy (and hash) into it,
             of which `loaded` or `zeroed` is the memory's road (_blocks), and
             `readinto` the copy and hash within the loaded road;
-  rebuild   mlx-lm cache objects over that memory, evaluated.
+  rebuild   mlx-lm cache objects over that memory, evaluated;
+  gc        Python's cyclic garbage collector, wherever it ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -68,6 +70,7 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--transport", default="shm")
+    p.add_argument("--no-verify", action="store_true", help="skip the digest checks (to see what they cost)")
     args = p.parse_args()
     T = args.mib * MiB // PER_TOKEN
     nbytes = T * PER_TOKEN
@@ -82,6 +85,15 @@ def main() -> None:
             np.copyto(d, np.asarray(v))
 
     stages = Stages()
+    collecting = {}
+
+    def gc_timer(phase, info):  # Python's cyclic collector, wherever it runs
+        if phase == "start":
+            collecting["t"] = time.perf_counter()
+        elif "t" in collecting:
+            stages.spent["gc"] = stages.spent.get("gc", 0.0) + time.perf_counter() - collecting.pop("t")
+
+    gc.callbacks.append(gc_timer)
     stages.wrap(_core.Core, "_call", "requests")
     stages.wrap(_chunking, "join", "join")
     stages.wrap(_blocks, "_loaded", "loaded")
@@ -92,7 +104,7 @@ def main() -> None:
     # _methods imports rebuild at call time from the module: the wrapper is what it finds.
     print(f"# probe_fetch  {nbytes / MiB:.0f} MiB over {args.transport}; {machine()}; load average {load_average()}")
     with daemon("--ram-mb", str(3 * nbytes // MiB + 512), "--data-dir", "none") as d, \
-            Client(d.endpoint, namespace="probe", transport=args.transport, timeout=120.0) as kv:
+            Client(d.endpoint, namespace="probe", transport=args.transport, timeout=120.0, verify=not args.no_verify) as kv:
         toks = list(range(T))
         assert kv.store(toks, caches, wait=True), kv.counters
         rows: dict[str, list[float]] = {"memcpy": [], "fetch": []}

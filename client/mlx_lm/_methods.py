@@ -157,11 +157,12 @@ class MlxMethods:
         # The hit is joined straight into mlx memory (one copy from the wire
         # or shared memory, and no memset before it: `_blocks`), and rebuilt
         # as views of it.
-        blocks: list[Any] = []
+        blocks: dict[int, Any] = {}  # address of a joined tensor's memory -> its mlx array
 
         def alloc(sizes: list[int], fill):
             xs, aliases = mlx_blocks(sizes, fill)
-            blocks[:] = xs  # a second get replaces the first's
+            blocks.clear()  # a second get replaces the first's
+            blocks.update((a.ctypes.data, x) for x, a in zip(xs, aliases))
             return aliases
 
         hit = self.get(toks, max_tokens=cap, need_boundary=need, alloc=alloc, **extra)

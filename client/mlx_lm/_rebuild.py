@@ -25,18 +25,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from kvd_client._tensors import Hit, HostTensor
 from kvd_client.mlx_lm import _format as F
 
 
-def rebuild(hit: Hit, blocks: Any = None) -> list[Any]:
+def rebuild(hit: Hit, blocks: dict[int, Any] | None = None) -> list[Any]:
     """A list of mlx-lm cache objects covering `hit.n` tokens; SnapshotMismatch if unusable.
 
-    `blocks`: the mlx uint8 arrays the hit's sliced tensors were joined into
-    (`MlxMethods.fetch` passes them, see `_blocks.mlx_blocks`); those tensors
-    become views of them, with no second copy.
+    `blocks`: the mlx uint8 arrays the hit's sliced tensors were joined into,
+    by the address of their memory (`MlxMethods.fetch` passes them, see
+    `_blocks.mlx_blocks`); those tensors become views of them, with no
+    second copy.
     """
     import mlx.core as mx
 
@@ -64,11 +64,11 @@ def _layers(meta: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class _Builder:
-    def __init__(self, hit: Hit, blocks: Any = None):
+    def __init__(self, hit: Hit, blocks: dict[int, Any] | None = None):
         self.hit = hit
         self.n = int(hit.n)
         self.arrays: list[Any] = []
-        self.blocks = {np.asarray(x).ctypes.data: x for x in blocks or ()}
+        self.blocks = blocks or {}
 
     def _view(self, host: HostTensor) -> Any:
         """`host` as a view of the mlx block it was joined into, or None."""

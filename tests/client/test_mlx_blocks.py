@@ -42,6 +42,14 @@ def road(request, monkeypatch):
     assert taken == ([] if request.param == "loaded" else ["zeroed"] * len(taken)), "mx.load did not take the stream"
 
 
+@pytest.fixture(params=[0, 65536, None], ids=["blob-per-tensor", "few-per-blob", "default"])
+def grouping(request, monkeypatch):
+    """How many tensors one mx.load read fills (`_blocks.GROUP_BYTES`)."""
+    if request.param is not None:
+        monkeypatch.setattr(_blocks, "GROUP_BYTES", request.param)
+    return request.param
+
+
 def joined(chunks, n):
     """join() into mlx memory as `MlxMethods.fetch` does: (tensors, blocks, fill threads)."""
     blocks, threads = [], set()
@@ -52,7 +60,7 @@ def joined(chunks, n):
             fill(i, raw)
 
         xs, aliases = _blocks.mlx_blocks(sizes, tracked)
-        blocks[:] = xs
+        blocks[:] = zip(xs, aliases)
         return aliases
 
     tensors, axes, meta = join(chunks, n, CHUNK, alloc)
@@ -87,12 +95,14 @@ def wire_tensor(dtype: str, shape, seed: int) -> HostTensor:
 
 
 @pytest.mark.parametrize("n", [200, 130, 1])
-def test_every_wire_dtype_lands_bit_exact_and_aligned(road, n):
+def test_every_wire_dtype_lands_bit_exact_and_aligned(road, grouping, n):
     names = sorted(dtypes.DTYPES)
     snap = Snapshot(sliced={name: (wire_tensor(name, (1, 3, 200, 5), i), 2) for i, name in enumerate(names)})
     tensors, axes, _, blocks, _ = joined(chunks_of(snap, 200, digests=True), n)
     assert len(blocks) == len(names)
-    addresses = {np.asarray(x).ctypes.data for x in blocks}
+    addresses = {np.asarray(x).ctypes.data for x, _ in blocks}
+    assert addresses == {a.ctypes.data for _, a in blocks}  # the aliases are the mlx memory
+    assert len(addresses) == len(names)  # a block of its own each (views of a few blobs)
     for name in names:
         got, want = tensors[name], snap.sliced[name][0].array[:, :, :n]
         assert got.dtype == name and got.shape == want.shape
@@ -121,13 +131,13 @@ def caches_of_every_class():
             kv(C.ConcatenateKVCache, mx.bfloat16), q, C.CacheList(rot, kv(C.KVCache, mx.float32)), arrays]
 
 
-def test_every_cache_class_rebuilds_bit_exact_from_mlx_memory(road):
+def test_every_cache_class_rebuilds_bit_exact_from_mlx_memory(road, grouping):
     caches = caches_of_every_class()
     toks, snap = snapshot(list(range(150)), caches)
     tensors, axes, meta, blocks, _ = joined(chunks_of(snap, 150, digests=True), 150)
     hit = Hit(n=150, sliced=tensors, axes=axes, boundary=dict(snap.boundary), meta=meta,
               boundary_meta=snap.boundary_meta)
-    rebuilt = rebuild(hit, blocks)
+    rebuilt = rebuild(hit, {a.ctypes.data: x for x, a in blocks})
     assert [type(c) for c in rebuilt] == [type(c) for c in caches]
     _, again = snapshot(toks, rebuilt)  # what the rebuilt caches hold, in the terms stored
     assert set(again.sliced) == set(snap.sliced) and set(again.boundary) == set(snap.boundary)
@@ -136,12 +146,12 @@ def test_every_cache_class_rebuilds_bit_exact_from_mlx_memory(road):
     for name, t in snap.boundary.items():
         assert again.boundary[name].equal(t), name
     # the KV buffers are views of the blocks: no second copy
-    spans = [(np.asarray(x).ctypes.data, np.asarray(x).ctypes.data + x.size) for x in blocks]
+    spans = [(np.asarray(x).ctypes.data, np.asarray(x).ctypes.data + x.size) for x, _ in blocks]
     keys = np.asarray(rebuilt[0].keys.view(mx.uint16))
     assert any(lo <= keys.ctypes.data < hi for lo, hi in spans)
 
 
-def test_damaged_piece_is_raised_on_the_callers_thread(road):
+def test_damaged_piece_is_raised_on_the_callers_thread(road, grouping):
     snap = Snapshot(sliced={"a": (wire_tensor("bfloat16", (1, 2, 200, 8), 1), 2),
                             "b": (wire_tensor("float32", (1, 2, 200, 8), 2), 2)})
     chunks = chunks_of(snap, 200, digests=True)
