@@ -71,10 +71,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--transport", default="shm")
     p.add_argument("--no-verify", action="store_true", help="skip the digest checks (to see what they cost)")
+    p.add_argument("--mlx-default-cache", action="store_true",
+                   help="keep mlx's buffer cache limit as it is (on Linux CPU, 32 MiB), as bench_snapshot does")
     args = p.parse_args()
     T = args.mib * MiB // PER_TOKEN
     nbytes = T * PER_TOKEN
-    mx.set_cache_limit(min(mx.get_memory_limit(), nbytes + (1 << 30)))  # as bench_mlx: a fetch's worth reused
+    if not args.mlx_default_cache:
+        mx.set_cache_limit(min(mx.get_memory_limit(), nbytes + (1 << 30)))  # as bench_mlx: a fetch's worth reused
     caches = kv_cache(T, LAYERS, HEADS, DIM)
     views = [x.view(mx.uint16) for c in caches for x in (c.keys[..., :T, :], c.values[..., :T, :])]
     mx.eval(views)
@@ -103,7 +106,8 @@ def main() -> None:
     stages.wrap(_rebuild, "rebuild", "rebuild")
     # _methods imports rebuild at call time from the module: the wrapper is what it finds.
     print(f"# probe_fetch  {nbytes / MiB:.0f} MiB over {args.transport}; {machine()}; load average {load_average()}")
-    with daemon("--ram-mb", str(3 * nbytes // MiB + 512), "--data-dir", "none") as d, \
+    # pressure_source off: a RAM tier yielding to other tenants here would make a fetch short, not slow
+    with daemon("--ram-mb", str(nbytes // MiB + 512), "--data-dir", "none", "--pressure-source", "off") as d, \
             Client(d.endpoint, namespace="probe", transport=args.transport, timeout=120.0, verify=not args.no_verify) as kv:
         toks = list(range(T))
         assert kv.store(toks, caches, wait=True), kv.counters

@@ -49,8 +49,12 @@ from kvd_client.mlx_lm import _format as F
 
 Fill = Callable[[int, np.ndarray], None]
 
-# Bytes of tensors one read of mx.load's fills at most (one tensor if bigger).
-GROUP_BYTES = 32 << 20
+# Bytes one read of mx.load's fills at most (one tensor if bigger). Below
+# glibc's largest mmap threshold (32 MiB on 64-bit): a buffer at or over it is
+# mmapped fresh at every allocation and page-faults while it is copied into
+# (8x slower here where mlx's buffer cache keeps nothing, its Linux default),
+# while smaller ones come back touched from the heap.
+GROUP_BYTES = 16 << 20
 
 
 def mlx_blocks(sizes: list[int], fill: Fill) -> tuple[list[Any], list[np.ndarray]]:
@@ -124,7 +128,7 @@ class _Source:
         self.groups: list[list[tuple[int, int]]] = []  # per blob: (tensor, its offset past the blob's pad)
         lengths: list[int] = []
         for i, size in enumerate(sizes):
-            if not self.groups or lengths[-1] + size > GROUP_BYTES:
+            if not self.groups or lengths[-1] + align_up(size) + ALIGN > GROUP_BYTES:
                 self.groups.append([])
                 lengths.append(0)
             self.groups[-1].append((i, lengths[-1]))
