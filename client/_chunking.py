@@ -17,7 +17,7 @@ import xxhash
 
 from kvd.protocol import dtypes
 from kvd.protocol.codec import Tensor
-from kvd.protocol.shm import Descriptor
+from kvd.protocol.shm import ALIGN, Descriptor
 from kvd_client._errors import ShmDamaged
 from kvd_client._tensors import HostTensor, Snapshot
 
@@ -187,15 +187,19 @@ def check_boundary(tensors: list[Tensor]) -> None:
 
 def join(
     chunks: list[dict[str, Any]], n: int, chunk_tokens: int,
-    alloc: Callable[[list[int]], list[np.ndarray]] | None = None, verify: bool = True,
+    alloc: Callable[[list[int], Callable[[int, np.ndarray], None]], list[np.ndarray]] | None = None,
+    verify: bool = True,
 ) -> tuple[dict[str, HostTensor], dict[str, int], dict]:
     """Re-join served chunks (sorted by start, contiguous from 0) into n tokens.
 
-    `alloc(sizes)`, if given, supplies one writable uint8 array per tensor
-    (e.g. the memory of fresh mlx arrays, so a fetch copies once); else the
-    tensors are views of one fresh numpy block. With `verify`, a tensor read
-    from shared memory whose digest the daemon sent is hashed right after it
-    is copied (its bytes still in cache: no second pass over memory).
+    `alloc(sizes, fill)`, if given, owns the memory: it must call `fill(i,
+    raw)` once for each tensor i with a writable uint8 array of `sizes[i]`
+    bytes (e.g. the memory of fresh mlx arrays, so a fetch copies once), and
+    return an array holding each tensor's bytes afterwards; else the tensors
+    are views of one fresh numpy block. `fill` copies the tensor's pieces in
+    and, with `verify`, hashes each piece read from shared memory whose digest
+    the daemon sent right after its copy (its bytes still in cache: no second
+    pass over memory); it raises ShmDamaged for a piece whose bytes changed.
 
     Returns (tensors, axes, caller meta). Raises ValueError if the chunks
     disagree on their layout (`check_served`): never a wrong-shaped array;
@@ -203,43 +207,67 @@ def join(
     """
     axes, meta = check_served(chunks, n, chunk_tokens)
     first = {t.name: t for t in chunks[0]["tensors"]}
-    # One allocation for every tensor, filled tensor by tensor: touching fresh
-    # pages in order is what a plain copy into new memory does, and chunk-major
-    # order across dozens of separate arrays measured up to 2x slower.
-    shapes: dict[str, list[int]] = {}
-    offsets: dict[str, int] = {}
-    total = 0
+    names = list(first)
+    shapes: list[list[int]] = []
     for name, t in first.items():
         shape = list(t.shape)
         shape[axes[name]] = n
-        shapes[name] = shape
-        offsets[name] = total
-        total += -(-math.prod(shape) * dtypes.itemsize(t.dtype) // 64) * 64
-    sizes = [math.prod(shapes[name]) * dtypes.itemsize(t.dtype) for name, t in first.items()]
-    if alloc is not None:
-        raws = alloc(sizes)
-    else:
-        block = np.empty(total, dtype=np.uint8)
-        raws = [block[offsets[name]:offsets[name] + size] for name, size in zip(first, sizes)]
-    out: dict[str, np.ndarray] = {}
-    for (name, t), raw in zip(first.items(), raws):
-        out[name] = raw.view(dtypes.container(t.dtype)).reshape(shapes[name])
-    pieces: dict[str, list[tuple[int, Tensor]]] = {name: [] for name in first}
+        shapes.append(shape)
+    sizes = [math.prod(shape) * dtypes.itemsize(first[name].dtype) for name, shape in zip(names, shapes)]
+    # Per tensor, its pieces as (source, destination index, the bytes and
+    # digest to check, start): worked out once, so a fill is a copy and a hash
+    # per piece. A digest covers its whole slot, even where `n` trims it.
+    plans: list[list[tuple[np.ndarray, tuple, Any, int | None, int]]] = [[] for _ in names]
+    where = {name: i for i, name in enumerate(names)}
     for chunk in chunks:
+        start = chunk["start"]
         for t in chunk["tensors"]:
-            pieces[t.name].append((chunk["start"], t))
-    for name, parts in pieces.items():
-        axis = axes[name]
-        for start, t in parts:
+            axis = axes[t.name]
             stop = min(start + t.shape[axis], n)
             if stop <= start:
                 continue
             src = _array(t)
-            take = (slice(None),) * axis + (slice(0, stop - start),)
-            put = (slice(None),) * axis + (slice(start, stop),)
-            out[name][put] = src[take]
-            digest = getattr(t.data, "digest", None)
-            if verify and digest is not None and xxhash.xxh3_64_intdigest(t.data) != digest:
-                raise ShmDamaged(f"tensor {name!r} of the chunk at {start}: its shared-memory bytes changed after COMMIT")
-    tensors = {name: HostTensor(first[name].dtype, arr) for name, arr in out.items()}
+            if stop - start < t.shape[axis]:
+                src = src[(slice(None),) * axis + (slice(0, stop - start),)]
+            digest = getattr(t.data, "digest", None) if verify else None
+            plans[where[t.name]].append((src, (slice(None),) * axis + (slice(start, stop),), t.data, digest, start))
+
+    def fill(i: int, raw: np.ndarray) -> None:
+        dst = raw.view(dtypes.container(first[names[i]].dtype)).reshape(shapes[i])
+        for src, put, whole, digest, start in plans[i]:
+            dst[put] = src
+            if digest is not None and xxhash.xxh3_64_intdigest(whole) != digest:
+                raise ShmDamaged(f"tensor {names[i]!r} of the chunk at {start}: its shared-memory bytes changed after COMMIT")
+
+    if alloc is not None:
+        raws = alloc(sizes, fill)
+    else:
+        # One allocation for every tensor, filled tensor by tensor: touching
+        # fresh pages in order is what a plain copy into new memory does, and
+        # chunk-major order across dozens of separate arrays measured up to 2x
+        # slower. Each tensor starts on a cache line (see `aligned`).
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + -(-size // ALIGN) * ALIGN)
+        block = aligned(offsets[-1])
+        raws = [block[o:o + size] for o, size in zip(offsets, sizes)]
+        for i, raw in enumerate(raws):
+            fill(i, raw)
+    tensors = {
+        name: HostTensor(first[name].dtype, raw.view(dtypes.container(first[name].dtype)).reshape(shape))
+        for name, raw, shape in zip(names, raws, shapes)
+    }
     return tensors, axes, meta
+
+
+def aligned(nbytes: int) -> np.ndarray:
+    """A fresh uint8 array of `nbytes` starting on a cache line (ALIGN bytes).
+
+    Shared-memory slots start on one too (kvd.protocol.shm), and a copy whose
+    destination sits at another offset within a cache line than its source
+    can run 2-4x slower (glibc's `rep movsb` on this machine's AMD cores, at
+    the 64 KiB-1 MiB pieces a chunk's rows are): numpy's own allocations sit
+    16 bytes past one, mlx's 8-24."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    pad = (-raw.ctypes.data) % ALIGN
+    return raw[pad:pad + nbytes]

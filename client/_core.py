@@ -639,8 +639,9 @@ class Core:
 
         With `need_boundary`, only a prefix that ends where boundary state was
         stored is served, and `hit.boundary` holds that state. `media` as in `probe`.
-        `alloc(sizes)`, if given, returns one writable uint8 array per sliced
-        tensor to join it into (see `_chunking.join`); default: fresh numpy.
+        `alloc(sizes, fill)`, if given, supplies the memory each sliced tensor
+        is joined into and has `fill` copy it in (see `_chunking.join`);
+        default: fresh numpy.
         """
         if len(tokens) == 0 or max_tokens == 0:
             return None

@@ -18,7 +18,9 @@ thread, inside its `mx.stream` if it has one):
                             (into a slab of the process's BufferPool)
             writer thread   put(tokens, Snapshot)                (numpy only);
                             dropping it gives the slab back to the pool
-    fetch:  caller thread   get() -> Hit (numpy) -> rebuild(): mx.array, eval
+    fetch:  caller thread   get() -> Hit joined into mlx memory (`_blocks`: the
+                            copy may run on mlx's own I/O threads, inside
+                            mx.load) -> rebuild(): views of it, eval
 
 Does the model need boundary state? A model with any recurrent or
 sliding-window layer (ArraysCache, RotatingKVCache, ChunkedKVCache) can only
@@ -142,7 +144,8 @@ class MlxMethods:
         or (None, 0) on a miss. For models with recurrent/windowed layers n
         is a position where that state was stored. `media` as in `store`.
         """
-        from kvd_client.mlx_lm._rebuild import mlx_blocks, rebuild
+        from kvd_client.mlx_lm._blocks import mlx_blocks
+        from kvd_client.mlx_lm._rebuild import rebuild
         from kvd_client.mlx_lm._snapshot import host_tokens
 
         toks = host_tokens(tokens)
@@ -152,12 +155,14 @@ class MlxMethods:
         need = self._mlx_boundary_need() is True
         extra = {"media": media} if media else {}  # numpy-level clients without media keep working
         # The hit is joined straight into mlx memory (one copy from the wire
-        # or shared memory), and rebuilt as views of it.
-        blocks: list[Any] = []
+        # or shared memory, and no memset before it: `_blocks`), and rebuilt
+        # as views of it.
+        blocks: dict[int, Any] = {}  # address of a joined tensor's memory -> its mlx array
 
-        def alloc(sizes: list[int]):
-            xs, aliases = mlx_blocks(sizes)
-            blocks[:] = xs  # a second get replaces the first's
+        def alloc(sizes: list[int], fill):
+            xs, aliases = mlx_blocks(sizes, fill)
+            blocks.clear()  # a second get replaces the first's
+            blocks.update((a.ctypes.data, x) for x, a in zip(xs, aliases))
             return aliases
 
         hit = self.get(toks, max_tokens=cap, need_boundary=need, alloc=alloc, **extra)

@@ -4,12 +4,13 @@ Theory of operation
 -------------------
 `rebuild(hit)` reads the layer specs from `hit.meta` (see `_format`), makes
 one fresh mlx-lm cache object per layer with its constructor, and fills in
-explicit attributes. Every array is created here, from the hit's numpy bytes
-(`mx.array` copies on the CPU build, so the hit's buffers -- possibly
-received ZeroMQ frames -- can be dropped right after), bfloat16 by viewing
-uint16 bits, and the lot is evaluated with one `mx.eval` on the caller's
-stream, so the first forward pass does not pay for it and nothing lazy
-escapes to another thread.
+explicit attributes. Every array is created here: a sliced tensor that
+`fetch` joined straight into mlx memory (`_blocks`) as a view of it, any
+other from the hit's numpy bytes (`mx.array` copies on the CPU build, so the
+hit's buffers -- possibly received ZeroMQ frames -- can be dropped right
+after), bfloat16 by viewing uint16 bits; the lot is evaluated with one
+`mx.eval` on the caller's stream, so the first forward pass does not pay for
+it and nothing lazy escapes to another thread.
 
 Sliced layers get `offset = hit.n` (the RoPE position of the next token);
 boundary layers get the scalars stored with their state, and must agree that
@@ -24,18 +25,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from kvd_client._tensors import Hit, HostTensor
 from kvd_client.mlx_lm import _format as F
 
 
-def rebuild(hit: Hit, blocks: Any = None) -> list[Any]:
+def rebuild(hit: Hit, blocks: dict[int, Any] | None = None) -> list[Any]:
     """A list of mlx-lm cache objects covering `hit.n` tokens; SnapshotMismatch if unusable.
 
-    `blocks`: the mlx uint8 arrays the hit's sliced tensors were joined into
-    (`MlxMethods.fetch` passes them, see `mlx_blocks`); those tensors become
-    views of them, with no second copy.
+    `blocks`: the mlx uint8 arrays the hit's sliced tensors were joined into,
+    by the address of their memory (`MlxMethods.fetch` passes them, see
+    `_blocks.mlx_blocks`); those tensors become views of them, with no
+    second copy.
     """
     import mlx.core as mx
 
@@ -62,30 +63,12 @@ def _layers(meta: dict[str, Any]) -> list[dict[str, Any]]:
     return layers
 
 
-def mlx_blocks(sizes: list[int]) -> tuple[list[Any], list[np.ndarray]]:
-    """Fresh mlx uint8 arrays of `sizes`, evaluated, and writable numpy aliases
-    of their memory (np.asarray of an evaluated mlx array does not copy).
-    Joining a hit into them and viewing them from mlx is one copy in all, where
-    numpy then `mx.array` would be two. One array per tensor, not one block:
-    mlx's allocator serves tensor-sized buffers from memory it has touched
-    before, and a single huge one page-faults afresh every time (3-5x slower
-    here)."""
-    import mlx.core as mx
-
-    xs = [mx.zeros((max(1, n),), dtype=mx.uint8) for n in sizes]
-    mx.eval(*xs)
-    aliases = [np.asarray(x)[:n] for x, n in zip(xs, sizes)]
-    if not all(a.flags.writeable for a in aliases):
-        raise F.SnapshotMismatch("mlx did not expose its buffers writable")  # never seen; the fetch is a miss
-    return xs, aliases
-
-
 class _Builder:
-    def __init__(self, hit: Hit, blocks: Any = None):
+    def __init__(self, hit: Hit, blocks: dict[int, Any] | None = None):
         self.hit = hit
         self.n = int(hit.n)
         self.arrays: list[Any] = []
-        self.blocks = {np.asarray(x).ctypes.data: x for x in blocks or ()}
+        self.blocks = blocks or {}
 
     def _view(self, host: HostTensor) -> Any:
         """`host` as a view of the mlx block it was joined into, or None."""
