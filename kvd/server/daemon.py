@@ -44,10 +44,10 @@ Rules the loop keeps:
    before any other message there, the socket is lent to a thread of its
    own that drops the rest (drain.Lent) while the loop serves the lanes.
    Replies to the main socket's peers wait meanwhile (Outbox.lend).
-9. A message of many parts is read in turns of `_TURN_PARTS`: between two,
-   the loop serves what waits on other sockets (a socket in the middle of
-   a message stays readable, and a lane's client waits behind no other
-   socket's message). On the main socket its other peers still wait for
+9. A message of many parts is read in turns (kvd.server.admission.parts):
+   between two, the loop serves what waits on other sockets (a socket in
+   the middle of a message stays readable, and a lane's client waits
+   behind no other socket's message). On the main socket its other peers still wait for
    the whole message: ZeroMQ hands a socket's messages out one at a time.
 """
 
@@ -67,7 +67,8 @@ from kvd.protocol import codec
 from kvd.protocol import errors as E
 from kvd.protocol.codec import Message
 from kvd.protocol.limits import Limits
-from kvd.endpoint import EndpointError, EndpointLock, authorized_dir, default_keys_dir, ipc_path, is_tcp, server_keys
+from kvd.endpoint import EndpointLock, default_keys_dir, ipc_path, is_tcp
+from kvd.server.curve import secure_tcp
 from kvd.server.handler import Deferred, Handler, ShutdownRequested, Sliced
 from kvd.server.parking import Parked, Parking, Wakeup
 from kvd.server.latency import Latency
@@ -78,6 +79,7 @@ from kvd.server.admission.caps import default_max_peers, io_threads, listen_back
 from kvd.server.admission.connections import connection_id, origin
 from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
+from kvd.server.admission.parts import PartReader
 from kvd.server.admission.ready import Ready
 from kvd.server.admission.turns import Turns, Unfinished
 from kvd.server.lanes import Lane, Lanes, folder_of
@@ -89,16 +91,6 @@ log = logging.getLogger("kvd.server")
 # Frames below this size are copied out of ZeroMQ's receive buffers so a small
 # tensor never pins a larger shared buffer; above it the frame itself is kept.
 _KEEP_FRAME_BYTES = 64 * 1024
-# Parts of a message read in one turn (rule 9): ~0.5 ms through pyzmq, and
-# in C past _PYZMQ_PARTS.
-_TURN_PARTS = 512
-_TURN_C_PARTS = 2048
-# Parts of a message read through pyzmq (zero-copy frames); a longer one's
-# next parts are read in C (drain.read_some: ~0.1 us a part, but each
-# part's bytes are then copied), so a frame bomb costs the serving thread
-# ~10-20 ms before it is answered (rule 8), and a PUT of up to 8,192 parts
-# keeps its frames uncopied.
-_PYZMQ_PARTS = 8192
 # Unread replies a peer may have queued: a client has one request in flight,
 # so more than a few means it is not reading (kvd.server.admission.outbox).
 _SNDHWM = 16
@@ -153,8 +145,7 @@ class Daemon:
         self._lent: drain.Lent | None = None  # the main socket, while a thread drops a bomb's rest
         self.lent_seconds = 0.0  # how long the main socket was lent, in all
         self.read_while_lent = 0  # requests read from lanes meanwhile
-        self._partial: dict[zmq.Socket, tuple[list, float]] = {}  # messages read in part (rule 9): parts, CPU so far
-        self.read_turns = 0  # turns a message's reading was cut into, past its first
+        self.parts = PartReader()  # messages read in turns (rule 9)
         self.banned_requests = 0  # requests of a banned process read before the gate cut it off
         self.offenders = drain.Offenders()
         self.latency = Latency()
@@ -227,7 +218,7 @@ class Daemon:
             sock.setsockopt(zmq.SNDHWM, _SNDHWM)
             sock.setsockopt(zmq.RCVHWM, 4)
             if is_tcp(self.endpoint):
-                self._secure_tcp(ctx, sock)
+                self._auth = secure_tcp(ctx, sock, self.endpoint, self.keys_dir, self.allow_insecure_tcp, self.security)
             # Connections waiting to be accepted: what a burst can add at once
             # when the gate opens the listener (kvd.server.admission.gate, _admit).
             sock.setsockopt(zmq.BACKLOG, listen_backlog(self.max_peers or default_max_peers()))
@@ -337,7 +328,7 @@ class Daemon:
                "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
                "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
                "main_lent": self._lent is not None, "main_lent_ms": round(1000 * self.lent_seconds, 3),
-               "read_while_lent": self.read_while_lent, "read_turns": self.read_turns, "banned_requests": self.banned_requests,
+               "read_while_lent": self.read_while_lent, "read_turns": self.parts.turns, "banned_requests": self.banned_requests,
                "bans": self.offenders.bans}
         if self.gate is not None:
             out.update(self.gate.stats())
@@ -349,39 +340,6 @@ class Daemon:
         out.update(self.ready.stats())
         out.update(self.courtesy.stats())
         return out
-
-    def _secure_tcp(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
-        """CURVE on a tcp endpoint (kvd.endpoint rule 6), or the operator's explicit opt-out.
-
-        ZAP runs in zmq.auth's ThreadAuthenticator: a thread of its own with a
-        socket on our context, answering libzmq's handshake questions from the
-        public keys in `authorized/` (read at start: restart to admit a new
-        client). It keeps this loop single-threaded and one request at a time,
-        and it is pyzmq's own tested ZAP handler, not one of ours.
-        """
-        keys = server_keys(self.keys_dir)
-        if keys is None:
-            if not self.allow_insecure_tcp:
-                raise EndpointError(
-                    f"refusing to serve {self.endpoint} without CURVE keys: any host that reaches the port could "
-                    f"read and write every cache. Run `kvd keys init` and `kvd keys add-client NAME` (keys dir "
-                    f"{self.keys_dir}), or set allow_insecure_tcp = true to serve it unauthenticated"
-                )
-            warning = f"serving {self.endpoint} WITHOUT authentication (allow_insecure_tcp): any peer that reaches it reads and writes every namespace"
-            log.warning("%s", warning)
-            self.security.update(curve=False, warning=warning)
-            return
-        from zmq.auth.thread import ThreadAuthenticator
-
-        allowed = authorized_dir(self.keys_dir)
-        auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvd.server.zap"))
-        auth.start()
-        auth.configure_curve(domain="*", location=str(allowed))
-        self._auth = auth
-        sock.curve_server = True
-        sock.curve_publickey, sock.curve_secretkey = keys.public, keys.secret
-        self.security.update(curve=True, authorized_clients=len(list(allowed.glob("*.key"))))
-        log.info("tcp with CURVE: %d authorized client keys in %s", self.security["authorized_clients"], allowed)
 
     def stop(self) -> None:
         """Ask the loop to finish (thread- and signal-safe)."""
@@ -547,7 +505,7 @@ class Daemon:
             return
         for lane in lanes.removed:
             poller.unregister(lane.sock)
-            self._partial.pop(lane.sock, None)
+            self.parts.forget(lane.sock)
         for lane in lanes.added:
             poller.register(lane.sock, zmq.POLLIN)
         lanes.removed.clear()
@@ -697,7 +655,7 @@ class Daemon:
         if lane is not None:
             return self._recv_lane(lane, whole)
         cpu = time.thread_time()
-        parts, more, before = self._read_parts(sock, whole)
+        parts, more, before = self.parts.read(sock, self.limits.max_frames, whole)
         if not more:
             return parts
         # A frame bomb: answered here (the reply waits in the outbox until
@@ -739,47 +697,6 @@ class Daemon:
             self.outbox.lend()
         self._lent = drain.Lent(sock, self.wakeup.poke)
 
-    def _read_parts(self, sock: zmq.Socket, whole: bool = False) -> tuple[list, bool, float]:
-        """The next message on `sock`, read as far as the decoder needs to say
-        TOO_MANY_FRAMES: (parts, True, cpu) if parts are left past that; `cpu`
-        is what its earlier turns took of the serving thread. Read in turns
-        of `_TURN_PARTS` parts (rule 9) unless `whole`: when a turn ends
-        first, zmq.Again, and its parts wait in `_partial` for the next.
-        Past `_PYZMQ_PARTS` the parts are read in C (drain.read_some), so
-        reading a bomb's first `max_frames` costs milliseconds."""
-        held = self._partial.pop(sock, None)
-        if held is None:
-            frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
-            parts, more, before = [frame], frame.more, 0.0
-        else:
-            parts, before = held
-            more = True
-        keep = self.limits.max_frames + 2  # the identity, then one frame over the limit
-        limit = min(keep, _PYZMQ_PARTS)
-        stop = limit if whole else min(limit, len(parts) + _TURN_PARTS)
-        cpu = time.thread_time()
-        while more and len(parts) < stop:
-            frame = sock.recv(copy=False)
-            more = frame.more
-            parts.append(frame)
-        if more and len(parts) < limit:
-            self._partial[sock] = (parts, before + time.thread_time() - cpu)
-            self.read_turns += 1
-            raise zmq.Again()  # the loop serves what else waits and comes back
-        # Past _PYZMQ_PARTS, in C: _TURN_C_PARTS a turn (their bytes copied).
-        while more and len(parts) < keep:
-            got, more = drain.read_some(sock, keep - len(parts) if whole else min(keep - len(parts), _TURN_C_PARTS))
-            parts += got
-            if not whole:
-                break
-        if more and len(parts) < keep:
-            self._partial[sock] = (parts, before + time.thread_time() - cpu)
-            self.read_turns += 1
-            raise zmq.Again()  # the loop serves what else waits and comes back
-        if limit < len(parts) and not more:  # a long message within the limit (rare): its parts as frames
-            parts[limit:] = [zmq.Frame(p) for p in parts[limit:]]
-        return parts, more, before
-
     def _recv_lane(self, lane: Lane, whole: bool = False) -> list[zmq.Frame]:
         """One message from `lane`, as `_recv` returns it. A message over the
         frame limit is read only as far as the decoder needs to answer
@@ -788,7 +705,7 @@ class Daemon:
         message is read in C, so a bomb costs milliseconds."""
         sock = lane.sock
         started, cpu = time.perf_counter(), time.thread_time()
-        parts, more, before = self._read_parts(sock, whole)
+        parts, more, before = self.parts.read(sock, self.limits.max_frames, whole)
         lane.seen(parts[0].bytes, parts[1].get(zmq.SRCFD) if len(parts) > 1 else None)
         parts[0] = zmq.Frame(lane.identity)
         if not more:

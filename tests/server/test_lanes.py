@@ -309,7 +309,7 @@ def test_a_long_message_on_a_lane_is_read_in_turns_and_another_sockets_request_i
         assert lane_sock.poll(10_000), "the long message did not arrive"
         with pytest.raises(zmq.Again):
             d._recv(lane_sock)  # its first turn
-        assert len(d._partial[lane_sock][0]) == 513  # the identity and 512 parts
+        assert len(d.parts.partial[lane_sock][0]) == 513  # the identity and 512 parts
         turns, pinged = 1, 0  # turns cut short so far (the first, above)
         while True:
             if turns in (1, n // 1000):  # early, and (for 20,000) among the turns in C
@@ -338,9 +338,9 @@ def test_a_long_message_on_a_lane_is_read_in_turns_and_another_sockets_request_i
             if got_ == n + 1:
                 break
             cut += 1
-        assert turns == cut and d.read_turns == cut, (turns, cut)
+        assert turns == cut and d.parts.turns == cut, (turns, cut)
         assert got[0].bytes.startswith(b"\x01lane") and [bytes(f.bytes) for f in got[1:]] == sent
-        assert lane_sock not in d._partial
+        assert lane_sock not in d.parts.partial
     finally:
         for s in (long_peer, pinger):
             s.close()

@@ -1,0 +1,79 @@
+"""Reading a message part by part, in turns (the daemon's rules 8 and 9).
+
+ZeroMQ hands a socket's messages out one at a time, whole: once a message's
+first part is read, its other parts are there, and no other message of that
+socket can be read before them. Other sockets can: a socket in the middle of
+a message stays readable, so the serving loop may read some of its parts,
+serve what waits on other sockets (the lanes, kvd.server.lanes), and come
+back. `PartReader.read` does one such turn: `TURN_PARTS` parts through pyzmq
+(zero-copy frames), or past `PYZMQ_PARTS` parts, `TURN_C_PARTS` in C
+(drain.read_some: ~0.1 us a part, each part's bytes copied), so a frame bomb's
+first `max_frames` parts cost the loop ~20-35 ms in turns of ~0.5-1 ms, and a
+PUT of up to 8,192 parts keeps its frames uncopied. A message is read only as
+far as the decoder needs to say TOO_MANY_FRAMES (`max_frames` + 1 parts, the
+identity first); what is left past that is the caller's to drop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from kvd.server.admission import drain
+
+TURN_PARTS = 512  # a turn through pyzmq: ~0.5 ms
+TURN_C_PARTS = 2048  # a turn in C, past PYZMQ_PARTS
+PYZMQ_PARTS = 8192
+
+
+class PartReader:
+    """Messages being read in turns, per socket; owned by the serving thread."""
+
+    def __init__(self):
+        self.partial: dict[zmq.Socket, tuple[list, float]] = {}  # parts read so far, CPU they took
+        self.turns = 0  # turns cut short, in all
+
+    def forget(self, sock: zmq.Socket) -> None:
+        """`sock` is closed: what was read of its message goes with it."""
+        self.partial.pop(sock, None)
+
+    def read(self, sock: zmq.Socket, max_frames: int, whole: bool = False) -> tuple[list, bool, float]:
+        """The next message on `sock` (or the rest of the one begun), read as
+        far as the decoder needs: (parts, True, cpu) if parts are left past
+        `max_frames` + 1; `cpu` is what its earlier turns took of this
+        thread. Unless `whole`, one turn: when it ends before the message
+        does, its parts wait here and zmq.Again is raised (the loop serves
+        what else waits and comes back)."""
+        held = self.partial.pop(sock, None)
+        if held is None:
+            frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+            parts, more, before = [frame], frame.more, 0.0
+        else:
+            parts, before = held
+            more = True
+        keep = max_frames + 2  # the identity, then one frame over the limit
+        limit = min(keep, PYZMQ_PARTS)
+        stop = limit if whole else min(limit, len(parts) + TURN_PARTS)
+        cpu = time.thread_time()
+        while more and len(parts) < stop:
+            frame = sock.recv(copy=False)
+            more = frame.more
+            parts.append(frame)
+        if more and len(parts) < limit:
+            self._later(sock, parts, before + time.thread_time() - cpu)
+        while more and len(parts) < keep:
+            got, more = drain.read_some(sock, keep - len(parts) if whole else min(keep - len(parts), TURN_C_PARTS))
+            parts += got
+            if not whole:
+                break
+        if more and len(parts) < keep:
+            self._later(sock, parts, before + time.thread_time() - cpu)
+        if limit < len(parts) and not more:  # a long message within the limit (rare): its parts as frames
+            parts[limit:] = [zmq.Frame(p) for p in parts[limit:]]
+        return parts, more, before
+
+    def _later(self, sock: zmq.Socket, parts: list, cpu: float) -> None:
+        self.partial[sock] = (parts, cpu)
+        self.turns += 1
+        raise zmq.Again()
