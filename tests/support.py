@@ -320,3 +320,19 @@ def peer_stats(d) -> dict:
         return c.stats()["peers"]
     finally:
         c.close()
+
+
+@contextlib.contextmanager
+def shm_folder(tmp_path: Path, name: str):
+    """A 0700 folder for shared-memory segments, emptied and removed after:
+    on tmpfs when there is one (the daemon's own case, and MADV_REMOVE works
+    there), else under `tmp_path`."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    path = base / f"kvd-test-{name}-{os.getpid()}"
+    path.mkdir(mode=0o700)
+    try:
+        yield path
+    finally:
+        for p in path.iterdir():
+            p.unlink()
+        path.rmdir()

@@ -17,15 +17,14 @@ its own and read back when freed, so an overlap would show in the memory too.
 from __future__ import annotations
 
 import mmap
-import os
 import random
-from pathlib import Path
 
 import pytest
 
 from kvd.protocol.shm import ALIGN, align_up
 from kvd.server.shm.arena import Arena
 from kvd.server.shm.freespace import FreeSpace
+from support import shm_folder
 
 SEG = 256 << 10  # small segments, so slots often need a new one and segments empty out
 # The daemon's mix (bench_scale): ~4.7 KiB SSD read buffers and 16 KiB PUT slots,
@@ -175,14 +174,8 @@ def test_stale_entries_stay_bounded_and_duplicates_are_harmless():
 
 @pytest.fixture
 def folder(tmp_path):
-    # tmpfs when there is one: the daemon's own case, and MADV_REMOVE works there
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    path = base / f"kvd-test-arena-{os.getpid()}"
-    path.mkdir(mode=0o700)
-    yield path
-    for p in path.iterdir():
-        p.unlink()
-    path.rmdir()
+    with shm_folder(tmp_path, "arena") as path:
+        yield path
 
 
 @pytest.mark.parametrize("seed", range(3))

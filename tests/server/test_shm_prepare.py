@@ -19,7 +19,7 @@ import pytest
 
 from kvd.server.shm.arena import Arena
 from kvd.server.shm.prepare import Preparer
-from support import assert_prefix_hit, kvd, prefix_snapshot, wait_until
+from support import assert_prefix_hit, kvd, prefix_snapshot, shm_folder, wait_until
 
 MiB = 1 << 20
 LINUX = sys.platform.startswith("linux")
@@ -100,13 +100,8 @@ def test_the_window_is_handed_back_under_memory_pressure(daemon_factory, tmp_pat
 
 @pytest.fixture
 def folder(tmp_path):
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    path = base / f"kvd-test-prepare-{os.getpid()}"
-    path.mkdir(mode=0o700)
-    yield path
-    for p in path.iterdir():
-        p.unlink()
-    path.rmdir()
+    with shm_folder(tmp_path, "prepare") as path:
+        yield path
 
 
 def _prepared(folder, *, available, allowed=lambda: True, window=16 * MiB) -> tuple[Arena, Preparer]:
