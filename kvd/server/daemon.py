@@ -47,8 +47,9 @@ Rules the loop keeps:
 9. A message of many parts is read in turns (kvd.server.admission.parts):
    between two, the loop serves what waits on other sockets (a socket in
    the middle of a message stays readable, and a lane's client waits
-   behind no other socket's message). On the main socket its other peers still wait for
-   the whole message: ZeroMQ hands a socket's messages out one at a time.
+   behind no other socket's message). On the main socket its other peers
+   still wait for the whole message: ZeroMQ hands a socket's messages out
+   one at a time.
 """
 
 from __future__ import annotations
@@ -483,12 +484,7 @@ class Daemon:
         once it is back, the replies held for its peers are sent."""
         lent = self._lent
         if lent is not None and lent.back.is_set():
-            self._lent = None
-            self.dropped_frames += lent.dropped
-            self.dropping_seconds += lent.seconds
-            self.lent_seconds += lent.seconds
-            if self.outbox is not None:
-                self.outbox.give_back()
+            self._taken_back(lent)
             lent = None
         if lent is not None and watching:
             poller.unregister(self._sock)
@@ -686,6 +682,14 @@ class Daemon:
             log.error("the thread dropping a frame bomb did not stop; leaving the main socket open")
             self._sock = None
             return
+        self._taken_back(lent)
+
+    def _taken_back(self, lent: drain.Lent) -> None:
+        """The main socket is the loop's again: what the drop cost is
+        counted, and the replies held for its peers are sent."""
+        self._lent = None
+        self.dropped_frames += lent.dropped
+        self.dropping_seconds += lent.seconds
         self.lent_seconds += lent.seconds
         if self.outbox is not None:
             self.outbox.give_back()

@@ -121,11 +121,10 @@ class Dropper:
     """Drops the rest of the current message of one socket; one per socket,
     used by the thread that owns it."""
 
-    def __init__(self, sock: zmq.Socket, halt: threading.Event | None = None, batch: int = BATCH):
+    def __init__(self, sock: zmq.Socket, halt: threading.Event | None = None):
         self.sock = sock
         self.halt = halt  # set: stop between batches, the rest left unread (the socket is closing)
-        self.batch = batch
-        self._iov = (_Iovec * batch)() if _fns is not None else None
+        self._iov = (_Iovec * BATCH)() if _fns is not None else None
         self._count = ctypes.c_size_t()
 
     def rest(self) -> int:
@@ -141,7 +140,7 @@ class Dropper:
         starts = memoryview(self._iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")
         halt = self.halt
         while sock.get(zmq.RCVMORE) and not (halt is not None and halt.is_set()):
-            self._count.value = self.batch
+            self._count.value = BATCH
             rc = recviov(handle, self._iov, ctypes.byref(self._count), zmq.DONTWAIT)
             got = self._count.value
             if got:
