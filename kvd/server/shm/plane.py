@@ -216,10 +216,13 @@ class ShmPlane(GetReplies, SlotGrants):
         return True
 
     def stats(self) -> dict[str, Any]:
+        # The preparer's first: what it has finished is then final in the arena's
+        # (the kvd-shm-prep thread may finish a segment between two reads).
+        prepared = self.preparer.stats() if self.preparer else {}
         return {"run": self.run_id, "dir": str(self.folder), "lease_s": self.leases.lease_seconds,
                 "leases": len(self._held), "pending": len(self._pending), "pending_bytes": self.pending_bytes,
                 "granted_bytes": self.granted_bytes,
-                **self.arena.stats(), **self.counters, **(self.preparer.stats() if self.preparer else {}),
+                **self.arena.stats(), **self.counters, **prepared,
                 **(self.handout.stats() if self.handout else {})}
 
     def close(self) -> None:

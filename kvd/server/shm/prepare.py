@@ -155,6 +155,7 @@ class Preparer:
                 log.debug("shared memory: preparing a segment failed: %s", err)
 
     def stats(self) -> dict[str, int]:
+        free = self.arena.spare_prepared()  # first: a segment counted free is counted prepared already
         return {"prepared_bytes": self.prepared_bytes, "populated_bytes": self.populated_bytes,
-                "prepare_window_bytes": self.window, "prepared_free_bytes": self.arena.spare_prepared(),
+                "prepare_window_bytes": self.window, "prepared_free_bytes": free,
                 "prepare_held_back": self.held_back, "prepare_failures": self.failures}
