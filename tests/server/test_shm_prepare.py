@@ -134,6 +134,28 @@ def test_the_window_stays_within_a_quarter_of_the_memory_available(folder):
     assert arena3.spare_prepared() == 16 * MiB and prep3.held_back == 0
 
 
+def test_a_segment_being_prepared_is_not_free_until_it_is_offered(folder):
+    # Stats are read on the loop's thread while kvd-shm-prep prepares a segment:
+    # one made but not yet offered counted free and not prepared, and
+    # test_the_window_is_at_most_the_ram_budget_and_a_segment once read
+    # prepared_free_bytes 20 MiB against prepared_bytes 16 MiB.
+    seen = []
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
+    prep = Preparer(arena, window=8 * MiB, available=lambda: None)
+    populate = prep._populate
+
+    def spied(address, length):  # inside step(): begun, its counters not yet moved
+        seen.append(prep.stats())
+        return populate(address, length)
+
+    prep._populate = spied
+    while prep.step():
+        pass
+    assert [(s["prepared_free_bytes"], s["prepared_bytes"]) for s in seen] == [(0, 0), (4 * MiB, 4 * MiB)]
+    assert prep.stats()["prepared_free_bytes"] == prep.prepared_bytes == 8 * MiB
+    assert arena.stats()["mapped_bytes"] == 8 * MiB
+
+
 def test_nothing_is_prepared_while_the_ram_tier_yields(folder):
     arena, prep = _prepared(folder, available=lambda: 1 << 40, allowed=lambda: False)
     assert arena.spare_prepared() == 0 and prep.prepared_bytes == 0

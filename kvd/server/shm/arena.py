@@ -126,6 +126,7 @@ class Arena:
         # a few small entries beside lost ranges never pin whole segments of
         # capacity: a draining segment counts only its live bytes (`_grow`).
         self._draining: set[int] = set()
+        self._begun: set[int] = set()  # made by the preparer, not yet offered (begin_segment .. end_segment)
         self._sids = 0
         self._reserve_failures = 0
         self.used = 0
@@ -242,7 +243,7 @@ class Arena:
         """Free bytes whose pages are reserved, in segments that allocate."""
         with self._locked():
             return sum(n - self._seg_used[seg] for seg, n in enumerate(self._sizes)
-                       if seg not in self._draining and self._maps[seg] is not None)
+                       if seg not in self._draining and seg not in self._begun and self._maps[seg] is not None)
 
     def begin_segment(self, room: int) -> tuple[int, int] | None:
         """A new segment for the preparer, made and mapped but not yet offered
@@ -254,6 +255,7 @@ class Arena:
                     or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
                 return None
             seg = self._add_segment(self.segment_bytes)
+            self._begun.add(seg)  # not free until offered: stats read on another thread meanwhile
             return seg, self._fds[seg]
 
     def address(self, seg: int) -> int:
@@ -264,6 +266,7 @@ class Arena:
         """Offer a prepared segment to `alloc`: its pages reserved (`reserved`:
         posix_fallocate of the whole of it, done outside the lock, held)."""
         with self._locked():
+            self._begun.discard(seg)
             if self._maps[seg] is None:
                 return
             if reserved:
