@@ -356,50 +356,111 @@ class LazyChunks:
 def _put_chunks_fast(v, ctx) -> list | None:
     if type(v) is not list:
         return None
-    limits, frames = ctx.limits, ctx.frames
-    nframes, max_rank, max_meta = len(frames), limits.max_rank, limits.max_meta_bytes
-    table = dtypes.DTYPES
+    max_meta = ctx.limits.max_meta_bytes
     used = set(ctx.used)
     out = []
     for c in v:
         if type(c) is not dict:
             return None
         index, tensors, meta = c.get("index"), c.get("tensors"), c.get("meta")
-        if type(index) is not int or not 0 <= index < U64 or type(tensors) is not list:
+        if type(index) is not int or not 0 <= index < U64:
             return None
         if meta is None:
             meta = b""
         elif type(meta) is not bytes or len(meta) > max_meta:
             return None
-        got = []
-        for t in tensors:
-            if type(t) is not dict:
-                return None
-            name, dtype, shape, idx = t.get("name"), t.get("dtype"), t.get("shape"), t.get("frame")
-            if type(name) is not str or type(dtype) is not str or type(shape) is not list or type(idx) is not int:
-                return None
-            size = table.get(dtype)
-            if size is None or len(shape) > max_rank or not 1 <= idx < nframes or idx in used:
-                return None
-            n = size[0]
-            for d in shape:
-                if type(d) is not int or d < 0:
-                    return None
-                n *= d
-            data = frames[idx]
-            if (len(data) if type(data) is bytes else memoryview(data).nbytes) != n:
-                return None
-            used.add(idx)
-            got.append(Tensor(name, dtype, tuple(shape), data))
-        if len(got) > 1:
-            names = [x.name for x in got]
-            if len(set(names)) != len(names) or "__metadata__" in names:
-                return None
-        elif got and got[0].name == "__metadata__":
+        got = _tensors_fast(tensors, ctx, used)
+        if got is None:
             return None
         out.append({"index": index, "tensors": got, "meta": meta})
     ctx.used = used
     return out
+
+
+def _get_chunks(v, ctx):
+    """A GET reply's chunks, checked in one tight loop as a PUT's are
+    (`_put_chunks`): a reply naming 2,048 tensors in shared memory took the
+    waiting client ~6-12 us a tensor through the generic schema walk."""
+    fast = _get_chunks_fast(v, ctx)
+    return fast if fast is not None else _GENERIC_GET_CHUNKS(v, ctx)
+
+
+def _get_chunks_fast(v, ctx) -> list | None:
+    if type(v) is not list:
+        return None
+    max_meta = ctx.limits.max_meta_bytes
+    used = set(ctx.used)
+    out = []
+    for c in v:
+        if type(c) is not dict:
+            return None
+        start, length, tensors, meta = c.get("start"), c.get("length"), c.get("tensors"), c.get("meta")
+        if type(start) is not int or not 0 <= start < U64 or type(length) is not int or not 0 <= length < U64:
+            return None
+        if meta is None:
+            meta = b""
+        elif type(meta) is not bytes or len(meta) > max_meta:
+            return None
+        got = _tensors_fast(tensors, ctx, used)
+        if got is None:
+            return None
+        out.append({"start": start, "length": length, "tensors": got, "meta": meta})
+    ctx.used = used
+    return out
+
+
+def _tensors_fast(tensors, ctx, used: set) -> list | None:
+    """One chunk's tensors, as `_tensors` would have them, or None for
+    anything not plainly valid (the caller then takes the generic way, for
+    the exact first error). Frames taken are added to `used`; a caller
+    that gets None discards `used`."""
+    if type(tensors) is not list:
+        return None
+    frames, table = ctx.frames, dtypes.DTYPES
+    nframes, max_rank, shm_ok = len(frames), ctx.limits.max_rank, ctx.shm_ok
+    got = []
+    for t in tensors:
+        if type(t) is not dict:
+            return None
+        name, dtype, shape, idx = t.get("name"), t.get("dtype"), t.get("shape"), t.get("frame")
+        if type(name) is not str or type(dtype) is not str or type(shape) is not list:
+            return None
+        size = table.get(dtype)
+        if size is None or len(shape) > max_rank:
+            return None
+        n = size[0]
+        for d in shape:
+            if type(d) is not int or d < 0:
+                return None
+            n *= d
+        if idx is None and shm_ok and "shm" in t:
+            desc, digest = t["shm"], t.get("xxh3")
+            if type(desc) is not list or len(desc) != 3:
+                return None
+            seg, off, length = desc
+            if (type(seg) is not int or type(off) is not int or type(length) is not int
+                    or not 0 <= seg < U64 or not 0 <= off < U64 or length != n):
+                return None
+            if digest is not None and (type(digest) is not int or not 0 <= digest < U64):
+                return None
+            if digest is None and "xxh3" in t:
+                return None
+            got.append(Tensor(name, dtype, tuple(shape), Descriptor(seg, off, length, digest)))
+            continue
+        if type(idx) is not int or not 1 <= idx < nframes or idx in used:
+            return None
+        data = frames[idx]
+        if (len(data) if type(data) is bytes else memoryview(data).nbytes) != n:
+            return None
+        used.add(idx)
+        got.append(Tensor(name, dtype, tuple(shape), data))
+    if len(got) > 1:
+        names = [x.name for x in got]
+        if len(set(names)) != len(names) or "__metadata__" in names:
+            return None
+    elif got and got[0].name == "__metadata__":
+        return None
+    return got
 
 
 def _req(check):
@@ -413,6 +474,7 @@ def _opt(check, default=None):
 _PUT_CHUNK = {"index": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _GENERIC_PUT_CHUNKS = _array_of(_record(_PUT_CHUNK))
 _GET_CHUNK = {"start": _req(_uint), "length": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
+_GENERIC_GET_CHUNKS = _array_of(_record(_GET_CHUNK))
 _BOUNDARY = {"tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY_AT = {"at": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _SLOTS_CHUNK = {"index": _req(_uint), "tensors": _req(_tensor_specs), "meta": _opt(_meta, b"")}
@@ -464,7 +526,7 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "GET": {
         "n": _req(_uint),
         "end": _req(_uint),
-        "chunks": _req(_array_of(_record(_GET_CHUNK))),
+        "chunks": _req(_get_chunks),
         "boundary": _opt(_record(_BOUNDARY_AT)),
         "shm": _opt(_map),
     },

@@ -1,6 +1,7 @@
-"""A PUT's chunks are checked by a tight loop (codec._put_chunks_fast, issue
-44) that must agree with the generic schema walk: the same fields for every
-valid message, and for every broken one the generic walk's exact error."""
+"""A PUT's chunks, and a GET reply's, are checked by a tight loop
+(codec._put_chunks_fast, issue 44; codec._get_chunks_fast, issue 42) that must
+agree with the generic schema walk: the same fields for every valid message,
+and for every broken one the generic walk's exact error."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from kvd.protocol import codec, keys, skim
 from kvd.protocol import errors as E
 from kvd.protocol.limits import Limits
+from kvd.protocol.shm import Descriptor
 
 LIMITS = Limits(max_meta_bytes=16, max_rank=3)
 
@@ -140,3 +142,76 @@ def test_a_put_of_8000_tiny_chunks_decodes_as_the_generic_walk_does():
     lim = Limits()
     table = {**codec.REQUESTS, "PUT": {**codec.REQUESTS["PUT"], "chunks": codec._req(codec._GENERIC_PUT_CHUNKS)}}
     assert outcome(lambda f: codec.decode_request(f, lim), frames) == outcome(lambda f: codec._decode(f, table, lim), frames)
+
+
+# -- a GET reply's chunks: tensors in frames and in shared memory ---------------
+
+
+def get_reply(n: int = 3) -> list:
+    """A GET reply whose chunks hold a tensor in a frame and two in shared memory (one with a digest)."""
+    chunks = [{"start": i, "length": 1, "meta": b"m" * (i % 8), "tensors": [
+        codec.Tensor("f", "float16", (1, 2), bytes(4)),
+        codec.Tensor("s", "bfloat16", (1, 2), Descriptor(3, 64 * i, 4, 2**64 - 1 - i)),
+        codec.Tensor("u", "uint8", (2, 2), Descriptor(4, 128 * i, 4)),
+    ]} for i in range(n)]
+    return codec.encode("GET", {"n": n, "end": n, "chunks": chunks, "shm": {"run": "r", "lease_s": 1.0}}, id=9)
+
+
+def generic_reply(frames: list):
+    """decode_reply with the GET chunks checked the generic way only."""
+    table = {**codec.REPLIES, "GET": {**codec.REPLIES["GET"], "chunks": codec._req(codec._GENERIC_GET_CHUNKS)}}
+    return codec._decode(frames, table, LIMITS, shm_ok=True)
+
+
+REPLY_CASES = {
+    **{k: v for k, v in CASES.items() if "index" not in k and k != "names repeat"},
+    "start a bool": _set(["chunks", 0, "start"], True),
+    "start negative": _set(["chunks", 0, "start"], -1),
+    "start missing": _set(["chunks", 2, "start"], KeyError),
+    "length a string": _set(["chunks", 1, "length"], "1"),
+    "length a float": _set(["chunks", 1, "length"], 1.0),
+    "descriptor not an array": _set(["chunks", 1, "tensors", 1, "shm"], {"a": 1}),
+    "descriptor of two": _set(["chunks", 1, "tensors", 1, "shm"], [3, 64]),
+    "descriptor with a bool": _set(["chunks", 1, "tensors", 1, "shm"], [True, 64, 4]),
+    "descriptor offset negative": _set(["chunks", 1, "tensors", 1, "shm"], [3, -64, 4]),
+    "descriptor segment a float": _set(["chunks", 1, "tensors", 1, "shm"], [3.0, 64, 4]),
+    "descriptor of the wrong length": _set(["chunks", 1, "tensors", 1, "shm"], [3, 64, 8]),
+    "descriptor nil": _set(["chunks", 1, "tensors", 1, "shm"], None),
+    "digest nil": _set(["chunks", 1, "tensors", 1, "xxh3"], None),
+    "digest a string": _set(["chunks", 1, "tensors", 1, "xxh3"], "1"),
+    "digest negative": _set(["chunks", 1, "tensors", 1, "xxh3"], -1),
+    "digest a bool": _set(["chunks", 1, "tensors", 2, "xxh3"], False),
+    "a frame and a descriptor": _set(["chunks", 1, "tensors", 1, "frame"], 2),
+    "a frame nil beside a descriptor": _set(["chunks", 1, "tensors", 1, "frame"], None),
+    "a shared name": _set(["chunks", 1, "tensors", 2, "name"], "s"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPLY_CASES))
+def test_the_fast_check_of_a_get_reply_agrees_with_the_generic_walk(case):
+    frames = rewrite(get_reply(), REPLY_CASES[case])
+    fast = outcome(lambda f: codec.decode_reply(f, LIMITS), frames)
+    assert fast == outcome(generic_reply, frames)
+    if case in ("valid", "no meta", "nil meta", "a frame nil beside a descriptor"):
+        assert fast[0] == "GET"
+        t = fast[2]["chunks"][2]["tensors"]
+        assert t[0].data == bytes(4) and t[1].data == Descriptor(3, 128, 4, 2**64 - 3) and t[2].data == Descriptor(4, 256, 4)
+    else:
+        assert issubclass(fast[0], E.ProtocolError)
+
+
+def test_the_fast_check_of_a_get_reply_is_the_one_taken():
+    # (What it saves is bench/probe_fetch.py's `requests` figure, not a timed test.)
+    calls = []
+    fast = codec._get_chunks_fast
+
+    def spy(v, ctx):
+        calls.append(fast(v, ctx))
+        return calls[-1]
+
+    codec._get_chunks_fast, saved = spy, fast
+    try:
+        codec.decode_reply(get_reply(), LIMITS)
+    finally:
+        codec._get_chunks_fast = saved
+    assert len(calls) == 1 and calls[0] is not None and len(calls[0]) == 3
