@@ -292,7 +292,9 @@ def main() -> None:
                 peak = status(proc.pid, "VmHWM") / MiB
             alive = proc.poll() is None
             floor = ""
-            if args.floor:
+            if args.floor and name == "paused-remote":  # its remote server is this daemon's own
+                floor = f" {'-':>8} {'-':>8} {'-':>7}"
+            elif args.floor:
                 # The same attack on another daemon: what the machine's CPUs alone
                 # cost the good client (its daemon's thread is not shared).
                 with daemon("--ram-mb", "64", "--max-message-mb", "16", python=args.daemon_python) as d2:
