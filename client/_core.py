@@ -584,6 +584,7 @@ class Core:
             return None
         link.retain(grant.get("segments"))
         refused = 0  # chunks of parts already committed that the daemon could not keep
+        ahead = None
         try:
             want = [c["tensors"] for c in chunks] + ([boundary["tensors"]] if boundary is not None else [])
             got = list(grant["chunks"]) + ([grant.get("boundary") or []] if boundary is not None else [])
@@ -596,10 +597,17 @@ class Core:
             parts = "commit_parts" in (self._features or ()) and len(chunks) > 1
             digests: list[int] = []
             copied = 0
+            # Slots in pages this client has not mapped yet (its first puts)
+            # are populated on a thread of their own as this one copies (_pages.Ahead).
+            ahead = link.populate_ahead([d for ds in got for d in ds])
+            k = 0
             for j, (ts, ds) in enumerate(zip(want, got)):
                 for t, desc in zip(ts, ds):
                     if not link.in_time(sent_at):
                         raise _shm.ShmUnavailable("write lease about to end")
+                    if ahead is not None:
+                        ahead.reach(k)
+                    k += 1
                     digests.append(_copy_hashed(link.view(desc, writable=True), t))
                     copied += desc.length
                 if parts and copied >= _PART_BYTES and j < len(chunks) - 1:
@@ -618,6 +626,9 @@ class Core:
             log.debug("shm put abandoned: %s", err)
             self._shm_broke(link)
             return None
+        finally:
+            if ahead is not None:
+                ahead.stop()  # (copied: it has nothing left; cut short: nothing more to map)
         link.map_ahead(grant.get("segments"))  # the next puts' pages mapped meanwhile, off this thread (_pages.py)
         # The digests fix what was stored: bytes changed in a slot after this
         # (a buffer kept and reused) are found before they leave by any road.

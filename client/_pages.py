@@ -17,6 +17,14 @@ reply lists as live (`segments`) on a thread of its own, `kvd-client-premap`,
 ahead of the puts that will be granted slots in them: a fresh daemon's fill
 then copies into pages this client has mapped already.
 
+A put that comes before the premapper got there (a new client's first put,
+at once after its HELLO) has its slots populated by `Ahead`: a thread of
+its own, `kvd-client-ahead`, populates the grant's slots in the order the
+caller copies them, while the caller copies those already done. Populating
+256 MiB of another process's pages took ~56 ms here, about as long as the
+copy: one after the other, a new client's first put ran at ~0.45x the
+steady state; side by side, on two cores, at nearly the longer of the two.
+
 Rules:
 1. A page is looked at once per mapping: the steady state's puts, into pages
    this client has written before, cost no syscall here (a bitmap per
@@ -72,7 +80,8 @@ def _libc(name: str, *argtypes):
 _MINCORE = _libc("mincore", "c_void_p", "c_size_t", "c_void_p")
 _MADVISE = _libc("madvise", "c_void_p", "c_size_t", "c_int")
 _enabled = _MINCORE is not None and _MADVISE is not None
-counters = {"prefaulted_bytes": 0, "premapped_segments": 0}  # pages populated in bulk, this process
+counters = {"prefaulted_bytes": 0, "premapped_segments": 0,  # pages populated in bulk, this process
+            "ahead_puts": 0, "ahead_slots": 0}  # puts whose slots a thread populated (Ahead), and the slots it did
 # Per mapping, per page: 1 once granted to this client (rule 1); goes with the mapping.
 _granted: "weakref.WeakKeyDictionary[mmap.mmap, bytearray]" = weakref.WeakKeyDictionary()
 
@@ -97,9 +106,7 @@ def prefault(mm: mmap.mmap, offset: int, length: int) -> int:
         return 0
     lo = offset - offset % _PAGE
     hi = min(len(mm), -(-(offset + length) // _PAGE) * _PAGE)
-    seen = _granted.get(mm)
-    if seen is None:
-        seen = _granted[mm] = bytearray(-(-len(mm) // _PAGE))
+    seen = _seen(mm)
     first, last = lo // _PAGE, hi // _PAGE
     if seen.find(0, first, last) == -1:
         return 0  # mapped here since an earlier grant (rule 1)
@@ -123,6 +130,102 @@ def prefault(mm: mmap.mmap, offset: int, length: int) -> int:
         return 0
     counters["prefaulted_bytes"] += done
     return done
+
+
+AHEAD_MIN_BYTES = 8 << 20  # a grant with fewer bytes to map than this is populated by the caller, as it copies
+
+
+def _seen(mm: mmap.mmap) -> bytearray:
+    """The mapping's bitmap of pages looked at (rule 1), made on first use."""
+    seen = _granted.get(mm)
+    if seen is None:
+        seen = _granted.setdefault(mm, bytearray(-(-len(mm) // _PAGE)))
+    return seen
+
+
+def unmapped(mm: mmap.mmap, offset: int, length: int) -> bool:
+    """Whether mm[offset:offset+length] has pages this client has not
+    looked at yet (rule 1): a slot `prefault` would populate."""
+    if not _enabled or length <= 0:
+        return False
+    seen = _granted.get(mm)
+    if seen is None:
+        return True
+    return seen.find(0, offset // _PAGE, -(-(offset + length) // _PAGE)) != -1
+
+
+class Ahead:
+    """A grant's slots (`jobs`: mapping, offset, length, in the order the
+    caller copies them) populated on the thread `kvd-client-ahead` while
+    the caller copies (module docstring). Slots are taken in order by
+    whoever comes first: the caller calls `reach(i)` before copying slot i,
+    which waits for the thread if it has slot i in hand, or leaves slot i to
+    the caller's own `prefault` if the thread is not there yet."""
+
+    def __init__(self, jobs: list[tuple[mmap.mmap, int, int]]):
+        self._jobs = jobs
+        self._next = 0  # slots [0, _next) are taken
+        self._mine: dict[int, threading.Event] = {}  # taken by the thread, not yet populated
+        self._mu = threading.Lock()
+        self.populated = 0  # slots the thread populated
+
+    @classmethod
+    def start(cls, jobs: list[tuple[mmap.mmap, int, int]]) -> "Ahead | None":
+        """An Ahead at work, or None where there is too little to map (or no thread to be had)."""
+        if sum(n for mm, off, n in jobs if unmapped(mm, off, n)) < AHEAD_MIN_BYTES:
+            return None
+        for mm in {id(mm): mm for mm, _, _ in jobs}.values():
+            _seen(mm)  # made here: the thread and the caller then share one per mapping
+        ahead = cls(jobs)
+        try:
+            threading.Thread(target=ahead._run, name="kvd-client-ahead", daemon=True).start()
+        except RuntimeError:  # no thread to be had: the caller populates as it copies, as before
+            return None
+        counters["ahead_puts"] += 1
+        return ahead
+
+    def reach(self, i: int) -> None:
+        """The caller is about to copy slot i."""
+        with self._mu:
+            if i >= self._next:
+                self._next = i + 1  # the caller's: its own prefault maps it
+                return
+            done = self._mine.get(i)
+        if done is not None:
+            done.wait()
+
+    def stop(self) -> None:
+        """Take no more slots (the put is done, or abandoned)."""
+        with self._mu:
+            self._next = len(self._jobs)
+
+    def take(self) -> tuple[int, threading.Event] | None:
+        """The thread's next slot, and the event it sets once it is populated; None: none left."""
+        with self._mu:
+            i = self._next
+            if i >= len(self._jobs):
+                return None
+            self._next = i + 1
+            done = self._mine[i] = threading.Event()
+            return i, done
+
+    def done(self, i: int, done: threading.Event) -> None:
+        with self._mu:
+            self._mine.pop(i, None)
+        done.set()
+
+    def _run(self) -> None:
+        while (taken := self.take()) is not None:
+            i, done = taken
+            try:
+                mm, offset, length = self._jobs[i]
+                prefault(mm, offset, length)
+                self.populated += 1
+                counters["ahead_slots"] += 1
+            except Exception:  # noqa: BLE001 -- best effort (rule 3): the caller's copy faults its pages in
+                pass
+            finally:
+                self.done(i, done)
 
 
 IDLE_S = 5.0  # a premapper's thread ends after this long with nothing to map (the next offer starts another)

@@ -317,6 +317,18 @@ class Link:
         except ValueError as err:  # closed meanwhile by another thread's retain(): a miss, not a crash
             raise ShmUnavailable(f"segment {desc.segment} of run {self.run}: {err}") from None
 
+    def populate_ahead(self, descs: list[Descriptor]) -> "_pages.Ahead | None":
+        """Granted slots (in the order they are about to be written) populated
+        on a thread of their own while the caller copies (`_pages.Ahead`);
+        None where there is little to populate. ShmUnavailable as `view`."""
+        jobs = []
+        for desc in descs:
+            mm = self._segment(desc.segment, True)
+            if desc.offset + desc.length > len(mm):
+                raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {len(mm)} bytes")
+            jobs.append((mm, desc.offset, desc.length))
+        return _pages.Ahead.start(jobs)
+
     def resolve(self, tensors: list[Tensor]) -> list[Tensor]:
         """Tensors whose data is a Descriptor, viewed in place (no copy); a
         descriptor's digest rides along (`Viewed.digest`) for `join` to check."""

@@ -1,7 +1,8 @@
 """The client's bulk prefault of granted slots (client/_pages.py, issue 42):
 it maps pages the daemon's puts made resident and never allocates a page --
 neither a hole of a sparse segment nor anything outside the granted range --
-and a new client's first put over shared memory stays bit-exact."""
+and a new client's first put over shared memory stays bit-exact, its slots
+populated by a thread of their own as it copies (`Ahead`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 from kvd_client import _pages
-from support import assert_prefix_hit, prefix_snapshot
+from kvd_client import HostTensor, Snapshot
+from support import assert_prefix_hit, prefix_snapshot, wait_until
 
 PAGE = mmap.PAGESIZE
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_READ and mincore: Linux")
@@ -71,3 +73,94 @@ def test_a_new_clients_first_put_prefaults_reused_slots_bit_exact(daemon_factory
     assert _pages.counters["prefaulted_bytes"] > before  # the reused pages were populated in bulk
     assert s["used_bytes"] <= s["capacity_bytes"]
     assert d.proc.poll() is None
+
+
+def _written_segment(n_pages: int):
+    """A segment whose every page a daemon's put wrote (resident), and a new client's mapping of it."""
+    fd, daemon, client = _segment(n_pages)
+    daemon[:] = bytes(range(256)) * (n_pages * PAGE // 256)
+    return fd, daemon, client
+
+
+@linux_only
+def test_ahead_populates_each_slot_once_whoever_takes_it():
+    fd, daemon, client = _written_segment(4096)  # 16 MiB: 64 slots of 64 pages
+    try:
+        jobs = [(client, i * 64 * PAGE, 64 * PAGE) for i in range(64)]
+        before = dict(_pages.counters)
+        ahead = _pages.Ahead.start(jobs)
+        assert ahead is not None
+        for i, (mm, off, n) in enumerate(jobs):  # the caller's copy loop: reach, then its own prefault
+            ahead.reach(i)
+            _pages.prefault(mm, off, n)
+        ahead.stop()
+        wait_until(lambda: not ahead._mine, what="the thread done with its last slot")
+        # Every page populated exactly once (a slot's second prefault finds it mapped: rule 1),
+        # by the thread or by the caller, and the thread did its share.
+        assert _pages.counters["prefaulted_bytes"] - before["prefaulted_bytes"] == 4096 * PAGE
+        assert _pages.counters["ahead_puts"] == before["ahead_puts"] + 1
+        assert _pages.counters["ahead_slots"] - before["ahead_slots"] == ahead.populated
+        assert not _pages.unmapped(client, 0, 4096 * PAGE)
+        assert client[:] == daemon[:]
+    finally:
+        daemon.close()
+        client.close()
+        os.close(fd)
+
+
+@linux_only
+def test_the_caller_waits_for_a_slot_the_thread_has_in_hand_and_takes_those_it_has_not():
+    import threading
+
+    fd, daemon, client = _written_segment(4096)
+    try:
+        jobs = [(client, i * 64 * PAGE, 64 * PAGE) for i in range(64)]
+        ahead = _pages.Ahead(jobs)  # no thread: this test plays it
+        i, done = ahead.take()
+        assert i == 0
+        waiter = threading.Thread(target=ahead.reach, args=(0,))
+        waiter.start()
+        wait_until(lambda: len(done._cond._waiters) == 1, what="the caller waiting for slot 0")
+        assert waiter.is_alive()
+        ahead.done(0, done)
+        waiter.join(10)
+        assert not waiter.is_alive()
+        ahead.reach(1)  # not taken: the caller's own; the thread goes on past it
+        assert ahead.take()[0] == 2
+        ahead.stop()
+        assert ahead.take() is None
+    finally:
+        daemon.close()
+        client.close()
+        os.close(fd)
+
+
+def test_a_small_grant_or_one_mapped_already_gets_no_thread():
+    fd, daemon, client = _segment(4096)
+    try:
+        assert _pages.Ahead.start([(client, 0, _pages.AHEAD_MIN_BYTES - PAGE)]) is None
+        if _pages._enabled:
+            _pages.prefault(client, 0, 4096 * PAGE)  # mapped here already (rule 1)
+        assert _pages.Ahead.start([(client, 0, 4096 * PAGE)]) is None
+    finally:
+        daemon.close()
+        client.close()
+        os.close(fd)
+
+
+@linux_only
+def test_a_new_clients_first_big_put_is_populated_ahead_and_bit_exact(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    with d.client("ahead", strict=True, transport="shm") as c:
+        wait_until(lambda: c.stats()["shm"]["prepared_free_bytes"] >= 32 << 20, what="the window prepared")
+    rng = np.random.default_rng(42)
+    snap = Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 2048, 8192), np.uint8)), 1)})  # 16 MiB
+    tokens = list(range(2048))
+    before = dict(_pages.counters)
+    with d.client("ahead", strict=True, transport="shm") as c2:  # a new client: none of the pages mapped here
+        assert c2.put(tokens, snap)
+        assert c2.counters["shm_puts"] == 1
+        hit = c2.get(tokens)
+        assert hit.n == 2048 and hit.sliced["k"].array.tobytes() == snap.sliced["k"][0].array.tobytes()
+    assert _pages.counters["ahead_puts"] == before["ahead_puts"] + 1
+    assert _pages.counters["prefaulted_bytes"] - before["prefaulted_bytes"] >= 16 << 20  # prepared pages: resident
