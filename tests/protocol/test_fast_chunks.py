@@ -1,5 +1,5 @@
 """A PUT's chunks, and a GET reply's, are checked by a tight loop
-(codec._put_chunks_fast, issue 44; codec._get_chunks_fast, issue 42) that must
+(codec._chunks_fast: issue 44 for a PUT's, issue 42 for a GET reply's) that must
 agree with the generic schema walk: the same fields for every valid message,
 and for every broken one the generic walk's exact error."""
 
@@ -203,15 +203,15 @@ def test_the_fast_check_of_a_get_reply_agrees_with_the_generic_walk(case):
 def test_the_fast_check_of_a_get_reply_is_the_one_taken():
     # (What it saves is bench/probe_fetch.py's `requests` figure, not a timed test.)
     calls = []
-    fast = codec._get_chunks_fast
+    fast = codec._chunks_fast
 
-    def spy(v, ctx):
-        calls.append(fast(v, ctx))
-        return calls[-1]
+    def spy(v, ctx, uints):
+        calls.append((uints, fast(v, ctx, uints)))
+        return calls[-1][1]
 
-    codec._get_chunks_fast, saved = spy, fast
+    codec._chunks_fast, saved = spy, fast
     try:
         codec.decode_reply(get_reply(), LIMITS)
     finally:
-        codec._get_chunks_fast = saved
-    assert len(calls) == 1 and calls[0] is not None and len(calls[0]) == 3
+        codec._chunks_fast = saved
+    assert len(calls) == 1 and calls[0][0] == ("start", "length") and calls[0][1] is not None and len(calls[0][1]) == 3
