@@ -23,7 +23,8 @@ its own, `kvd-client-ahead`, populates the grant's slots in the order the
 caller copies them, while the caller copies those already done. Populating
 256 MiB of another process's pages took ~56 ms here, about as long as the
 copy: one after the other, a new client's first put ran at ~0.45x the
-steady state; side by side, on two cores, at nearly the longer of the two.
+steady state; side by side, on two cores, at 0.42-0.75x (median ~0.6x;
+bench/RESULTS.md, Session 28).
 
 Rules:
 1. A page is looked at once per mapping: the steady state's puts, into pages
