@@ -31,7 +31,7 @@ log = logging.getLogger("kvd.server")
 _TIER_COUNTERS = {
     "hits", "misses", "evictions", "evicted_bytes", "spills", "spill_bytes", "promotions", "drops", "dropped",
     "checksum_failures", "read_errors", "stored", "duplicates", "too_big", "queue_hits", "touches_skipped", "quarantined", "served_bytes",
-    "bad_rows", "index_errors",
+    "bad_rows", "index_errors", "files_replaced",
     # the remote tier (kvd/store/remote/)
     "bytes_in", "bytes_out", "written", "backlog_dropped", "errors", "exists_queries", "degraded_episodes", "auth_failures",
     "altered",

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from kvd.protocol.errors import Busy
-from kvd.store.ssd import blobfile
+from kvd.store.ssd import blobfile, upkeep
 from kvd.store.datadir import BLOB_DIR, INDEX_DIR, PACK_DIR, QUARANTINE_DIR, blob_path
 from kvd.store.ssd import SsdStore
 
@@ -290,7 +290,13 @@ def _settling(store) -> list[tuple[bytes, bool]]:
     return told
 
 
-def test_a_pack_removed_under_the_store_is_never_acknowledged_and_replaced(tmp_path):
+@pytest.mark.parametrize("found_by", ["batch", "tick"])
+def test_a_pack_removed_under_the_store_is_never_acknowledged_and_replaced(tmp_path, monkeypatch, found_by):
+    """Whoever finds the pack gone, the batch's own check or the writer's tick
+    between batches, the next entry is not acknowledged: committed into the
+    removed file, or dropped while the tier is degraded."""
+    if found_by == "batch":  # the tick looks once, at the start, and not again
+        monkeypatch.setattr(upkeep, "FILE_CHECK_S", 3600.0)
     store = SsdStore(tmp_path, 64 << 20, **FAST)  # make_entry's 8 KiB blobs go to the pack
     try:
         told = _settling(store)
@@ -299,11 +305,15 @@ def test_a_pack_removed_under_the_store_is_never_acknowledged_and_replaced(tmp_p
         assert store.flush(5) and told == [(kept.id, True)]
         old_pack = store.pack
         shutil.rmtree(tmp_path / PACK_DIR)
+        if found_by == "tick":
+            wait_until(lambda: store.pack is not old_pack, what="the pack replaced by the tick")
         lost = make_entry(1)
         store.put(lost)
         assert store.flush(5)
-        assert told[-1] == (lost.id, False)  # committed into a removed file: not durable
+        assert told[-1] == (lost.id, False)  # committed into a removed file, or dropped: not durable
         assert store.degraded is not None and "pack" in store.degraded, store.degraded
+        assert store.counters["files_replaced"] == 1
+        assert store.drop_reasons == ({"degraded": 1} if found_by == "tick" else {})
         assert store.pack is not old_pack and (tmp_path / PACK_DIR / "data.mdb").is_file()
         for e in (kept, lost):  # their rows name nothing now: misses, then dropped
             assert store.get(e.id) is None
@@ -317,7 +327,8 @@ def test_a_pack_removed_under_the_store_is_never_acknowledged_and_replaced(tmp_p
         store.close()
 
 
-def test_an_index_removed_under_the_store_is_never_acknowledged_and_healed(tmp_path):
+def test_an_index_removed_under_the_store_is_never_acknowledged_and_healed(tmp_path, monkeypatch):
+    monkeypatch.setattr(upkeep, "FILE_CHECK_S", 3600.0)  # the batch finds it, not the tick: its blob is written
     store = SsdStore(tmp_path, 64 << 20, **FAST)
     try:
         told = _settling(store)

@@ -321,10 +321,8 @@ class Batch:
         batch counts as durable (write-through PUTs are not acknowledged),
         the tier degrades, and the file is replaced: the pack at once, the
         index by a heal (which rebuilds it from the blobs)."""
-        why = self._file_faults()
-        if why is not None:
+        if self._file_faults() is not None:
             self._unsettled.update(e.id for e in batch)
-            self._degrade(why)
 
     def _prefetch(self, batch: list[Entry]) -> None:
         """Read in, in parallel, the index pages this batch's inserts will

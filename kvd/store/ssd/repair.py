@@ -111,7 +111,10 @@ class Repair:
 
     def _file_faults(self) -> str | None:
         """Replace the pack or heal the index if its file is not the one it
-        maps any more; what was wrong, or None. Writer thread."""
+        maps any more; what was wrong, or None. Writer thread. Whoever finds
+        it (a batch's check or the writer's tick), what was committed there is
+        lost: the tier degrades, counted in `files_replaced`, so the next
+        writes wait for the retry like after any other fault of the disk."""
         why = None
         fault = self.pack.file_fault()
         if fault is not None:
@@ -121,6 +124,9 @@ class Repair:
         if fault is not None:  # until the heal has swapped it, every batch goes into that file
             why = f"the index's data.mdb {fault}"
             self.want_heal(why)
+        if why is not None:
+            self._count("files_replaced")
+            self._degrade(why)
         return why
 
     def _replace_pack(self, why: str) -> None:
