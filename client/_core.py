@@ -37,6 +37,8 @@ and this one was allowed less than `timeout`: then the daemon is slow, not
 gone, and the call is counted `error_out_of_time` (still `<type>_failed`,
 still a miss, `DaemonUnavailable` in strict mode) without tripping it. The
 same holds for a call whose budget is spent before a request could be sent.
+A request ZeroMQ could not send in this process (a thread or file it could
+not have) is `error_unavailable` whatever came before it: no budget ran out.
 
 The daemon's limits and features (from HELLO) are forgotten whenever the
 daemon may have changed under the client: a request that got no answer or a
@@ -264,7 +266,8 @@ class Core:
             reply = transport.request(mtype, fields, allowed)
         except (DaemonUnavailable, BadReply, AuthenticationFailed) as err:
             self._forget_daemon()  # it may come back another daemon, with other limits
-            if isinstance(err, DaemonUnavailable) and budget.answered and allowed < self.timeout:
+            if (isinstance(err, DaemonUnavailable) and budget.answered and allowed < self.timeout
+                    and not getattr(err, "local", False)):
                 err.out_of_time = True  # answering, but slowly: this call's budget ran out, not the daemon
             raise
         except (MessageTooLarge, TooManyFrames):

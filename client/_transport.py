@@ -346,10 +346,12 @@ class Transport:
         would prefix the next -- and the call fails as one the daemon did not
         answer (module docstring)."""
         self._reset()
-        return DaemonUnavailable(
+        failed = DaemonUnavailable(
             f"could not {what} {self.endpoint} in this process ({type(err).__name__}: {err}; "
             "at its thread or open-file limit?)"
         )
+        failed.local = True  # never `out_of_time`: no budget ran out (kvd_client._core)
+        return failed
 
     def set_limits(self, advertised: Limits) -> None:
         """Bound replies by what the daemon advertised in HELLO, from the next
