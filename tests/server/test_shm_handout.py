@@ -122,16 +122,32 @@ def test_a_peer_that_never_sends_or_never_reads_is_cut_at_its_deadline(served):
     assert s["handout_peers"] == 0 and s["handout_cut"] >= 1
 
 
-def test_more_connections_than_it_serves_are_told_busy_and_the_daemon_serves_on(served):
-    d, path, run, still_serves = served
-    idle = []
-    try:
+def _every_slot_held(path: Path) -> list[socket.socket]:
+    """MAX_PEERS idle connections the hand-out holds at once, proved by its
+    answer to one more: BUSY. Each is cut DEADLINE_S after its accept, so
+    where the machine was too loaded to make them all and ask within that
+    (a CI worker beside another: the stats poll that used to check it took
+    longer), they are made again, at most five times."""
+    for _ in range(5):
+        idle = []
         for _ in range(MAX_PEERS):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(str(path))
             idle.append(s)
-        wait_until(lambda: _peers(d) == MAX_PEERS, what="the idle peers accepted")
-        assert _raw(path, b"") == b"kvd-fds/1 error 200 BUSY\n"
+        answer = _raw(path, b"")  # accepted after the idle ones: the listener's queue is in order
+        if answer == b"kvd-fds/1 error 200 BUSY\n":
+            return idle
+        assert answer == b"", answer  # a free slot: our silent request was cut at its deadline
+        for s in idle:
+            s.close()
+    raise AssertionError(f"{MAX_PEERS} connections were never held at once within {DEADLINE_S}s, five times")
+
+
+def test_more_connections_than_it_serves_are_told_busy_and_the_daemon_serves_on(served):
+    d, path, run, still_serves = served
+    idle = []
+    try:
+        idle = _every_slot_held(path)
         with d.client("h") as c:  # every slot held: a client still hits (its segments over frames, or mapped)
             assert_prefix_hit(c.get(np.arange(512)), np.arange(512))
         for s in idle:  # cut at their deadline, and then shared memory for everyone again
@@ -141,11 +157,6 @@ def test_more_connections_than_it_serves_are_told_busy_and_the_daemon_serves_on(
         for s in idle:
             s.close()
     assert still_serves()["handout_busy"] >= 1
-
-
-def _peers(d) -> int:
-    with d.client("h") as c:
-        return c.stats()["shm"]["handout_peers"]
 
 
 def test_a_removed_socket_name_is_bound_again(served):
