@@ -750,7 +750,8 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         try:
-            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc, verify=self.verify)
+            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc, verify=self.verify,
+                                                 checked=checked)  # (earlier pages' chunks: checked as they came)
             hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
             if boundary is not None and boundary["at"] == n:
                 hit.boundary, hit.boundary_meta = _chunking.boundary_state(boundary, copy=first_sent is not None)
