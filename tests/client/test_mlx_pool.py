@@ -102,10 +102,12 @@ def test_idle_slabs_are_released():
     dropped = pool.lease(4 * MiB).carve((4 * MiB,), np.uint8)
     del dropped
     clock.advance(29.0)
-    assert pool.trim() == 0
+    assert pool.trim() == 0 and pool.free_bytes >= 4 * MiB
     clock.advance(1.0)
-    assert pool.trim() >= 4 * MiB
-    assert pool.free_bytes == 0 and pool.held_bytes >= 2 * MiB  # a leased slab is never released
+    # Dropped by this trim, or by the pool's reaper thread if it has run since
+    # the slab came back: it reads the same clock (was a flake: trim() == 0).
+    pool.trim()
+    assert pool.free_bytes == 0 and 2 * MiB <= pool.held_bytes < 4 * MiB  # a leased slab is never released
     del kept
     clock.advance(30.0)
     pool.trim()
