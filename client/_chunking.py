@@ -78,13 +78,14 @@ def to_host(t: Tensor, *, copy: bool = False) -> HostTensor:
     return HostTensor(t.dtype, _array(t).copy() if copy else _array(t))
 
 
-def _array(t: Tensor) -> np.ndarray:
-    """The bytes of a received tensor as an array of its shape; ValueError if
-    they are not bytes here (a descriptor) or numpy cannot take the shape."""
+def _array(t: Tensor, container: np.dtype | None = None) -> np.ndarray:
+    """The bytes of a received tensor as an array of its shape (`container`:
+    its dtype's, if the caller has it at hand); ValueError if they are not
+    bytes here (a descriptor) or numpy cannot take the shape."""
     if isinstance(t.data, Descriptor) or t.data is None:
         raise ValueError(f"tensor {t.name!r} has no bytes here (a shared-memory descriptor without a link)")
     try:
-        return np.frombuffer(t.data, dtype=dtypes.container(t.dtype)).reshape(t.shape)
+        return np.frombuffer(t.data, dtype=dtypes.container(t.dtype) if container is None else container).reshape(t.shape)
     except (ValueError, OverflowError, TypeError) as err:
         raise ValueError(f"tensor {t.name!r}: {t.dtype}{list(t.shape)} cannot be held: {err}") from None
 
@@ -228,19 +229,23 @@ def join(
     # digest to check, start): worked out once, so a fill is a copy and a hash
     # per piece. A digest covers its whole slot, even where `n` trims it.
     plans: list[list[tuple[np.ndarray, tuple, Any, int | None, int]]] = [[] for _ in names]
-    where = {name: i for i, name in enumerate(names)}
+    # Per name what all its pieces share (a GET of a 1 GiB cache has 2,048):
+    # its tensor's index, token axis, container dtype, the index before that axis.
+    kinds = {name: (i, axes[name], dtypes.container(first[name].dtype), (slice(None),) * axes[name])
+             for i, name in enumerate(names)}
     for chunk in chunks:
         start = chunk["start"]
         for t in chunk["tensors"]:
-            axis = axes[t.name]
-            stop = min(start + t.shape[axis], n)
+            i, axis, container, lead = kinds[t.name]
+            length = t.shape[axis]
+            stop = min(start + length, n)
             if stop <= start:
                 continue
-            src = _array(t)
-            if stop - start < t.shape[axis]:
-                src = src[(slice(None),) * axis + (slice(0, stop - start),)]
+            src = _array(t, container)
+            if stop - start < length:
+                src = src[lead + (slice(0, stop - start),)]
             digest = getattr(t.data, "digest", None) if verify else None
-            plans[where[t.name]].append((src, (slice(None),) * axis + (slice(start, stop),), t.data, digest, start))
+            plans[i].append((src, lead + (slice(start, stop),), t.data, digest, start))
 
     def fill(i: int, raw: np.ndarray) -> None:
         dst = raw.view(dtypes.container(first[names[i]].dtype)).reshape(shapes[i])

@@ -72,12 +72,11 @@ _HANDOUT_TIMEOUT_S = 1.0  # the daemon's hand-out answers at once; a call's budg
 
 
 class Viewed(np.ndarray):
-    """Read-only bytes of a slot, with the xxh3 its writer committed (or None)."""
+    """Read-only bytes of a slot, with the xxh3 its writer committed (or None).
+    Set on the slot's own view (`Link._viewed`); a view of that view does not
+    carry it (no `__array_finalize__`: ~0.4 us a slot, 2,048 of them a 1 GiB GET)."""
 
     digest: int | None = None
-
-    def __array_finalize__(self, obj):
-        self.digest = getattr(obj, "digest", None)
 
 
 class ShmUnavailable(KvdError):

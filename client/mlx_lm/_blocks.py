@@ -53,8 +53,10 @@ Fill = Callable[[int, np.ndarray], None]
 # glibc's largest mmap threshold (32 MiB on 64-bit): a buffer at or over it is
 # mmapped fresh at every allocation and page-faults while it is copied into
 # (8x slower here where mlx's buffer cache keeps nothing, its Linux default),
-# while smaller ones come back touched from the heap.
-GROUP_BYTES = 16 << 20
+# while smaller ones come back touched from the heap. As big as that allows:
+# each read costs mx.load ~100 us here (its I/O threads, the GIL), and a
+# 256 MiB fetch in 31 MiB reads spends ~3 ms there, not ~4.5 in 16 MiB ones.
+GROUP_BYTES = 31 << 20
 
 
 def mlx_blocks(sizes: list[int], fill: Fill) -> tuple[list[Any], list[np.ndarray]]:
