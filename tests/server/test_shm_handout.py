@@ -22,11 +22,30 @@ from kvd.server.shm.handout import DEADLINE_S, MAX_PEERS
 from support import assert_prefix_hit, prefix_snapshot, wait_until
 
 
+def _connected(path: Path) -> socket.socket:
+    """A connection to the hand-out, with a 10 s timeout. A connect finding the
+    listener's queue full (its thread not yet at accept: a loaded machine) is
+    EAGAIN on a socket with a timeout: made again until there is room."""
+    made = []
+
+    def connected() -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        try:
+            s.connect(str(path))
+        except BlockingIOError:
+            s.close()
+            return False
+        made.append(s)
+        return True
+
+    wait_until(connected, timeout=10, what="room in the hand-out's listen queue", every=0.01)
+    return made[0]
+
+
 def ask_fds(path: Path, names: list[str]) -> tuple[list[str], list[int]]:
     """One request on the hand-out at `path`: (statuses, fds); the fds are the caller's."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(str(path))
+    with _connected(path) as s:
         s.sendall(handout.encode_request(names))
         data, fds, _, _ = socket.recv_fds(s, handout.MAX_REPLY, len(names) + 1)
         while not data.endswith(b"\n"):
@@ -38,9 +57,7 @@ def ask_fds(path: Path, names: list[str]) -> tuple[list[str], list[int]]:
 
 def _raw(path: Path, data: bytes) -> bytes:
     """Send `data` as it is, then read what comes back until the daemon closes."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(str(path))
+    with _connected(path) as s:
         try:
             s.sendall(data)
         except (BrokenPipeError, ConnectionResetError):  # cut before we were done: read what it said

@@ -343,6 +343,7 @@ def test_an_index_removed_under_the_store_is_never_acknowledged_and_healed(tmp_p
         wait_until(lambda: store.heal is not None and store.heal.done, what="the index rebuilt")
         for e in entries:  # their blobs were durable: the rebuild found them both
             assert_same(store.get(e.id), e)
+        assert store.counters["files_replaced"] == 1
     finally:
         store.close()
 

@@ -123,9 +123,10 @@ class Repair:
         fault = self.index.file_fault()
         if fault is not None:  # until the heal has swapped it, every batch goes into that file
             why = f"the index's data.mdb {fault}"
+            if self._heal_wanted is None and self._rebuild is None:
+                self._count("files_replaced")  # once: found again until the heal swaps it in
             self.want_heal(why)
         if why is not None:
-            self._count("files_replaced")
             self._degrade(why)
         return why
 
@@ -137,6 +138,7 @@ class Repair:
             self._degrade(f"cannot replace the pack: {exc}")
             return
         old.retire()
+        self._count("files_replaced")
         # Rows that named the old pack's blobs name nothing now: reconcile drops them.
         if self._reconcile is None:
             self._reconcile = self._reconcile_steps({})
