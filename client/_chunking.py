@@ -248,7 +248,7 @@ def join(
             plans[i].append((src, lead + (slice(start, stop),), t.data, digest, start))
 
     def fill(i: int, raw: np.ndarray) -> None:
-        dst = raw.view(dtypes.container(first[names[i]].dtype)).reshape(shapes[i])
+        dst = raw.view(kinds[names[i]][2]).reshape(shapes[i])
         for src, put, whole, digest, start in plans[i]:
             dst[put] = src
             if digest is not None and xxhash.xxh3_64_intdigest(whole) != digest:

@@ -76,15 +76,18 @@ class Repair:
         elif first:  # once: the counter keeps the tally
             log.error("ssd: the index failed a read (%s); serving misses for what it cannot read", exc)
 
-    def want_heal(self, reason: str) -> None:
+    def want_heal(self, reason: str) -> bool:
         """The index is damaged (found while running): have the writer move it
-        aside and rebuild it from the blobs, serving misses meanwhile."""
+        aside and rebuild it from the blobs, serving misses meanwhile. True if
+        this asked for a heal; False if one is asked for or under way already."""
         # During a rebuild the damage is that of the index just replaced (a
         # reader that met it as it went): nothing more to do.
         if self._heal_wanted is None and self._rebuild is None and self.writer.alive:
             self._heal_wanted = reason
             with self.queue.cond:  # wake the writer
                 self.queue.cond.notify_all()
+            return True
+        return False
 
     def _heal_now(self) -> None:
         """Writer thread: swap in a new index and rebuild it (heal.py). Readers
@@ -123,9 +126,8 @@ class Repair:
         fault = self.index.file_fault()
         if fault is not None:  # until the heal has swapped it, every batch goes into that file
             why = f"the index's data.mdb {fault}"
-            if self._heal_wanted is None and self._rebuild is None:
-                self._count("files_replaced")  # once: found again until the heal swaps it in
-            self.want_heal(why)
+            if self.want_heal(why):  # (found again until the heal swaps it in: counted once)
+                self._count("files_replaced")
         if why is not None:
             self._degrade(why)
         return why
