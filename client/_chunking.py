@@ -18,11 +18,15 @@ import xxhash
 from kvd.protocol import dtypes
 from kvd.protocol.codec import Tensor
 from kvd.protocol.shm import ALIGN, Descriptor
+from kvd_client import _pair
 from kvd_client._errors import ShmDamaged
 from kvd_client._tensors import HostTensor, Snapshot
 
 # Version of the client's chunk meta map (not of the wire protocol).
 CHUNK_META_VERSION = 1
+
+# A join's copies over this, in all, are shared with a second thread (`fill_all`).
+SPLIT_BYTES = 2 << 20
 
 
 def chunk_meta(snapshot: Snapshot) -> bytes:
@@ -203,7 +207,7 @@ def join(
 
     `alloc(sizes, fill)`, if given, owns the memory: it must call `fill(i,
     raw)` once for each tensor i with a writable uint8 array of `sizes[i]`
-    bytes (e.g. the memory of fresh mlx arrays, so a fetch copies once), and
+    bytes (or `fill_all(fill, jobs)`, which shares them with a second thread) (e.g. the memory of fresh mlx arrays, so a fetch copies once), and
     return an array holding each tensor's bytes afterwards; else the tensors
     are views of one fresh numpy block. `fill` copies the tensor's pieces in
     and, with `verify`, hashes each piece read from shared memory whose digest
@@ -247,9 +251,10 @@ def join(
             digest = getattr(t.data, "digest", None) if verify else None
             plans[i].append((src, lead + (slice(start, stop),), t.data, digest, start))
 
-    def fill(i: int, raw: np.ndarray) -> None:
+    def fill(i: int, raw: np.ndarray, half: int | None = None) -> None:
         dst = raw.view(kinds[names[i]][2]).reshape(shapes[i])
-        for src, put, whole, digest, start in plans[i]:
+        pieces = plans[i] if half is None else plans[i][(i + half) % 2::2]
+        for src, put, whole, digest, start in pieces:
             dst[put] = src
             if digest is not None and xxhash.xxh3_64_intdigest(whole) != digest:
                 raise ShmDamaged(f"tensor {names[i]!r} of the chunk at {start}: its shared-memory bytes changed after COMMIT")
@@ -266,13 +271,23 @@ def join(
             offsets.append(offsets[-1] + -(-size // ALIGN) * ALIGN)
         block = aligned(offsets[-1])
         raws = [block[o:o + size] for o, size in zip(offsets, sizes)]
-        for i, raw in enumerate(raws):
-            fill(i, raw)
+        fill_all(fill, list(enumerate(raws)))
     tensors = {
         name: HostTensor(first[name].dtype, raw.view(dtypes.container(first[name].dtype)).reshape(shape))
         for name, raw, shape in zip(names, raws, shapes)
     }
     return tensors, axes, meta
+
+
+def fill_all(fill: Callable[..., None], jobs: list[tuple[int, np.ndarray]]) -> None:
+    """`fill(i, raw)` for each job; over SPLIT_BYTES in all, the pieces shared
+    out between this thread and the helper's (`_pair`): piece j of tensor i
+    on half (i + j) % 2, so one piece each of many one-piece tensors too."""
+    if sum(raw.nbytes for _, raw in jobs) < SPLIT_BYTES:
+        for i, raw in jobs:
+            fill(i, raw)
+        return
+    _pair.both(lambda: [fill(i, raw, 0) for i, raw in jobs], lambda: [fill(i, raw, 1) for i, raw in jobs])
 
 
 def aligned(nbytes: int) -> np.ndarray:

@@ -30,7 +30,9 @@ Rules:
   runs at a time, and
   `readinto` never raises into mlx -- what it meets (ShmDamaged, anything
   else) is kept and raised on the caller's thread once every array is
-  evaluated, before any of them is handed out.
+  evaluated, before any of them is handed out. A fill of 2 MiB or more
+  shares its pieces with the helper thread (`kvd_client._pair`), and has
+  returned, both halves done, before `readinto` does.
 - Every array is created, and evaluated, on the caller's thread and stream;
   only the bytes are written by `fill` where mlx calls it.
 """
@@ -45,9 +47,10 @@ from typing import Any, Callable
 import numpy as np
 
 from kvd.protocol.shm import ALIGN, align_up
+from kvd_client._chunking import fill_all
 from kvd_client.mlx_lm import _format as F
 
-Fill = Callable[[int, np.ndarray], None]
+Fill = Callable[..., None]  # fill(i, raw[, half]): `_chunking.join`
 
 # Bytes one read of mx.load's fills at most (one tensor if bigger). Below
 # glibc's largest mmap threshold (32 MiB on 64-bit): a buffer at or over it is
@@ -105,14 +108,14 @@ def _zeroed(sizes: list[int], fill: Fill) -> tuple[list[Any], list[np.ndarray]]:
     blobs = [mx.zeros((size + ALIGN,), dtype=mx.uint8) for size in sizes]
     mx.eval(*blobs)
     xs, aliases = [], []
-    for i, (b, size) in enumerate(zip(blobs, sizes)):
+    for b, size in zip(blobs, sizes):
         alias = np.asarray(b)
         if not alias.flags.writeable:
             raise F.SnapshotMismatch("mlx did not expose its buffers writable")  # never seen; the fetch is a miss
         pad = (-alias.ctypes.data) % ALIGN
-        fill(i, alias[pad:pad + size])
         xs.append(b[pad:pad + size])
         aliases.append(alias[pad:pad + size])
+    fill_all(fill, list(enumerate(aliases)))
     mx.eval(*xs)
     return xs, aliases
 
@@ -151,10 +154,11 @@ class _Source:
         self.odd: str | None = None  # a read this stream did not expect
         self._local = threading.local()
         self._mu = threading.Lock()
-        # One fill at a time: mlx reads with several threads, and their copies
-        # side by side measured no faster here (one copy already takes what
-        # memory bandwidth there is), while the GIL passing between them after
-        # every piece cost ~5 ms a 256 MiB fetch (4 readers).
+        # One fill at a time: mlx reads with several threads, but here it ran
+        # their reads one after another even without this lock, and the GIL
+        # passing between readers after every piece cost ~5 ms a 256 MiB fetch
+        # (4 readers). A blob's copy is shared with the helper thread instead
+        # (`_chunking.fill_all`): two copies side by side take ~0.8x of one.
         self._one = threading.Lock()
 
     def seek(self, offset: int, whence: int = 0) -> int:
@@ -181,8 +185,7 @@ class _Source:
                 return n
             pad = (-out.ctypes.data) % ALIGN
             with self._one:
-                for i, at in self.groups[k]:
-                    self.fill(i, out[pad + at:pad + at + self.sizes[i]])
+                fill_all(self.fill, [(i, out[pad + at:pad + at + self.sizes[i]]) for i, at in self.groups[k]])
                 self.pads[k] = pad
             return n
         except BaseException as err:  # never into mlx (module rules): raised on the caller's thread

@@ -23,6 +23,7 @@ from mlx_lm.models import cache as C
 from kvd.protocol import dtypes
 from kvd.protocol.codec import Tensor
 from kvd_client import ShmDamaged
+from kvd_client import _chunking, _pair
 from kvd_client._chunking import chunk_meta, cut, join
 from kvd_client._shm import Viewed
 from kvd_client._tensors import Hit, HostTensor, Snapshot
@@ -50,14 +51,23 @@ def grouping(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[0, None], ids=["split", "default-split"])
+def split(request, monkeypatch):
+    """Over how many bytes a join's copies are shared with the helper thread
+    (`_chunking.SPLIT_BYTES`; 0: always, so small tests take that road too)."""
+    if request.param is not None:
+        monkeypatch.setattr(_chunking, "SPLIT_BYTES", request.param)
+    return request.param
+
+
 def joined(chunks, n):
     """join() into mlx memory as `MlxMethods.fetch` does: (tensors, blocks, fill threads)."""
     blocks, threads = [], set()
 
     def alloc(sizes, fill):
-        def tracked(i, raw):
+        def tracked(i, raw, *half):
             threads.add(threading.get_ident())
-            fill(i, raw)
+            fill(i, raw, *half)
 
         xs, aliases = _blocks.mlx_blocks(sizes, tracked)
         blocks[:] = zip(xs, aliases)
@@ -95,10 +105,12 @@ def wire_tensor(dtype: str, shape, seed: int) -> HostTensor:
 
 
 @pytest.mark.parametrize("n", [200, 130, 1])
-def test_every_wire_dtype_lands_bit_exact_and_aligned(road, grouping, n):
+def test_every_wire_dtype_lands_bit_exact_and_aligned(road, grouping, split, n):
     names = sorted(dtypes.DTYPES)
     snap = Snapshot(sliced={name: (wire_tensor(name, (1, 3, 200, 5), i), 2) for i, name in enumerate(names)})
-    tensors, axes, _, blocks, _ = joined(chunks_of(snap, 200, digests=True), n)
+    tensors, axes, _, blocks, threads = joined(chunks_of(snap, 200, digests=True), n)
+    if split == 0 and _pair._cores() > 1:  # the other half of the copy ran on the helper thread
+        assert threads & {t.ident for t in threading.enumerate() if t.name == "kvd-copy-half"}
     assert len(blocks) == len(names)
     addresses = {np.asarray(x).ctypes.data for x, _ in blocks}
     assert addresses == {a.ctypes.data for _, a in blocks}  # the aliases are the mlx memory
@@ -131,7 +143,7 @@ def caches_of_every_class():
             kv(C.ConcatenateKVCache, mx.bfloat16), q, C.CacheList(rot, kv(C.KVCache, mx.float32)), arrays]
 
 
-def test_every_cache_class_rebuilds_bit_exact_from_mlx_memory(road, grouping):
+def test_every_cache_class_rebuilds_bit_exact_from_mlx_memory(road, grouping, split):
     caches = caches_of_every_class()
     toks, snap = snapshot(list(range(150)), caches)
     tensors, axes, meta, blocks, _ = joined(chunks_of(snap, 150, digests=True), 150)
@@ -151,7 +163,7 @@ def test_every_cache_class_rebuilds_bit_exact_from_mlx_memory(road, grouping):
     assert any(lo <= keys.ctypes.data < hi for lo, hi in spans)
 
 
-def test_damaged_piece_is_raised_on_the_callers_thread(road, grouping):
+def test_damaged_piece_is_raised_on_the_callers_thread(road, grouping, split):
     snap = Snapshot(sliced={"a": (wire_tensor("bfloat16", (1, 2, 200, 8), 1), 2),
                             "b": (wire_tensor("float32", (1, 2, 200, 8), 2), 2)})
     chunks = chunks_of(snap, 200, digests=True)

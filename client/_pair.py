@@ -1,0 +1,96 @@
+"""A second thread for the other half of a big copy (a fetch's join).
+
+Theory of operation
+-------------------
+One core's copy does not take all the memory bandwidth there is: two threads
+each copying and hashing half of 256 MiB took ~0.8x the time of one (this
+2-core machine, numpy copies and xxh3 with the GIL let go). mx.load, which
+runs a fetch's copy (`mlx_lm._blocks`), calls its reads one at a time even
+from several threads, so the copy's other half needs a thread of its own.
+
+`both(mine, theirs)` runs `theirs` on the process's helper thread and `mine`
+on the calling thread, and returns once both have. The helper is made on
+first use, one per process (made again in a child after fork), and lent to
+one caller at a time: a caller that finds it lent, a process with one core
+to run on, or one that cannot start a thread now runs both itself, in order.
+
+Rules:
+- `both` returns only when both calls have returned, whatever either raised:
+  the memory they write stays the caller's to hand out or free.
+- What either raised is raised on the calling thread (`mine`'s first).
+- The helper runs nothing but what `both` gives it: no mlx array, no socket.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable
+
+
+class _Helper:
+    def __init__(self):
+        self.pid = os.getpid()
+        self.free = threading.Lock()  # held while lent to a caller
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="kvd-copy-half", daemon=True).start()  # RuntimeError: none made
+
+    def _run(self) -> None:
+        while True:
+            fn, done, box = self.jobs.get()
+            try:
+                fn()
+            except BaseException as err:  # raised on the caller's thread (`both`)
+                box.append(err)
+            finally:
+                done.release()
+
+
+_helper: _Helper | None = None
+_made = threading.Lock()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def _lend() -> _Helper | None:
+    """The helper, lent to the caller (give it back with `free.release()`); None if lent or single-core."""
+    global _helper
+    helper = _helper
+    if helper is None or helper.pid != os.getpid():
+        if _cores() < 2:
+            return None
+        with _made:
+            if _helper is None or _helper.pid != os.getpid():  # a child after fork has no thread of its parent
+                try:
+                    _helper = _Helper()
+                except RuntimeError:  # no thread can start (a pids limit): the caller runs both; tried again next time
+                    return None
+            helper = _helper
+    return helper if helper.free.acquire(blocking=False) else None
+
+
+def both(mine: Callable[[], None], theirs: Callable[[], None]) -> None:
+    """Run `theirs` on the helper thread and `mine` here; see the module rules."""
+    helper = _lend()
+    if helper is None:
+        mine()
+        theirs()
+        return
+    try:
+        done, box = threading.Lock(), []
+        done.acquire()
+        helper.jobs.put((theirs, done, box))
+        try:
+            mine()
+        finally:
+            done.acquire()  # the helper's half has returned
+        if box:
+            raise box[0]
+    finally:
+        helper.free.release()

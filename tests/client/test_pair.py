@@ -1,0 +1,105 @@
+"""The helper thread that copies the other half of a big join (client/_pair.py)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import pytest
+
+from kvd_client import _pair
+
+
+def test_both_halves_run_on_two_threads_and_both_return_first():
+    ran = {}
+    _pair.both(lambda: ran.setdefault("mine", threading.get_ident()),
+               lambda: ran.setdefault("theirs", threading.get_ident()))
+    assert ran["mine"] == threading.get_ident()
+    if _pair._cores() > 1:
+        assert ran["theirs"] != ran["mine"]
+    else:
+        assert ran["theirs"] == ran["mine"]
+
+
+@pytest.mark.skipif(_pair._cores() < 2, reason="one core: no helper thread")
+def test_what_either_half_raised_is_raised_here_once_both_have_returned():
+    with pytest.raises(KeyError):
+        _pair.both(lambda: None, lambda: {}["theirs"])
+    gate, done, out = threading.Event(), [], []
+
+    def theirs():
+        gate.wait(10)
+        done.append("theirs")
+
+    def call():
+        try:
+            _pair.both(lambda: {}["mine"], theirs)
+        except KeyError as err:
+            out.append((err.args[0], list(done)))
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(0.2)
+    assert caller.is_alive()  # mine has raised, theirs still runs: both() waits for it
+    gate.set()
+    caller.join(10)
+    assert out == [("mine", ["theirs"])]
+    _pair.both(lambda: None, lambda: None)  # the helper is free again
+
+
+@pytest.mark.skipif(_pair._cores() < 2, reason="one core: no helper thread")
+def test_a_caller_that_finds_the_helper_lent_runs_both_halves_itself():
+    gate, lent = threading.Event(), threading.Event()
+    first = threading.Thread(target=_pair.both, args=(lambda: None, lambda: (lent.set(), gate.wait(10))))
+    first.start()
+    assert lent.wait(10)
+    ran = []
+    _pair.both(lambda: ran.append(threading.get_ident()), lambda: ran.append(threading.get_ident()))
+    assert ran == [threading.get_ident()] * 2
+    gate.set()
+    first.join(10)
+
+
+def test_one_core_runs_both_halves_here_in_order(monkeypatch):
+    monkeypatch.setattr(_pair, "_helper", None)
+    monkeypatch.setattr(_pair, "_cores", lambda: 1)
+    ran = []
+    _pair.both(lambda: ran.append(("mine", threading.get_ident())), lambda: ran.append(("theirs", threading.get_ident())))
+    assert ran == [("mine", threading.get_ident()), ("theirs", threading.get_ident())]
+
+
+def _in_child(q):
+    ran = []
+    _pair.both(lambda: ran.append(threading.get_ident()), lambda: ran.append(threading.get_ident()))
+    q.put((len(set(ran)), threading.get_ident() in ran))
+
+
+@pytest.mark.skipif(_pair._cores() < 2, reason="one core: no helper thread")
+def test_a_forked_child_gets_a_helper_of_its_own():
+    _pair.both(lambda: None, lambda: None)  # the parent's helper exists before the fork
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_in_child, args=(q,))
+    child.start()
+    assert q.get(timeout=30) == (2, True)
+    child.join(30)
+    assert child.exitcode == 0
+
+
+def test_a_process_that_cannot_start_a_thread_runs_both_halves_here(monkeypatch):
+    """At a pids limit (test_client_starved runs the real one) no helper is made:
+    the join runs on the caller, and a helper is tried again next time."""
+    monkeypatch.setattr(_pair, "_helper", None)
+    monkeypatch.setattr(_pair, "_cores", lambda: 2)
+    real = threading.Thread.start
+
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    ran = []
+    _pair.both(lambda: ran.append(threading.get_ident()), lambda: ran.append(threading.get_ident()))
+    assert ran == [threading.get_ident()] * 2 and _pair._helper is None
+    monkeypatch.setattr(threading.Thread, "start", real)
+    _pair.both(lambda: None, lambda: None)
+    assert _pair._helper is not None
