@@ -25,6 +25,10 @@ each in its own process and ongoing while the client measures:
                   answer (issue 44)
   lane-bomb       the same, each on a lane of its own, asked for in HELLO
                   (issue 44; on the main socket where no lane is offered)
+  cpu-hogs        no peer at all: one process per core spins on the CPU and
+                  never touches the daemon. What the machine alone does to the
+                  good client (and to its daemon); an attack that keeps the
+                  cores as busy cannot be within 2x where this row is not
   paused-remote   the daemon has a remote tier (a real redis-server); a peer
                   pauses the server (SIGSTOP) for 0.3 s, within
                   remote_timeout_s, and GETs a new prompt meanwhile (the
@@ -34,7 +38,8 @@ Each attack gets a fresh daemon (damage must not carry over from one row to
 the next): the client measures idle, then the attack runs `--warmup` seconds
 (3) and the client measures again. Prints p50/p99 idle and under attack,
 their ratio, and the daemon's peak RSS; at the end, which attacks kept the
-good client's p99 within 2x of its idle p99 (issue 44's bar).
+good client's p99 within 2x of its idle p99 (issue 44's bar), and what
+cpu-hogs (not an attack) did to it.
 `--daemon-python` runs the daemon with another interpreter (e.g. an older
 checkout's venv) to compare.
 """
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -134,6 +140,23 @@ while not select.select([sys.stdin], [], [], 0)[0]:
     bomb_once(path, message)
 """
 
+# One process per core that spins until stdin closes: no request at all.
+HOGS = r"""
+import multiprocessing as mp, os, select, sys
+
+def spin():
+    while True:
+        pass
+
+procs = [mp.get_context("fork").Process(target=spin, daemon=True) for _ in range(int(sys.argv[1]))]
+for p in procs:
+    p.start()
+print("ready", flush=True)
+select.select([sys.stdin], [], [])
+for p in procs:
+    p.kill()
+"""
+
 # A peer that pauses the remote server (SIGSTOP) for P seconds and, while it
 # is paused, GETs a prompt nobody stored (the daemon must ask the server),
 # again and again until stdin closes. The server is always resumed.
@@ -210,6 +233,7 @@ def setup(ep: str, workdir: Path):
         "tiny-flood": (TINY, ep, "8000"),
         "frame-bomb": (BOMB, path, str(8 << 20)),
         "lane-bomb": (LANE_BOMB, ep, str(8 << 20)),
+        "cpu-hogs": (HOGS, str(os.cpu_count() or 1)),
     }
     return good, tokens + [0], attacks
 
@@ -269,8 +293,9 @@ def main() -> None:
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
           f"{'misses':>7} {'peak MB':>8}" + (f" {'fl p50':>8} {'fl p99':>8} {'fl p99x':>7}" if args.floor else ""))
     names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "heavy-peers",
-             "put-storm", "churn", "tiny-flood", "frame-bomb", "lane-bomb", "paused-remote"]
+             "put-storm", "churn", "tiny-flood", "frame-bomb", "lane-bomb", "paused-remote", "cpu-hogs"]
     ratios: dict[str, float] = {}
+    hogs: float | None = None
     for name in args.only.split(",") if args.only else names:
         remote = contextlib.ExitStack()
         extra: list[str] = []
@@ -292,7 +317,7 @@ def main() -> None:
                 peak = status(proc.pid, "VmHWM") / MiB
             alive = proc.poll() is None
             floor = ""
-            if args.floor and name == "paused-remote":  # its remote server is this daemon's own
+            if args.floor and name in ("paused-remote", "cpu-hogs"):  # its remote server is this daemon's own; no daemon
                 floor = f" {'-':>8} {'-':>8} {'-':>7}"
             elif args.floor:
                 # The same attack on another daemon: what the machine's CPUs alone
@@ -303,13 +328,19 @@ def main() -> None:
                         time.sleep(args.warmup)
                         f50, f99, _ = percentiles(good, tokens, args.samples)
                 floor = f" {f50 * 1e3:8.2f} {f99 * 1e3:8.2f} {f99 / i99:6.1f}x"
-            ratios[name] = p99 / i99
+            if name == "cpu-hogs":
+                hogs = p99 / i99
+            else:
+                ratios[name] = p99 / i99
             print(f"{name:>15} {i50 * 1e3:9.2f} {i99 * 1e3:9.2f} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / i50:6.1f}x "
                   f"{p99 / i99:6.1f}x {misses:7d} {peak:8.0f}{floor}{'' if alive else '  DAEMON DIED'}", flush=True)
             if args.worst:
                 print(f"{'':>15} slowest ms: {' '.join(f'{t * 1e3:.1f}' for t in worst)}", flush=True)
     print("x: under attack over idle, same daemon (lower is better); fl: the attack on another daemon; misses: GETs that did not come back whole "
           "(a miss after the client's 5 s timeout); peak MB: the daemon's peak RSS")
+    if hogs is not None:
+        print(f"the machine alone (cpu-hogs, no attack): p99 {hogs:.1f}x idle; an attack whose processes keep the "
+              f"cores as busy meets at least that")
     within = [n for n, r in ratios.items() if r <= 2.0]
     print(f"p99 within 2x of idle: {len(within)} of {len(ratios)} attacks ({', '.join(within) or 'none'}); "
           f"over: {', '.join(f'{n} {r:.1f}x' for n, r in ratios.items() if r > 2.0) or 'none'}")
