@@ -165,3 +165,62 @@ def test_passes_count_from_when_a_request_became_its_peers_oldest():
         r.pop()  # f0..f3: passes that do not count against its later ones
     r.put(b"client", "c", 1, "GET")
     assert r.pop() == "c"
+
+
+def test_a_socket_that_became_readable_during_a_run_of_others_requests_is_read_before_the_next_is_served(tmp_path):
+    """Daemon rule 7 (`_Round.refresh`): a writer's PUTs wait on its lane as
+    the loop polls; a client's GET arrives on another lane after that poll.
+    Before the next request is served the loop looks again: the GET is read
+    and served first, not after the writer's run. Within REPOLL_S of a poll
+    the loop does not look again (an injected clock)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kvd.server import daemon as D
+
+    home = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))  # short: lanes' ipc paths have a limit
+    d = Daemon(RamStore(64 << 20), f"ipc://{home / 'kvd.sock'}", shm=False)
+    d.bind()
+    ctx = zmq.Context.instance()
+    writer, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    toks = keys.token_bytes(range(256))
+    now = [100.0]
+    try:
+        poller = zmq.Poller()
+        poller.register(d._sock, zmq.POLLIN)
+        poller.register(d.wakeup.fd, zmq.POLLIN)
+        lanes = [d.lanes.open(), d.lanes.open()]
+        d._sync_lanes(poller)
+        by_endpoint = {lane.endpoint: s for s, lane in d.lanes.by_sock.items()}
+        for s, ep in ((writer, lanes[0]), (reader, lanes[1])):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+        for i in range(3):
+            writer.send_multipart(codec.encode("PUT", {"ns": f"w{i}", "tokens": toks, "chunk_tokens": 256, "chunks": [
+                {"index": 0, "tensors": [codec.Tensor("k", "uint8", (1024,), np.full(1024, i, np.uint8))], "meta": b""}]},
+                id=i))
+        assert by_endpoint[lanes[0]].poll(10_000), "the PUTs did not arrive"
+        rnd = D._Round(d, poller, clock=lambda: now[0])
+        rnd.poll(0)
+        assert rnd.waiting == [by_endpoint[lanes[0]]]
+        reader.send_multipart(codec.encode("GET", {"ns": "w0", "tokens": toks, "chunk_tokens": 256}, id=9))
+        assert by_endpoint[lanes[1]].poll(10_000), "the GET did not arrive"
+
+        now[0] += D.REPOLL_S / 2  # too soon to look again: the writer's first PUT is served
+        d._serve_waiting(rnd, most=1)
+        assert writer.poll(5000) and codec.decode_reply(writer.recv_multipart()).id == 0
+        assert not reader.poll(0)
+
+        now[0] += D.REPOLL_S  # the loop looks again: the GET is read, and goes first
+        d._serve_waiting(rnd, most=1)
+        assert reader.poll(5000), "the GET was not served next"
+        assert codec.decode_reply(reader.recv_multipart()).id == 9
+        assert not writer.poll(0)
+        d._serve_waiting(rnd, most=2)
+        assert [codec.decode_reply(writer.recv_multipart()).id for _ in range(2) if writer.poll(5000)] == [1, 2]
+    finally:
+        for s in (writer, reader):
+            s.close()
+        d.close()
+        shutil.rmtree(home, ignore_errors=True)
