@@ -207,8 +207,9 @@ def join(
 
     `alloc(sizes, fill)`, if given, owns the memory: it must call `fill(i,
     raw)` once for each tensor i with a writable uint8 array of `sizes[i]`
-    bytes (or `fill_all(fill, jobs)`, which shares them with a second thread) (e.g. the memory of fresh mlx arrays, so a fetch copies once), and
-    return an array holding each tensor's bytes afterwards; else the tensors
+    bytes (e.g. the memory of fresh mlx arrays, so a fetch copies once), or
+    `fill_all(fill, jobs)` for several at once (their pieces shared with a
+    second thread), and return an array holding each tensor's bytes afterwards; else the tensors
     are views of one fresh numpy block. `fill` copies the tensor's pieces in
     and, with `verify`, hashes each piece read from shared memory whose digest
     the daemon sent right after its copy (its bytes still in cache: no second

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 One core's copy does not take all the memory bandwidth there is: two threads
 each copying and hashing half of 256 MiB took ~0.8x the time of one (this
-2-core machine, numpy copies and xxh3 with the GIL let go). mx.load, which
+2-core machine; numpy lets go of the GIL while it copies, xxh3 holds it for
+its ~0.15x of the copy's time and still fits between). mx.load, which
 runs a fetch's copy (`mlx_lm._blocks`), calls its reads one at a time even
 from several threads, so the copy's other half needs a thread of its own.
 

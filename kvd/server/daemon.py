@@ -116,7 +116,6 @@ class _Conn(NamedTuple):
     where: tuple[int, int | None]  # (fd, connection_id): what the outbox names when it asks the gate to cut it off
 
 
-
 class _Round:
     """The sockets with a message waiting, as the loop's poll found them;
     called, the next message from each in turn (a lane's client waits behind
@@ -140,8 +139,9 @@ class _Round:
         if now - self.polled < REPOLL_S:
             return
         self.polled = now
+        present = set(self.waiting)
         for s, _ in self.poller.poll(0):
-            if s is not self.d.wakeup.fd and s not in self.waiting:
+            if s is not self.d.wakeup.fd and s not in present:
                 self.waiting.append(s)
 
     def __call__(self) -> list[zmq.Frame]:
@@ -161,6 +161,7 @@ class _Round:
                 d.read_while_lent += 1
             return raw
         raise zmq.Again()
+
 
 class Daemon:
     """Serve `store` on `endpoint` until stopped. See the module docstring."""
