@@ -224,3 +224,37 @@ def test_a_socket_that_became_readable_during_a_run_of_others_requests_is_read_b
             s.close()
         d.close()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_looking_again_takes_at_most_a_tenth_of_the_loops_time_however_many_lanes(tmp_path):
+    """`_Round.refresh` after a poll that took 1 ms (an injected clock; a
+    thousand lanes take ~0.6 ms here) does not poll again for 10 ms."""
+    from kvd.server import daemon as D
+
+    d = Daemon(RamStore(16 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
+    d.bind()
+    now, polls = [100.0], []
+    try:
+        poller = zmq.Poller()
+        poller.register(d._sock, zmq.POLLIN)
+        real = poller.poll
+
+        def slow(timeout=None):
+            polls.append(now[0])
+            now[0] += 0.001
+            return real(timeout)
+
+        poller.poll = slow
+        rnd = D._Round(d, poller, clock=lambda: now[0])
+        rnd.poll(0)
+        now[0] += D.REPOLL_S
+        rnd.refresh()
+        assert len(polls) == 2 and rnd.gap == pytest.approx(0.010)
+        now[0] += 0.005
+        rnd.refresh()
+        assert len(polls) == 2  # within ten times the last poll's cost: not again
+        now[0] += 0.0051
+        rnd.refresh()
+        assert len(polls) == 3
+    finally:
+        d.close()
