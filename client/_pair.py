@@ -20,6 +20,8 @@ Rules:
   the memory they write stays the caller's to hand out or free.
 - What either raised is raised on the calling thread (`mine`'s first).
 - The helper runs nothing but what `both` gives it: no mlx array, no socket.
+- It keeps nothing of a call once it has returned: the memory a join writes
+  is freed when its caller lets it go, not at the next join.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class _Helper:
                 fn()
             except BaseException as err:  # raised on the caller's thread (`both`)
                 box.append(err)
-            finally:
-                done.release()
+            # Nothing of a join outlives it here (module rules): waiting for the next
+            # job, `fn` would hold the last one's memory (a whole fetch's).
+            fn = box = None
+            done.release()
 
 
 _helper: _Helper | None = None

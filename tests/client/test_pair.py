@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import threading
+import weakref
 
 import pytest
 
@@ -103,3 +105,19 @@ def test_a_process_that_cannot_start_a_thread_runs_both_halves_here(monkeypatch)
     monkeypatch.setattr(threading.Thread, "start", real)
     _pair.both(lambda: None, lambda: None)
     assert _pair._helper is not None
+
+
+@pytest.mark.skipif(_pair._cores() < 2, reason="one core: no helper thread")
+def test_the_helper_keeps_nothing_of_a_call_once_it_has_returned():
+    """The module rules: what the helper's half referred to (a join's memory) is freed
+    when the caller lets it go, not held until the next call."""
+
+    class Memory:
+        pass
+
+    memory = Memory()
+    ref = weakref.ref(memory)
+    _pair.both(lambda: None, lambda held=memory: held)
+    del memory
+    gc.collect()
+    assert ref() is None
