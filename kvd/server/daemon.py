@@ -38,8 +38,9 @@ Rules the loop keeps:
    before writes (kvd.server.admission.ready): a model server's GET waits
    for the request being served, not for one of every other peer's. What is
    read and unserved at a stop is answered BUSY. "What waits" is looked for
-   again before each request is served (at most every REPOLL_S, and in at
-   most a tenth of the loop's time however many lanes there are: `_Round`):
+   again before each request is served (at most every 0.2 ms, and in at
+   most a tenth of the loop's time however many lanes there are:
+   kvd.server.admission.round):
    a socket that became readable while the loop served a run of other
    peers' requests joins the round then, not when the run ends.
 8. A message over the frame limit costs its sender, not the serving thread:
@@ -86,6 +87,7 @@ from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.admission.parts import PartReader
 from kvd.server.admission.ready import Ready
+from kvd.server.admission.round import Round
 from kvd.server.admission.turns import Turns, Unfinished
 from kvd.server.lanes import Lane, Lanes, folder_of
 from kvd.store.base import Store
@@ -99,9 +101,6 @@ _KEEP_FRAME_BYTES = 64 * 1024
 # Unread replies a peer may have queued: a client has one request in flight,
 # so more than a few means it is not reading (kvd.server.admission.outbox).
 _SNDHWM = 16
-# Rule 7: how soon the loop looks again for sockets that became readable (a
-# poll costs ~6 us with a few lanes; an idle daemon's loop has just polled).
-REPOLL_S = 0.0002
 
 
 def _kept(frames: list[zmq.Frame]) -> list:
@@ -116,57 +115,6 @@ class _Conn(NamedTuple):
     origin: bytes | None  # the process at the other end, whose cost a new connection starts from (kvd.server.admission.turns)
     where: tuple[int, int | None]  # (fd, connection_id): what the outbox names when it asks the gate to cut it off
 
-
-class _Round:
-    """The sockets with a message waiting, as the loop's poll found them;
-    called, the next message from each in turn (a lane's client waits behind
-    no other socket's backlog), zmq.Again when none has one. `refresh` joins
-    the sockets that became readable since (rule 7)."""
-
-    def __init__(self, daemon: "Daemon", poller: zmq.Poller, clock: Callable[[], float] = time.monotonic):
-        self.d, self.poller, self.clock = daemon, poller, clock
-        self.waiting: list[zmq.Socket] = []
-        self.polled = 0.0  # when the poller last looked
-        self.gap = REPOLL_S  # how long after that `refresh` looks again
-
-    def poll(self, timeout_ms: int) -> dict:
-        """The loop's poll: its events; the sockets among them wait their turn."""
-        events = dict(self.poller.poll(timeout_ms))
-        self.polled = self.clock()
-        self.waiting[:] = [s for s in events if s is not self.d.wakeup.fd]
-        return events
-
-    def refresh(self) -> None:
-        now = self.clock()
-        if now - self.polled < self.gap:
-            return
-        events = self.poller.poll(0)
-        self.polled = self.clock()
-        # A poll costs ~0.6 us a socket: with a thousand lanes, ~0.6 ms. Looking
-        # again takes at most a tenth of the loop's time, whatever their number.
-        self.gap = max(REPOLL_S, 10 * (self.polled - now))
-        present = set(self.waiting)
-        for s, _ in events:
-            if s is not self.d.wakeup.fd and s not in present:
-                self.waiting.append(s)
-
-    def __call__(self) -> list[zmq.Frame]:
-        d, waiting = self.d, self.waiting
-        while waiting:
-            s = waiting.pop(0)
-            if s.closed or (s is d._sock and d._lent is not None):  # a lane closed meanwhile; the main socket lent
-                continue
-            try:
-                raw = d._recv(s)
-            except zmq.Again:
-                continue
-            lane = d.lanes.by_sock.get(s) if d.lanes is not None else None
-            if lane is None or not lane.doomed:
-                waiting.append(s)
-            if d._lent is not None and s is not d._sock:
-                d.read_while_lent += 1
-            return raw
-        raise zmq.Again()
 
 
 class Daemon:
@@ -460,7 +408,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self.wakeup.fd, zmq.POLLIN)
-        recv = _Round(self, poller)
+        recv = Round(self, poller)
         watching = True  # the poller watches the main socket (not while it is lent, rule 8)
 
         log.info("serving endpoint=%s", self.endpoint)

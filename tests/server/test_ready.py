@@ -168,7 +168,7 @@ def test_passes_count_from_when_a_request_became_its_peers_oldest():
 
 
 def test_a_socket_that_became_readable_during_a_run_of_others_requests_is_read_before_the_next_is_served(tmp_path):
-    """Daemon rule 7 (`_Round.refresh`): a writer's PUTs wait on its lane as
+    """Daemon rule 7 (`admission.round.Round.refresh`): a writer's PUTs wait on its lane as
     the loop polls; a client's GET arrives on another lane after that poll.
     Before the next request is served the loop looks again: the GET is read
     and served first, not after the writer's run. Within REPOLL_S of a poll
@@ -177,7 +177,7 @@ def test_a_socket_that_became_readable_during_a_run_of_others_requests_is_read_b
     import tempfile
     from pathlib import Path
 
-    from kvd.server import daemon as D
+    from kvd.server.admission import round as D
 
     home = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))  # short: lanes' ipc paths have a limit
     d = Daemon(RamStore(64 << 20), f"ipc://{home / 'kvd.sock'}", shm=False)
@@ -201,7 +201,7 @@ def test_a_socket_that_became_readable_during_a_run_of_others_requests_is_read_b
                 {"index": 0, "tensors": [codec.Tensor("k", "uint8", (1024,), np.full(1024, i, np.uint8))], "meta": b""}]},
                 id=i))
         assert by_endpoint[lanes[0]].poll(10_000), "the PUTs did not arrive"
-        rnd = D._Round(d, poller, clock=lambda: now[0])
+        rnd = D.Round(d, poller, clock=lambda: now[0])
         rnd.poll(0)
         assert rnd.waiting == [by_endpoint[lanes[0]]]
         reader.send_multipart(codec.encode("GET", {"ns": "w0", "tokens": toks, "chunk_tokens": 256}, id=9))
@@ -227,9 +227,9 @@ def test_a_socket_that_became_readable_during_a_run_of_others_requests_is_read_b
 
 
 def test_looking_again_takes_at_most_a_tenth_of_the_loops_time_however_many_lanes(tmp_path):
-    """`_Round.refresh` after a poll that took 1 ms (an injected clock; a
+    """`Round.refresh` after a poll that took 1 ms (an injected clock; a
     thousand lanes take ~0.6 ms here) does not poll again for 10 ms."""
-    from kvd.server import daemon as D
+    from kvd.server.admission import round as D
 
     d = Daemon(RamStore(16 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
     d.bind()
@@ -245,7 +245,7 @@ def test_looking_again_takes_at_most_a_tenth_of_the_loops_time_however_many_lane
             return real(timeout)
 
         poller.poll = slow
-        rnd = D._Round(d, poller, clock=lambda: now[0])
+        rnd = D.Round(d, poller, clock=lambda: now[0])
         rnd.poll(0)
         now[0] += D.REPOLL_S
         rnd.refresh()
