@@ -40,9 +40,9 @@ Rules the loop keeps:
    read and unserved at a stop is answered BUSY. "What waits" is looked for
    again before each request is served (at most every 0.2 ms, and in at
    most a tenth of the loop's time however many lanes there are:
-   kvd.server.admission.round):
-   a socket that became readable while the loop served a run of other
-   peers' requests joins the round then, not when the run ends.
+   kvd.server.admission.round): a socket that became readable while the
+   loop served a run of other peers' requests joins the round then, not
+   when the run ends.
 8. A message over the frame limit costs its sender, not the serving thread:
    on a lane it is read only as far as the decoder needs and the lane is
    closed (kvd.server.lanes); on the main socket, whose rest must be read
@@ -114,7 +114,6 @@ class _Conn(NamedTuple):
     identity: bytes
     origin: bytes | None  # the process at the other end, whose cost a new connection starts from (kvd.server.admission.turns)
     where: tuple[int, int | None]  # (fd, connection_id): what the outbox names when it asks the gate to cut it off
-
 
 
 class Daemon:
