@@ -420,3 +420,45 @@ def test_close_stays_within_its_timeout_when_the_writer_is_stuck(tmp_path, monke
     finally:
         release.set()
         store.writer.stop(timeout=5)
+
+
+def test_a_file_that_grew_between_two_threads_looks_is_never_cut_short(tmp_path, monkeypatch):
+    """The writer's tick and a batch on another thread each look at the
+    pack's file: a stat taken before it grew, compared after the other had
+    seen it grown, said "cut short" and the pack -- every entry in it -- was
+    replaced (CI, session 30: test_quota's batch beside the tick). The look
+    is one thread at a time, so the older stat is never compared with the
+    newer size."""
+    from kvd.store.ssd import lmdbenv
+
+    env = lmdbenv.Env(tmp_path / "env")
+    try:
+        real_stat = os.stat
+        first_stat_taken, let_first_go = threading.Event(), threading.Event()
+        first = []
+
+        def stat(path, *args, **kwargs):
+            st = real_stat(path, *args, **kwargs)
+            if threading.current_thread().name == "first-look" and not first:
+                first.append(st)
+                first_stat_taken.set()
+                let_first_go.wait(10)
+            return st
+
+        monkeypatch.setattr(lmdbenv.os, "stat", stat)
+        answers = {}
+        looker = threading.Thread(target=lambda: answers.setdefault("first", env.file_fault()), name="first-look")
+        looker.start()
+        assert first_stat_taken.wait(10)
+        db = env.env.open_db(b"grow")
+        env.write(lambda txn: [txn.put(b"%d" % i, b"x" * 4000, db=db) for i in range(64)])
+        assert real_stat(tmp_path / "env" / lmdbenv.DATA_FILE).st_size > first[0].st_size
+        second = threading.Thread(target=lambda: answers.setdefault("second", env.file_fault()))
+        second.start()
+        second.join(0.5)  # with the look one thread at a time, it waits for the first
+        let_first_go.set()
+        looker.join(10)
+        second.join(10)
+        assert answers == {"first": None, "second": None}
+    finally:
+        env.close()

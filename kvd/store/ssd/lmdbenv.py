@@ -70,6 +70,7 @@ class Env:
         except BaseException:
             self.env.close()
             raise
+        self._stat_lock = threading.Lock()  # file_fault's stat and compare, one thread at a time
         self._gate = threading.Condition()
         self._readers = 0
         self._resizing = False
@@ -81,19 +82,23 @@ class Env:
         """Why the data.mdb at this environment's path is no longer the file
         it maps (removed, replaced) or is shorter than it was (cut short: a
         read past its end would be a SIGBUS); None while all is well. One
-        stat. Call it from the thread that writes (or with none writing)."""
-        try:
-            st = os.stat(self.path / DATA_FILE)
-        except (FileNotFoundError, NotADirectoryError):
-            return "was removed"
-        except OSError:
-            return None  # the disk's own trouble: the writes that meet it say so
-        if _identity(st) != self._file:
-            return "was replaced by another file"
-        if st.st_size < self._size:
-            return f"was cut short ({st.st_size} bytes, {self._size} before)"
-        self._size = st.st_size
-        return None
+        stat, under a lock: a stat taken before the file grew, compared
+        after another thread had seen it grown, would say "cut short" of a
+        file nobody cut (the writer's tick beside a batch written on another
+        thread)."""
+        with self._stat_lock:
+            try:
+                st = os.stat(self.path / DATA_FILE)
+            except (FileNotFoundError, NotADirectoryError):
+                return "was removed"
+            except OSError:
+                return None  # the disk's own trouble: the writes that meet it say so
+            if _identity(st) != self._file:
+                return "was replaced by another file"
+            if st.st_size < self._size:
+                return f"was cut short ({st.st_size} bytes, {self._size} before)"
+            self._size = st.st_size
+            return None
 
     def retire(self, timeout: float = 10.0) -> None:
         """Close, once the readers inside are out; new readers miss (IndexBusy)."""
