@@ -258,3 +258,81 @@ def test_looking_again_takes_at_most_a_tenth_of_the_loops_time_however_many_lane
         assert len(polls) == 3
     finally:
         d.close()
+
+
+def test_looking_again_after_a_lane_was_closed_in_the_run_serves_on(tmp_path):
+    """A lane closed while the loop serves a run (a banned peer cut off, the
+    outbox's hog) stays in the poller until the loop's next poll: polled
+    again before that, a closed socket polled as fd 0, and with stdin on
+    /dev/null (a service) `refresh` took that fd for a socket and the loop
+    died on it. Now the lanes closed leave the poller first."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kvd.server.admission import round as D
+
+    home = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
+    d = Daemon(RamStore(64 << 20), f"ipc://{home / 'kvd.sock'}", shm=False)
+    d.bind()
+    ctx = zmq.Context.instance()
+    client = ctx.socket(zmq.DEALER)
+    stdin = os.dup(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # as under a service manager: fd 0 always readable
+    now = [100.0]
+    try:
+        poller = zmq.Poller()
+        poller.register(d._sock, zmq.POLLIN)
+        poller.register(d.wakeup.fd, zmq.POLLIN)
+        kept, gone = d.lanes.open(), d.lanes.open()
+        d._sync_lanes(poller)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(kept)
+        for i in range(2):
+            client.send_multipart(codec.encode("PING", {}, id=i))
+        sock = next(s for s, lane in d.lanes.by_sock.items() if lane.endpoint == kept)
+        assert sock.poll(10_000), "the PINGs did not arrive"
+        rnd = D.Round(d, poller, clock=lambda: now[0])
+        rnd.poll(0)
+        d.lanes.close(d.lanes.by_identity[next(i for i, lane in d.lanes.by_identity.items() if lane.endpoint == gone)])
+        now[0] += D.REPOLL_S
+        d._serve_waiting(rnd, most=2)
+        assert all(isinstance(s, zmq.Socket) for s in rnd.waiting)
+        assert [codec.decode_reply(client.recv_multipart()).id for _ in range(2) if client.poll(5000)] == [0, 1]
+    finally:
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        os.close(null)
+        client.close()
+        d.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_main_socket_lent_is_not_polled_again_until_the_loop_lets_it_go(tmp_path):
+    """While a thread drops the rest of a frame bomb from the main socket
+    (drain.Lent), that thread alone touches it: a poll reads its events
+    (libzmq sockets are not thread-safe), so `refresh` does not look again."""
+    from kvd.server.admission import round as D
+
+    d = Daemon(RamStore(16 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
+    d.bind()
+    now, polls = [100.0], []
+    try:
+        poller = zmq.Poller()
+        poller.register(d._sock, zmq.POLLIN)
+        real = poller.poll
+        poller.poll = lambda timeout=None: polls.append(now[0]) or real(timeout)
+        rnd = D.Round(d, poller, clock=lambda: now[0])
+        rnd.poll(0)
+        d._lent = object()  # (a real Lent needs a bomb to drop: only whether it is lent is read here)
+        now[0] += 1.0
+        rnd.refresh()
+        assert len(polls) == 1
+        d._lent = None
+        rnd.refresh()
+        assert len(polls) == 2
+    finally:
+        d._lent = None
+        d.close()

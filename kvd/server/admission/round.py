@@ -45,13 +45,18 @@ class Round:
         """The loop's poll: its events; the sockets among them wait their turn."""
         events = dict(self.poller.poll(timeout_ms))
         self.polled = self.clock()
-        self.waiting[:] = [s for s in events if s is not self.d.wakeup.fd]
+        self.waiting[:] = [s for s in events if isinstance(s, zmq.Socket)]  # (not the wakeup's fd)
         return events
 
     def refresh(self) -> None:
+        """Look again, without waiting, for sockets that became readable.
+        Not while the main socket is lent (drain.Lent: another thread reads
+        it, and a poll touches it too); and lanes closed during this run
+        leave the poller first (a closed socket polls as fd 0: stdin)."""
         now = self.clock()
-        if now - self.polled < self.gap:
+        if now - self.polled < self.gap or self.d._lent is not None:
             return
+        self.d._sync_lanes(self.poller)
         events = self.poller.poll(0)
         self.polled = self.clock()
         # A poll costs ~0.6 us a socket: with a thousand lanes, ~0.6 ms. Looking
@@ -59,7 +64,7 @@ class Round:
         self.gap = max(REPOLL_S, 10 * (self.polled - now))
         present = set(self.waiting)
         for s, _ in events:
-            if s is not self.d.wakeup.fd and s not in present:
+            if isinstance(s, zmq.Socket) and s not in present:
                 self.waiting.append(s)
 
     def __call__(self) -> list[zmq.Frame]:
@@ -68,6 +73,9 @@ class Round:
             s = waiting.pop(0)
             if s.closed or (s is d._sock and d._lent is not None):  # a lane closed meanwhile; the main socket lent
                 continue
+            lane = d.lanes.by_sock.get(s) if d.lanes is not None else None
+            if lane is not None and lane.doomed:
+                continue  # a bomb's lane, closed soon: the rest of its message is never read (kvd.server.lanes)
             try:
                 raw = d._recv(s)
             except zmq.Again:
