@@ -13,11 +13,13 @@ from several threads, so the copy's other half needs a thread of its own.
 on the calling thread, and returns once both have. The helper is made on
 first use, one per process (made again in a child after fork), and lent to
 one caller at a time: a caller that finds it lent, a process with one core
-to run on, or one that cannot start a thread now runs both itself, in order.
+to run on, or one that cannot start a thread now runs both itself, in order
+(`theirs` not at all if `mine` raised).
 
 Rules:
-- `both` returns only when both calls have returned, whatever either raised:
-  the memory they write stays the caller's to hand out or free.
+- `both` returns only when both calls have returned, whatever either raised
+  (a KeyboardInterrupt while it waits included): the memory they write stays
+  the caller's to hand out or free.
 - What either raised is raised on the calling thread (`mine`'s first).
 - The helper runs nothing but what `both` gives it: no mlx array, no socket.
 - It keeps nothing of a call once it has returned: the memory a join writes
@@ -46,14 +48,26 @@ class _Helper:
                 fn()
             except BaseException as err:  # raised on the caller's thread (`both`)
                 box.append(err)
-            # Nothing of a join outlives it here (module rules): waiting for the next
-            # job, `fn` would hold the last one's memory (a whole fetch's).
-            fn = box = None
-            done.release()
+            finally:
+                # Nothing of a join outlives it here (module rules): waiting for the next
+                # job, `fn` would hold the last one's memory (a whole fetch's).
+                fn = box = None
+                done.release()
 
 
 _helper: _Helper | None = None
 _made = threading.Lock()
+
+
+def _forked() -> None:
+    """In a child after fork: no helper (its thread stayed in the parent), and
+    a lock that another thread may have held at the fork made anew."""
+    global _helper, _made
+    _helper, _made = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _cores() -> int:
@@ -94,8 +108,22 @@ def both(mine: Callable[[], None], theirs: Callable[[], None]) -> None:
         try:
             mine()
         finally:
-            done.acquire()  # the helper's half has returned
+            _wait(done)  # the helper's half has returned
         if box:
-            raise box[0]
+            raise box.pop()  # (box[0] would keep the error's traceback, and with it the join's memory, in a cycle)
     finally:
         helper.free.release()
+
+
+def _wait(done: threading.Lock) -> None:
+    """Until the helper's half has returned, even through a signal's
+    exception (KeyboardInterrupt): that is raised after, not instead."""
+    pending = None
+    while True:
+        try:
+            done.acquire()
+            break
+        except BaseException as err:
+            pending = pending or err
+    if pending is not None:
+        raise pending

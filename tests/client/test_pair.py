@@ -121,3 +121,92 @@ def test_the_helper_keeps_nothing_of_a_call_once_it_has_returned():
     del memory
     gc.collect()
     assert ref() is None
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.skipif(_pair._cores() < 2, reason="one core: no helper thread")
+def test_an_interrupt_while_waiting_is_raised_only_once_the_helpers_half_has_returned():
+    """A signal's exception (Ctrl-C) while the caller waits for the helper
+    must not let `both` return with the helper still writing the caller's memory."""
+    import os
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are handled on the main thread")
+    lent, handled, gate, done = threading.Event(), threading.Event(), threading.Event(), []
+
+    def handler(signum, frame):
+        handled.set()
+        raise _Interrupted()
+
+    def theirs():
+        lent.set()
+        gate.wait(10)
+        done.append("theirs")
+
+    def interrupt():
+        lent.wait(10)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        handled.wait(10)
+        gate.set()
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        t = threading.Thread(target=interrupt)
+        t.start()
+        with pytest.raises(_Interrupted):
+            _pair.both(lambda: lent.wait(10), theirs)
+        assert done == ["theirs"]
+        t.join(10)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    _pair.both(lambda: None, lambda: None)  # the helper is free again
+
+
+@pytest.mark.skipif(_pair._cores() < 2, reason="one core: no helper thread")
+def test_an_error_from_the_helpers_half_keeps_nothing_alive_without_the_collector():
+    """What the helper raised is raised here; caught and dropped, nothing its
+    half referred to stays alive in a reference cycle until the collector runs."""
+
+    class Memory:
+        pass
+
+    memory = Memory()
+    ref = weakref.ref(memory)
+
+    def theirs(held=memory):
+        raise KeyError("theirs")
+
+    del memory
+    gc.disable()
+    try:
+        try:
+            _pair.both(lambda: None, theirs)
+        except KeyError:
+            pass
+        del theirs
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def _child_after_fork_with_the_lock_held(q):
+    ran = []
+    _pair.both(lambda: ran.append(1), lambda: ran.append(2))
+    q.put(sorted(ran))
+
+
+def test_a_child_forked_while_another_thread_made_the_helper_is_not_stuck():
+    """A fork while another thread holds the lock that makes the helper: the
+    child gets a lock of its own (os.register_at_fork), not one held forever."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with _pair._made:  # as another thread would, making the helper at the fork
+        child = ctx.Process(target=_child_after_fork_with_the_lock_held, args=(q,), daemon=True)
+        child.start()
+    assert q.get(timeout=30) == [1, 2]
+    child.join(30)
+    assert child.exitcode == 0
