@@ -155,6 +155,7 @@ class Daemon:
         self.parts = PartReader()  # messages read in turns (rule 9)
         self.banned_requests = 0  # requests of a banned process read before the gate cut it off
         self.offenders = drain.Offenders()
+        self.struck_for_memory = 0  # strikes of processes shed for memory inside their first message (gate rule 9)
         self.latency = Latency()
         self.turns = Turns()
         self.ready = Ready()
@@ -330,7 +331,8 @@ class Daemon:
 
     def peer_stats(self) -> dict:
         out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling,
-               "oversized_messages": self.offenders.strikes, "dropped_frames": self.dropped_frames,
+               "oversized_messages": self.offenders.strikes - self.struck_for_memory,
+               "struck_for_memory": self.struck_for_memory, "dropped_frames": self.dropped_frames,
                "dropping_ms": round(1000 * self.dropping_seconds, 3),
                "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
                "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
@@ -448,6 +450,7 @@ class Daemon:
                     if self.outbox is not None:
                         self.outbox.sweep()
                     self._update_ceiling()
+                    self._strike_stuck()
                     self.turns.forget(time.monotonic())
                     if self.lanes is not None:
                         self.lanes.reap()
@@ -716,7 +719,18 @@ class Daemon:
         """A message over the frame limit from the connection at `fd`: a
         process that keeps sending them is banned (drain.Offenders)."""
         conn = self._conn(identity, fd)
-        who = conn.origin if conn is not None else None
+        self._strike_who(conn.origin if conn is not None else None)
+
+    def _strike_stuck(self) -> None:
+        """Processes the gate shed for memory inside their first message,
+        with proof it was a bomb (gate rules 3 and 9, `PeerGate._judge`):
+        struck as for a message over the frame limit."""
+        stuck = self.gate.stuck_senders if self.gate is not None else None
+        while stuck:
+            self.struck_for_memory += 1
+            self._strike_who(stuck.popleft())
+
+    def _strike_who(self, who: bytes | None) -> None:
         ban = self.offenders.strike(who)
         if ban is not None and self.gate is not None:
             fds = [fd for fd, c in self._conns.items() if c.origin == who]
@@ -724,7 +738,7 @@ class Daemon:
                 if self.lanes is not None and (lane := self.lanes.on(fd, self._conns[fd].where[1])) is not None:
                     self.lanes.close(lane, "lanes_cut_off", linger=0)
             self.gate.ban(who, fds, ban)
-            self.ratelog.warning(f"banned {who!r}", "banned %s for %.0f s: messages over the frame limit", who.decode(), ban)
+            self.ratelog.warning(f"banned {who!r}", "banned %s for %.0f s: messages over the frame limit, or shed for memory inside one", who.decode(), ban)
 
     def _maybe_log_summary(self) -> None:
         """One info line per `summary_every` seconds with activity, for operators."""

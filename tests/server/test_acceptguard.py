@@ -111,3 +111,72 @@ def test_without_the_guard_libzmq_aborts(tmp_path):
     child, _, _ = _connect_while_full(tmp_path, "none")
     _, err = child.communicate(timeout=30)
     assert child.returncode == -6 and "ipc_listener.cpp" in err, (child.returncode, err)
+
+
+HOLD_CHILD = r"""
+import os, sys, zmq
+from kvd.server.admission import acceptguard
+
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER)
+router.setsockopt(zmq.LINGER, 0)
+router.bind("ipc://" + sys.argv[1])
+assert acceptguard.install()
+refusing = {"on": True}
+acceptguard.set_refuse(lambda fd: refusing["on"])
+print("ready", flush=True)
+sys.stdin.readline()  # the parent's first socket has connected and sent
+import time
+deadline = time.monotonic() + 30
+while acceptguard.held()[0] == 0 and time.monotonic() < deadline:  # libzmq's I/O thread accepts on its own schedule
+    time.sleep(0.01)
+print("held", *acceptguard.held(), "got", router.poll(100), flush=True)
+sys.stdin.readline()
+acceptguard.release(lambda fd: False)  # its ban is over
+acceptguard.set_refuse(None)
+print("released", *acceptguard.held(), flush=True)
+sys.stdin.readline()  # the parent has connected again and sent
+if not router.poll(10_000):
+    sys.exit("nothing received")
+print("served", router.recv_multipart()[1].decode(), flush=True)
+acceptguard.uninstall()
+"""
+
+
+def test_a_banned_processs_connection_is_held_unread_until_its_ban_ends(tmp_path):
+    """Gate rule 9 at accept: a connection the gate's `refuse` names is
+    accepted by the guard and kept, never handed to libzmq (nothing it sends
+    is read); released, it is closed, and the next connection is served."""
+    path = str(tmp_path / "s.sock")
+    child = subprocess.Popen([sys.executable, "-c", HOLD_CHILD, path], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    try:
+        assert _line(child) == "ready", child.stderr.read()
+        s.connect(path)
+        s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31))  # a ZMTP greeting
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert _line(child).split() == ["held", "1", "1", "got", "0"]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert _line(child).split() == ["released", "0", "1"]
+        try:
+            assert s.recv(64) == b""  # closed, never greeted
+        except ConnectionResetError:
+            pass  # closed with our greeting unread
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect("ipc://" + path)
+        dealer.send(b"hi")
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=30)
+    finally:
+        s.close()
+        ctx.destroy(linger=0)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0 and out.split() == ["served", "hi"], err

@@ -8,6 +8,7 @@ and bans a process that sends a second within a minute (gate rule 9).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -17,8 +18,8 @@ from kvd.protocol import codec
 from kvd.protocol.limits import Limits
 from kvd.server.admission import drain
 
-from stress import BOMB, attack
-from support import peer_stats
+from stress import BOMB, ZMTP, attack
+from support import peer_stats, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bans by SO_PEERCRED pid (Linux)")
 
@@ -59,16 +60,95 @@ def test_a_frame_bomb_is_answered_and_its_parts_dropped(daemon_factory):
     assert d.proc.poll() is None
 
 
+# M bombs of F empty frames on one connection, each answer's error name (or
+# EOF) printed on one line; then, on a new connection, a PING and the
+# daemon's greeting waited for: "again: greeted" (or "again: EOF" if the
+# connection is closed) on a second line. Held unread, it waits until killed.
+BOMB_THEN_AGAIN = ZMTP + r"""
+import sys
+path, m, f, header = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
+bomb = zmtp_bomb(header, f)
+s, r = zmtp_connect(path)
+out = []
+for _ in range(m):
+    try:
+        s.sendall(bomb)
+    except OSError:
+        out.append("EOF")
+        break
+    out.append(zmtp_reply(r))
+print(" ".join(out), flush=True)
+try:
+    s2, r2 = zmtp_connect(path)
+    print("again:", "greeted", flush=True)
+except OSError:
+    print("again:", "EOF", flush=True)
+sys.stdin.read()
+"""
+
+
 def test_a_process_that_keeps_bombing_is_banned_and_others_are_served(daemon_factory):
+    """The first bomb is answered; the second bans the process: its
+    connection is cut (its reply with it), and the one it makes next is
+    held unread by the accept guard (gate rule 9): never greeted, while
+    another process is served as before."""
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
     path = d.endpoint[len("ipc://"):]
     good = d.client("good", strict=True, timeout=30.0)
     assert good.ping()
-    with attack(BOMB, path, "2", "100000", PING) as line:
-        # The first is answered; the second bans the process: its connection
-        # is cut (its reply with it), and so is the one it makes next.
-        assert line == "TOO_MANY_FRAMES EOF again: EOF", line
-        assert good.ping()  # another process is served as before
-    p = peer_stats(d)
-    assert p["oversized_messages"] == 2 and p["bans"] == 1 and p["shed_banned"] >= 2
+    bomber = subprocess.Popen([sys.executable, "-c", BOMB_THEN_AGAIN, path, "2", "100000", PING],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert bomber.stdout.readline().strip() == "TOO_MANY_FRAMES EOF"
+        wait_until(lambda: peer_stats(d)["held_banned"] >= 1, what="the next connection held")
+        assert good.ping()
+        p = peer_stats(d)
+        assert p["oversized_messages"] == 2 and p["bans"] == 1 and p["shed_banned"] >= 1, p
+        assert bomber.poll() is None  # still waiting for a greeting that does not come
+    finally:
+        bomber.kill()
+        bomber.wait(30)
     assert d.proc.poll() is None
+
+
+def test_a_process_shed_twice_for_memory_inside_a_bomb_is_banned_and_then_held(daemon_factory):
+    """Over the memory ceiling, a bomb is shed before it is whole (gate rule
+    3), so it is never read to an answer: a process shed so twice within a
+    minute is banned like one that bombed twice, and its next connections are
+    held unread (no more ~600 MB of libzmq's for each). The other client is
+    answered throughout; the daemon lives on."""
+    d = daemon_factory("--ram-mb", "16", "--max-message-mb", "16", "--data-dir", "none")
+    path = d.endpoint[len("ipc://"):]
+    good = d.client("good", strict=True, timeout=30.0)
+    assert good.ping()
+    bomber = subprocess.Popen([sys.executable, "-c", REBOMB, path, str(FRAMES), PING],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert bomber.stdout.readline().strip() == "ready"
+        wait_until(lambda: peer_stats(d)["held_banned"] >= 1, timeout=120, what="the bomber's connection held")
+        p = peer_stats(d)
+        assert p["struck_for_memory"] >= 2 and p["bans"] >= 1 and p["oversized_messages"] == 0, p
+        for _ in range(20):
+            assert good.ping()
+        assert peer_stats(d)["held_banned"] == 1  # held, the bomber waits: it makes no new connection
+    finally:
+        bomber.kill()
+        bomber.wait(30)
+    assert d.proc.poll() is None
+
+
+# One bomb of F empty frames after another, each on a new connection, until killed.
+REBOMB = ZMTP + r"""
+import sys
+path, f, header = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+bomb = zmtp_bomb(header, f)
+print("ready", flush=True)
+while True:
+    try:
+        s, r = zmtp_connect(path)
+        s.sendall(bomb)
+        zmtp_reply(r)
+        s.close()
+    except OSError:
+        pass
+"""

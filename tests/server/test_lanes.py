@@ -23,7 +23,7 @@ import zmq
 from kvd.protocol import codec
 
 from stress import BOMB, ZMTP, attack
-from support import peer_stats
+from support import peer_stats, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ZMTP by hand over AF_UNIX; bans by pid")
 
@@ -195,16 +195,21 @@ def test_lanes_do_not_leak_as_clients_come_and_go(daemon_factory):
 
 
 def test_lanes_are_bounded_by_max_peers_and_a_client_without_one_is_served(daemon_factory):
+    """Five clients, each with a main-socket connection, over max_peers=3:
+    the gate sheds two of those connections (gate rule 1: one that has not
+    completed its first request yet goes first, so a newcomer's HELLO may be
+    cut: a miss, and the client asks again). The first three took the lanes."""
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--max-peers", "3")
-    clients = [d.client(f"c{i}", strict=True, timeout=30.0) for i in range(5)]
+    clients = [d.client(f"c{i}", timeout=30.0) for i in range(5)]
     try:
         for c in clients:
-            assert c.hello() and c.ping()
+            wait_until(lambda: c.hello() and c.ping(), what="HELLO and PING answered")
         laned = [c._transport._lane is not None for c in clients]
         assert laned == [True, True, True, False, False]
         p = clients[0].stats()["peers"]
-        assert p["lanes"] == 3 and p["lanes_refused"] == 2
+        assert p["lanes"] == 3 and p["lanes_refused"] >= 2
         toks = list(range(512))
+        clients[4].strict = True  # a failure raises now (not a 0 like a miss)
         assert clients[4].lookup(toks) == 0  # served on the main socket
     finally:
         for c in clients:

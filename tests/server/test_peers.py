@@ -566,3 +566,33 @@ def test_the_paused_listeners_stand_in_cannot_be_reached(daemon_factory):
     with pytest.raises(FileNotFoundError):
         s.connect(stand_in[0])  # unlinked at once
     s.close()
+
+
+@pytest.mark.parametrize("fell_mb, struck", [(600, True), (0, False), (70, False)])
+def test_a_process_shed_for_memory_is_struck_only_if_memory_then_proves_a_bomb(monkeypatch, fell_mb, struck):
+    """Rule 9's evidence (`_judge`): over the ceiling the watchdog sheds a
+    peer stalled inside its first message. Only if memory then falls by more
+    than its message could hold (over_unit, 64 MiB, and a quarter more) is
+    its process handed to the serving loop to strike: an idle connection
+    (nothing freed) or a legitimately big message (70 MB) never is. RSS is
+    injected: a real bomb's ~600 MB is test_frame_bombs' to make."""
+    clock = FakeClock(1000.0)
+    rss = [2000 << 20]
+    gate = PeerGate(None, max_peers=8, ceiling=lambda: 1000 << 20, clock=clock, stall_seconds=0.25)
+    monkeypatch.setattr(peers, "rss_bytes", lambda: rss[0])
+    monkeypatch.setattr(peers, "can_trim", lambda: False)
+    monkeypatch.setattr(peers, "origin", lambda fd: b"pid %d" % fd)
+    shed = []
+    monkeypatch.setattr(gate, "_shed", lambda fd: shed.append(fd) or gate.peers.pop(fd, None) is not None)
+    gate.peers[41] = [clock(), None]  # stalled inside its first message
+    clock.advance(1.0)
+    gate._watch_memory()
+    assert shed == [41] and gate._suspect is not None
+    rss[0] -= fell_mb << 20
+    clock.advance(0.1)
+    gate._watch_memory()  # too soon to judge: libzmq may still be freeing
+    assert gate._suspect is not None and not gate.stuck_senders
+    clock.advance(0.2)
+    gate._watch_memory()
+    assert gate._suspect is None
+    assert list(gate.stuck_senders) == ([b"pid 41"] if struck else [])

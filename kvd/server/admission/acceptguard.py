@@ -36,6 +36,15 @@ the accept onto it (a thread in C code could: the drop then finds no fd,
 and the gate takes the spare again at its next sample, `ensure_spare`,
 also when a lowered fd limit left it above the limit).
 
+Banned processes (gate rule 9). While the gate has someone banned it gives
+the guard a `refuse(fd)` (`set_refuse`): a connection accepted whose
+process it names is kept here, unread, and libzmq is told EAGAIN, so it never
+parses what the bomber sends and sees no connection at all. The sender's
+writes block once its socket buffer is full, so a bomber that reconnects at
+once waits instead. At most HOLD_MOST are held (past it the oldest is
+closed); the gate closes them when the ban ends (`release`), and the last
+`uninstall` closes any left.
+
 The callback runs on libzmq's I/O thread and takes the GIL: once per
 connection libzmq accepts, and once per wake-up while the gate has the
 listener paused with a connection waiting and fds to spare (libzmq's epoll
@@ -98,6 +107,9 @@ class _State:
     main: int | None = None  # libzmq's fd of the main listener: the budget is its alone
     others: collections.deque = collections.deque(maxlen=65536)  # connections accepted on other listeners (lanes)
     hooks: list[Callable[[], None]] = []  # told of every accept() that found no fd free
+    refuse: Callable[[int], bool] | None = None  # the gate's: is a new connection's process banned?
+    held: collections.deque = collections.deque()  # connections of banned processes, held unread
+    held_total = 0  # connections ever held
     users = 0  # install() less uninstall() calls
     patched: list[tuple[int, int]] = []  # (slot address, original value)
     mprotect = None
@@ -186,6 +198,61 @@ def accepted_elsewhere() -> list[int]:
     return out
 
 
+HOLD_MOST = 16  # connections of banned processes held at most; past it the oldest is closed
+
+
+def set_refuse(refuse: Callable[[int], bool] | None) -> None:
+    """While someone is banned, the gate's `refuse(fd)`: a new connection
+    whose process it names is held unread, never handed to libzmq (`_hold`).
+    None: nobody is, and accept() costs nothing more."""
+    _State.refuse = refuse
+
+
+def _refused(conn: int) -> bool:
+    refuse = _State.refuse
+    if refuse is None:
+        return False
+    try:
+        return bool(refuse(conn))
+    except BaseException:  # never an exception into libzmq's thread: the connection goes to libzmq
+        return False
+
+
+def _hold(conn: int) -> None:
+    """Keep a banned process's new connection, unread: its sender blocks once
+    the socket's buffer is full, instead of connecting again at once."""
+    with _State.lock:
+        _State.held.append(conn)
+        _State.held_total += 1
+        while len(_State.held) > HOLD_MOST:
+            _State.close(_State.held.popleft())
+
+
+def release(keep: Callable[[int], bool]) -> None:
+    """Close the held connections `keep(fd)` no longer wants (their process's
+    ban is over): the sender sees its connection end and may come again.
+    Called by the gate at its samples while some are held."""
+    with _State.lock:
+        held, _State.held = list(_State.held), collections.deque()
+    kept = []
+    for conn in held:
+        try:
+            keeping = keep(conn)
+        except Exception:
+            keeping = False
+        if keeping:
+            kept.append(conn)
+        else:
+            os.close(conn)
+    with _State.lock:
+        _State.held.extendleft(reversed(kept))
+
+
+def held() -> tuple[int, int]:
+    """(connections held now, held since start) of banned processes."""
+    return len(_State.held), _State.held_total
+
+
 def _guarded(fd: int, addr, alen, flags: int) -> int:
     main = _State.main
     ours = main is None or fd == main
@@ -194,6 +261,10 @@ def _guarded(fd: int, addr, alen, flags: int) -> int:
         ctypes.set_errno(errno.EAGAIN)
         return -1
     conn = _State.accept4(fd, addr, alen, flags)
+    if conn >= 0 and _refused(conn):
+        _hold(conn)
+        ctypes.set_errno(errno.EAGAIN)  # libzmq sees nothing waiting
+        return -1
     if conn >= 0:
         if budget is not None:
             _State.budget = budget - 1  # the GIL is held from the read to here
@@ -414,3 +485,6 @@ def uninstall(on_refused: Callable[[], None] | None = None) -> None:
         if _State.users == 0:
             _restore()
             _State.hooks.clear()
+            _State.refuse = None
+            while _State.held:
+                os.close(_State.held.popleft())

@@ -217,13 +217,16 @@ class Lent(threading.Thread):
 
 
 class Offenders:
-    """Processes that sent messages over the frame limit (`strike`).
+    """Processes that sent messages over the frame limit (`strike`), or were
+    shed for memory while inside their first message (gate rule 3: a frame
+    bomb that the memory ceiling cut off before it was whole).
 
-    A kvd client never does: it learns the limit from HELLO. The first such
-    message from a process is answered TOO_MANY_FRAMES like any other; a
-    second within `window` seconds bans the process: its connections are
-    shed and its new ones cut off at accept (the gate, `PeerGate.ban`) for
-    `first_ban` seconds, twice as long at each ban after, up to `longest`.
+    A kvd client never does the first: it learns the limit from HELLO. The
+    first strike of a process is answered like any other (TOO_MANY_FRAMES,
+    or the cut); a second within `window` seconds bans the process: its
+    connections are shed and its new ones held unread at accept (the gate,
+    `PeerGate.ban`, rule 9) for `first_ban` seconds, twice as long at each
+    ban after, up to `longest`.
     A process is told by its pid (kvd.server.admission.connections.origin);
     over TCP, where one host may be many clients, nobody is banned."""
 

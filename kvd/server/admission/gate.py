@@ -157,11 +157,19 @@ Rules the gate keeps:
    (`acceptguard.set_budget`), so a window admits no more than the cap
    allows however long it stays open.
 9. A process that keeps sending messages over the frame limit (frame
-   bombs: drain.py) is banned by the serving loop (`ban`): its connections
-   are shed, and a connection it makes while banned is shed as soon as
-   its ACCEPTED event is read (one SO_PEERCRED read per accept, only while
-   someone is banned). It learns of the first one from the TOO_MANY_FRAMES
-   reply; the ban ends by itself. The serving loop checks too (`is_banned`):
+   bombs: drain.py), or that rule 3 sheds for memory while inside its first
+   message with proof it held a bomb (`_judge`: memory fell by more than
+   its messages could hold; such a process goes to `stuck_senders`, which
+   the serving loop strikes), is banned by the serving loop (`ban`): its
+   connections are shed. Where the accept guard runs, a connection it makes
+   while banned is accepted by the guard and held unread, never handed to
+   libzmq (`acceptguard.set_refuse`: one SO_PEERCRED read per accept, only
+   while someone is banned): its sender waits on a full socket buffer
+   instead of connecting again at once, and nothing it sends is parsed.
+   Held connections are closed at the first sample after the ban ends (at
+   most 16 are held; past that the oldest is closed). Elsewhere such a
+   connection is shed as soon as its ACCEPTED event is read. The ban ends
+   by itself. The serving loop checks too (`is_banned`):
    a request it reads from a banned process before this thread has read
    the connection's ACCEPTED is not served, and the connection is cut.
 10. The lanes' connections (kvd.server.lanes: a socket per client, each
@@ -179,6 +187,7 @@ Rules the gate keeps:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import select
@@ -280,6 +289,10 @@ class PeerGate(threading.Thread):
              "fd_limit_changes"), 0
         )
         self.banned: dict[bytes, float] = {}  # origin -> banned until (rule 9)
+        # Processes shed for memory inside their first message (rule 3), for
+        # the serving loop to strike (rule 9): appended here, taken there.
+        self.stuck_senders: collections.deque[bytes] = collections.deque(maxlen=1024)
+        self._suspect: tuple[bytes, int, int, float] | None = None  # (origin, peers shed, RSS, when): `_judge`
         self._refusals = self._refusals_seen = 0  # accepts the guard found no fd for (rule 8)
         self._refusals_logged_at = float("-inf")
         self._halt = threading.Event()
@@ -311,7 +324,8 @@ class PeerGate(threading.Thread):
         return {
             "connected": len(self.peers), "max_peers": self.max_peers, "paused": self.paused,
             "lane_connections": len(self.lane_peers),
-            "accept_guard": acceptguard.installed(), "refused_no_fd": acceptguard.refused(), **self.counters,
+            "accept_guard": acceptguard.installed(), "refused_no_fd": acceptguard.refused(),
+            "held_banned": acceptguard.held()[1], **self.counters,
         }
 
     def ban(self, who: bytes, fds: list[int], seconds: float) -> None:
@@ -319,6 +333,7 @@ class PeerGate(threading.Thread):
         them) and cut off its new ones for `seconds` (rule 9; drain.Offenders
         says who)."""
         self.banned[who] = self.clock() + seconds
+        acceptguard.set_refuse(self._banned)  # its new connections are held unread, never read (rule 9)
         for fd in fds:
             if self._shed(fd):
                 self.counters["shed_banned"] += 1
@@ -329,11 +344,26 @@ class PeerGate(threading.Thread):
         return until is not None and until > self.clock()
 
     def _banned(self, fd: int) -> bool:
+        """Is the process at the other end of `fd` banned now? Also called by
+        the accept guard on libzmq's I/O thread (rule 9), hence `pop`."""
         now = self.clock()
         for who, until in list(self.banned.items()):
             if until <= now:
-                del self.banned[who]
+                self.banned.pop(who, None)
         return bool(self.banned) and origin(fd) in self.banned
+
+    def _follow_bans(self) -> None:
+        """Rule 9 at each sample: bans over are forgotten, the connections
+        the accept guard holds for them closed; with nobody banned, the
+        guard stops asking (`set_refuse` again each sample: a ban made
+        meanwhile on the serving thread is asked for at the next)."""
+        now = self.clock()
+        for who, until in list(self.banned.items()):
+            if until <= now:
+                self.banned.pop(who, None)
+        acceptguard.set_refuse(self._banned if self.banned else None)
+        if acceptguard.held()[0]:
+            acceptguard.release(self._banned)
 
     def refused(self) -> None:
         """libzmq's accept() found no fd free (rule 8; on libzmq's I/O
@@ -376,6 +406,7 @@ class PeerGate(threading.Thread):
                     self._follow_fd_limit()
                     self._balance()
                     self._watch_memory()
+                    self._follow_bans()
                     self._log_shedding()
                     next_sample = self.clock() + self._period()
         finally:
@@ -396,7 +427,8 @@ class PeerGate(threading.Thread):
         the ceiling before a quiet tick is over, or shed peers are closing;
         `quiet_tick` otherwise."""
         near = self.headroom is not None and self.headroom < _FILL_RATE * self.quiet_tick
-        return self.tick if near or self.closing or self._shed_at is not None else self.quiet_tick
+        busy = self.closing or self._shed_at is not None or self._suspect is not None
+        return self.tick if near or busy else self.quiet_tick
 
     def _open_ok(self) -> bool:
         """May the listener stay open (rule 5)?"""
@@ -736,11 +768,35 @@ class PeerGate(threading.Thread):
             )
             self._shed_unlogged, self._logged_at = 0, now
 
+    def _judge(self, rss: int) -> int:
+        """Rule 9's evidence against a process shed for memory inside its
+        first message (`_suspect`): once libzmq has let go of what it held
+        (0.2 s, the shed peers closed) and the allocator has given it back,
+        memory that fell by more than its connections' messages could hold
+        (`over_unit` each, and a quarter more) held a frame bomb -- ~75 bytes
+        a frame, ~600 MB for 8 M -- not a big request, nor an idle
+        connection (which holds nothing). The process goes to
+        `stuck_senders` for the serving loop to strike. Returns RSS, as
+        measured again if the allocator was asked to give memory back."""
+        who, shed, before, at = self._suspect
+        if self.clock() - at < 0.2 or (self.closing and self.clock() - at < 2.0):
+            return rss
+        self._suspect = None
+        if can_trim():
+            self._trimmed_at = self.clock()
+            trim_malloc()
+            rss = rss_bytes() or rss
+        if before - rss > shed * (self.over_unit + self.over_unit // 4):
+            self.stuck_senders.append(who)
+        return rss
+
     def _watch_memory(self) -> None:
         rss = rss_bytes() if self.ceiling is not None else None
         if rss is None:
             self.headroom = None
             return
+        if self._suspect is not None:
+            rss = self._judge(rss)
         over = rss - self.ceiling()
         self.headroom = -over
         if over > 0 and can_trim() and self.clock() - self._trimmed_at > 1.0:
@@ -779,8 +835,15 @@ class PeerGate(threading.Thread):
                 if self.clock() - at < 1.0:
                     return
                 victims, n = never, 1
+        stuck = set(never)
+        who = {origin(fd) if fd in stuck else None for fd in victims[:n]}
         shed = sum(self._shed(fd) for fd in victims[:n])
         if shed:
             self._shed_at = (self.clock(), rss)
+            if len(who) == 1 and None not in who:
+                # All of one process, each inside its first message: if
+                # memory then falls by more than that many messages could
+                # hold, it was a bomb (`_judge`, rule 9).
+                self._suspect = (who.pop(), shed, rss, self.clock())
             self.counters["shed_for_memory"] += shed
             log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
