@@ -110,7 +110,8 @@ def zmtp_reply(r):
 # (hex) and then F empty frames, one sendall each, and after each waits for
 # the reply. Prints, on one line, per message the reply's error name (or
 # "EOF": the daemon cut the connection), then "again:" and what a new
-# connection's PING got.
+# connection's PING got; with a fifth argument "split", "again: ..." on a
+# line of its own (a connection held unread waits for it until killed).
 BOMB = ZMTP + r"""
 import sys
 path, m, f, header = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
@@ -124,6 +125,9 @@ for _ in range(m):
         out.append("EOF")
         break
     out.append(zmtp_reply(r))
+if sys.argv[5:] == ["split"]:
+    print(" ".join(out), flush=True)
+    out = []
 s2, r = zmtp_connect(path)
 try:
     s2.sendall(bytes([0, len(header)]) + header)

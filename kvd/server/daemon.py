@@ -155,7 +155,7 @@ class Daemon:
         self.parts = PartReader()  # messages read in turns (rule 9)
         self.banned_requests = 0  # requests of a banned process read before the gate cut it off
         self.offenders = drain.Offenders()
-        self.struck_for_memory = 0  # strikes of processes shed for memory inside their first message (gate rule 9)
+        self.struck_for_memory = 0  # strikes of processes shed for memory inside a bomb (gate rule 9)
         self.latency = Latency()
         self.turns = Turns()
         self.ready = Ready()
@@ -333,12 +333,11 @@ class Daemon:
         out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling,
                "oversized_messages": self.offenders.strikes - self.struck_for_memory,
                "struck_for_memory": self.struck_for_memory, "dropped_frames": self.dropped_frames,
-               "dropping_ms": round(1000 * self.dropping_seconds, 3),
-               "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
+               "dropping_ms": round(1000 * self.dropping_seconds, 3), "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
                "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
                "main_lent": self._lent is not None, "main_lent_ms": round(1000 * self.lent_seconds, 3),
-               "read_while_lent": self.read_while_lent, "read_turns": self.parts.turns, "banned_requests": self.banned_requests,
-               "bans": self.offenders.bans}
+               "read_while_lent": self.read_while_lent, "read_turns": self.parts.turns,
+               "banned_requests": self.banned_requests, "bans": self.offenders.bans}
         if self.gate is not None:
             out.update(self.gate.stats())
         if self.outbox is not None:
@@ -722,13 +721,14 @@ class Daemon:
         self._strike_who(conn.origin if conn is not None else None)
 
     def _strike_stuck(self) -> None:
-        """Processes the gate shed for memory inside their first message,
-        with proof it was a bomb (gate rules 3 and 9, `PeerGate._judge`):
-        struck as for a message over the frame limit."""
+        """Processes the gate shed for memory inside a bomb (gate rule 9, `PeerGate._judge`): struck
+        unless a request of theirs was read on a connection still open (a client's idle one may be shed)."""
         stuck = self.gate.stuck_senders if self.gate is not None else None
         while stuck:
-            self.struck_for_memory += 1
-            self._strike_who(stuck.popleft())
+            who = stuck.popleft()
+            if not any(c.origin == who and connection_id(c.where[0]) == c.where[1] for c in list(self._conns.values())):
+                self.struck_for_memory += 1
+                self._strike_who(who)
 
     def _strike_who(self, who: bytes | None) -> None:
         ban = self.offenders.strike(who)

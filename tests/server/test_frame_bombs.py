@@ -60,33 +60,6 @@ def test_a_frame_bomb_is_answered_and_its_parts_dropped(daemon_factory):
     assert d.proc.poll() is None
 
 
-# M bombs of F empty frames on one connection, each answer's error name (or
-# EOF) printed on one line; then, on a new connection, a PING and the
-# daemon's greeting waited for: "again: greeted" (or "again: EOF" if the
-# connection is closed) on a second line. Held unread, it waits until killed.
-BOMB_THEN_AGAIN = ZMTP + r"""
-import sys
-path, m, f, header = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
-bomb = zmtp_bomb(header, f)
-s, r = zmtp_connect(path)
-out = []
-for _ in range(m):
-    try:
-        s.sendall(bomb)
-    except OSError:
-        out.append("EOF")
-        break
-    out.append(zmtp_reply(r))
-print(" ".join(out), flush=True)
-try:
-    s2, r2 = zmtp_connect(path)
-    print("again:", "greeted", flush=True)
-except OSError:
-    print("again:", "EOF", flush=True)
-sys.stdin.read()
-"""
-
-
 def test_a_process_that_keeps_bombing_is_banned_and_others_are_served(daemon_factory):
     """The first bomb is answered; the second bans the process: its
     connection is cut (its reply with it), and the one it makes next is
@@ -96,7 +69,7 @@ def test_a_process_that_keeps_bombing_is_banned_and_others_are_served(daemon_fac
     path = d.endpoint[len("ipc://"):]
     good = d.client("good", strict=True, timeout=30.0)
     assert good.ping()
-    bomber = subprocess.Popen([sys.executable, "-c", BOMB_THEN_AGAIN, path, "2", "100000", PING],
+    bomber = subprocess.Popen([sys.executable, "-c", BOMB, path, "2", "100000", PING, "split"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert bomber.stdout.readline().strip() == "TOO_MANY_FRAMES EOF"

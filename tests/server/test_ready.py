@@ -226,6 +226,22 @@ def test_a_socket_that_became_readable_during_a_run_of_others_requests_is_read_b
         shutil.rmtree(home, ignore_errors=True)
 
 
+def _counted_poller(d, now: list, polls: list, cost: float = 0.0) -> zmq.Poller:
+    """A real poller of the daemon's main socket whose polls are noted in
+    `polls` (at the injected clock `now`) and advance that clock by `cost`."""
+    poller = zmq.Poller()
+    poller.register(d._sock, zmq.POLLIN)
+    real = poller.poll
+
+    def counted(timeout=None):
+        polls.append(now[0])
+        now[0] += cost
+        return real(timeout)
+
+    poller.poll = counted
+    return poller
+
+
 def test_looking_again_takes_at_most_a_tenth_of_the_loops_time_however_many_lanes(tmp_path):
     """`Round.refresh` after a poll that took 1 ms (an injected clock; a
     thousand lanes take ~0.6 ms here) does not poll again for 10 ms."""
@@ -235,16 +251,7 @@ def test_looking_again_takes_at_most_a_tenth_of_the_loops_time_however_many_lane
     d.bind()
     now, polls = [100.0], []
     try:
-        poller = zmq.Poller()
-        poller.register(d._sock, zmq.POLLIN)
-        real = poller.poll
-
-        def slow(timeout=None):
-            polls.append(now[0])
-            now[0] += 0.001
-            return real(timeout)
-
-        poller.poll = slow
+        poller = _counted_poller(d, now, polls, cost=0.001)
         rnd = D.Round(d, poller, clock=lambda: now[0])
         rnd.poll(0)
         now[0] += D.REPOLL_S
@@ -320,10 +327,7 @@ def test_the_main_socket_lent_is_not_polled_again_until_the_loop_lets_it_go(tmp_
     d.bind()
     now, polls = [100.0], []
     try:
-        poller = zmq.Poller()
-        poller.register(d._sock, zmq.POLLIN)
-        real = poller.poll
-        poller.poll = lambda timeout=None: polls.append(now[0]) or real(timeout)
+        poller = _counted_poller(d, now, polls)
         rnd = D.Round(d, poller, clock=lambda: now[0])
         rnd.poll(0)
         d._lent = object()  # (a real Lent needs a bomb to drop: only whether it is lent is read here)

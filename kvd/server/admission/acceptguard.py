@@ -36,14 +36,17 @@ the accept onto it (a thread in C code could: the drop then finds no fd,
 and the gate takes the spare again at its next sample, `ensure_spare`,
 also when a lowered fd limit left it above the limit).
 
-Banned processes (gate rule 9). While the gate has someone banned it gives
-the guard a `refuse(fd)` (`set_refuse`): a connection accepted whose
-process it names is kept here, unread, and libzmq is told EAGAIN, so it never
-parses what the bomber sends and sees no connection at all. The sender's
-writes block once its socket buffer is full, so a bomber that reconnects at
-once waits instead. At most HOLD_MOST are held (past it the oldest is
-closed); the gate closes them when the ban ends (`release`), and the last
-`uninstall` closes any left.
+Banned processes (gate rule 9). The gate gives the guard its `refuse(fd)`
+(`set_refuse`; with nobody banned it answers at once): a connection
+accepted whose process is banned is kept here, unread, and libzmq is told
+EAGAIN, so it never parses what the bomber sends and sees no connection at
+all. The sender's writes block once its socket buffer is full, so a bomber
+that reconnects at once waits instead. At most HOLD_MOST are held; past it
+the oldest is closed, so a process with more connections at once than that
+cycles through them, each costing an accept and a SO_PEERCRED read here
+(less than libzmq's reading and the gate's cut before). The gate closes
+them when the ban ends (`release`), and the last `uninstall` closes any
+left. They are not counted among the gate's peers.
 
 The callback runs on libzmq's I/O thread and takes the GIL: once per
 connection libzmq accepts, and once per wake-up while the gate has the
@@ -202,9 +205,8 @@ HOLD_MOST = 16  # connections of banned processes held at most; past it the olde
 
 
 def set_refuse(refuse: Callable[[int], bool] | None) -> None:
-    """While someone is banned, the gate's `refuse(fd)`: a new connection
-    whose process it names is held unread, never handed to libzmq (`_hold`).
-    None: nobody is, and accept() costs nothing more."""
+    """The gate's `refuse(fd)`: a new connection whose process it names is
+    held unread, never handed to libzmq (`_hold`). None: none asked."""
     _State.refuse = refuse
 
 
@@ -222,6 +224,9 @@ def _hold(conn: int) -> None:
     """Keep a banned process's new connection, unread: its sender blocks once
     the socket's buffer is full, instead of connecting again at once."""
     with _State.lock:
+        if _State.users == 0:  # uninstalled meanwhile: nothing would close it
+            _State.close(conn)
+            return
         _State.held.append(conn)
         _State.held_total += 1
         while len(_State.held) > HOLD_MOST:
@@ -245,7 +250,11 @@ def release(keep: Callable[[int], bool]) -> None:
         else:
             os.close(conn)
     with _State.lock:
-        _State.held.extendleft(reversed(kept))
+        if _State.users > 0:
+            _State.held.extendleft(reversed(kept))
+            kept = []
+    for conn in kept:  # the guard was uninstalled meanwhile: nothing holds them now
+        os.close(conn)
 
 
 def held() -> tuple[int, int]:

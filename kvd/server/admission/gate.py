@@ -158,13 +158,15 @@ Rules the gate keeps:
    allows however long it stays open.
 9. A process that keeps sending messages over the frame limit (frame
    bombs: drain.py), or that rule 3 sheds for memory while inside its first
-   message with proof it held a bomb (`_judge`: memory fell by more than
-   its messages could hold; such a process goes to `stuck_senders`, which
-   the serving loop strikes), is banned by the serving loop (`ban`): its
-   connections are shed. Where the accept guard runs, a connection it makes
-   while banned is accepted by the guard and held unread, never handed to
-   libzmq (`acceptguard.set_refuse`: one SO_PEERCRED read per accept, only
-   while someone is banned): its sender waits on a full socket buffer
+   message with proof it held a bomb (`_judge`: memory over the ceiling
+   fell by more than its messages could hold; such a process goes to
+   `stuck_senders`, which the serving loop strikes unless a request of it
+   was read on a connection still open), is banned by the serving loop
+   (`ban`): its connections are shed. Where the accept guard runs, a
+   connection it makes while banned is accepted by the guard and held
+   unread, never handed to libzmq (`acceptguard.set_refuse`: one
+   SO_PEERCRED read per accept while someone is banned, and one per held
+   connection at each sample): its sender waits on a full socket buffer
    instead of connecting again at once, and nothing it sends is parsed.
    Held connections are closed at the first sample after the ban ends (at
    most 16 are held; past that the oldest is closed). Elsewhere such a
@@ -292,7 +294,7 @@ class PeerGate(threading.Thread):
         # Processes shed for memory inside their first message (rule 3), for
         # the serving loop to strike (rule 9): appended here, taken there.
         self.stuck_senders: collections.deque[bytes] = collections.deque(maxlen=1024)
-        self._suspect: tuple[bytes, int, int, float] | None = None  # (origin, peers shed, RSS, when): `_judge`
+        self._suspect: tuple[bytes, int, int, float] | None = None  # (origin, peers shed, RSS over the ceiling, when): `_judge`
         self._refusals = self._refusals_seen = 0  # accepts the guard found no fd for (rule 8)
         self._refusals_logged_at = float("-inf")
         self._halt = threading.Event()
@@ -333,7 +335,6 @@ class PeerGate(threading.Thread):
         them) and cut off its new ones for `seconds` (rule 9; drain.Offenders
         says who)."""
         self.banned[who] = self.clock() + seconds
-        acceptguard.set_refuse(self._banned)  # its new connections are held unread, never read (rule 9)
         for fd in fds:
             if self._shed(fd):
                 self.counters["shed_banned"] += 1
@@ -345,7 +346,10 @@ class PeerGate(threading.Thread):
 
     def _banned(self, fd: int) -> bool:
         """Is the process at the other end of `fd` banned now? Also called by
-        the accept guard on libzmq's I/O thread (rule 9), hence `pop`."""
+        the accept guard on libzmq's I/O thread at every accept (rule 9),
+        hence `pop`; with nobody banned it returns at once."""
+        if not self.banned:
+            return False
         now = self.clock()
         for who, until in list(self.banned.items()):
             if until <= now:
@@ -353,15 +357,8 @@ class PeerGate(threading.Thread):
         return bool(self.banned) and origin(fd) in self.banned
 
     def _follow_bans(self) -> None:
-        """Rule 9 at each sample: bans over are forgotten, the connections
-        the accept guard holds for them closed; with nobody banned, the
-        guard stops asking (`set_refuse` again each sample: a ban made
-        meanwhile on the serving thread is asked for at the next)."""
-        now = self.clock()
-        for who, until in list(self.banned.items()):
-            if until <= now:
-                self.banned.pop(who, None)
-        acceptguard.set_refuse(self._banned if self.banned else None)
+        """Rule 9 at each sample: the connections the accept guard holds for
+        bans that are over are closed (one SO_PEERCRED read each)."""
         if acceptguard.held()[0]:
             acceptguard.release(self._banned)
 
@@ -372,6 +369,7 @@ class PeerGate(threading.Thread):
 
     # -- the thread --------------------------------------------------------
     def run(self) -> None:
+        acceptguard.set_refuse(self._banned)  # a banned process's new connections are held unread (rule 9)
         poller = zmq.Poller()
         poller.register(self.monitor, zmq.POLLIN)
         watching = False
@@ -410,6 +408,7 @@ class PeerGate(threading.Thread):
                     self._log_shedding()
                     next_sample = self.clock() + self._period()
         finally:
+            acceptguard.set_refuse(None)
             self.resume()
             self._log_shedding(force=True)
             self.monitor.close(linger=0)
@@ -772,10 +771,10 @@ class PeerGate(threading.Thread):
         """Rule 9's evidence against a process shed for memory inside its
         first message (`_suspect`): once libzmq has let go of what it held
         (0.2 s, the shed peers closed) and the allocator has given it back,
-        memory that fell by more than its connections' messages could hold
-        (`over_unit` each, and a quarter more) held a frame bomb -- ~75 bytes
-        a frame, ~600 MB for 8 M -- not a big request, nor an idle
-        connection (which holds nothing). The process goes to
+        memory over the ceiling that fell by more than its connections'
+        messages could hold (`over_unit` each, and a quarter more) held a
+        frame bomb -- ~75 bytes a frame, ~600 MB for 8 M -- not a big
+        request, nor an idle connection (which holds nothing). The process goes to
         `stuck_senders` for the serving loop to strike. Returns RSS, as
         measured again if the allocator was asked to give memory back."""
         who, shed, before, at = self._suspect
@@ -786,7 +785,9 @@ class PeerGate(threading.Thread):
             self._trimmed_at = self.clock()
             trim_malloc()
             rss = rss_bytes() or rss
-        if before - rss > shed * (self.over_unit + self.over_unit // 4):
+        # Measured over the ceiling, which follows the RAM tier: entries
+        # evicted meanwhile (`kvd gc`, a put's room) lower both alike.
+        if before - (rss - self.ceiling()) > shed * (self.over_unit + self.over_unit // 4):
             self.stuck_senders.append(who)
         return rss
 
@@ -837,13 +838,21 @@ class PeerGate(threading.Thread):
                 victims, n = never, 1
         stuck = set(never)
         who = {origin(fd) if fd in stuck else None for fd in victims[:n]}
+        suspect = self._suspect is None and len(who) == 1 and None not in who
+        if suspect and can_trim():
+            # What is over now is measured as `_judge` will measure it: what
+            # the allocator keeps of memory freed before this shed is not
+            # the shed peers' (a bomb dropped meanwhile, replies sent).
+            self._trimmed_at = self.clock()
+            trim_malloc()
+            over = (rss_bytes() or rss) - self.ceiling()
         shed = sum(self._shed(fd) for fd in victims[:n])
         if shed:
             self._shed_at = (self.clock(), rss)
-            if len(who) == 1 and None not in who:
+            if suspect:
                 # All of one process, each inside its first message: if
                 # memory then falls by more than that many messages could
                 # hold, it was a bomb (`_judge`, rule 9).
-                self._suspect = (who.pop(), shed, rss, self.clock())
+                self._suspect = (who.pop(), shed, over, self.clock())
             self.counters["shed_for_memory"] += shed
             log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
