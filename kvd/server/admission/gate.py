@@ -291,8 +291,9 @@ class PeerGate(threading.Thread):
              "fd_limit_changes"), 0
         )
         self.banned: dict[bytes, float] = {}  # origin -> banned until (rule 9)
-        # Processes shed for memory inside their first message (rule 3), for
-        # the serving loop to strike (rule 9): appended here, taken there.
+        # Processes shed for memory inside their first message (rule 3) with
+        # proof of a bomb (`_judge`), for the serving loop to strike (rule 9):
+        # appended here, taken there.
         self.stuck_senders: collections.deque[bytes] = collections.deque(maxlen=1024)
         self._suspect: tuple[bytes, int, int, float] | None = None  # (origin, peers shed, RSS over the ceiling, when): `_judge`
         self._refusals = self._refusals_seen = 0  # accepts the guard found no fd for (rule 8)
@@ -774,9 +775,11 @@ class PeerGate(threading.Thread):
         memory over the ceiling that fell by more than its connections'
         messages could hold (`over_unit` each, and a quarter more) held a
         frame bomb -- ~75 bytes a frame, ~600 MB for 8 M -- not a big
-        request, nor an idle connection (which holds nothing). The process goes to
-        `stuck_senders` for the serving loop to strike. Returns RSS, as
-        measured again if the allocator was asked to give memory back."""
+        request. An idle connection holds nothing: memory that fell then
+        fell for another reason, which is why the serving loop spares a
+        process with a request read on a connection still open. The process
+        goes to `stuck_senders` for the serving loop to strike. Returns RSS,
+        as measured again if the allocator was asked to give memory back."""
         who, shed, before, at = self._suspect
         if self.clock() - at < 0.2 or (self.closing and self.clock() - at < 2.0):
             return rss
