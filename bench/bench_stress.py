@@ -25,6 +25,8 @@ each in its own process and ongoing while the client measures:
                   answer (issue 44)
   lane-bomb       the same, each on a lane of its own, asked for in HELLO
                   (issue 44; on the main socket where no lane is offered)
+  bomb-swarm      frame-bomb from one process on 32 threads at once, each on
+                  connections of its own (session 31)
   cpu-hogs        no peer at all: one process per core spins on the CPU and
                   never touches the daemon. What the machine alone does to the
                   good client (and to its daemon); an attack that keeps the
@@ -140,6 +142,24 @@ while not select.select([sys.stdin], [], [], 0)[0]:
     bomb_once(path, message)
 """
 
+# BOMB from one process on T threads at once, each on connections of its
+# own, again and again (its bombs are shed for memory before they are whole).
+SWARM = _ONCE + r"""
+import threading
+path, n, t = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+from kvd.protocol import codec
+message = zmtp_bomb(codec.encode("PING", {}, id=9)[0], n - 1)
+
+def loop():
+    while True:
+        bomb_once(path, message)
+
+for _ in range(t):
+    threading.Thread(target=loop, daemon=True).start()
+print("ready", flush=True)
+select.select([sys.stdin], [], [])
+"""
+
 # One process per core that spins until stdin closes: no request at all.
 HOGS = r"""
 import multiprocessing as mp, os, select, sys
@@ -233,6 +253,7 @@ def setup(ep: str, workdir: Path):
         "tiny-flood": (TINY, ep, "8000"),
         "frame-bomb": (BOMB, path, str(8 << 20)),
         "lane-bomb": (LANE_BOMB, ep, str(8 << 20)),
+        "bomb-swarm": (SWARM, path, str(8 << 20), "32"),
         "cpu-hogs": (HOGS, str(os.cpu_count() or 1)),
     }
     return good, tokens + [0], attacks
@@ -293,7 +314,7 @@ def main() -> None:
     print(f"{'attack':>15} {'idle p50':>9} {'idle p99':>9} {'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7} "
           f"{'misses':>7} {'peak MB':>8}" + (f" {'fl p50':>8} {'fl p99':>8} {'fl p99x':>7}" if args.floor else ""))
     names = ["ping-flood", "idle-conns", "stalled-frames", "mute-big-gets", "huge-headers", "long-lookups", "heavy-peers",
-             "put-storm", "churn", "tiny-flood", "frame-bomb", "lane-bomb", "paused-remote", "cpu-hogs"]
+             "put-storm", "churn", "tiny-flood", "frame-bomb", "lane-bomb", "bomb-swarm", "paused-remote", "cpu-hogs"]
     ratios: dict[str, float] = {}
     hogs: float | None = None
     for name in args.only.split(",") if args.only else names:

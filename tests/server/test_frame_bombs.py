@@ -110,18 +110,53 @@ def test_a_process_shed_twice_for_memory_inside_a_bomb_is_banned_and_then_held(d
     assert d.proc.poll() is None
 
 
-# One bomb of F empty frames after another, each on a new connection, until killed.
+# One bomb of F empty frames after another, each on a new connection, on T
+# threads (default 1), until killed.
 REBOMB = ZMTP + r"""
-import sys
+import sys, threading
 path, f, header = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+threads = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 bomb = zmtp_bomb(header, f)
+
+def loop():
+    while True:
+        try:
+            s, r = zmtp_connect(path)
+            s.sendall(bomb)
+            zmtp_reply(r)
+            s.close()
+        except OSError:
+            pass
+
+for _ in range(threads):
+    threading.Thread(target=loop, daemon=True).start()
 print("ready", flush=True)
-while True:
-    try:
-        s, r = zmtp_connect(path)
-        s.sendall(bomb)
-        zmtp_reply(r)
-        s.close()
-    except OSError:
-        pass
+threading.Event().wait()
 """
+
+
+def test_a_swarm_of_bombs_from_one_process_is_banned_and_its_threads_held(daemon_factory):
+    """32 threads of one process, each bombing on connections of its own:
+    what the watchdog frees of one, the others refill, so memory never falls
+    after a shed. Several of its connections shed in one step, each inside
+    its first message, strike it at once (gate rule 9); banned, its silent
+    connections are shed and its threads each wait on a held connection
+    (the hold is a sixteenth of the fd limit). Another client is answered."""
+    d = daemon_factory("--ram-mb", "16", "--max-message-mb", "16", "--data-dir", "none")
+    path = d.endpoint[len("ipc://"):]
+    good = d.client("good", strict=True, timeout=30.0)
+    assert good.ping()
+    bomber = subprocess.Popen([sys.executable, "-c", REBOMB, path, str(FRAMES), PING, "32"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert bomber.stdout.readline().strip() == "ready"
+        wait_until(lambda: peer_stats(d)["held_banned"] >= 32, timeout=120, what="every thread's connection held")
+        p = peer_stats(d)
+        assert p["bans"] >= 1 and p["struck_for_memory"] >= 2, p
+        for _ in range(20):
+            assert good.ping()
+        assert peer_stats(d)["held_banned"] == p["held_banned"]  # each thread waits on its held connection
+    finally:
+        bomber.kill()
+        bomber.wait(30)
+    assert d.proc.poll() is None

@@ -41,10 +41,11 @@ Banned processes (gate rule 9). The gate gives the guard its `refuse(fd)`
 accepted whose process is banned is kept here, unread, and libzmq is told
 EAGAIN, so it never parses what the bomber sends and sees no connection at
 all. The sender's writes block once its socket buffer is full, so a bomber
-that reconnects at once waits instead. At most HOLD_MOST are held; past it
-the oldest is closed, so a process with more connections at once than that
-cycles through them, each costing an accept and a SO_PEERCRED read here
-(less than libzmq's reading and the gate's cut before). The gate closes
+that reconnects at once waits instead. At most HOLD_MOST are held (the gate
+sets it from the fd limit: 16 to 1,024); past it the oldest is closed, so a
+process with more connections at once than that cycles through them, each
+costing an accept and a SO_PEERCRED read here (less than libzmq's reading
+and the gate's cut before). The gate closes
 them when the ban ends (`release`), and the last `uninstall` closes any
 left. They are not counted among the gate's peers.
 
@@ -201,7 +202,13 @@ def accepted_elsewhere() -> list[int]:
     return out
 
 
-HOLD_MOST = 16  # connections of banned processes held at most; past it the oldest is closed
+HOLD_MOST = 16  # connections of banned processes held at most (the gate sets it: set_hold_most); past it the oldest is closed
+
+
+def set_hold_most(n: int) -> None:
+    """Hold at most `n` connections of banned processes (the gate's share of the fd limit)."""
+    global HOLD_MOST
+    HOLD_MOST = max(1, n)
 
 
 def set_refuse(refuse: Callable[[int], bool] | None) -> None:
@@ -229,7 +236,7 @@ def _hold(conn: int) -> None:
             return
         _State.held.append(conn)
         _State.held_total += 1
-        while len(_State.held) > HOLD_MOST:
+        while len(_State.held) > HOLD_MOST:  # (a global: set_hold_most)
             _State.close(_State.held.popleft())
 
 

@@ -169,7 +169,11 @@ Rules the gate keeps:
    connection at each sample): its sender waits on a full socket buffer
    instead of connecting again at once, and nothing it sends is parsed.
    Held connections are closed at the first sample after the ban ends (at
-   most 16 are held; past that the oldest is closed). Elsewhere such a
+   most a sixteenth of the fd limit, 16 to 1,024, are held; past that the
+   oldest is closed). A process several of whose connections the watchdog
+   sheds in one step, each inside its first message, is struck at once (a
+   swarm of bombs: what one shed frees, the others refill, so `_judge`
+   would see no fall). Elsewhere such a
    connection is shed as soon as its ACCEPTED event is read. The ban ends
    by itself. The serving loop checks too (`is_banned`):
    a request it reads from a banned process before this thread has read
@@ -336,7 +340,11 @@ class PeerGate(threading.Thread):
         them) and cut off its new ones for `seconds` (rule 9; drain.Offenders
         says who)."""
         self.banned[who] = self.clock() + seconds
-        for fd in fds:
+        # And its connections that never completed a request (a swarm's
+        # bombs), which the serving loop has not seen: one SO_PEERCRED read
+        # a peer, once a ban.
+        silent = [fd for fd, p in list(self.peers.items()) + list(self.lane_peers.items()) if p[1] is None]
+        for fd in set(fds) | {fd for fd in silent if origin(fd) == who}:
             if self._shed(fd):
                 self.counters["shed_banned"] += 1
 
@@ -359,7 +367,10 @@ class PeerGate(threading.Thread):
 
     def _follow_bans(self) -> None:
         """Rule 9 at each sample: the connections the accept guard holds for
-        bans that are over are closed (one SO_PEERCRED read each)."""
+        bans that are over are closed (one SO_PEERCRED read each). It holds
+        at most a sixteenth of the fd limit (16 to 1,024): a swarm's threads
+        each wait on one, rather than cycling through a few."""
+        acceptguard.set_hold_most(min(1024, max(16, self.fd_limit // 16)))
         if acceptguard.held()[0]:
             acceptguard.release(self._banned)
 
@@ -852,10 +863,15 @@ class PeerGate(threading.Thread):
         shed = sum(self._shed(fd) for fd in victims[:n])
         if shed:
             self._shed_at = (self.clock(), rss)
-            if suspect:
-                # All of one process, each inside its first message: if
-                # memory then falls by more than that many messages could
-                # hold, it was a bomb (`_judge`, rule 9).
+            if suspect and shed >= 2:
+                # Several connections of one process at once, each inside its
+                # first message, over the ceiling by a message or more: a
+                # swarm of bombs (memory that one sheds, the others refill).
+                self.stuck_senders.append(who.pop())
+            elif suspect:
+                # One connection inside its first message: if memory then
+                # falls by more than its message could hold, it was a bomb
+                # (`_judge`, rule 9).
                 self._suspect = (who.pop(), shed, over, self.clock())
             self.counters["shed_for_memory"] += shed
             log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
