@@ -602,3 +602,26 @@ def test_a_process_shed_for_memory_is_struck_only_if_memory_then_proves_a_bomb(m
     gate._watch_memory()
     assert gate._suspect is None
     assert list(gate.stuck_senders) == ([b"pid 41"] if struck else [])
+
+
+@pytest.mark.parametrize("sending, struck", [(True, True), (False, False)])
+def test_several_connections_of_one_process_shed_at_once_are_struck_only_while_sending(monkeypatch, sending, struck):
+    """Rule 9's swarm: several connections of one process shed in one step,
+    each inside its first message, are struck at once only if bytes they
+    sent wait unread in the kernel (a swarm of bombs still sending); a
+    client's remade idle connections have none, and go the way of `_judge`
+    (memory must then fall). Unread bytes are injected."""
+    clock = FakeClock(1000.0)
+    gate = PeerGate(None, max_peers=8, ceiling=lambda: 1000 << 20, clock=clock, stall_seconds=0.25)
+    monkeypatch.setattr(peers, "rss_bytes", lambda: (1000 << 20) + 3 * gate.over_unit)
+    monkeypatch.setattr(peers, "can_trim", lambda: False)
+    monkeypatch.setattr(peers, "origin", lambda fd: b"pid 7")
+    monkeypatch.setattr(peers, "unread", lambda fd: 65536 if sending else 0)
+    monkeypatch.setattr(gate, "_shed", lambda fd: gate.peers.pop(fd, None) is not None)
+    for fd in (41, 42, 43):
+        gate.peers[fd] = [clock(), None]
+    clock.advance(1.0)
+    gate._watch_memory()
+    assert not gate.peers  # all three shed in one step (over by three messages)
+    assert list(gate.stuck_senders) == ([b"pid 7"] if struck else [])
+    assert (gate._suspect is None) == struck

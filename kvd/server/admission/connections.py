@@ -6,9 +6,11 @@ address, its id, the process at its other end) and cutting one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import struct
+import termios
 
 from kvd.host.peercred import peer_pid
 
@@ -74,6 +76,15 @@ def origin(fd: int) -> bytes | None:
     finally:
         s.detach()
     return b"pid %d" % pid if pid > 0 else None
+
+
+def unread(fd: int) -> int:
+    """Bytes the peer on connection `fd` has sent that nobody has read yet
+    (FIONREAD, Linux and macOS alike); 0 if it cannot be told."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 def connection_id(fd: int) -> int | None:

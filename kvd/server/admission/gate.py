@@ -171,9 +171,10 @@ Rules the gate keeps:
    Held connections are closed at the first sample after the ban ends (at
    most a sixteenth of the fd limit, 16 to 1,024, are held; past that the
    oldest is closed). A process several of whose connections the watchdog
-   sheds in one step, each inside its first message, is struck at once (a
-   swarm of bombs: what one shed frees, the others refill, so `_judge`
-   would see no fall). Elsewhere such a
+   sheds in one step, each inside its first message and with bytes it sent
+   still unread in the kernel (`unread`: an idle client's remade
+   connections have none), is struck at once (a swarm of bombs: what one
+   shed frees, the others refill, so `_judge` would see no fall). Elsewhere such a
    connection is shed as soon as its ACCEPTED event is read. The ban ends
    by itself. The serving loop checks too (`is_banned`):
    a request it reads from a banned process before this thread has read
@@ -209,7 +210,7 @@ from kvd.host.fds import fd_limit, open_fds, swap_fd, wait_readable
 from kvd.host.memory import can_trim, rss_bytes, trim_malloc
 from kvd.server.admission import acceptguard
 from kvd.server.admission.caps import RESERVE_FDS, default_max_peers
-from kvd.server.admission.connections import connection_id, origin, shut_down, sockname, stand_in
+from kvd.server.admission.connections import connection_id, origin, shut_down, sockname, stand_in, unread
 
 log = logging.getLogger("kvd.server")
 
@@ -853,6 +854,9 @@ class PeerGate(threading.Thread):
         stuck = set(never)
         who = {origin(fd) if fd in stuck else None for fd in victims[:n]}
         suspect = self._suspect is None and len(who) == 1 and None not in who
+        # A swarm's connections are sending still (bytes wait in the kernel
+        # that libzmq has not read); an idle client's remade ones are not.
+        swarm = len(who) == 1 and None not in who and n >= 2 and all(unread(fd) > 0 for fd in victims[:n])
         if suspect and can_trim():
             # What is over now is measured as `_judge` will measure it: what
             # the allocator keeps of memory freed before this shed is not
@@ -863,10 +867,11 @@ class PeerGate(threading.Thread):
         shed = sum(self._shed(fd) for fd in victims[:n])
         if shed:
             self._shed_at = (self.clock(), rss)
-            if suspect and shed >= 2:
+            if swarm and shed >= 2:
                 # Several connections of one process at once, each inside its
-                # first message, over the ceiling by a message or more: a
-                # swarm of bombs (memory that one sheds, the others refill).
+                # first message and sending still, over the ceiling by a
+                # message or more: a swarm of bombs (what one shed frees, the
+                # others refill, so `_judge` would see no fall).
                 self.stuck_senders.append(who.pop())
             elif suspect:
                 # One connection inside its first message: if memory then
