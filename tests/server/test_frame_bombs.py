@@ -92,22 +92,37 @@ def test_a_process_shed_twice_for_memory_inside_a_bomb_is_banned_and_then_held(d
     answered throughout; the daemon lives on."""
     d = daemon_factory("--ram-mb", "16", "--max-message-mb", "16", "--data-dir", "none")
     path = d.endpoint[len("ipc://"):]
-    good = d.client("good", strict=True, timeout=30.0)
+    good = d.client("good", timeout=30.0)
     assert good.ping()
+    watcher = d.client("watch", timeout=30.0)
     bomber = subprocess.Popen([sys.executable, "-c", REBOMB, path, str(FRAMES), PING],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert bomber.stdout.readline().strip() == "ready"
-        wait_until(lambda: peer_stats(d)["held_banned"] >= 1, timeout=120, what="the bomber's connection held")
+        wait_until(lambda: _held(watcher) >= 1, timeout=120, what="the bomber's connection held")
         p = peer_stats(d)
         assert p["struck_for_memory"] >= 2 and p["bans"] >= 1 and p["oversized_messages"] == 0, p
-        for _ in range(20):
-            assert good.ping()
+        _served_on(good)
         assert peer_stats(d)["held_banned"] == 1  # held, the bomber waits: it makes no new connection
     finally:
         bomber.kill()
         bomber.wait(30)
     assert d.proc.poll() is None
+
+
+def _served_on(good) -> None:
+    """The other client is answered: over the memory ceiling the gate may
+    have shed its idle connection during the attack (gate rule 3: a
+    reconnect, and a call in flight then is a miss), so it is asked until
+    answered, and then twenty times in a row."""
+    wait_until(good.ping, what="the other client answered")
+    assert all(good.ping() for _ in range(20))
+
+
+def _held(watcher) -> int:
+    """Connections held for banned processes so far (0 while the daemon does not answer)."""
+    stats = watcher.stats()
+    return 0 if stats is None else stats["peers"]["held_banned"]
 
 
 # One bomb of F empty frames after another, each on a new connection, on T
@@ -144,17 +159,17 @@ def test_a_swarm_of_bombs_from_one_process_is_banned_and_its_threads_held(daemon
     (the hold is a sixteenth of the fd limit). Another client is answered."""
     d = daemon_factory("--ram-mb", "16", "--max-message-mb", "16", "--data-dir", "none")
     path = d.endpoint[len("ipc://"):]
-    good = d.client("good", strict=True, timeout=30.0)
+    good = d.client("good", timeout=30.0)
     assert good.ping()
+    watcher = d.client("watch", timeout=30.0)  # not strict: before the ban a new connection may wait past connect_wait
     bomber = subprocess.Popen([sys.executable, "-c", REBOMB, path, str(FRAMES), PING, "32"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert bomber.stdout.readline().strip() == "ready"
-        wait_until(lambda: peer_stats(d)["held_banned"] >= 32, timeout=120, what="every thread's connection held")
+        wait_until(lambda: _held(watcher) >= 32, timeout=120, what="every thread's connection held")
         p = peer_stats(d)
         assert p["bans"] >= 1 and p["struck_for_memory"] >= 2, p
-        for _ in range(20):
-            assert good.ping()
+        _served_on(good)
         assert peer_stats(d)["held_banned"] == p["held_banned"]  # each thread waits on its held connection
     finally:
         bomber.kill()
