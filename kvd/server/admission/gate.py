@@ -162,21 +162,20 @@ Rules the gate keeps:
    fell by more than its messages could hold; such a process goes to
    `stuck_senders`, which the serving loop strikes unless a request of it
    was read on a connection still open), is banned by the serving loop
-   (`ban`): its connections are shed. Where the accept guard runs, a
-   connection it makes while banned is accepted by the guard and held
-   unread, never handed to libzmq (`acceptguard.set_refuse`: one
-   SO_PEERCRED read per accept while someone is banned, and one per held
-   connection at each sample): its sender waits on a full socket buffer
-   instead of connecting again at once, and nothing it sends is parsed.
-   Held connections are closed at the first sample after the ban ends (at
-   most a sixteenth of the fd limit, 16 to 1,024, are held; past that the
-   oldest is closed). A process several of whose connections the watchdog
-   sheds in one step, each inside its first message and with bytes it sent
-   still unread in the kernel (`unread`: an idle client's remade
-   connections have none), is struck at once (a swarm of bombs: what one
-   shed frees, the others refill, so `_judge` would see no fall). Elsewhere such a
-   connection is shed as soon as its ACCEPTED event is read. The ban ends
-   by itself. The serving loop checks too (`is_banned`):
+   (`ban`): its connections are shed. A process several of whose
+   connections the watchdog sheds in one step, each inside its first
+   message and with bytes it sent still unread in the kernel (`unread`: an
+   idle client's remade connections have none), is struck at once (a swarm
+   of bombs: what one shed frees, the others refill, so `_judge` would see
+   no fall). Where the accept guard runs, a connection a banned process
+   makes is accepted by the guard and held unread, never handed to libzmq
+   (`acceptguard.set_refuse`: one SO_PEERCRED read per accept while someone
+   is banned, and one per held connection at each sample): its sender waits
+   on a full socket buffer instead of connecting again at once, and nothing
+   it sends is parsed. Held connections are closed at the first sample
+   after the ban ends (at most a sixteenth of the fd limit, 16 to 1,024,
+   are held; past that the oldest is closed). Elsewhere such a connection
+   is shed as soon as its ACCEPTED event is read. The ban ends by itself. The serving loop checks too (`is_banned`):
    a request it reads from a banned process before this thread has read
    the connection's ACCEPTED is not served, and the connection is cut.
 10. The lanes' connections (kvd.server.lanes: a socket per client, each
