@@ -116,7 +116,7 @@ class _Conn(NamedTuple):
     where: tuple[int, int | None]  # (fd, connection_id): what the outbox names when it asks the gate to cut it off
 
 
-class Daemon:
+class Daemon(drain.Striking):
     """Serve `store` on `endpoint` until stopped. See the module docstring."""
 
     def __init__(
@@ -713,32 +713,6 @@ class Daemon:
         self.dropping_seconds += time.perf_counter() - started
         self.lane_bomb_cpu += time.thread_time() - cpu + before
         raise zmq.Again()  # nothing to serve: the next socket's message
-
-    def _strike(self, identity: bytes, fd: int | None) -> None:
-        """A message over the frame limit from the connection at `fd`: a
-        process that keeps sending them is banned (drain.Offenders)."""
-        conn = self._conn(identity, fd)
-        self._strike_who(conn.origin if conn is not None else None)
-
-    def _strike_stuck(self) -> None:
-        """Processes the gate shed for memory inside a bomb (gate rule 9, `PeerGate._judge`): struck
-        unless a request of theirs was read on a connection still open (a client's idle one may be shed)."""
-        stuck = self.gate.stuck_senders if self.gate is not None else None
-        while stuck:
-            who = stuck.popleft()
-            if not any(c.origin == who and connection_id(c.where[0]) == c.where[1] for c in list(self._conns.values())):
-                self.struck_for_memory += 1
-                self._strike_who(who)
-
-    def _strike_who(self, who: bytes | None) -> None:
-        ban = self.offenders.strike(who)
-        if ban is not None and self.gate is not None:
-            fds = [fd for fd, c in self._conns.items() if c.origin == who]
-            for fd in fds:  # its lanes are closed; the gate cuts off its connections to the main socket
-                if self.lanes is not None and (lane := self.lanes.on(fd, self._conns[fd].where[1])) is not None:
-                    self.lanes.close(lane, "lanes_cut_off", linger=0)
-            self.gate.ban(who, fds, ban)
-            self.ratelog.warning(f"banned {who!r}", "banned %s for %.0f s: messages over the frame limit, or shed for memory inside one", who.decode(), ban)
 
     def _maybe_log_summary(self) -> None:
         """One info line per `summary_every` seconds with activity, for operators."""

@@ -110,13 +110,48 @@ def test_a_process_shed_twice_for_memory_inside_a_bomb_is_banned_and_then_held(d
     assert d.proc.poll() is None
 
 
+def test_a_banned_process_connecting_at_a_full_table_costs_no_peer_its_connection(daemon_factory):
+    """At a full table a waiting connection makes the gate shed its oldest
+    idle peers; a banned process that connects again and again would have
+    had one shed for each try. The gate screens what waits first (rule 9,
+    `_screen`): the banned process's connections are held, nobody is shed,
+    and a newcomer of another process is still let in (one peer shed for it)."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--max-peers", "6")
+    path = d.endpoint[len("ipc://"):]
+    bomber = subprocess.Popen([sys.executable, "-c", BANNED_FLOOD, path, "100000", PING],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert bomber.stdout.readline().strip() == "TOO_MANY_FRAMES EOF"  # banned at the second (10 s)
+        clients = [d.client(f"c{i}", strict=True, timeout=30.0) for i in range(6)]
+        assert all(c.ping() for c in clients)  # the table is full: six peers, max_peers 6
+        before = clients[0].stats()["peers"]
+        assert before["connected"] == 6 and before["bans"] == 1, before
+        bomber.stdin.write("40\n")
+        bomber.stdin.flush()
+        made = int(bomber.stdout.readline())
+        assert made >= 4  # those the listen backlog had room for
+        wait_until(lambda: clients[0].stats()["peers"]["held_banned"] >= before["held_banned"] + made,
+                   what="the banned process's connections held")
+        after = clients[0].stats()["peers"]
+        assert after["shed_over_cap"] == before["shed_over_cap"] and after["connected"] == 6, (before, after)
+        assert all(c.ping() for c in clients)  # strict: no connection of theirs was cut
+        late = d.client("late", timeout=30.0)
+        wait_until(late.ping, what="a newcomer of another process let in")
+        assert late.stats()["peers"]["shed_over_cap"] >= before["shed_over_cap"] + 1  # an idle peer made room for it
+    finally:
+        bomber.kill()
+        bomber.wait(30)
+    assert d.proc.poll() is None
+
+
 def _served_on(good) -> None:
-    """The other client is answered: over the memory ceiling the gate may
-    have shed its idle connection during the attack (gate rule 3: a
-    reconnect, and a call in flight then is a miss), so it is asked until
-    answered, and then twenty times in a row."""
-    wait_until(good.ping, what="the other client answered")
-    assert all(good.ping() for _ in range(20))
+    """The other client is answered twenty times in a row. Over the memory
+    ceiling the gate may shed its idle connection (gate rule 3: a reconnect,
+    and a call in flight then is a miss), and memory may stay over for a
+    while after the ban, as libzmq frees what the bombs held (longer on a
+    busy machine: seen in a run beside other tests), so the streak is asked
+    for until it comes."""
+    wait_until(lambda: all(good.ping() for _ in range(20)), what="the other client answered twenty times in a row")
 
 
 def _held(watcher) -> int:
@@ -175,3 +210,36 @@ def test_a_swarm_of_bombs_from_one_process_is_banned_and_its_threads_held(daemon
         bomber.kill()
         bomber.wait(30)
     assert d.proc.poll() is None
+
+
+# Two frame bombs on one connection (banned at the second: it prints the two
+# answers), then, for each number N read from stdin, N more connections to
+# the socket, kept open and never greeted (non-blocking: those the listen
+# backlog has no room for fail); prints how many it holds.
+BANNED_FLOOD = ZMTP + r"""
+import socket, sys
+path, f, header = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+bomb = zmtp_bomb(header, f)
+s, r = zmtp_connect(path)
+out = []
+for _ in range(2):
+    try:
+        s.sendall(bomb)
+    except OSError:
+        out.append("EOF")
+        break
+    out.append(zmtp_reply(r))
+print(" ".join(out), flush=True)
+held = []
+for line in sys.stdin:
+    for _ in range(int(line)):
+        c = socket.socket(socket.AF_UNIX)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except OSError:
+            c.close()
+            continue
+        held.append(c)
+    print(len(held), flush=True)
+"""

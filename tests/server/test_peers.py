@@ -23,6 +23,7 @@ import zmq
 from kvd.protocol import codec
 from kvd.host.memory import rss_bytes
 from kvd.server.admission import gate as peers
+from kvd.server.admission import watchdog
 from kvd.server.admission.caps import default_max_peers, listen_backlog
 from kvd.server.admission.connections import connection_id
 from kvd.server.admission.gate import PeerGate
@@ -584,9 +585,9 @@ def test_a_process_shed_for_memory_is_struck_only_if_memory_then_proves_a_bomb(m
     clock = FakeClock(1000.0)
     rss, ceiling = [2000 << 20], [1000 << 20]
     gate = PeerGate(None, max_peers=8, ceiling=lambda: ceiling[0], clock=clock, stall_seconds=0.25)
-    monkeypatch.setattr(peers, "rss_bytes", lambda: rss[0])
-    monkeypatch.setattr(peers, "can_trim", lambda: False)
-    monkeypatch.setattr(peers, "origin", lambda fd: b"pid %d" % fd)
+    monkeypatch.setattr(watchdog, "rss_bytes", lambda: rss[0])
+    monkeypatch.setattr(watchdog, "can_trim", lambda: False)
+    monkeypatch.setattr(watchdog, "origin", lambda fd: b"pid %d" % fd)
     shed = []
     monkeypatch.setattr(gate, "_shed", lambda fd: shed.append(fd) or gate.peers.pop(fd, None) is not None)
     gate.peers[41] = [clock(), None]  # stalled inside its first message
@@ -613,10 +614,10 @@ def test_several_connections_of_one_process_shed_at_once_are_struck_only_while_s
     (memory must then fall). Unread bytes are injected."""
     clock = FakeClock(1000.0)
     gate = PeerGate(None, max_peers=8, ceiling=lambda: 1000 << 20, clock=clock, stall_seconds=0.25)
-    monkeypatch.setattr(peers, "rss_bytes", lambda: (1000 << 20) + 3 * gate.over_unit)
-    monkeypatch.setattr(peers, "can_trim", lambda: False)
-    monkeypatch.setattr(peers, "origin", lambda fd: b"pid 7")
-    monkeypatch.setattr(peers, "unread", lambda fd: 65536 if sending else 0)
+    monkeypatch.setattr(watchdog, "rss_bytes", lambda: (1000 << 20) + 3 * gate.over_unit)
+    monkeypatch.setattr(watchdog, "can_trim", lambda: False)
+    monkeypatch.setattr(watchdog, "origin", lambda fd: b"pid 7")
+    monkeypatch.setattr(watchdog, "unread", lambda fd: 65536 if sending else 0)
     monkeypatch.setattr(gate, "_shed", lambda fd: gate.peers.pop(fd, None) is not None)
     for fd in (41, 42, 43):
         gate.peers[fd] = [clock(), None]

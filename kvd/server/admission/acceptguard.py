@@ -41,13 +41,19 @@ Banned processes (gate rule 9). The gate gives the guard its `refuse(fd)`
 accepted whose process is banned is kept here, unread, and libzmq is told
 EAGAIN, so it never parses what the bomber sends and sees no connection at
 all. The sender's writes block once its socket buffer is full, so a bomber
-that reconnects at once waits instead. At most HOLD_MOST are held (the gate
+that reconnects at once waits instead. At most `hold_most` are held (the gate
 sets it from the fd limit: 16 to 1,024); past it the oldest is closed, so a
 process with more connections at once than that cycles through them, each
 costing an accept and a SO_PEERCRED read here (less than libzmq's reading
 and the gate's cut before). The gate closes
 them when the ban ends (`release`), and the last `uninstall` closes any
-left. They are not counted among the gate's peers.
+left. They are not counted among the gate's peers. At a full table, a
+waiting connection would make the gate shed its oldest idle peers; while a
+process is banned the gate first screens what waits (`set_screen`): the
+guard takes each waiting connection past the budget, holds a banned
+process's, and hands the first other one to libzmq, one over the cap, for
+which the gate then sheds. So a banned process connecting again and again
+at a full table costs no other peer its connection.
 
 The callback runs on libzmq's I/O thread and takes the GIL: once per
 connection libzmq accepts, and once per wake-up while the gate has the
@@ -114,6 +120,11 @@ class _State:
     refuse: Callable[[int], bool] | None = None  # the gate's: is a new connection's process banned?
     held: collections.deque = collections.deque()  # connections of banned processes, held unread
     held_total = 0  # connections ever held
+    hold_most = 16  # held at most (the gate sets it: set_hold_most); past it the oldest is closed
+    # At a full table with a ban in force (the gate's `_screen`): accept what
+    # waits to see whose it is; a banned process's is held, and one other is
+    # handed to libzmq past the budget (then this goes False).
+    screen = False
     users = 0  # install() less uninstall() calls
     patched: list[tuple[int, int]] = []  # (slot address, original value)
     mprotect = None
@@ -202,13 +213,22 @@ def accepted_elsewhere() -> list[int]:
     return out
 
 
-HOLD_MOST = 16  # connections of banned processes held at most (the gate sets it: set_hold_most); past it the oldest is closed
-
-
 def set_hold_most(n: int) -> None:
     """Hold at most `n` connections of banned processes (the gate's share of the fd limit)."""
-    global HOLD_MOST
-    HOLD_MOST = max(1, n)
+    _State.hold_most = max(1, n)
+
+
+def set_screen(on: bool) -> None:
+    """While on, an accept past the budget on the main listener takes the
+    waiting connection to see whose it is: a banned process's is held, the
+    first other one goes to libzmq (and turns this off). The gate's, at a
+    full table while a process is banned (gate rule 9, `_screen`)."""
+    _State.screen = on
+
+
+def screening() -> bool:
+    """Is the screen still on (no connection but banned processes' taken)?"""
+    return _State.screen
 
 
 def set_refuse(refuse: Callable[[int], bool] | None) -> None:
@@ -236,7 +256,7 @@ def _hold(conn: int) -> None:
             return
         _State.held.append(conn)
         _State.held_total += 1
-        while len(_State.held) > HOLD_MOST:  # (a global: set_hold_most)
+        while len(_State.held) > _State.hold_most:
             _State.close(_State.held.popleft())
 
 
@@ -273,7 +293,8 @@ def _guarded(fd: int, addr, alen, flags: int) -> int:
     main = _State.main
     ours = main is None or fd == main
     budget = _State.budget if ours else None
-    if budget is not None and budget <= 0:
+    screen = ours and _State.screen and budget is not None and budget <= 0
+    if budget is not None and budget <= 0 and not screen:
         ctypes.set_errno(errno.EAGAIN)
         return -1
     conn = _State.accept4(fd, addr, alen, flags)
@@ -282,7 +303,9 @@ def _guarded(fd: int, addr, alen, flags: int) -> int:
         ctypes.set_errno(errno.EAGAIN)  # libzmq sees nothing waiting
         return -1
     if conn >= 0:
-        if budget is not None:
+        if screen:
+            _State.screen = False  # one past the budget: the gate sheds for it (`_balance`)
+        elif budget is not None:
             _State.budget = budget - 1  # the GIL is held from the read to here
         elif not ours:
             _State.others.append(conn)

@@ -37,6 +37,8 @@ from typing import Callable
 
 import zmq
 
+from kvd.server.admission.connections import connection_id
+
 log = logging.getLogger("kvd.server")
 
 BATCH = 1 << 16  # parts per zmq_recviov call: a 1 MiB iovec array
@@ -255,3 +257,35 @@ class Offenders:
         self._bans[who] = ban
         self.bans += 1
         return ban
+
+
+class Striking:
+    """The Daemon's side of `Offenders` (a mixin): who is struck, and what a
+    ban does to the connections the serving loop knows. It uses the daemon's
+    `offenders`, `gate`, `lanes`, `_conns`, `_conn` and `ratelog`."""
+
+    def _strike(self, identity: bytes, fd: int | None) -> None:
+        """A message over the frame limit from the connection at `fd`: a
+        process that keeps sending them is banned (drain.Offenders)."""
+        conn = self._conn(identity, fd)
+        self._strike_who(conn.origin if conn is not None else None)
+
+    def _strike_stuck(self) -> None:
+        """Processes the gate shed for memory inside a bomb (gate rule 9, `PeerGate._judge`): struck
+        unless a request of theirs was read on a connection still open (a client's idle one may be shed)."""
+        stuck = self.gate.stuck_senders if self.gate is not None else None
+        while stuck:
+            who = stuck.popleft()
+            if not any(c.origin == who and connection_id(c.where[0]) == c.where[1] for c in list(self._conns.values())):
+                self.struck_for_memory += 1
+                self._strike_who(who)
+
+    def _strike_who(self, who: bytes | None) -> None:
+        ban = self.offenders.strike(who)
+        if ban is not None and self.gate is not None:
+            fds = [fd for fd, c in self._conns.items() if c.origin == who]
+            for fd in fds:  # its lanes are closed; the gate cuts off its connections to the main socket
+                if self.lanes is not None and (lane := self.lanes.on(fd, self._conns[fd].where[1])) is not None:
+                    self.lanes.close(lane, "lanes_cut_off", linger=0)
+            self.gate.ban(who, fds, ban)
+            self.ratelog.warning(f"banned {who!r}", "banned %s for %.0f s: messages over the frame limit, or shed for memory inside one", who.decode(), ban)

@@ -2,7 +2,8 @@
 
 Over 600 lines: one thread's state machine, whose rules below are kept
 together with the code that keeps them (the sizes it works with are in
-caps.py, the sockets it handles in connections.py, the OS facts in kvd.host).
+caps.py, the sockets it handles in connections.py, the memory watchdog's
+code, rules 3 and 9, in watchdog.py, the OS facts in kvd.host).
 
 Theory of operation
 -------------------
@@ -174,7 +175,11 @@ Rules the gate keeps:
    on a full socket buffer instead of connecting again at once, and nothing
    it sends is parsed. Held connections are closed at the first sample
    after the ban ends (at most a sixteenth of the fd limit, 16 to 1,024,
-   are held; past that the oldest is closed). Elsewhere such a connection
+   are held; past that the oldest is closed). At a full table, what waits
+   is screened before anyone is shed for it (`_screen`): the guard holds a
+   banned process's connections and lets the first other one in, so a
+   banned process connecting again and again sheds no other peer.
+   Elsewhere such a connection
    is shed as soon as its ACCEPTED event is read. The ban ends by itself. The serving loop checks too (`is_banned`):
    a request it reads from a banned process before this thread has read
    the connection's ACCEPTED is not served, and the connection is cut.
@@ -206,10 +211,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvd.host.fds import fd_limit, open_fds, swap_fd, wait_readable
-from kvd.host.memory import can_trim, rss_bytes, trim_malloc
 from kvd.server.admission import acceptguard
 from kvd.server.admission.caps import RESERVE_FDS, default_max_peers
-from kvd.server.admission.connections import connection_id, origin, shut_down, sockname, stand_in, unread
+from kvd.server.admission.connections import connection_id, origin, shut_down, sockname, stand_in
+from kvd.server.admission.watchdog import MemoryWatch
 
 log = logging.getLogger("kvd.server")
 
@@ -238,7 +243,7 @@ def _open_below(max_peers: int) -> int:
     return max_peers // 2 if max_peers >= _OPEN_MIN_PEERS else 0
 
 
-class PeerGate(threading.Thread):
+class PeerGate(MemoryWatch, threading.Thread):
     """The fd table and its shedding; see the module docstring."""
 
     EVENTS = _EVENTS
@@ -508,13 +513,44 @@ class PeerGate(threading.Thread):
     def _make_room(self) -> None:
         """Connections wait and the table is full: shed the oldest idle (rule 1),
         an eighth of the cap at a time; those waiting are admitted once libzmq
-        has closed them."""
+        has closed them. While a process is banned, what waits is screened
+        first (rule 9, `_screen`)."""
         if self.own_fds is not None and not self._fds_shed_ok():
             return  # rule 6: the newcomer could not be accepted safely either
+        if self.banned and acceptguard.installed() and self._screen():
+            return
         shed = sum(self._shed(fd) for fd in self.victims()[: max(1, self.max_peers // 8)])
         self.counters["shed_over_cap"] += shed
         self._shed_unlogged += shed
         self._log_shedding()
+
+    def _screen(self) -> bool:
+        """Rule 9 at a full table: the listener open for one window in which
+        the accept guard takes what waits, holds a banned process's
+        connections and hands the first other one to libzmq, one over the
+        cap (`_balance` then sheds for it). True unless the guard took nothing
+        in the window while connections wait (libzmq's thread did not run):
+        then room is made as without a ban. What still waits after a window
+        that took some is screened at the next look. A banned process
+        connecting again and again at a full table would otherwise have an
+        eighth of the cap shed for each try."""
+        assert self._real is not None
+        held = acceptguard.held()[1]
+        acceptguard.set_budget(0)
+        acceptguard.set_screen(True)
+        deadline = self.clock() + _WINDOW
+        try:
+            self.resume()
+            while acceptguard.screening() and _readable(self._real) and self.clock() < deadline:
+                select.select([self._monitor_fd], [], [], 0.001)  # the GIL let go: the guard runs on libzmq's thread
+        finally:
+            self.pause()
+            passed = not acceptguard.screening()
+            acceptguard.set_screen(False)
+            acceptguard.set_budget(None)
+        self._drain()
+        self._balance()
+        return passed or acceptguard.held()[1] > held or not _readable(self._real)
 
     def _after_refusals(self) -> None:
         """Rule 8: the accept guard dropped newcomers since the last sample:
@@ -778,104 +814,3 @@ class PeerGate(threading.Thread):
                 self.max_peers, self._shed_unlogged, len(self.peers),
             )
             self._shed_unlogged, self._logged_at = 0, now
-
-    def _judge(self, rss: int) -> int:
-        """Rule 9's evidence against a process shed for memory inside its
-        first message (`_suspect`): once libzmq has let go of what it held
-        (0.2 s, the shed peers closed) and the allocator has given it back,
-        memory over the ceiling that fell by more than its connections'
-        messages could hold (`over_unit` each, and a quarter more) held a
-        frame bomb -- ~75 bytes a frame, ~600 MB for 8 M -- not a big
-        request. An idle connection holds nothing: memory that fell then
-        fell for another reason, which is why the serving loop spares a
-        process with a request read on a connection still open. The process
-        goes to `stuck_senders` for the serving loop to strike. Returns RSS,
-        as measured again if the allocator was asked to give memory back."""
-        who, shed, before, at = self._suspect
-        if self.clock() - at < 0.2 or (self.closing and self.clock() - at < 2.0):
-            return rss
-        self._suspect = None
-        if can_trim():
-            self._trimmed_at = self.clock()
-            trim_malloc()
-            rss = rss_bytes() or rss
-        # Measured over the ceiling, which follows the RAM tier: entries
-        # evicted meanwhile (`kvd gc`, a put's room) lower both alike.
-        if before - (rss - self.ceiling()) > shed * (self.over_unit + self.over_unit // 4):
-            self.stuck_senders.append(who)
-        return rss
-
-    def _watch_memory(self) -> None:
-        rss = rss_bytes() if self.ceiling is not None else None
-        if rss is None:
-            self.headroom = None
-            return
-        if self._suspect is not None:
-            rss = self._judge(rss)
-        over = rss - self.ceiling()
-        self.headroom = -over
-        if over > 0 and can_trim() and self.clock() - self._trimmed_at > 1.0:
-            self._trimmed_at = self.clock()
-            trim_malloc()  # freed but kept by the allocator is not a peer's doing
-            rss = rss_bytes() or rss
-            over = rss - self.ceiling()
-            self.headroom = -over
-        if over <= 0:
-            self._shed_at = None
-            return
-        self._prune_lanes()
-        victims = self.victims(stalled_only=True, lanes=True)
-        table = {**self.peers, **self.lane_peers}
-        never = [fd for fd in victims if table.get(fd, (0, None))[1] is None]
-        # One peer per sample, or more when far over: one per `over_unit`
-        # bytes -- of those that never completed a request (a peer stalled
-        # inside its first message sorts first); else one that did. One
-        # sender can hold far more than `over_unit` (a frame bomb: ~600 MB
-        # for 8 M frames), and clients idle between requests hold nothing.
-        n = 1 + over // self.over_unit
-        if never:
-            victims = never
-        else:
-            n = 1
-        if self._shed_at is not None:
-            at, before = self._shed_at
-            if self.closing or self.clock() - at < 0.2:
-                return  # libzmq is still freeing what the shed peers held
-            if before - self.over_unit // 4 < rss < before + self.over_unit // 4:
-                # Shedding did not bring it down: what is over may not be held
-                # for peers at all (the heap keeps it), or the peer shed held
-                # nothing (an idle connection sorted before the one stalled
-                # inside a big message). Go on slowly, one peer a second, and
-                # only with peers that never completed a request.
-                if self.clock() - at < 1.0:
-                    return
-                victims, n = never, 1
-        stuck = set(never)
-        who = {origin(fd) if fd in stuck else None for fd in victims[:n]}
-        suspect = self._suspect is None and len(who) == 1 and None not in who
-        # A swarm's connections are sending still (bytes wait in the kernel
-        # that libzmq has not read); an idle client's remade ones are not.
-        swarm = len(who) == 1 and None not in who and n >= 2 and all(unread(fd) > 0 for fd in victims[:n])
-        if suspect and can_trim():
-            # What is over now is measured as `_judge` will measure it: what
-            # the allocator keeps of memory freed before this shed is not
-            # the shed peers' (a bomb dropped meanwhile, replies sent).
-            self._trimmed_at = self.clock()
-            trim_malloc()
-            over = (rss_bytes() or rss) - self.ceiling()
-        shed = sum(self._shed(fd) for fd in victims[:n])
-        if shed:
-            self._shed_at = (self.clock(), rss)
-            if swarm and shed >= 2:
-                # Several connections of one process at once, each inside its
-                # first message and sending still, over the ceiling by a
-                # message or more: a swarm of bombs (what one shed frees, the
-                # others refill, so `_judge` would see no fall).
-                self.stuck_senders.append(who.pop())
-            elif suspect:
-                # One connection inside its first message: if memory then
-                # falls by more than its message could hold, it was a bomb
-                # (`_judge`, rule 9).
-                self._suspect = (who.pop(), shed, over, self.clock())
-            self.counters["shed_for_memory"] += shed
-            log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
