@@ -92,6 +92,19 @@ def _zmtp_frame(r):
     n = r.read(1)[0] if not flags[0] & 2 else struct.unpack(">Q", r.read(8))[0]
     return flags[0], r.read(n)
 
+def zmtp_bombs(s, r, bomb, m):
+    # `bomb` sent up to m times on one connection, each followed by its
+    # answer; the answers' names ("EOF": the daemon cut the connection).
+    out = []
+    for _ in range(m):
+        try:
+            s.sendall(bomb)
+        except OSError:
+            out.append("EOF")
+            break
+        out.append(zmtp_reply(r))
+    return out
+
 def zmtp_reply(r):
     try:
         while True:  # commands (READY), then the reply's frames
@@ -117,14 +130,7 @@ import sys
 path, m, f, header = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
 bomb = zmtp_bomb(header, f)
 s, r = zmtp_connect(path)
-out = []
-for _ in range(m):
-    try:
-        s.sendall(bomb)
-    except OSError:
-        out.append("EOF")
-        break
-    out.append(zmtp_reply(r))
+out = zmtp_bombs(s, r, bomb, m)
 if sys.argv[5:] == ["split"]:
     print(" ".join(out), flush=True)
     out = []

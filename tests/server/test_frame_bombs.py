@@ -221,15 +221,7 @@ import socket, sys
 path, f, header = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
 bomb = zmtp_bomb(header, f)
 s, r = zmtp_connect(path)
-out = []
-for _ in range(2):
-    try:
-        s.sendall(bomb)
-    except OSError:
-        out.append("EOF")
-        break
-    out.append(zmtp_reply(r))
-print(" ".join(out), flush=True)
+print(" ".join(zmtp_bombs(s, r, bomb, 2)), flush=True)
 held = []
 for line in sys.stdin:
     for _ in range(int(line)):
