@@ -332,7 +332,8 @@ class Daemon(drain.Striking):
     def peer_stats(self) -> dict:
         out = {"dropped_replies": self.dropped_replies, "rss_ceiling_bytes": self._ceiling,
                "oversized_messages": self.offenders.strikes - self.struck_for_memory,
-               "struck_for_memory": self.struck_for_memory, "dropped_frames": self.dropped_frames,
+               "struck_for_memory": self.struck_for_memory, "spared_for_memory": self.offenders.spared,
+               "dropped_frames": self.dropped_frames,
                "dropping_ms": round(1000 * self.dropping_seconds, 3), "lane_bomb_cpu_ms": round(1000 * self.lane_bomb_cpu, 3),
                "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
                "main_lent": self._lent is not None, "main_lent_ms": round(1000 * self.lent_seconds, 3),

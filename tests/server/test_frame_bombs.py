@@ -19,7 +19,7 @@ from kvd.protocol.limits import Limits
 from kvd.server.admission import drain
 
 from stress import BOMB, ZMTP, attack
-from support import peer_stats, wait_until
+from support import FakeClock, peer_stats, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bans by SO_PEERCRED pid (Linux)")
 
@@ -46,6 +46,20 @@ def test_the_rest_of_a_message_is_dropped_to_its_end_and_no_further(tmp_path):
         assert router.recv_multipart()[1:] == [b"next", b"one"]
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_process_is_spared_a_strike_for_memory_twice_a_minute_and_no_more():
+    """drain.Offenders.spare: a process shed for memory inside a bomb while a
+    request of it was read on a connection still open is spared twice
+    within the window, then struck; spares older than the window lapse."""
+    clock = FakeClock(100.0)
+    offenders = drain.Offenders(clock=clock)
+    assert offenders.spare(b"pid 7") and offenders.spare(b"pid 7")
+    assert not offenders.spare(b"pid 7") and not offenders.spare(b"pid 7")
+    assert offenders.spare(b"pid 8")  # another process has spares of its own
+    clock.advance(61.0)
+    assert offenders.spare(b"pid 7")  # a minute on: the first two have lapsed
+    assert offenders.spared == 4
 
 
 def test_a_frame_bomb_is_answered_and_its_parts_dropped(daemon_factory):
@@ -161,12 +175,17 @@ def _held(watcher) -> int:
 
 
 # One bomb of F empty frames after another, each on a new connection, on T
-# threads (default 1), until killed.
+# threads (default 1), until killed; with "served", first one request
+# answered on a connection kept open throughout.
 REBOMB = ZMTP + r"""
 import sys, threading
 path, f, header = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
 threads = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 bomb = zmtp_bomb(header, f)
+if sys.argv[5:] == ["served"]:
+    kept, kept_r = zmtp_connect(path)
+    kept.sendall(bytes([0, len(header)]) + header)
+    assert zmtp_reply(kept_r) in ("PING", "PONG"), "not served"
 
 def loop():
     while True:
@@ -183,6 +202,31 @@ for _ in range(threads):
 print("ready", flush=True)
 threading.Event().wait()
 """
+
+
+def test_a_bomber_that_keeps_a_connection_served_is_banned_all_the_same(daemon_factory):
+    """A process with a request read on a connection still open is spared a
+    strike for memory (a client's idle connection may be the one shed), but
+    twice a minute at most: one that keeps a connection served while it
+    bombs on others is struck from its third bomb on, banned, and held."""
+    d = daemon_factory("--ram-mb", "16", "--max-message-mb", "16", "--data-dir", "none")
+    path = d.endpoint[len("ipc://"):]
+    good = d.client("good", timeout=30.0)
+    assert good.ping()
+    watcher = d.client("watch", timeout=30.0)
+    bomber = subprocess.Popen([sys.executable, "-c", REBOMB, path, str(FRAMES), PING, "1", "served"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert bomber.stdout.readline().strip() == "ready"
+        wait_until(lambda: _held(watcher) >= 1, timeout=120, what="the bomber's connection held")
+        p = peer_stats(d)
+        # Spared twice (unless its served connection was shed meanwhile), then struck twice: banned.
+        assert p["spared_for_memory"] <= 2 and p["struck_for_memory"] >= 2 and p["bans"] >= 1, p
+        _served_on(good)
+    finally:
+        bomber.kill()
+        bomber.wait(30)
+    assert d.proc.poll() is None
 
 
 def test_a_swarm_of_bombs_from_one_process_is_banned_and_its_threads_held(daemon_factory):

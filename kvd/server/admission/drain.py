@@ -230,14 +230,39 @@ class Offenders:
     `PeerGate.ban`, rule 9) for `first_ban` seconds, twice as long at each
     ban after, up to `longest`.
     A process is told by its pid (kvd.server.admission.connections.origin);
-    over TCP, where one host may be many clients, nobody is banned."""
+    over TCP, where one host may be many clients, nobody is banned.
 
-    def __init__(self, window: float = 60.0, first_ban: float = 10.0, longest: float = 300.0, clock=None):
+    A process shed for memory inside a bomb is spared while a request of it
+    was read on a connection still open (a client: its idle connection may be
+    the one shed while memory fell for another reason), but only `spares`
+    times within `window` (`spare`): a bomber that keeps one connection
+    served is struck from the next time on."""
+
+    def __init__(self, window: float = 60.0, first_ban: float = 10.0, longest: float = 300.0, clock=None,
+                 spares: int = 2):
         self.window, self.first_ban, self.longest = window, first_ban, longest
         self.clock = clock or time.monotonic
+        self.spares = spares
         self._last: dict[bytes, float] = {}  # origin -> its last strike
         self._bans: dict[bytes, float] = {}  # origin -> its last ban's length
-        self.strikes = self.bans = 0
+        self._spared: dict[bytes, list[float]] = {}  # origin -> when it was spared, within `window`
+        self.strikes = self.bans = self.spared = 0
+
+    def spare(self, who: bytes) -> bool:
+        """May `who`, shed for memory inside a bomb with a request read on a
+        connection still open, be spared this time? Not once it was spared
+        `spares` times within `window`."""
+        now = self.clock()
+        times = [t for t in self._spared.pop(who, ()) if now - t <= self.window]
+        if len(times) >= self.spares:
+            self._spared[who] = times
+            return False
+        self._spared[who] = times + [now]
+        self.spared += 1
+        if len(self._spared) > 4096:  # the oldest half forgotten, as `_last`'s
+            for k in list(self._spared)[:2048]:
+                del self._spared[k]
+        return True
 
     def strike(self, who: bytes | None) -> float | None:
         """One more oversized message from `who`: the ban's length if it is
@@ -272,11 +297,13 @@ class Striking:
 
     def _strike_stuck(self) -> None:
         """Processes the gate shed for memory inside a bomb (gate rule 9, `PeerGate._judge`): struck
-        unless a request of theirs was read on a connection still open (a client's idle one may be shed)."""
+        unless a request of theirs was read on a connection still open (a client's idle one may be shed),
+        and then only the first `Offenders.spares` times a minute (a bomber may keep one served)."""
         stuck = self.gate.stuck_senders if self.gate is not None else None
         while stuck:
             who = stuck.popleft()
-            if not any(c.origin == who and connection_id(c.where[0]) == c.where[1] for c in list(self._conns.values())):
+            served = any(c.origin == who and connection_id(c.where[0]) == c.where[1] for c in list(self._conns.values()))
+            if not served or not self.offenders.spare(who):
                 self.struck_for_memory += 1
                 self._strike_who(who)
 
