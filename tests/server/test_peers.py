@@ -588,6 +588,7 @@ def test_a_process_shed_for_memory_is_struck_only_if_memory_then_proves_a_bomb(m
     monkeypatch.setattr(watchdog, "rss_bytes", lambda: rss[0])
     monkeypatch.setattr(watchdog, "can_trim", lambda: False)
     monkeypatch.setattr(watchdog, "origin", lambda fd: b"pid %d" % fd)
+    monkeypatch.setattr(watchdog, "unread", lambda fd: 65536)  # sending still when shed
     shed = []
     monkeypatch.setattr(gate, "_shed", lambda fd: shed.append(fd) or gate.peers.pop(fd, None) is not None)
     gate.peers[41] = [clock(), None]  # stalled inside its first message
@@ -602,7 +603,28 @@ def test_a_process_shed_for_memory_is_struck_only_if_memory_then_proves_a_bomb(m
     clock.advance(0.2)
     gate._watch_memory()
     assert gate._suspect is None
-    assert list(gate.stuck_senders) == ([b"pid 41"] if struck else [])
+    assert list(gate.stuck_senders) == ([(b"pid 41", True)] if struck else [])
+
+
+def test_a_newcomer_let_in_by_a_screen_is_not_shed_for_itself():
+    """Rule 9 at a full table: the screen lets one newcomer in past the cap
+    and sheds an idle peer for it; the over-cap shedding that follows its
+    ACCEPTED must not take the newcomer, which has sent nothing yet and
+    sorts first (below 16 peers it would be shed at every try)."""
+    clock = FakeClock(1000.0)
+    gate = PeerGate(None, max_peers=6, clock=clock, stall_seconds=0.25)
+    shed = []
+    gate._shed = lambda fd: shed.append(fd) or gate.peers.pop(fd, None) is not None
+    for fd in range(10, 17):  # six served peers and the newcomer's table slot
+        gate.peers[fd] = [clock() - 100, clock() - 50 + fd]
+    gate.peers[999] = [clock(), None]  # the newcomer, its ACCEPTED just read
+    gate._newcomer = (999, clock() + gate.stall_seconds)
+    gate._balance()
+    assert 999 not in shed and shed and 999 in gate.peers
+    clock.advance(1.0)  # past stall_seconds, still silent: a peer like any other
+    gate.peers[17] = [clock() - 100, clock() - 40]
+    gate._balance()
+    assert 999 in shed
 
 
 @pytest.mark.parametrize("sending, struck", [(True, True), (False, False)])
@@ -624,5 +646,5 @@ def test_several_connections_of_one_process_shed_at_once_are_struck_only_while_s
     clock.advance(1.0)
     gate._watch_memory()
     assert not gate.peers  # all three shed in one step (over by three messages)
-    assert list(gate.stuck_senders) == ([b"pid 7"] if struck else [])
+    assert list(gate.stuck_senders) == ([(b"pid 7", True)] if struck else [])
     assert (gate._suspect is None) == struck

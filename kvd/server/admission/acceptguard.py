@@ -125,6 +125,11 @@ class _State:
     # waits to see whose it is; a banned process's is held, and one other is
     # handed to libzmq past the budget (then this goes False).
     screen = False
+    screened: int | None = None  # the fd the screen let in, for the gate (`take_screened`)
+    # Held while the budget or the screen is read and written: the callback
+    # lets the GIL go in `_refused` (Python, with someone banned), so a window
+    # may close between its read and its write.
+    window = threading.Lock()
     users = 0  # install() less uninstall() calls
     patched: list[tuple[int, int]] = []  # (slot address, original value)
     mprotect = None
@@ -170,7 +175,8 @@ def set_budget(n: int | None) -> None:
     """Accept at most `n` more connections (the gate's room while it has the
     listener open for a window: gate.py rule 8); None: no bound. Past it,
     libzmq is told EAGAIN and the newcomer waits in the backlog."""
-    _State.budget = n
+    with _State.window:
+        _State.budget = n
 
 
 def set_listener(fd: int | None) -> None:
@@ -214,8 +220,12 @@ def accepted_elsewhere() -> list[int]:
 
 
 def set_hold_most(n: int) -> None:
-    """Hold at most `n` connections of banned processes (the gate's share of the fd limit)."""
-    _State.hold_most = max(1, n)
+    """Hold at most `n` connections of banned processes (the gate's share of
+    the fd limit); the oldest past it are closed now."""
+    with _State.lock:
+        _State.hold_most = max(1, n)
+        while len(_State.held) > _State.hold_most:
+            _State.close(_State.held.popleft())
 
 
 def set_screen(on: bool) -> None:
@@ -223,12 +233,22 @@ def set_screen(on: bool) -> None:
     waiting connection to see whose it is: a banned process's is held, the
     first other one goes to libzmq (and turns this off). The gate's, at a
     full table while a process is banned (gate rule 9, `_screen`)."""
-    _State.screen = on
+    with _State.window:
+        _State.screen = on
+        if on:
+            _State.screened = None
 
 
 def screening() -> bool:
     """Is the screen still on (no connection but banned processes' taken)?"""
     return _State.screen
+
+
+def take_screened() -> int | None:
+    """The fd of the connection the screen let in (None if none), once."""
+    with _State.window:
+        fd, _State.screened = _State.screened, None
+        return fd
 
 
 def set_refuse(refuse: Callable[[int], bool] | None) -> None:
@@ -303,12 +323,15 @@ def _guarded(fd: int, addr, alen, flags: int) -> int:
         ctypes.set_errno(errno.EAGAIN)  # libzmq sees nothing waiting
         return -1
     if conn >= 0:
-        if screen:
-            _State.screen = False  # one past the budget: the gate sheds for it (`_balance`)
-        elif budget is not None:
-            _State.budget = budget - 1  # the GIL is held from the read to here
-        elif not ours:
+        if not ours:
             _State.others.append(conn)
+            return conn
+        with _State.window:  # read again: the window may have closed during `_refused`
+            if screen:
+                _State.screen = False  # one past the budget: the gate makes room for it (`_screen`)
+                _State.screened = conn
+            elif _State.budget is not None:
+                _State.budget -= 1
         return conn
     err = ctypes.get_errno()
     if err in _NO_FD:

@@ -297,13 +297,14 @@ class Striking:
 
     def _strike_stuck(self) -> None:
         """Processes the gate shed for memory inside a bomb (gate rule 9, `PeerGate._judge`): struck
-        unless a request of theirs was read on a connection still open (a client's idle one may be shed),
-        and then only the first `Offenders.spares` times a minute (a bomber may keep one served)."""
+        unless a request of theirs was read on a connection still open (a client's idle one may be shed):
+        then spared, if the connections shed were not sending (a client's remade idle one), or for the
+        first `Offenders.spares` times a minute (a bomber may keep one served; a bomb is still sending)."""
         stuck = self.gate.stuck_senders if self.gate is not None else None
         while stuck:
-            who = stuck.popleft()
+            who, sending = stuck.popleft()
             served = any(c.origin == who and connection_id(c.where[0]) == c.where[1] for c in list(self._conns.values()))
-            if not served or not self.offenders.spare(who):
+            if not served or (sending and not self.offenders.spare(who)):
                 self.struck_for_memory += 1
                 self._strike_who(who)
 

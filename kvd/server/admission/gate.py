@@ -162,7 +162,9 @@ Rules the gate keeps:
    message with proof it held a bomb (`_judge`: memory over the ceiling
    fell by more than its messages could hold; such a process goes to
    `stuck_senders`, which the serving loop strikes unless a request of it
-   was read on a connection still open), is banned by the serving loop
+   was read on a connection still open: then only if the connections shed
+   were still sending, and from the third time in a minute,
+   drain.Offenders.spare), is banned by the serving loop
    (`ban`): its connections are shed. A process several of whose
    connections the watchdog sheds in one step, each inside its first
    message and with bytes it sent still unread in the kernel (`unread`: an
@@ -175,10 +177,12 @@ Rules the gate keeps:
    on a full socket buffer instead of connecting again at once, and nothing
    it sends is parsed. Held connections are closed at the first sample
    after the ban ends (at most a sixteenth of the fd limit, 16 to 1,024,
-   are held; past that the oldest is closed). At a full table, what waits
-   is screened before anyone is shed for it (`_screen`): the guard holds a
-   banned process's connections and lets the first other one in, so a
-   banned process connecting again and again sheds no other peer.
+   are held, and under a lowered fd limit a quarter of the fds the
+   daemon's own leave; past that the oldest is closed). At a full table,
+   what waits is screened before anyone is shed for it (`_screen`): the
+   guard holds a banned process's connections and lets the first other one
+   in, for which one idle peer there before is shed (never the newcomer),
+   so a banned process connecting again and again sheds no other peer.
    Elsewhere such a connection
    is shed as soon as its ACCEPTED event is read. The ban ends by itself. The serving loop checks too (`is_banned`):
    a request it reads from a banned process before this thread has read
@@ -227,6 +231,7 @@ _TIGHT_FDS = 8  # fds beyond the daemon's own under which no peer is shed for fd
 _FILL_RATE = 4 << 30
 _QUIET_TICK = 0.1
 _OPEN_MIN_PEERS = 4096  # caps from which the listener may stay open while under half full (rule 5)
+_SCREEN_TRIES = 4  # windows in a row that took nothing before a screen gives way to shedding (rule 9)
 
 
 def _readable(fd: int) -> bool:
@@ -303,9 +308,12 @@ class PeerGate(MemoryWatch, threading.Thread):
         # Processes shed for memory inside their first message (rule 3) with
         # proof of a bomb (`_judge`), for the serving loop to strike (rule 9):
         # appended here, taken there.
-        self.stuck_senders: collections.deque[bytes] = collections.deque(maxlen=1024)
-        self._suspect: tuple[bytes, int, int, float] | None = None  # (origin, peers shed, RSS over the ceiling, when): `_judge`
+        self.stuck_senders: collections.deque[tuple[bytes, bool]] = collections.deque(maxlen=1024)  # (origin, sending?)
+        # (origin, peers shed, RSS over the ceiling, when, were they sending?): `_judge`
+        self._suspect: tuple[bytes, int, int, float, bool] | None = None
         self._refusals = self._refusals_seen = 0  # accepts the guard found no fd for (rule 8)
+        self._newcomer: tuple[int, float] = (-1, float("-inf"))  # (fd, until): let in by a screen, not shed for itself
+        self._screen_misses = 0  # screens in a row in which the guard took nothing (`_screen`)
         self._refusals_logged_at = float("-inf")
         self._halt = threading.Event()
         self.armed = threading.Event()  # the listener is paused outside _admit (see _event)
@@ -374,8 +382,12 @@ class PeerGate(MemoryWatch, threading.Thread):
         """Rule 9 at each sample: the connections the accept guard holds for
         bans that are over are closed (one SO_PEERCRED read each). It holds
         at most a sixteenth of the fd limit (16 to 1,024): a swarm's threads
-        each wait on one, rather than cycling through a few."""
-        acceptguard.set_hold_most(min(1024, max(16, self.fd_limit // 16)))
+        each wait on one, rather than cycling through a few; under a lowered
+        limit (rule 6), at most a quarter of the fds the daemon's own leave."""
+        most = min(1024, max(16, self.fd_limit // 16))
+        if self.own_fds is not None:  # a lowered limit (rule 6): a quarter of the fds the daemon's own leave
+            most = min(most, max(1, (self.fd_limit - self.own_fds) // 4))
+        acceptguard.set_hold_most(most)
         if acceptguard.held()[0]:
             acceptguard.release(self._banned)
 
@@ -510,14 +522,15 @@ class PeerGate(MemoryWatch, threading.Thread):
             )
             self._balance()
 
-    def _make_room(self) -> None:
+    def _make_room(self, screen: bool = True) -> None:
         """Connections wait and the table is full: shed the oldest idle (rule 1),
         an eighth of the cap at a time; those waiting are admitted once libzmq
         has closed them. While a process is banned, what waits is screened
-        first (rule 9, `_screen`)."""
+        first (rule 9, `_screen`); not after the guard dropped a newcomer for
+        want of an fd (rule 8: nothing waits then, and the table is full)."""
         if self.own_fds is not None and not self._fds_shed_ok():
             return  # rule 6: the newcomer could not be accepted safely either
-        if self.banned and acceptguard.installed() and self._screen():
+        if screen and self.banned and acceptguard.installed() and self._real is not None and self._screen():
             return
         shed = sum(self._shed(fd) for fd in self.victims()[: max(1, self.max_peers // 8)])
         self.counters["shed_over_cap"] += shed
@@ -528,13 +541,16 @@ class PeerGate(MemoryWatch, threading.Thread):
         """Rule 9 at a full table: the listener open for one window in which
         the accept guard takes what waits, holds a banned process's
         connections and hands the first other one to libzmq, one over the
-        cap (`_balance` then sheds for it). True unless the guard took nothing
-        in the window while connections wait (libzmq's thread did not run):
-        then room is made as without a ban. What still waits after a window
-        that took some is screened at the next look. A banned process
-        connecting again and again at a full table would otherwise have an
-        eighth of the cap shed for each try."""
+        cap; for it the oldest idle peer of those there before is shed (never
+        the newcomer itself, which has completed no request yet and would
+        sort first: it is spared by `_shed_over_cap` for `stall_seconds`).
+        False only after `_SCREEN_TRIES` windows in a row in which the guard
+        took nothing while connections waited (libzmq's thread did not run):
+        then room is made as without a ban. A banned process connecting
+        again and again at a full table would otherwise have an eighth of
+        the cap shed for each try."""
         assert self._real is not None
+        before = self.victims()  # the peers there before the window, in shedding order
         held = acceptguard.held()[1]
         acceptguard.set_budget(0)
         acceptguard.set_screen(True)
@@ -545,12 +561,22 @@ class PeerGate(MemoryWatch, threading.Thread):
                 select.select([self._monitor_fd], [], [], 0.001)  # the GIL let go: the guard runs on libzmq's thread
         finally:
             self.pause()
-            passed = not acceptguard.screening()
             acceptguard.set_screen(False)
             acceptguard.set_budget(None)
+            newcomer = acceptguard.take_screened()
+        if newcomer is not None:
+            self._newcomer = (newcomer, self.clock() + self.stall_seconds)
+            shed = next((1 for fd in before if fd != newcomer and self._shed(fd)), 0)
+            self.counters["shed_over_cap"] += shed
+            self._shed_unlogged += shed
+            self._log_shedding()
         self._drain()
         self._balance()
-        return passed or acceptguard.held()[1] > held or not _readable(self._real)
+        if newcomer is not None or acceptguard.held()[1] > held or not _readable(self._real):
+            self._screen_misses = 0
+            return True
+        self._screen_misses += 1
+        return self._screen_misses < _SCREEN_TRIES
 
     def _after_refusals(self) -> None:
         """Rule 8: the accept guard dropped newcomers since the last sample:
@@ -570,7 +596,7 @@ class PeerGate(MemoryWatch, threading.Thread):
             return
         held = open_fds(self.fd_limit)
         if held is None or held >= self.fd_limit - _TIGHT_FDS:  # still full: not a moment past
-            self._make_room()
+            self._make_room(screen=False)
 
     def _admit(self) -> None:
         """Connections are waiting: let libzmq accept them, a few at a time.
@@ -800,8 +826,13 @@ class PeerGate(MemoryWatch, threading.Thread):
         if excess <= 0:
             return
         # A sixteenth more than the excess: a burst over the cap then costs one
-        # sort of the table per batch, not one per connection.
-        shed = sum(self._shed(fd) for fd in self.victims()[: excess + self.max_peers // 16])
+        # sort of the table per batch, not one per connection. Not the
+        # newcomer a screen let in, for which room was made (`_screen`).
+        victims = self.victims()
+        newcomer, until = self._newcomer
+        if newcomer in victims and self.clock() < until and self.peers.get(newcomer, (0, 0))[1] is None:
+            victims.remove(newcomer)
+        shed = sum(self._shed(fd) for fd in victims[: excess + self.max_peers // 16])
         self.counters["shed_over_cap"] += shed
         self._shed_unlogged += shed
         self._log_shedding()

@@ -31,9 +31,10 @@ class MemoryWatch:
         request. An idle connection holds nothing: memory that fell then
         fell for another reason, which is why the serving loop spares a
         process with a request read on a connection still open. The process
-        goes to `stuck_senders` for the serving loop to strike. Returns RSS,
+        goes to `stuck_senders` for the serving loop to strike, with whether
+        its connections were still sending when shed. Returns RSS,
         as measured again if the allocator was asked to give memory back."""
-        who, shed, before, at = self._suspect
+        who, shed, before, at, sending = self._suspect
         if self.clock() - at < 0.2 or (self.closing and self.clock() - at < 2.0):
             return rss
         self._suspect = None
@@ -44,7 +45,7 @@ class MemoryWatch:
         # Measured over the ceiling, which follows the RAM tier: entries
         # evicted meanwhile (`kvd gc`, a put's room) lower both alike.
         if before - (rss - self.ceiling()) > shed * (self.over_unit + self.over_unit // 4):
-            self.stuck_senders.append(who)
+            self.stuck_senders.append((who, sending))
         return rss
 
     def _watch_memory(self) -> None:
@@ -97,7 +98,8 @@ class MemoryWatch:
         suspect = self._suspect is None and len(who) == 1 and None not in who
         # A swarm's connections are sending still (bytes wait in the kernel
         # that libzmq has not read); an idle client's remade ones are not.
-        swarm = len(who) == 1 and None not in who and n >= 2 and all(unread(fd) > 0 for fd in victims[:n])
+        sending = (suspect or n >= 2) and all(unread(fd) > 0 for fd in victims[:n])
+        swarm = len(who) == 1 and None not in who and n >= 2 and sending
         if suspect and can_trim():
             # What is over now is measured as `_judge` will measure it: what
             # the allocator keeps of memory freed before this shed is not
@@ -113,11 +115,11 @@ class MemoryWatch:
                 # first message and sending still, over the ceiling by a
                 # message or more: a swarm of bombs (what one shed frees, the
                 # others refill, so `_judge` would see no fall).
-                self.stuck_senders.append(who.pop())
+                self.stuck_senders.append((who.pop(), True))
             elif suspect:
                 # One connection inside its first message: if memory then
                 # falls by more than its message could hold, it was a bomb
                 # (`_judge`, rule 9).
-                self._suspect = (who.pop(), shed, over, self.clock())
+                self._suspect = (who.pop(), shed, over, self.clock(), sending)
             self.counters["shed_for_memory"] += shed
             log.warning("memory over the ceiling by %d bytes: shed %d stalled peers", over, shed)
