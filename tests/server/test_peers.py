@@ -615,16 +615,22 @@ def test_a_newcomer_let_in_by_a_screen_is_not_shed_for_itself():
     gate = PeerGate(None, max_peers=6, clock=clock, stall_seconds=0.25)
     shed = []
     gate._shed = lambda fd: shed.append(fd) or gate.peers.pop(fd, None) is not None
-    for fd in range(10, 17):  # six served peers and the newcomer's table slot
-        gate.peers[fd] = [clock() - 100, clock() - 50 + fd]
-    gate.peers[999] = [clock(), None]  # the newcomer, its ACCEPTED just read
-    gate._newcomer = (999, clock() + gate.stall_seconds)
-    gate._balance()
-    assert 999 not in shed and shed and 999 in gate.peers
-    clock.advance(1.0)  # past stall_seconds, still silent: a peer like any other
-    gate.peers[17] = [clock() - 100, clock() - 40]
-    gate._balance()
-    assert 999 in shed
+    for fd in range(10000, 10007):  # served peers (fd numbers no socket has here)
+        gate.peers[fd] = [clock() - 100, clock() - 50 + fd - 10000]
+    a, b = socket.socketpair()
+    try:
+        new = a.fileno()
+        gate.peers[new] = [clock(), None]  # the newcomer, its ACCEPTED just read
+        gate._newcomer = (new, connection_id(new), clock() + gate.stall_seconds)
+        gate._balance()
+        assert new not in shed and shed and new in gate.peers
+        clock.advance(1.0)  # past stall_seconds, still silent: a peer like any other
+        gate.peers[10007] = [clock() - 100, clock() - 40]
+        gate._balance()
+        assert new in shed
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("sending, struck", [(True, True), (False, False)])

@@ -93,6 +93,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from typing import Callable
 
 log = logging.getLogger("kvd.server")
@@ -126,6 +127,7 @@ class _State:
     # handed to libzmq past the budget (then this goes False).
     screen = False
     screened: int | None = None  # the fd the screen let in, for the gate (`take_screened`)
+    inflight = 0  # accepts on the main listener under way (`settle`)
     # Held while the budget or the screen is read and written: the callback
     # lets the GIL go in `_refused` (Python, with someone banned), so a window
     # may close between its read and its write.
@@ -244,6 +246,16 @@ def screening() -> bool:
     return _State.screen
 
 
+def settle(timeout: float) -> bool:
+    """Wait, the GIL let go, until no accept on the main listener is in
+    flight (one may be inside `_refused`, Python, when a window closes), at
+    most `timeout` seconds; True if none is."""
+    deadline = time.monotonic() + timeout
+    while _State.inflight and time.monotonic() < deadline:
+        time.sleep(0.0001)
+    return not _State.inflight
+
+
 def take_screened() -> int | None:
     """The fd of the connection the screen let in (None if none), once."""
     with _State.window:
@@ -311,12 +323,23 @@ def held() -> tuple[int, int]:
 
 def _guarded(fd: int, addr, alen, flags: int) -> int:
     main = _State.main
-    ours = main is None or fd == main
-    budget = _State.budget if ours else None
-    screen = ours and _State.screen and budget is not None and budget <= 0
-    if budget is not None and budget <= 0 and not screen:
-        ctypes.set_errno(errno.EAGAIN)
-        return -1
+    if main is not None and fd != main:
+        return _accept_one(fd, addr, alen, flags, ours=False, screen=False)
+    with _State.window:
+        budget = _State.budget
+        screen = _State.screen and budget is not None and budget <= 0
+        if budget is not None and budget <= 0 and not screen:
+            ctypes.set_errno(errno.EAGAIN)
+            return -1
+        _State.inflight += 1  # the gate waits for it at a window's end (`settle`)
+    try:
+        return _accept_one(fd, addr, alen, flags, ours=True, screen=screen)
+    finally:
+        with _State.window:
+            _State.inflight -= 1
+
+
+def _accept_one(fd: int, addr, alen, flags: int, *, ours: bool, screen: bool) -> int:
     conn = _State.accept4(fd, addr, alen, flags)
     if conn >= 0 and _refused(conn):
         _hold(conn)

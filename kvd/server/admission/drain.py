@@ -235,8 +235,11 @@ class Offenders:
     A process shed for memory inside a bomb is spared while a request of it
     was read on a connection still open (a client: its idle connection may be
     the one shed while memory fell for another reason), but only `spares`
-    times within `window` (`spare`): a bomber that keeps one connection
-    served is struck from the next time on."""
+    times within `window` when the connections shed were still sending, and
+    three times as many when they were not (`spare`: a client's remade idle
+    connection sends nothing; a bomber may stop sending too, its bomb whole
+    but its last frame): a bomber that keeps one connection served is
+    struck from then on."""
 
     def __init__(self, window: float = 60.0, first_ban: float = 10.0, longest: float = 300.0, clock=None,
                  spares: int = 2):
@@ -245,19 +248,20 @@ class Offenders:
         self.spares = spares
         self._last: dict[bytes, float] = {}  # origin -> its last strike
         self._bans: dict[bytes, float] = {}  # origin -> its last ban's length
-        self._spared: dict[bytes, list[float]] = {}  # origin -> when it was spared, within `window`
+        self._spared: dict[bytes, list[tuple[float, int]]] = {}  # origin -> (when, cost) of its spares within `window`
         self.strikes = self.bans = self.spared = 0
 
-    def spare(self, who: bytes) -> bool:
+    def spare(self, who: bytes, sending: bool = True) -> bool:
         """May `who`, shed for memory inside a bomb with a request read on a
-        connection still open, be spared this time? Not once it was spared
-        `spares` times within `window`."""
+        connection still open, be spared this time? Within `window`, a spare
+        while sending costs 3 and one while not 1, out of 3 x `spares`."""
         now = self.clock()
-        times = [t for t in self._spared.pop(who, ()) if now - t <= self.window]
-        if len(times) >= self.spares:
-            self._spared[who] = times
+        spent = [(t, c) for t, c in self._spared.pop(who, ()) if now - t <= self.window]
+        cost = 3 if sending else 1
+        if sum(c for _, c in spent) + cost > 3 * self.spares:
+            self._spared[who] = spent
             return False
-        self._spared[who] = times + [now]
+        self._spared[who] = spent + [(now, cost)]
         self.spared += 1
         if len(self._spared) > 4096:  # the oldest half forgotten, as `_last`'s
             for k in list(self._spared)[:2048]:
@@ -297,14 +301,14 @@ class Striking:
 
     def _strike_stuck(self) -> None:
         """Processes the gate shed for memory inside a bomb (gate rule 9, `PeerGate._judge`): struck
-        unless a request of theirs was read on a connection still open (a client's idle one may be shed):
-        then spared, if the connections shed were not sending (a client's remade idle one), or for the
-        first `Offenders.spares` times a minute (a bomber may keep one served; a bomb is still sending)."""
+        unless a request of theirs was read on a connection still open (a client's idle one may be shed),
+        and then only a few times a minute, more if the connections shed were not sending
+        (`Offenders.spare`: a bomber may keep one connection served)."""
         stuck = self.gate.stuck_senders if self.gate is not None else None
         while stuck:
             who, sending = stuck.popleft()
             served = any(c.origin == who and connection_id(c.where[0]) == c.where[1] for c in list(self._conns.values()))
-            if not served or (sending and not self.offenders.spare(who)):
+            if not served or not self.offenders.spare(who, sending):
                 self.struck_for_memory += 1
                 self._strike_who(who)
 

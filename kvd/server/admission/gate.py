@@ -162,8 +162,8 @@ Rules the gate keeps:
    message with proof it held a bomb (`_judge`: memory over the ceiling
    fell by more than its messages could hold; such a process goes to
    `stuck_senders`, which the serving loop strikes unless a request of it
-   was read on a connection still open: then only if the connections shed
-   were still sending, and from the third time in a minute,
+   was read on a connection still open: then from the third time in a
+   minute, the seventh if the connections shed were not sending,
    drain.Offenders.spare), is banned by the serving loop
    (`ban`): its connections are shed. A process several of whose
    connections the watchdog sheds in one step, each inside its first
@@ -312,7 +312,8 @@ class PeerGate(MemoryWatch, threading.Thread):
         # (origin, peers shed, RSS over the ceiling, when, were they sending?): `_judge`
         self._suspect: tuple[bytes, int, int, float, bool] | None = None
         self._refusals = self._refusals_seen = 0  # accepts the guard found no fd for (rule 8)
-        self._newcomer: tuple[int, float] = (-1, float("-inf"))  # (fd, until): let in by a screen, not shed for itself
+        # (fd, connection id, until): let in by a screen, not shed for itself (`_is_newcomer`)
+        self._newcomer: tuple[int, int | None, float] = (-1, None, float("-inf"))
         self._screen_misses = 0  # screens in a row in which the guard took nothing (`_screen`)
         self._refusals_logged_at = float("-inf")
         self._halt = threading.Event()
@@ -530,8 +531,9 @@ class PeerGate(MemoryWatch, threading.Thread):
         want of an fd (rule 8: nothing waits then, and the table is full)."""
         if self.own_fds is not None and not self._fds_shed_ok():
             return  # rule 6: the newcomer could not be accepted safely either
-        if screen and self.banned and acceptguard.installed() and self._real is not None and self._screen():
-            return
+        if screen and self.banned and self.own_fds is None and acceptguard.installed() and self._real is not None \
+                and self._screen():
+            return  # (not under a lowered fd limit: the fd room would shed more for the newcomer, rule 6)
         shed = sum(self._shed(fd) for fd in self.victims()[: max(1, self.max_peers // 8)])
         self.counters["shed_over_cap"] += shed
         self._shed_unlogged += shed
@@ -550,7 +552,7 @@ class PeerGate(MemoryWatch, threading.Thread):
         again and again at a full table would otherwise have an eighth of
         the cap shed for each try."""
         assert self._real is not None
-        before = self.victims()  # the peers there before the window, in shedding order
+        before = [fd for fd in self.victims() if not self._is_newcomer(fd)]  # the peers there before, in shedding order
         held = acceptguard.held()[1]
         acceptguard.set_budget(0)
         acceptguard.set_screen(True)
@@ -563,9 +565,10 @@ class PeerGate(MemoryWatch, threading.Thread):
             self.pause()
             acceptguard.set_screen(False)
             acceptguard.set_budget(None)
+            acceptguard.settle(0.01)  # an accept under way may be inside `_refused` (Python): its newcomer too
             newcomer = acceptguard.take_screened()
         if newcomer is not None:
-            self._newcomer = (newcomer, self.clock() + self.stall_seconds)
+            self._newcomer = (newcomer, connection_id(newcomer), self.clock() + self.stall_seconds)
             shed = next((1 for fd in before if fd != newcomer and self._shed(fd)), 0)
             self.counters["shed_over_cap"] += shed
             self._shed_unlogged += shed
@@ -576,7 +579,16 @@ class PeerGate(MemoryWatch, threading.Thread):
             self._screen_misses = 0
             return True
         self._screen_misses += 1
-        return self._screen_misses < _SCREEN_TRIES
+        if self._screen_misses < _SCREEN_TRIES:
+            return True
+        self._screen_misses = 0
+        return False
+
+    def _is_newcomer(self, fd: int) -> bool:
+        """Is `fd` the connection a screen let in lately, silent since (`_screen`)?"""
+        newcomer, conn_id, until = self._newcomer
+        return (fd == newcomer and self.clock() < until and self.peers.get(fd, (0, 0))[1] is None
+                and connection_id(fd) == conn_id)
 
     def _after_refusals(self) -> None:
         """Rule 8: the accept guard dropped newcomers since the last sample:
@@ -828,10 +840,7 @@ class PeerGate(MemoryWatch, threading.Thread):
         # A sixteenth more than the excess: a burst over the cap then costs one
         # sort of the table per batch, not one per connection. Not the
         # newcomer a screen let in, for which room was made (`_screen`).
-        victims = self.victims()
-        newcomer, until = self._newcomer
-        if newcomer in victims and self.clock() < until and self.peers.get(newcomer, (0, 0))[1] is None:
-            victims.remove(newcomer)
+        victims = [fd for fd in self.victims() if not self._is_newcomer(fd)]
         shed = sum(self._shed(fd) for fd in victims[: excess + self.max_peers // 16])
         self.counters["shed_over_cap"] += shed
         self._shed_unlogged += shed
