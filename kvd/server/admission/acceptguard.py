@@ -52,8 +52,10 @@ waiting connection would make the gate shed its oldest idle peers; while a
 process is banned the gate first screens what waits (`set_screen`): the
 guard takes each waiting connection past the budget, holds a banned
 process's, and hands the first other one to libzmq, one over the cap, for
-which the gate then sheds. So a banned process connecting again and again
-at a full table costs no other peer its connection.
+which the gate sheds one idle peer that was there before (`take_screened`
+tells it which; `settle` waits for an accept under way). So a banned
+process connecting again and again at a full table costs no other peer its
+connection.
 
 The callback runs on libzmq's I/O thread and takes the GIL: once per
 connection libzmq accepts, and once per wake-up while the gate has the

@@ -552,7 +552,6 @@ class PeerGate(MemoryWatch, threading.Thread):
         again and again at a full table would otherwise have an eighth of
         the cap shed for each try."""
         assert self._real is not None
-        before = [fd for fd in self.victims() if not self._is_newcomer(fd)]  # the peers there before, in shedding order
         held = acceptguard.held()[1]
         acceptguard.set_budget(0)
         acceptguard.set_screen(True)
@@ -568,8 +567,12 @@ class PeerGate(MemoryWatch, threading.Thread):
             acceptguard.settle(0.01)  # an accept under way may be inside `_refused` (Python): its newcomer too
             newcomer = acceptguard.take_screened()
         if newcomer is not None:
+            # The peers there before, in shedding order (the newcomer's ACCEPTED
+            # is not drained yet; a sort of the table only when one is let in,
+            # not at every screen of a banned process's connections).
+            before = [fd for fd in self.victims() if fd != newcomer and not self._is_newcomer(fd)]
             self._newcomer = (newcomer, connection_id(newcomer), self.clock() + self.stall_seconds)
-            shed = next((1 for fd in before if fd != newcomer and self._shed(fd)), 0)
+            shed = next((1 for fd in before if self._shed(fd)), 0)
             self.counters["shed_over_cap"] += shed
             self._shed_unlogged += shed
             self._log_shedding()
