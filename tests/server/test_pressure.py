@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvd.host import pressure as P
+from kvd.protocol.errors import Busy
 from kvd.server import governor
 from kvd.server.evictions import EvictionRecord
 from kvd.server.governor import RamGovernor
@@ -316,7 +318,11 @@ def test_daemon_in_a_memory_limited_cgroup_yields_instead_of_being_killed(daemon
                 assert c.put(s, prefix_snapshot(s))
             for i in range(540):  # ~155 MiB more through the daemon, well past the limit
                 s = np.arange(1024) + 7_000_000 + 3_000 * i
-                c.put(s, prefix_snapshot(s))
+                # The cgroup's limit holds the page cache too, so its disk may fall
+                # behind: a write-back PUT is then refused BUSY, a typed answer
+                # (seen once in CI: "55 MiB stored are not on disk yet").
+                with contextlib.suppress(Busy):
+                    c.put(s, prefix_snapshot(s))
                 if i % 100 == 0:
                     assert d.proc.poll() is None, d.log()
             st = c.stats()
