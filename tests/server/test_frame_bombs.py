@@ -198,11 +198,13 @@ def test_a_banned_process_connecting_at_a_full_table_costs_no_peer_its_connectio
         assert all(c.ping() for c in clients)  # strict: no connection of theirs was cut
         # A newcomer of another process is let in while the ban lasts (10 s),
         # an idle peer shed for it -- not the newcomer itself, which has sent
-        # nothing yet and would sort first (below 16 peers, again and again).
+        # nothing yet and would sort first (below 16 peers, again and again) --
+        # and the cap kept. (Not "one shed": a peer's DISCONNECTED read late
+        # may have left room by then, seen once in CI.)
         late = d.client("late", timeout=30.0)
         wait_until(late.ping, timeout=5.0, what="a newcomer of another process let in")
         assert time.monotonic() - banned_at < 9.0  # the ban (10 s) still in force: it was screened in
-        assert late.stats()["peers"]["shed_over_cap"] >= before["shed_over_cap"] + 1
+        assert late.stats()["peers"]["connected"] <= 6
     finally:
         bomber.kill()
         bomber.wait(30)
