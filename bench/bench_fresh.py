@@ -1,6 +1,7 @@
 """A put into a freshly started daemon against a warm one's (issue 42).
 
     python bench/bench_fresh.py [--mib 256] [--ram-mb 2048] [--steady 5] [--host auto|portable] [--gap-ms 0] [--clients 5]
+                                [--daemon-python PATH]
 
 Starts a daemon (RAM tier only, `--ram-mb`), and over the shared-memory plane
 puts snapshots of `--mib` MiB (bench_wire.py's layout: 32 layers x keys and
@@ -14,8 +15,13 @@ values, bf16) with fresh token ids each time, from one client:
 Each is printed in GiB/s and as a ratio to steady (targets: fresh >= 0.5,
 new client's first >= 0.5), with numpy baselines from the same run: a copy
 into an already-touched buffer (memcpy) and into fresh memory.
+Beside the fill, another client (a process of its own, over frames) PINGs
+the daemon back to back: its longest round trip and p99 during the fill, and
+its p99 idle afterwards (a fresh daemon's first SLOTS must not hold the
+serving thread: issue 44).
 `--gap-ms` waits between puts, as a model server's puts are spaced by
-generation (0: back to back, the worst case). The lead re-runs figures on a
+generation (0: back to back, the worst case). `--daemon-python` runs the
+daemon with another interpreter (an older checkout's, to compare). The lead re-runs figures on a
 quiet machine; on a shared one, read the ratios.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +51,7 @@ def main() -> None:
     ap.add_argument("--host", default="auto", choices=("auto", "portable"))
     ap.add_argument("--gap-ms", type=float, default=0.0)
     ap.add_argument("--clients", type=int, default=5)
+    ap.add_argument("--daemon-python", default=sys.executable)
     args = ap.parse_args()
     n_tokens = args.mib * MiB // BYTES_PER_TOKEN
     snap = snapshot(n_tokens, seed=1)
@@ -65,9 +73,13 @@ def main() -> None:
         return time.perf_counter() - t0
 
     fill = max(1, args.ram_mb // args.mib)
-    with daemon("--ram-mb", str(args.ram_mb), "--data-dir", "none", env={"KVD_HOST": args.host}) as d:
+    with daemon("--ram-mb", str(args.ram_mb), "--data-dir", "none", env={"KVD_HOST": args.host},
+                python=args.daemon_python) as d:
         with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c:
-            fresh = [put(c) for _ in range(fill)]
+            with _Pinger(d.endpoint) as pings:
+                fresh = [put(c) for _ in range(fill)]
+            with _Pinger(d.endpoint) as idle:
+                time.sleep(1.0)  # the daemon idle: the pinger's own round trips
             steady = [put(c) for _ in range(args.steady)]
             assert c.counters["shm_puts"] == fill + args.steady
             host = c.stats().get("host", {})
@@ -86,7 +98,47 @@ def main() -> None:
     for label, t in rows:
         print(f"{label:40s} {rate(t):6.2f} GiB/s  {t_steady / t:5.2f}x steady  {t_mem / t:5.2f}x memcpy")
     print("fill puts GiB/s:", " ".join(f"{rate(t):.2f}" for t in fresh))
+    print(f"another client's PINGs during the fill: {len(pings.times)}, longest {max(pings.times) * 1e3:.1f} ms, "
+          f"p99 {p99(pings.times) * 1e3:.2f} ms; idle after: longest {max(idle.times) * 1e3:.1f} ms, "
+          f"p99 {p99(idle.times) * 1e3:.2f} ms; p99 {p99(pings.times) / p99(idle.times):.1f}x idle")
     print("new clients' first puts GiB/s:", " ".join(f"{rate(t):.2f}" for t in firsts))
+
+
+def p99(times: list[float]) -> float:
+    return sorted(times)[min(len(times) - 1, int(len(times) * 0.99))]
+
+
+_PING = r"""
+import select, sys, time
+from kvd_client import Client
+with Client(sys.argv[1], namespace="pinger", timeout=10, strict=True, transport="frames") as c:
+    c.ping()
+    print("ready", flush=True)
+    times = []
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        t0 = time.perf_counter()
+        c.ping()
+        times.append(time.perf_counter() - t0)
+    print(" ".join(f"{t:.6f}" for t in times), flush=True)
+"""
+
+
+class _Pinger:
+    """A client in a process of its own PINGing back to back while the block runs (`times`)."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.times: list[float] = []
+
+    def __enter__(self) -> "_Pinger":
+        self.proc = subprocess.Popen([sys.executable, "-c", _PING, self.endpoint], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        out, _ = self.proc.communicate("stop\n", timeout=60)
+        self.times = [float(x) for x in out.split()] or [float("nan")]
 
 
 if __name__ == "__main__":

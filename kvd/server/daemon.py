@@ -187,6 +187,7 @@ class Daemon(drain.Striking):
         self._refuse_put = getattr(store, "refuse_put", None)
         self.parking = Parking(parked_max_bytes)
         self.wakeup = Wakeup()
+        self.handler.post = self.wakeup.post  # a grant's pages reserved off this thread (handler.on_slots)
         self._signal_fd = False  # the wakeup pipe is Python's signal wakeup fd
         hook = getattr(store, "set_settled_callback", None)
         if hook is not None:
@@ -509,6 +510,15 @@ class Daemon(drain.Striking):
                     self._answer(parked, degraded or "dropped by the SSD tier")
 
     def _answer(self, parked: Parked, why: str) -> None:
+        if parked.failed and parked.rtype == "SLOTS":
+            # Its pages could not be reserved (or the daemon is stopping): the
+            # grant ends here and the client sends its PUT over frames.
+            if self.handler.shm is not None:
+                self.handler.shm.refuse_grant(parked.fields["lease"])
+            err = E.Busy(f"shared memory: {why}; send this PUT over frames")
+            self.handler.errors[err.name] += 1
+            self._send(parked.peer, codec.encode_error(err, id=parked.msg_id))
+            return
         if parked.failed:
             err = E.NotPersisted(
                 f"{len(parked.failed)} of this PUT's entries were not written to disk ({why}); not acknowledged"

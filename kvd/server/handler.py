@@ -184,6 +184,9 @@ class Handler:
         # The shared-memory plane (kvd.server.shm.plane.ShmPlane), set by the daemon
         # on an ipc endpoint; None: GET serves frames, SLOTS/COMMIT are refused.
         self.shm: Any = None
+        # Posts news to the daemon's loop from another thread (its Wakeup):
+        # a grant whose pages the preparer reserved (`on_slots`). None: none.
+        self.post: Any = None
         # Fields other parts of the daemon add to a HELLO reply (a lane,
         # kvd.server.lanes): callables taking the HELLO, returning a map.
         self.hello_fields: list[Any] = []
@@ -532,7 +535,23 @@ class Handler:
         # Refused now, as its PUT would be at COMMIT: a grant never committed
         # holds its slots until its lease ends, and then drains its segment.
         self._put_chain(msg)
-        return "SLOTS", plane.grant(msg, self.limits.max_message_bytes)
+        preparer = plane.preparer if self.post is not None else None
+        later: list | None = [] if preparer is not None else None
+        reply = plane.grant(msg, self.limits.max_message_bytes, later=later)
+        if not later:
+            return "SLOTS", reply
+        # Pages never reserved (a fresh daemon, memory handed back): the
+        # preparer's thread reserves them, and the reply goes once it has
+        # (parked like a write-through PUT's). A fallocate of 1 GiB held this
+        # thread ~370 ms.
+        token = b"slots:%d" % reply["lease"]
+        post = self.post
+        try:
+            preparer.reserve(later, lambda ok: post(([(token, ok)], "the shared-memory pages could not be reserved")))
+        except RuntimeError:  # stopped: the plane is closing
+            plane.refuse_grant(reply["lease"])
+            raise E.Busy("the shared-memory arena is closing; send this PUT over frames") from None
+        return "SLOTS", Deferred(reply, [token])
 
     def on_commit(self, msg: Message):
         if msg["more"]:

@@ -207,3 +207,78 @@ def test_what_a_fill_leaves_resident_stays_within_the_ram_budget_and_two_segment
     assert s["used_bytes"] <= ram
     seg = 4 * MiB  # a thirty-second of 8 MiB, at least 4
     assert resident <= s["mapped_bytes"] <= ram + 2 * seg, (resident, s)  # measured: 11 MiB resident, 12 mapped
+
+
+# -- a grant's pages reserved off the serving thread (issue 44) ----------------
+def _raw_slots(arena: Arena, n: int, nbytes: int) -> list:
+    """Slots as a SLOTS into never-reserved memory hands them out (alloc(reserve=False))."""
+    arrs = [arena.alloc(nbytes, reserve=False) for _ in range(n)]
+    return arrs
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="pages are never reserved where there is no fallocate")
+def test_a_grants_pages_are_reserved_on_the_preparers_thread_then_it_is_told(folder):
+    import threading
+
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
+    arrs = _raw_slots(arena, 3, 3 * MiB)
+    slots = [a.slot for a in arrs]
+    assert all(arena.unreserved(s) for s in slots)
+    before = _blocks(folder)
+    prep = Preparer(arena, window=0, available=lambda: None).start()
+    told, done = [], threading.Event()
+    try:
+        prep.reserve(slots, lambda ok: (told.append((ok, threading.current_thread().name)), done.set()))
+        assert done.wait(10)
+    finally:
+        prep.stop()
+    assert told == [(True, "kvd-shm-prep")]
+    assert not any(arena.unreserved(s) for s in slots)
+    assert _blocks(folder) - before >= 9 * MiB  # the kernel holds their pages now
+    assert prep.stats()["grants_reserved_off_thread"] == 1
+    arrs[0][:] = 7  # written as a client would, after the reply
+    assert arena.copy_out(arrs[0]) == b"\x07" * (3 * MiB)
+
+
+def test_a_grant_whose_pages_cannot_be_reserved_is_told_so_and_one_queued_at_stop_too(folder, monkeypatch):
+    # A full /dev/shm or memory cgroup (ENOSPC) cannot be made here without
+    # root: the fallocate fails by hand. A grant never reached (the preparer
+    # stopped first) is told too: nothing waits for ever.
+    import errno
+    import threading
+
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
+    slots = [a.slot for a in _raw_slots(arena, 2, MiB)]
+
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    prep = Preparer(arena, window=0, available=lambda: None).start()
+    told, done = [], threading.Event()
+    prep.reserve(slots, lambda ok: (told.append(ok), done.set()))
+    assert done.wait(10) and told == [False]
+    assert arena.unreserved(slots[0])
+    prep.stop()
+    late = []
+    with pytest.raises(RuntimeError):
+        prep.reserve(slots, late.append)
+    prep._grants.append((slots, late.append))  # queued as stop() ran
+    prep._fail_grants()
+    assert late == [False]
+
+
+def test_a_fresh_daemons_grant_into_unreserved_pages_is_answered_once_reserved(daemon_factory):
+    # No window: the first PUT's slots are carved from a segment the serving
+    # thread makes, never reserved; the preparer reserves them, then the
+    # SLOTS reply goes. Served bit-exact.
+    d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "0", "--data-dir", "none")
+    toks = np.arange(4096)
+    with d.client("raw", strict=True, transport="shm") as c:
+        assert c.put(toks, prefix_snapshot(toks))
+        assert_prefix_hit(c.get(toks), toks)
+        s = c.stats()["shm"]
+        assert c.counters["shm_puts"] == 1 and c.counters["shm_put_fallback"] == 0
+    if hasattr(os, "posix_fallocate"):
+        assert s["grants_reserved_off_thread"] >= 1, s
+    assert s["busy_reserve"] == 0 and s["alloc_failures"] == 0

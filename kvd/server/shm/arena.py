@@ -139,8 +139,11 @@ class Arena:
         self.on_alloc: Callable[[], None] | None = None  # told after a slot is handed out (the preparer)
 
     # -- allocation ----------------------------------------------------------
-    def alloc(self, nbytes: int) -> SlotArray | None:
-        """A fresh slot of `nbytes` as a SlotArray, or None if the arena is full."""
+    def alloc(self, nbytes: int, *, reserve: bool = True) -> SlotArray | None:
+        """A fresh slot of `nbytes` as a SlotArray, or None if the arena is full.
+        `reserve=False`: its pages are not reserved here when they need to be
+        (`unreserved`); its holder reserves them (`reserve`) before anyone
+        writes to it, off the serving thread."""
         size = align_up(max(1, nbytes))
         with self._locked():
             self.lean = False
@@ -165,7 +168,7 @@ class Arena:
                 self.counters["alloc_failures"] += 1
                 return None
             seg, off = found
-            if not self._reserve(seg, off, size):
+            if reserve and not self._reserve(seg, off, size):
                 self._free_locked(seg, off, size, count=False)
                 self.counters["alloc_failures"] += 1
                 return None
@@ -275,6 +278,35 @@ class Arena:
                 self._reserved[seg][:] = b"\x01" * len(self._reserved[seg])
             self._space.give(seg, 0, self._sizes[seg])
 
+    def unreserved(self, slot: Slot) -> bool:
+        """Whether a slot handed out by alloc(reserve=False) has pages not yet reserved."""
+        with self._locked():
+            return self._unreserved(slot)
+
+    def _unreserved(self, slot: Slot) -> bool:
+        if not hasattr(os, "posix_fallocate"):
+            return False
+        return self._reserved[slot.seg].find(0, slot.off // _PAGE, -(-(slot.off + slot.size) // _PAGE)) != -1
+
+    def reserve(self, slot: Slot) -> bool:
+        """Reserve the pages of a slot alloc(reserve=False) handed out, on any
+        thread (kvd/server/shm/prepare.py): the lock is not held through the
+        fallocate, so the serving thread's allocations never wait for it. The
+        caller holds `slot`: its segment (and so its fd) stays till then."""
+        with self._locked():
+            if not self._unreserved(slot):
+                return True
+            fd = os.dup(self._fds[slot.seg])  # (a copy: nothing of the arena's is used unlocked)
+        try:
+            if not self._fallocate(fd, slot.off, slot.size):
+                return False
+        finally:
+            os.close(fd)
+        with self._locked():
+            lo, hi = slot.off // _PAGE, -(-(slot.off + slot.size) // _PAGE)
+            self._reserved[slot.seg][lo:hi] = b"\x01" * (hi - lo)
+        return True
+
     def _reserve(self, seg: int, off: int, size: int) -> bool:
         if not hasattr(os, "posix_fallocate"):
             return True
@@ -282,15 +314,20 @@ class Arena:
         pages = self._reserved[seg]
         if pages.find(0, lo, hi) == -1:
             return True  # reused memory: its pages are there already (a syscall per slot saved)
+        if not self._fallocate(self._fds[seg], off, size):
+            return False
+        pages[lo:hi] = b"\x01" * (hi - lo)
+        return True
+
+    def _fallocate(self, fd: int, off: int, size: int) -> bool:
         try:
-            os.posix_fallocate(self._fds[seg], off, size)
+            os.posix_fallocate(fd, off, size)
         except OSError as err:
             self._reserve_failures += 1
             if now_and_then(self._reserve_failures):
                 log.warning("cannot reserve %d bytes of shared memory (%d times so far): %s",
                             size, self._reserve_failures, err)
             return False
-        pages[lo:hi] = b"\x01" * (hi - lo)
         return True
 
     # -- segments a process may cut short (shm_open, files: not sealed) -------

@@ -77,9 +77,12 @@ class SlotGrants:
     """ShmPlane's SLOTS/COMMIT half."""
 
     # -- PUT: SLOTS then COMMIT ----------------------------------------------------
-    def grant(self, msg: Message, max_bytes: int) -> dict[str, Any]:
+    def grant(self, msg: Message, max_bytes: int, *, later: list[Slot] | None = None) -> dict[str, Any]:
         """Write slots for a PUT's tensors, under a write lease. BUSY past the
-        bound on grants awaiting COMMIT (plane.py, rule 3)."""
+        bound on grants awaiting COMMIT (plane.py, rule 3). `later`: a list
+        to which the slots whose pages are not reserved yet are added, for the
+        caller to have reserved (Arena.reserve) before the reply goes; without
+        it they are reserved here."""
         specs = _specs(msg)
         if not specs:
             raise BadField("SLOTS without chunks or boundary places nothing; send a PUT")
@@ -102,10 +105,12 @@ class SlotGrants:
         out: list[list[list[int]]] = []
         filled: list[list[Tensor]] = []
         for ts, ns in zip(specs, sizes):
-            arr = self.arena.alloc(sum(align_up(n) for n in ns))
+            arr = self.arena.alloc(sum(align_up(n) for n in ns), reserve=later is None)
             if arr is None:
                 raise Busy("the shared-memory arena is full; send this PUT over frames")
             slots.append(arr.slot)
+            if later is not None and self.arena.unreserved(arr.slot):
+                later.append(arr.slot)
             descs, tensors, pos = [], [], 0
             for t, n in zip(ts, ns):
                 descs.append([arr.slot.seg, arr.slot.off + pos, n])
@@ -131,6 +136,13 @@ class SlotGrants:
         if msg.get("boundary") is not None:
             reply["boundary"] = out[-1]
         return reply
+
+    def refuse_grant(self, lease_id: int) -> None:
+        """A grant whose pages could not be reserved: its lease ends, its
+        slots go back, and the client is told to use frames."""
+        if lease_id in self._pending:
+            self._drop(lease_id)
+            self.counters["busy_reserve"] += 1
 
     def lease_bytes(self, lease_id: Any) -> int:
         """The bytes of a live write lease's slots (0 if it is not one): what its PUT stores."""
