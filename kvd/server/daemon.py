@@ -510,14 +510,8 @@ class Daemon(drain.Striking):
                     self._answer(parked, degraded or "dropped by the SSD tier")
 
     def _answer(self, parked: Parked, why: str) -> None:
-        if parked.failed and parked.rtype == "SLOTS":
-            # Its pages could not be reserved (or the daemon is stopping): the
-            # grant ends here and the client sends its PUT over frames.
-            if self.handler.shm is not None:
-                self.handler.shm.refuse_grant(parked.fields["lease"])
-            err = E.Busy(f"shared memory: {why}; send this PUT over frames")
-            self.handler.errors[err.name] += 1
-            self._send(parked.peer, codec.encode_error(err, id=parked.msg_id))
+        if parked.rtype == "SLOTS":
+            self._answer_slots(parked, why)
             return
         if parked.failed:
             err = E.NotPersisted(
@@ -529,6 +523,24 @@ class Daemon(drain.Striking):
         else:
             reply = codec.encode(parked.rtype, parked.fields, id=parked.msg_id)
         self._send(parked.peer, reply)
+
+    def _answer_slots(self, parked: Parked, why: str) -> None:
+        """A SLOTS whose pages kvd-shm-prep reserved (handler.on_slots): the
+        grant, if it still stands; else (its pages could not be reserved, its
+        lease ended meanwhile, the daemon is stopping) BUSY, and the client
+        sends its PUT over frames."""
+        shm, lease = self.handler.shm, parked.fields["lease"]
+        if not parked.failed and shm is not None and shm.pending_grant(lease):
+            parked.fields["segments"] = shm.arena.live()  # as they are now: the client unmaps the others
+            self._send(parked.peer, codec.encode("SLOTS", parked.fields, id=parked.msg_id))
+            return
+        if shm is not None:
+            shm.refuse_grant(lease)
+        if not parked.failed:
+            why = "the grant's lease ended while its pages were reserved"
+        err = E.Busy(f"shared memory: {why}; send this PUT over frames")
+        self.handler.errors[err.name] += 1
+        self._send(parked.peer, codec.encode_error(err, id=parked.msg_id))
 
     def _drain_parked(self, deadline: float) -> None:
         """At stop: let parked PUTs complete until `deadline`, then refuse the
@@ -830,7 +842,9 @@ class Daemon(drain.Striking):
                     return None, False, msg.type
                 rtype, fields = got
             if isinstance(fields, Deferred):
-                self.parking.park(identity, msg.id, fields.fields, fields.eids, nbytes, rtype)
+                # (A SLOTS parks with no bytes: its grant's count against the
+                # write-back bound, shm.granted_bytes, already holds them.)
+                self.parking.park(identity, msg.id, fields.fields, fields.eids, 0 if rtype == "SLOTS" else nbytes, rtype)
                 return None, False, msg.type
             reply = codec.encode(rtype, fields, id=msg.id)
         except ShutdownRequested:

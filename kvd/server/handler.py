@@ -536,7 +536,7 @@ class Handler:
         # holds its slots until its lease ends, and then drains its segment.
         self._put_chain(msg)
         preparer = plane.preparer if self.post is not None else None
-        later: list | None = [] if preparer is not None else None
+        later: list | None = [] if preparer is not None and preparer.running else None
         reply = plane.grant(msg, self.limits.max_message_bytes, later=later)
         if not later:
             return "SLOTS", reply

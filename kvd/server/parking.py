@@ -48,11 +48,13 @@ class Parked:
     waiting: set[bytes]
     nbytes: int
     failed: list[bytes] = field(default_factory=list)
-    rtype: str = "PUT"  # the reply's type: PUT, or COMMIT for a PUT made over shared memory
+    rtype: str = "PUT"  # the reply's type: PUT, COMMIT for a PUT made over shared memory, SLOTS (its pages reserved)
 
 
 class Parking:
-    """Parked write-through PUT replies. Daemon thread only."""
+    """Parked write-through PUT replies (and, parked alike, requests waiting for
+    the remote tier and SLOTS waiting for their pages: kvd/server/handler.py,
+    `Deferred`; the counters are the PUTs'). Daemon thread only."""
 
     def __init__(self, max_bytes: int, max_per_peer: int = 64):
         self.max_bytes = int(max_bytes)
@@ -87,7 +89,8 @@ class Parking:
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self._count += 1
         self.bytes += nbytes
-        self.counters["parked"] += 1
+        if rtype != "SLOTS":
+            self.counters["parked"] += 1
 
     def settle(
         self, results: list[tuple[bytes, bool]], still_queued: Callable[[bytes], bool]
@@ -130,7 +133,8 @@ class Parking:
             self._per_peer[p.peer] = left
         else:
             del self._per_peer[p.peer]
-        self.counters["not_persisted" if p.failed else "acknowledged"] += 1
+        if p.rtype != "SLOTS":  # (a SLOTS waits for its pages, not for the disk)
+            self.counters["not_persisted" if p.failed else "acknowledged"] += 1
 
     def stats(self) -> dict[str, Any]:
         return {"waiting": self._count, "waiting_bytes": self.bytes, "max_bytes": self.max_bytes, **self.counters}

@@ -225,14 +225,17 @@ def test_a_grants_pages_are_reserved_on_the_preparers_thread_then_it_is_told(fol
     slots = [a.slot for a in arrs]
     assert all(arena.unreserved(s) for s in slots)
     before = _blocks(folder)
-    prep = Preparer(arena, window=0, available=lambda: None).start()
+    prep = Preparer(arena, lambda: False, window=0, available=lambda: None)  # (it prepares nothing ahead)
+    assert not prep.running
+    prep.start()
+    assert prep.running
     told, done = [], threading.Event()
     try:
         prep.reserve(slots, lambda ok: (told.append((ok, threading.current_thread().name)), done.set()))
         assert done.wait(10)
     finally:
         prep.stop()
-    assert told == [(True, "kvd-shm-prep")]
+    assert told == [(True, "kvd-shm-prep")] and not prep.running
     assert not any(arena.unreserved(s) for s in slots)
     assert _blocks(folder) - before >= 9 * MiB  # the kernel holds their pages now
     assert prep.stats()["grants_reserved_off_thread"] == 1
@@ -242,30 +245,38 @@ def test_a_grants_pages_are_reserved_on_the_preparers_thread_then_it_is_told(fol
 
 def test_a_grant_whose_pages_cannot_be_reserved_is_told_so_and_one_queued_at_stop_too(folder, monkeypatch):
     # A full /dev/shm or memory cgroup (ENOSPC) cannot be made here without
-    # root: the fallocate fails by hand. A grant never reached (the preparer
-    # stopped first) is told too: nothing waits for ever.
+    # root: the fallocate fails by hand. A grant still queued when the
+    # preparer stops (its thread inside another grant's fallocate) is told
+    # too: nothing waits for ever.
     import errno
     import threading
 
     arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
-    slots = [a.slot for a in _raw_slots(arena, 2, MiB)]
+    first, second, third = ([a.slot] for a in _raw_slots(arena, 3, MiB))
+    inside, go_on = threading.Event(), threading.Event()
 
     def full(fd, off, n):
+        inside.set()
+        assert go_on.wait(10)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
-    prep = Preparer(arena, window=0, available=lambda: None).start()
-    told, done = [], threading.Event()
-    prep.reserve(slots, lambda ok: (told.append(ok), done.set()))
-    assert done.wait(10) and told == [False]
-    assert arena.unreserved(slots[0])
-    prep.stop()
-    late = []
+    prep = Preparer(arena, lambda: False, window=0, available=lambda: None).start()
+    told: list = []
+    prep.reserve(first, lambda ok: told.append(("first", ok)))
+    assert inside.wait(10)  # the thread is in the first grant's fallocate
+    prep.reserve(second, lambda ok: told.append(("second", ok)))
+    stopping = threading.Thread(target=prep.stop)
+    stopping.start()
+    go_on.set()
+    stopping.join(10)
+    assert not stopping.is_alive()
+    assert told == [("first", False), ("second", False)]
+    assert arena.unreserved(first[0]) and arena.unreserved(second[0])
+    assert prep.stats()["grants_reserved_off_thread"] == 0
     with pytest.raises(RuntimeError):
-        prep.reserve(slots, late.append)
-    prep._grants.append((slots, late.append))  # queued as stop() ran
-    prep._fail_grants()
-    assert late == [False]
+        prep.reserve(third, told.append)
+    assert len(told) == 2
 
 
 def test_a_fresh_daemons_grant_into_unreserved_pages_is_answered_once_reserved(daemon_factory):

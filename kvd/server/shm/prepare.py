@@ -104,17 +104,20 @@ class Preparer:
                 break
             done(False)
 
+    @property
+    def running(self) -> bool:
+        """Whether `reserve` may be asked (the thread started and not stopped)."""
+        return not self._stop and self._thread.is_alive()
+
     def reserve(self, slots: list, done: Callable[[bool], None]) -> None:
         """Reserve the pages of a grant's slots (alloc(reserve=False)) on this
         thread, before anything else it does, then call `done(ok)` here: the
         serving thread never waits for a fallocate (a fresh daemon's first
         SLOTS of 1 GiB held it ~370 ms). RuntimeError once stopped."""
-        if self._stop:
+        if not self.running:
             raise RuntimeError("the preparer has stopped")
         self._grants.append((slots, done))
         self._wake.set()
-        if self._stop:  # stopped meanwhile: its drain may have run already
-            self._fail_grants()
 
     def _reserve_grants(self) -> None:
         while self._grants and not self._stop:
@@ -128,8 +131,7 @@ class Preparer:
             except OSError as err:  # a dup refused (no fd): the PUT goes over frames
                 log.debug("shared memory: cannot reserve a grant's pages: %s", err)
             finally:
-                slots = None  # (their bytes go back to the arena once the grant lets go too)
-                self.reserved_grants += 1
+                self.reserved_grants += ok
                 done(ok)
 
     def ahead(self) -> int:
@@ -201,6 +203,9 @@ class Preparer:
             except OSError as err:  # the folder gone, no memory: the serving thread grows as before
                 self.failures += 1
                 log.debug("shared memory: preparing a segment failed: %s", err)
+            except Exception:  # noqa: BLE001 -- a bug: logged; the thread lives on (grants wait for it)
+                self.failures += 1
+                log.exception("shared memory: preparing a segment failed")
 
     def stats(self) -> dict[str, int]:
         free = self.arena.spare_prepared()  # first: a segment counted free is counted prepared already

@@ -137,6 +137,10 @@ class SlotGrants:
             reply["boundary"] = out[-1]
         return reply
 
+    def pending_grant(self, lease_id: int) -> bool:
+        """Whether a grant's lease still stands, uncommitted."""
+        return lease_id in self._pending
+
     def refuse_grant(self, lease_id: int) -> None:
         """A grant whose pages could not be reserved: its lease ends, its
         slots go back, and the client is told to use frames."""
