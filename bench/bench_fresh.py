@@ -14,7 +14,11 @@ values, bf16) with fresh token ids each time, from one client:
     mappings, as a newly started model server has).
 Each is printed in GiB/s and as a ratio to steady (targets: fresh >= 0.5,
 new client's first >= 0.5), with numpy baselines from the same run: a copy
-into an already-touched buffer (memcpy) and into fresh memory.
+into an already-touched buffer (memcpy) and into fresh memory; and the rate
+at which this machine makes new shared pages, what a fresh daemon's fill
+cannot outrun: segments of the arena's size (64 MiB) made as kvd-shm-prep
+makes them (a memfd, posix_fallocate, MADV_POPULATE_WRITE), one thread and
+two (Linux 5.14+; elsewhere not printed).
 Beside the fill, another client (a process of its own, over frames) PINGs
 the daemon back to back: its longest round trip and p99 during the fill, and
 its p99 idle afterwards (a fresh daemon's first SLOTS must not hold the
@@ -28,9 +32,12 @@ quiet machine; on a shared one, read the ratios.
 from __future__ import annotations
 
 import argparse
+import mmap
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +69,7 @@ def main() -> None:
     t_mem = median_time(lambda: np.copyto(dst, src), 5)
     t_fresh = median_time(lambda: src.copy(), 5)
     del dst
+    pages = {n: page_rate(args.ram_mb * MiB, n) for n in (1, 2)}  # as much as the fill makes
     counter = iter(range(1, 10**9))
 
     def put(c) -> float:
@@ -93,6 +101,10 @@ def main() -> None:
     t_steady = statistics.median(steady)
     print(f"# bench_fresh  {machine()}  {args.mib} MiB puts, ram_mb={args.ram_mb}, host={host}, gap={args.gap_ms} ms")
     print(f"baselines: memcpy {rate(t_mem):.2f} GiB/s, fresh-memory copy {rate(t_fresh):.2f} GiB/s")
+    if pages[1]:
+        print(f"new shared pages (kvd-shm-prep's way, {args.ram_mb} MiB): {pages[1] / GiB:.2f} GiB/s on one thread, "
+              f"{pages[2] / GiB:.2f} on two: {pages[1] / (nbytes / t_steady):.2f}x / {pages[2] / (nbytes / t_steady):.2f}x "
+              f"the steady state's put; the fill {nbytes / statistics.median(fresh) / pages[1]:.2f}x the one-thread rate")
     rows = [("fresh daemon, median of the fill", statistics.median(fresh)), ("fresh daemon, first put", fresh[0]),
             ("steady state", t_steady), (f"new client, first put (median of {len(firsts)})", first_new), ("new client, second put", again)]
     for label, t in rows:
@@ -102,6 +114,42 @@ def main() -> None:
           f"p99 {p99(pings.times) * 1e3:.2f} ms; idle after: longest {max(idle.times) * 1e3:.1f} ms, "
           f"p99 {p99(idle.times) * 1e3:.2f} ms; p99 {p99(pings.times) / p99(idle.times):.1f}x idle")
     print("new clients' first puts GiB/s:", " ".join(f"{rate(t):.2f}" for t in firsts))
+
+
+def page_rate(nbytes: int, threads: int) -> float | None:
+    """Bytes a second this machine makes into new shared pages, as
+    kvd-shm-prep makes them (module docstring), `nbytes` in all on `threads`
+    threads; None where pages cannot be populated (not Linux 5.14+)."""
+    from kvd.host.segments import populate
+
+    seg = 64 * MiB
+    count = max(threads, nbytes // seg)
+    kept: list = []
+
+    def make(n: int) -> None:
+        for _ in range(n):
+            fd = os.memfd_create("kvd-bench")
+            os.ftruncate(fd, seg)
+            os.posix_fallocate(fd, 0, seg)
+            mm = mmap.mmap(fd, seg)
+            base = np.frombuffer(mm, np.uint8).ctypes.data
+            ok = all(populate(base + off, 4 * MiB) for off in range(0, seg, 4 * MiB))
+            kept.append((fd, mm, ok))
+
+    if not hasattr(os, "memfd_create"):
+        return None
+    t0 = time.perf_counter()
+    workers = [threading.Thread(target=make, args=(count // threads,)) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    t = time.perf_counter() - t0
+    ok = all(k[2] for k in kept)
+    for fd, mm, _ in kept:
+        mm.close()
+        os.close(fd)
+    return len(kept) * seg / t if ok else None
 
 
 def p99(times: list[float]) -> float:
