@@ -1,7 +1,7 @@
 """A put into a freshly started daemon against a warm one's (issue 42).
 
     python bench/bench_fresh.py [--mib 256] [--ram-mb 2048] [--steady 5] [--host auto|portable] [--gap-ms 0] [--clients 5]
-                                [--daemon-python PATH]
+                                [--prefill-ms 500] [--daemon-python PATH]
 
 Starts a daemon (RAM tier only, `--ram-mb`), and over the shared-memory plane
 puts snapshots of `--mib` MiB (bench_wire.py's layout: 32 layers x keys and
@@ -11,7 +11,8 @@ values, bf16) with fresh token ids each time, from one client:
   * steady: `--steady` puts once the tier is full (each evicts the oldest);
   * new client: the first put of a client that connects to the warm daemon,
     the median over `--clients` clients one after another (each its own
-    mappings, as a newly started model server has).
+    mappings, as a newly started model server has): at once, and as a model
+    server's comes, after a fetch (a miss) and a prefill (`--prefill-ms`).
 Each is printed in GiB/s and as a ratio to steady (targets: fresh >= 0.5,
 new client's first >= 0.5), with numpy baselines from the same run: a copy
 into an already-touched buffer (memcpy) and into fresh memory; and the rate
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=0.0)
     ap.add_argument("--clients", type=int, default=5)
     ap.add_argument("--daemon-python", default=sys.executable)
+    ap.add_argument("--prefill-ms", type=float, default=500.0,
+                    help="a new client's fetch (a miss) and this long before its first put")
     args = ap.parse_args()
     n_tokens = args.mib * MiB // BYTES_PER_TOKEN
     snap = snapshot(n_tokens, seed=1)
@@ -91,12 +94,16 @@ def main() -> None:
             steady = [put(c) for _ in range(args.steady)]
             assert c.counters["shm_puts"] == fill + args.steady
             host = c.stats().get("host", {})
-        firsts, seconds = [], []
+        firsts, seconds, served = [], [], []
         for _ in range(max(1, args.clients)):
             with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c2:
                 firsts.append(put(c2))
                 seconds.append(put(c2))
-        first_new, again = statistics.median(firsts), statistics.median(seconds)
+            with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c3:
+                assert c3.get(np.arange(64) + 4_000_000_000) is None  # a model server's fetch: a miss
+                time.sleep(args.prefill_ms / 1000)  # its prefill
+                served.append(put(c3))
+        first_new, again, after = statistics.median(firsts), statistics.median(seconds), statistics.median(served)
     rate = lambda t: nbytes / t / GiB  # noqa: E731
     t_steady = statistics.median(steady)
     print(f"# bench_fresh  {machine()}  {args.mib} MiB puts, ram_mb={args.ram_mb}, host={host}, gap={args.gap_ms} ms")
@@ -106,9 +113,10 @@ def main() -> None:
               f"{pages[2] / GiB:.2f} on two: {pages[1] / (nbytes / t_steady):.2f}x / {pages[2] / (nbytes / t_steady):.2f}x "
               f"the steady state's put; the fill {nbytes / statistics.median(fresh) / pages[1]:.2f}x the one-thread rate")
     rows = [("fresh daemon, median of the fill", statistics.median(fresh)), ("fresh daemon, first put", fresh[0]),
-            ("steady state", t_steady), (f"new client, first put (median of {len(firsts)})", first_new), ("new client, second put", again)]
+            ("steady state", t_steady), (f"new client, first put (median of {len(firsts)})", first_new), ("new client, second put", again),
+            (f"new client, first put after a fetch + {args.prefill_ms:g} ms", after)]
     for label, t in rows:
-        print(f"{label:40s} {rate(t):6.2f} GiB/s  {t_steady / t:5.2f}x steady  {t_mem / t:5.2f}x memcpy")
+        print(f"{label:46s} {rate(t):6.2f} GiB/s  {t_steady / t:5.2f}x steady  {t_mem / t:5.2f}x memcpy")
     print("fill puts GiB/s:", " ".join(f"{rate(t):.2f}" for t in fresh))
     print(f"another client's PINGs during the fill: {len(pings.times)}, longest {max(pings.times) * 1e3:.1f} ms, "
           f"p99 {p99(pings.times) * 1e3:.2f} ms; idle after: longest {max(idle.times) * 1e3:.1f} ms, "

@@ -347,9 +347,17 @@ class Core:
         self._limits = limits
         self._features = frozenset(reply.get("features") or ())
         offer = reply.get("shm")
+        live = offer.pop("live", None) if isinstance(offer, dict) else None  # (not part of what the offer is)
         with self._shm_lock:
             if offer != self._shm_offer:
                 self._shm_offer, self._shm_link = offer, None
+        if live is not None and self._shm_offer:
+            # The daemon's segments mapped now, in the background (_pages.Premapper):
+            # a model server asks before its first PUT (a lookup, a fetch), and
+            # that PUT then copies into pages already in its page tables.
+            link = self._link()
+            if link is not None:
+                link.map_ahead(live)
 
     def _forget_daemon(self) -> None:
         """The daemon may have changed (restarted, other limits): ask HELLO again next time.

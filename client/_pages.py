@@ -13,9 +13,10 @@ copy's own faults (`bench/RESULTS.md`, Session 25).
 A segment the daemon prepared ahead of demand (kvd/server/shm/prepare.py)
 is reserved *and* populated there: its pages are resident and cleared, so
 they map sixteen a fault like written ones. `Premapper` maps the segments a
-reply lists as live (`segments`) on a thread of its own, `kvd-client-premap`,
-ahead of the puts that will be granted slots in them: a fresh daemon's fill
-then copies into pages this client has mapped already.
+reply lists as live (`segments`; HELLO's offer: `live`) on a thread of its
+own, `kvd-client-premap`, ahead of the puts that will be granted slots in
+them: a fresh daemon's fill, and a new client's first put after its first
+fetch, then copy into pages this client has mapped already.
 
 A put that comes before the premapper got there (a new client's first put,
 at once after its HELLO) has its slots populated by `Ahead`: a thread of

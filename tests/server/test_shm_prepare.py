@@ -293,3 +293,32 @@ def test_a_fresh_daemons_grant_into_unreserved_pages_is_answered_once_reserved(d
     if hasattr(os, "posix_fallocate"):
         assert s["grants_reserved_off_thread"] >= 1, s
     assert s["busy_reserve"] == 0 and s["alloc_failures"] == 0
+
+
+def test_a_new_client_maps_the_live_segments_from_its_hello_before_its_first_put(daemon_factory):
+    # A model server fetches (a miss, its HELLO asked) before it stores: the
+    # HELLO's offer lists the live segments, mapped in the background then,
+    # so its first PUT copies into pages in its page tables already (no
+    # `Ahead`, nothing populated as it copies). A frames client maps nothing.
+    from kvd_client import _pages
+
+    d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "64", "--data-dir", "none")
+    with d.client("first", strict=True, transport="shm") as c:
+        wait_until(lambda: c.stats()["shm"]["prepared_free_bytes"] >= 64 * MiB, what="the window prepared")
+        live = c.stats()["shm"]["segments"]
+    with d.client("frames", strict=True, transport="frames") as f:
+        before = dict(_pages.counters)
+        assert f.get(np.arange(64) + 7_000_000) is None and f.limits()  # HELLO asked
+        assert _pages.counters == before
+    with d.client("second", strict=True, transport="shm") as c2:
+        before = dict(_pages.counters)
+        assert c2.get(np.arange(64) + 9_000_000) is None  # a miss; its HELLO asked
+        wait_until(lambda: _pages.counters["premapped_segments"] - before["premapped_segments"] >= live,
+                   what="the live segments premapped")
+        mapped = _pages.counters["prefaulted_bytes"]
+        t = np.arange(2048)
+        assert c2.put(t, prefix_snapshot(t))
+        assert _pages.counters["ahead_puts"] == before["ahead_puts"]  # nothing left to map as it copied
+        assert _pages.counters["prefaulted_bytes"] == mapped
+        assert c2.counters["shm_puts"] == 1
+        assert_prefix_hit(c2.get(t), t)

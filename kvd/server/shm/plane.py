@@ -135,7 +135,8 @@ class ShmPlane(GetReplies, SlotGrants):
 
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
-        offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
+        offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds,
+                 "live": self.arena.live()}  # mapped by a new client before its first PUT
         if self.handout is not None:
             # Segments are handed out by fd (rule 5). No `dir`: a client that
             # does not know `handout` then refuses the offer (a bad offer, frames
