@@ -92,7 +92,8 @@ def main() -> None:
             with _Pinger(d.endpoint) as idle:
                 time.sleep(1.0)  # the daemon idle: the pinger's own round trips
             steady = [put(c) for _ in range(args.steady)]
-            assert c.counters["shm_puts"] == fill + args.steady
+            # (a put over max_message_mb goes as several SLOTS: each counts)
+            assert c.counters["shm_puts"] >= fill + args.steady and not c.counters["shm_put_fallback"]
             host = c.stats().get("host", {})
         firsts, seconds, served = [], [], []
         for _ in range(max(1, args.clients)):
@@ -127,25 +128,39 @@ def main() -> None:
 def page_rate(nbytes: int, threads: int) -> float | None:
     """Bytes a second this machine makes into new shared pages, as
     kvd-shm-prep makes them (module docstring), `nbytes` in all on `threads`
-    threads; None where pages cannot be populated (not Linux 5.14+)."""
-    from kvd.host.segments import populate
+    threads, in segments of the arena's size for that RAM tier (a
+    thirty-second, 4 to 64 MiB: kvd.server.shm.startup.segment_bytes); None
+    where pages cannot be populated (not Linux 5.14+) or a segment could not
+    be made (no memory)."""
+    from types import SimpleNamespace
 
-    seg = 64 * MiB
+    from kvd.host.segments import populate
+    from kvd.server.shm.startup import segment_bytes
+
+    if not hasattr(os, "memfd_create") or not hasattr(os, "posix_fallocate"):
+        return None
+    seg = segment_bytes(SimpleNamespace(budget_bytes=nbytes))
     count = max(threads, nbytes // seg)
     kept: list = []
+    failed: list = []
 
     def make(n: int) -> None:
         for _ in range(n):
             fd = os.memfd_create("kvd-bench")
-            os.ftruncate(fd, seg)
-            os.posix_fallocate(fd, 0, seg)
-            mm = mmap.mmap(fd, seg)
-            base = np.frombuffer(mm, np.uint8).ctypes.data
-            ok = all(populate(base + off, 4 * MiB) for off in range(0, seg, 4 * MiB))
-            kept.append((fd, mm, ok))
+            kept.append(fd)  # closed below, whatever happens
+            try:
+                os.ftruncate(fd, seg)
+                os.posix_fallocate(fd, 0, seg)
+                with mmap.mmap(fd, seg) as mm:
+                    base = np.frombuffer(mm, np.uint8)
+                    ok = all(populate(base.ctypes.data + off, min(4 * MiB, seg - off)) for off in range(0, seg, 4 * MiB))
+                    del base
+                if not ok:
+                    failed.append("populate")
+            except OSError as err:
+                failed.append(err)
+                return
 
-    if not hasattr(os, "memfd_create"):
-        return None
     t0 = time.perf_counter()
     workers = [threading.Thread(target=make, args=(count // threads,)) for _ in range(threads)]
     for w in workers:
@@ -153,11 +168,9 @@ def page_rate(nbytes: int, threads: int) -> float | None:
     for w in workers:
         w.join()
     t = time.perf_counter() - t0
-    ok = all(k[2] for k in kept)
-    for fd, mm, _ in kept:
-        mm.close()
+    for fd in kept:
         os.close(fd)
-    return len(kept) * seg / t if ok else None
+    return None if failed else len(kept) * seg / t
 
 
 def p99(times: list[float]) -> float:

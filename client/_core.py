@@ -218,6 +218,7 @@ class Core:
         self._features: frozenset[str] | None = None
         self._warned = threading.Event()
         self._shm_offer: dict[str, Any] | None = None  # HELLO's `shm` map
+        self._shm_pid = os.getpid()  # the process the link is this one's in (_link)
         self._shm_link: _shm.Link | None = None
         self._shm_lock = threading.Lock()
         self._shm_cool_until = 0.0  # time.monotonic() before which calls use frames (_shm_broke)
@@ -347,10 +348,13 @@ class Core:
         self._limits = limits
         self._features = frozenset(reply.get("features") or ())
         offer = reply.get("shm")
-        live = offer.pop("live", None) if isinstance(offer, dict) else None  # (not part of what the offer is)
+        self._shm_forked()
         with self._shm_lock:
             if offer != self._shm_offer:
+                if self._shm_link is not None:
+                    self._shm_link.premap.stop()  # the old run's segments: not worth mapping now
                 self._shm_offer, self._shm_link = offer, None
+        live = reply.get("shm_live")
         if live is not None and self._shm_offer:
             # The daemon's segments mapped now, in the background (_pages.Premapper):
             # a model server asks before its first PUT (a lookup, a fetch), and
@@ -372,6 +376,7 @@ class Core:
         """The shared-memory link to use now, or None for frames."""
         if self.transport == "frames" or self._curve is not None:
             return None
+        self._shm_forked()
         if self._features is None:  # one HELLO learns the offer
             self._hello_now(background=background)
         if time.monotonic() < self._shm_cool_until:
@@ -385,6 +390,13 @@ class Core:
                     log.debug("shared memory unavailable: %s", err)
                     self._shm_offer = None
             return self._shm_link
+
+    def _shm_forked(self) -> None:
+        """In a child after fork, forget its parent's link: its locks may be
+        held by a thread the child has not (its premapper's), and that thread
+        is not the child's."""
+        if self._shm_pid != os.getpid():
+            self._shm_lock, self._shm_link, self._shm_pid = threading.Lock(), None, os.getpid()
 
     def _shm_broke(self, link: _shm.Link) -> None:
         """After a call the plane could not serve: if a segment could not be

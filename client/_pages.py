@@ -13,7 +13,7 @@ copy's own faults (`bench/RESULTS.md`, Session 25).
 A segment the daemon prepared ahead of demand (kvd/server/shm/prepare.py)
 is reserved *and* populated there: its pages are resident and cleared, so
 they map sixteen a fault like written ones. `Premapper` maps the segments a
-reply lists as live (`segments`; HELLO's offer: `live`) on a thread of its
+reply lists as live (`segments`; HELLO's `shm_live`) on a thread of its
 own, `kvd-client-premap`, ahead of the puts that will be granted slots in
 them: a fresh daemon's fill, and a new client's first put after its first
 fetch, then copy into pages this client has mapped already.
@@ -230,6 +230,7 @@ class Ahead:
                 self.done(i, done)
 
 
+PREMAP_STEP = 4 << 20  # bytes a premapper populates at once (its pieces)
 IDLE_S = 5.0  # a premapper's thread ends after this long with nothing to map (the next offer starts another)
 
 
@@ -293,5 +294,9 @@ class Premapper:
                     mm = self._segment(seg)
                 except Exception:  # noqa: BLE001 -- a segment gone meanwhile: nothing to map ahead
                     mm = None
-                if mm is not None and prefault(mm, 0, len(mm)):
+                # A piece at a time, each marked as it is taken (rule 1): a put
+                # copying into this segment meanwhile populates the pieces not
+                # taken yet itself, instead of faulting them in one by one.
+                if mm is not None and sum(prefault(mm, off, min(PREMAP_STEP, len(mm) - off))
+                                          for off in range(0, len(mm), PREMAP_STEP)):
                     counters["premapped_segments"] += 1

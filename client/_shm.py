@@ -355,9 +355,11 @@ class Link:
         return out
 
     def map_ahead(self, live: Any) -> None:
-        """Map the daemon's live segments (a SLOTS reply's list) this client
-        has not mapped yet, in the background (`_pages.Premapper`): called
-        once a put's own copy is done, so it never competes with that copy."""
+        """Map the daemon's live segments (a SLOTS reply's list, or HELLO's
+        `shm_live`) this client has not mapped yet, in the background
+        (`_pages.Premapper`): after a put's own copy is done, or from HELLO,
+        a piece at a time, so a put at once after it populates the pieces the
+        thread has not taken."""
         if isinstance(live, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in live):
             self.premap.offer(live)
 

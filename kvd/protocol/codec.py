@@ -506,6 +506,7 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "version": _req(_uint), "server": _req(_str), "limits": _req(_map), "chunk_tokens": _req(_uint),
         "features": _opt(_array_of(_str), ()),
         "shm": _opt(_map),
+        "shm_live": _opt(_uints),
         "lane": _opt(_str),
     },
     "PING": {},

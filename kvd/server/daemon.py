@@ -530,7 +530,7 @@ class Daemon(drain.Striking):
         lease ended meanwhile, the daemon is stopping) BUSY, and the client
         sends its PUT over frames."""
         shm, lease = self.handler.shm, parked.fields["lease"]
-        if not parked.failed and shm is not None and shm.pending_grant(lease):
+        if not parked.failed and shm is not None and shm.send_grant(lease):
             parked.fields["segments"] = shm.arena.live()  # as they are now: the client unmaps the others
             self._send(parked.peer, codec.encode("SLOTS", parked.fields, id=parked.msg_id))
             return

@@ -267,6 +267,8 @@ class Handler:
         }
         if self.shm is not None:
             reply["shm"] = self.shm.offer()
+            # A client maps them before its first PUT (docs/shared-memory.md).
+            reply["shm_live"] = self.shm.arena.ready()
         for extra in self.hello_fields:
             reply.update(extra(msg))
         return "HELLO", reply
@@ -551,6 +553,7 @@ class Handler:
         except RuntimeError:  # stopped: the plane is closing
             plane.refuse_grant(reply["lease"])
             raise E.Busy("the shared-memory arena is closing; send this PUT over frames") from None
+        plane.hold_reply(reply["lease"])
         return "SLOTS", Deferred(reply, [token])
 
     def on_commit(self, msg: Message):

@@ -295,12 +295,14 @@ def test_a_fresh_daemons_grant_into_unreserved_pages_is_answered_once_reserved(d
     assert s["busy_reserve"] == 0 and s["alloc_failures"] == 0
 
 
+@pytest.mark.skipif(not LINUX, reason="no MADV_POPULATE_READ: nothing is mapped ahead")
 def test_a_new_client_maps_the_live_segments_from_its_hello_before_its_first_put(daemon_factory):
-    # A model server fetches (a miss, its HELLO asked) before it stores: the
-    # HELLO's offer lists the live segments, mapped in the background then,
-    # so its first PUT copies into pages in its page tables already (no
-    # `Ahead`, nothing populated as it copies). A frames client maps nothing.
-    from kvd_client import _pages
+    # A model server fetches (a miss, its HELLO asked) before it stores: HELLO
+    # lists the segments the next grants come from (`shm_live`), mapped in the
+    # background then, so its first PUT (16 MiB: big enough for `Ahead`)
+    # copies into pages in its page tables already, nothing left to populate
+    # as it copies. A frames client maps nothing.
+    from kvd_client import HostTensor, Snapshot, _pages
 
     d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "64", "--data-dir", "none")
     with d.client("first", strict=True, transport="shm") as c:
@@ -310,15 +312,51 @@ def test_a_new_client_maps_the_live_segments_from_its_hello_before_its_first_put
         before = dict(_pages.counters)
         assert f.get(np.arange(64) + 7_000_000) is None and f.limits()  # HELLO asked
         assert _pages.counters == before
+    rng = np.random.default_rng(7)
+    snap = Snapshot(sliced={"k": (HostTensor.from_numpy(rng.integers(0, 255, (1, 2048, 8192), np.uint8)), 1)})
     with d.client("second", strict=True, transport="shm") as c2:
         before = dict(_pages.counters)
         assert c2.get(np.arange(64) + 9_000_000) is None  # a miss; its HELLO asked
         wait_until(lambda: _pages.counters["premapped_segments"] - before["premapped_segments"] >= live,
                    what="the live segments premapped")
         mapped = _pages.counters["prefaulted_bytes"]
-        t = np.arange(2048)
-        assert c2.put(t, prefix_snapshot(t))
+        tokens = list(range(2048))
+        assert c2.put(tokens, snap)
         assert _pages.counters["ahead_puts"] == before["ahead_puts"]  # nothing left to map as it copied
         assert _pages.counters["prefaulted_bytes"] == mapped
         assert c2.counters["shm_puts"] == 1
-        assert_prefix_hit(c2.get(t), t)
+        assert c2.get(tokens).sliced["k"].array.tobytes() == snap.sliced["k"][0].array.tobytes()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_child_after_fork_makes_its_own_link_even_with_its_parents_lock_held(daemon_factory):
+    # The parent's link lock held as the child is forked (as the parent's
+    # premapper holds it while it maps a segment): the child, which has not
+    # that thread, makes a link of its own and stores over shared memory.
+    import multiprocessing as mp
+
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    with d.client("forked", strict=True, transport="shm") as c:
+        t = np.arange(512)
+        assert c.put(t, prefix_snapshot(t))  # the parent's link made and used
+        link = c._shm_link  # noqa: SLF001
+        assert link is not None
+
+        def child(q):
+            u = np.arange(512) + 1_000_000
+            ok = c.put(u, prefix_snapshot(u))
+            q.put((ok, c.counters["shm_puts"], c._shm_link is not link))  # noqa: SLF001
+
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        with link._mu:  # noqa: SLF001 -- held across the fork, as a thread of the parent would
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+        p.join(60)
+        if p.is_alive():  # hung on its parent's lock
+            p.kill()
+            p.join()
+        assert p.exitcode == 0, "the child hung or failed"
+        assert q.get(timeout=5) == (True, 2, True)
+        u = np.arange(512) + 1_000_000
+        assert_prefix_hit(c.get(u), u)

@@ -498,6 +498,14 @@ class Arena:
         self._fds[seg] = -1
         self.counters["segments_removed"] += 1
 
+    def ready(self) -> list[int]:
+        """The segments that exist, but those still being prepared (their
+        pages not all there yet): what a new client maps ahead. Not only the
+        free ones: a full RAM tier frees an entry's slots wherever they are
+        as it stores the next."""
+        with self._locked():
+            return [seg for seg, mm in enumerate(self._maps) if mm is not None and seg not in self._begun]
+
     def live(self) -> list[int]:
         """Indexes of the segments that exist now."""
         return [seg for seg, mm in enumerate(self._maps) if mm is not None]

@@ -93,6 +93,7 @@ class ShmPlane(GetReplies, SlotGrants):
         self._pending_cost: dict[int, int] = {}  # write lease -> what its PUT holds (_held_bytes)
         self.pending_bytes = 0
         self.granted_bytes = 0  # slot bytes of the grants awaiting COMMIT
+        self._unsent: set[int] = set()  # grants whose SLOTS reply is parked (handler.on_slots)
         self.max_pending, self.max_pending_bytes = max_pending, max_pending_bytes
         self.max_read_leases = max_read_leases
         self.counters = {"gets": 0, "refused": 0, "grants": 0, "commits": 0, "commit_parts": 0, "digests_computed": 0, "expired": 0, "released": 0,
@@ -135,8 +136,7 @@ class ShmPlane(GetReplies, SlotGrants):
 
     def offer(self) -> dict[str, Any]:
         """What HELLO tells a client about the plane."""
-        offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds,
-                 "live": self.arena.live()}  # mapped by a new client before its first PUT
+        offer = {"dir": str(self.folder), "run": self.run_id, "lease_s": self.leases.lease_seconds}
         if self.handout is not None:
             # Segments are handed out by fd (rule 5). No `dir`: a client that
             # does not know `handout` then refuses the offer (a bad offer, frames
@@ -177,7 +177,9 @@ class ShmPlane(GetReplies, SlotGrants):
         """End leases past their deadline (run before every request): costs
         what expired, not what is live (LeaseTable.expire_leases)."""
         for lease in self.leases.expire_leases(self._clock()):
-            if lease.lease_id in self._pending:  # granted, never committed: its writer may be late, not gone
+            if lease.lease_id in self._unsent:  # its SLOTS reply never went: no writer at all
+                self._unsent.discard(lease.lease_id)
+            elif lease.lease_id in self._pending:  # granted, never committed: its writer may be late, not gone
                 self.arena.lose(self._held.get(lease.lease_id, ()))
             self._forget(lease.lease_id)
             self.counters["expired"] += 1

@@ -137,13 +137,22 @@ class SlotGrants:
             reply["boundary"] = out[-1]
         return reply
 
-    def pending_grant(self, lease_id: int) -> bool:
-        """Whether a grant's lease still stands, uncommitted."""
+    def hold_reply(self, lease_id: int) -> None:
+        """A grant's SLOTS reply is parked (handler.on_slots): if its lease
+        ends before the reply goes, its slots are freed, not lost (`expire`)."""
+        self._unsent.add(lease_id)
+
+    def send_grant(self, lease_id: int) -> bool:
+        """The parked reply of a grant goes now: whether its lease still
+        stands (else the client is told to use frames)."""
+        self.expire()
+        self._unsent.discard(lease_id)
         return lease_id in self._pending
 
     def refuse_grant(self, lease_id: int) -> None:
         """A grant whose pages could not be reserved: its lease ends, its
         slots go back, and the client is told to use frames."""
+        self._unsent.discard(lease_id)
         if lease_id in self._pending:
             self._drop(lease_id)
             self.counters["busy_reserve"] += 1
