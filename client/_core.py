@@ -93,7 +93,7 @@ from kvd_client import _chunking, _explain, _media
 from kvd_client import _shm
 from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable, ShmDamaged
 from kvd_client._tensors import Hit, Snapshot
-from kvd_client._transport import Transport
+from kvd_client._transport import Transport, fork_lock
 
 log = logging.getLogger("kvd_client")
 
@@ -396,7 +396,10 @@ class Core:
         held by a thread the child has not (its premapper's), and that thread
         is not the child's."""
         if self._shm_pid != os.getpid():
-            self._shm_lock, self._shm_link, self._shm_pid = threading.Lock(), None, os.getpid()
+            with fork_lock():  # the child's first callers: one remakes, the others see it made
+                if self._shm_pid != os.getpid():
+                    self._shm_lock, self._shm_link = threading.Lock(), None
+                    self._shm_pid = os.getpid()
 
     def _shm_broke(self, link: _shm.Link) -> None:
         """After a call the plane could not serve: if a segment could not be
@@ -852,6 +855,7 @@ class Core:
             self._bg_transport.retry_now()
 
     def close(self) -> None:
+        self._shm_forked()  # (a child's: its parent's link is not its to stop)
         link = self._shm_link
         if link is not None:
             link.premap.stop()  # nothing more mapped ahead for a client that is done

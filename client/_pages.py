@@ -107,7 +107,10 @@ def prefault(mm: mmap.mmap, offset: int, length: int) -> int:
     if not _enabled or length <= 0:
         return 0
     lo = offset - offset % _PAGE
-    hi = min(len(mm), -(-(offset + length) // _PAGE) * _PAGE)
+    try:
+        hi = min(len(mm), -(-(offset + length) // _PAGE) * _PAGE)
+    except ValueError:  # closed meanwhile by another thread's retain()
+        return 0
     seen = _seen(mm)
     first, last = lo // _PAGE, hi // _PAGE
     if seen.find(0, first, last) == -1:
@@ -292,11 +295,24 @@ class Premapper:
                     break
                 try:
                     mm = self._segment(seg)
-                except Exception:  # noqa: BLE001 -- a segment gone meanwhile: nothing to map ahead
-                    mm = None
-                # A piece at a time, each marked as it is taken (rule 1): a put
-                # copying into this segment meanwhile populates the pieces not
-                # taken yet itself, instead of faulting them in one by one.
-                if mm is not None and sum(prefault(mm, off, min(PREMAP_STEP, len(mm) - off))
-                                          for off in range(0, len(mm), PREMAP_STEP)):
-                    counters["premapped_segments"] += 1
+                    if mm is not None and self._pieces(mm):
+                        counters["premapped_segments"] += 1
+                except Exception:  # noqa: BLE001 -- a segment gone meanwhile: nothing to map ahead (rule 3)
+                    pass
+
+    def _pieces(self, mm: mmap.mmap) -> int:
+        """Populate a segment a piece at a time, each marked as it is taken
+        (rule 1): a put copying into it meanwhile populates the pieces not
+        taken yet itself, instead of faulting them in one by one. Stops at a
+        mapping closed meanwhile (`retain`: the daemon removed the segment)
+        or at `stop`; the bytes populated."""
+        done = 0
+        try:
+            size = len(mm)
+            for off in range(0, size, PREMAP_STEP):
+                if self._stopped:
+                    break
+                done += prefault(mm, off, min(PREMAP_STEP, size - off))
+        except ValueError:  # closed by another thread's retain(): nothing more to map here
+            pass
+        return done

@@ -168,3 +168,39 @@ def test_a_new_clients_first_big_put_is_populated_ahead_and_bit_exact(daemon_fac
         assert hit.n == 2048 and hit.sliced["k"].array.tobytes() == snap.sliced["k"][0].array.tobytes()
     assert _pages.counters["ahead_puts"] == before["ahead_puts"] + 1
     assert _pages.counters["prefaulted_bytes"] - before["prefaulted_bytes"] >= 16 << 20  # prepared pages: resident
+
+
+@linux_only
+def test_a_premapper_whose_mapping_is_closed_midway_maps_the_next_segment_all_the_same(monkeypatch):
+    # The daemon removed a segment the premapper is on, and another thread's
+    # retain() closed its mapping between two pieces (forced here: the close
+    # comes right after the first piece). The thread stops there and lives on.
+    first, second = _written_segment(2048), _written_segment(2048)  # 8 MiB each: two pieces
+    maps = {0: first[2], 1: second[2]}
+    real = _pages.prefault
+    calls = []
+
+    def closing(mm, off, n):
+        got = real(mm, off, n)
+        calls.append((id(mm), off))
+        if mm is first[2] and off == 0:
+            mm.close()  # as retain() would, on another thread
+        return got
+
+    monkeypatch.setattr(_pages, "prefault", closing)
+    before = _pages.counters["premapped_segments"]
+    pm = _pages.Premapper(maps.get)
+    try:
+        pm.offer([0])
+        wait_until(lambda: _pages.counters["premapped_segments"] == before + 1, what="the first piece mapped")
+        pm.offer([1])
+        wait_until(lambda: _pages.counters["premapped_segments"] == before + 2, what="the next segment mapped")
+        assert (id(second[2]), _pages.PREMAP_STEP) in calls  # both its pieces
+        assert not _pages.unmapped(second[2], 0, 2048 * PAGE)
+    finally:
+        pm.stop()
+        for fd, daemon, client in (first, second):
+            daemon.close()
+            if not client.closed:
+                client.close()
+            os.close(fd)
