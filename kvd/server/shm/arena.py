@@ -82,6 +82,7 @@ class SlotArray(np.ndarray):
     committed (kvd.store.base.as_stored checks it); other views do not."""
 
     slot: Slot | None = None
+    unreserved = False  # alloc(reserve=False): its pages not reserved yet (the slot's own array only)
     digest: int | None = None
     located: "tuple[Slot, Descriptor] | None" = None  # Arena.locate's answer, kept: a slot never moves
 
@@ -142,8 +143,8 @@ class Arena:
     def alloc(self, nbytes: int, *, reserve: bool = True) -> SlotArray | None:
         """A fresh slot of `nbytes` as a SlotArray, or None if the arena is full.
         `reserve=False`: its pages are not reserved here when they need to be
-        (`unreserved`); its holder reserves them (`reserve`) before anyone
-        writes to it, off the serving thread."""
+        (the array's `unreserved` says so); its holder reserves them
+        (`reserve`) before anyone writes to it, off the serving thread."""
         size = align_up(max(1, nbytes))
         with self._locked():
             self.lean = False
@@ -178,8 +179,11 @@ class Arena:
             self.counters["allocs"] += 1
             self._sids += 1
             slot = Slot(self, seg, off, size, self._sids)
+            unreserved = not reserve and self._unreserved(slot)
         arr = np.frombuffer(self._maps[seg], np.uint8, count=nbytes, offset=off).view(SlotArray)
         arr.slot = slot
+        if unreserved:
+            arr.unreserved = True
         if self.on_alloc is not None:
             self.on_alloc()
         return arr

@@ -109,7 +109,7 @@ class SlotGrants:
             if arr is None:
                 raise Busy("the shared-memory arena is full; send this PUT over frames")
             slots.append(arr.slot)
-            if later is not None and self.arena.unreserved(arr.slot):
+            if arr.unreserved:  # (only when `later` was given)
                 later.append(arr.slot)
             descs, tensors, pos = [], [], 0
             for t, n in zip(ts, ns):
