@@ -32,6 +32,32 @@ class Provider:
         self.cli_args = types.SimpleNamespace(kv_bits=None)
 
 
+def _holders(refs: dict) -> str:
+    """Who holds what should be gone, two steps back (seen once in CI, never
+    here: the message says what to mend)."""
+    import sys
+    import threading
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = {id(f): names.get(ident, ident) for ident, f in sys._current_frames().items()}
+
+    def say(o) -> str:
+        if isinstance(o, types.FrameType):
+            return f"frame {o.f_code.co_name} ({o.f_code.co_filename}:{o.f_lineno}) thread {frames.get(id(o), '?')}"
+        return f"{type(o).__module__}.{type(o).__qualname__}"
+
+    lines = []
+    for name, ref in refs.items():
+        obj = ref()
+        if obj is None:
+            continue
+        for r in gc.get_referrers(obj):
+            lines.append(f"{name} <- {say(r)}")
+            if not isinstance(r, types.FrameType):
+                lines.extend(f"{name} <- {say(r)} <- {say(rr)}" for rr in gc.get_referrers(r)[:8])
+    return "\n".join(lines)
+
+
 def _served(endpoint: str) -> tuple[weakref.WeakSet, dict, types.SimpleNamespace]:
     """Install on a stand-in server, `run` it once; weak references to what it used,
     and the stand-in (a module outlives a server's run)."""
@@ -59,7 +85,8 @@ def _served(endpoint: str) -> tuple[weakref.WeakSet, dict, types.SimpleNamespace
 def test_a_dropped_model_takes_its_prompt_cache_along(kvd_daemon):
     made, refs, server = _served(kvd_daemon.endpoint)
     gc.collect()
-    assert {name: ref() is not None for name, ref in refs.items()} == {"model": False, "cache": False}
+    alive = {name: ref() is not None for name, ref in refs.items()}
+    assert alive == {"model": False, "cache": False}, _holders(refs)
     assert len(made) == 0
     assert join_retired(10)
     with Client(kvd_daemon.endpoint, namespace="probe", timeout=2.0) as c:
