@@ -64,7 +64,7 @@ def stale_segments(names: list[str], run_id: str) -> list[str]:
     return sorted(n for n in names if (p := parse_segment_name(n)) is not None and p[0] != run_id)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: made per tensor of a GET (see codec.Tensor)
 class Descriptor:
     segment: int
     offset: int
