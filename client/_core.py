@@ -352,7 +352,7 @@ class Core:
         with self._shm_lock:
             if offer != self._shm_offer:
                 if self._shm_link is not None:
-                    self._shm_link.premap.stop()  # the old run's segments: not worth mapping now
+                    self._shm_link.close()  # the old run's segments: unmapped, their memory freed
                 self._shm_offer, self._shm_link = offer, None
         live = reply.get("shm_live")
         if live is not None and self._shm_offer:
@@ -415,7 +415,7 @@ class Core:
         """Forget the link and ask HELLO again on the next call (a restarted daemon)."""
         with self._shm_lock:
             if self._shm_link is not None:
-                self._shm_link.premap.stop()  # the old run's segments: not worth mapping now
+                self._shm_link.close()  # the old run's segments: unmapped, their memory freed
             self._shm_offer, self._shm_link = None, None
         self._forget_daemon()
 
@@ -858,7 +858,7 @@ class Core:
         self._shm_forked()  # (a child's: its parent's link is not its to stop)
         link = self._shm_link
         if link is not None:
-            link.premap.stop()  # nothing more mapped ahead for a client that is done
+            link.close()  # nothing more mapped ahead, and nothing left mapped, for a client that is done
         self._transport.close()
         if self._bg_transport is not None:
             self._bg_transport.close()

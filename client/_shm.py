@@ -379,6 +379,15 @@ class Link:
                 except BufferError:
                     pass
 
+    def close(self) -> None:
+        """Map nothing more and unmap every segment (the link of a daemon run
+        that ended, or of a client that closed): their memory is freed now,
+        not when the garbage collector breaks the link's cycle with its
+        premapper. A mapping still viewed (a call in flight on another
+        thread) goes when the view does; a later use maps again, or misses."""
+        self.premap.stop()
+        self.retain([])
+
     def in_time(self, sent_at: float) -> bool:
         """Whether a lease asked for at `sent_at` (time.monotonic) is surely still live."""
         return time.monotonic() - sent_at < self.lease_s

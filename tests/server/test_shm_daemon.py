@@ -231,6 +231,55 @@ def test_daemon_killed_with_slots_mapped(daemon_factory):
     assert not folder.exists()  # a clean stop removes its own segments, nonce and folder
 
 
+def _mappings(link) -> set[tuple[int, int]]:
+    """(start address, inode) of each of `link`'s segment mappings."""
+    starts = {np.frombuffer(mm, np.uint8, count=1).ctypes.data for mm in link._maps.values()}
+    return {m for m in _maps_now() if m[0] in starts}
+
+
+def _maps_now() -> set[tuple[int, int]]:
+    """(start address, inode) of every mapping of this process."""
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            out.add((int(parts[0].split("-")[0], 16), int(parts[4])))
+    return out
+
+
+def test_a_runs_segments_are_unmapped_once_the_client_learns_it_ended(daemon_factory):
+    """A restarted daemon's old segments, and a closed client's, are unmapped
+    at once (the memory of a killed run's segments is freed with their last
+    mapping), not left to the garbage collector, which alone could break the
+    link's cycle with its premapper: collection is off here."""
+    import gc
+
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    toks = np.arange(512)
+    c = d.client("unmap", timeout=1.0)
+    gc.disable()
+    try:
+        assert c.put(toks, prefix_snapshot(toks))
+        assert_prefix_hit(c.get(toks), toks)
+        old = _mappings(c._shm_link)
+        assert old and old <= _maps_now()
+        d.kill()
+        d.start()
+        c.retry_now()
+        assert c.put(toks, prefix_snapshot(toks))  # HELLO: a new offer, a new link
+        # (a piece its premapper was populating goes when that piece is done)
+        wait_until(lambda: not old & _maps_now(), 10, "the killed run's segments unmapped")
+        assert_prefix_hit(c.get(toks), toks)
+        assert c.counters["shm_puts"] == 2 and c.counters["shm_gets"] == 2
+        new = _mappings(c._shm_link)
+        assert new
+        c.close()
+        wait_until(lambda: not new & _maps_now(), 10, "a closed client's segments unmapped")
+    finally:
+        gc.enable()
+        c.close()
+
+
 def test_planted_folder_names_neither_stop_the_plane_nor_get_removed(daemon_factory, tmp_path):
     """The plane's folder is drawn afresh at each start: names planted where it
     would go (the fixed name daemons before 0.2 used, as a file; the new
