@@ -18,8 +18,9 @@ new client's first >= 0.5), with numpy baselines from the same run: a copy
 into an already-touched buffer (memcpy) and into fresh memory; and the rate
 at which this machine makes new shared pages, what a fresh daemon's fill
 cannot outrun: segments of the arena's size (64 MiB) made as kvd-shm-prep
-makes them (a memfd, posix_fallocate, MADV_POPULATE_WRITE), one thread and
-two (Linux 5.14+; elsewhere not printed).
+makes them on Linux (a memfd, zeros written through its fd: pages allocated,
+cleared and resident, mapped nowhere), one thread and two (Linux only;
+elsewhere not printed).
 Beside the fill, another client (a process of its own, over frames) PINGs
 the daemon back to back: its longest round trip and p99 during the fill, and
 its p99 idle afterwards (a fresh daemon's first SLOTS must not hold the
@@ -33,7 +34,6 @@ quiet machine; on a shared one, read the ratios.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import statistics
 import subprocess
@@ -127,20 +127,21 @@ def main() -> None:
 
 def page_rate(nbytes: int, threads: int) -> float | None:
     """Bytes a second this machine makes into new shared pages, as
-    kvd-shm-prep makes them (module docstring), `nbytes` in all on `threads`
-    threads, in segments of the arena's size for that RAM tier (a
-    thirty-second, 4 to 64 MiB: kvd.server.shm.startup.segment_bytes); None
-    where pages cannot be populated (not Linux 5.14+) or a segment could not
-    be made (no memory)."""
+    kvd-shm-prep makes them on Linux (module docstring; kvd.host.segments.clear,
+    the same syscalls written out here: a baseline owes nothing to the code it
+    measures), `nbytes` in all on `threads` threads, in segments of the
+    arena's size for that RAM tier (a thirty-second, 4 to 64 MiB:
+    kvd.server.shm.startup.segment_bytes); None off Linux or where a segment
+    could not be made (no memory)."""
     from types import SimpleNamespace
 
-    from kvd.host.segments import populate
     from kvd.server.shm.startup import segment_bytes
 
-    if not hasattr(os, "memfd_create") or not hasattr(os, "posix_fallocate"):
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
         return None
     seg = segment_bytes(SimpleNamespace(budget_bytes=nbytes))
     count = max(threads, nbytes // seg)
+    zeros = [bytes(256 << 10)] * 16  # 4 MiB a call
     kept: list = []
     failed: list = []
 
@@ -150,13 +151,10 @@ def page_rate(nbytes: int, threads: int) -> float | None:
             kept.append(fd)  # closed below, whatever happens
             try:
                 os.ftruncate(fd, seg)
-                os.posix_fallocate(fd, 0, seg)
-                with mmap.mmap(fd, seg) as mm:
-                    base = np.frombuffer(mm, np.uint8)
-                    ok = all(populate(base.ctypes.data + off, min(4 * MiB, seg - off)) for off in range(0, seg, 4 * MiB))
-                    del base
-                if not ok:
-                    failed.append("populate")
+                for off in range(0, seg, 4 * MiB):  # (segments are whole MiB multiples of 4)
+                    if os.pwritev(fd, zeros, off) != 4 * MiB:
+                        failed.append("short write")
+                        return
             except OSError as err:
                 failed.append(err)
                 return

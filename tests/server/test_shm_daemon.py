@@ -15,7 +15,6 @@ import re
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

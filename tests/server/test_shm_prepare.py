@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvd.server.shm.arena import Arena
+from kvd.server.shm import prepare
 from kvd.server.shm.prepare import Preparer
 from support import assert_prefix_hit, kvd, prefix_snapshot, shm_folder, wait_until
 
@@ -134,7 +135,7 @@ def test_the_window_stays_within_a_quarter_of_the_memory_available(folder):
     assert arena3.spare_prepared() == 16 * MiB and prep3.held_back == 0
 
 
-def test_a_segment_being_prepared_is_not_free_until_it_is_offered(folder):
+def test_a_segment_being_prepared_is_not_free_until_it_is_offered(folder, monkeypatch):
     # Stats are read on the loop's thread while kvd-shm-prep prepares a segment:
     # one made but not yet offered counted free and not prepared, and
     # test_the_window_is_at_most_the_ram_budget_and_a_segment once read
@@ -142,18 +143,63 @@ def test_a_segment_being_prepared_is_not_free_until_it_is_offered(folder):
     seen = []
     arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
     prep = Preparer(arena, window=8 * MiB, available=lambda: None)
-    populate = prep._populate
+    clear = prepare.clear
 
-    def spied(address, length):  # inside step(): begun, its counters not yet moved
+    def spied(fd, length):  # inside step(): begun, its counters not yet moved (the first thing done to its pages)
         seen.append(prep.stats())
-        return populate(address, length)
+        return clear(fd, length)
 
-    prep._populate = spied
+    monkeypatch.setattr(prepare, "clear", spied)
     while prep.step():
         pass
     assert [(s["prepared_free_bytes"], s["prepared_bytes"]) for s in seen] == [(0, 0), (4 * MiB, 4 * MiB)]
     assert prep.stats()["prepared_free_bytes"] == prep.prepared_bytes == 8 * MiB
     assert arena.stats()["mapped_bytes"] == 8 * MiB
+
+
+def _rss_kib(address: int) -> int:
+    """Rss of this process's mapping that starts at `address` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            return next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shmem written through its fd")
+def test_a_new_segment_is_cleared_and_resident_yet_mapped_nowhere():
+    """`segments.clear`, how kvd-shm-prep prepares a segment on Linux: every page
+    allocated (st_blocks), cleared and resident (mincore: what a client's
+    MADV_POPULATE_READ maps sixteen a fault), the size unchanged, and no page
+    in this process's own mapping of it (Rss 0: the preparer fills no page
+    tables). An fd it cannot write through is False, not an error."""
+    import mmap
+
+    from kvd.host.segments import clear
+    from kvd_client._pages import resident
+
+    size = 5 * MiB + 3 * 4096 + 100  # not a whole number of 4 MiB steps, nor of pages
+    fd = os.memfd_create("kvd-test-clear", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        address = np.frombuffer(mm, np.uint8, count=1).ctypes.data
+        assert not resident(mm, 0, size).any()
+        assert clear(fd, size)
+        assert resident(mm, 0, size).all()
+        assert _rss_kib(address) == 0
+        st = os.fstat(fd)
+        assert st.st_size == size and st.st_blocks * 512 >= size
+        assert not np.frombuffer(os.pread(fd, size, 0), np.uint8).any()
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        try:
+            assert clear(ro, size) is False
+        finally:
+            os.close(ro)
+        mm.close()
+    finally:
+        os.close(fd)
 
 
 def test_nothing_is_prepared_while_the_ram_tier_yields(folder):

@@ -7,12 +7,15 @@ time (~115 ms more: the kernel clears a shmem page reserved by fallocate at
 its first fault, and fault-around skips pages not yet cleared), so a put
 into a fresh daemon ran at a fifth of a warm one's rate. The thread
 `kvd-shm-prep` keeps prepared free space ahead of demand instead: whole
-segments made, mapped, reserved (posix_fallocate) and populated (the pages
-cleared and present: kvd.host.segments.populate, MADV_POPULATE_WRITE on
-Linux) away from the serving thread, offered to `Arena.alloc` only once
-ready. A slot carved from them costs no syscall, and a client maps their
-pages sixteen a fault (client/_pages.py), not one. Pages are populated a
-few MiB per call (`_populate`): with one call per 64 MiB segment, a client
+segments made, mapped, their pages reserved and cleared away from the
+serving thread, offered to `Arena.alloc` only once ready. On Linux zeros
+are written through the segment's fd (kvd.host.segments.clear: pages
+allocated, cleared and resident, in no page table; 2.6 GiB/s here);
+elsewhere, or if that fails, posix_fallocate then MADV_POPULATE_WRITE of
+the daemon's mapping (`populate`: the same, plus the daemon's page tables
+filled; 1.7 GiB/s here). A slot carved from them costs no syscall, and a
+client maps their pages sixteen a fault (client/_pages.py), not one. Both
+go a few MiB per call (`_populate`): with one call per 64 MiB segment, a client
 connecting while a 4 GiB window was being prepared missed its 250 ms
 `connect_wait` now and then on this loaded 2-core VM (2 of ~25 connects;
 with 4 MiB calls none of 36 -- the likely cause, the daemon's mmap lock held
@@ -55,7 +58,7 @@ import os
 import threading
 from typing import Callable
 
-from kvd.host.segments import populate
+from kvd.host.segments import clear, populate
 from kvd.server.shm.arena import Arena
 
 log = logging.getLogger("kvd.server")
@@ -168,19 +171,30 @@ class Preparer:
         if begun is None:
             return False
         seg, fd = begun
-        reserved = hasattr(os, "posix_fallocate")
-        if reserved:
-            try:
-                os.posix_fallocate(fd, 0, arena.segment_bytes)
-            except OSError as err:  # a full /dev/shm or memory cgroup: slots reserve their own pages
-                reserved = False
-                self.failures += 1
-                log.debug("shared memory: cannot prepare a segment: %s", err)
-        if reserved and self._populate(arena.address(seg), arena.segment_bytes):
+        if clear(fd, arena.segment_bytes):  # Linux: reserved and cleared, mapped nowhere (1.5x faster)
+            reserved = True
             self.populated_bytes += arena.segment_bytes
+        else:
+            reserved = self._reserve_and_populate(seg, fd)
         self.prepared_bytes += arena.segment_bytes if reserved else 0  # counted before it is offered (stats)
         arena.end_segment(seg, reserved)
         return reserved
+
+    def _reserve_and_populate(self, seg: int, fd: int) -> bool:
+        """A new segment's pages reserved (posix_fallocate) and populated
+        (`populate`), where `clear` cannot be done; whether they are reserved."""
+        arena = self.arena
+        if not hasattr(os, "posix_fallocate"):
+            return False
+        try:
+            os.posix_fallocate(fd, 0, arena.segment_bytes)
+        except OSError as err:  # a full /dev/shm or memory cgroup: slots reserve their own pages
+            self.failures += 1
+            log.debug("shared memory: cannot prepare a segment: %s", err)
+            return False
+        if self._populate(arena.address(seg), arena.segment_bytes):
+            self.populated_bytes += arena.segment_bytes
+        return True
 
     @staticmethod
     def _populate(address: int, length: int) -> bool:
