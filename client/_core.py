@@ -411,9 +411,13 @@ class Core:
             self._shm_cool_until = time.monotonic() + SHM_COOL_S
             self.counters["shm_cooling"] += 1
 
-    def _shm_reset(self) -> None:
-        """Forget the link and ask HELLO again on the next call (a restarted daemon)."""
+    def _shm_reset(self, link: _shm.Link) -> None:
+        """Forget `link` and ask HELLO again on the next call (a restarted
+        daemon); nothing if another thread has replaced it already (the new
+        one, to the new daemon, stays)."""
         with self._shm_lock:
+            if self._shm_link is not link:
+                return
             if self._shm_link is not None:
                 self._shm_link.close()  # the old run's segments: unmapped, their memory freed
             self._shm_offer, self._shm_link = None, None
@@ -597,7 +601,7 @@ class Core:
                 self._failed("PUT", err)
                 return False
             if err.name == "BAD_FIELD" and retry:
-                self._shm_reset()  # proof refused: a restarted daemon; read its new nonce once
+                self._shm_reset(link)  # proof refused: a restarted daemon; read its new nonce once
                 fresh = self._link(background=background)
                 if fresh is not None:
                     return self._put_shm(fresh, seq, chunks, boundary, nbytes, background, retry=False)
@@ -727,7 +731,7 @@ class Core:
             if link is not None:
                 offered = reply.get("shm")
                 if offered is None or offered.get("run") != link.run:
-                    self._shm_reset()  # proof refused: the daemon restarted; frames served this page
+                    self._shm_reset(link)  # proof refused: the daemon restarted; frames served this page
                     link = None
                 else:
                     lease = offered.get("lease")
@@ -747,7 +751,7 @@ class Core:
                         # under the daemon, which puts names back within a
                         # second): this call goes over frames, from the start.
                         self._shm_broke(link)
-                        self._shm_reset()
+                        self._shm_reset(link)
                         self.counters["shm_get_fallback"] += 1
                         log.debug("shm get failed, over frames instead: %s", err)
                         return self._get(seq, cap, need_boundary, None, leases, alloc)

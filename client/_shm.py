@@ -148,6 +148,7 @@ class Link:
         self._whole: dict[int, Viewed] = {}  # segment -> its read-only mapping as one array (_viewed)
         self._mu = threading.Lock()
         self._release: list[int] = []
+        self.closed = False  # its run ended, or its client closed (`close`): nothing more is mapped
         self.premap = _pages.Premapper(self._premapped)  # live segments mapped ahead of puts (_pages.py)
 
     def field(self) -> dict[str, Any]:
@@ -274,6 +275,8 @@ class Link:
             with self._mu:
                 mm = self._maps.get((seg, writable))
                 if mm is None:
+                    if self.closed:  # (the run ended: no fault of the link's, not `broken`)
+                        raise ShmUnavailable(f"segment {seg} of run {self.run}: the link is closed")
                     try:
                         name = segment_name(self.run, seg)
                     except KvdError as err:  # an index out of range
@@ -321,12 +324,15 @@ class Link:
         on a thread of their own while the caller copies (`_pages.Ahead`);
         None where there is little to populate. ShmUnavailable as `view`."""
         jobs = []
-        for desc in descs:
-            mm = self._segment(desc.segment, True)
-            if desc.offset + desc.length > len(mm):
-                raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {len(mm)} bytes")
-            jobs.append((mm, desc.offset, desc.length))
-        return _pages.Ahead.start(jobs)
+        try:
+            for desc in descs:
+                mm = self._segment(desc.segment, True)
+                if desc.offset + desc.length > len(mm):
+                    raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {len(mm)} bytes")
+                jobs.append((mm, desc.offset, desc.length))
+            return _pages.Ahead.start(jobs)
+        except ValueError as err:  # closed meanwhile (another thread's retain or close): a miss, not a crash
+            raise ShmUnavailable(f"a segment of run {self.run}: {err}") from None
 
     def resolve(self, tensors: list[Tensor]) -> list[Tensor]:
         """Tensors whose data is a Descriptor, viewed in place (no copy); a
@@ -385,6 +391,8 @@ class Link:
         not when the garbage collector breaks the link's cycle with its
         premapper. A mapping still viewed (a call in flight on another
         thread) goes when the view does; a later use maps again, or misses."""
+        with self._mu:
+            self.closed = True
         self.premap.stop()
         self.retain([])
 

@@ -15,6 +15,7 @@ import re
 import stat
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -246,6 +247,7 @@ def _maps_now() -> set[tuple[int, int]]:
     return out
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_a_runs_segments_are_unmapped_once_the_client_learns_it_ended(daemon_factory):
     """A restarted daemon's old segments, and a closed client's, are unmapped
     at once (the memory of a killed run's segments is freed with their last
@@ -262,6 +264,7 @@ def test_a_runs_segments_are_unmapped_once_the_client_learns_it_ended(daemon_fac
         assert_prefix_hit(c.get(toks), toks)
         old = _mappings(c._shm_link)
         assert old and old <= _maps_now()
+        stale = weakref.ref(c._shm_link)
         d.kill()
         d.start()
         c.retry_now()
@@ -272,10 +275,39 @@ def test_a_runs_segments_are_unmapped_once_the_client_learns_it_ended(daemon_fac
         assert c.counters["shm_puts"] == 2 and c.counters["shm_gets"] == 2
         new = _mappings(c._shm_link)
         assert new
+        link = c._shm_link
+        c._shm_reset(stale())  # a thread whose call went out on the killed run's link, late
+        assert c._shm_link is link and not link.closed and new <= _maps_now()
         c.close()
         wait_until(lambda: not new & _maps_now(), 10, "a closed client's segments unmapped")
     finally:
         gc.enable()
+        c.close()
+
+
+def test_a_put_whose_link_is_closed_midway_goes_over_frames_and_maps_nothing_more(kvd_daemon):
+    """Another thread closes the link a put is copying into (its daemon's run
+    ended, as a HELLO on that thread said): the put is abandoned and sent over
+    frames, stored whole; the closed link maps no segment again (nothing would
+    unmap it), and a run that ended is no fault of the link's: no cool-off."""
+    c = kvd_daemon.client("closed-midway", timeout=5.0)
+    try:
+        toks = np.arange(512)
+        assert c.put(toks, prefix_snapshot(toks)) and c.counters["shm_puts"] == 1
+        link = c._shm_link
+        view = link.view
+
+        def closing(desc, **kw):
+            link.close()  # as the other thread does, between two slots
+            return view(desc, **kw)
+
+        link.view = closing
+        more = np.arange(512) + 10_000
+        assert c.put(more, prefix_snapshot(more))
+        assert c.counters["shm_put_abandoned"] == 1 and c.counters["shm_puts"] == 1
+        assert not link._maps and not link.broken and c.counters["shm_cooling"] == 0
+        assert_prefix_hit(c.get(more), more)
+    finally:
         c.close()
 
 
