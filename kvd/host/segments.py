@@ -266,10 +266,11 @@ _ZEROS = bytes(256 << 10)
 _CLEAR_IOV = [_ZEROS] * 16  # 4 MiB a call, from 256 KiB of zeros that stay in cache
 
 
-def clear(fd: int, length: int) -> bool:
-    """Reserve and clear the first `length` bytes of a new segment no process
-    maps pages of yet, by writing zeros through its fd: Linux allocates its
-    shmem pages cleared and resident (so a client's MADV_POPULATE_READ maps
+def clear(fd: int, length: int, offset: int = 0) -> bool:
+    """Reserve and clear `length` bytes from `offset` of a segment, pages no
+    process uses (a new segment; the holes of a slot just handed out), by
+    writing zeros through its fd: Linux allocates their shmem pages cleared
+    and resident (so a client's MADV_POPULATE_READ maps
     them sixteen a fault) and maps them nowhere. Whether that was done (False
     off Linux, where a POSIX shm object takes no write(2), and when the
     memory is not there: ENOSPC, ENOMEM). On this VM 2.6 GiB/s against 1.7
@@ -279,10 +280,10 @@ def clear(fd: int, length: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     step = len(_ZEROS) * len(_CLEAR_IOV)
-    off = 0
+    off, end = offset, offset + length
     try:
-        while off < length:
-            n = min(step, length - off)
+        while off < end:
+            n = min(step, end - off)
             iov = _CLEAR_IOV if n == step else _iov(n)
             wrote = os.pwritev(fd, iov, off)
             if wrote <= 0:

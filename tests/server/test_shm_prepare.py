@@ -289,6 +289,38 @@ def test_a_grants_pages_are_reserved_on_the_preparers_thread_then_it_is_told(fol
     assert arena.copy_out(arrs[0]) == b"\x07" * (3 * MiB)
 
 
+@pytest.mark.skipif(not LINUX, reason="pages cleared through the fd: Linux shmem")
+def test_a_grants_whole_pages_are_cleared_and_a_page_it_shares_keeps_the_other_slots_bytes(folder, monkeypatch):
+    """Arena.reserve clears the never-reserved pages wholly inside a slot
+    (resident: a client maps them sixteen a fault, not one each as it copies)
+    and only posix_fallocates its edge pages, which another slot may share:
+    here one the serving thread allocates, reserves and has written into
+    while kvd-shm-prep clears (the arena lock is not held through that),
+    and its bytes stay."""
+    from kvd.server.shm import arena as arena_module
+    from kvd_client._pages import resident
+
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
+    b = arena.alloc(MiB + 100, reserve=False)
+    assert b.slot.off == 0 and arena.unreserved(b.slot)
+    real, other = arena_module.clear, []
+
+    def meanwhile(fd, length, offset=0):
+        if not other:  # the serving thread, between the snapshot of b's pages and their clearing
+            a = arena.alloc(100)  # reserved at once (posix_fallocate), in the page b ends in
+            assert a.slot.seg == b.slot.seg and a.slot.off // 4096 == (MiB + 100) // 4096
+            a[:] = 9  # and written, as a client would after its grant
+            other.append(a)
+        return real(fd, length, offset)
+
+    monkeypatch.setattr(arena_module, "clear", meanwhile)
+    assert arena.reserve(b.slot) and not arena.unreserved(b.slot) and other
+    assert arena.copy_out(other[0]) == b"\x09" * 100
+    assert resident(arena._maps[b.slot.seg], 0, MiB).all()  # its whole pages: cleared
+    b[:] = 5
+    assert arena.copy_out(b) == b"\x05" * (MiB + 100) and arena.copy_out(other[0]) == b"\x09" * 100
+
+
 def test_a_grant_whose_pages_cannot_be_reserved_is_told_so_and_one_queued_at_stop_too(folder, monkeypatch):
     # A full /dev/shm or memory cgroup (ENOSPC) cannot be made here without
     # root: the fallocate fails by hand. A grant still queued when the
