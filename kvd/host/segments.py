@@ -287,11 +287,41 @@ def clear(fd: int, length: int, offset: int = 0) -> bool:
             iov = _CLEAR_IOV if n == step else _iov(n)
             wrote = os.pwritev(fd, iov, off)
             if wrote <= 0:
-                return False
+                break
             off += wrote
     except OSError:
-        return False
-    return True
+        pass
+    if off >= end:
+        return True
+    # Not all of it (a full memory cgroup or /dev/shm): give back what was
+    # written, as a posix_fallocate that fails does (the range is the caller's
+    # alone), or its pages would stay charged to the daemon, counted nowhere.
+    _punch(fd, offset, off - offset)
+    return False
+
+
+def _punch(fd: int, offset: int, length: int) -> None:
+    """Free the pages of [offset, offset + length) of a segment (Linux
+    fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)); best effort."""
+    if _FALLOCATE is not None and length > 0:
+        _FALLOCATE(fd, 0x02 | 0x01, offset, length)
+
+
+def _fallocate():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+        fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_FALLOCATE = _fallocate()
 
 
 def _iov(n: int) -> list:

@@ -202,6 +202,40 @@ def test_a_new_segment_is_cleared_and_resident_yet_mapped_nowhere():
         os.close(fd)
 
 
+@pytest.mark.skipif(not LINUX, reason="Linux shmem written through its fd")
+def test_a_clear_cut_short_gives_back_what_it_wrote():
+    """A clear that cannot finish (here the file-size limit, EFBIG after 1 MiB:
+    a full memory cgroup or /dev/shm stops it the same way, ENOSPC) is False
+    and leaves no page allocated, as a failed posix_fallocate leaves none:
+    they would stay charged to the daemon, counted nowhere."""
+    import subprocess
+
+    code = (
+        "import os, resource, signal\n"
+        "from kvd.host.segments import clear\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "fd = os.memfd_create('kvd-test-clear')\n"
+        "os.ftruncate(fd, 8 << 20)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "print(clear(fd, 8 << 20), os.fstat(fd).st_blocks * 512, os.fstat(fd).st_size)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "0", str(8 << 20)]
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="pages are never reserved where there is no fallocate")
+def test_where_a_segment_cannot_be_cleared_it_is_reserved_and_populated(folder, monkeypatch):
+    """The way off Linux, and on Linux if `clear` fails: posix_fallocate then
+    MADV_POPULATE_WRITE (Linux 5.14+) of the daemon's mapping."""
+    monkeypatch.setattr(prepare, "clear", lambda fd, length, offset=0: False)
+    arena, prep = _prepared(folder, available=lambda: None, window=8 * MiB)
+    assert prep.prepared_bytes == 8 * MiB and prep.stats()["prepared_free_bytes"] == 8 * MiB
+    assert prep.populated_bytes == (8 * MiB if LINUX else 0)
+    assert _blocks(folder) >= 8 * MiB  # the kernel holds their pages
+    assert not any(arena.unreserved(arena.alloc(4 * MiB, reserve=False).slot) for _ in range(2))
+
+
 def test_nothing_is_prepared_while_the_ram_tier_yields(folder):
     arena, prep = _prepared(folder, available=lambda: 1 << 40, allowed=lambda: False)
     assert arena.spare_prepared() == 0 and prep.prepared_bytes == 0
