@@ -11,7 +11,7 @@ clear each of them anyway, and populating them measured no faster than the
 copy's own faults (`bench/RESULTS.md`, Session 25).
 
 A segment the daemon prepared ahead of demand (kvd/server/shm/prepare.py)
-is reserved *and* populated there: its pages are resident and cleared, so
+is reserved *and* cleared there: its pages are resident, so
 they map sixteen a fault like written ones. `Premapper` maps the segments a
 reply lists as live (`segments`; HELLO's `shm_live`) on a thread of its
 own, `kvd-client-premap`, ahead of the puts that will be granted slots in
@@ -30,7 +30,10 @@ bench/RESULTS.md, Session 28).
 Rules:
 1. A page is looked at once per mapping: the steady state's puts, into pages
    this client has written before, cost no syscall here (a bitmap per
-   mapping of the pages granted to it so far).
+   mapping of the pages granted to it so far). The premapper marks only the
+   pages it populated: a segment it met while the daemon was still clearing
+   it (a SLOTS reply lists it) has the rest populated by the grants that
+   come to them, not faulted in one at a time by their copies.
 2. Only pages mincore() reports resident are populated, in a range SLOTS
    granted this client or in a live segment of the daemon (the premapper):
    nothing a client does here allocates a page (populating a hole would
@@ -100,9 +103,12 @@ def resident(mm: mmap.mmap, lo: int, hi: int) -> np.ndarray | None:
     return (vec & 1).astype(bool)
 
 
-def prefault(mm: mmap.mmap, offset: int, length: int) -> int:
+def prefault(mm: mmap.mmap, offset: int, length: int, *, ahead: bool = False) -> int:
     """Map the resident pages of mm[offset:offset+length] (a granted slot) in
-    bulk (module docstring); returns the bytes populated (0: none, or off)."""
+    bulk (module docstring); returns the bytes populated (0: none, or off).
+    `ahead` (the premapper's, no copy to follow): only the pages populated are
+    marked looked at, so a page not resident yet (a segment the daemon is
+    still clearing) is populated by the grant that comes to it."""
     global _enabled
     if not _enabled or length <= 0:
         return 0
@@ -115,13 +121,16 @@ def prefault(mm: mmap.mmap, offset: int, length: int) -> int:
     first, last = lo // _PAGE, hi // _PAGE
     if seen.find(0, first, last) == -1:
         return 0  # mapped here since an earlier grant (rule 1)
-    seen[first:last] = b"\x01" * (last - first)  # the copy about to run maps the rest
+    if not ahead:
+        seen[first:last] = b"\x01" * (last - first)  # the copy about to run maps the rest
     try:
         base = np.frombuffer(mm, np.uint8, count=1)  # held: retain() cannot unmap under the madvise
         present = resident(mm, lo, hi)
         if present is None:
             _enabled = False
             return 0
+        if ahead:
+            np.frombuffer(seen, np.uint8)[first:last] |= present
         done = 0
         # Runs of resident pages: where each starts and ends.
         edges = np.flatnonzero(np.diff(np.concatenate(([False], present, [False])).astype(np.int8)))
@@ -312,7 +321,7 @@ class Premapper:
             for off in range(0, size, PREMAP_STEP):
                 if self._stopped:
                     break
-                done += prefault(mm, off, min(PREMAP_STEP, size - off))
+                done += prefault(mm, off, min(PREMAP_STEP, size - off), ahead=True)
         except ValueError:  # closed by another thread's retain(): nothing more to map here
             pass
         return done

@@ -55,6 +55,32 @@ def test_prefault_maps_resident_pages_and_allocates_none():
 
 
 @linux_only
+def test_the_premapper_leaves_pages_not_resident_yet_to_the_grant_that_comes_to_them():
+    """A segment the daemon is still clearing when a reply lists it: the
+    premapper maps the pages cleared so far and marks only those, so a grant
+    there later populates the rest (resident by then) in bulk, instead of its
+    copy faulting them in one at a time."""
+    fd, daemon, client = _segment(64)
+    try:
+        daemon[:32 * PAGE] = bytes(32 * PAGE)  # cleared so far: the first half
+        pm = _pages.Premapper({0: client}.get)
+        before = _pages.counters["premapped_segments"]
+        try:
+            pm.offer([0])
+            wait_until(lambda: _pages.counters["premapped_segments"] > before, what="the segment premapped")
+        finally:
+            pm.stop()
+        os.pwrite(fd, bytes(32 * PAGE), 32 * PAGE)  # the daemon clears the rest (through its fd)
+        assert bytes(_pages._seen(client)) == b"\x01" * 32 + b"\x00" * 32  # only what it mapped
+        assert _pages.prefault(client, 0, 64 * PAGE) == 64 * PAGE  # the grant: its resident pages, in bulk
+        assert _pages.prefault(client, 0, 64 * PAGE) == 0  # then every page looked at (rule 1)
+    finally:
+        daemon.close()
+        client.close()
+        os.close(fd)
+
+
+@linux_only
 def test_a_new_clients_first_put_prefaults_reused_slots_bit_exact(daemon_factory):
     d = daemon_factory("--ram-mb", "2", "--data-dir", "none")
     toks = [np.arange(2048) + i * 100_000 for i in range(10)]  # ~0.55 MiB each: the first 8 overflow 2 MiB
@@ -180,8 +206,8 @@ def test_a_premapper_whose_mapping_is_closed_midway_maps_the_next_segment_all_th
     real = _pages.prefault
     calls = []
 
-    def closing(mm, off, n):
-        got = real(mm, off, n)
+    def closing(mm, off, n, **kw):
+        got = real(mm, off, n, **kw)
         calls.append((id(mm), off))
         if mm is first[2] and off == 0:
             mm.close()  # as retain() would, on another thread
