@@ -390,7 +390,8 @@ class Link:
         that ended, or of a client that closed): their memory is freed now,
         not when the garbage collector breaks the link's cycle with its
         premapper. A mapping still viewed (a call in flight on another
-        thread) goes when the view does; a later use maps again, or misses."""
+        thread) goes when the view does; a later use maps nothing: a miss,
+        or frames."""
         with self._mu:
             self.closed = True
         self.premap.stop()

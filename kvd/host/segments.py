@@ -270,10 +270,10 @@ def clear(fd: int, length: int, offset: int = 0) -> bool:
     """Reserve and clear `length` bytes from `offset` of a segment, pages no
     process uses (a new segment; the holes of a slot just handed out), by
     writing zeros through its fd: Linux allocates their shmem pages cleared
-    and resident (so a client's MADV_POPULATE_READ maps
-    them sixteen a fault) and maps them nowhere. Whether that was done (False
-    off Linux, where a POSIX shm object takes no write(2), and when the
-    memory is not there: ENOSPC, ENOMEM). On this VM 2.6 GiB/s against 1.7
+    and resident (so a client's MADV_POPULATE_READ maps them sixteen a
+    fault) and maps them nowhere. Whether that was done (False off Linux,
+    where a POSIX shm object takes no write(2), and when the memory is not
+    there: ENOSPC, ENOMEM; what was written then is given back). On this VM 2.6 GiB/s against 1.7
     for posix_fallocate and `populate`, which also fill this process's page
     tables (bench/RESULTS.md, Session 34). Never on memory in use: what is
     there is overwritten."""

@@ -295,7 +295,8 @@ class Arena:
     def reserve(self, slot: Slot) -> bool:
         """Reserve the pages of a slot alloc(reserve=False) handed out, on any
         thread (kvd/server/shm/prepare.py): the lock is not held through the
-        fallocate, so the serving thread's allocations never wait for it. The
+        clearing and the fallocate, so the serving thread's allocations never
+        wait for them. The
         caller holds `slot`: its segment (and so its fd) stays till then."""
         lo, hi = slot.off // _PAGE, -(-(slot.off + slot.size) // _PAGE)
         with self._locked():
@@ -319,7 +320,7 @@ class Arena:
         wholly inside `slot` (`pages`: the bitmap from page `lo`): cleared
         now, a client maps them sixteen a fault, where a posix_fallocate'd
         page is cleared at its first touch, in the client, one fault a page
-        (a 256 MiB slot: ~100 ms of the client's copy). Only pages no other
+        (a 256 MiB slot: ~75 ms more of the client's copy here). Only pages no other
         slot shares, and holes: nothing there is overwritten. Best effort:
         posix_fallocate reserves whatever this did not."""
         first, end = -(-slot.off // _PAGE) - lo, (slot.off + slot.size) // _PAGE - lo
