@@ -249,9 +249,9 @@ IDLE_S = 5.0  # a premapper's thread ends after this long with nothing to map (t
 class Premapper:
     """Maps the live segments of one daemon run ahead of use, off the
     caller's thread (module docstring): `offer` a reply's list of live
-    segments; each new one is mapped (`segment(seg)`, the link's writable
-    mapping, or None if it cannot be had) and its resident pages populated
-    on the thread `kvd-client-premap`, once."""
+    segments; each new one is mapped (`segment(seg)`: the link's mappings of
+    it, read-only and writable, or None if it cannot be had) and its resident
+    pages populated on the thread `kvd-client-premap`, once."""
 
     def __init__(self, segment: Callable[[int], "mmap.mmap | None"]):
         self._segment = segment
@@ -303,25 +303,27 @@ class Premapper:
                 except IndexError:  # emptied (or stopped) meanwhile
                     break
                 try:
-                    mm = self._segment(seg)
-                    if mm is not None and self._pieces(mm):
+                    if self._pieces(self._segment(seg) or []):
                         counters["premapped_segments"] += 1
                 except Exception:  # noqa: BLE001 -- a segment gone meanwhile: nothing to map ahead (rule 3)
                     pass
 
-    def _pieces(self, mm: mmap.mmap) -> int:
-        """Populate a segment a piece at a time, each marked as it is taken
-        (rule 1): a put copying into it meanwhile populates the pieces not
-        taken yet itself, instead of faulting them in one by one. Stops at a
-        mapping closed meanwhile (`retain`: the daemon removed the segment)
-        or at `stop`; the bytes populated."""
+    def _pieces(self, maps: list[mmap.mmap]) -> int:
+        """Populate a segment's mappings a piece at a time, each marked as it
+        is taken (rule 1), the same piece of each in turn: a put copying into
+        it meanwhile populates the pieces not taken yet itself, instead of
+        faulting them in one by one, and a fetch reading it meets pages
+        mapped up to where the thread is. Stops at a mapping closed meanwhile
+        (`retain`: the daemon removed the segment) or at `stop`; the bytes
+        populated."""
         done = 0
         try:
-            size = len(mm)
+            size = min((len(mm) for mm in maps), default=0)
             for off in range(0, size, PREMAP_STEP):
                 if self._stopped:
                     break
-                done += prefault(mm, off, min(PREMAP_STEP, size - off), ahead=True)
+                for mm in maps:
+                    done += prefault(mm, off, min(PREMAP_STEP, size - off), ahead=True)
         except ValueError:  # closed by another thread's retain(): nothing more to map here
             pass
         return done

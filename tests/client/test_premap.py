@@ -28,7 +28,7 @@ def test_a_live_segment_is_mapped_ahead_allocating_nothing_and_nothing_after_sto
 
         def segment(seg):
             asked.append(seg)
-            return mm
+            return [mm]
 
         before = dict(_pages.counters)
         p = _pages.Premapper(segment)

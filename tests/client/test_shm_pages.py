@@ -63,7 +63,7 @@ def test_the_premapper_leaves_pages_not_resident_yet_to_the_grant_that_comes_to_
     fd, daemon, client = _segment(64)
     try:
         daemon[:32 * PAGE] = bytes(32 * PAGE)  # cleared so far: the first half
-        pm = _pages.Premapper({0: client}.get)
+        pm = _pages.Premapper(lambda seg: [client] if seg == 0 else None)
         before = _pages.counters["premapped_segments"]
         try:
             pm.offer([0])
@@ -202,7 +202,7 @@ def test_a_premapper_whose_mapping_is_closed_midway_maps_the_next_segment_all_th
     # retain() closed its mapping between two pieces (forced here: the close
     # comes right after the first piece). The thread stops there and lives on.
     first, second = _written_segment(2048), _written_segment(2048)  # 8 MiB each: two pieces
-    maps = {0: first[2], 1: second[2]}
+    maps = {0: [first[2]], 1: [second[2]]}
     real = _pages.prefault
     calls = []
 
