@@ -1,4 +1,5 @@
-"""Cutting a Snapshot into chunks, and joining served chunks into a Hit.
+"""Cutting a Snapshot into chunks, and joining served chunks into a Hit;
+a chunk's tensor copied into a granted shared-memory slot, hashed as it goes.
 
 Pure numpy, no I/O, no mlx: safe on any thread. A sliced tensor is cut along
 its token axis at chunk boundaries (one contiguous copy per piece, which is
@@ -302,3 +303,26 @@ def aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     pad = (-raw.ctypes.data) % ALIGN
     return raw[pad:pad + nbytes]
+
+
+_HASH_BLOCK = 1 << 20  # copied then hashed while still in cache
+
+
+def copy_hashed(slot: memoryview, t: Tensor) -> int:
+    """Copy tensor `t`'s bytes into `slot` (writable, C order), returning their
+    xxh3-64: block by block, each block hashed right after it is written, still
+    in cache, so the hash costs no second pass over memory."""
+    dst = np.frombuffer(slot, dtype=dtypes.container(t.dtype)).reshape(t.shape)
+    src = np.asarray(t.data).view(dst.dtype).reshape(t.shape)  # a chunk's slice: strided, no copy
+    h = xxhash.xxh3_64()
+    _copy_blocks(dst, src, h)
+    return h.intdigest()
+
+
+def _copy_blocks(dst: np.ndarray, src: np.ndarray, h: Any) -> None:
+    if dst.nbytes <= _HASH_BLOCK or dst.ndim <= 1:
+        np.copyto(dst, src)
+        h.update(dst)  # contiguous: a C-order sub-block of the slot
+        return
+    for i in range(dst.shape[0]):
+        _copy_blocks(dst[i], src[i], h)

@@ -82,10 +82,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import xxhash
 
 from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_keys_dir, is_tcp
-from kvd.protocol import dtypes, keys
+from kvd.protocol import keys
 from kvd.protocol.codec import Tensor
 from kvd.protocol.errors import BACKLOG_FULL, KvdError, MessageTooLarge, TooManyFrames
 from kvd.protocol.limits import Limits
@@ -638,7 +637,7 @@ class Core:
                     if ahead is not None:
                         ahead.reach(k)
                     k += 1
-                    digests.append(_copy_hashed(link.view(desc, writable=True), t))
+                    digests.append(_chunking.copy_hashed(link.view(desc, writable=True), t))
                     copied += desc.length
                 if parts and copied >= _PART_BYTES and j < len(chunks) - 1:
                     reply = self._call("COMMIT", {"lease": grant["lease"], "shm": link.field(), "digests": digests,
@@ -874,28 +873,7 @@ class Core:
         self.close()
 
 
-_HASH_BLOCK = 1 << 20  # copied then hashed while still in cache
 # A shared-memory PUT is committed in parts of at least this many bytes of
 # whole chunks (when the daemon takes parts): small enough that its disk starts
 # early, big enough that a part's round trip is noise beside its copy.
 _PART_BYTES = 16 << 20
-
-
-def _copy_hashed(slot: memoryview, t: Tensor) -> int:
-    """Copy tensor `t`'s bytes into `slot` (writable, C order), returning their
-    xxh3-64: block by block, each block hashed right after it is written, still
-    in cache, so the hash costs no second pass over memory."""
-    dst = np.frombuffer(slot, dtype=dtypes.container(t.dtype)).reshape(t.shape)
-    src = np.asarray(t.data).view(dst.dtype).reshape(t.shape)  # a chunk's slice: strided, no copy
-    h = xxhash.xxh3_64()
-    _copy_blocks(dst, src, h)
-    return h.intdigest()
-
-
-def _copy_blocks(dst: np.ndarray, src: np.ndarray, h: Any) -> None:
-    if dst.nbytes <= _HASH_BLOCK or dst.ndim <= 1:
-        np.copyto(dst, src)
-        h.update(dst)  # contiguous: a C-order sub-block of the slot
-        return
-    for i in range(dst.shape[0]):
-        _copy_blocks(dst[i], src[i], h)

@@ -236,21 +236,23 @@ def unlink_segment(folder: Path, name: str) -> None:
 _MADV_POPULATE_WRITE = 23  # include/uapi/asm-generic/mman-common.h, Linux 5.14
 
 
-def _madvise():
+def _libc(name: str, *argtypes: str):
+    """A Linux libc call through ctypes (it releases the GIL for the call), or None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+        fn.argtypes = tuple(getattr(ctypes, t) for t in argtypes)
         fn.restype = ctypes.c_int
         return fn
     except (OSError, AttributeError):
         return None
 
 
-_MADVISE = _madvise()
+_MADVISE = _libc("madvise", "c_void_p", "c_size_t", "c_int")
+_FALLOCATE = _libc("fallocate", "c_int", "c_int", "c_longlong", "c_longlong")
 
 
 def populate(address: int, length: int) -> bool:
@@ -305,23 +307,6 @@ def _punch(fd: int, offset: int, length: int) -> None:
     fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)); best effort."""
     if _FALLOCATE is not None and length > 0:
         _FALLOCATE(fd, 0x02 | 0x01, offset, length)
-
-
-def _fallocate():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-        fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
-        fn.restype = ctypes.c_int
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_FALLOCATE = _fallocate()
 
 
 def _iov(n: int) -> list:

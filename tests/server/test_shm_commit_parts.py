@@ -89,10 +89,10 @@ def test_a_refused_part_stores_nothing_and_an_unfinished_put_keeps_its_whole_par
         spec = [codec.Tensor(name, "bfloat16", (1, HEADS, 256, DIM), None) for name in snap.sliced]
         grant = c._transport.request("SLOTS", {**seq, "shm": link.field(), "chunks": [
             {"index": i, "tensors": spec, "meta": _chunking.chunk_meta(snap)} for i in range(3)]}, 10)
-        from kvd_client._core import _copy_hashed  # the client's copy: bytes and digests as a store makes them
+        from kvd_client._chunking import copy_hashed  # the client's copy: bytes and digests as a store makes them
 
         def fill(i: int) -> list[int]:
-            return [_copy_hashed(link.view(desc, writable=True), codec.Tensor(name, "bfloat16", (1, HEADS, 256, DIM), a[:, :, 256 * i:256 * (i + 1)]))
+            return [copy_hashed(link.view(desc, writable=True), codec.Tensor(name, "bfloat16", (1, HEADS, 256, DIM), a[:, :, 256 * i:256 * (i + 1)]))
                     for desc, a, name in zip(grant["chunks"][i], chunks, snap.sliced)]
 
         def commit(digests, more=True):
