@@ -614,6 +614,7 @@ class Core:
         link.retain(grant.get("segments"))
         refused = 0  # chunks of parts already committed that the daemon could not keep
         ahead = None
+        link.premap.pause()  # it maps nothing while this copies (_pages.py rule 4)
         try:
             want = [c["tensors"] for c in chunks] + ([boundary["tensors"]] if boundary is not None else [])
             got = list(grant["chunks"]) + ([grant.get("boundary") or []] if boundary is not None else [])
@@ -656,6 +657,7 @@ class Core:
             self._shm_broke(link)
             return None
         finally:
+            link.premap.resume()
             if ahead is not None:
                 ahead.stop()  # (copied: it has nothing left; cut short: nothing more to map)
         link.map_ahead(grant.get("segments"))  # the next puts' pages mapped meanwhile, off this thread (_pages.py)
@@ -776,8 +778,10 @@ class Core:
             self.counters["get_miss"] += 1
             return None
         try:
-            sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc, verify=self.verify,
-                                                 checked=checked)  # (earlier pages' chunks: checked as they came)
+            # The premapper maps nothing while this copies out of the leases (_pages.py rule 4).
+            with leased_from.premap.held() if first_sent is not None else contextlib.nullcontext():
+                sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc, verify=self.verify,
+                                                     checked=checked)  # (earlier pages' chunks: checked as they came)
             hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
             if boundary is not None and boundary["at"] == n:
                 hit.boundary, hit.boundary_meta = _chunking.boundary_state(boundary, copy=first_sent is not None)

@@ -42,6 +42,16 @@ Rules:
    of its run, a window of microseconds.
 3. Best effort: any failure (an old kernel's EINVAL, no mincore) turns this
    off for the process and the copy faults pages in as before.
+4. The premapper gives way: while a call of its client copies (a put into
+   its slots, a fetch out of its leases), it waits between pieces. Running
+   beside the copy it took the core the copy ran on, for pages that copy did
+   not need (a new client's first put maps its own slots, `Ahead`; a GET's
+   read faults its pages in sixteen at a time): a new client's first 256 MiB
+   put ran at 0.44-0.49x the steady state with it, 0.67-0.71x with it
+   waiting; a new client's first 1 GiB fetch 244-312 ms against 180-207
+   (bench/RESULTS.md, Session 35). It maps when its client is between calls
+   -- from a HELLO to the first put or fetch, or while a model server
+   generates.
 
 What each OS gives:
 
@@ -56,6 +66,7 @@ What each OS gives:
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import sys
 import threading
@@ -86,6 +97,7 @@ _MINCORE = _libc("mincore", "c_void_p", "c_size_t", "c_void_p")
 _MADVISE = _libc("madvise", "c_void_p", "c_size_t", "c_int")
 _enabled = _MINCORE is not None and _MADVISE is not None
 counters = {"prefaulted_bytes": 0, "premapped_segments": 0,  # pages populated in bulk, this process
+            "premap_waits": 0,  # times a premapper waited for a copy of its client's (rule 4)
             "ahead_puts": 0, "ahead_slots": 0}  # puts whose slots a thread populated (Ahead), and the slots it did
 # Per mapping, per page: 1 once granted to this client (rule 1); goes with the mapping.
 _granted: "weakref.WeakKeyDictionary[mmap.mmap, bytearray]" = weakref.WeakKeyDictionary()
@@ -251,7 +263,8 @@ class Premapper:
     caller's thread (module docstring): `offer` a reply's list of live
     segments; each new one is mapped (`segment(seg)`: the link's mappings of
     it, read-only and writable, or None if it cannot be had) and its resident
-    pages populated on the thread `kvd-client-premap`, once."""
+    pages populated on the thread `kvd-client-premap`, once, between the
+    copies of its client's calls (`pause`, `resume`: rule 4)."""
 
     def __init__(self, segment: Callable[[int], "mmap.mmap | None"]):
         self._segment = segment
@@ -261,14 +274,46 @@ class Premapper:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._busy = 0  # copies of this client's calls under way (`pause`)
+        self._calm = threading.Condition(self._mu)
 
     def stop(self) -> None:
         """Map nothing more (the client closed, or its daemon restarted): the
-        thread ends after the segment it is on."""
+        thread ends after the piece it is on."""
         with self._mu:
             self._stopped = True
             self._queue.clear()
+            self._calm.notify_all()
         self._wake.set()
+
+    def pause(self) -> None:
+        """A call of this client is about to copy (a put into its slots, a
+        fetch out of its leases): the thread waits between pieces until
+        every such call has called `resume` (rule 4)."""
+        with self._mu:
+            self._busy += 1
+
+    def resume(self) -> None:
+        with self._mu:
+            self._busy -= 1
+            if not self._busy:
+                self._calm.notify_all()
+
+    @contextlib.contextmanager
+    def held(self):
+        """`pause` for the block."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def _wait_calm(self) -> None:
+        with self._mu:
+            if self._busy and not self._stopped:
+                counters["premap_waits"] += 1
+            while self._busy and not self._stopped:
+                self._calm.wait(1.0)
 
     def offer(self, live: list[int]) -> None:
         if not _enabled or self._stopped:
@@ -320,6 +365,7 @@ class Premapper:
         try:
             size = min((len(mm) for mm in maps), default=0)
             for off in range(0, size, PREMAP_STEP):
+                self._wait_calm()
                 if self._stopped:
                     break
                 for mm in maps:
