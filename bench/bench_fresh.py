@@ -21,10 +21,14 @@ cannot outrun: segments of the arena's size (64 MiB) made as kvd-shm-prep
 makes them on Linux (a memfd, zeros written through its fd: pages allocated,
 cleared and resident, mapped nowhere), one thread and two (Linux only;
 elsewhere not printed).
-Beside the fill, another client (a process of its own, over frames) PINGs
-the daemon back to back: its longest round trip and p99 during the fill, and
-its p99 idle afterwards (a fresh daemon's first SLOTS must not hold the
-serving thread: issue 44).
+The fill and the steady state are measured with nothing else running. Then
+again on a second new daemon, another client (a process of its own, over
+frames) PINGing it back to back through both: the fill against the steady
+state under that same load (before session 35 the fill alone had the pinger
+beside it, and its ~0.7 of a core, against a steady state without: 0.36x
+where the quiet ratio was 0.5x), the pinger's longest round trip and p99
+during the fill, and its p99 idle afterwards (a fresh daemon's first SLOTS
+must not hold the serving thread: issue 44).
 `--gap-ms` waits between puts, as a model server's puts are spaced by
 generation (0: back to back, the worst case). `--daemon-python` runs the
 daemon with another interpreter (an older checkout's, to compare). The lead re-runs figures on a
@@ -34,6 +38,7 @@ quiet machine; on a shared one, read the ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -84,17 +89,29 @@ def main() -> None:
         return time.perf_counter() - t0
 
     fill = max(1, args.ram_mb // args.mib)
-    with daemon("--ram-mb", str(args.ram_mb), "--data-dir", "none", env={"KVD_HOST": args.host},
-                python=args.daemon_python) as d:
+
+    def fill_and_steady(d, pinger: bool):
+        """The fill of a new daemon, then its steady state, from one client: with
+        another client PINGing back to back through both, or with none."""
         with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c:
-            with _Pinger(d.endpoint) as pings:
+            with _Pinger(d.endpoint) if pinger else contextlib.nullcontext() as pings:
                 fresh = [put(c) for _ in range(fill)]
-            with _Pinger(d.endpoint) as idle:
-                time.sleep(1.0)  # the daemon idle: the pinger's own round trips
-            steady = [put(c) for _ in range(args.steady)]
+            steady = [put(c) for _ in range(args.steady)] if not pinger else None
+            idle = None
+            if pinger:
+                with _Pinger(d.endpoint) as idle:
+                    time.sleep(1.0)  # the daemon idle: the pinger's own round trips
+                with _Pinger(d.endpoint):
+                    steady = [put(c) for _ in range(args.steady)]
             # (a put over max_message_mb goes as several SLOTS: each counts)
             assert c.counters["shm_puts"] >= fill + args.steady and not c.counters["shm_put_fallback"]
-            host = c.stats().get("host", {})
+            return fresh, steady, pings, idle, c.stats().get("host", {})
+
+    opts = dict(env={"KVD_HOST": args.host}, python=args.daemon_python)
+    with daemon("--ram-mb", str(args.ram_mb), "--data-dir", "none", **opts) as d:
+        busy_fresh, busy_steady, pings, idle, _ = fill_and_steady(d, pinger=True)
+    with daemon("--ram-mb", str(args.ram_mb), "--data-dir", "none", **opts) as d:
+        fresh, steady, _, _, host = fill_and_steady(d, pinger=False)
         firsts, seconds, served = [], [], []
         for _ in range(max(1, args.clients)):
             with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c2:
@@ -119,6 +136,9 @@ def main() -> None:
     for label, t in rows:
         print(f"{label:46s} {rate(t):6.2f} GiB/s  {t_steady / t:5.2f}x steady  {t_mem / t:5.2f}x memcpy")
     print("fill puts GiB/s:", " ".join(f"{rate(t):.2f}" for t in fresh))
+    t_busy = statistics.median(busy_steady)
+    print(f"another client PINGing back to back (a daemon of its own): the fill {rate(statistics.median(busy_fresh)):.2f} GiB/s, "
+          f"steady state {rate(t_busy):.2f} GiB/s: {t_busy / statistics.median(busy_fresh):.2f}x steady")
     print(f"another client's PINGs during the fill: {len(pings.times)}, longest {max(pings.times) * 1e3:.1f} ms, "
           f"p99 {p99(pings.times) * 1e3:.2f} ms; idle after: longest {max(idle.times) * 1e3:.1f} ms, "
           f"p99 {p99(idle.times) * 1e3:.2f} ms; p99 {p99(pings.times) / p99(idle.times):.1f}x idle")
