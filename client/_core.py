@@ -360,7 +360,7 @@ class Core:
             # that PUT then copies into pages already in its page tables.
             link = self._link()
             if link is not None:
-                link.map_ahead(live)
+                link.map_ahead(live, reads=True)
 
     def _forget_daemon(self) -> None:
         """The daemon may have changed (restarted, other limits): ask HELLO again next time.

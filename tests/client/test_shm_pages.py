@@ -179,7 +179,7 @@ def test_a_new_clients_first_big_put_is_populated_ahead_and_bit_exact(daemon_fac
     # A put at once after HELLO: its slots' pages mapped by `Ahead` as it
     # copies. (The background map of the live segments HELLO lists would race
     # it for the same pages: kept out here, tested in test_shm_prepare.py.)
-    monkeypatch.setattr(_shm.Link, "map_ahead", lambda self, live: None)
+    monkeypatch.setattr(_shm.Link, "map_ahead", lambda self, live, reads=False: None)
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
     with d.client("ahead", strict=True, transport="shm") as c:
         wait_until(lambda: c.stats()["shm"]["prepared_free_bytes"] >= 32 << 20, what="the window prepared")

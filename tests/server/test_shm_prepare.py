@@ -463,6 +463,29 @@ def test_a_new_clients_first_fetch_reads_through_pages_mapped_from_its_hello(dae
         assert_prefix_hit(c2.get(toks), toks)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+def test_a_segment_a_slots_reply_lists_is_premapped_writable_only(daemon_factory):
+    """A segment made after the client's HELLO (the arena growing as it puts)
+    holds little a fetch would read yet: the premapper maps its writable
+    mapping for the puts to come and leaves the read-only one to the GETs
+    (a fresh daemon's fill mapped every page twice)."""
+    from kvd_client import _pages
+
+    d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "0", "--data-dir", "none")
+    with d.client("grown", strict=True, transport="shm") as c:
+        assert c.limits()  # HELLO: no segment yet
+        link = c._shm_link
+        assert link is not None and not link._read_ahead
+        before = _pages.counters["premapped_segments"]
+        toks = np.arange(2048)
+        assert c.put(toks, prefix_snapshot(toks))  # a segment made for it; the reply lists it
+        wait_until(lambda: _pages.counters["premapped_segments"] > before, what="the new segment premapped")
+        rss = {w: sum(_rss_kib(np.frombuffer(mm, np.uint8, count=1).ctypes.data)
+                      for (seg, writable), mm in list(link._maps.items()) if writable == w) for w in (False, True)}
+        assert rss[True] > 0 and rss[False] == 0, rss
+        assert_prefix_hit(c.get(toks), toks)  # the GET maps what it reads
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
 def test_a_child_after_fork_makes_its_own_link_even_with_its_parents_lock_held(daemon_factory):
     # The parent's link lock held as the child is forked (as the parent's
