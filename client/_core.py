@@ -614,8 +614,8 @@ class Core:
         link.retain(grant.get("segments"))
         refused = 0  # chunks of parts already committed that the daemon could not keep
         ahead = None
-        link.premap.pause()  # it maps nothing while this copies (_pages.py rule 4)
         try:
+            link.premap.pause()  # it maps nothing while this copies (_pages.py rule 4)
             want = [c["tensors"] for c in chunks] + ([boundary["tensors"]] if boundary is not None else [])
             got = list(grant["chunks"]) + ([grant.get("boundary") or []] if boundary is not None else [])
             if [len(ts) for ts in want] != [len(ds) for ds in got] or any(
@@ -782,9 +782,9 @@ class Core:
             with leased_from.premap.held() if first_sent is not None else contextlib.nullcontext():
                 sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc, verify=self.verify,
                                                      checked=checked)  # (earlier pages' chunks: checked as they came)
-            hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
-            if boundary is not None and boundary["at"] == n:
-                hit.boundary, hit.boundary_meta = _chunking.boundary_state(boundary, copy=first_sent is not None)
+                hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
+                if boundary is not None and boundary["at"] == n:
+                    hit.boundary, hit.boundary_meta = _chunking.boundary_state(boundary, copy=first_sent is not None)
         except ShmDamaged as err:
             # Another process wrote into a committed slot: a miss; the daemon
             # finds it too before the bytes leave by another road.

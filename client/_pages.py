@@ -43,15 +43,16 @@ Rules:
 3. Best effort: any failure (an old kernel's EINVAL, no mincore) turns this
    off for the process and the copy faults pages in as before.
 4. The premapper gives way: while a call of its client copies (a put into
-   its slots, a fetch out of its leases), it waits between pieces. Running
+   its slots, with its COMMITs in parts; a fetch out of its leases), it
+   waits between pieces. Running
    beside the copy it took the core the copy ran on, for pages that copy did
    not need (a new client's first put maps its own slots, `Ahead`; a GET's
    read faults its pages in sixteen at a time): a new client's first 256 MiB
    put ran at 0.44-0.49x the steady state with it, 0.67-0.71x with it
    waiting; a new client's first 1 GiB fetch 244-312 ms against 180-207
-   (bench/RESULTS.md, Session 35). It maps when its client is between calls
-   -- from a HELLO to the first put or fetch, or while a model server
-   generates.
+   (bench/RESULTS.md, Session 35). It maps when its client is between calls:
+   from a HELLO to the first put or fetch, or while a model server generates
+   and its writer thread is not uploading.
 
 What each OS gives:
 
@@ -261,20 +262,21 @@ IDLE_S = 5.0  # a premapper's thread ends after this long with nothing to map (t
 class Premapper:
     """Maps the live segments of one daemon run ahead of use, off the
     caller's thread (module docstring): `offer` a reply's list of live
-    segments; each new one is mapped (`segment(seg)`: the link's mappings of
-    it, read-only and writable, or None if it cannot be had) and its resident
-    pages populated on the thread `kvd-client-premap`, once, between the
-    copies of its client's calls (`pause`, `resume`: rule 4)."""
+    segments; each new one is mapped (`segment(seg, reads)`: the link's
+    mappings of it to populate -- the writable one, and with `reads` the
+    read-only one too -- or None if it cannot be had) and its resident pages
+    populated on the thread `kvd-client-premap`, once, between the copies of
+    its client's calls (`pause`, `resume`: rule 4)."""
 
-    def __init__(self, segment: Callable[[int], "mmap.mmap | None"]):
+    def __init__(self, segment: "Callable[[int, bool], list[mmap.mmap] | None]"):
         self._segment = segment
-        self._seen: set[int] = set()
-        self._queue: collections.deque[int] = collections.deque()
+        self._seen: dict[int, bool] = {}  # segment -> offered with `reads`
+        self._queue: collections.deque[tuple[int, bool]] = collections.deque()
         self._mu = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._busy = 0  # copies of this client's calls under way (`pause`)
+        self._busy = 0  # calls of this client copying (`pause`)
         self._calm = threading.Condition(self._mu)
 
     def stop(self) -> None:
@@ -287,23 +289,26 @@ class Premapper:
         self._wake.set()
 
     def pause(self) -> None:
-        """A call of this client is about to copy (a put into its slots, a
-        fetch out of its leases): the thread waits between pieces until
-        every such call has called `resume` (rule 4)."""
+        """A call of this client copies (a put into its slots, and its COMMITs
+        in parts; a fetch out of its leases): the thread waits between pieces
+        until every such call has called `resume` (rule 4). Call it inside
+        the `try` whose `finally` resumes."""
         with self._mu:
             self._busy += 1
 
     def resume(self) -> None:
+        """The end of a `pause` (never below none: a pause cut short before it
+        counted, by an exception, resumes nothing)."""
         with self._mu:
-            self._busy -= 1
+            self._busy = max(0, self._busy - 1)
             if not self._busy:
                 self._calm.notify_all()
 
     @contextlib.contextmanager
     def held(self):
         """`pause` for the block."""
-        self.pause()
         try:
+            self.pause()
             yield
         finally:
             self.resume()
@@ -315,15 +320,17 @@ class Premapper:
             while self._busy and not self._stopped:
                 self._calm.wait(1.0)
 
-    def offer(self, live: list[int]) -> None:
+    def offer(self, live: list[int], *, reads: bool = False) -> None:
+        """Map the segments of `live` not offered before (with `reads`, their
+        read-only mappings too: those offered before without it go again)."""
         if not _enabled or self._stopped:
             return
         with self._mu:
-            new = [seg for seg in live if seg not in self._seen]
+            new = [seg for seg in live if seg not in self._seen or (reads and not self._seen[seg])]
             if not new:
                 return
-            self._seen.update(new)
-            self._queue.extend(new)
+            self._seen.update(dict.fromkeys(new, reads))
+            self._queue.extend((seg, reads) for seg in new)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvd-client-premap", daemon=True)
                 try:
@@ -344,11 +351,11 @@ class Premapper:
                     return
             while True:
                 try:
-                    seg = self._queue.popleft()
+                    seg, reads = self._queue.popleft()
                 except IndexError:  # emptied (or stopped) meanwhile
                     break
                 try:
-                    if self._pieces(self._segment(seg) or []):
+                    if self._pieces(self._segment(seg, reads) or []):
                         counters["premapped_segments"] += 1
                 except Exception:  # noqa: BLE001 -- a segment gone meanwhile: nothing to map ahead (rule 3)
                     pass

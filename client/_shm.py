@@ -149,7 +149,6 @@ class Link:
         self._mu = threading.Lock()
         self._release: list[int] = []
         self.closed = False  # its run ended, or its client closed (`close`): nothing more is mapped
-        self._read_ahead: set[int] = set()  # segments HELLO listed: their read-only mappings premapped too
         self.premap = _pages.Premapper(self._premapped)  # live segments mapped ahead of puts (_pages.py)
 
     def field(self) -> dict[str, Any]:
@@ -260,17 +259,17 @@ class Link:
             raise ShmUnavailable(f"shm object {posix} ({name}): {err}") from None
         return _ours(fd, f"shm object {posix} ({name})")
 
-    def _premapped(self, seg: int) -> list[mmap.mmap] | None:
+    def _premapped(self, seg: int, reads: bool) -> list[mmap.mmap] | None:
         """The mappings of `seg` for the premapper: the writable one (what a
-        put copies into) and, for a segment HELLO listed (`map_ahead`'s
-        `reads`), the read-only one (what a GET copies from: a new client's
-        first fetch of 1 GiB took 265 ms with its pages faulted in as it read,
-        115 with them mapped before); or None: a segment that cannot be had
-        now is no fault of the link's (not `broken`)."""
+        put copies into) and, with `reads` (a segment HELLO listed:
+        `map_ahead`), the read-only one (what a GET copies from: a new
+        client's first fetch of 1 GiB took 265 ms with its pages faulted in
+        as it read, 115 with them mapped before); or None: a segment that
+        cannot be had now is no fault of the link's (not `broken`)."""
         broken = self.broken
         try:
             writable = self._segment(seg, True)  # (maps the read-only one too)
-            return [self._segment(seg, False), writable] if seg in self._read_ahead else [writable]
+            return [self._segment(seg, False), writable] if reads else [writable]
         except ShmUnavailable:
             self.broken = broken
             return None
@@ -368,7 +367,7 @@ class Link:
 
     def map_ahead(self, live: Any, *, reads: bool = False) -> None:
         """Map the daemon's live segments (a SLOTS reply's list, or HELLO's
-        `shm_live`) this client has not mapped yet, in the background
+        `shm_live`) not offered to the premapper yet, in the background
         (`_pages.Premapper`): after a put's own copy is done, or from HELLO,
         a piece at a time, so a put at once after it populates the pieces the
         thread has not taken. `reads` (HELLO's: the segments holding what a
@@ -377,10 +376,7 @@ class Link:
         are left to the GETs that come to them, so a fresh daemon's fill
         maps each page once, not twice (its 256 MiB puts 110-112 -> 99-103 ms)."""
         if isinstance(live, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in live):
-            if reads:
-                with self._mu:
-                    self._read_ahead.update(live)
-            self.premap.offer(live)
+            self.premap.offer(live, reads=reads)
 
     def retain(self, live: Any) -> None:
         """Unmap segments the daemon has removed (`live`: its current list), so
@@ -389,7 +385,6 @@ class Link:
             return  # not a list of segment ids: nothing to learn from it
         keep = set(live)
         with self._mu:
-            self._read_ahead &= keep
             for seg in [k for k in self._whole if k not in keep]:
                 del self._whole[seg]  # (before its mapping is closed: it holds it open)
             for key in [k for k in self._maps if k[0] not in keep]:

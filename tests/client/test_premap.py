@@ -26,7 +26,7 @@ def test_a_live_segment_is_mapped_ahead_allocating_nothing_and_nothing_after_sto
         mm = mmap.mmap(fd, 8 * MiB)  # the client's, never touched
         asked: list[int] = []
 
-        def segment(seg):
+        def segment(seg, reads):
             asked.append(seg)
             return [mm]
 

@@ -63,7 +63,7 @@ def test_the_premapper_leaves_pages_not_resident_yet_to_the_grant_that_comes_to_
     fd, daemon, client = _segment(64)
     try:
         daemon[:32 * PAGE] = bytes(32 * PAGE)  # cleared so far: the first half
-        pm = _pages.Premapper(lambda seg: [client] if seg == 0 else None)
+        pm = _pages.Premapper(lambda seg, reads: [client] if seg == 0 else None)
         before = _pages.counters["premapped_segments"]
         try:
             pm.offer([0])
@@ -215,7 +215,7 @@ def test_a_premapper_whose_mapping_is_closed_midway_maps_the_next_segment_all_th
 
     monkeypatch.setattr(_pages, "prefault", closing)
     before = _pages.counters["premapped_segments"]
-    pm = _pages.Premapper(maps.get)
+    pm = _pages.Premapper(lambda seg, reads: maps.get(seg))
     try:
         pm.offer([0])
         wait_until(lambda: _pages.counters["premapped_segments"] == before + 1, what="the first piece mapped")
@@ -239,7 +239,7 @@ def test_the_premapper_waits_while_its_client_copies_and_maps_once_it_is_done():
     paused. Beside the copy it took the core the copy ran on (a new client's
     first put 0.44-0.49x the steady state, 0.67-0.71x with it waiting)."""
     fd, daemon, client = _written_segment(2048)  # 8 MiB: two pieces
-    pm = _pages.Premapper({0: [client]}.get)
+    pm = _pages.Premapper(lambda seg, reads: [client] if seg == 0 else None)
     try:
         waits, mapped = _pages.counters["premap_waits"], _pages.counters["premapped_segments"]
         pm.pause()
@@ -255,7 +255,7 @@ def test_the_premapper_waits_while_its_client_copies_and_maps_once_it_is_done():
         pm.stop()
     # Stopped while paused: the thread ends, having mapped nothing.
     second = _written_segment(2048)
-    pm = _pages.Premapper({0: [second[2]]}.get)
+    pm = _pages.Premapper(lambda seg, reads: [second[2]] if seg == 0 else None)
     try:
         waits = _pages.counters["premap_waits"]
         pm.pause()
@@ -304,3 +304,34 @@ def test_a_put_and_a_fetch_pause_the_premapper_while_they_copy(daemon_factory, m
         assert_prefix_hit(c.get(toks), toks)
         assert c.counters["shm_gets"] >= 1 and seen["get"] == [1]
         assert link_of["link"].premap._busy == 0
+
+
+@linux_only
+def test_a_segment_offered_for_writes_then_for_reads_is_mapped_again_with_its_read_only_mapping():
+    """A segment a SLOTS reply listed (writable mapping only), then a HELLO of
+    the same run (`reads`): the premapper takes it again, for its read-only
+    mapping; each offer of the same kind after that is nothing new."""
+    fd, daemon, client = _written_segment(1024)
+    asked = []
+
+    def segment(seg, reads):
+        asked.append((seg, reads))
+        return [client]
+
+    pm = _pages.Premapper(segment)
+    try:
+        done = _pages.counters["premapped_segments"]
+        pm.offer([0])
+        wait_until(lambda: _pages.counters["premapped_segments"] > done, what="premapped for writes")
+        pm.offer([0], reads=True)
+        wait_until(lambda: len(asked) == 2, what="offered again for reads")
+        pm.offer([0], reads=True)
+        pm.offer([0])
+        pm.offer([1], reads=True)
+        wait_until(lambda: len(asked) == 3, what="the next segment")
+        assert asked == [(0, False), (0, True), (1, True)]
+    finally:
+        pm.stop()
+        daemon.close()
+        client.close()
+        os.close(fd)
