@@ -355,6 +355,29 @@ def test_a_grants_whole_pages_are_cleared_and_a_page_it_shares_keeps_the_other_s
     assert arena.copy_out(b) == b"\x05" * (MiB + 100) and arena.copy_out(other[0]) == b"\x09" * 100
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages cleared through the fd: Linux")
+def test_pages_a_failed_reserve_cleared_are_counted_reserved_and_trimmed(folder, monkeypatch):
+    """A grant whose whole pages were cleared, then whose edge pages could
+    not be reserved (a full /dev/shm or memory cgroup: the fallocate fails by
+    hand here): the reserve fails, and the pages it cleared, allocated all
+    the same, are counted reserved (a later slot there costs no syscall)
+    and handed back by `trim` once free."""
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
+    b = arena.alloc(2 * MiB + 100, reserve=False)
+    keep = arena.alloc(100)  # past it, reserved: the segment stays, its free pages are punched
+    assert keep.slot.seg == b.slot.seg
+    fd = arena._fds[b.slot.seg]
+    monkeypatch.setattr(arena, "_fallocate", lambda fd, off, n: False)
+    assert arena.reserve(b.slot) is False
+    assert os.fstat(fd).st_blocks * 512 >= 2 * MiB  # the whole pages: cleared, so allocated
+    del b  # the grant given up: its slot goes back
+    inside = arena.alloc(2 * MiB + 100, reserve=False)  # best fit: the hole b left
+    assert inside.slot.off == 0 and not arena.unreserved(inside.slot)
+    del inside
+    assert arena.trim() >= 2 * MiB
+    assert os.fstat(fd).st_blocks * 512 <= 2 * 4096  # handed back: only keep's page is left
+
+
 def test_a_grant_whose_pages_cannot_be_reserved_is_told_so_and_one_queued_at_stop_too(folder, monkeypatch):
     # A full /dev/shm or memory cgroup (ENOSPC) cannot be made here without
     # root: the fallocate fails by hand. A grant still queued when the

@@ -304,9 +304,15 @@ class Arena:
                 return True
             fd = os.dup(self._fds[slot.seg])  # (a copy: nothing of the arena's is used unlocked)
             pages = bytes(self._reserved[slot.seg][lo:hi])
+        cleared: list[tuple[int, int]] = []
         try:
-            self._clear_holes(fd, slot, lo, pages)
+            cleared = self._clear_holes(fd, slot, lo, pages)
             if not self._fallocate(fd, slot.off, slot.size):  # what is left: the slot's edge pages
+                # The runs cleared are allocated all the same: counted reserved,
+                # so a later slot there costs no syscall and `trim` hands them back.
+                with self._locked():
+                    for p, q in cleared:
+                        self._reserved[slot.seg][lo + p:lo + q] = b"\x01" * (q - p)
                 return False
         finally:
             os.close(fd)
@@ -315,22 +321,26 @@ class Arena:
         return True
 
     @staticmethod
-    def _clear_holes(fd: int, slot: Slot, lo: int, pages: bytes) -> None:
+    def _clear_holes(fd: int, slot: Slot, lo: int, pages: bytes) -> list[tuple[int, int]]:
         """Clear (kvd.host.segments.clear) each run of never-reserved pages
         wholly inside `slot` (`pages`: the bitmap from page `lo`): cleared
         now, a client maps them sixteen a fault, where a posix_fallocate'd
         page is cleared at its first touch, in the client, one fault a page
         (a 256 MiB slot: ~75 ms more of the client's copy here). Only pages no other
         slot shares, and holes: nothing there is overwritten. Best effort:
-        posix_fallocate reserves whatever this did not."""
+        posix_fallocate reserves whatever this did not. The runs cleared, as
+        (first, end) pages from `lo`."""
         first, end = -(-slot.off // _PAGE) - lo, (slot.off + slot.size) // _PAGE - lo
+        cleared = []
         p = pages.find(0, first, end)
         while p != -1:
             q = pages.find(1, p, end)
             q = end if q == -1 else q
             if not clear(fd, (q - p) * _PAGE, (lo + p) * _PAGE):
-                return
+                break
+            cleared.append((p, q))
             p = pages.find(0, q, end)
+        return cleared
 
     def _reserve(self, seg: int, off: int, size: int) -> bool:
         if not hasattr(os, "posix_fallocate"):
