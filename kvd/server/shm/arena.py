@@ -249,7 +249,12 @@ class Arena:
 
     # -- segments prepared ahead of demand (kvd/server/shm/prepare.py) ------------
     def spare_prepared(self) -> int:
-        """Free bytes whose pages are reserved, in segments that allocate."""
+        """Free bytes in the segments that allocate (not draining, not being
+        prepared): the preparer's measure of what is ready. Mostly reserved
+        pages; not all: a segment offered unreserved (its preparation failed)
+        and the rest of one the serving thread made for a grant count too --
+        the grants carved from them reserve their own pages (`reserve`), and
+        preparing more beside them would hold memory twice for one demand."""
         with self._locked():
             return sum(n - self._seg_used[seg] for seg, n in enumerate(self._sizes)
                        if seg not in self._draining and seg not in self._begun and self._maps[seg] is not None)
