@@ -44,15 +44,14 @@ Rules:
    off for the process and the copy faults pages in as before.
 4. The premapper gives way: while a call of its client copies (a put into
    its slots, with its COMMITs in parts; a fetch out of its leases), it
-   waits between pieces. Running
-   beside the copy it took the core the copy ran on, for pages that copy did
-   not need (a new client's first put maps its own slots, `Ahead`; a GET's
-   read faults its pages in sixteen at a time): a new client's first 256 MiB
-   put ran at 0.44-0.49x the steady state with it, 0.67-0.71x with it
-   waiting; a new client's first 1 GiB fetch 244-312 ms against 180-207
-   (bench/RESULTS.md, Session 35). It maps when its client is between calls:
-   from a HELLO to the first put or fetch, or while a model server generates
-   and its writer thread is not uploading.
+   waits between pieces. Running beside the copy, it took the core the copy
+   ran on, for pages that copy did not need (a new client's first put maps
+   its own slots, `Ahead`; a GET's read faults its pages in sixteen at a
+   time): a new client's first 256 MiB put ran at 0.44-0.49x the steady
+   state with it, 0.67-0.71x with it waiting; a new client's first 1 GiB
+   fetch 244-312 ms against 180-207 (bench/RESULTS.md, Session 35). It maps
+   when its client is between calls: from a HELLO to the first put or fetch,
+   or while a model server generates and its writer thread is not uploading.
 
 What each OS gives:
 

@@ -309,7 +309,6 @@ class Arena:
                 return True
             fd = os.dup(self._fds[slot.seg])  # (a copy: nothing of the arena's is used unlocked)
             pages = bytes(self._reserved[slot.seg][lo:hi])
-        cleared: list[tuple[int, int]] = []
         try:
             cleared = self._clear_holes(fd, slot, lo, pages)
             if not self._fallocate(fd, slot.off, slot.size):  # what is left: the slot's edge pages
