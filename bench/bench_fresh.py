@@ -96,13 +96,12 @@ def main() -> None:
         with Client(d.endpoint, namespace="fresh", timeout=60, strict=True, transport="shm") as c:
             with _Pinger(d.endpoint) if pinger else contextlib.nullcontext() as pings:
                 fresh = [put(c) for _ in range(fill)]
-            steady = [put(c) for _ in range(args.steady)] if not pinger else None
             idle = None
             if pinger:
                 with _Pinger(d.endpoint) as idle:
                     time.sleep(1.0)  # the daemon idle: the pinger's own round trips
-                with _Pinger(d.endpoint):
-                    steady = [put(c) for _ in range(args.steady)]
+            with _Pinger(d.endpoint) if pinger else contextlib.nullcontext():
+                steady = [put(c) for _ in range(args.steady)]
             # (a put over max_message_mb goes as several SLOTS: each counts)
             assert c.counters["shm_puts"] >= fill + args.steady and not c.counters["shm_put_fallback"]
             return fresh, steady, pings, idle, c.stats().get("host", {})
