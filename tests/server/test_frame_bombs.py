@@ -185,9 +185,12 @@ def test_a_banned_process_connecting_at_a_full_table_costs_no_peer_its_connectio
         banned_at = time.monotonic()
         # The bomb's connections, cut, leave the table as the gate reads
         # their DISCONNECTED: the table is filled once they have (a stale one
-        # counted made the sixth client wait past its connect_wait once in CI).
+        # counted made the sixth client wait past its connect_wait once in CI;
+        # one shed but not closed yet, still holding its place, made the sixth
+        # screened in and c0 shed for it, so c0's PING found no connection).
         clients = [d.client("c0", strict=True, timeout=30.0)]
-        wait_until(lambda: clients[0].stats()["peers"]["connected"] == 1, what="the bomb's connections gone")
+        wait_until(lambda: (lambda p: (p["connected"], p["closing"]))(clients[0].stats()["peers"]) == (1, 0),
+                   what="the bomb's connections gone")
         clients += [d.client(f"c{i}", strict=True, timeout=30.0) for i in range(1, 6)]
         assert all(c.ping() for c in clients)  # the table is full: six peers, max_peers 6
         before = clients[0].stats()["peers"]

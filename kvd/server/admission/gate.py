@@ -343,7 +343,7 @@ class PeerGate(MemoryWatch, threading.Thread):
 
     def stats(self) -> dict:
         return {
-            "connected": len(self.peers), "max_peers": self.max_peers, "paused": self.paused,
+            "connected": len(self.peers), "closing": len(self.closing), "max_peers": self.max_peers, "paused": self.paused,
             "lane_connections": len(self.lane_peers),
             "accept_guard": acceptguard.installed(), "refused_no_fd": acceptguard.refused(),
             "held_banned": acceptguard.held()[1], **self.counters,
