@@ -189,8 +189,11 @@ def test_a_banned_process_connecting_at_a_full_table_costs_no_peer_its_connectio
         # one shed but not closed yet, still holding its place, made the sixth
         # screened in and c0 shed for it, so c0's PING found no connection).
         clients = [d.client("c0", strict=True, timeout=30.0)]
-        wait_until(lambda: (lambda p: (p["connected"], p["closing"]))(clients[0].stats()["peers"]) == (1, 0),
-                   what="the bomb's connections gone")
+        def alone() -> bool:  # c0 the only peer, and none shed still holding its place
+            p = clients[0].stats()["peers"]
+            return p["connected"] == 1 and p["closing"] == 0
+
+        wait_until(alone, what="the bomb's connections gone")
         clients += [d.client(f"c{i}", strict=True, timeout=30.0) for i in range(1, 6)]
         assert all(c.ping() for c in clients)  # the table is full: six peers, max_peers 6
         before = clients[0].stats()["peers"]
