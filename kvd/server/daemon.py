@@ -634,7 +634,7 @@ class Daemon(drain.Striking):
                 while len(turns) and not turns.room(nbytes):
                     shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
                 if turns.room(nbytes):
-                    turns.put(peer, raw, nbytes)
+                    turns.put(peer, raw, nbytes, conn and conn.origin)
                     continue
                 # too big to wait: served next (its peer has nothing waiting)
             if not ready.room(nbytes):
@@ -788,7 +788,7 @@ class Daemon(drain.Striking):
             if reply is not None:
                 self._send(identity, reply, frames, conn and conn.where)
         if self._left is not None:  # its next turn comes as a heavy peer's does (turns.py rule 5)
-            self.turns.put_first(identity, self._left._replace(conn=conn, size=nbytes), nbytes)
+            self.turns.put_first(identity, self._left._replace(conn=conn, size=nbytes), nbytes, conn and conn.origin)
         elapsed = time.perf_counter() - started
         # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
         cpu = time.thread_time() - cpu

@@ -147,6 +147,36 @@ def test_a_peer_alone_is_not_held_back_by_its_own_cheap_requests():
     assert t.due(0.002) == pytest.approx(0.052) and t.take(0.002) is None
 
 
+def test_a_process_is_not_held_back_by_its_own_other_connections():
+    """A process's light requests on one connection (a client's HELLO on the
+    main socket, its upload socket, another model's client) do not make its
+    heavy ones on another wait for a share: only another process does. A new
+    client's fetch of 1 GiB waited up to active_s after its own HELLO."""
+    t = Turns(share=0.05, active_s=0.05)
+    t.charge(b"main", 0.0002, 0, now=0.0, origin=b"pid 1")  # the client's HELLO
+    t.charge(b"lane", 0.005, 0, now=0.0, origin=b"pid 1")  # its GET's first page: heavy
+    t.put(b"lane", "page 2", 0, b"pid 1")
+    assert t.due(0.001) == 0.001 and t.take(0.001) == "page 2"  # nobody else about
+    t.charge(b"lane", 0.005, 0, now=0.006, waited=True, origin=b"pid 1")
+    t.put(b"lane", "page 3", 0, b"pid 1")
+    assert t.take(0.006) == "page 3"  # its turn drew on no share: none was kept from anyone
+    t.charge(b"lane", 0.005, 0, now=0.011, waited=True, origin=b"pid 1")
+    t.charge(b"other", 0.0002, 0, now=0.012, origin=b"pid 2")  # another process's client is served
+    t.put(b"lane", "page 4", 0, b"pid 1")
+    assert t.take(0.012) == "page 4"  # (within the burst)
+    t.charge(b"lane", 0.005, 0, now=0.017, waited=True, origin=b"pid 1")
+    t.put(b"lane", "page 5", 0, b"pid 1")
+    assert t.take(0.017) is None and t.due(0.017) > 0.017  # now its turns take a share
+    assert t.take(0.2) == "page 5"
+    t.charge(b"tcp a", 0.0002, 0, now=1.0)  # over TCP no process is known: each connection is its own
+    t.charge(b"tcp b", 0.005, 0, now=1.0)
+    t.put(b"tcp b", "b1", 0)
+    assert t.take(1.0) == "b1"  # (within the burst)
+    t.charge(b"tcp b", 0.005, 0, now=1.005, waited=True)
+    t.put(b"tcp b", "b2", 0)
+    assert t.take(1.005) is None and t.take(1.06) == "b2"
+
+
 def test_forget_drops_the_costs_of_silent_peers():
     t = Turns(forget_s=10.0)
     t.charge(b"gone", 0.01, 0, now=0.0)

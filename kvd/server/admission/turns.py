@@ -22,7 +22,11 @@ nothing else. While other peers are active (one was served in the last
 that cost c, the next waits until c / share has passed. A peer waiting for
 its reply sends nothing more, so this also slows what heavy peers send,
 which is most of what they cost. With nobody else about, heavy peers are
-served in full.
+served in full. "Else" is another process: a process's own connections (a
+client's HELLO on the main socket and its lane, its upload socket, the
+clients of a server's other models) do not hold back its heavy requests --
+a new client's fetch of 1 GiB waited up to `active_s` after its own HELLO,
+a page at a time.
 
 A cost belongs to a connection, and also to its *origin*, the process at
 the other end of a unix socket (the daemon finds it once per connection,
@@ -75,6 +79,13 @@ BYTE_SECONDS = 0.5e-9
 PART_SECONDS = 1e-6
 
 
+def _who(peer: bytes, origin: bytes | None) -> tuple:
+    """Whose request it is, for who else is about: its process where the
+    daemon knows it (a unix socket's peer), else the connection alone (TCP:
+    one host may be many clients)."""
+    return ("origin", origin) if origin is not None else ("peer", peer)
+
+
 class Unfinished(NamedTuple):
     """A request part-served (rule 5): its peer, its frames (its tensors and
     tokens are views of them), the decoded message, what is left of it (a
@@ -123,13 +134,14 @@ class Turns:
         self.bytes = 0
         self._served = 0  # requests served so far: a waiting request's passes are this minus its mark
         self._turn = 0  # _served after the last waiting request's turn (rule 2)
-        self._waiting: deque[tuple[int, bytes, int, Any, float]] = deque()  # (mark, peer, nbytes, request, since), oldest first
+        # (mark, peer, nbytes, request, since, who: `_who`), oldest first
+        self._waiting: deque[tuple[int, bytes, int, Any, float, tuple]] = deque()
         self._per_peer: dict[bytes, int] = {}
         self._cost: dict[bytes, tuple[float, float]] = {}  # peer -> (mean cost of a request, when it last sent one)
         self._origin_cost: dict[bytes, tuple[float, float]] = {}  # origin -> the same, over all its connections
         self._partial: dict[bytes, float] = {}  # peer -> what its request served in turns has cost so far
-        # The last two peers served that are not heavy, and when: (peer, time), newest first.
-        self._light: list[tuple[bytes, float]] = [(b"", float("-inf"))] * 2
+        # The last two processes (`_who`) with a request served that is not heavy, and when: (who, time), newest first.
+        self._light: list[tuple[tuple, float]] = [((), float("-inf"))] * 2
         self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
         self.counters = {"deferred": 0, "overdue": 0, "sliced": 0}
 
@@ -146,18 +158,18 @@ class Turns:
         """May a request of `nbytes` wait (rule 3)?"""
         return len(self._waiting) < self.max_waiting and self.bytes + nbytes <= self.max_bytes
 
-    def put(self, peer: bytes, request: Any, nbytes: int) -> None:
+    def put(self, peer: bytes, request: Any, nbytes: int, origin: bytes | None = None) -> None:
         """Keep `request` until its turn (check `room()` first)."""
-        self._waiting.append((self._served, peer, nbytes, request, self._now))
+        self._waiting.append((self._served, peer, nbytes, request, self._now, _who(peer, origin)))
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.bytes += nbytes
         self.counters["deferred"] += 1
 
-    def put_first(self, peer: bytes, request: Any, nbytes: int) -> None:
+    def put_first(self, peer: bytes, request: Any, nbytes: int, origin: bytes | None = None) -> None:
         """Keep `request` ahead of `peer`'s other waiting requests (rule 5;
         check `room()` first: without room, the loop serves it to its end)."""
         at = next((i for i, w in enumerate(self._waiting) if w[1] == peer), len(self._waiting))
-        self._waiting.insert(at, (self._served, peer, nbytes, request, self._now))
+        self._waiting.insert(at, (self._served, peer, nbytes, request, self._now, _who(peer, origin)))
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.bytes += nbytes
         self.counters["sliced"] += 1
@@ -169,7 +181,7 @@ class Turns:
             return None
         now, head = self._now, self._waiting[0]
         if head[4] == float("-inf"):  # put before the loop passed any time: it waits from now
-            self._waiting[0] = head = (*head[:4], now)
+            self._waiting[0] = head = (*head[:4], now, head[5])
         if self._credit_at(now) < 0 and now - head[4] < self.max_wait_s:
             return None
         self.counters["overdue"] += 1
@@ -182,7 +194,7 @@ class Turns:
         self._now = max(self._now, now)
         if not self._waiting:
             return None
-        until = self._others_until(self._waiting[0][1])
+        until = self._others_until(self._waiting[0][5])
         if now >= until:
             return now
         credit = self._credit_at(now)
@@ -199,7 +211,7 @@ class Turns:
         """The oldest waiting request, or None."""
         if not self._waiting:
             return None
-        _, peer, nbytes, request, _ = self._waiting.popleft()
+        _, peer, nbytes, request, _, _ = self._waiting.popleft()
         self._turn = self._served + 1  # passes count from after this turn (its own charge is none)
         self._popped_at = self._now
         left = self._per_peer[peer] - 1
@@ -243,13 +255,14 @@ class Turns:
             # them off: at its end they look gone, and the share went unspent --
             # a 125 ms PUT of 8,000 tiny chunks then had every other turn, issue 44).
             began = min(now - seconds, self._popped_at)
-            if began < self._others_until(peer):  # others are about: this turn uses heavy peers' share
+            if began < self._others_until(_who(peer, origin)):  # others are about: this turn uses heavy peers' share
                 # What the others waited is the turn's wall time, when it is longer than its
                 # CPU time (a busy machine, a message of 8,000 frames read part by part).
                 held = max(cost, now - self._popped_at) if self._popped_at <= now else cost
                 self._credit = (self._credit_at(now) - held, now)
         elif seconds > 0 and mean <= self.heavy_s and not more:
-            self._light = [(peer, now), self._light[1 if self._light[0][0] == peer else 0]]
+            who = _who(peer, origin)
+            self._light = [(who, now), self._light[1 if self._light[0][0] == who else 0]]
 
     def _average(self, costs: dict[bytes, tuple[float, float]], key: bytes, cost: float, now: float) -> float:
         got = costs.pop(key, None)  # and in again at the end: the dict stays in order of last request
@@ -257,9 +270,9 @@ class Turns:
         costs[key] = (mean, now)
         return mean
 
-    def _others_until(self, peer: bytes) -> float:
-        """Until when peers other than `peer` count as active (one was served lately)."""
-        return max((at for who, at in self._light if who != peer), default=float("-inf")) + self.active_s
+    def _others_until(self, who: tuple) -> float:
+        """Until when processes other than `who` (`_who`) count as active (one was served lately)."""
+        return max((at for other, at in self._light if other != who), default=float("-inf")) + self.active_s
 
     def _credit_at(self, now: float) -> float:
         credit, at = self._credit
