@@ -221,6 +221,7 @@ class Core:
         self._shm_link: _shm.Link | None = None
         self._shm_lock = threading.Lock()
         self._shm_cool_until = 0.0  # time.monotonic() before which calls use frames (_shm_broke)
+        self._closed = False  # `close` was called: no link is taken again
         self._tls = threading.local()  # .budget: the _Budget of this thread's current public call
 
     # -- plumbing ----------------------------------------------------------
@@ -351,7 +352,10 @@ class Core:
         with self._shm_lock:
             if offer != self._shm_offer:
                 if self._shm_link is not None:
-                    self._shm_link.close()  # the old run's segments: unmapped, their memory freed
+                    # The old run's link: unmapped, its memory freed, once no
+                    # other client of this process uses it (they learn the run
+                    # ended at their next call).
+                    _shm.release(self._shm_link, self)
                 self._shm_offer, self._shm_link = offer, None
         live = reply.get("shm_live")
         if live is not None and self._shm_offer:
@@ -373,7 +377,7 @@ class Core:
 
     def _link(self, *, background: bool = False) -> _shm.Link | None:
         """The shared-memory link to use now, or None for frames."""
-        if self.transport == "frames" or self._curve is not None:
+        if self.transport == "frames" or self._curve is not None or self._closed:
             return None
         self._shm_forked()
         if self._features is None:  # one HELLO learns the offer
@@ -381,9 +385,16 @@ class Core:
         if time.monotonic() < self._shm_cool_until:
             return None  # a segment could not be mapped lately: frames for a while (_shm_broke)
         with self._shm_lock:
+            if self._shm_link is not None and self._shm_link.closed:
+                # Closed by another client of this process (its calls found a
+                # segment it could not map, or the run ended): take the run's
+                # link anew; a run that did end refuses its proof, and HELLO
+                # is asked again.
+                _shm.release(self._shm_link, self)
+                self._shm_link = None
             if self._shm_link is None and self._shm_offer:
                 try:
-                    self._shm_link = _shm.Link(self._shm_offer)
+                    self._shm_link = _shm.shared(self._shm_offer, self)  # one per daemon run in a process
                 except (OSError, KvdError) as err:  # another user's daemon, a folder gone
                     self.counters["shm_unavailable"] += 1
                     log.debug("shared memory unavailable: %s", err)
@@ -418,7 +429,10 @@ class Core:
             if self._shm_link is not link:
                 return
             if self._shm_link is not None:
-                self._shm_link.close()  # the old run's segments: unmapped, their memory freed
+                # The old run's segments: unmapped, their memory freed, for
+                # every client of this process (the run is over for them too).
+                self._shm_link.close()
+                _shm.release(self._shm_link, self)
             self._shm_offer, self._shm_link = None, None
         self._forget_daemon()
 
@@ -863,9 +877,13 @@ class Core:
 
     def close(self) -> None:
         self._shm_forked()  # (a child's: its parent's link is not its to stop)
-        link = self._shm_link
+        self._closed = True
+        with self._shm_lock:
+            link, self._shm_link = self._shm_link, None
         if link is not None:
-            link.close()  # nothing more mapped ahead, and nothing left mapped, for a client that is done
+            # Nothing more mapped ahead, and nothing left mapped, once the
+            # last client of this process that shares the link is done.
+            _shm.release(link, self)
         self._transport.close()
         if self._bg_transport is not None:
             self._bg_transport.close()

@@ -40,6 +40,17 @@ Rules (the daemon is not trusted to be well-behaved, PROTOCOL.md section 11):
    segment beside the writable one its SLOTS grants use): an engine that
    writes into a fetched array by mistake gets an error, not another reader's
    cache damaged. Only slots granted to this client are ever written.
+
+One link per daemon run in a process (`shared`, `release`): the clients of
+one process that reach the same run -- a server's models, each a namespace
+of its own, or a client made again after an error -- share its proof and
+mappings, so each segment is mapped (page tables and all: ~2 MiB per GiB
+per mapping with 4 KiB pages) and premapped once, and a new client's first
+fetch copies out of pages the process has mapped already. Releases and the
+premapper's pauses are the run's, not a client's: any request with the
+proof may end any lease of it, and the premapper gives way to every copy of
+the process. The last client to let go unmaps; a client that learns the run
+ended closes the link for all (the others then take a new one, or frames).
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ import socket
 import stat
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +162,7 @@ class Link:
         self._release: list[int] = []
         self.closed = False  # its run ended, or its client closed (`close`): nothing more is mapped
         self.premap = _pages.Premapper(self._premapped)  # live segments mapped ahead of puts (_pages.py)
+        self.users: weakref.WeakSet[object] = weakref.WeakSet()  # the clients sharing it (`shared`)
 
     def field(self) -> dict[str, Any]:
         """The `shm` map of a request: proof, run, and the leases to end."""
@@ -409,3 +422,47 @@ class Link:
     def in_time(self, sent_at: float) -> bool:
         """Whether a lease asked for at `sent_at` (time.monotonic) is surely still live."""
         return time.monotonic() - sent_at < self.lease_s
+
+
+# -- one link per daemon run in a process (module docstring) --------------------
+_links: "weakref.WeakValueDictionary[str, Link]" = weakref.WeakValueDictionary()
+_links_mu = threading.Lock()
+
+
+def _offer_key(offer: dict[str, Any]) -> str:
+    """What names a daemon run's segments and proof in an offer (all `Link` reads of it)."""
+    return repr(tuple(offer.get(k) for k in ("dir", "handout", "run", "segments", "pid", "pidns", "lease_s")))
+
+
+def shared(offer: dict[str, Any], user: object) -> Link:
+    """This process's link to the run `offer` names, made if it has none (or
+    only a closed one), with `user` (a client) counted among its users until
+    it calls `release`. Raises as `Link` does."""
+    key = _offer_key(offer)
+    with _links_mu:
+        link = _links.get(key)
+        if link is None or link.closed:
+            link = Link(offer)
+            _links[key] = link
+        link.users.add(user)
+        return link
+
+
+def release(link: Link, user: object) -> None:
+    """`user` is done with `link`: the last user closes it (its segments
+    unmapped now). A user collected without releasing counts no more."""
+    with _links_mu:
+        link.users.discard(user)
+        if not link.users:
+            link.close()
+
+
+def _forget_links() -> None:
+    """In a child after fork: its parent's links are not its own (their
+    premapper threads are not in the child, their locks may be held)."""
+    global _links, _links_mu
+    _links, _links_mu = weakref.WeakValueDictionary(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_links)

@@ -285,6 +285,51 @@ def test_a_runs_segments_are_unmapped_once_the_client_learns_it_ended(daemon_fac
         c.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_clients_of_one_process_share_a_runs_mappings_and_the_last_to_close_unmaps(daemon_factory):
+    """Two clients of one process (a server's two models, each a namespace)
+    share the run's link: each segment is mapped once in the process, not once
+    per client. One closing leaves the other served over shared memory; a
+    link one client closes (its calls found the run ended) is taken anew by
+    the others at their next call; the last to close unmaps."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    toks, more = np.arange(512), np.arange(512) + 100_000
+    a, b = d.client("model-a", timeout=5.0), d.client("model-b", timeout=5.0)
+    try:
+        assert a.put(toks, prefix_snapshot(toks))
+        assert b.put(more, prefix_snapshot(more))
+        assert_prefix_hit(a.get(toks), toks)
+        assert_prefix_hit(b.get(more), more)
+        link = a._shm_link
+        assert b._shm_link is link
+        assert (a.counters["shm_puts"], a.counters["shm_gets"], b.counters["shm_puts"], b.counters["shm_gets"]) == (1, 1, 1, 1)
+        mapped = _mappings(link)
+        inodes = {inode for _, inode in mapped}
+        assert len(mapped) == len(link._maps)  # every (segment, writable) once ...
+        assert len([m for m in _maps_now() if m[1] in inodes]) == len(mapped)  # ... and by no one else here
+
+        a.close()
+        assert not link.closed and mapped <= _maps_now()
+        assert_prefix_hit(b.get(more), more)
+        assert b.counters["shm_gets"] == 2
+
+        c = d.client("model-a", timeout=5.0)  # model-a again, as a client made anew
+        assert_prefix_hit(c.get(toks), toks)
+        assert c._shm_link is link and c.counters["shm_gets"] == 1
+        c._shm_reset(link)  # as a client whose proof was refused does: the run is over for all
+        assert link.closed and not link._maps
+        assert_prefix_hit(b.get(more), more)  # the run goes on: b takes it anew, over shared memory
+        assert b._shm_link is not link and not b._shm_link.closed and b.counters["shm_gets"] == 3
+        renewed = _mappings(b._shm_link)
+        assert renewed
+        b.close()
+        c.close()
+        wait_until(lambda: not renewed & _maps_now(), 10, "the last client's close unmaps")
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_put_whose_link_is_closed_midway_goes_over_frames_and_maps_nothing_more(kvd_daemon):
     """Another thread closes the link a put is copying into (its daemon's run
     ended, as a HELLO on that thread said): the put is abandoned and sent over
