@@ -380,18 +380,25 @@ class Core:
         if self.transport == "frames" or self._curve is not None or self._closed:
             return None
         self._shm_forked()
+        with self._shm_lock:
+            stale = self._shm_link
+            if stale is not None and stale.closed:
+                # Closed by another client of this process, which found the run
+                # ended (a restarted daemon's runs are in new folders): forget
+                # the offer too, and ask HELLO for the daemon's current one.
+                _shm.release(stale, self)
+                self._shm_offer = self._shm_link = None
+            else:
+                stale = None
+        if stale is not None:
+            self._forget_daemon()
         if self._features is None:  # one HELLO learns the offer
             self._hello_now(background=background)
         if time.monotonic() < self._shm_cool_until:
             return None  # a segment could not be mapped lately: frames for a while (_shm_broke)
         with self._shm_lock:
-            if self._shm_link is not None and self._shm_link.closed:
-                # Closed by another client of this process (its calls found a
-                # segment it could not map, or the run ended): take the run's
-                # link anew; a run that did end refuses its proof, and HELLO
-                # is asked again.
-                _shm.release(self._shm_link, self)
-                self._shm_link = None
+            if self._closed:  # (closed by another thread meanwhile: it would never let go of a link taken now)
+                return None
             if self._shm_link is None and self._shm_offer:
                 try:
                     self._shm_link = _shm.shared(self._shm_offer, self)  # one per daemon run in a process
@@ -418,20 +425,25 @@ class Core:
         /proc, a sandbox) would otherwise take a grant it cannot fill, lost
         to everyone until its lease ends, at every PUT."""
         if link.broken:
+            # (Taken back: the link may be shared, and another client's later
+            # failure is no sign that it cannot open segments.)
+            link.broken = False
             self._shm_cool_until = time.monotonic() + SHM_COOL_S
             self.counters["shm_cooling"] += 1
 
-    def _shm_reset(self, link: _shm.Link) -> None:
-        """Forget `link` and ask HELLO again on the next call (a restarted
-        daemon); nothing if another thread has replaced it already (the new
-        one, to the new daemon, stays)."""
+    def _shm_reset(self, link: _shm.Link, *, ended: bool = True) -> None:
+        """Forget `link` and ask HELLO again on the next call; nothing if
+        another thread has replaced it already (the new one stays). `ended`:
+        the daemon refused its proof (a restarted daemon), so the run is over
+        for every client of this process, and its segments are unmapped now,
+        their memory freed; else (a segment this call could not map) only this
+        client lets go of the link, which the others keep using."""
         with self._shm_lock:
             if self._shm_link is not link:
                 return
             if self._shm_link is not None:
-                # The old run's segments: unmapped, their memory freed, for
-                # every client of this process (the run is over for them too).
-                self._shm_link.close()
+                if ended:
+                    self._shm_link.close()
                 _shm.release(self._shm_link, self)
             self._shm_offer, self._shm_link = None, None
         self._forget_daemon()
@@ -766,7 +778,7 @@ class Core:
                         # under the daemon, which puts names back within a
                         # second): this call goes over frames, from the start.
                         self._shm_broke(link)
-                        self._shm_reset(link)
+                        self._shm_reset(link, ended=False)
                         self.counters["shm_get_fallback"] += 1
                         log.debug("shm get failed, over frames instead: %s", err)
                         return self._get(seq, cap, need_boundary, None, leases, alloc)

@@ -288,8 +288,8 @@ class Premapper:
         self._wake.set()
 
     def pause(self) -> None:
-        """A call of this client copies (a put into its slots, and its COMMITs
-        in parts; a fetch out of its leases): the thread waits between pieces
+        """A call of a client sharing the link copies (a put into its slots,
+        and its COMMITs in parts; a fetch out of its leases): the thread waits between pieces
         until every such call has called `resume` (rule 4). Call it inside
         the `try` whose `finally` resumes."""
         with self._mu:

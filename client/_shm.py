@@ -49,8 +49,10 @@ per mapping with 4 KiB pages) and premapped once, and a new client's first
 fetch copies out of pages the process has mapped already. Releases and the
 premapper's pauses are the run's, not a client's: any request with the
 proof may end any lease of it, and the premapper gives way to every copy of
-the process. The last client to let go unmaps; a client that learns the run
-ended closes the link for all (the others then take a new one, or frames).
+the process. The last client to let go unmaps; a client whose proof the
+daemon refused (the run ended) closes the link for all, and the others ask
+HELLO for the daemon's new run at their next call; a client that could not
+map a segment lets go of the link alone.
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ class Link:
         self.closed = False  # its run ended, or its client closed (`close`): nothing more is mapped
         self.premap = _pages.Premapper(self._premapped)  # live segments mapped ahead of puts (_pages.py)
         self.users: weakref.WeakSet[object] = weakref.WeakSet()  # the clients sharing it (`shared`)
+        self.key = ""  # its place among the process's links (`shared`)
 
     def field(self) -> dict[str, Any]:
         """The `shm` map of a request: proof, run, and the leases to end."""
@@ -443,6 +446,7 @@ def shared(offer: dict[str, Any], user: object) -> Link:
         link = _links.get(key)
         if link is None or link.closed:
             link = Link(offer)
+            link.key = key
             _links[key] = link
         link.users.add(user)
         return link
@@ -453,8 +457,11 @@ def release(link: Link, user: object) -> None:
     unmapped now). A user collected without releasing counts no more."""
     with _links_mu:
         link.users.discard(user)
-        if not link.users:
-            link.close()
+        if link.users:
+            return
+        if _links.get(link.key) is link:
+            del _links[link.key]  # no one takes it now: closed outside the lock (a segment's open may wait)
+    link.close()
 
 
 def _forget_links() -> None:

@@ -289,12 +289,14 @@ def test_a_runs_segments_are_unmapped_once_the_client_learns_it_ended(daemon_fac
 def test_the_clients_of_one_process_share_a_runs_mappings_and_the_last_to_close_unmaps(daemon_factory):
     """Two clients of one process (a server's two models, each a namespace)
     share the run's link: each segment is mapped once in the process, not once
-    per client. One closing leaves the other served over shared memory; a
-    link one client closes (its calls found the run ended) is taken anew by
-    the others at their next call; the last to close unmaps."""
+    per client. One closing leaves the others served over shared memory; one
+    that could not map a segment lets go of the link alone; one whose proof
+    was refused closes it for all, and after a restart each takes the new
+    run's, shared again; the last to close unmaps."""
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
     toks, more = np.arange(512), np.arange(512) + 100_000
     a, b = d.client("model-a", timeout=5.0), d.client("model-b", timeout=5.0)
+    c = d.client("model-a", timeout=5.0)  # model-a again, as a client made anew
     try:
         assert a.put(toks, prefix_snapshot(toks))
         assert b.put(more, prefix_snapshot(more))
@@ -313,21 +315,48 @@ def test_the_clients_of_one_process_share_a_runs_mappings_and_the_last_to_close_
         assert_prefix_hit(b.get(more), more)
         assert b.counters["shm_gets"] == 2
 
-        c = d.client("model-a", timeout=5.0)  # model-a again, as a client made anew
         assert_prefix_hit(c.get(toks), toks)
         assert c._shm_link is link and c.counters["shm_gets"] == 1
+        c._shm_reset(link, ended=False)  # as after a segment it could not map: its own letting go
+        assert not link.closed and b._shm_link is link
+        assert_prefix_hit(c.get(toks), toks)
+        assert c._shm_link is link and c.counters["shm_gets"] == 2
+
         c._shm_reset(link)  # as a client whose proof was refused does: the run is over for all
         assert link.closed and not link._maps
-        assert_prefix_hit(b.get(more), more)  # the run goes on: b takes it anew, over shared memory
+        assert_prefix_hit(b.get(more), more)  # the run goes on: b asks HELLO, takes it anew, over shared memory
         assert b._shm_link is not link and not b._shm_link.closed and b.counters["shm_gets"] == 3
-        renewed = _mappings(b._shm_link)
-        assert renewed
+        assert_prefix_hit(c.get(toks), toks)
+        assert c._shm_link is b._shm_link and c.counters["shm_gets"] == 3
+        # A link another client closed, its run ended: its offer names a folder
+        # the restarted daemon has swept. c takes no link from it: it asks HELLO.
+        current = c._shm_link
+        c._shm_offer = {**c._shm_offer, "dir": str(Path(c._shm_offer["dir"]).with_name("gone"))}
+        current.close()
+        assert_prefix_hit(c.get(toks), toks)
+        assert c.counters["shm_gets"] == 4 and c.counters["shm_unavailable"] == 0
+        assert c._shm_link is not current and c._shm_link.run == current.run
+
+        d.kill()
+        d.start()
+        old = c._shm_link
+        wait_until(lambda: b.put(more, prefix_snapshot(more)), 10, "b to store into the new daemon")
+        wait_until(lambda: c.put(toks, prefix_snapshot(toks)), 10, "c to store into the new daemon")
+        renewed = b._shm_link
+        assert renewed is not None and renewed.run != old.run and old.closed
+        assert c._shm_link is renewed and b.counters["shm_puts"] == 2 and c.counters["shm_puts"] == 1
+        assert_prefix_hit(c.get(toks), toks)
+        assert c.counters["shm_gets"] == 5
+        mapped = _mappings(renewed)
+        assert mapped
         b.close()
+        assert not renewed.closed and mapped <= _maps_now()  # c still uses them
+        assert_prefix_hit(c.get(toks), toks)
         c.close()
-        wait_until(lambda: not renewed & _maps_now(), 10, "the last client's close unmaps")
+        wait_until(lambda: not mapped & _maps_now(), 10, "the last client's close unmaps")
     finally:
-        a.close()
-        b.close()
+        for client in (a, b, c):
+            client.close()
 
 
 def test_a_put_whose_link_is_closed_midway_goes_over_frames_and_maps_nothing_more(kvd_daemon):

@@ -22,9 +22,10 @@ nothing else. While other peers are active (one was served in the last
 that cost c, the next waits until c / share has passed. A peer waiting for
 its reply sends nothing more, so this also slows what heavy peers send,
 which is most of what they cost. With nobody else about, heavy peers are
-served in full. "Else" is another process: a process's own connections (a
-client's HELLO on the main socket and its lane, its upload socket, the
-clients of a server's other models) do not hold back its heavy requests --
+served in full. "Else" is another process, where the daemon knows it (a
+unix socket's peer; over TCP each connection is its own): a process's own
+connections (a client's HELLO on the main socket and its lane, its upload
+socket, the clients of a server's other models) do not hold back its heavy requests --
 a new client's fetch of 1 GiB waited up to `active_s` after its own HELLO,
 a page at a time.
 
