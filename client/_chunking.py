@@ -292,6 +292,29 @@ def fill_all(fill: Callable[..., None], jobs: list[tuple[int, np.ndarray]]) -> N
     _pair.both(lambda: [fill(i, raw, 0) for i, raw in jobs], lambda: [fill(i, raw, 1) for i, raw in jobs])
 
 
+def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """`np.copyto(dst, src)` for each (src, dst); over SPLIT_BYTES in all,
+    shared out between this thread and the helper's (`_pair`), the biggest
+    first, each to the half with fewer bytes so far (a snapshot's tensors:
+    a cache's keys and values, of one size)."""
+    if sum(dst.nbytes for _, dst in pairs) < SPLIT_BYTES:
+        for src, dst in pairs:
+            np.copyto(dst, src, casting="no")
+        return
+    halves: tuple[list, list] = ([], [])
+    loads = [0, 0]
+    for src, dst in sorted(pairs, key=lambda p: -p[1].nbytes):
+        k = 0 if loads[0] <= loads[1] else 1
+        halves[k].append((src, dst))
+        loads[k] += dst.nbytes
+
+    def copy(half: list) -> None:
+        for src, dst in half:
+            np.copyto(dst, src, casting="no")
+
+    _pair.both(lambda: copy(halves[0]), lambda: copy(halves[1]))
+
+
 def aligned(nbytes: int) -> np.ndarray:
     """A fresh uint8 array of `nbytes` starting on a cache line (ALIGN bytes).
 

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from models import build, prefill, prompt
 from support import FakeClock, numpy_owner, wait_until
 
-from kvd_client import Client
+from kvd_client import Client, _pair
 from kvd_client.mlx_lm import _pool, snapshot
 from kvd_client.mlx_lm._pool import BufferPool
 
@@ -193,6 +193,36 @@ def test_pooled_snapshots_are_bit_exact_for_every_layout(dtype):
     for name, t in want.boundary.items():
         assert got.boundary[name].equal(t)
     assert got.boundary_meta == want.boundary_meta and got.meta == want.meta
+
+
+@pytest.mark.skipif(_pair._cores() < 2, reason="one core: no helper thread")
+def test_a_big_snapshot_is_copied_on_two_threads_and_is_bit_exact(monkeypatch):
+    """2 MiB or more into a slab: the copy is shared with the process's helper
+    thread (kvd_client._pair), each tensor copied once, by one of the two,
+    half the bytes each; the caller's thread does its half."""
+    from kvd_client import _chunking
+
+    copies: dict[int, list[int]] = {}
+    real = np.copyto
+
+    class Spy:  # numpy as _chunking sees it, its copies noted by thread
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def copyto(dst, src, **kw):
+            copies.setdefault(threading.get_ident(), []).append(dst.nbytes)
+            real(dst, src, **kw)
+
+    cache = kv_cache(tokens=2048, layers=4)  # 8 tensors of 512 KiB
+    toks = list(range(2048))
+    _, want = snapshot(toks, cache, pool=None)  # fresh memory (np.array), the reference
+    monkeypatch.setattr(_chunking, "np", Spy())
+    _, got = snapshot(toks, cache, pool=BufferPool(256 * MiB))
+    for name, (t, axis) in want.sliced.items():
+        assert got.sliced[name][0].equal(t) and got.sliced[name][1] == axis
+    assert len(copies) == 2 and threading.get_ident() in copies
+    assert sorted(sum(v) for v in copies.values()) == [4 * 512 << 10] * 2
 
 
 # -- under store, through a real daemon --------------------------------------------------
