@@ -331,7 +331,8 @@ def test_the_clients_of_one_process_share_a_runs_mappings_and_the_last_to_close_
         # A link another client closed, its run ended: its offer names a folder
         # the restarted daemon has swept. c takes no link from it: it asks HELLO.
         current = c._shm_link
-        c._shm_offer = {**c._shm_offer, "dir": str(Path(c._shm_offer["dir"]).with_name("gone"))}
+        where = "handout" if c._shm_offer.get("handout") else "dir"  # (shm_open segments are handed out)
+        c._shm_offer = {**c._shm_offer, where: str(Path(c._shm_offer[where]).with_name("gone"))}
         current.close()
         assert_prefix_hit(c.get(toks), toks)
         assert c.counters["shm_gets"] == 4 and c.counters["shm_unavailable"] == 0
