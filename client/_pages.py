@@ -42,7 +42,8 @@ Rules:
    of its run, a window of microseconds.
 3. Best effort: any failure (an old kernel's EINVAL, no mincore) turns this
    off for the process and the copy faults pages in as before.
-4. The premapper gives way: while a call of its client copies (a put into
+4. The premapper gives way: while a call of its clients copies (those of
+   the process that share the link, kvd_client._shm; a put into
    its slots, with its COMMITs in parts; a fetch out of its leases), it
    waits between pieces. Running beside the copy, it took the core the copy
    ran on, for pages that copy did not need (a new client's first put maps
@@ -50,7 +51,7 @@ Rules:
    time): a new client's first 256 MiB put ran at 0.44-0.49x the steady
    state with it, 0.67-0.71x with it waiting; a new client's first 1 GiB
    fetch 244-312 ms against 180-207 (bench/RESULTS.md, Session 35). It maps
-   when its client is between calls: from a HELLO to the first put or fetch,
+   when its clients are between calls: from a HELLO to the first put or fetch,
    or while a model server generates and its writer thread is not uploading.
 
 What each OS gives:
@@ -265,7 +266,7 @@ class Premapper:
     mappings of it to populate -- the writable one, and with `reads` the
     read-only one too -- or None if it cannot be had) and its resident pages
     populated on the thread `kvd-client-premap`, once, between the copies of
-    its client's calls (`pause`, `resume`: rule 4)."""
+    its clients' calls (`pause`, `resume`: rule 4)."""
 
     def __init__(self, segment: "Callable[[int, bool], list[mmap.mmap] | None]"):
         self._segment = segment
@@ -275,7 +276,7 @@ class Premapper:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._busy = 0  # calls of this client copying (`pause`)
+        self._busy = 0  # calls of its clients copying (`pause`)
         self._calm = threading.Condition(self._mu)
 
     def stop(self) -> None:
