@@ -119,6 +119,27 @@ def boundary_state(boundary: dict[str, Any], *, copy: bool) -> tuple[dict[str, H
     return {t.name: to_host(t, copy=copy) for t in boundary["tensors"]}, meta
 
 
+def page_problem(reply, start: int, max_bytes: int) -> str | None:
+    """Why a GET page cannot be true, or None: it must continue from `start`
+    (chunks contiguous, `end` where the last ends, past `start`) -- else the
+    client would ask the same page again and again, holding each -- and carry
+    at most `max_bytes` of tensors."""
+    chunks = reply["chunks"]
+    if not chunks:
+        return None  # nothing served: the caller misses
+    expect = start
+    for c in chunks:
+        if c["start"] != expect or c["length"] == 0:
+            return f"GET page from {start}: a chunk at {c['start']} (length {c['length']}) does not follow {expect}"
+        expect = c["start"] + c["length"]
+    if reply["end"] != expect:
+        return f"GET page from {start}: end {reply['end']} is not where its chunks end ({expect})"
+    nbytes = page_bytes(chunks, reply.get("boundary"))
+    if nbytes > max_bytes:
+        return f"GET page of {nbytes} tensor bytes; the daemon's limit is {max_bytes}"
+    return None
+
+
 def has_descriptor(reply_chunks: list[dict[str, Any]], boundary: dict[str, Any] | None) -> bool:
     """Whether any tensor of a GET page is a shared-memory descriptor."""
     groups = [c["tensors"] for c in reply_chunks] + ([boundary["tensors"]] if boundary is not None else [])

@@ -1,6 +1,6 @@
 """The numpy-level client: put, probe and get snapshots over kvd/1.
 
-Why one module of ~800 lines: `Core` is one object whose calls share a budget
+Why one module of ~900 lines: `Core` is one object whose calls share a budget
 per public call, a transport, a HELLO's limits and a shared-memory link; the
 frames and shared-memory halves of PUT and GET fall back to each other
 mid-call, so they stay side by side. The pieces that stand alone live apart
@@ -112,27 +112,6 @@ class _Budget:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
-
-
-def _page_problem(reply, start: int, max_bytes: int) -> str | None:
-    """Why a GET page cannot be true, or None: it must continue from `start`
-    (chunks contiguous, `end` where the last ends, past `start`) -- else the
-    client would ask the same page again and again, holding each -- and carry
-    at most `max_bytes` of tensors."""
-    chunks = reply["chunks"]
-    if not chunks:
-        return None  # nothing served: the caller misses
-    expect = start
-    for c in chunks:
-        if c["start"] != expect or c["length"] == 0:
-            return f"GET page from {start}: a chunk at {c['start']} (length {c['length']}) does not follow {expect}"
-        expect = c["start"] + c["length"]
-    if reply["end"] != expect:
-        return f"GET page from {start}: end {reply['end']} is not where its chunks end ({expect})"
-    nbytes = _chunking.page_bytes(chunks, reply.get("boundary"))
-    if nbytes > max_bytes:
-        return f"GET page of {nbytes} tensor bytes; the daemon's limit is {max_bytes}"
-    return None
 
 
 def _budgeted(method):
@@ -752,7 +731,7 @@ class Core:
             if reply is None or reply["n"] == 0 or (start and reply["n"] < start):
                 self.counters["get_miss"] += 1
                 return None
-            problem = _page_problem(reply, start, limits.max_message_bytes)
+            problem = _chunking.page_problem(reply, start, limits.max_message_bytes)
             if problem is not None:
                 return self._unbelievable(problem)
             if link is not None:
