@@ -318,21 +318,19 @@ def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     shared out between this thread and the helper's (`_pair`), the biggest
     first, each to the half with fewer bytes so far (a snapshot's tensors:
     a cache's keys and values, of one size)."""
-    if sum(dst.nbytes for _, dst in pairs) < SPLIT_BYTES:
-        for src, dst in pairs:
+
+    def copy(some: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for src, dst in some:
             np.copyto(dst, src, casting="no")
-        return
+
+    if sum(dst.nbytes for _, dst in pairs) < SPLIT_BYTES:
+        return copy(pairs)
     halves: tuple[list, list] = ([], [])
     loads = [0, 0]
     for src, dst in sorted(pairs, key=lambda p: -p[1].nbytes):
         k = 0 if loads[0] <= loads[1] else 1
         halves[k].append((src, dst))
         loads[k] += dst.nbytes
-
-    def copy(half: list) -> None:
-        for src, dst in half:
-            np.copyto(dst, src, casting="no")
-
     _pair.both(lambda: copy(halves[0]), lambda: copy(halves[1]))
 
 
