@@ -78,3 +78,28 @@ def test_names_with_escape_sequences_reach_the_terminal_escaped(kvd_daemon):
         assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out, (args, out)
         if args[0] != "gc":  # (gc says what it would remove, not whose)
             assert "ns\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt" in out, (args, out)
+
+
+def test_each_command_is_loaded_from_its_module_and_serve_loads_no_other():
+    """`kvd.cli.COMMANDS` names every command's module: each is found through
+    the table, the table names no command that is not there, and a fresh
+    interpreter running `kvd serve --help` imports none of the other
+    commands' modules (a daemon starts without them)."""
+    import subprocess
+    import sys
+
+    import click
+
+    from kvd.cli import COMMANDS, main
+
+    ctx = click.Context(main)
+    for name, module in COMMANDS.items():
+        cmd = main.get_command(ctx, name)
+        assert cmd is not None and cmd.callback.__module__ == f"kvd.cli.{module}", (name, cmd)
+    assert sorted(main.commands) == sorted(COMMANDS) == main.list_commands(ctx)
+    probe = ("import sys; from kvd.cli import main\n"
+             "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in sys.modules if m.startswith('kvd.cli.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    loaded = out.strip().splitlines()[-1]
+    assert "kvd.cli.serve" in loaded and "kvd.cli.doctor" not in loaded and "kvd.cli.top" not in loaded, loaded
