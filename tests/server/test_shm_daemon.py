@@ -305,10 +305,12 @@ def test_the_clients_of_one_process_share_a_runs_mappings_and_the_last_to_close_
         link = a._shm_link
         assert b._shm_link is link
         assert (a.counters["shm_puts"], a.counters["shm_gets"], b.counters["shm_puts"], b.counters["shm_gets"]) == (1, 1, 1, 1)
-        mapped = _mappings(link)
-        inodes = {inode for _, inode in mapped}
-        assert len(mapped) == len(link._maps)  # every (segment, writable) once ...
-        assert len([m for m in _maps_now() if m[1] in inodes]) == len(mapped)  # ... and by no one else here
+        with link._mu:  # the link's premapper maps nothing meanwhile (the daemon's window grows)
+            mapped, held = _mappings(link), len(link._maps)
+            inodes = {inode for _, inode in mapped}
+            everyone = len([m for m in _maps_now() if m[1] in inodes])
+        assert len(mapped) == held  # every (segment, writable) once ...
+        assert everyone == len(mapped)  # ... and by no one else here
 
         a.close()
         assert not link.closed and mapped <= _maps_now()
