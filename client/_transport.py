@@ -68,12 +68,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import threading
 import time
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from kvd.endpoint import (
     CurveKeys, UnsafeEndpoint, check_run_dir, check_socket, endpoint_locked, ipc_path, is_default_run_dir, is_tcp,
@@ -295,12 +295,16 @@ class Transport:
             return self._auth_error
         while self._monitor.poll(0):
             try:
-                message = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))
+                frames = self._monitor.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            event = message["event"]
+            if len(frames) != 2 or len(frames[0]) != 6:
+                continue
+            # libzmq's event: u16 id, i32 value (an fd here), no padding; read
+            # without zmq.utils.monitor, which imports asyncio (~25 ms at import)
+            event, value = struct.unpack("=Hi", frames[0])
             if event == zmq.EVENT_CONNECTED:
-                self._peer_fd = message["value"]  # the latest: a DEALER of one endpoint has one connection
+                self._peer_fd = value  # the latest: a DEALER of one endpoint has one connection
             elif event == zmq.EVENT_DISCONNECTED:
                 self._dropped = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:

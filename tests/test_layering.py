@@ -236,6 +236,15 @@ def test_importing_the_client_imports_neither_mlx_nor_its_adapter():
     assert out.stdout.strip() == "[]"
 
 
+def test_neither_the_client_nor_the_daemon_imports_asyncio():
+    # Nothing in either is async; pyzmq's zmq.utils.monitor would load asyncio
+    # (~25 ms at every model server's and daemon's start) for two struct fields.
+    code = ("import sys, kvd_client, kvd.server.daemon, kvd.cli.serve\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'asyncio' or m.startswith('zmq.asyncio')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
 # What kvd.protocol may import: pure computation, no I/O of any kind (no os,
 # io, socket, pathlib, mmap, ...). `secrets` draws lease ids (os.urandom is a
 # system call, not I/O on anything the caller names); `sys` only for

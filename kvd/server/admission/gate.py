@@ -207,12 +207,12 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Callable
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvd.host.fds import fd_limit, open_fds, swap_fd, wait_readable
 from kvd.server.admission import acceptguard
@@ -661,13 +661,14 @@ class PeerGate(MemoryWatch, threading.Thread):
     def _event(self) -> bool:
         """Handle one queued monitor event; False when none is left."""
         try:
-            ev = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
+            frames = self.monitor.recv_multipart(flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError:
             self._halt.set()
             return False
-        self._on_event(ev["event"], int(ev["value"]))
+        if len(frames) == 2 and len(frames[0]) == 6:  # libzmq's event: u16 id, i32 value (the fd), no padding
+            self._on_event(*struct.unpack("=Hi", frames[0]))
         return True
 
     def _on_event(self, kind: int, fd: int) -> None:
