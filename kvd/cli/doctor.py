@@ -283,7 +283,7 @@ def check_shm(ctx) -> Check:
     done = (f"a {size(trial.nbytes)} segment in {trial.folder.parent}{f' ({fs})' if fs else ''}: made, written, "
             + ("handed over by fd, " if trial.handed else "") + "read back through a second mapping, removed")
     if trial.sealed:
-        return Check("shared memory", OK, done, "sealed memfd named by a symlink, mmap")
+        return Check("shared memory", OK, done + _pages(), "sealed memfd named by a symlink, mmap")
     if trial.mechanism == "shm_open":
         how = "POSIX shm_open object, unlinked at once, handed out by fd (SCM_RIGHTS)"
         if sys.platform.startswith("linux"):  # host = portable: unsealed, so the daemon reads them with pread
@@ -295,6 +295,21 @@ def check_shm(ctx) -> Check:
             why += f" on {fs or 'a filesystem of unknown type'}, not tmpfs: their pages are written back to disk"
         return Check("shared memory", WARN, f"{done}; {why}", "file 0600, mmap")
     return Check("shared memory", OK, done, "file 0600 in a 0700 folder, mmap")
+
+
+def _pages() -> str:
+    """What pages a memfd segment gets, and where 2 MiB ones are one setting away."""
+    pages = host_mechanism("shared_memory_pages")
+    if pages.startswith("2 MiB"):
+        return f"; {pages} pages"
+    from kvd.host.segments import SHMEM_THP, shmem_huge_policy
+
+    policy = shmem_huge_policy()
+    if policy is None or policy == "deny":
+        return f"; {pages} pages"
+    return (f"; {pages} pages: Linux's shmem THP policy is {policy}. With `advise` in {SHMEM_THP} a fresh "
+            "daemon prepares its pages and a new client first copies several times faster (2 MiB pages; "
+            "docs/performance.md)")
 
 
 def _existing(path: Path) -> Path:

@@ -18,6 +18,8 @@ Two hosts, chosen by the `host` setting (`KVD_HOST`, a developer setting):
     process_memory     statm                 statm                  proc_pid_rusage
     peer_credentials   SO_PEERCRED           SO_PEERCRED            LOCAL_PEERPID
     service            systemd               systemd                launchd
+    shared_memory_pages  2 MiB (shmem THP <policy>) where Linux's policy allows,
+                       else 4 KiB            4 KiB                  16 KiB (Apple Silicon)
 
 What portable cannot change on Linux, it keeps: no POSIX call tells a
 process's own resident memory or its peer's pid, and macOS's
@@ -108,6 +110,18 @@ def _service() -> str:
     return "launchd" if sys.platform == "darwin" else "none"
 
 
+def _shared_memory_pages() -> str:
+    # The daemon asks for huge pages on its memfd segments only (an shm_open
+    # object's tmpfs mount has a huge= option of its own: not the daemon's to ask).
+    from kvd.host import segments
+
+    if mechanism("shared_memory") == "memfd":
+        policy = segments.shmem_huge_policy()
+        if policy in segments.HUGE_POLICIES:
+            return f"2 MiB (shmem THP {policy})"
+    return f"{os.sysconf('SC_PAGESIZE') // 1024} KiB" if hasattr(os, "sysconf") else "none"
+
+
 _CONCERNS: dict[str, Callable[[], str]] = {
     "shared_memory": _shared_memory,
     "open_fds": _open_fds,
@@ -116,6 +130,7 @@ _CONCERNS: dict[str, Callable[[], str]] = {
     "process_memory": _process_memory,
     "peer_credentials": _peer_credentials,
     "service": _service,
+    "shared_memory_pages": _shared_memory_pages,
 }
 _cache: dict[str, str] = {}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvd.host.segments import shmem_huge_policy
 from kvd.protocol import codec
 from kvd.server.shm.folders import plane_dirs
 from kvd_client._shm import Link, ShmUnavailable
@@ -23,16 +24,20 @@ def test_the_host_section_names_each_concerns_mechanism(daemon_factory):
     auto = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "auto"})  # whatever KVD_TEST_HOST says
     portable = daemon_factory("--ram-mb", "64", env={"KVD_HOST": "portable"})
     linux = {"process_memory": "statm", "peer_credentials": "SO_PEERCRED", "service": "systemd"}
+    policy = shmem_huge_policy()  # the machine's: 2 MiB pages only where it lets a mapping ask
+    pages = f"2 MiB (shmem THP {policy})" if policy in ("always", "within_size", "advise", "force") else "4 KiB"
     with auto.client() as c:
         stats = _sampled(c)
         assert stats["host"] == {"host": "auto", "shared_memory": "memfd", "open_fds": "/proc/self/fd",
-                                 "accept_guard": "patched accept", "memory_pressure": "meminfo+psi+cgroup", **linux}
+                                 "accept_guard": "patched accept", "memory_pressure": "meminfo+psi+cgroup", **linux,
+                                 "shared_memory_pages": pages}
         assert stats["peers"]["accept_guard"] is True
         assert ("psi some" in stats["pressure"]["reason"]) == os.path.exists("/proc/pressure/memory")
     with portable.client() as c:
         stats = _sampled(c)
         assert stats["host"] == {"host": "portable", "shared_memory": "shm_open", "open_fds": "/dev/fd",
-                                 "accept_guard": "gate only", "memory_pressure": "meminfo+cgroup", **linux}
+                                 "accept_guard": "gate only", "memory_pressure": "meminfo+cgroup", **linux,
+                                 "shared_memory_pages": "4 KiB"}
         # Each selection took effect, not only its name: libzmq's accept() is
         # not patched and PSI is not read (what macOS runs).
         assert stats["peers"]["accept_guard"] is False

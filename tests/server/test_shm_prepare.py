@@ -141,7 +141,7 @@ def test_a_segment_being_prepared_is_not_free_until_it_is_offered(folder, monkey
     # test_the_window_is_at_most_the_ram_budget_and_a_segment once read
     # prepared_free_bytes 20 MiB against prepared_bytes 16 MiB.
     seen = []
-    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB)
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB, huge=False)  # cleared through the fd
     prep = Preparer(arena, window=8 * MiB, available=lambda: None)
     clear = prepare.clear
 
@@ -165,6 +165,61 @@ def _rss_kib(address: int) -> int:
         if line.split("-", 1)[0] == f"{address:x}":
             return next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
     raise AssertionError(f"no mapping at {address:x}")
+
+
+def _mapping(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of this process's mapping that starts at `address`."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    i = next(i for i, line in enumerate(lines) if line.split("-", 1)[0] == f"{address:x}")
+    fields = {}
+    for line in lines[i + 1:]:
+        key, _, value = line.partition(":")
+        if not key or " " in key or "-" in key:  # the next mapping's first line
+            break
+        fields[key] = value.strip()
+    return fields
+
+
+def test_where_linux_gives_shmem_huge_pages_a_segment_asks_and_is_prepared_through_its_mapping(folder):
+    """kvd.host.segments "Huge pages": the arena asks for 2 MiB pages on its
+    mapping of each memfd segment (VmFlags `hg`), and the preparer populates
+    that mapping instead of writing through the fd: every page allocated and in
+    the daemon's page tables. Where the machine's policy allows (advise and the
+    like; `never` here by default), they are 2 MiB pages, and another mapping
+    of the segment, as a client makes, maps them 2 MiB at a time too."""
+    import mmap
+
+    from kvd.host.segments import HUGE_POLICIES, shmem_huge_policy
+    from kvd.host.select import mechanism
+
+    if not LINUX or mechanism("shared_memory") != "memfd":
+        pytest.skip("huge pages are asked for on Linux memfd segments only")
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB, huge=True)
+    prep = Preparer(arena, window=8 * MiB, available=lambda: None)
+    while prep.step():
+        pass
+    assert prep.prepared_bytes == prep.populated_bytes == 8 * MiB and prep.stats()["prepared_free_bytes"] == 8 * MiB
+    assert _blocks(folder) >= 8 * MiB
+    for seg in (0, 1):
+        daemon_side = _mapping(arena.address(seg))
+        assert "hg" in daemon_side["VmFlags"].split(), daemon_side
+        assert int(daemon_side["Rss"].split()[0]) == 4096, daemon_side  # populated: in the daemon's page tables
+    slot = arena.alloc(3 * MiB)
+    slot[:] = 7
+    assert not arena.unreserved(slot.slot)
+    fd = os.open(f"/proc/self/fd/{arena._fds[slot.slot.seg]}", os.O_RDONLY)  # as a client opens a segment
+    try:
+        client = mmap.mmap(fd, 4 * MiB, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    view = np.frombuffer(client, np.uint8)
+    assert (view[slot.slot.off:slot.slot.off + 3 * MiB] == 7).all()
+    if shmem_huge_policy() in HUGE_POLICIES:
+        assert int(_mapping(view.ctypes.data)["ShmemPmdMapped"].split()[0]) == 4096
+        assert int(_mapping(arena.address(0))["ShmemPmdMapped"].split()[0]) == 4096
+    del view
+    client.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shmem written through its fd")

@@ -192,7 +192,7 @@ def test_the_portable_host_is_what_it_names(folder):
     # Every concern's choice is named, and the lines that use one follow it.
     assert got["host"]["detail"] == ("portable: shared_memory shm_open, open_fds /dev/fd, accept_guard gate only, "
                                      "memory_pressure meminfo+cgroup, process_memory statm, "
-                                     "peer_credentials SO_PEERCRED, service systemd"), got["host"]
+                                     "peer_credentials SO_PEERCRED, service systemd, shared_memory_pages 4 KiB"), got["host"]
     assert "open fds from /dev/fd" in got["fd limit"]["mechanism"] and "gate only" in got["fd limit"]["mechanism"]
     assert got["pressure"]["mechanism"] == "/proc/meminfo, cgroups (no PSI)" and "psi" not in got["pressure"]["detail"]
     auto = checks(run("--json", "--endpoint", f"ipc://{folder}/kvd.sock", "--data-dir", str(folder / "data")).stdout)

@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvd.host.segments import clear, name_segment, names_segment, new_segment, unlink_segment
+from kvd.host.segments import advise_huge, clear, name_segment, names_segment, new_segment, unlink_segment
 from kvd.host.select import mechanism
 from kvd.protocol.shm import Descriptor, align_up, segment_name
 from kvd.server.shm.freespace import FreeSpace
@@ -96,10 +96,17 @@ class Arena:
     """Segment files and their free lists. Thread-safe: the last reference to
     a slot may go on any thread (the SSD spill writer, ZeroMQ's I/O)."""
 
-    def __init__(self, folder: Path, run_id: str, capacity: int | Callable[[], int], segment_bytes: int = SEGMENT_BYTES):
+    def __init__(self, folder: Path, run_id: str, capacity: int | Callable[[], int], segment_bytes: int = SEGMENT_BYTES,
+                 *, huge: bool | None = None):
         self.folder, self.run_id = folder, run_id
         self.mechanism = mechanism("shared_memory")  # memfd | shm_open | files (kvd.host.select)
         self.sealed = self.mechanism == "memfd"  # sealed memfds (plane.py rule 5)
+        # 2 MiB pages asked for on each segment's mapping, where Linux's shmem
+        # THP policy allows (kvd.host.segments, "Huge pages"); the preparer then
+        # clears a segment through that mapping. `huge` overrides (tests).
+        if huge is None:
+            huge = mechanism("shared_memory_pages").startswith("2 MiB")
+        self.huge = bool(huge) and self.sealed
         # Bytes the arena may use: a number, or a callable read at each
         # allocation (the daemon's follows the RAM tier's budget as memory
         # pressure moves it, so under pressure shm PUTs fall back to frames).
@@ -241,6 +248,8 @@ class Arena:
         self._fds.append(fd)
         self._maps.append(mm)
         self._bases.append(np.frombuffer(mm, np.uint8).ctypes.data)
+        if self.huge:
+            advise_huge(self._bases[-1], seg_size)  # before any page of it is faulted in
         self._sizes.append(seg_size)
         self._reserved.append(bytearray(-(-seg_size // _PAGE)))  # pages reserved so far (_reserve)
         self._seg_used.append(0)

@@ -8,7 +8,10 @@ its first fault, and fault-around skips pages not yet cleared), so a put
 into a fresh daemon ran at a fifth of a warm one's rate. The thread
 `kvd-shm-prep` keeps prepared free space ahead of demand instead: whole
 segments made, mapped, their pages reserved and cleared away from the
-serving thread, offered to `Arena.alloc` only once ready. On Linux zeros
+serving thread, offered to `Arena.alloc` only once ready. Where Linux
+gives huge pages to shmem (`Arena.huge`, kvd.host.segments "Huge pages"),
+the daemon's own mapping of the segment, which asked for them, is populated
+(`populate`): 2 MiB pages, ~20 GiB/s here. Else on Linux zeros
 are written through the segment's fd (kvd.host.segments.clear: pages
 allocated, cleared and resident, in no page table; 2.6 GiB/s here);
 elsewhere, or if that fails, posix_fallocate then MADV_POPULATE_WRITE of
@@ -171,7 +174,10 @@ class Preparer:
         if begun is None:
             return False
         seg, fd = begun
-        if clear(fd, arena.segment_bytes):  # Linux: reserved and cleared, mapped nowhere (1.5x faster)
+        if arena.huge and self._populate(arena.address(seg), arena.segment_bytes):
+            reserved = True  # 2 MiB pages, allocated and cleared through the daemon's mapping (~8x faster)
+            self.populated_bytes += arena.segment_bytes
+        elif clear(fd, arena.segment_bytes):  # Linux: reserved and cleared, mapped nowhere (1.5x faster)
             reserved = True
             self.populated_bytes += arena.segment_bytes
         else:
