@@ -239,7 +239,10 @@ def daemon(*args: str, **kw):
 
 
 def machine() -> str:
-    return f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, {sys.platform}"
+    from kvd.host.select import mechanism
+
+    return (f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, {sys.platform}; "
+            f"shared-memory pages {mechanism('shared_memory_pages')}")
 
 
 def kv_cache(tokens: int, layers: int = 32, heads: int = 8, dim: int = 128):
