@@ -434,6 +434,12 @@ def test_an_fd_limit_lowered_under_a_running_daemon_is_followed(daemon_factory, 
     or 1,024 then 1,200)."""
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
     pid = d.proc.pid
+    # The daemon at rest first: its shared-memory window prepared, a segment
+    # (an fd) at a time, on kvd-shm-prep (slower where the pages are 2 MiB ones
+    # the host faults in; seen once: the window's last segments took the spare).
+    with d.client("look") as c:
+        wait_until(lambda: (s := c.stats()["shm"])["prepared_free_bytes"] >= s["prepare_window_bytes"],
+                   what="the shared-memory window prepared")
     limit = len(os.listdir(f"/proc/{pid}/fd")) + spare if spare else 1024
     _lower_fd_limit(pid, limit)
     path = d.endpoint[len("ipc://"):]
