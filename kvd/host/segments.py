@@ -247,7 +247,11 @@ def unlink_segment(folder: Path, name: str) -> None:
 _MADV_POPULATE_WRITE = 23  # include/uapi/asm-generic/mman-common.h, Linux 5.14
 _MADV_HUGEPAGE = 14  # the same header
 SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-HUGE_POLICIES = ("always", "within_size", "advise", "force")  # those that let a mapping ask (Documentation/admin-guide/mm/transhuge.rst)
+# Those that let a mapping ask (Documentation/admin-guide/mm/transhuge.rst).
+# Under always and force every shmem page may be 2 MiB whatever the daemon
+# asks, and khugepaged may refill the holes `Arena.trim` punches; advise is
+# the setting kvd doctor suggests.
+HUGE_POLICIES = ("always", "within_size", "advise", "force")
 
 
 def _libc(name: str, *argtypes: str):
@@ -270,15 +274,37 @@ _FALLOCATE = _libc("fallocate", "c_int", "c_int", "c_longlong", "c_longlong")
 
 
 def shmem_huge_policy(path: str = SHMEM_THP) -> str | None:
-    """Linux's policy for huge pages in shmem, which memfd segments are: the
+    """Linux's policy for 2 MiB pages in shmem, which memfd segments are: the
     word in brackets of `path` (always, within_size, advise, never, deny or
-    force); None where there is no such file (not Linux; no THP)."""
+    force), unless the PMD size's own knob beside it (Linux 6.x:
+    hugepages-2048kB/shmem_enabled on x86-64) says other than `inherit`;
+    None where there is no such file (not Linux; no THP)."""
+    policy = _bracketed(path)
+    folder = os.path.dirname(path)
+    try:
+        with open(os.path.join(folder, "hpage_pmd_size")) as f:
+            pmd_kib = int(f.read()) // 1024
+    except (OSError, ValueError):
+        return policy
+    own = _bracketed(os.path.join(folder, f"hugepages-{pmd_kib}kB", "shmem_enabled"))
+    if policy in ("deny", "force") or own in (None, "inherit"):  # the global word overrides every size
+        return policy
+    return own
+
+
+def _bracketed(path: str) -> str | None:
     try:
         with open(path) as f:
             m = re.search(r"\[(\w+)\]", f.read())
     except OSError:
         return None
     return m.group(1) if m else None
+
+
+def give_back(fd: int, offset: int, length: int) -> None:
+    """Free the pages of [offset, offset + length) of a segment no process
+    uses yet (a preparation that failed midway); best effort."""
+    _punch(fd, offset, length)
 
 
 def advise_huge(address: int, length: int) -> bool:

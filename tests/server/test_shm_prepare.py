@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -220,6 +221,74 @@ def test_where_linux_gives_shmem_huge_pages_a_segment_asks_and_is_prepared_throu
         assert int(_mapping(arena.address(0))["ShmemPmdMapped"].split()[0]) == 4096
     del view
     client.close()
+
+
+def test_the_shmem_policy_is_the_pmd_sizes_own_unless_it_inherits(tmp_path):
+    from kvd.host.segments import shmem_huge_policy
+
+    top = tmp_path / "shmem_enabled"
+    (tmp_path / "hpage_pmd_size").write_text("2097152\n")
+    own = tmp_path / "hugepages-2048kB" / "shmem_enabled"
+    own.parent.mkdir()
+    for line, size, expected in [
+        ("always within_size [advise] never deny force", "always [inherit] within_size advise never", "advise"),
+        ("always within_size [advise] never deny force", "always inherit within_size advise [never]", "never"),
+        ("always within_size advise [never] deny force", "always inherit within_size [advise] never", "advise"),
+        ("always within_size advise never [deny] force", "always inherit within_size [advise] never", "deny"),
+        ("always within_size advise never deny [force]", "always inherit within_size advise [never]", "force"),
+    ]:
+        top.write_text(line + "\n")
+        own.write_text(size + "\n")
+        assert shmem_huge_policy(str(top)) == expected, (line, size)
+    own.unlink()  # a kernel without per-size knobs: the global word
+    top.write_text("always within_size [advise] never deny force\n")
+    assert shmem_huge_policy(str(top)) == "advise"
+    assert shmem_huge_policy(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.skipif(not LINUX or os.geteuid() != 0 or shutil.which("mount") is None,
+                    reason="mounts a tmpfs with huge=advise (Linux, root)")
+def test_pages_asked_for_and_populated_are_2_mib_ones_where_the_kernel_allows(tmp_path):
+    """What the arena does to a segment's mapping where the policy is advise
+    (`advise_huge`, then `populate`), on shmem the test can set the policy of
+    without touching the machine's: a tmpfs of its own mounted huge=advise
+    (the sysfs policy governs memfds the same way). Every page is then a 2 MiB
+    one, in the daemon's page tables as such, and a second mapping of the
+    file, as a client makes, maps them 2 MiB at a time though it asked nothing."""
+    import mmap
+    import subprocess
+
+    from kvd.host.segments import advise_huge, populate
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,huge=advise,mode=0700", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (a container without CAP_SYS_ADMIN)")
+    try:
+        fd = os.open(mnt / "seg", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, 8 * MiB)
+            daemon_side = mmap.mmap(fd, 8 * MiB)
+            address = np.frombuffer(daemon_side, np.uint8).ctypes.data
+            assert advise_huge(address, 8 * MiB)
+            assert all(populate(address + off, 4 * MiB) for off in (0, 4 * MiB))
+            mine = _mapping(address)
+            if int(mine.get("ShmemPmdMapped", "0 kB").split()[0]) == 0 and address % (2 * MiB):
+                pytest.skip("the mapping is not 2 MiB aligned (a kernel before 6.x aligns tmpfs maps only for huge=always)")
+            assert int(mine["ShmemPmdMapped"].split()[0]) == 8192, mine
+            assert os.fstat(fd).st_blocks * 512 == 8 * MiB
+            client = mmap.mmap(fd, 8 * MiB, prot=mmap.PROT_READ)
+            view = np.frombuffer(client, np.uint8)
+            assert not view[:: 4096].any()  # cleared, and read through the new mapping
+            assert int(_mapping(view.ctypes.data)["ShmemPmdMapped"].split()[0]) == 8192
+            del view
+            client.close()
+            daemon_side.close()
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux shmem written through its fd")

@@ -61,7 +61,7 @@ import os
 import threading
 from typing import Callable
 
-from kvd.host.segments import clear, populate
+from kvd.host.segments import clear, give_back, populate
 from kvd.server.shm.arena import Arena
 
 log = logging.getLogger("kvd.server")
@@ -174,7 +174,11 @@ class Preparer:
         if begun is None:
             return False
         seg, fd = begun
-        if arena.huge and self._populate(arena.address(seg), arena.segment_bytes):
+        huge = arena.huge and self._populate(arena.address(seg), arena.segment_bytes)
+        if arena.huge and not huge:  # no memory for it (a memory cgroup): what it reached goes back first
+            self.failures += 1
+            give_back(fd, 0, arena.segment_bytes)
+        if huge:
             reserved = True  # 2 MiB pages, allocated and cleared through the daemon's mapping (~8x faster)
             self.populated_bytes += arena.segment_bytes
         elif clear(fd, arena.segment_bytes):  # Linux: reserved and cleared, mapped nowhere (1.5x faster)
