@@ -223,6 +223,35 @@ def test_where_linux_gives_shmem_huge_pages_a_segment_asks_and_is_prepared_throu
     client.close()
 
 
+def test_a_huge_preparation_that_fails_midway_gives_back_what_it_reached(folder, monkeypatch):
+    """A populate cut short (no memory for the next 2 MiB pages: a memory
+    cgroup) gives back the pages it reached before the other ways are tried;
+    where they fail too, the segment is offered unreserved holding nothing."""
+    import errno
+
+    from kvd.host.select import mechanism
+
+    if not LINUX or mechanism("shared_memory") != "memfd":
+        pytest.skip("huge pages are asked for on Linux memfd segments only")
+    real, calls = prepare.populate, []
+
+    def cut_short(address, length):  # the first piece really populated, then ENOMEM
+        calls.append(length)
+        return real(address, length) if len(calls) == 1 else False
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "no room")
+
+    monkeypatch.setattr(prepare, "populate", cut_short)
+    monkeypatch.setattr(prepare, "clear", lambda fd, length, offset=0: False)
+    monkeypatch.setattr(prepare.os, "posix_fallocate", no_room)
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=8 * MiB, huge=True)  # two pieces
+    prep = Preparer(arena, window=8 * MiB, available=lambda: None)
+    assert prep.step() is False
+    assert len(calls) == 2 and prep.failures == 2 and prep.prepared_bytes == prep.populated_bytes == 0
+    assert _blocks(folder) == 0  # the piece populated went back with the rest
+
+
 def test_the_shmem_policy_is_the_pmd_sizes_own_unless_it_inherits(tmp_path):
     from kvd.host.segments import shmem_huge_policy
 
