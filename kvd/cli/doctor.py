@@ -308,8 +308,8 @@ def _pages() -> str:
     if policy is None or policy == "deny":
         return f"; {pages} pages"
     return (f"; {pages} pages: Linux's shmem THP policy is {policy}. With `advise` in {SHMEM_THP} a fresh "
-            "daemon prepares its pages and a new client first copies several times faster (2 MiB pages; "
-            "docs/performance.md)")
+            "daemon prepares its pages and a new client first copies them up to several times faster (2 MiB pages; "
+            "docs/shared-memory.md, Huge pages)")
 
 
 def _existing(path: Path) -> Path:

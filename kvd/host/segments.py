@@ -52,10 +52,12 @@ distributions ship `never`), the daemon asks (`advise_huge`) on its mapping
 of each memfd segment and prepares the segment with `populate` there: the
 kernel then allocates and clears 2 MiB pages, and every process that maps
 the segment later maps them 2 MiB a page-table entry, whatever its own
-mapping asked. Measured on this 2-core VM, 256 MiB of segments (bench/
-RESULTS.md, Session 38): prepared in 11-13 ms against ~100 ms of 4 KiB
-pages written through the fd, a put and a fetch through a new process's
-mapping 22-26 and 21-24 ms (a touched memcpy: 22 ms) against ~105 and ~46 ms.
+mapping asked. Measured on this 2-core VM, 256 MiB of segments
+(bench/bench_pages.py, bench/RESULTS.md Session 38): prepared in 12 ms
+against ~100 ms of 4 KiB pages written through the fd, a put and a fetch
+through a new process's mapping 21 and 21-24 ms (a touched memcpy: 21 ms)
+against ~105 and ~46 ms. Out of memory this VM had handed back to its host
+(free page reporting) the preparation took 587 ms: the host's faults.
 """
 
 from __future__ import annotations
@@ -301,12 +303,6 @@ def _bracketed(path: str) -> str | None:
     return m.group(1) if m else None
 
 
-def give_back(fd: int, offset: int, length: int) -> None:
-    """Free the pages of [offset, offset + length) of a segment no process
-    uses yet (a preparation that failed midway); best effort."""
-    _punch(fd, offset, length)
-
-
 def advise_huge(address: int, length: int) -> bool:
     """Ask for 2 MiB pages where [address, address + length) of a memfd
     segment's mapping faults its pages in (madvise MADV_HUGEPAGE; module
@@ -359,13 +355,14 @@ def clear(fd: int, length: int, offset: int = 0) -> bool:
     # Not all of it (a full memory cgroup or /dev/shm): give back what was
     # written, as a posix_fallocate that fails does (the range is the caller's
     # alone), or its pages would stay charged to the daemon, counted nowhere.
-    _punch(fd, offset, off - offset)
+    give_back(fd, offset, off - offset)
     return False
 
 
-def _punch(fd: int, offset: int, length: int) -> None:
-    """Free the pages of [offset, offset + length) of a segment (Linux
-    fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)); best effort."""
+def give_back(fd: int, offset: int, length: int) -> None:
+    """Free the pages of [offset, offset + length) of a segment no process
+    uses (a clear or a preparation cut short; Linux fallocate(
+    FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)); best effort."""
     if _FALLOCATE is not None and length > 0:
         _FALLOCATE(fd, 0x02 | 0x01, offset, length)
 
