@@ -1,8 +1,11 @@
 """The daemon: one ROUTER socket, one thread, one Handler over one Store.
 
-Why one module of ~600 lines: it is one thread's loop -- receive, decode,
+Why one module of ~700 lines: it is one thread's loop -- receive, decode,
 admit, serve, reply, tick -- and its rules below bind those steps together;
-what could leave it (admission, the outbox, turns, parking, the plane) has.
+what could leave it has: admission, the outbox and turns
+(kvd.server.admission), how a message is read (kvd.server.reading, rules 8
+and 9), parked replies and a stop's answers (kvd.server.settling, rule 4),
+the shared-memory plane (kvd.server.shm).
 
 Theory of operation
 -------------------
@@ -65,7 +68,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import zmq
 
@@ -76,47 +79,32 @@ from kvd.protocol.limits import Limits
 from kvd.endpoint import EndpointLock, default_keys_dir, ipc_path, is_tcp
 from kvd.server.curve import secure_tcp
 from kvd.server.handler import Deferred, Handler, ShutdownRequested, Sliced
-from kvd.server.parking import Parked, Parking, Wakeup
+from kvd.server.parking import Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.admission.outbox import Outbox, start_collector
 from kvd.server.admission import acceptguard, drain
 from kvd.host import select as host_select
 from kvd.server.admission.caps import default_max_peers, io_threads, listen_backlog, memory_ceiling
-from kvd.server.admission.connections import connection_id, origin
 from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.admission.parts import PartReader
 from kvd.server.admission.ready import Ready
 from kvd.server.admission.round import Round
 from kvd.server.admission.turns import Turns, Unfinished
-from kvd.server.lanes import Lane, Lanes, folder_of
+from kvd.server.lanes import Lanes, folder_of
+from kvd.server.reading import Conn, Reading, kept
+from kvd.server.settling import Settling
 from kvd.store.base import Store
 from kvd.store.courtesy import Courtesy
 
 log = logging.getLogger("kvd.server")
 
-# Frames below this size are copied out of ZeroMQ's receive buffers so a small
-# tensor never pins a larger shared buffer; above it the frame itself is kept.
-_KEEP_FRAME_BYTES = 64 * 1024
 # Unread replies a peer may have queued: a client has one request in flight,
 # so more than a few means it is not reading (kvd.server.admission.outbox).
 _SNDHWM = 16
 
 
-def _kept(frames: list[zmq.Frame]) -> list:
-    """A request's frames as the handler takes them (see _KEEP_FRAME_BYTES)."""
-    return [f.bytes if len(f) < _KEEP_FRAME_BYTES else f.buffer for f in frames]
-
-
-class _Conn(NamedTuple):
-    """A peer connection, as its first request found it."""
-
-    identity: bytes
-    origin: bytes | None  # the process at the other end, whose cost a new connection starts from (kvd.server.admission.turns)
-    where: tuple[int, int | None]  # (fd, connection_id): what the outbox names when it asks the gate to cut it off
-
-
-class Daemon(drain.Striking):
+class Daemon(Reading, Settling):
     """Serve `store` on `endpoint` until stopped. See the module docstring."""
 
     def __init__(
@@ -164,7 +152,7 @@ class Daemon(drain.Striking):
         ssd = getattr(store, "ssd", None)
         if ssd is not None and hasattr(ssd, "courtesy"):
             ssd.courtesy = self.courtesy.pause
-        self._conns: dict[int, _Conn] = {}  # fd -> the connection on it, as of its identity's first request
+        self._conns: dict[int, Conn] = {}  # fd -> the connection on it, as of its identity's first request
         self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
         # metrics exporter) take it to see the handler and store at rest.
@@ -497,87 +485,6 @@ class Daemon(drain.Striking):
         lanes.removed.clear()
         lanes.added.clear()
 
-    # -- write-through: parked PUT replies (rule 4) ------------------------------
-    def _settle(self) -> None:
-        """The writer's news: send the parked replies it completes."""
-        news = self.wakeup.take()
-        if not news:
-            return
-        with self.lock:
-            self.store.tick()  # write-back: the writer made room; queue more of the backlog
-            for results, degraded in news:
-                for parked in self.parking.settle(results, self.store.queued):
-                    self._answer(parked, degraded or "dropped by the SSD tier")
-
-    def _answer(self, parked: Parked, why: str) -> None:
-        if parked.rtype == "SLOTS":
-            self._answer_slots(parked, why)
-            return
-        if parked.failed:
-            err = E.NotPersisted(
-                f"{len(parked.failed)} of this PUT's entries were not written to disk ({why}); not acknowledged"
-            )
-            self.handler.errors[err.name] += 1
-            self.ratelog.warning(f"not persisted why={why}", "write-through PUT not persisted: %s", why)
-            reply = codec.encode_error(err, id=parked.msg_id)
-        else:
-            reply = codec.encode(parked.rtype, parked.fields, id=parked.msg_id)
-        self._send(parked.peer, reply)
-
-    def _answer_slots(self, parked: Parked, why: str) -> None:
-        """A SLOTS whose pages kvd-shm-prep reserved (handler.on_slots): the
-        grant, if it still stands; else (its pages could not be reserved, its
-        lease ended meanwhile, the daemon is stopping) BUSY, and the client
-        sends its PUT over frames."""
-        shm, lease = self.handler.shm, parked.fields["lease"]
-        if not parked.failed and shm is not None and shm.send_grant(lease):
-            parked.fields["segments"] = shm.arena.live()  # as they are now: the client unmaps the others
-            self._send(parked.peer, codec.encode("SLOTS", parked.fields, id=parked.msg_id))
-            return
-        if shm is not None:
-            shm.refuse_grant(lease)
-        if not parked.failed:
-            why = "the grant's lease ended while its pages were reserved"
-        err = E.Busy(f"shared memory: {why}; send this PUT over frames")
-        self.handler.errors[err.name] += 1
-        self._send(parked.peer, codec.encode_error(err, id=parked.msg_id))
-
-    def _drain_parked(self, deadline: float) -> None:
-        """At stop: let parked PUTs complete until `deadline`, then refuse the
-        rest. Requests that come meanwhile are answered BUSY at once: their
-        peers miss now, not when the socket closes."""
-        socks = [self._sock] if self._sock is not None else []
-        if self.lanes is not None:
-            socks += [lane.sock for lane in self.lanes.by_sock.values() if not lane.doomed]
-        poller = zmq.Poller()
-        poller.register(self.wakeup.fd, zmq.POLLIN)
-        for sock in socks:
-            poller.register(sock, zmq.POLLIN)
-        while len(self.parking) and time.monotonic() < deadline:
-            events = dict(poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))))
-            for sock in socks:
-                if sock in events and not sock.closed:
-                    self._refuse_waiting(sock, "the daemon is stopping")
-            self._settle()
-        for parked in self.parking.fail_all():
-            self._answer(parked, "the daemon is stopping")
-
-    def _refuse_ready(self, why: str) -> None:
-        """Answer BUSY, unserved, what was read and waits in `ready`: its peers miss now."""
-        for raw in self.ready.drain():
-            identity, request = raw[0].bytes, _kept(raw[1:])
-            self._send(identity, self._busy(request, why), request)
-
-    def _refuse_waiting(self, sock: zmq.Socket, why: str, most: int = 64) -> None:
-        """Answer up to `most` waiting requests BUSY, unserved."""
-        for _ in range(most):
-            try:
-                raw = self._recv(sock, whole=True)
-            except zmq.Again:
-                return
-            identity, request = raw[0].bytes, _kept(raw[1:])
-            self._send(identity, self._busy(request, why), request)
-
     def _serve_waiting(self, recv: Callable[[], list[zmq.Frame]], most: int = 64) -> bool:
         """Serve up to `most` requests (rule 6), then return to the loop: it
         must tick under load. Before each, whatever waits on the socket is
@@ -643,100 +550,6 @@ class Daemon(drain.Striking):
             ready.put(peer, raw, nbytes, codec.peek_type(raw[1]) if len(raw) > 1 else None)
         return shutdown
 
-    def _conn(self, identity: bytes, fd: int | None) -> _Conn | None:
-        """The connection a request came on (`fd`: its ZMQ_SRCFD), looked at
-        once per connection (a new one on a reused fd has a new identity).
-        None if unknown."""
-        if fd is None:
-            return None
-        known = self._conns.get(fd)
-        if known is None or known.identity != identity:
-            known = self._conns[fd] = _Conn(identity, origin(fd), (fd, connection_id(fd)))
-        return known
-
-    def _recv(self, sock: zmq.Socket, whole: bool = False) -> list[zmq.Frame]:
-        """One message, part by part (ZeroMQ delivers a message whole, so once
-        its first part is here the rest is too). Parts past what the decoder
-        needs to say TOO_MANY_FRAMES are read and dropped at once: a message of
-        millions of empty frames costs no memory (recv_multipart would keep a
-        Frame object for each, ~280 bytes apiece). A lane's message comes
-        under the lane's identity (_recv_lane)."""
-        lane = self.lanes.by_sock.get(sock) if self.lanes is not None else None
-        if lane is not None:
-            return self._recv_lane(lane, whole)
-        cpu = time.thread_time()
-        parts, more, before = self.parts.read(sock, self.limits.max_frames, whole)
-        if not more:
-            return parts
-        # A frame bomb: answered here (the reply waits in the outbox until
-        # the socket is back), the rest dropped in C by a thread the socket
-        # is lent to (rule 8), and a process that keeps sending them is
-        # banned (drain.Offenders).
-        self._lend_main(sock)
-        self._too_many_frames(parts)
-        self._strike(parts[0].bytes, parts[1].get(zmq.SRCFD))
-        self.main_bomb_cpu += time.thread_time() - cpu + before
-        raise zmq.Again()  # nothing to serve: the next socket's message
-
-    def _too_many_frames(self, parts: list) -> None:
-        """Answer a message over the frame limit (`parts`: its first ones)."""
-        err = E.TooManyFrames(f"more than {self.limits.max_frames} frames; the limit is {self.limits.max_frames}")
-        self.handler.errors[err.name] += 1
-        self._send(parts[0].bytes, codec.encode_error(err, id=codec.peek_id([parts[1].bytes]) if len(parts) > 1 else 0))
-
-    def _take_back_main(self) -> None:
-        """A stop: the thread dropping a bomb's rest stops at its next batch
-        (~10 ms) and the main socket is the loop's again, its held replies
-        sent. If it never comes back, it is not closed under that thread."""
-        lent, self._lent = self._lent, None
-        if lent is None:
-            return
-        lent.halt.set()
-        if not lent.back.wait(5.0):
-            log.error("the thread dropping a frame bomb did not stop; leaving the main socket open")
-            self._sock = None
-            return
-        self._taken_back(lent)
-
-    def _taken_back(self, lent: drain.Lent) -> None:
-        """The main socket is the loop's again: what the drop cost is
-        counted, and the replies held for its peers are sent."""
-        self._lent = None
-        self.dropped_frames += lent.dropped
-        self.dropping_seconds += lent.seconds
-        self.lent_seconds += lent.seconds
-        if self.outbox is not None:
-            self.outbox.give_back()
-
-    def _lend_main(self, sock: zmq.Socket) -> None:
-        """Rule 8: lend the main socket to a thread that drops the rest of
-        the message being read; the loop takes it back when it is done."""
-        if self.outbox is not None:
-            self.outbox.lend()
-        self._lent = drain.Lent(sock, self.wakeup.poke)
-
-    def _recv_lane(self, lane: Lane, whole: bool = False) -> list[zmq.Frame]:
-        """One message from `lane`, as `_recv` returns it. A message over the
-        frame limit is read only as far as the decoder needs to answer
-        TOO_MANY_FRAMES, and its lane is doomed: closed once the answer is
-        queued, the rest never read (kvd.server.lanes). The bulk of a long
-        message is read in C, so a bomb costs milliseconds."""
-        sock = lane.sock
-        started, cpu = time.perf_counter(), time.thread_time()
-        parts, more, before = self.parts.read(sock, self.limits.max_frames, whole)
-        lane.seen(parts[0].bytes, parts[1].get(zmq.SRCFD) if len(parts) > 1 else None)
-        parts[0] = zmq.Frame(lane.identity)
-        if not more:
-            return parts
-        # Over the limit: answered here (the handler would only count the
-        # frames), the lane doomed, the rest never read.
-        self._too_many_frames(parts)
-        self.lanes.doom(lane)  # type: ignore[union-attr]
-        self._strike(lane.identity, lane.conn[0] if lane.conn is not None else None)
-        self.dropping_seconds += time.perf_counter() - started
-        self.lane_bomb_cpu += time.thread_time() - cpu + before
-        raise zmq.Again()  # nothing to serve: the next socket's message
-
     def _maybe_log_summary(self) -> None:
         """One info line per `summary_every` seconds with activity, for operators."""
         now = time.monotonic()
@@ -765,7 +578,7 @@ class Daemon(drain.Striking):
             conn = self._conn(identity, fd)
             if self.gate is not None:
                 self.gate.touch(fd)
-            frames = _kept(payload)
+            frames = kept(payload)
         started, cpu = time.perf_counter(), time.thread_time()
         self._left = None
         if left is not None:
@@ -862,27 +675,6 @@ class Daemon(drain.Striking):
             log.exception("internal error type=%s id=%d", msg.type, msg.id)
             reply = codec.encode_error(err, id=msg.id)
         return reply, shutdown, msg.type
-
-    def _waiting_bytes(self, msg: Message, frames: list) -> int:
-        """What a write-through PUT holds while it waits for the disk: its
-        frames, or the slots a SLOTS asks for and its COMMIT filled."""
-        shm = self.handler.shm
-        if msg.type == "SLOTS":
-            if shm is None:
-                return 0  # refused as it is served
-            from kvd.server.shm.writes import asked_bytes
-
-            return asked_bytes(msg)
-        if msg.type == "COMMIT":
-            return sum(len(f) for f in frames) + (shm.lease_bytes(msg["lease"]) if shm is not None else 0)
-        return sum(len(f) for f in frames)
-
-    def _admit_waiting(self, identity: bytes, nbytes: int) -> str | None:
-        """Why a write-through PUT or SLOTS may not wait for the disk now, or
-        None: `dirty_max_mb` bounds the PUTs waiting and the grants that will
-        be such PUTs once committed."""
-        granted = self.handler.shm.granted_bytes if self.handler.shm is not None else 0
-        return self.parking.admit(identity, nbytes, reserved=granted)
 
     def _busy(self, request: list, why: str) -> list:
         err = E.Busy(f"{why}, or retry later")
