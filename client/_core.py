@@ -1,10 +1,10 @@
 """The numpy-level client: put, probe and get snapshots over kvd/1.
 
-Why one module of ~900 lines: `Core` is one object whose calls share a budget
+Why one module of ~800 lines: `Core` is one object whose calls share a budget
 per public call, a transport, a HELLO's limits and a shared-memory link; the
 frames and shared-memory halves of PUT and GET fall back to each other
 mid-call, so they stay side by side. The pieces that stand alone live apart
-(_transport, _chunking, _shm, _pages, _explain, _media, _breaker, _retire).
+(_transport, _chunking, _shm, _linking, _pages, _explain, _media, _breaker, _retire).
 
 `Core` knows numpy snapshots and the wire, nothing of mlx; the public
 `kvd_client.Client` (in `_client`) is a `Core` that also holds an mlx-lm
@@ -91,14 +91,14 @@ from kvd.protocol.limits import Limits
 from kvd_client import _chunking, _explain, _media
 from kvd_client import _shm
 from kvd_client._errors import AuthenticationFailed, BadReply, DaemonUnavailable, ShmDamaged
+from kvd_client._linking import Linking
 from kvd_client._tensors import Hit, Snapshot
-from kvd_client._transport import Transport, fork_lock
+from kvd_client._transport import Transport
 
 log = logging.getLogger("kvd_client")
 
 _HEADER_SLACK = 1 << 20  # bytes kept free in each PUT for header and framing
 TRANSPORTS = ("auto", "frames", "shm")
-SHM_COOL_S = 30.0  # frames only, after a segment could not be opened or mapped (Core._shm_broke)
 
 
 class _Budget:
@@ -139,7 +139,7 @@ class Probe:
 UNBELIEVED = Probe(0)
 
 
-class Core:
+class Core(Linking):
     """The numpy-level calls of a kvd client (see module docstring).
 
     Raises EndpointError (a caller mistake) for an endpoint kvd cannot use;
@@ -353,79 +353,6 @@ class Core:
 
     def _hello_now(self, *, background: bool = False) -> bool:
         return self._hello_call(background=background) is not None
-
-    def _link(self, *, background: bool = False) -> _shm.Link | None:
-        """The shared-memory link to use now, or None for frames."""
-        if self.transport == "frames" or self._curve is not None or self._closed:
-            return None
-        self._shm_forked()
-        with self._shm_lock:
-            stale = self._shm_link
-            if stale is not None and stale.closed:
-                # Closed by another client of this process, which found the run
-                # ended (a restarted daemon's runs are in new folders): forget
-                # the offer too, and ask HELLO for the daemon's current one.
-                _shm.release(stale, self)
-                self._shm_offer = self._shm_link = None
-            else:
-                stale = None
-        if stale is not None:
-            self._forget_daemon()
-        if self._features is None:  # one HELLO learns the offer
-            self._hello_now(background=background)
-        if time.monotonic() < self._shm_cool_until:
-            return None  # a segment could not be mapped lately: frames for a while (_shm_broke)
-        with self._shm_lock:
-            if self._closed:  # (closed by another thread meanwhile: it would never let go of a link taken now)
-                return None
-            if self._shm_link is None and self._shm_offer:
-                try:
-                    self._shm_link = _shm.shared(self._shm_offer, self)  # one per daemon run in a process
-                except (OSError, KvdError) as err:  # another user's daemon, a folder gone
-                    self.counters["shm_unavailable"] += 1
-                    log.debug("shared memory unavailable: %s", err)
-                    self._shm_offer = None
-            return self._shm_link
-
-    def _shm_forked(self) -> None:
-        """In a child after fork, forget its parent's link: its locks may be
-        held by a thread the child has not (its premapper's), and that thread
-        is not the child's."""
-        if self._shm_pid != os.getpid():
-            with fork_lock():  # the child's first callers: one remakes, the others see it made
-                if self._shm_pid != os.getpid():
-                    self._shm_lock, self._shm_link = threading.Lock(), None
-                    self._shm_pid = os.getpid()
-
-    def _shm_broke(self, link: _shm.Link) -> None:
-        """After a call the plane could not serve: if a segment could not be
-        opened or mapped (not a lease running out), use frames for
-        SHM_COOL_S. A client that can never open the daemon's segments (no
-        /proc, a sandbox) would otherwise take a grant it cannot fill, lost
-        to everyone until its lease ends, at every PUT."""
-        if link.broken:
-            # (Taken back: the link may be shared, and another client's later
-            # failure is no sign that it cannot open segments.)
-            link.broken = False
-            self._shm_cool_until = time.monotonic() + SHM_COOL_S
-            self.counters["shm_cooling"] += 1
-
-    def _shm_reset(self, link: _shm.Link, *, ended: bool = True) -> None:
-        """Forget `link` and ask HELLO again on the next call; nothing if
-        another thread has replaced it already (the new one stays). `ended`:
-        the daemon refused its proof (a restarted daemon), so the run is over
-        for every client of this process, and its segments are unmapped now,
-        their memory freed; else (a segment this call could not map) only this
-        client lets go of the link, which the others keep using."""
-        with self._shm_lock:
-            if self._shm_link is not link:
-                return
-            if self._shm_link is not None:
-                if ended:
-                    self._shm_link.close()
-                _shm.release(self._shm_link, self)
-            self._shm_offer, self._shm_link = None, None
-        self._forget_daemon()
 
     @_budgeted
     def limits(self, *, background: bool = False) -> Limits:

@@ -47,7 +47,7 @@ LAYERS = {
     "kvd.cli": ("kvd.cli", "kvd.__main__"),
     "kvd_client._core": ("kvd_client._core", "kvd_client._transport", "kvd_client._tensors",
                          "kvd_client._chunking", "kvd_client._pair", "kvd_client._errors", "kvd_client._explain",
-                         "kvd_client._media", "kvd_client._shm", "kvd_client._pages", "kvd_client._breaker", "kvd_client._retire"),
+                         "kvd_client._media", "kvd_client._shm", "kvd_client._linking", "kvd_client._pages", "kvd_client._breaker", "kvd_client._retire"),
     "kvd_client.mlx_lm": ("kvd_client.mlx_lm",),
     "kvd_client": ("kvd_client",),
     "kvd_client.mlx_lm_files": ("kvd_client.mlx_lm_files",),
