@@ -19,11 +19,10 @@ from __future__ import annotations
 import mmap
 import random
 
-import numpy as np
 import pytest
 
 from kvd.protocol.shm import ALIGN, align_up
-from kvd.server.shm.arena import Arena, SlotArray
+from kvd.server.shm.arena import Arena
 from kvd.server.shm.freespace import FreeSpace
 from support import shm_folder
 
@@ -291,33 +290,3 @@ def test_a_failing_segment_is_logged_now_and_then_not_at_every_allocation(tmp_pa
         assert all(arena.alloc(4096) is None for _ in range(100))
     lines = [r for r in caplog.records if "cannot add a shared-memory segment" in r.getMessage()]
     assert arena.counters["grow_failures"] == 100 and len(lines) == 7  # 1, 2, 4, ..., 64
-
-
-def test_a_memoryview_into_a_slot_is_found_once_through_its_view_which_keeps_the_slot(folder):
-    """A blob the SSD tier reads into a slot hands out its tensors as read-only
-    memoryviews into it, which `locate` works out afresh each time (~5 us, four
-    times a GET). `Arena.view` gives a read-only SlotArray over the same bytes
-    that carries the answer, and keeps the slot alive once the rest is gone."""
-    import gc
-
-    arena = Arena(folder, "0badcafe", capacity=1 << 20, segment_bytes=SEG)
-    arr = arena.alloc(1000)
-    arr[:] = np.arange(1000) % 251
-    mv = memoryview(arr).toreadonly()[100:356]  # as blobfile.parse_blob's tensors
-    found = arena.locate(mv)
-    assert found is not None and found[0] is arr.slot
-    assert (found[1].segment, found[1].offset, found[1].length) == (arr.slot.seg, arr.slot.off + 100, 256)
-    view = arena.view(found)
-    assert type(view) is SlotArray and not view.flags.writeable
-    assert bytes(view) == bytes(mv) == bytes((np.arange(100, 356) % 251).astype(np.uint8))
-    assert arena.locate(view) is found  # the answer it carries: nothing worked out again
-    with pytest.raises(ValueError):
-        view[0] = 1
-    used = arena.used
-    del arr, mv
-    gc.collect()
-    assert arena.used == used  # the view holds the slot
-    del view, found
-    gc.collect()
-    assert arena.used == 0
-    arena.unlink()

@@ -94,6 +94,72 @@ def test_bytes_written_into_a_slot_after_commit_are_never_served(daemon_factory)
         assert frames_reader.get(toks).n == 256
 
 
+
+def test_an_entry_read_back_from_the_ssd_tier_is_never_served_altered(daemon_factory):
+    """An entry read back from the SSD tier is checked (the blob's checksum) in
+    private memory, and moves into the arena for a GET over shared memory with
+    its digests fixed from those bytes. A write into its slot after that is a
+    miss for every reader, as for an entry stored over shared memory. (Read
+    straight into a slot, it was checked where it could still change, carried
+    no digest, and the scribble was served over both roads.)"""
+    d = daemon_factory("--ram-mb", "64")
+    toks = np.arange(512)
+    with d.client(NS, strict=False, transport="shm") as shm_reader, \
+            d.client(NS, strict=False, transport="frames") as frames_reader:
+        assert shm_reader.put(toks, prefix_snapshot(toks))
+        assert wait_until(lambda: shm_reader.stats()["tiers"]["ssd"]["entries"] >= 2, 10)
+        shm_reader.gc(ram_bytes=0)  # out of RAM: the next GET reads both chunks back from the SSD tier
+        link = shm_reader._link()
+        reply = shm_reader._transport.request("GET", {**shm_reader._seq(toks), "shm": link.field()}, 5)
+        desc = next(t.data for t in reply["chunks"][1]["tensors"])
+        assert desc.digest is not None  # fixed from the private bytes the SSD tier read
+        link.done(reply["shm"]["lease"])
+        slot = _segment_writable(shm_reader, desc)
+        original = bytes(slot)
+        slot[: 8] = bytes(x ^ 0xFF for x in original[:8])  # a scribble into the slot it moved into
+        hit = shm_reader.get(toks)  # over shared memory: a miss past chunk 0, never the scribble
+        assert hit is None or hit.n <= 256
+        assert shm_reader.counters["shm_damaged"] == 1
+        hit = frames_reader.get(toks)  # over frames: checked on a private copy
+        assert hit is not None and hit.n in (256, 512)
+        assert_prefix_hit(hit, toks[: hit.n])  # chunk 1, if served, is its stored bytes (read again from disk)
+        assert frames_reader.stats()["tiers"]["ram"]["altered"] == 1
+
+
+@pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
+def test_an_entry_read_from_the_remote_tier_is_never_served_altered(daemon_factory):
+    """The same for the remote tier: a value is checked (its MAC) in private
+    memory, and a GET over shared memory moves it into the arena with digests
+    fixed from those bytes; a write into its slot after that is a miss."""
+    server = RedisServer().start()
+    try:
+        toks = np.arange(512)
+        a = daemon_factory("--ram-mb", "64", "--remote-url", server.url)
+        with a.client(NS, strict=False) as c:
+            assert c.put(toks, prefix_snapshot(toks))
+            assert wait_until(lambda: (lambda r: r["backlog"] == 0 and r["written"] >= 2)(c.stats()["tiers"]["remote"]), 30)
+        b = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--remote-url", server.url)  # no local copy
+        with b.client(NS, strict=False, transport="shm") as shm_reader, \
+                b.client(NS, strict=False, transport="frames") as frames_reader:
+            link = shm_reader._link()
+            reply = shm_reader._transport.request("GET", {**shm_reader._seq(toks), "shm": link.field()}, 10)
+            assert reply["n"] == 512 and shm_reader.stats()["tiers"]["remote"]["hits"] >= 1
+            k = len(reply["chunks"]) - 1  # the last chunk of this page (a remote GET may page)
+            desc = next(t.data for t in reply["chunks"][k]["tensors"])
+            assert desc.digest is not None  # fixed from the private bytes the remote tier checked
+            link.done(reply["shm"]["lease"])
+            slot = _segment_writable(shm_reader, desc)
+            slot[: 8] = bytes(x ^ 0xFF for x in bytes(slot[:8]))
+            hit = shm_reader.get(toks)  # over shared memory: a miss from chunk k on, never the scribble
+            assert hit is None or hit.n <= 256 * k
+            assert shm_reader.counters["shm_damaged"] == 1
+            hit = frames_reader.get(toks)  # over frames: checked on a private copy
+            assert hit is None or hit.n in (0, 256, 512)
+            if hit is not None:
+                assert_prefix_hit(hit, toks[: hit.n])
+    finally:
+        server.close()
+
 def test_a_reader_cannot_write_through_its_own_lease(daemon_factory):
     d = daemon_factory("--ram-mb", "64")
     toks = np.arange(512)

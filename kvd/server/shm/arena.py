@@ -570,17 +570,6 @@ class Arena:
             data.located = found
         return found
 
-    def view(self, found: tuple[Slot, Descriptor]) -> SlotArray:
-        """A read-only SlotArray over the bytes `locate` found, with its
-        answer kept. A buffer in the arena that is not a SlotArray (a blob the
-        SSD tier read into a slot: its tensors are memoryviews into it) is
-        worked out again at each `locate`, ~5 us; this view is found at once."""
-        slot, desc = found
-        arr = np.frombuffer(self._maps[desc.segment], np.uint8, count=desc.length, offset=desc.offset).view(SlotArray)
-        arr.slot, arr.located = slot, found
-        arr.flags.writeable = False
-        return arr
-
     def _locate(self, data: Any) -> tuple[Slot, Descriptor] | None:
         obj: Any = data
         for _ in range(4):  # memoryview -> its exporter -> ndarray base chain

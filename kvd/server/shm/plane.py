@@ -97,7 +97,7 @@ class ShmPlane(GetReplies, SlotGrants):
         self.max_pending, self.max_pending_bytes = max_pending, max_pending_bytes
         self.max_read_leases = max_read_leases
         self.counters = {"gets": 0, "refused": 0, "grants": 0, "commits": 0, "commit_parts": 0, "digests_computed": 0, "expired": 0, "released": 0,
-                         "adopted_bytes": 0, "viewed_tensors": 0, "busy_pending": 0, "busy_reserve": 0, "frames_over_leases": 0}
+                         "adopted_bytes": 0, "busy_pending": 0, "busy_reserve": 0, "frames_over_leases": 0}
 
     def _write_nonce(self) -> None:
         tmp = self.folder / f"{NONCE_FILE}.{self.run_id}"

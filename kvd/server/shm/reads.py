@@ -12,7 +12,7 @@ import xxhash
 
 from kvd.protocol.codec import Tensor, shm_tensor
 from kvd.protocol.shm import align_up
-from kvd.server.shm.arena import Slot, SlotArray
+from kvd.server.shm.arena import Slot
 from kvd.store.base import Entry
 
 # Read leases live at once, all peers together: a client releases its GET's
@@ -73,31 +73,26 @@ class GetReplies:
 
     def _adopt(self, entry: Entry) -> dict[int, Tensor]:
         """Move an entry's tensors into one slot, unless they are in the arena
-        already (then, if they are not SlotArrays, they become views that
-        `locate` finds at once: `Arena.view`); returns {id(old tensor): new tensor}."""
-        todo, swap = [], {}
-        for t in entry.tensors:
-            found = self.arena.locate(t.data)
-            if found is None:
-                todo.append(t)
-            elif type(t.data) is not SlotArray:
-                swap[id(t)] = Tensor(t.name, t.dtype, t.shape, self.arena.view(found))
-                self.counters["viewed_tensors"] += 1
+        already; returns {id(old tensor): new tensor}."""
+        todo = [t for t in entry.tensors if self.arena.locate(t.data) is None]
+        if not todo:
+            return {}
         total = sum(align_up(t.nbytes) for t in todo)
-        arr = self.arena.alloc(total) if todo else None
-        if arr is not None:
-            pos = 0
-            for t in todo:
-                n = t.nbytes
-                dst = arr[pos:pos + n]
-                if n:
-                    self.arena.copy_in(dst, t.data)  # pwrite where a segment can be cut short
-                # Fixed from the private bytes it came from: a write into the slot
-                # from now on is found wherever the bytes go.
-                dst.digest = xxhash.xxh3_64_intdigest(t.data)
-                swap[id(t)] = Tensor(t.name, t.dtype, t.shape, dst)
-                pos += align_up(n)
-            self.counters["adopted_bytes"] += total
-        if swap:
-            entry.tensors = tuple(swap.get(id(t), t) for t in entry.tensors)
+        arr = self.arena.alloc(total)
+        if arr is None:
+            return {}
+        swap: dict[int, Tensor] = {}
+        pos = 0
+        for t in todo:
+            n = t.nbytes
+            dst = arr[pos:pos + n]
+            if n:
+                self.arena.copy_in(dst, t.data)  # pwrite where a segment can be cut short
+            # Fixed from the private bytes it came from: a write into the slot
+            # from now on is found wherever the bytes go.
+            dst.digest = xxhash.xxh3_64_intdigest(t.data)
+            swap[id(t)] = Tensor(t.name, t.dtype, t.shape, dst)
+            pos += align_up(n)
+        entry.tensors = tuple(swap.get(id(t), t) for t in entry.tensors)
+        self.counters["adopted_bytes"] += total
         return swap

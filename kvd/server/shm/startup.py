@@ -64,20 +64,6 @@ def memory_available():
     return lambda: source("normal").available
 
 
-def _arena_or_heap(arena_alloc, heap_alloc):
-    """A slot of the arena, else (arena full) the heap: a value read from the
-    remote tier is read once, into the memory the GET reply points at."""
-
-    def alloc(nbytes: int):
-        try:
-            buf = arena_alloc(nbytes)
-        except OSError:  # a new segment could not be made: the arena's trouble, not the remote's
-            buf = None
-        return heap_alloc(nbytes) if buf is None else buf
-
-    return alloc
-
-
 REPAIR_S = 1.0  # seconds between checks of the plane's folder, nonce and names (ShmPlane.repair)
 
 
@@ -134,20 +120,12 @@ def open_plane(daemon) -> None:
                 daemon.ratelog.warning("shm repair", "shared memory: cannot restore the plane's folder: %s", err)
 
     daemon.on_tick = on_tick
-    if not plane.arena.sealed:
-        # Segments another process may cut short: the SSD and remote readers
-        # (and their checks) would touch their pages; they read into the heap,
-        # and a GET over shm moves the entry in with pwrite (Arena.copy_in).
-        daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
-        log.info("shared memory offered: %s (%s segments, capacity %d MiB, lease %gs)", plane.folder,
-                 plane.arena.mechanism, plane.arena.capacity >> 20, plane.leases.lease_seconds)
-        return
-    ssd = getattr(daemon.store, "ssd", None)
-    if ssd is not None and hasattr(ssd, "read_buffers"):
-        ssd.read_buffers = plane.arena.alloc  # a cold hit lands in shared memory, never a bytearray first
-    remote = getattr(daemon.store, "remote", None)
-    if remote is not None and hasattr(remote, "alloc"):
-        remote.alloc = _arena_or_heap(plane.arena.alloc, remote.alloc)  # a remote hit too: no copy to serve it
+    # What the SSD and remote tiers read back goes to the heap, never straight
+    # into a slot: any process of the daemon's user can write into a slot, and
+    # bytes read into one would be checked (the blob's checksum, the value's
+    # MAC) where they could still change after. A GET over shared memory moves
+    # the entry in from those private bytes, its digests fixed from them
+    # (reads.py `_adopt`), as it moves in anything stored over frames.
     daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
-    log.info("shared memory offered: %s (capacity %d MiB, lease %gs)", plane.folder, plane.arena.capacity >> 20,
-             plane.leases.lease_seconds)
+    log.info("shared memory offered: %s (%s segments, capacity %d MiB, lease %gs)", plane.folder,
+             plane.arena.mechanism, plane.arena.capacity >> 20, plane.leases.lease_seconds)

@@ -60,7 +60,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import xxhash
 
@@ -349,15 +349,10 @@ def estimate_disk_bytes(entry: Entry, block: int = 4096) -> int:
     return -(-size // block) * block
 
 
-def read_all(fd: int, size: int, alloc: Callable[[int], Any] | None = None) -> Any:
-    """Read exactly `size` bytes from `fd` (from offset 0). Short file -> BlobCorrupt.
-
-    `alloc(size)`, if given, supplies the writable buffer to read into (the
-    daemon's shared memory, so a cold hit lands where a client can copy it
-    from); None from it, or no `alloc`, means a fresh bytearray."""
-    buf = alloc(size) if alloc is not None else None
-    if buf is None:
-        buf = bytearray(size)
+def read_all(fd: int, size: int) -> bytearray:
+    """Read exactly `size` bytes from `fd` (from offset 0) into a fresh
+    bytearray. Short file -> BlobCorrupt."""
+    buf = bytearray(size)
     mv = memoryview(buf).cast("B")
     pos = 0
     while pos < size:
@@ -401,9 +396,10 @@ def open_blob(path: str | os.PathLike) -> int:
     return fd
 
 
-def read_blob(fd: int, size: int, checksum: int, alloc: Callable[[int], Any] | None = None) -> Entry:
+def read_blob(fd: int, size: int, checksum: int) -> Entry:
     """The entry stored in the open blob `fd`, after checking its size and checksum
-    (read into `alloc(size)` if given, see `read_all`).
+    (read into a bytearray of its own: private memory, so the bytes checked are
+    the bytes served).
 
     Raises BlobCorrupt on any disagreement; OSError for I/O errors.
     """
@@ -412,7 +408,7 @@ def read_blob(fd: int, size: int, checksum: int, alloc: Callable[[int], Any] | N
     have = os.fstat(fd).st_size
     if have != size:
         raise BlobCorrupt(f"file of {have} bytes where {size} were recorded")
-    return checked_blob(read_all(fd, size, alloc), size, checksum)
+    return checked_blob(read_all(fd, size), size, checksum)
 
 
 def parse_blob(buf: bytearray | bytes) -> Entry:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import lmdb
 
@@ -122,22 +122,16 @@ class Pack(Env):
     def _db(self, key: bytes):
         return self.slots if len(key) > EID_BYTES else self.blobs
 
-    def read(self, key: bytes, alloc: Callable[[int], Any] | None = None) -> Any:
-        """A copy of the blob at `key` (`pack_key`; into `alloc(size)` if given
-        and it gives one, else bytes), or None if the pack does not hold it.
-        Raises IndexBusy while the map grows, lmdb.Error if the pack is damaged."""
+    def read(self, key: bytes) -> bytes | None:
+        """A copy of the blob at `key` (`pack_key`), or None if the pack does
+        not hold it. Raises IndexBusy while the map grows, lmdb.Error if the
+        pack is damaged."""
         db = self._db(key)
         if db is None:
             return None
         with self.reading(buffers=True) as txn:
             view = txn.get(key, db=db)
-            if view is None:
-                return None
-            buf = alloc(len(view)) if alloc is not None else None
-            if buf is None:
-                return bytes(view)
-            memoryview(buf).cast("B")[:] = view
-            return buf
+            return None if view is None else bytes(view)
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> list[bytes]:
         """Commit these (entry id, blob bytes) in one synced transaction, each

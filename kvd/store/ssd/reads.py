@@ -48,9 +48,6 @@ class Reads:
     """Lookups and blob reads (daemon thread); mixed into `SsdStore`."""
 
     def _init_reads(self) -> None:
-        # Where reads land: a callable (size -> writable buffer, or None for a
-        # bytearray). The shared-memory plane sets it (kvd/server/shm/startup.py).
-        self.read_buffers = None
         # Namespaces with a boundary entry here (queued or indexed): complete
         # once a walk of the whole index has listed those on disk
         # (`boundaries_known`, see boundary_free); never shrinks.
@@ -174,7 +171,7 @@ class Reads:
             self._open_failed(eid, fault)
             return None
         try:
-            entry = blobfile.read_blob(fd, row.file_size, row.checksum, self.read_buffers)
+            entry = blobfile.read_blob(fd, row.file_size, row.checksum)
             if entry.id != eid or entry.namespace != row.ns:
                 raise BlobCorrupt("blob holds another entry than its name says")
         except BlobCorrupt as exc:
@@ -222,7 +219,7 @@ class Reads:
         and then the blob meanwhile, so a blob found missing is only a fault
         if its row is still there."""
         try:
-            buf = self.pack.read(pack_key(eid, row.slot), self.read_buffers)
+            buf = self.pack.read(pack_key(eid, row.slot))
         except IndexBusy:
             self._count("busy_misses")
             return None
