@@ -33,9 +33,9 @@ or a RamStore) and is itself a `Store`:
              (`held` records each walk's chunks in order) are a *stream*,
              fetched in pipelined batches on the reader threads
              (kvd.store.remote_get: each value read from the socket straight
-             into its buffer, a shared-memory slot when the daemon has an
-             arena), checked (remote_value.decode), promoted into the local
-             tiers and served. A value that fails its checks -- a header
+             into its buffer, in the daemon's heap: private, so the bytes
+             checked are the bytes kept), checked (remote_value.decode),
+             promoted into the local tiers and served. A value that fails its checks -- a header
              promising more than this daemon takes, a reply of a length the
              header did not promise, a key of another Redis type -- is a miss
              plus a counter (`checksum_failures`), never served, never a

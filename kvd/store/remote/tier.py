@@ -115,8 +115,10 @@ class RemoteTier:
         # promising more is refused before any of its parts is asked for.
         self.max_entry_bytes = max_entry_bytes
         self._errors = _errors()
-        # Where fetched values land (their tensors are views into them): the
-        # daemon points this at its shared-memory arena when it has one.
+        # Where fetched values land (their tensors are views into them):
+        # private memory, never a shared-memory slot, where another process
+        # could change the bytes after their MAC is checked (a GET over shm
+        # moves them in with digests, kvd/server/shm/reads.py).
         self.alloc: Alloc = np_alloc
         # On a cluster (kvd/store/remote/cluster.py) the clients are made on
         # first use: discovery needs a node that answers, a start does not.
