@@ -167,6 +167,23 @@ def prefix_snapshot(tokens, boundary: bool = False) -> Snapshot:
     return Snapshot(sliced=sliced, boundary=bound, meta={"layout": "test"})
 
 
+def wide_snapshot(tokens, width: int = 2048) -> Snapshot:
+    """Like `prefix_snapshot`, one bf16 tensor of `width` a token and side: a
+    256-token chunk is 2 MiB, a blob file the SSD tier reads back through its
+    bounce buffer (kvd.store.ssd.blobfile.read_to_slots)."""
+    toks = np.asarray(tokens, dtype=np.uint64)
+    sig = np.cumsum((toks + np.uint64(1)) * (np.arange(len(toks), dtype=np.uint64) + np.uint64(7919)), dtype=np.uint64)
+    mult = (np.arange(2 * width, dtype=np.uint64) * np.uint64(2654435761) + np.uint64(1)).reshape(2, width)
+    raw = ((sig[None, :, None] * mult[:, None, :]) >> np.uint64(13)).astype(np.uint16)  # (2, T, width)
+    arr = np.ascontiguousarray(raw[None])  # (1, 2, T, width)
+    return Snapshot(sliced={"t.bfloat16": (HostTensor("bfloat16", arr), 2)}, boundary={}, meta={"layout": "wide"})
+
+
+def assert_wide_hit(hit, tokens) -> None:
+    want = wide_snapshot(tokens[: hit.n]).sliced["t.bfloat16"][0]
+    assert hit.sliced["t.bfloat16"].array.tobytes() == want.array.tobytes()
+
+
 def assert_prefix_hit(hit, tokens) -> None:
     want = prefix_snapshot(tokens[: hit.n])
     for name, (t, _) in want.sliced.items():

@@ -28,7 +28,8 @@ from kvd.protocol.shm import parse_segment_name
 from kvd.host import segments as shm_server
 from kvd.server.shm.folders import plane_dirs, plane_prefix
 from kvd_client import Busy, Client
-from support import ALL_DTYPES, TESTS, assert_prefix_hit, free_port, prefix_snapshot, wait_spilled, wait_until
+from support import (ALL_DTYPES, TESTS, assert_prefix_hit, assert_wide_hit, free_port, prefix_snapshot, wait_spilled,
+                     wait_until, wide_snapshot)
 
 
 
@@ -553,6 +554,30 @@ def test_a_cold_hit_is_checked_in_private_memory_then_moved_in_with_its_digests(
     assert s["tiers"]["ssd"]["hits"] >= 4
     assert s["shm"]["adopted_bytes"] >= 700 * 8 and s["shm"]["allocs"] >= 1  # copied into slots from private bytes
     assert c.counters["shm_damaged"] == 0
+
+
+@pytest.mark.skipif(not MEMFD, reason="shm_open segments can be cut short: cold hits land in the heap first")
+def test_a_cold_hit_of_blob_files_is_read_through_a_private_buffer_straight_into_slots(daemon_factory):
+    """Blob files of a bounce buffer or more (2 MiB chunks here) are read into
+    their slots piece by piece through a private buffer, checked and hashed
+    there (kvd.store.ssd.blobfile.read_to_slots): no copy of the whole entry
+    in the heap, nothing for the GET to move in, and digests the reader
+    checks (tests/server/test_shm_integrity.py: a write into the slot after
+    is a miss)."""
+    d = daemon_factory("--ram-mb", "64")
+    toks = np.arange(768)
+    with d.client("wide", strict=True, transport="frames") as c:
+        assert c.put(toks, wide_snapshot(toks))
+        c.gc(ram_bytes=0)
+        wait_spilled(c, 3)
+    with d.client("wide", strict=True, transport="shm") as c:
+        hit = c.get(toks)
+        assert hit.n == 768
+        assert_wide_hit(hit, toks)
+        assert c.counters["shm_gets"] == 1 and c.counters["shm_damaged"] == 0
+        s = c.stats()
+    assert s["tiers"]["ssd"]["hits"] >= 3 and s["tiers"]["ssd"]["read_to_slots"] >= 3
+    assert s["shm"]["adopted_bytes"] == 0  # already in slots, with digests
 
 
 def test_memory_given_back_leaves_the_arena(daemon_factory):

@@ -20,7 +20,7 @@ import xxhash
 
 from kvd.store.base import CHUNK, Entry, Tensor, as_stored
 from redis_server import SKIP_REASON, RedisServer, redis_binary, session_key
-from support import assert_prefix_hit, make_entry, prefix_snapshot, wait_until
+from support import assert_prefix_hit, assert_wide_hit, make_entry, prefix_snapshot, wait_until, wide_snapshot
 
 NS = "integrity"
 
@@ -124,6 +124,40 @@ def test_an_entry_read_back_from_the_ssd_tier_is_never_served_altered(daemon_fac
         assert hit is not None and hit.n in (256, 512)
         assert_prefix_hit(hit, toks[: hit.n])  # chunk 1, if served, is its stored bytes (read again from disk)
         assert frames_reader.stats()["tiers"]["ram"]["altered"] == 1
+
+
+def test_a_blob_file_read_straight_into_its_slot_is_never_served_altered(daemon_factory):
+    """The same for a blob file of a bounce buffer or more, read piece by piece
+    through a private buffer straight into its slot (blobfile.read_to_slots):
+    checked and hashed in that buffer, so a write into the slot after is a miss
+    for every reader. (Where segments can be cut short it goes through the heap,
+    as above: the same promise.)"""
+    d = daemon_factory("--ram-mb", "64")
+    toks = np.arange(512)
+    with d.client(NS, strict=False, transport="shm") as shm_reader, \
+            d.client(NS, strict=False, transport="frames") as frames_reader:
+        assert shm_reader.put(toks, wide_snapshot(toks))
+        assert wait_until(lambda: shm_reader.stats()["tiers"]["ssd"]["entries"] >= 2, 10)
+        shm_reader.gc(ram_bytes=0)
+        link = shm_reader._link()
+        reply = shm_reader._transport.request("GET", {**shm_reader._seq(toks), "shm": link.field()}, 5)
+        assert reply["n"] == 512
+        desc = next(t.data for t in reply["chunks"][1]["tensors"])
+        assert desc.digest is not None
+        link.done(reply["shm"]["lease"])
+        slot = _segment_writable(shm_reader, desc)
+        slot[-8:] = bytes(x ^ 0xFF for x in bytes(slot[-8:]))  # a scribble into the slot it was read into
+        hit = shm_reader.get(toks)
+        assert hit is None or hit.n <= 256
+        assert shm_reader.counters["shm_damaged"] == 1
+        if hit is not None:
+            assert_wide_hit(hit, toks)
+        hit = frames_reader.get(toks)
+        assert hit is not None and hit.n in (256, 512)
+        assert_wide_hit(hit, toks)  # chunk 1, if served, is its stored bytes (read again from disk)
+        stats = frames_reader.stats()
+        assert stats["tiers"]["ram"]["altered"] == 1
+        assert (stats["tiers"]["ssd"]["read_to_slots"] >= 2) == (stats["host"]["shared_memory"] == "memfd")
 
 
 @pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)

@@ -196,3 +196,113 @@ def test_sync_group_waits_for_fsyncs_already_begun(tmp_path):
             started[p] = blobfile.start_sync(p, pool)
         failed = blobfile.sync_group(paths, {tmp_path / "ab"}, pool, started)
     assert failed == {} and all(started[p].done() and started[p].exception() is None for p in paths)
+
+
+# -- read_to_slots: a blob file read through a private bounce buffer into shared memory
+
+
+class _Slot(np.ndarray):
+    """What the arena hands out (kvd.server.shm's SlotArray): writable bytes whose slices take a digest."""
+
+    digest: int | None = None
+
+    def __array_finalize__(self, obj):
+        self.digest = None
+
+
+class _Slots:
+    """An allocator of `_Slot`s that keeps what it handed out (None once `room` is spent)."""
+
+    def __init__(self, room: int = 1 << 40):
+        self.room, self.given = room, []
+
+    def __call__(self, nbytes: int):
+        if nbytes > self.room:
+            return None
+        self.room -= nbytes
+        self.given.append(np.full(nbytes, 0xEE, np.uint8).view(_Slot))  # not zeros: every byte must be written
+        return self.given[-1]
+
+
+def _big_entry(i: int) -> Entry:
+    """Tensors of several sizes, none a multiple of the bounce buffer or the
+    slot alignment, one empty: 2.6 MiB in all, across three bounce buffers."""
+    rng = np.random.default_rng(i)
+    shapes = {"k": ("bfloat16", (2, 300, 1001)), "empty": ("float32", (2, 0, 8)), "v": ("bfloat16", (2, 300, 1001)),
+              "odd": ("uint8", (3, 7, 13)), "s": ("int32", (1,))}
+    tensors = tuple(Tensor(n, dt, sh, rng.bytes(int(np.prod(sh)) * dtypes.itemsize(dt))) for n, (dt, sh) in shapes.items())
+    e = make_entry(i)
+    return Entry(e.namespace, e.key, e.kind, e.parent, e.start, e.length, tensors, meta=e.meta)
+
+
+def _read_to_slots(path, info, slots):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return blobfile.read_to_slots(fd, info.file_size, info.checksum, slots)
+    finally:
+        os.close(fd)
+
+
+def test_a_blob_read_to_slots_is_bit_exact_each_tensor_aligned_with_its_digest(tmp_path):
+    from kvd.protocol.shm import ALIGN
+
+    entry = _big_entry(1)
+    path, info = _write(tmp_path, entry)
+    assert info.file_size > 2 * blobfile._BOUNCE_BYTES
+    slots = _Slots()
+    got = _read_to_slots(path, info, slots)
+    assert_same(got, entry)
+    assert len(slots.given) == 1  # one slot for the entry
+    base = slots.given[0].__array_interface__["data"][0]
+    for t, want in zip(got.tensors, entry.tensors):
+        assert isinstance(t.data, _Slot) and (not t.data.nbytes or np.shares_memory(t.data, slots.given[0]))
+        assert (t.data.__array_interface__["data"][0] - base) % ALIGN == 0
+        assert t.data.digest == xxhash.xxh3_64_intdigest(want.data)
+
+
+def test_a_blob_read_to_slots_is_checked_and_small_or_unslotted_ones_go_to_the_heap(tmp_path):
+    entry = _big_entry(2)
+    path, info = _write(tmp_path, entry)
+    assert _read_to_slots(path, info, _Slots(room=info.file_size // 2)) is None  # no room: the heap road
+    small_path, small = _write(tmp_path / "small", make_entry(3))
+    slots = _Slots()
+    assert _read_to_slots(small_path, small, slots) is None and not slots.given  # smaller than a bounce buffer
+    raw = bytearray(path.read_bytes())
+    for at in (len(raw) - 1, len(raw) // 2, 100):  # the data's last byte, a middle one, one in the header
+        bad = bytearray(raw)
+        bad[at] ^= 0x40
+        path.write_bytes(bad)
+        with pytest.raises(BlobCorrupt):
+            _read_to_slots(path, info, _Slots())
+    path.write_bytes(raw[:-1])
+    with pytest.raises(BlobCorrupt):
+        _read_to_slots(path, info, _Slots())
+
+
+def test_a_header_whose_tensors_overlap_is_never_given_slots(tmp_path):
+    """The header is read before the checksum can pass: a layout no kvd
+    writes (tensors overlapping, each the whole data section) would ask for
+    a slot of many times the file. It goes to the heap road instead, whose
+    checksum refuses it."""
+    entry = _big_entry(4)
+    path, info = _write(tmp_path, entry)
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack_from("<Q", raw, 0)
+    header = json.loads(raw[8 : 8 + hlen])
+    for name in ("k", "v"):
+        header[name]["data_offsets"] = header["k"]["data_offsets"]
+    header["__metadata__"]["kvd_order"] = json.dumps(["k", "v"])
+    for name in ("empty", "odd", "s"):
+        del header[name]
+    head = json.dumps(header, separators=(",", ":")).encode()
+    lo, hi = header["k"]["data_offsets"]
+    path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + hlen + lo : 8 + hlen + hi])
+    slots = _Slots()
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert blobfile.read_to_slots(fd, size, info.checksum, slots) is None and not slots.given
+        with pytest.raises(BlobCorrupt):
+            blobfile.read_blob(fd, size, info.checksum)
+    finally:
+        os.close(fd)

@@ -120,12 +120,20 @@ def open_plane(daemon) -> None:
                 daemon.ratelog.warning("shm repair", "shared memory: cannot restore the plane's folder: %s", err)
 
     daemon.on_tick = on_tick
-    # What the SSD and remote tiers read back goes to the heap, never straight
-    # into a slot: any process of the daemon's user can write into a slot, and
-    # bytes read into one would be checked (the blob's checksum, the value's
-    # MAC) where they could still change after. A GET over shared memory moves
-    # the entry in from those private bytes, its digests fixed from them
-    # (reads.py `_adopt`), as it moves in anything stored over frames.
+    # What the remote tier reads back goes to the heap, never straight into a
+    # slot: any process of the daemon's user can write into a slot, and a value
+    # read into one would be checked (its MAC) where it could still change
+    # after. A GET over shared memory moves the entry in from those private
+    # bytes, its digests fixed from them (reads.py `_adopt`), as it moves in
+    # anything stored over frames. A blob file of the SSD tier goes through a
+    # private bounce buffer into its slot, checked and hashed in the bounce
+    # (kvd.store.ssd.blobfile.read_to_slots): the same promise, one copy fewer
+    # and no new memory. Only on sealed segments: a slot of a segment another
+    # process may cut short is written with pwrite (Arena.copy_in), never
+    # through the mapping.
+    ssd = getattr(daemon.store, "ssd", None)
+    if plane.arena.sealed and ssd is not None and hasattr(ssd, "read_slots"):
+        ssd.read_slots = plane.arena.alloc
     daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
     log.info("shared memory offered: %s (%s segments, capacity %d MiB, lease %gs)", plane.folder,
              plane.arena.mechanism, plane.arena.capacity >> 20, plane.leases.lease_seconds)

@@ -58,14 +58,17 @@ import json
 import os
 import stat
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import xxhash
 
 from kvd.host import files as host_files
 from kvd.protocol import dtypes
+from kvd.protocol.shm import align_up
 from kvd.protocol.errors import KvdError
 from kvd.store.base import Entry, Tensor
 from kvd.store.datadir import FILE_MODE, TMP_SUFFIX, ensure_folder
@@ -399,7 +402,7 @@ def open_blob(path: str | os.PathLike) -> int:
 def read_blob(fd: int, size: int, checksum: int) -> Entry:
     """The entry stored in the open blob `fd`, after checking its size and checksum
     (read into a bytearray of its own: private memory, so the bytes checked are
-    the bytes served).
+    the bytes served; `read_to_slots` reads into shared memory with the same promise).
 
     Raises BlobCorrupt on any disagreement; OSError for I/O errors.
     """
@@ -409,6 +412,106 @@ def read_blob(fd: int, size: int, checksum: int) -> Entry:
     if have != size:
         raise BlobCorrupt(f"file of {have} bytes where {size} were recorded")
     return checked_blob(read_all(fd, size), size, checksum)
+
+
+def read_to_slots(fd: int, size: int, checksum: int, slots: Callable[[int], Any]) -> Entry | None:
+    """Read the blob `fd` of `size` bytes into one slot of `slots(nbytes)` (a
+    writable uint8 array whose slices take a `digest`: the arena's SlotArray,
+    kvd.server.shm), each tensor at an aligned place, as `_write_all` writes:
+    each piece is read into a bounce buffer of our own first, hashed there
+    (the file's checksum, and the tensor's xxh3-64 that goes with it into the
+    slot, kvd.store.base.as_stored), then copied into the slot. Any process of
+    the daemon's user can write into a slot, so nothing is checked there:
+    what the checksum passed is what the digests describe, and a write into
+    the slot at any time after is found wherever the bytes go.
+
+    A fresh bytearray is memory new to the process, which costs more than
+    the read itself on some machines (docs/limits.md, new memory); the slot's
+    pages are the arena's, ready. None if the blob is smaller than the bounce
+    buffer, if `slots` has no room, or if the header lays the tensors out as
+    no kvd writes them: read it to the heap instead (`read_blob`).
+    Raises BlobCorrupt, OSError as `read_blob`.
+    """
+    if size < _BOUNCE_BYTES:
+        return None  # a blob this small costs no more on the heap
+    have = os.fstat(fd).st_size
+    if have != size:
+        raise BlobCorrupt(f"file of {have} bytes where {size} were recorded")
+    (hlen,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, size))
+    if hlen > min(MAX_HEADER, size - 8):
+        raise BlobCorrupt(f"header length {hlen} out of range")
+    head = _pread_exact(fd, hlen, 8, size)
+    start = 8 + hlen
+    try:
+        md, specs = _parse_header(head, size - start)
+    except BlobCorrupt:
+        raise
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise BlobCorrupt(f"unparsable blob: {exc!r}") from None
+    by_place = sorted(range(len(specs)), key=lambda i: specs[i][3])
+    ends = [0] + [specs[i][4] for i in by_place]
+    if not specs or any(specs[i][3] != ends[k] for k, i in enumerate(by_place)):
+        return None  # tensors that do not tile the data section: the heap road says what is wrong
+    places, total = [], 0
+    for *_, lo, hi in specs:
+        places.append(total)
+        total += align_up(hi - lo)
+    arr = slots(total)
+    if arr is None:
+        return None
+    hasher = xxhash.xxh3_64()
+    hasher.update(struct.pack("<Q", hlen))
+    hasher.update(head)
+    digests = [xxhash.xxh3_64() for _ in specs]
+    bounce = getattr(_reading, "bounce", None)
+    if bounce is None:  # one per thread that reads, kept: cache-resident, never memory new to the process
+        bounce = _reading.bounce = np.empty(_BOUNCE_BYTES, np.uint8)
+    mv = memoryview(bounce)
+    k, pos = 0, start
+    while pos < size:
+        n = os.preadv(fd, [mv[: min(len(mv), size - pos)]], pos)
+        if n == 0:
+            raise BlobCorrupt(f"file shorter than recorded ({pos} < {size} bytes)")
+        hasher.update(mv[:n])
+        a, b = pos - start, pos - start + n  # the data section's bytes in the bounce buffer
+        while k < len(by_place):
+            i = by_place[k]
+            lo, hi = specs[i][3], specs[i][4]
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                digests[i].update(mv[x - a : y - a])
+                np.copyto(arr[places[i] + x - lo : places[i] + y - lo], bounce[x - a : y - a])
+            if hi > b:
+                break
+            k += 1
+        pos += n
+    if os.pread(fd, 1, size):
+        raise BlobCorrupt(f"file longer than recorded ({size} bytes)")
+    got = hasher.intdigest()
+    if got != checksum:
+        raise BlobCorrupt(f"checksum {got:016x} != recorded {checksum:016x}")
+    tensors = []
+    for i, (name, dtype, shape, lo, hi) in enumerate(specs):
+        dst = arr[places[i] : places[i] + hi - lo]
+        dst.digest = digests[i].intdigest()
+        tensors.append(Tensor(name, dtype, shape, dst))
+    try:
+        return _entry(md, tensors)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BlobCorrupt(f"unparsable blob: {exc!r}") from None
+
+
+_reading = threading.local()  # read_to_slots' bounce buffer, per thread
+
+
+def _pread_exact(fd: int, n: int, pos: int, size: int) -> bytes:
+    out = os.pread(fd, n, pos)
+    while len(out) < n:
+        more = os.pread(fd, n - len(out), pos + len(out))
+        if not more:
+            raise BlobCorrupt(f"file shorter than recorded ({pos + len(out)} < {size} bytes)")
+        out += more
+    return out
 
 
 def parse_blob(buf: bytearray | bytes) -> Entry:
@@ -428,17 +531,24 @@ def _parse(mv: memoryview) -> Entry:
     (hlen,) = struct.unpack_from("<Q", mv, 0)
     if hlen > min(MAX_HEADER, len(mv) - 8):
         raise BlobCorrupt(f"header length {hlen} out of range")
-    header = json.loads(bytes(mv[8 : 8 + hlen]))
+    md, specs = _parse_header(bytes(mv[8 : 8 + hlen]), len(mv) - 8 - hlen)
+    data = mv[8 + hlen :]
+    return _entry(md, [Tensor(name, dtype, shape, data[lo:hi]) for name, dtype, shape, lo, hi in specs])
+
+
+def _parse_header(raw: bytes, data_len: int) -> tuple[dict, list[tuple[str, str, tuple[int, ...], int, int]]]:
+    """A blob's JSON header: its metadata, and each tensor's (name, dtype,
+    shape, start, end) in the data section of `data_len` bytes, in order."""
+    header = json.loads(raw)
     if not isinstance(header, dict):
         raise BlobCorrupt("header is not a JSON object")
     md = header.pop("__metadata__")
     if md.get("kvd_format") != str(FORMAT_VERSION):
         raise BlobCorrupt(f"blob format {md.get('kvd_format')!r}, this kvd reads {FORMAT_VERSION}")
-    data = mv[8 + hlen :]
     order = json.loads(md["kvd_order"])
     if sorted(order) != sorted(header):
         raise BlobCorrupt("tensor list disagrees with kvd_order")
-    tensors = []
+    specs = []
     end = 0
     for name in order:
         spec = header[name]
@@ -450,12 +560,16 @@ def _parse(mv: memoryview) -> Entry:
             if dim < 0:
                 raise BlobCorrupt(f"negative dimension in {name!r}")
             want *= dim
-        if not 0 <= lo <= hi <= len(data) or hi - lo != want:
+        if not 0 <= lo <= hi <= data_len or hi - lo != want:
             raise BlobCorrupt(f"tensor {name!r} offsets {lo}..{hi} do not fit {dtype}{list(shape)}")
         end = max(end, hi)
-        tensors.append(Tensor(name, dtype, shape, data[lo:hi]))
-    if end != len(data):
-        raise BlobCorrupt(f"{len(data) - end} stray bytes after the tensors")
+        specs.append((name, dtype, shape, lo, hi))
+    if end != data_len:
+        raise BlobCorrupt(f"{data_len - end} stray bytes after the tensors")
+    return md, specs
+
+
+def _entry(md: dict, tensors: list[Tensor]) -> Entry:
     key, parent = bytes.fromhex(md["kvd_key"]), bytes.fromhex(md["kvd_parent"])
     if len(key) != 32:
         raise BlobCorrupt("bad key")

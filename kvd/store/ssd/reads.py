@@ -53,6 +53,10 @@ class Reads:
         # (`boundaries_known`, see boundary_free); never shrinks.
         self.boundary_ns: set[str] = set()
         self.boundaries_known = False
+        # Where a blob file's bytes may be read to straight (blobfile.read_to_slots):
+        # nbytes -> a slot of shared memory, or None. The shared-memory plane
+        # sets it (kvd/server/shm/startup.py); None: the heap.
+        self.read_slots = None
 
     def contains(self, eid: bytes) -> bool:
         if eid in self.queue:
@@ -171,7 +175,13 @@ class Reads:
             self._open_failed(eid, fault)
             return None
         try:
-            entry = blobfile.read_blob(fd, row.file_size, row.checksum)
+            entry = None
+            if self.read_slots is not None:
+                entry = blobfile.read_to_slots(fd, row.file_size, row.checksum, self.read_slots)
+                if entry is not None:
+                    self._count("read_to_slots")
+            if entry is None:
+                entry = blobfile.read_blob(fd, row.file_size, row.checksum)
             if entry.id != eid or entry.namespace != row.ns:
                 raise BlobCorrupt("blob holds another entry than its name says")
         except BlobCorrupt as exc:

@@ -98,7 +98,7 @@ _COUNTERS = (
     "hits", "touches_skipped", "misses", "queue_hits", "spills", "spill_bytes", "spills_clean", "duplicates",
     "evictions", "evicted_bytes", "dropped", "drops", "checksum_failures", "read_errors",
     "write_errors", "quarantined", "busy_misses", "orphans_removed", "temps_removed", "rows_repaired",
-    "bad_rows", "index_errors", "read_transient", "files_replaced",
+    "bad_rows", "index_errors", "read_transient", "files_replaced", "read_to_slots",
 )
 
 
