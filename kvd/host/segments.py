@@ -31,7 +31,10 @@ What each OS gives:
             space where a client can write them: it reads and writes them with
             pread/pwrite on the fd (`Arena.copy_out`), and a short read is a
             damaged entry, a miss. macOS refuses a second ftruncate of a
-            POSIX shm object (EINVAL), so there no process can shrink one.
+            POSIX shm object (EINVAL), so there no process can shrink one;
+            and it takes no read(2)/write(2) on one (ENOTSUP; pread/pwrite:
+            ESPIPE), so there the daemon touches the pages through its own
+            mapping, as it does a sealed memfd's (`fixed_size`).
     other   no POSIX shm: a segment is a file 0600 in the folder ("files").
 
 Pages made ready ahead of use (issue 42): on Linux `clear` writes zeros
@@ -120,6 +123,19 @@ def probe_memfd() -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def fixed_size(mechanism: str, platform: str = sys.platform) -> bool:
+    """Whether no process can cut a segment of `mechanism` short once it is
+    made, so the daemon may read and write its pages through its own mapping
+    (kvd.server.shm.arena: `Arena.fixed`) with no SIGBUS to fear. A sealed
+    memfd: F_SEAL_SHRINK. A POSIX shm object on macOS: XNU sizes one once
+    (`pshm_truncate` refuses, EINVAL, once it is allocated) and has no read or
+    write for it (`pshm_read`/`pshm_write` answer ENOTSUP, bsd/kern/posix_shm.c),
+    so the pread/pwrite road below would fail there on every call. Not a POSIX
+    shm object on Linux (a tmpfs file) nor a file: any process of the uid
+    holding the fd may ftruncate it, so the daemon uses pread/pwrite."""
+    return mechanism == "memfd" or (mechanism == "shm_open" and platform == "darwin")
 
 
 def probe_shm_open() -> bool:

@@ -17,6 +17,7 @@ its own and read back when freed, so an overlap would show in the memory too.
 from __future__ import annotations
 
 import mmap
+import os
 import random
 
 import pytest
@@ -290,3 +291,64 @@ def test_a_failing_segment_is_logged_now_and_then_not_at_every_allocation(tmp_pa
         assert all(arena.alloc(4096) is None for _ in range(100))
     lines = [r for r in caplog.records if "cannot add a shared-memory segment" in r.getMessage()]
     assert arena.counters["grow_failures"] == 100 and len(lines) == 7  # 1, 2, 4, ..., 64
+
+
+def test_which_segments_no_process_can_cut_short():
+    """kvd.host.segments.fixed_size, the one OS-specific decision of the
+    road below: a sealed memfd, and a POSIX shm object on macOS (sized once,
+    no read or write for one: bsd/kern/posix_shm.c), are fixed; an shm_open
+    object on Linux and a file are not."""
+    from kvd.host.segments import fixed_size
+
+    assert fixed_size("memfd", "linux") and fixed_size("shm_open", "darwin")
+    assert not fixed_size("shm_open", "linux") and not fixed_size("files", "darwin") and not fixed_size("files", "linux")
+
+
+@pytest.fixture
+def shm_open_host():
+    from kvd.host import select
+
+    select.use("portable")
+    try:
+        assert select.mechanism("shared_memory") == "shm_open"
+        yield
+    finally:
+        select.use("auto")
+
+
+@pytest.mark.parametrize("platform", ["darwin", "linux"])
+def test_shm_open_segments_on_macos_are_copied_through_the_mapping(folder, shm_open_host, monkeypatch, platform):
+    """macOS has no pread/pwrite for a POSIX shm object (ENOTSUP; ESPIPE for
+    pread), a fault Linux cannot produce, so it is injected on the segments'
+    fds. There (`fixed_size` on darwin) the daemon reads and writes slots
+    through its mapping, as a sealed memfd's, and loses nothing; with Linux's
+    answer it would have taken every segment for one cut short: each copy
+    out a damaged entry, the segment never allocated in again."""
+    import errno
+
+    from kvd.host import segments
+    from kvd.server.shm import arena as arena_module
+
+    monkeypatch.setattr(arena_module, "fixed_size", lambda m: segments.fixed_size(m, platform))
+    arena = Arena(folder, "0000a11e", capacity=16 << 20, segment_bytes=4 << 20)
+    assert arena.mechanism == "shm_open" and arena.fixed == (platform == "darwin")
+    a = arena.alloc(1000)
+    seg_fds = set(arena._fds)
+
+    def no_io(real):
+        def call(fd, *args):
+            if fd in seg_fds:
+                raise OSError(errno.ESPIPE, "Illegal seek")
+            return real(fd, *args)
+        return call
+
+    monkeypatch.setattr(arena_module.os, "pread", no_io(os.pread))
+    monkeypatch.setattr(arena_module.os, "pwrite", no_io(os.pwrite))
+    a[:] = 7
+    if platform == "darwin":
+        assert arena.copy_out(a) == b"\x07" * 1000
+        b = arena.alloc(500)
+        arena.copy_in(b, b"\x05" * 500)
+        assert bytes(b) == b"\x05" * 500 and arena.counters["shrunk_segments"] == 0
+    else:
+        assert arena.copy_out(a) is None and arena.counters["shrunk_segments"] == 1

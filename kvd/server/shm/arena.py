@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvd.host.segments import advise_huge, clear, name_segment, names_segment, new_segment, unlink_segment
+from kvd.host.segments import advise_huge, clear, fixed_size, name_segment, names_segment, new_segment, unlink_segment
 from kvd.host.select import mechanism
 from kvd.protocol.shm import Descriptor, align_up, segment_name
 from kvd.server.shm.freespace import FreeSpace
@@ -101,6 +101,9 @@ class Arena:
         self.folder, self.run_id = folder, run_id
         self.mechanism = mechanism("shared_memory")  # memfd | shm_open | files (kvd.host.select)
         self.sealed = self.mechanism == "memfd"  # sealed memfds (plane.py rule 5)
+        # No process can cut a segment short (a sealed memfd; an shm_open
+        # object on macOS): its pages are read and written through the mapping.
+        self.fixed = fixed_size(self.mechanism)
         # 2 MiB pages asked for on each segment's mapping, where Linux's shmem
         # THP policy allows (kvd.host.segments, "Huge pages"); the preparer then
         # clears a segment through that mapping. `huge` overrides (tests).
@@ -159,7 +162,7 @@ class Arena:
                 self.counters["alloc_failures"] += 1
                 return None
             found = self._space.take(size)
-            while found is not None and not self.sealed and self._cut_short(found[0]):
+            while found is not None and not self.fixed and self._cut_short(found[0]):
                 self._space.give(found[0], found[1], size)
                 self._drain_shrunk(found[0])  # never allocated in again
                 found = self._space.take(size)
@@ -378,18 +381,20 @@ class Arena:
             return False
         return True
 
-    # -- segments a process may cut short (shm_open, files: not sealed) -------
+    # -- segments a process may cut short (not `fixed`) ------------------------
     # On Linux a process of the daemon's uid can ftruncate a POSIX shm object
     # (/dev/shm/kvd-...) or a file; a touch of a mapped page past the new end
     # is SIGBUS. So the daemon never touches such a segment's pages in user
     # space: it copies out with pread (a short read: the entry is damaged, a
     # miss) and in with pwrite (past the end, the object grows back), and
     # stops allocating in a segment found cut short. Memfds are sealed
-    # against shrinking: their pages are copied directly.
+    # against shrinking, and macOS sizes a POSIX shm object once (and has no
+    # pread/pwrite for one): their pages are copied directly
+    # (kvd.host.segments.fixed_size).
     def copy_out(self, data: Any) -> bytes | None:
         """A private copy of a slot's bytes (`data`, a view of one), or None
         if its segment was cut short under them (any thread)."""
-        found = self.locate(data) if not self.sealed else None
+        found = self.locate(data) if not self.fixed else None
         if found is None:
             return bytes(memoryview(data).cast("B"))
         slot, desc = found
@@ -412,7 +417,7 @@ class Arena:
     def copy_in(self, dst: "SlotArray", src: Any) -> None:
         """Write `src`'s bytes into the slot view `dst` (the daemon's own
         writes: an entry moved into the arena)."""
-        found = self.locate(dst) if not self.sealed else None
+        found = self.locate(dst) if not self.fixed else None
         if found is None:
             dst[:] = np.frombuffer(memoryview(src).cast("B"), np.uint8)
             return

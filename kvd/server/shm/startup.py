@@ -128,11 +128,11 @@ def open_plane(daemon) -> None:
     # anything stored over frames. A blob file of the SSD tier goes through a
     # private bounce buffer into its slot, checked and hashed in the bounce
     # (kvd.store.ssd.blobfile.read_to_slots): the same promise, one copy fewer
-    # and no new memory. Only on sealed segments: a slot of a segment another
-    # process may cut short is written with pwrite (Arena.copy_in), never
-    # through the mapping.
+    # and no new memory. Only on segments no process can cut short (`fixed`:
+    # a sealed memfd, an shm_open object on macOS): one that may be is
+    # written with pwrite (Arena.copy_in), never through the mapping.
     ssd = getattr(daemon.store, "ssd", None)
-    if plane.arena.sealed and ssd is not None and hasattr(ssd, "read_slots"):
+    if plane.arena.fixed and ssd is not None and hasattr(ssd, "read_slots"):
         ssd.read_slots = plane.arena.alloc
     daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
     log.info("shared memory offered: %s (%s segments, capacity %d MiB, lease %gs)", plane.folder,
