@@ -306,6 +306,9 @@ class Handler:
         links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg), self.chains)
         cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
         need_boundary, start = msg["need_boundary"], msg["start"]
+        over = self.shm_proven and self.shm.leases_full()
+        if over:  # no read lease to be had: over frames, each entry as its writer stored it (`_get`)
+            self.shm_proven = False
         chunks, n, boundary = self._collect(links, cap, need_boundary, start)
         c = self.counters(ns)  # (after the page: a GET parked on the remote tier is counted once, when served)
         if start == 0:
@@ -326,6 +329,8 @@ class Handler:
             reply["boundary"] = {"at": n, "tensors": list(boundary.tensors), "meta": boundary.meta}
         if self.shm_proven:
             reply = self.shm.describe_get(reply, [*chunks, *([boundary] if "boundary" in reply else [])])
+        elif over:
+            reply = self.shm.frames_instead(reply)
         return "GET", reply
 
     def _collect(self, links: list[Link], cap: int, need_boundary: bool, start: int):

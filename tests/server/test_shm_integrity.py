@@ -126,6 +126,34 @@ def test_an_entry_read_back_from_the_ssd_tier_is_never_served_altered(daemon_fac
         assert frames_reader.stats()["tiers"]["ram"]["altered"] == 1
 
 
+def test_a_get_over_frames_for_want_of_read_leases_never_serves_a_scribble(daemon_factory):
+    """A peer that never releases its GETs' read leases fills them (READ_LEASES);
+    a shared-memory GET is then answered over frames. Its entries are read as
+    for any frames GET, checked on private copies: a slot written into after
+    COMMIT is a miss there too. (It went out as the slot's bytes, unchecked.)"""
+    from kvd.server.shm.reads import READ_LEASES
+
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    toks = np.arange(512)
+    with d.client(NS, strict=False, transport="shm") as hog, d.client(NS, strict=False, transport="shm") as reader:
+        assert hog.put(toks, prefix_snapshot(toks)) and hog.counters["shm_puts"] == 1
+        link = hog._link()
+        body = {**hog._seq(toks), "shm": link.field()}
+        desc = None
+        for _ in range(READ_LEASES):  # never released
+            reply = hog._transport.request("GET", body, 5)
+            desc = desc or next(t.data for t in reply["chunks"][1]["tensors"])
+        assert "lease" in reply["shm"] and hog.stats()["shm"]["leases"] >= READ_LEASES
+        slot = _segment_writable(hog, desc)
+        slot[:8] = bytes(x ^ 0xFF for x in bytes(slot[:8]))  # a scribble after COMMIT
+        hit = reader.get(toks)
+        stats = reader.stats()
+        assert stats["shm"]["frames_over_leases"] >= 1
+        assert hit is not None and hit.n == 256  # chunk 1 altered: a miss from there, never the scribble
+        assert_prefix_hit(hit, toks[:256])
+        assert stats["tiers"]["ram"]["altered"] == 1
+
+
 def test_a_blob_file_read_straight_into_its_slot_is_never_served_altered(daemon_factory):
     """The same for a blob file of a bounce buffer or more, read piece by piece
     through a private buffer straight into its slot (blobfile.read_to_slots):

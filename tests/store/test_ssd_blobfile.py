@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -306,3 +307,28 @@ def test_a_header_whose_tensors_overlap_is_never_given_slots(tmp_path):
             blobfile.read_blob(fd, size, info.checksum)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("bad", ['"__metadata__": 1', '"k": {"dtype": "BF16", "shape": [1e999], "data_offsets": [0, 2]}',
+                                 '"k": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 1e999]}', None])
+def test_a_hostile_header_read_before_its_checksum_is_blob_corrupt(tmp_path, bad):
+    """read_to_slots parses the header before the file's checksum can pass:
+    whatever it holds is BlobCorrupt (a miss, the blob quarantined), never
+    another exception (INTERNAL, on every GET of it); a header of more than
+    1 MiB is not parsed there at all (the heap road's checksum refuses it)."""
+    entry = _big_entry(5)
+    path, info = _write(tmp_path, entry)
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack_from("<Q", raw, 0)
+    if bad is None:
+        head = b"[" * (blobfile._SLOTTED_HEADER + 8)  # deep enough to overflow the parser's stack
+    else:
+        head = ("{" + bad + "}").encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + hlen :])
+    slots = _Slots()
+    got = None
+    try:
+        got = _read_to_slots(path, dataclasses.replace(info, file_size=path.stat().st_size), slots)
+    except BlobCorrupt:
+        pass
+    assert got is None and not slots.given

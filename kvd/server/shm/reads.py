@@ -25,15 +25,24 @@ class GetReplies:
     """ShmPlane's GET half."""
 
     # -- GET -----------------------------------------------------------------
+    def leases_full(self) -> bool:
+        """READ_LEASES read leases are live: a GET is answered over frames
+        (`frames_instead`), its entries read as any frames GET's, checked on
+        private copies (the handler asks before it reads them: kvd.store.base.as_stored)."""
+        return len(self._held) - len(self._pending) >= self.max_read_leases
+
+    def frames_instead(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """A GET reply over frames for a client that asked for shared memory
+        (`leases_full`): what segments live, no lease."""
+        self.counters["frames_over_leases"] += 1
+        reply["shm"] = {"run": self.run_id, "lease_s": self.leases.lease_seconds, "segments": self.arena.live()}
+        return reply
+
     def describe_get(self, reply: dict[str, Any], entries: list[Entry]) -> dict[str, Any]:
-        """Turn a GET reply's tensors into descriptors under one read lease.
-        Entries not yet in the arena are copied in (and keep living there);
-        a tensor the arena has no room for stays a frame, and so does the
-        whole reply while READ_LEASES read leases are live."""
-        if len(self._held) - len(self._pending) >= self.max_read_leases:
-            self.counters["frames_over_leases"] += 1
-            reply["shm"] = {"run": self.run_id, "lease_s": self.leases.lease_seconds, "segments": self.arena.live()}
-            return reply
+        """Turn a GET reply's tensors into descriptors under one read lease
+        (the caller made sure one can be had: `leases_full`). Entries not yet
+        in the arena are copied in (and keep living there); a tensor the
+        arena has no room for stays a frame (a private copy: `_adopt`)."""
         swap: dict[int, Tensor] = {}
         for entry in entries:
             swap.update(self._adopt(entry))

@@ -131,9 +131,12 @@ def open_plane(daemon) -> None:
     # and no new memory. Only on segments no process can cut short (`fixed`:
     # a sealed memfd, an shm_open object on macOS): one that may be is
     # written with pwrite (Arena.copy_in), never through the mapping.
+    # Only for a request over shared memory: a frames reply would copy the
+    # bytes out of the slot again (kvd.store.base.as_stored).
     ssd = getattr(daemon.store, "ssd", None)
     if plane.arena.fixed and ssd is not None and hasattr(ssd, "read_slots"):
-        ssd.read_slots = plane.arena.alloc
+        handler = daemon.handler
+        ssd.read_slots = lambda: plane.arena.alloc if handler.shm_proven else None
     daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
     log.info("shared memory offered: %s (%s segments, capacity %d MiB, lease %gs)", plane.folder,
              plane.arena.mechanism, plane.arena.capacity >> 20, plane.leases.lease_seconds)

@@ -440,15 +440,17 @@ def read_to_slots(fd: int, size: int, checksum: int, slots: Callable[[int], Any]
     (hlen,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, size))
     if hlen > min(MAX_HEADER, size - 8):
         raise BlobCorrupt(f"header length {hlen} out of range")
+    if hlen > _SLOTTED_HEADER:
+        return None  # parsed before its checksum can pass: only what a kvd writes is, here
     head = _pread_exact(fd, hlen, 8, size)
     start = 8 + hlen
     try:
         md, specs = _parse_header(head, size - start)
     except BlobCorrupt:
         raise
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except _UNPARSABLE as exc:
         raise BlobCorrupt(f"unparsable blob: {exc!r}") from None
-    by_place = sorted(range(len(specs)), key=lambda i: specs[i][3])
+    by_place = sorted(range(len(specs)), key=lambda i: specs[i][3:])
     ends = [0] + [specs[i][4] for i in by_place]
     if not specs or any(specs[i][3] != ends[k] for k, i in enumerate(by_place)):
         return None  # tensors that do not tile the data section: the heap road says what is wrong
@@ -497,11 +499,17 @@ def read_to_slots(fd: int, size: int, checksum: int, slots: Callable[[int], Any]
         tensors.append(Tensor(name, dtype, shape, dst))
     try:
         return _entry(md, tensors)
-    except (ValueError, KeyError, TypeError) as exc:
+    except _UNPARSABLE as exc:
         raise BlobCorrupt(f"unparsable blob: {exc!r}") from None
 
 
 _reading = threading.local()  # read_to_slots' bounce buffer, per thread
+# A header parsed before the file's checksum is known (read_to_slots) is at
+# most this big (a kvd writes a few KiB, and the client's meta); a bigger one
+# goes the heap road, whose checksum comes first. Whatever it holds, its
+# parse fails as BlobCorrupt: a miss, the blob quarantined, never INTERNAL.
+_SLOTTED_HEADER = 1 << 20
+_UNPARSABLE = (ValueError, KeyError, TypeError, AttributeError, ArithmeticError, RecursionError, UnicodeDecodeError)
 
 
 def _pread_exact(fd: int, n: int, pos: int, size: int) -> bytes:

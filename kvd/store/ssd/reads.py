@@ -54,8 +54,9 @@ class Reads:
         self.boundary_ns: set[str] = set()
         self.boundaries_known = False
         # Where a blob file's bytes may be read to straight (blobfile.read_to_slots):
-        # nbytes -> a slot of shared memory, or None. The shared-memory plane
-        # sets it (kvd/server/shm/startup.py); None: the heap.
+        # a callable that gives, for the read at hand, an allocator of shared
+        # memory (nbytes -> a slot, or None), or None for the heap. The
+        # shared-memory plane sets it (kvd/server/shm/startup.py).
         self.read_slots = None
 
     def contains(self, eid: bytes) -> bool:
@@ -176,8 +177,9 @@ class Reads:
             return None
         try:
             entry = None
-            if self.read_slots is not None:
-                entry = blobfile.read_to_slots(fd, row.file_size, row.checksum, self.read_slots)
+            slots = self.read_slots() if self.read_slots is not None else None
+            if slots is not None:
+                entry = blobfile.read_to_slots(fd, row.file_size, row.checksum, slots)
                 if entry is not None:
                     self._count("read_to_slots")
             if entry is None:
