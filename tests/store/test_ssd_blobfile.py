@@ -244,8 +244,13 @@ def _read_to_slots(path, info, slots):
         os.close(fd)
 
 
-def test_a_blob_read_to_slots_is_bit_exact_each_tensor_aligned_with_its_digest(tmp_path):
+@pytest.mark.parametrize("preadv", [True, False])
+def test_a_blob_read_to_slots_is_bit_exact_each_tensor_aligned_with_its_digest(tmp_path, monkeypatch, preadv):
+    """(Without os.preadv too: Python on macOS before 11 has none.)"""
     from kvd.protocol.shm import ALIGN
+
+    if not preadv:
+        monkeypatch.delattr(os, "preadv", raising=False)
 
     entry = _big_entry(1)
     path, info = _write(tmp_path, entry)

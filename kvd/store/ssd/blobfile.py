@@ -368,9 +368,12 @@ def read_all(fd: int, size: int) -> bytearray:
     return buf
 
 
-def _pread_into(fd: int, mv: memoryview, pos: int) -> int:
-    chunk = os.pread(fd, min(len(mv) - pos, 64 << 20), pos)
-    mv[pos : pos + len(chunk)] = chunk
+def _pread_into(fd: int, mv: memoryview, at: int, pos: int | None = None) -> int:
+    """pread into `mv[at:]` from the file's offset `pos` (default `at`), where
+    os.preadv is missing (macOS before 11, as Python was built)."""
+    pos = at if pos is None else pos
+    chunk = os.pread(fd, min(len(mv) - at, 64 << 20), pos)
+    mv[at : at + len(chunk)] = chunk
     return len(chunk)
 
 
@@ -471,7 +474,8 @@ def read_to_slots(fd: int, size: int, checksum: int, slots: Callable[[int], Any]
     mv = memoryview(bounce)
     k, pos = 0, start
     while pos < size:
-        n = os.preadv(fd, [mv[: min(len(mv), size - pos)]], pos)
+        piece = mv[: min(len(mv), size - pos)]
+        n = os.preadv(fd, [piece], pos) if hasattr(os, "preadv") else _pread_into(fd, piece, 0, pos)
         if n == 0:
             raise BlobCorrupt(f"file shorter than recorded ({pos} < {size} bytes)")
         hasher.update(mv[:n])
