@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvd.host.dirs import MAX_IPC_PATH, config_dir, run_dirs
+from kvd.host.segments import memory_folder
 from kvd.protocol.errors import KvdError
 
 # sun_path is 108 bytes on Linux and 104 on macOS, NUL included.
@@ -83,6 +84,12 @@ def default_endpoint(environ: dict[str, str] | None = None) -> str:
     return f"ipc://{default_run_dirs(env)[0] / 'kvd.sock'}"
 
 
+# What a run's hand-out socket adds to the socket's path where the plane's
+# folder sits beside it: `<socket>.shm-<16 hex>/fds` (kvd/server/shm/folders.py,
+# handout.py; tests/service check it against the real path).
+PLANE_SOCKET_EXTRA = len(".shm-") + 16 + len("/fds")
+
+
 def default_run_dirs(environ: dict[str, str] | None = None) -> list[Path]:
     """The run directories rule 3 may choose for this user, the chosen one first.
 
@@ -91,7 +98,10 @@ def default_run_dirs(environ: dict[str, str] | None = None) -> list[Path]:
     env = os.environ if environ is None else environ
     dirs = run_dirs(env)  # kvd/host/dirs.py: XDG on Linux, ~/Library on macOS
     # sun_path is short: a deep home dir may not fit, and then only /tmp does.
-    usable = [d for d in dirs if len(str(d / "kvd.sock").encode()) <= MAX_IPC_PATH]
+    # Where no folder is memory (macOS), a run's shared-memory folder sits
+    # beside the socket with its hand-out socket in it, which must fit too.
+    extra = 0 if memory_folder() is not None else PLANE_SOCKET_EXTRA
+    usable = [d for d in dirs if len(str(d / "kvd.sock").encode()) + extra <= MAX_IPC_PATH]
     tmp = Path("/tmp") / f"kvd-{os.getuid()}"
     return usable + [d for d in dirs if d not in usable] + [tmp] if usable else [tmp, *dirs]
 

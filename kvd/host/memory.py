@@ -9,8 +9,11 @@ What each OS gives:
             under musl: no controls there).
     macOS   the physical footprint from proc_pid_rusage() (ri_phys_footprint,
             kvd/host/footprint.py: anonymous and compressed memory, leaving out
-            file-backed maps), so the memory watchdog holds there too; no
-            glibc: `tune_malloc` and `trim_malloc` do nothing.
+            file-backed maps), so the memory watchdog holds there too. It
+            counts the pages of shared memory this process has touched (XNU's
+            pmap charges an anonymous page to `phys_footprint` in every task
+            that maps it): `rss_counts_shared`. No glibc: `tune_malloc` and
+            `trim_malloc` do nothing.
 """
 
 from __future__ import annotations
@@ -84,4 +87,13 @@ def rss_bytes() -> int | None:
 
 
 _STATM: int | None = None  # the open /proc/self/statm (rss_bytes)
+
+
+def rss_counts_shared() -> bool:
+    """Whether `rss_bytes` counts the shared-memory pages this process has
+    touched (macOS's footprint; the daemon reads and writes slots through its
+    mapping there) rather than leaving them all out (Linux's RssAnon)."""
+    if _STATM is None:
+        rss_bytes()  # opens statm, or finds there is none
+    return _STATM is not None and _STATM < 0
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -145,7 +145,7 @@ def probe_shm_open() -> bool:
         import _posixshmem
     except ImportError:
         return False
-    name = f"/kvd-{os.getuid()}-{secrets.token_hex(8)}"
+    name = shm_name()  # as long as macOS allows (31: a 10-digit uid made a 32-character name, refused)
     try:
         fd = _posixshmem.shm_open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as err:

@@ -84,6 +84,7 @@ from kvd.server.latency import Latency
 from kvd.server.admission.outbox import Outbox, start_collector
 from kvd.server.admission import acceptguard, drain
 from kvd.host import select as host_select
+from kvd.host.memory import rss_counts_shared
 from kvd.server.admission.caps import default_max_peers, io_threads, listen_backlog, memory_ceiling
 from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
@@ -314,8 +315,12 @@ class Daemon(Reading, Settling):
         spilled = ssd.queue.outside_bytes if ssd is not None else 0  # waiting for the disk, no longer in RAM
         # The watchdog reads anonymous memory: entries in shared-memory slots
         # are not in it, and counted here they would let stalled peers take
-        # that much more (the RAM tier twice over, in all).
-        shared = self.handler.shm.arena.used if self.handler.shm is not None else 0
+        # that much more (the RAM tier twice over, in all). Where it counts
+        # the slot pages the daemon touched (macOS's footprint), they stay
+        # counted: else every page read or written there would look like a
+        # peer's, and peers would be shed for it.
+        shm = self.handler.shm
+        shared = shm.arena.used if shm is not None and not rss_counts_shared() else 0
         self._ceiling = memory_ceiling(max(0, getattr(ram, "bytes", 0) - shared) + spilled, self.limits)
 
     def peer_stats(self) -> dict:

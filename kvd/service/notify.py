@@ -96,7 +96,7 @@ class Notifier:
         payload = "\n".join(f"{k.upper()}={v}" for k, v in fields.items()).encode()
         try:
             if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # (Python's sockets are close-on-exec already)
             self._sock.sendto(payload, socket.MSG_DONTWAIT, self._address)
             return True
         except OSError as exc:

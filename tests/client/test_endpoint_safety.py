@@ -205,3 +205,23 @@ def test_a_client_asking_whether_a_daemon_is_there_never_stops_it_starting(tmp_p
         EndpointLock(endpoint, clock=lambda: now[0], wait=advance).acquire()
     assert EndpointLock.GRACE_S <= now[0] < EndpointLock.GRACE_S + 0.01
     os.close(probe)
+
+
+def test_where_the_plane_sits_beside_the_socket_its_hand_out_socket_must_fit_too(monkeypatch):
+    """macOS (no folder that is memory): a run's shared-memory folder sits beside
+    the socket, its hand-out socket `fds` in it, 25 bytes more than the socket's
+    path. A run dir where only the socket fit turned shared memory off at every
+    start (the hand-out's bind refused); it goes to /tmp instead."""
+    import kvd.endpoint as endpoint
+    from kvd.server.shm import folders
+
+    monkeypatch.setattr(endpoint, "memory_folder", lambda: None)
+    monkeypatch.setattr(folders, "memory_folder", lambda: None)
+    sock = Path("/h/x/kvd.sock")
+    run_folder = folders.plane_prefix(sock).with_name(folders.plane_prefix(sock).name + "-" + "0" * 16)
+    assert folders._RUN_DIR.fullmatch(run_folder.name.removeprefix(folders.plane_prefix(sock).name))
+    assert len(str(run_folder / folders.HANDOUT_SOCKET)) - len(str(sock)) == endpoint.PLANE_SOCKET_EXTRA
+    fits_alone = "/" + "d" * (MAX_IPC_PATH - len("/kvd/run/kvd.sock") - 1)  # the socket's path is MAX_IPC_PATH long
+    assert default_run_dirs({"HOME": "/h", "XDG_CACHE_HOME": fits_alone})[0] == Path(f"/tmp/kvd-{os.getuid()}")
+    fits_both = fits_alone[: -endpoint.PLANE_SOCKET_EXTRA]
+    assert default_run_dirs({"HOME": "/h", "XDG_CACHE_HOME": fits_both})[0] == Path(f"{fits_both}/kvd/run")
