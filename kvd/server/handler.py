@@ -191,6 +191,7 @@ class Handler:
         # kvd.server.lanes): callables taking the HELLO, returning a map.
         self.hello_fields: list[Any] = []
         self.shm_proven = False  # the request being served proved same host, same user
+        self.over_leases = False  # ... yet is answered over frames: no read lease to be had (on_get)
         self.altered = 0  # entries found written into after their COMMIT (`_get`)
 
     def counters(self, ns: str) -> Counter[str]:
@@ -207,7 +208,7 @@ class Handler:
         self.requests[msg.type] += 1
         # Proof and lease releases ride on any request that has an `shm` map,
         # a miss too; the data methods then only ask `shm_proven`.
-        self.shm_proven = False
+        self.shm_proven = self.over_leases = False
         if self.shm is not None:
             self.shm.expire()
             if msg.get("shm") is not None:
@@ -232,7 +233,7 @@ class Handler:
     def _again(self, msg: Message, method, fields: dict[str, Any], proven: bool, token: bytes) -> None:
         """Serve a parked request again (the store's tick, this thread): fill
         its reply, or park it once more under `token`."""
-        self.shm_proven = proven
+        self.shm_proven, self.over_leases = proven, False
         try:
             with self.store.reading("defer", fresh=False, local_first=msg.type == "GET"):
                 _, got = method(msg)
@@ -248,7 +249,7 @@ class Handler:
             log.exception("internal error serving a parked %s; answered as a miss", msg.type)
             got = _DEFERRABLE[msg.type]
         finally:
-            self.shm_proven = False
+            self.shm_proven = self.over_leases = False
         fields.clear()
         fields.update(got)
 
@@ -306,9 +307,9 @@ class Handler:
         links = match(self.store, ns, msg["chunk_tokens"], tokens_le, _media(msg), self.chains)
         cap = len(tokens_le) // 4 if msg.get("max_tokens") is None else min(msg["max_tokens"], len(tokens_le) // 4)
         need_boundary, start = msg["need_boundary"], msg["start"]
-        over = self.shm_proven and self.shm.leases_full()
-        if over:  # no read lease to be had: over frames, each entry as its writer stored it (`_get`)
-            self.shm_proven = False
+        # No read lease to be had: over frames, each entry as its writer stored
+        # it (`_get`). Asked again when a parked GET is served (`_again`).
+        self.over_leases = self.shm_proven and self.shm.leases_full()
         chunks, n, boundary = self._collect(links, cap, need_boundary, start)
         c = self.counters(ns)  # (after the page: a GET parked on the remote tier is counted once, when served)
         if start == 0:
@@ -327,10 +328,10 @@ class Handler:
         }
         if boundary is not None and end >= n:
             reply["boundary"] = {"at": n, "tensors": list(boundary.tensors), "meta": boundary.meta}
-        if self.shm_proven:
-            reply = self.shm.describe_get(reply, [*chunks, *([boundary] if "boundary" in reply else [])])
-        elif over:
+        if self.over_leases:
             reply = self.shm.frames_instead(reply)
+        elif self.shm_proven:
+            reply = self.shm.describe_get(reply, [*chunks, *([boundary] if "boundary" in reply else [])])
         return "GET", reply
 
     def _collect(self, links: list[Link], cap: int, need_boundary: bool, start: int):
@@ -405,13 +406,19 @@ class Handler:
             # No boundary here (or too big for a message beside one chunk): an earlier one.
         return [], 0, None
 
+    @property
+    def over_shm(self) -> bool:
+        """The request being served is answered over shared memory: its proof
+        passed and (a GET) a read lease can be had."""
+        return self.shm_proven and not self.over_leases
+
     def _get(self, eid: bytes) -> Entry | None:
         """A GET's entry. Over frames, as its writer stored it (`as_stored`:
         bytes a process wrote into its shared-memory slot after COMMIT never
         leave by this road); an altered one is a miss and leaves the RAM tier.
         Over shared memory the client checks the digests the reply carries."""
         entry = self.store.get(eid)
-        if entry is None or self.shm_proven:
+        if entry is None or self.over_shm:
             return entry
         whole = as_stored(entry)
         if whole is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -213,3 +214,79 @@ def test_a_ram_only_write_through_daemon_never_acknowledges_a_put_of_held_chunks
         h.handle(put_msg(toks, 4))
     with pytest.raises(NotPersisted):
         h.handle(Message("PUT", {**put_msg(toks, 4).fields, "chunks": []}))
+
+
+class DeferOnce(RamStore):
+    """A RAM tier that, like the remote-backed store in its deferring mode,
+    answers its first read with Pending (the request is parked and served
+    again when `redo` is called): a stand-in for a remote read under way."""
+
+    defers = True
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.parked: list = []
+        self.first = True
+
+    def room_to_wait(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def reading(self, mode, *, fresh=True, local_first=False):
+        yield
+
+    def wait(self, pending, redo, token=None) -> bytes:
+        self.parked.append(redo)
+        return b"token"
+
+    def get(self, eid):
+        if self.first:
+            from concurrent.futures import Future
+
+            from kvd.store.remote.pending import Pending
+
+            self.first = False
+            raise Pending(Future())
+        return super().get(eid)
+
+
+class LeasesFull:
+    """The shared-memory plane's GET half with every read lease taken (a peer
+    that never releases them): a proof passes, and a GET goes over frames."""
+
+    run_id = "r"
+
+    def expire(self):
+        pass
+
+    def admit(self, field):
+        return True
+
+    def leases_full(self):
+        return True
+
+    def frames_instead(self, reply):
+        reply["shm"] = {"run": self.run_id, "segments": []}
+        return reply
+
+    def describe_get(self, reply, entries):
+        raise AssertionError("no read lease to be had: never described")
+
+
+def test_a_parked_shm_get_with_no_read_lease_comes_back_over_frames_with_its_shm_field():
+    """A GET that proved shared memory, found no read lease and was parked on
+    a remote read comes back over frames *with* its `shm` field: without it
+    a client takes its proof for refused (a daemon restarted) and drops its
+    link for every client of the process (red-team of 5283d93)."""
+    store = DeferOnce(1 << 30)
+    h = Handler(store, Limits())
+    toks = np.arange(32)
+    h.handle(put_msg(toks, 16))
+    h.shm = LeasesFull()
+    msg = Message("GET", {**get_msg(toks, 16).fields, "shm": {"proof": "x"}})
+    _, deferred = h.handle(msg)
+    assert store.parked, "the GET was parked"
+    store.parked[0](b"token")
+    reply = deferred.fields
+    assert reply["n"] == 32 and reply["shm"]["run"] == "r" and "lease" not in reply["shm"]
+    assert not h.shm_proven and not h.over_leases  # nothing carried over to the next request

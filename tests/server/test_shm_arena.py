@@ -352,3 +352,32 @@ def test_shm_open_segments_on_macos_are_copied_through_the_mapping(folder, shm_o
         assert bytes(b) == b"\x05" * 500 and arena.counters["shrunk_segments"] == 0
     else:
         assert arena.copy_out(a) is None and arena.counters["shrunk_segments"] == 1
+
+
+def test_the_ssd_writer_never_touches_a_segment_another_process_may_cut_short(folder, shm_open_host, tmp_path):
+    """A blob file written from a slot of an shm_open segment on Linux (not
+    `fixed`) reads the slot with pread: cut short under it, the entry is
+    Altered (a drop), never a SIGBUS that takes the daemon down (red-team:
+    its header's sum and its bounce buffer read the slot through the mapping)."""
+    import xxhash
+
+    from kvd.store.base import CHUNK, Entry, Tensor
+    from kvd.store.ssd import blobfile
+
+    arena = Arena(folder, "00c0ffee", capacity=16 << 20, segment_bytes=4 << 20)
+    assert not arena.fixed
+    n = 2 << 20
+    slot = arena.alloc(n)
+    slot[:] = 3
+    slot.digest = xxhash.xxh3_64_intdigest(slot)
+    entry = Entry("ns", b"k" * 32, CHUNK, b"p" * 32, 0, 16, (Tensor("t", "uint8", (n,), slot),))
+    info = blobfile.write_blob(tmp_path / "ab" / "good.safetensors", entry)
+    fd = os.open(tmp_path / "ab" / "good.safetensors", os.O_RDONLY)
+    try:
+        assert bytes(blobfile.read_blob(fd, info.file_size, info.checksum).tensors[0].data) == b"\x03" * n
+    finally:
+        os.close(fd)
+    os.ftruncate(arena._fds[slot.slot.seg], 4096)  # what a process of the daemon's user may do here
+    with pytest.raises(blobfile.Altered):
+        blobfile.write_blob(tmp_path / "ab" / "cut.safetensors", entry)
+    assert not (tmp_path / "ab" / "cut.safetensors").exists()

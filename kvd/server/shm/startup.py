@@ -136,7 +136,7 @@ def open_plane(daemon) -> None:
     ssd = getattr(daemon.store, "ssd", None)
     if plane.arena.fixed and ssd is not None and hasattr(ssd, "read_slots"):
         handler = daemon.handler
-        ssd.read_slots = lambda: plane.arena.alloc if handler.shm_proven else None
+        ssd.read_slots = lambda: plane.arena.alloc if handler.over_shm else None
     daemon.handler.stats_sections["shm"] = lambda stats: plane.stats()
     log.info("shared memory offered: %s (%s segments, capacity %d MiB, lease %gs)", plane.folder,
              plane.arena.mechanism, plane.arena.capacity >> 20, plane.leases.lease_seconds)

@@ -53,6 +53,7 @@ against what the index recorded, then parses; any disagreement raises
 from __future__ import annotations
 
 import base64
+import dataclasses
 import errno
 import json
 import os
@@ -246,6 +247,20 @@ def _write_all(fd: int, mv: memoryview, hasher, bounce: memoryview, also=None) -
             piece = piece[n:]
 
 
+def _touchable(t: Tensor) -> Any:
+    """`t`'s bytes, where this process may read them: a slot of a segment
+    another process may cut short (kvd.server.shm.arena, not `fixed`) is read
+    with pread into a private copy (a touch of its mapping past a new end is
+    SIGBUS); Altered if it was cut short under them."""
+    slot = getattr(t.data, "slot", None)
+    if slot is None or getattr(slot.arena, "fixed", True):
+        return t.data
+    data = slot.arena.copy_out(t.data)
+    if data is None:
+        raise Altered(f"tensor {t.name!r}: its shared-memory segment was cut short")
+    return data
+
+
 def _missing_or_symlink(path: Path) -> bool:
     """One lstat, as the is_dir it replaces."""
     try:
@@ -273,6 +288,10 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
     its COMMIT, OSError for I/O errors (the temp file is removed first;
     nothing at `path` is touched unless the rename ran).
     """
+    digests = [getattr(t.data, "digest", None) for t in entry.tensors]
+    datas = [_touchable(t) for t in entry.tensors]
+    if any(d is not t.data for d, t in zip(datas, entry.tensors)):
+        entry = dataclasses.replace(entry, tensors=tuple(dataclasses.replace(t, data=d) for t, d in zip(entry.tensors, datas)))
     head = encode_header(entry)
     parent = path.parent
     if _missing_or_symlink(parent):
@@ -293,8 +312,7 @@ def write_blob(path: Path, entry: Entry, *, durable: bool = True) -> BlobInfo:
             _preallocate(fd, size)
             bounce = memoryview(bytearray(min(_BOUNCE_BYTES, max(len(head), entry.nbytes))))
             _write_all(fd, memoryview(head), hasher, bounce)
-            for t in entry.tensors:
-                digest = getattr(t.data, "digest", None)
+            for t, digest in zip(entry.tensors, digests):
                 check = xxhash.xxh3_64() if digest is not None else None
                 _write_all(fd, _buffer(t.data), hasher, bounce, check)
                 if check is not None and check.intdigest() != digest:
