@@ -95,35 +95,45 @@ def test_bytes_written_into_a_slot_after_commit_are_never_served(daemon_factory)
 
 
 
-def test_an_entry_read_back_from_the_ssd_tier_is_never_served_altered(daemon_factory):
+@pytest.mark.parametrize("wide", [False, True], ids=["small-blobs-via-the-heap", "blob-files-into-the-slot"])
+def test_an_entry_read_back_from_the_ssd_tier_is_never_served_altered(daemon_factory, wide):
     """An entry read back from the SSD tier is checked (the blob's checksum) in
-    private memory, and moves into the arena for a GET over shared memory with
-    its digests fixed from those bytes. A write into its slot after that is a
+    private memory and reaches the arena with its digests fixed from those
+    bytes: a small blob read into the heap and moved in by the shm GET; a blob
+    file of a bounce buffer or more read piece by piece through a private
+    buffer straight into its slot (blobfile.read_to_slots; where segments can
+    be cut short, through the heap too). A write into its slot after that is a
     miss for every reader, as for an entry stored over shared memory. (Read
-    straight into a slot, it was checked where it could still change, carried
-    no digest, and the scribble was served over both roads.)"""
+    straight into a slot and checked there, session 39 found, it carried no
+    digest, and the scribble was served over both roads.)"""
+    snapshot, same = (wide_snapshot, assert_wide_hit) if wide else (prefix_snapshot, assert_prefix_hit)
     d = daemon_factory("--ram-mb", "64")
     toks = np.arange(512)
     with d.client(NS, strict=False, transport="shm") as shm_reader, \
             d.client(NS, strict=False, transport="frames") as frames_reader:
-        assert shm_reader.put(toks, prefix_snapshot(toks))
+        assert shm_reader.put(toks, snapshot(toks))
         assert wait_until(lambda: shm_reader.stats()["tiers"]["ssd"]["entries"] >= 2, 10)
         shm_reader.gc(ram_bytes=0)  # out of RAM: the next GET reads both chunks back from the SSD tier
         link = shm_reader._link()
         reply = shm_reader._transport.request("GET", {**shm_reader._seq(toks), "shm": link.field()}, 5)
+        assert reply["n"] == 512
         desc = next(t.data for t in reply["chunks"][1]["tensors"])
         assert desc.digest is not None  # fixed from the private bytes the SSD tier read
         link.done(reply["shm"]["lease"])
         slot = _segment_writable(shm_reader, desc)
-        original = bytes(slot)
-        slot[: 8] = bytes(x ^ 0xFF for x in original[:8])  # a scribble into the slot it moved into
+        slot[-8:] = bytes(x ^ 0xFF for x in bytes(slot[-8:]))  # a scribble into the slot it is in
         hit = shm_reader.get(toks)  # over shared memory: a miss past chunk 0, never the scribble
         assert hit is None or hit.n <= 256
         assert shm_reader.counters["shm_damaged"] == 1
+        if hit is not None:
+            same(hit, toks)
         hit = frames_reader.get(toks)  # over frames: checked on a private copy
         assert hit is not None and hit.n in (256, 512)
-        assert_prefix_hit(hit, toks[: hit.n])  # chunk 1, if served, is its stored bytes (read again from disk)
-        assert frames_reader.stats()["tiers"]["ram"]["altered"] == 1
+        same(hit, toks)  # chunk 1, if served, is its stored bytes (read again from disk)
+        stats = frames_reader.stats()
+        assert stats["tiers"]["ram"]["altered"] == 1
+        straight = wide and stats["host"]["shared_memory"] == "memfd"
+        assert (stats["tiers"]["ssd"]["read_to_slots"] >= 2) == straight
 
 
 def test_a_get_over_frames_for_want_of_read_leases_never_serves_a_scribble(daemon_factory):
@@ -153,39 +163,6 @@ def test_a_get_over_frames_for_want_of_read_leases_never_serves_a_scribble(daemo
         assert_prefix_hit(hit, toks[:256])
         assert stats["tiers"]["ram"]["altered"] == 1
 
-
-def test_a_blob_file_read_straight_into_its_slot_is_never_served_altered(daemon_factory):
-    """The same for a blob file of a bounce buffer or more, read piece by piece
-    through a private buffer straight into its slot (blobfile.read_to_slots):
-    checked and hashed in that buffer, so a write into the slot after is a miss
-    for every reader. (Where segments can be cut short it goes through the heap,
-    as above: the same promise.)"""
-    d = daemon_factory("--ram-mb", "64")
-    toks = np.arange(512)
-    with d.client(NS, strict=False, transport="shm") as shm_reader, \
-            d.client(NS, strict=False, transport="frames") as frames_reader:
-        assert shm_reader.put(toks, wide_snapshot(toks))
-        assert wait_until(lambda: shm_reader.stats()["tiers"]["ssd"]["entries"] >= 2, 10)
-        shm_reader.gc(ram_bytes=0)
-        link = shm_reader._link()
-        reply = shm_reader._transport.request("GET", {**shm_reader._seq(toks), "shm": link.field()}, 5)
-        assert reply["n"] == 512
-        desc = next(t.data for t in reply["chunks"][1]["tensors"])
-        assert desc.digest is not None
-        link.done(reply["shm"]["lease"])
-        slot = _segment_writable(shm_reader, desc)
-        slot[-8:] = bytes(x ^ 0xFF for x in bytes(slot[-8:]))  # a scribble into the slot it was read into
-        hit = shm_reader.get(toks)
-        assert hit is None or hit.n <= 256
-        assert shm_reader.counters["shm_damaged"] == 1
-        if hit is not None:
-            assert_wide_hit(hit, toks)
-        hit = frames_reader.get(toks)
-        assert hit is not None and hit.n in (256, 512)
-        assert_wide_hit(hit, toks)  # chunk 1, if served, is its stored bytes (read again from disk)
-        stats = frames_reader.stats()
-        assert stats["tiers"]["ram"]["altered"] == 1
-        assert (stats["tiers"]["ssd"]["read_to_slots"] >= 2) == (stats["host"]["shared_memory"] == "memfd")
 
 
 @pytest.mark.skipif(redis_binary() is None, reason=SKIP_REASON)
