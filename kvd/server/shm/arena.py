@@ -147,7 +147,11 @@ class Arena:
                          "grow_failures": 0, "lost_slots": 0, "names_repaired": 0, "shrunk_segments": 0}
         self.lean = False  # keep no free memory warm (give_back), until the next alloc
         self.allocated = 0  # bytes allocated so far, in all (kvd/server/shm/prepare.py reads it)
-        self.on_alloc: Callable[[], None] | None = None  # told after a slot is handed out (the preparer)
+        # Told after a slot is handed out once `allocated` reaches `wake_at` (the
+        # preparer, which sets it: a wake per slot took the GIL from the serving
+        # thread ~2,000 times a second under a storm of small puts).
+        self.on_alloc: Callable[[], None] | None = None
+        self.wake_at = 0
 
     # -- allocation ----------------------------------------------------------
     def alloc(self, nbytes: int, *, reserve: bool = True) -> SlotArray | None:
@@ -194,7 +198,7 @@ class Arena:
         arr.slot = slot
         if unreserved:
             arr.unreserved = True
-        if self.on_alloc is not None:
+        if self.on_alloc is not None and self.allocated >= self.wake_at:
             self.on_alloc()
         return arr
 

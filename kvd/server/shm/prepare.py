@@ -38,7 +38,10 @@ How far ahead:
   pages as ready as a warm one's (kvd/server/shm/startup.py, `warm_window`).
 - Once puts come: twice the bytes allocated in the busiest recent interval
   (each wake measures the bytes allocated since the last, and the figure
-  decays by a tenth per wake), at least two segments.
+  decays by a tenth per wake), at least two segments. The thread wakes every
+  WAKE_S, and when allocations have taken a segment's worth since its last
+  wake (`Arena.wake_at`): not at every slot, which under a storm of small
+  puts took the GIL from the serving thread ~2,000 times a second.
 Bounds, always: the segments that allocate hold at most half the arena's
 capacity plus one segment (the RAM tier's budget, about); a segment is made
 only while the free prepared bytes with it stay within a quarter of the
@@ -231,6 +234,10 @@ class Preparer:
             except Exception:  # noqa: BLE001 -- a bug: logged; the thread lives on (grants wait for it)
                 self.failures += 1
                 log.exception("shared memory: preparing a segment failed")
+            # Woken again by allocations once they have taken a segment's worth
+            # (else at the next WAKE_S): a wake per slot took the GIL from the
+            # serving thread ~2,000 times a second under a storm of small puts.
+            self.arena.wake_at = self.arena.allocated + self.arena.segment_bytes
 
     def stats(self) -> dict[str, int]:
         free = self.arena.spare_prepared()  # first: a segment counted free is counted prepared already
