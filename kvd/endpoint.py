@@ -86,7 +86,7 @@ def default_endpoint(environ: dict[str, str] | None = None) -> str:
 
 # What a run's hand-out socket adds to the socket's path where the plane's
 # folder sits beside it: `<socket>.shm-<16 hex>/fds` (kvd/server/shm/folders.py,
-# handout.py; tests/service check it against the real path).
+# handout.py; tests/client/test_endpoint_safety.py checks it against the real path).
 PLANE_SOCKET_EXTRA = len(".shm-") + 16 + len("/fds")
 
 

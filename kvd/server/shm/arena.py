@@ -147,9 +147,8 @@ class Arena:
                          "grow_failures": 0, "lost_slots": 0, "names_repaired": 0, "shrunk_segments": 0}
         self.lean = False  # keep no free memory warm (give_back), until the next alloc
         self.allocated = 0  # bytes allocated so far, in all (kvd/server/shm/prepare.py reads it)
-        # Told after a slot is handed out once `allocated` reaches `wake_at` (the
-        # preparer, which sets it: a wake per slot took the GIL from the serving
-        # thread ~2,000 times a second under a storm of small puts).
+        # Told after a slot is handed out once `allocated` reaches `wake_at`
+        # (the preparer, which sets it: kvd/server/shm/prepare.py, "How far ahead").
         self.on_alloc: Callable[[], None] | None = None
         self.wake_at = 0
 

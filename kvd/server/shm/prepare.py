@@ -234,9 +234,7 @@ class Preparer:
             except Exception:  # noqa: BLE001 -- a bug: logged; the thread lives on (grants wait for it)
                 self.failures += 1
                 log.exception("shared memory: preparing a segment failed")
-            # Woken again by allocations once they have taken a segment's worth
-            # (else at the next WAKE_S): a wake per slot took the GIL from the
-            # serving thread ~2,000 times a second under a storm of small puts.
+            # Woken again once allocations have taken a segment's worth (module docstring).
             self.arena.wake_at = self.arena.allocated + self.arena.segment_bytes
 
     def stats(self) -> dict[str, int]:
