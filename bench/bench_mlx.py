@@ -11,6 +11,9 @@ ratios to two baselines measured in the same run on the same arrays:
 
   memcpy  the cache's bytes copied into an already-touched buffer (the floor
           of one copy), and `fresh`: copied into newly allocated memory;
+          also printed: the same copy out of a shared-memory mapping made just
+          before (what a new client's first fetch from a fresh daemon must at
+          least do: its page tables filled as it reads);
   store   time `Client.store` holds the caller's thread (slice, eval, the
           copy to host; the upload runs on the writer thread): nothing held
           (every chunk copied), and, warm only, a conversation going on (all
@@ -64,6 +67,40 @@ def mlx_client(endpoint, namespace, **kw):
     from kvd_client import Client
 
     return Client(endpoint, namespace=namespace, timeout=120.0, **kw)
+
+
+def new_mapping_copy(buffers: list[np.ndarray], reps: int) -> float:
+    """Median time to copy `buffers`' bytes into themselves out of a shared
+    memory object mapped just before, its pages resident (written by another
+    mapping): what a new client's first fetch from a fresh daemon must at least
+    do, its page tables filled as it reads (with 4 KiB pages, ~65,000 entries
+    per 256 MiB; with 2 MiB shared-memory pages, 128)."""
+    from multiprocessing import shared_memory
+
+    nbytes = sum(b.nbytes for b in buffers)
+    owner = shared_memory.SharedMemory(create=True, size=nbytes)
+    try:
+        src, at = np.frombuffer(owner.buf, np.uint8), 0
+        for b in buffers:
+            src[at:at + b.nbytes] = b.reshape(-1).view(np.uint8)
+            at += b.nbytes
+        del src
+
+        def copy():
+            seg = shared_memory.SharedMemory(name=owner.name)
+            try:
+                view, at = np.frombuffer(seg.buf, np.uint8), 0
+                for b in buffers:
+                    np.copyto(b.reshape(-1).view(np.uint8), view[at:at + b.nbytes])
+                    at += b.nbytes
+                del view
+            finally:
+                seg.close()
+
+        return median_time(copy, reps)
+    finally:
+        owner.close()
+        owner.unlink()
 
 
 def big_cache(tokens: int):
@@ -135,11 +172,18 @@ def one_size(T: int, args) -> str:
     fresh = median_time(lambda: [np.array(v) for v in views], reps)
     touched = [np.array(v) for v in views]
     memcpy = median_time(lambda: [np.copyto(d, np.asarray(v)) for d, v in zip(touched, views)], reps)
+    try:
+        mapped = new_mapping_copy(touched, reps)
+    except OSError as err:  # (no room in /dev/shm for 4 GiB more, say)
+        print(f"(no new-mapping baseline: {err})")
+        mapped = float("nan")
     touched = views = None  # noqa: F841  (freed: at 4 GiB they are 8 GiB)
     mx.clear_cache()  # and out of mlx's buffer cache
     take = median_time(lambda: snapshot(toks, caches), reps)
     print(f"baseline memcpy, touched dest    {memcpy * 1e3:9.1f} ms  {gibs(memcpy):5.2f} GiB/s")
     print(f"baseline copy to fresh numpy     {fresh * 1e3:9.1f} ms  {gibs(fresh):5.2f} GiB/s  {fresh / memcpy:5.2f}x memcpy")
+    print(f"baseline copy out of a new map   {mapped * 1e3:9.1f} ms  {gibs(mapped):5.2f} GiB/s  {mapped / memcpy:5.2f}x memcpy  "
+          f"(shared memory, pages resident, mapped just before)")
     print(f"snapshot to numpy (in process)   {take * 1e3:9.1f} ms  {gibs(take):5.2f} GiB/s  {take / memcpy:5.2f}x memcpy",
           flush=True)
 
