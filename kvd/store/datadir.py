@@ -73,6 +73,8 @@ def ensure_dirs(root: str | os.PathLike) -> Path:
             continue
         if sub == BLOB_DIR:
             ensure_blob_dirs(root)
+        elif sub:
+            ensure_folder(root, sub)  # a symlink there would have LMDB and chmod work wherever it points
         else:
             path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         # mkdir's mode is masked by the umask and ignored for existing dirs:

@@ -69,8 +69,8 @@ import xxhash
 
 from kvd.host import files as host_files
 from kvd.protocol import dtypes
-from kvd.protocol.shm import align_up
 from kvd.protocol.errors import KvdError
+from kvd.protocol.shm import align_up
 from kvd.store.base import Entry, Tensor
 from kvd.store.datadir import FILE_MODE, TMP_SUFFIX, ensure_folder
 
@@ -531,7 +531,8 @@ _reading = threading.local()  # read_to_slots' bounce buffer, per thread
 # goes the heap road, whose checksum comes first. Whatever it holds, its
 # parse fails as BlobCorrupt: a miss, the blob quarantined, never INTERNAL.
 _SLOTTED_HEADER = 1 << 20
-_UNPARSABLE = (ValueError, KeyError, TypeError, AttributeError, ArithmeticError, RecursionError, UnicodeDecodeError)
+_UNPARSABLE = (ValueError, KeyError, TypeError, AttributeError, ArithmeticError, RecursionError, UnicodeDecodeError,
+               struct.error)
 
 
 def _pread_exact(fd: int, n: int, pos: int, size: int) -> bytes:
@@ -553,7 +554,7 @@ def parse_blob(buf: bytearray | bytes) -> Entry:
         return _parse(memoryview(buf).toreadonly())
     except BlobCorrupt:
         raise
-    except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as exc:
+    except _UNPARSABLE as exc:  # (a header of any shape: `__metadata__` a string, say)
         raise BlobCorrupt(f"unparsable blob: {exc!r}") from None
 
 

@@ -38,7 +38,11 @@ fails is quarantined, a temp file removed. Its recency is the file's mtime
 on the SSD tier's writer thread, between spills, so the daemon serves from
 its first moment (entries appear as they are indexed); rows already present
 (written meanwhile, or by a rebuild that was stopped) are kept and their
-blobs not read again. Once rebuilt, the oldest entries beyond the budget
+blobs not read again. No one file ends it: whatever checking a blob raises
+(not only BlobCorrupt) quarantines that blob and the walk goes on; a rebuild
+that died would leave the blobs after it unindexed, and while the record
+says a rebuild is unfinished, reconcile removes no blob for want of a row
+(`unfinished`). Once rebuilt, the oldest entries beyond the budget
 are evicted. The `rebuilding` record is deleted last: a stop halfway
 resumes at the next start. One log line at the end says what happened and
 how much was recovered. The pack of small blobs (pack.py) is a separate
@@ -85,9 +89,9 @@ from kvd.store.ssd import blobfile
 from kvd.store.base import BOUNDARY
 from kvd.store.ssd.blobfile import BlobCorrupt
 from kvd.store.datadir import (
-    BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, PACK_DIR, eid_of_blob, ensure_quarantine, is_temp_name,
+    BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, PACK_DIR, eid_of_blob, ensure_folder, ensure_quarantine, is_temp_name,
 )
-from kvd.store.ssd.index import Index, IndexBusy, Row, RowDamaged
+from kvd.store.ssd.index import DEFAULT_BOUNDS, Index, IndexBusy, Row, RowDamaged
 from kvd.store.ssd.lmdbenv import DEFAULT_MAP_SIZE
 from kvd.store.ssd.pack import PACKED, Pack, eid_of, packed_disk_bytes, slot_of
 
@@ -297,6 +301,17 @@ class Heal:
         return asdict(self)
 
 
+def unfinished(index: Index) -> bool:
+    """Does `index` say a rebuild of it is unfinished (its `rebuilding`
+    record)? Then a blob without a row is an entry not indexed yet, not an
+    orphan. True where that cannot be read (reconcile then keeps every blob)."""
+    try:
+        with index.reading() as txn:
+            return txn.get(REBUILDING, db=index.meta) is not None
+    except (IndexBusy, lmdb.Error):
+        return True
+
+
 def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tuple[Index, Heal | None]:
     """Open the index of the data dir `root`, moving a damaged one aside
     (see the module docstring) -- or any one, giving `rebuild` as the reason.
@@ -329,9 +344,12 @@ def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tupl
     if reason is None:
         if marker is not None:
             return index, Heal.from_record(bytes(marker))
-        if existed or not any_blob(root):
+        if (existed and entries) or not any_blob(root):
             return index, None
-        heal = Heal("the index was missing")
+        # Blobs, and an index with no entry: one made and never marked (a
+        # stop between the two), or not kvd's (its tables empty). Reconcile
+        # would take every blob for an orphan; a rebuild indexes them.
+        heal = Heal("the index held no entry while blobs exist" if existed else "the index was missing")
     else:
         return replace_index(root, reason, map_size=map_size, quiet=bool(rebuild))
     index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
@@ -487,12 +505,13 @@ def open_pack(root: Path, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = 
     there is none or it is damaged. Raises lmdb.Error or OSError for an
     environment LMDB cannot use."""
     path = root / PACK_DIR
-    if readonly and not (path / DATA_FILE).exists():
+    if readonly and (path.is_symlink() or not (path / DATA_FILE).exists()):
         return None
     reason = inspect_data_file(path / DATA_FILE)
     if reason is None:
         try:
-            path.mkdir(mode=DIR_MODE, exist_ok=True)
+            if not readonly:
+                ensure_folder(root, PACK_DIR)  # a symlink there: moved aside, never written through
             pack = Pack(path, map_size=map_size, readonly=readonly)
             len(pack)  # a first read: a damaged root page shows here
             return pack
@@ -521,15 +540,18 @@ def replace_pack(root: Path, reason: str, *, map_size: int) -> Pack:
     return Pack(root / PACK_DIR, map_size=map_size)
 
 
-def recover_row(path: str | Path, eid: bytes) -> tuple[Row, bool]:
+def recover_row(path: str | Path, eid: bytes, max_bytes: int = DEFAULT_BOUNDS.max_blob_bytes) -> tuple[Row, bool]:
     """The index row for the blob at `path`, after checking it: it parses,
     holds entry `eid`, and matches its own kvd_sum. Returns (row, verified):
     verified is False for a blob written before kvd_sum existed.
-    Raises BlobCorrupt (also for anything not a regular file), or OSError
-    (FileNotFoundError if it vanished)."""
+    Raises BlobCorrupt (also for anything not a regular file, or a file over
+    `max_bytes`, the largest blob the tier takes: it is never read into
+    memory), or OSError (FileNotFoundError if it vanished)."""
     fd = blobfile.open_blob(path)  # a FIFO or a symlink under the name: BlobCorrupt, never a hang
     try:
         st = os.fstat(fd)
+        if st.st_size > max_bytes:
+            raise BlobCorrupt(f"{st.st_size} bytes, more than any blob this tier takes ({max_bytes})")
         buf = blobfile.read_all(fd, st.st_size)
     finally:
         os.close(fd)
@@ -644,11 +666,18 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
             row.check(index.bounds)  # a row no read would take (a blob larger than this tier takes): not indexed
         except FileNotFoundError:
             return False  # evicted or quarantined meanwhile
-        except (BlobCorrupt, RowDamaged, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - no one file may end the rebuild (module docstring)
             if len(heal.failures) < MAX_FAILURES:
                 heal.failures.append([eid.hex(), f"corrupt: {exc}"])
-            log.warning("ssd: %s %s is bad (%s); quarantined while rebuilding the index", what, eid.hex(), exc)
-            if quarantine():
+            expected = isinstance(exc, (BlobCorrupt, RowDamaged, OSError))
+            log.log(logging.WARNING if expected else logging.ERROR, "ssd: %s %s is bad (%s); quarantined while "
+                    "rebuilding the index", what, eid.hex(), exc if expected else repr(exc))
+            try:
+                moved = quarantine()
+            except (OSError, lmdb.Error) as err:
+                log.error("ssd: could not quarantine %s %s (%s); left where it is", what, eid.hex(), err)
+                moved = False
+            if moved:
                 heal.quarantined += 1
                 store.count("quarantined")
             return False
@@ -687,7 +716,8 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
             if (name in indexed) if indexed is not None else store.has_row(eid):
                 heal.kept += 1
                 continue
-            if take(eid, lambda: recover_row(path, eid), lambda: quarantine_file(store.root, path, eid.hex()), "blob"):
+            if take(eid, lambda: recover_row(path, eid, index.bounds.max_blob_bytes),
+                    lambda: quarantine_file(store.root, path, eid.hex()), "blob"):
                 yield
         commit()
         yield

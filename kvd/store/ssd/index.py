@@ -47,6 +47,7 @@ flight, resizes, and reopens it.
 from __future__ import annotations
 
 import itertools
+import math
 import struct
 import time
 from dataclasses import dataclass, field
@@ -169,6 +170,24 @@ class Row:
 def _int(v: Any, lo: int, hi: int) -> bool:
     """`v` is an int (not a bool) in [lo, hi]."""
     return type(v) is int and lo <= v <= hi
+
+
+def _ns_counts(raw: bytes | None) -> tuple[int, int, int, float]:
+    """A namespace's record in the `ns` table: (entries, bytes, tokens, last
+    used). Zeros for none, and for one that does not decode to such numbers
+    (garbage written by another process): these are counts for `kvd stats`,
+    never what a read relies on, and the next write to the namespace puts a
+    sane record back (its counts start again from there)."""
+    if not raw:
+        return 0, 0, 0, 0.0
+    try:
+        e, b, t, u = (list(msgpack.unpackb(raw)) + [0, 0])[:4]
+    except (ValueError, TypeError):  # (msgpack's FormatError, StackError and ExtraData are ValueErrors)
+        return 0, 0, 0, 0.0
+    if not all(type(x) is int and 0 <= x < 1 << 63 for x in (e, b, t)) or type(u) not in (int, float) \
+            or not math.isfinite(u):
+        return 0, 0, 0, 0.0
+    return e, b, t, float(u)
 
 
 def _insane(row: Row, bounds: Bounds) -> str | None:
@@ -355,8 +374,8 @@ class Index(Env):
         """{namespace: {entries, bytes (on disk), tokens, last_used}}."""
         out = {}
         for k, v in txn.cursor(db=self.ns_db).iternext(keys=True, values=True):
-            e, b, t, used = (list(msgpack.unpackb(v)) + [0, 0])[:4]
-            out[k.decode()] = {"entries": e, "bytes": b, "tokens": t, "last_used": used}
+            e, b, t, used = _ns_counts(v)
+            out[bytes(k).decode(errors="replace")] = {"entries": e, "bytes": b, "tokens": t, "last_used": used}
         return out
 
     def iter_rows(self, txn) -> Iterator[tuple[bytes, Row]]:
@@ -379,8 +398,7 @@ class Index(Env):
             e, b = self.totals(txn)
             txn.put(b"totals", msgpack.packb([e + entries, b + nbytes]), db=self.meta)
         key = ns.encode()
-        raw = txn.get(key, db=self.ns_db)
-        e, b, t, u = (list(msgpack.unpackb(raw)) + [0, 0])[:4] if raw else (0, 0, 0, 0.0)
+        e, b, t, u = _ns_counts(txn.get(key, db=self.ns_db))
         e, b, t, u = e + entries, b + nbytes, t + tokens, max(u, used)
         if e <= 0:
             txn.delete(key, db=self.ns_db)

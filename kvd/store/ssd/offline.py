@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvd.store.datadir import PACK_DIR, QUARANTINE_DIR, DataDirLock
-from kvd.store.ssd.heal import open_readonly
+from kvd.store.ssd.heal import IndexDamaged, open_readonly
 
 Progress = Callable[[str, int, int], None]
 
@@ -60,7 +60,10 @@ def stats(data_dir: str | os.PathLike) -> dict[str, Any]:
     index = open_readonly(root)  # IndexDamaged rather than a SIGBUS on a truncated file
     try:
         with index.reading() as txn:
-            entries, nbytes = index.totals(txn)
+            try:
+                entries, nbytes = index.totals(txn)
+            except (ValueError, TypeError) as exc:  # another process's garbage: what a start heals
+                raise IndexDamaged(f"its totals record does not decode ({exc})") from None
             namespaces = index.namespaces(txn)
         info = index.info()
     finally:

@@ -12,17 +12,37 @@ can interleave it with spills and the daemon serves from the first moment.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from kvd.store.datadir import BLOB_DIR, eid_of_blob, is_temp_name
+from kvd.store.ssd import heal
 from kvd.store.ssd.index import Row, RowDamaged
 from kvd.store.ssd.pack import PACKED, eid_of, pack_key
 
 if TYPE_CHECKING:
     from kvd.store.ssd import SsdStore
 
+log = logging.getLogger("kvd.store.ssd")
+
 Progress = Callable[[str, int, int], None]
+
+
+def _shards(blob_root: Path) -> list[Path]:
+    """The shard folders under blobs/, never through a symlink: a link there
+    (ensure_blob_dirs moves aside those named like a shard, not others) would
+    have reconcile delete "orphans" and temp files wherever it points."""
+    try:
+        if not stat.S_ISDIR(os.lstat(blob_root).st_mode):
+            return []
+        with os.scandir(blob_root) as it:
+            return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))
+    except OSError as exc:
+        log.warning("ssd: reconcile cannot list %s (%s); no blob removed", blob_root, exc)
+        return []
 
 
 def reconcile_steps(
@@ -33,10 +53,21 @@ def reconcile_steps(
     then no blob is being written while a step looks at the directory."""
     for key in ("temps_removed", "orphans_removed", "rows_repaired", "temp_bytes", "orphan_bytes"):
         report.setdefault(key, 0)
+    # A blob without a row is an orphan only once the index is whole: while
+    # a rebuild is unfinished (one that died, say) it is an entry not indexed yet.
+    keep_orphans = heal.unfinished(store.index)
+    if keep_orphans:
+        report["orphans_kept"] = 1
+        log.warning("ssd: the index's rebuild is unfinished; reconcile removes no blob for want of a row")
     blob_root = store.root / BLOB_DIR
-    shards = sorted(p for p in blob_root.iterdir() if p.is_dir()) if blob_root.is_dir() else []
+    shards = _shards(blob_root)
     for i, shard in enumerate(shards):
-        for n, name in enumerate(os.listdir(shard), 1):
+        try:
+            names = os.listdir(shard)
+        except OSError as exc:  # unreadable (its mode changed by hand): its blobs stay as they are
+            log.warning("ssd: reconcile cannot list %s (%s); left as it is", shard, exc)
+            names = []
+        for n, name in enumerate(names, 1):
             if n % 512 == 0:
                 # A step of a few ms (a shard holds ~4k blobs at 1 M): the writer
                 # holds the GIL while it looks. Between steps a batch may write
@@ -48,7 +79,7 @@ def reconcile_steps(
                 kind = "temp"
             else:
                 eid = eid_of_blob(name)
-                if eid is None or eid in store.queue or store.has_row(eid):
+                if eid is None or keep_orphans or eid in store.queue or store.has_row(eid):
                     continue
                 kind = "orphan"
             try:
@@ -111,7 +142,8 @@ def reconcile_steps(
             report["rows_repaired"] += len(missing)
             if not dry_run:
                 store.remove_rows(missing, "rows_repaired")
-        _remove_orphans(store, old, report, dry_run)
+        if not keep_orphans:
+            _remove_orphans(store, old, report, dry_run)
         if progress:
             progress("rows", done, total)
         if hi is None:

@@ -230,7 +230,7 @@ class Repair:
             if key is not None:
                 row, verified = heal.recover_packed(self.pack, key, atime=self._clock())
             else:
-                row, verified = heal.recover_row(self.path(eid), eid)
+                row, verified = heal.recover_row(self.path(eid), eid, self.index.bounds.max_blob_bytes)
             row.check(self.index.bounds)
         except (BlobCorrupt, RowDamaged, OSError, lmdb.Error):
             return None
