@@ -670,6 +670,9 @@ class Core(Linking):
                     lease = offered.get("lease")
                     if lease is not None and (isinstance(lease, bool) or not isinstance(lease, int) or lease < 0):
                         return self._unbelievable(f"GET page's shm lease {lease!r} is not a lease id")
+                    if lease is None and _chunking.has_descriptor(reply["chunks"], reply.get("boundary")):
+                        # Slots no lease keeps: nothing says how long their bytes stay (PROTOCOL.md section 14).
+                        return self._unbelievable("GET page names shared memory without a lease")
                     link.retain(offered.get("segments"))
                     if lease is not None:
                         leases.append(lease)

@@ -226,16 +226,27 @@ class Link:
         non-empty object of ours. Read-write, as the daemon holds it (a
         reader maps it read-only all the same, rule 4)."""
         fds: list[int] = []
+        deadline = time.monotonic() + _HANDOUT_TIMEOUT_S  # the whole exchange, not each step (a reply trickled a byte a second)
+
+        def left() -> float:
+            t = deadline - time.monotonic()
+            if t <= 0:
+                raise ShmUnavailable(f"the fd hand-out {self.handout} did not answer within {_HANDOUT_TIMEOUT_S:g} s")
+            return t
+
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(_HANDOUT_TIMEOUT_S)
+                s.settimeout(left())
                 s.connect(self.handout)
+                s.settimeout(left())
                 s.sendall(handout.encode_request([name]))  # a name is no secret; what comes back is checked
                 uid = peer_uid(s.fileno())
                 if uid is None or uid not in (os.getuid(), 0):
                     raise ShmUnavailable(f"the fd hand-out {self.handout} is served by uid {uid}, not by you")
+                s.settimeout(left())
                 data, fds, msg_flags, _ = socket.recv_fds(s, handout.MAX_REPLY, 1)
                 while data and not data.endswith(b"\n") and len(data) <= handout.MAX_REPLY:
+                    s.settimeout(left())
                     more = s.recv(handout.MAX_REPLY)  # a stream may split the line; fds come with its first bytes
                     if not more:
                         break
@@ -292,40 +303,53 @@ class Link:
 
     def _segment(self, seg: int, writable: bool) -> mmap.mmap:
         mm = self._maps.get((seg, writable))
-        if mm is None:
-            with self._mu:
-                mm = self._maps.get((seg, writable))
-                if mm is None:
-                    if self.closed:  # (the run ended: no fault of the link's, not `broken`)
-                        raise ShmUnavailable(f"segment {seg} of run {self.run}: the link is closed")
-                    try:
-                        name = segment_name(self.run, seg)
-                    except KvdError as err:  # an index out of range
-                        self.broken = True
-                        raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
-                    try:
-                        fd = self._open(name, os.O_RDWR if writable else os.O_RDONLY, memfd=True)
-                    except ShmUnavailable:
-                        self.broken = True
-                        raise
-                    try:
-                        # No MAP_POPULATE: it would allocate a sparse segment's holes,
-                        # charged to this process instead of the daemon's cgroup.
-                        # Mappings persist, so each page faults in once per client.
-                        # A writable segment is mapped read-only too, from the same
-                        # fd: the reads of what this client wrote need no new open.
-                        size = os.fstat(fd).st_size
-                        for w in ((True, False) if writable else (False,)):
-                            if (seg, w) not in self._maps:
-                                prot = mmap.PROT_READ | (mmap.PROT_WRITE if w else 0)
-                                self._maps[seg, w] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
-                    except (OSError, ValueError, OverflowError) as err:  # ENOMEM for a huge sparse file
-                        self.broken = True
-                        raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
-                    finally:
-                        os.close(fd)
-                    mm = self._maps[seg, writable]
-        return mm
+        if mm is not None:
+            return mm
+        if self.closed:  # (the run ended: no fault of the link's, not `broken`)
+            raise ShmUnavailable(f"segment {seg} of run {self.run}: the link is closed")
+        try:
+            name = segment_name(self.run, seg)
+        except KvdError as err:  # an index out of range
+            self.broken = True
+            raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
+        # Opened and mapped outside `_mu`: an open may wait on the daemon (its
+        # fd hand-out, up to _HANDOUT_TIMEOUT_S), and `field()` -- every call's
+        # -- takes `_mu`. Two threads mapping the same segment at once keep the
+        # first mapping made and close the other.
+        try:
+            fd = self._open(name, os.O_RDWR if writable else os.O_RDONLY, memfd=True)
+        except ShmUnavailable:
+            self.broken = True
+            raise
+        made: dict[tuple[int, bool], mmap.mmap] = {}
+        try:
+            # No MAP_POPULATE: it would allocate a sparse segment's holes,
+            # charged to this process instead of the daemon's cgroup.
+            # Mappings persist, so each page faults in once per client.
+            # A writable segment is mapped read-only too, from the same
+            # fd: the reads of what this client wrote need no new open.
+            size = os.fstat(fd).st_size
+            for w in ((True, False) if writable else (False,)):
+                if (seg, w) not in self._maps:
+                    prot = mmap.PROT_READ | (mmap.PROT_WRITE if w else 0)
+                    made[seg, w] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        except (OSError, ValueError, OverflowError) as err:  # ENOMEM for a huge sparse file
+            for m in made.values():
+                m.close()
+            self.broken = True
+            raise ShmUnavailable(f"segment {seg} of run {self.run}: {err}") from None
+        finally:
+            os.close(fd)
+        with self._mu:
+            closed = self.closed
+            for key, m in made.items():
+                if closed or key in self._maps:
+                    m.close()
+                else:
+                    self._maps[key] = m
+            if closed:
+                raise ShmUnavailable(f"segment {seg} of run {self.run}: the link is closed")
+            return self._maps[seg, writable]
 
     def view(self, desc: Descriptor, *, writable: bool = False) -> memoryview:
         """The bytes a descriptor names, read-only unless `writable` (a slot

@@ -29,6 +29,8 @@ from typing import Any
 from kvd_client._tensors import Hit, HostTensor
 from kvd_client.mlx_lm import _format as F
 
+_FLOATS = frozenset({"float16", "bfloat16", "float32"})
+
 
 def rebuild(hit: Hit, blocks: dict[int, Any] | None = None) -> list[Any]:
     """A list of mlx-lm cache objects covering `hit.n` tokens; SnapshotMismatch if unusable.
@@ -46,7 +48,7 @@ def rebuild(hit: Hit, blocks: dict[int, Any] | None = None) -> list[Any]:
             raise F.SnapshotMismatch("the model has recurrent/windowed layers but the hit carries no boundary state")
         b = _Builder(hit, blocks)
         caches = [b.layer(str(i), spec) for i, spec in enumerate(layers)]
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
         # Any process of the user may have written this entry: meta that does
         # not describe a cache kvd makes is unusable, never an error to raise.
         raise F.SnapshotMismatch(f"snapshot meta does not describe its layers ({type(exc).__name__}: {exc})") from None
@@ -110,6 +112,38 @@ class _Builder:
         if len(shapes) > 1:
             raise F.SnapshotMismatch(f"layer {p}: keys and values disagree on (batch, heads, tokens): {sorted(shapes)}")
 
+    def floats(self, p: str, hosts: list[HostTensor | None]) -> None:
+        """Keys and values are floating point: what every mlx-lm cache but a
+        quantized one holds (and the model attends over)."""
+        for host in hosts:
+            if host is not None and host.dtype not in _FLOATS:
+                raise F.SnapshotMismatch(f"layer {p}: keys or values of dtype {host.dtype}")
+
+    def quantized(self, name: str, gs: int, bits: int) -> None:
+        """`name`.q/.s/.b as mx.quantize makes them: q uint32 words of `bits`-bit
+        codes, and a scale and a bias of one float dtype per `gs` of the values."""
+        q, s, b = (self.hit.sliced.get(f"{name}.{part}") for part in "qsb")
+        if q is None or s is None or b is None:
+            raise F.SnapshotMismatch(f"hit lacks a part of quantized tensor {name}")
+        if bits < 1 or gs < 1:
+            raise F.SnapshotMismatch(f"{name}: group size {gs}, {bits} bits")
+        if (q.dtype != "uint32" or s.dtype != b.dtype or s.dtype not in _FLOATS or s.shape != b.shape
+                or len(q.shape) != 4 or q.shape[:3] != s.shape[:3] or q.shape[3] * 32 != s.shape[3] * gs * bits):
+            raise F.SnapshotMismatch(f"{name}: parts {q.dtype}{list(q.shape)}, {s.dtype}{list(s.shape)}, "
+                                     f"{b.dtype}{list(b.shape)} are not a {bits}-bit quantization in groups of {gs}")
+
+    def boundary_rows(self, p: str, names: list[str]) -> int:
+        """The rows (axis 2) the boundary tensors `names` hold, the same in
+        each; SnapshotMismatch if they are not such floating-point tensors."""
+        hosts = [(self.hit.boundary or {}).get(n) for n in names]
+        if any(h is None for h in hosts):
+            raise F.SnapshotMismatch(f"hit lacks a boundary tensor of layer {p}")
+        self.floats(p, hosts)
+        shapes = {tuple(h.shape[:3]) if len(h.shape) == 4 else None for h in hosts}
+        if len(shapes) != 1 or None in shapes:
+            raise F.SnapshotMismatch(f"layer {p}: boundary keys and values of shapes {[h.shape for h in hosts]}")
+        return int(hosts[0].shape[2])
+
     def boundary(self, name: str) -> Any:
         host = (self.hit.boundary or {}).get(name)
         if host is None:
@@ -134,30 +168,44 @@ class _Builder:
         kind = spec.get("k")
         if kind == "kv":
             self.same_heads(p, [f"{p}.k", f"{p}.v"])
+            self.floats(p, [self.hit.sliced.get(f"{p}.{kv}") for kv in "kv"])
             c = C.ConcatenateKVCache() if spec.get("c") == "concat" else C.KVCache()
             c.keys, c.values = self.sliced(f"{p}.k"), self.sliced(f"{p}.v")
             c.offset = self.n
             return c
         if kind == "qkv":
             self.same_heads(p, [f"{p}.{kv}.{part}" for kv in "kv" for part in "qsb"])
-            c = C.QuantizedKVCache(group_size=int(spec["gs"]), bits=int(spec["bits"]))
+            gs, bits = int(spec["gs"]), int(spec["bits"])
+            for kv in "kv":
+                self.quantized(f"{p}.{kv}", gs, bits)
+            c = C.QuantizedKVCache(group_size=gs, bits=bits)
             c.keys = tuple(self.sliced(f"{p}.k.{part}") for part in "qsb")
             c.values = tuple(self.sliced(f"{p}.v.{part}") for part in "qsb")
             c.offset = self.n
             return c
         if kind == "rot":
             m = self.scalars(p)
-            c = C.RotatingKVCache(max_size=int(spec["max"]), keep=int(spec["keep"]))
+            max_size, offset, idx = int(spec["max"]), self.offset_at_boundary(p, m), int(m["idx"])
+            # mlx-lm's ring buffer holds at least min(offset, max_size) rows
+            # (all it has seen, up to its size; a prefill's concatenation may
+            # hold more) and never more than it has seen; `_idx` is within them.
+            rows = self.boundary_rows(p, [f"{p}.k", f"{p}.v"])
+            if not min(offset, max_size) <= rows <= offset or not 0 <= idx <= rows:
+                raise F.SnapshotMismatch(f"layer {p}: a ring buffer of {rows} rows at index {idx} for {offset} "
+                                         f"tokens in at most {max_size}")
+            c = C.RotatingKVCache(max_size=max_size, keep=int(spec["keep"]))
             c.keys, c.values = self.boundary(f"{p}.k"), self.boundary(f"{p}.v")
-            c.offset = self.offset_at_boundary(p, m)
-            c._idx = int(m["idx"])
+            c.offset, c._idx = offset, idx
             return c
         if kind == "chunked":
             m = self.scalars(p)
+            offset, start = self.offset_at_boundary(p, m), int(m["start"])
+            rows = self.boundary_rows(p, [f"{p}.k", f"{p}.v"])
+            if not 0 <= start <= offset or rows != offset - start:
+                raise F.SnapshotMismatch(f"layer {p}: {rows} rows for the tokens from {start} to {offset}")
             c = C.ChunkedKVCache(int(spec["cs"]))
             c.keys, c.values = self.boundary(f"{p}.k"), self.boundary(f"{p}.v")
-            c.offset = self.offset_at_boundary(p, m)
-            c.start_position = int(m["start"])
+            c.offset, c.start_position = offset, start
             return c
         if kind == "arrays":
             m = self.scalars(p)

@@ -350,3 +350,59 @@ def test_the_background_writer_works_in_a_forked_child_whatever_the_parent_held(
         assert f.read() == b"pok"  # the child's put ran, then its flush returned
     assert writer.submit([3], Snap()) and writer.flush(2.0)  # the parent's writer is untouched
     writer.close()
+
+
+def test_a_hand_out_that_trickles_its_reply_holds_no_call_past_its_bound(tmp_path):
+    """Red-team (session 41): a hand-out socket (PROTOCOL.md section 15) that
+    sent its reply a byte at a time, each within the per-read timeout, held
+    the open for minutes; and the open ran under the link's lock, which every
+    request's `field()` takes, so a GET that needed no segment waited too."""
+    import socket
+
+    from kvd_client import _shm
+
+    folder = tmp_path / "plane"
+    folder.mkdir(mode=0o700)
+    (folder / "nonce").write_bytes(os.urandom(32))
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(folder / "fds"))
+    server.listen(1)
+    stop, asked = threading.Event(), threading.Event()
+
+    def trickle() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1024)
+            asked.set()
+            for b in b"kvd-fds/1 gone gone gone gone gone":  # no newline, ever
+                if stop.wait(0.2):
+                    return
+                try:
+                    conn.send(bytes([b]))
+                except OSError:  # the client gave up
+                    return
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    link = _shm.Link({"handout": str(folder / "fds"), "run": "0123abcd", "lease_s": 30})
+    fielded, took = [], []
+
+    def map_it() -> None:
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(_shm.ShmUnavailable, match="did not answer within|timed out"):
+                link._segment(0, False)
+        finally:
+            took.append(time.monotonic() - t0)
+
+    m = threading.Thread(target=map_it)
+    m.start()
+    assert asked.wait(5)  # the open is under way, its reply trickling
+    t0 = time.monotonic()
+    fielded.append(link.field())  # what every request takes: never behind an open
+    assert time.monotonic() - t0 < 0.5 and fielded[0]["run"] == "0123abcd"
+    m.join(10)
+    stop.set()
+    t.join(5)
+    server.close()
+    assert took and took[0] < _shm._HANDOUT_TIMEOUT_S + 0.5, took

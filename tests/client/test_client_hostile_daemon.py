@@ -244,16 +244,29 @@ def test_a_bad_shm_offer_falls_back_to_frames(fakes, plane, over):
     assert c.counters["shm_unavailable"] == 1 and c.counters["shm_gets"] == 0
 
 
-def _shm_get(desc=(0, 0, 64), segments=(0,)):
+def _shm_get(desc=(0, 0, 64), segments=(0,), lease=1):
     def handler(h, frames):
         if h["type"] != "GET":
             return [_reply("ERROR", h["id"], code=500, name="INTERNAL", message="not here")]
         if "shm" not in h:
             return [_reply("GET", h["id"], DATA, n=L, end=L, chunks=[_chunk(1)])]
-        return [_reply("GET", h["id"], n=L, end=L, chunks=[_chunk(list(desc))],
-                       shm={"run": RUN, "lease": 1, "lease_s": 5.0, "segments": list(segments)})]
+        shm = {"run": RUN, "lease_s": 5.0, "segments": list(segments), **({} if lease is None else {"lease": lease})}
+        return [_reply("GET", h["id"], n=L, end=L, chunks=[_chunk(list(desc))], shm=shm)]
 
     return handler
+
+
+def test_descriptors_no_lease_keeps_are_a_miss_never_views_of_the_segment(fakes, plane):
+    """Red-team (session 41): slots named without a lease -- nothing says how
+    long their bytes stay -- were served, and boundary state stayed a view of
+    the mapping after get() returned."""
+    d = plane()
+    with open(d / f"kvd-{RUN}-0", "r+b") as f:
+        f.write(DATA)
+    _, c = fakes(_shm_get(lease=None), shm=_offer(d), client={"transport": "shm"})
+    assert c.get(TOKENS) is None and c.counters["get_miss"] == 1 and c.counters["get_failed"] == 1
+    _, c = fakes(_shm_get(), shm=_offer(d), client={"transport": "shm"})  # the same with its lease: served
+    assert _exact(c.get(TOKENS)) and c.counters["shm_gets"] == 1
 
 
 @pytest.mark.parametrize("fault", ["empty segment", "segment a directory", "segment index 10**7"])
