@@ -209,3 +209,30 @@ def test_the_whole_cluster_stopped_the_local_tiers_keep_serving(cluster, daemon_
         assert check(ca, [toks], all_hit=True) == 1
         assert ca.get(list(range(5, 605))) is None  # nowhere: a miss, no error
         wait_for(lambda: remote(ca)["degraded"], bool, timeout=20)
+
+
+def test_stats_never_wait_for_a_discovery_under_way():
+    """Red-team (session 41): the cluster client's discovery held the lock
+    STATS takes (on the serving thread), so a node trickling its CLUSTER
+    SLOTS reply held every `kvd stats`. The discovery here is a stand-in that
+    waits for the test: a node that slow cannot be had from a real server."""
+    from kvd.store.remote.cluster import Nodes
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def discovering():
+        inside.set()
+        leave.wait(30)
+        raise ConnectionError("no node answered")
+
+    nodes = Nodes(discovering, read_replicas=True)
+    t = threading.Thread(target=lambda: pytest.raises(ConnectionError, lambda: nodes.client))
+    t.start()
+    try:
+        assert inside.wait(5)
+        done = threading.Event()
+        threading.Thread(target=lambda: (nodes.stats(), done.set()), daemon=True).start()
+        assert done.wait(5), "stats() waited for the discovery"
+    finally:
+        leave.set()
+        t.join(5)

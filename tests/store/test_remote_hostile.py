@@ -36,6 +36,7 @@ from kvd.protocol.codec import Tensor
 from kvd.store import RamStore
 from kvd.store.base import CHUNK, Entry, entry_id
 from kvd.store.remote.layered import WithRemote
+from kvd.store.remote.pending import Pending
 from kvd.store.remote.tier import RemoteTier
 from redis_server import SKIP_REASON, RedisServer, module_server, redis_binary, session_key  # noqa: F401 (a fixture)
 from redis_server import write_entries as write
@@ -257,10 +258,10 @@ def test_a_full_server_keeps_reads_on_and_backs_off_its_writes(caplog):
 
 class Relay:
     """A TCP relay to the server whose replies trickle: `rate` bytes/s in
-    16 KiB steps, so every recv returns long before a socket timeout."""
+    steps of `piece` bytes (16 KiB), so every recv returns long before a socket timeout."""
 
-    def __init__(self, port: int, rate: int):
-        self.port, self.rate = port, rate
+    def __init__(self, port: int, rate: int, piece: int = 16 << 10):
+        self.port, self.rate, self.piece = port, rate, piece
         self.listen = socket.create_server(("127.0.0.1", 0))
         self.url = f"redis://127.0.0.1:{self.listen.getsockname()[1]}/0"
         self.socks: list[socket.socket] = []
@@ -279,7 +280,7 @@ class Relay:
 
     def _pump(self, src, dst, slow: bool) -> None:
         try:
-            while data := src.recv(16 << 10 if slow else 1 << 16):
+            while data := src.recv(self.piece if slow else 1 << 16):
                 dst.sendall(data)
                 if slow and self.rate:
                     time.sleep(len(data) / self.rate)
@@ -322,6 +323,119 @@ def test_a_trickling_link_costs_a_read_at_most_the_timeout_in_all(server, r):
     finally:
         store.close()
         relay.close()
+
+
+def test_a_request_parked_on_a_server_that_answers_a_byte_at_a_time_is_answered_locally(server, r):
+    """Red-team (session 41): a byte every 0.2 s beats a 0.4 s socket timeout
+    at every recv, so the read never ended and the request parked on it was
+    never answered (nor the reader thread freed for anyone else's)."""
+    entries = chain(1, 1024, seed=11)
+    write(server.url, entries)
+    ids = [entries[0].id]
+    relay = Relay(server.port, rate=5, piece=1)
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(relay.url, auth=session_key(), timeout=0.4))
+    store.patience = 1.0  # (10 timeouts, at least 5 s, by default)
+    store.set_settled_callback(lambda *a: None)
+    answered: list = []
+
+    def serve(token: bytes | None = None) -> None:  # what the daemon's handler does with a deferrable request
+        try:
+            with store.reading("defer", fresh=token is None):
+                answered.append(store.held(ids))
+        except Pending as pending:
+            store.wait(pending, serve, token)
+
+    try:
+        serve()
+        assert answered == [] and len(store._waits) == 1  # parked on the server
+        t0 = time.monotonic()
+        wait_until(lambda: store.tick() or answered, timeout=10)
+        assert answered == [[False]] and time.monotonic() - t0 < 5  # from the local tiers, which lack it
+        assert store.remote.degraded and store.remote.counters["parked_overdue"] == 1 and not store._waits
+        relay.rate = 0  # the link at full speed again: the probes find the server back
+        wait_until(lambda: not store.remote.degraded, timeout=30)
+        assert store.held(ids) == [True]
+    finally:
+        store.close()
+        relay.close()
+
+
+class BrokenHello:
+    """A RESP server that cannot be had for real: `phase` "drop" closes every
+    connection at its first command; "bad" answers HELLO with +OK (a proxy
+    speaking RESP2 only, or a hostile server), which makes redis-py raise
+    AttributeError, not a RedisError; "digits" answers GET with a bulk length
+    of 5,000 digits; "good" behaves (HELLO 3, PONG, OK)."""
+
+    def __init__(self):
+        self.phase, self.bad_hellos = "drop", 0
+        self.listen = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listen.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.listen.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket) -> None:
+        f = c.makefile("rb")
+        try:
+            while line := f.readline():
+                args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+                name = args[0].upper()
+                if self.phase == "drop":
+                    return
+                if name == b"HELLO":
+                    self.bad_hellos += self.phase == "bad"
+                    c.sendall(b"+OK\r\n" if self.phase == "bad" else b"%1\r\n$5\r\nproto\r\n:3\r\n")
+                elif name == b"GET" and self.phase == "digits":  # a length of 5,000 digits: int() refuses it
+                    c.sendall(b"$" + b"9" * 5000 + b"\r\n")
+                else:
+                    c.sendall(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
+        except (OSError, ValueError):
+            pass
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        self.listen.close()
+
+
+def test_a_reply_that_breaks_the_client_is_a_failed_probe_never_the_writers_end():
+    """Red-team (session 41): the writer's probe met a HELLO answered +OK,
+    redis-py raised AttributeError, and the writer thread died: the tier
+    stayed degraded, its backlog unwritten, for the rest of the daemon's life."""
+    fake = BrokenHello()
+    tier = RemoteTier(fake.url, auth=session_key(), timeout=0.5)
+    try:
+        tier.offer(chain(1, 64, seed=12)[0])
+        wait_until(lambda: tier.degraded)
+        errors = tier.counters["errors"]
+        fake.phase = "bad"
+        wait_until(lambda: fake.bad_hellos >= 1 and tier.counters["errors"] > errors, timeout=30)
+        fake.phase = "good"
+        wait_until(lambda: not tier.degraded and tier.stats()["backlog"] == 0, timeout=30)
+        assert tier._thread.is_alive() and tier.counters["written"] == 1
+    finally:
+        tier.close(budget=1.0)
+        fake.close()
+
+
+def test_a_bulk_length_of_five_thousand_digits_is_a_miss_never_an_exception():
+    fake = BrokenHello()
+    fake.phase = "digits"
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(fake.url, auth=session_key(), timeout=0.5))
+    try:
+        e = chain(1, 64, seed=13)[0]
+        assert store.remote.fetch([e.id]) == {}
+        assert store.get(e.id) is None  # ("block" mode: the path that raised ValueError to its caller)
+    finally:
+        store.close()
+        fake.close()
 
 
 # -- what a GET streams -------------------------------------------------------------------

@@ -80,7 +80,8 @@ class Nodes:
         self._factory = client_factory
         self.read_replicas = read_replicas
         self._client: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # errors (STATS reads them on the serving thread: never held across I/O)
+        self._making = threading.Lock()  # the client's discovery, which waits on nodes
         self.errors: dict[str, int] = {}
         self._down: dict[str, float] = {}
         self.stale = False
@@ -90,7 +91,10 @@ class Nodes:
     @property
     def client(self) -> Any:
         """The RedisCluster, made on first use (discovery needs a node that answers)."""
-        with self._lock:
+        client = self._client
+        if client is not None:
+            return client
+        with self._making:
             if self._client is None:
                 self._client = self._factory()
             return self._client

@@ -221,7 +221,7 @@ class _Replies:
             return Refused(f"error reply: {message}")
         if kind == b"_" or (kind == b"$" and rest == b"-1"):
             return None
-        if kind != b"$" or not rest.isdigit():
+        if kind != b"$" or not rest.isdigit() or len(rest) > 19:  # (more digits than any length: int() of 5,000 raises)
             raise redis.ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
         n = int(rest)
         if size is not None and n == 0:

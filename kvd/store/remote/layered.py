@@ -77,6 +77,10 @@ class WithRemote(Store):
         self.mode = "block"
         self._settled: Callable[..., None] | None = None  # the daemon's news callback (parking.Wakeup)
         self._waits: dict[bytes, tuple[Future, Callable[[bytes], None], float]] = {}  # token -> (awaited, redo, since)
+        # A request parked this long is served from the local tiers: its
+        # client has given up by then (5 s is kvd_client's default timeout).
+        self.patience = max(5.0, 10 * remote.timeout)
+        self._overdue = False  # the parked request being served again is past `patience`
         self._serial = 0
         self._local_first = self._local_hit = False  # see reading(); a local chunk hit so far in this request
         self._since = 0.0  # when the request being served first came (answers asked since then are its own)
@@ -129,7 +133,7 @@ class WithRemote(Store):
         if fresh:
             self._since = time.monotonic()
         self._local_first, self._local_hit = local_first, False
-        old, self.mode = self.mode, mode
+        old, self.mode = self.mode, "local" if self._overdue else mode
         try:
             yield
         finally:
@@ -149,13 +153,24 @@ class WithRemote(Store):
         return token
 
     def _wake(self) -> None:
-        """Serve again the parked requests whose answer is in (serving thread)."""
-        for token in [t for t, (fut, _, _) in self._waits.items() if fut.done()]:
+        """Serve again the parked requests whose answer is in, and those parked
+        past `patience` without one, from the local tiers (serving thread)."""
+        now = time.monotonic()
+        late = [t for t, (fut, _, since) in self._waits.items() if not fut.done() and now - since > self.patience]
+        if late:
+            # The server answers too slowly for any reply to be waited for
+            # (a byte at a time beats every socket timeout): no request waits on it longer.
+            self.remote.overdue(now - min(self._waits[t][2] for t in late))
+            self.remote._add("parked_overdue", len(late))
+        for token in [t for t, (fut, _, _) in self._waits.items() if fut.done()] + late:
             _, redo, self._since = self._waits.pop(token)
+            self._overdue = token in late
             try:
                 redo(token)
             except Exception:  # noqa: BLE001 - the redo answers its own errors; a bug must not stop the tick
                 log.exception("remote: serving a parked request again failed")
+            finally:
+                self._overdue = False
         self._harvest()
         if self._side:
             waited = self._waited()

@@ -150,7 +150,7 @@ class RemoteTier:
         self.counters = {
             "hits": 0, "misses": 0, "checksum_failures": 0, "auth_failures": 0, "bytes_in": 0, "bytes_out": 0, "written": 0,
             "backlog_dropped": 0, "errors": 0, "read_errors": 0, "exists_queries": 0, "promotions": 0,
-            "degraded_episodes": 0, "altered": 0,
+            "degraded_episodes": 0, "altered": 0, "parked_overdue": 0,
         }
         self._reads = OrInline(2, "kvd-remote-read")  # see Read-ahead; inline if no thread can start
         self._thread = threading.Thread(target=self._run, name="kvd-remote", daemon=True)
@@ -233,6 +233,24 @@ class RemoteTier:
     def usable(self) -> bool:
         return not self.degraded
 
+    def overdue(self, waited: float) -> None:
+        """A read has waited `waited` seconds for the server, far past its
+        timeout: a server that answers a byte at a time beats every socket
+        timeout. Rule 1 (degraded: the requests after it are served from the
+        local tiers, the writer's probes find when it is back), and the reader
+        connections are dropped, so the threads reading them come free."""
+        self._failed(TimeoutError(f"a read still unanswered after {waited:.1f} s"), "read")
+        try:
+            if self.nodes is not None:
+                client = self.nodes._client
+                for node in client.get_nodes() if client is not None else ():
+                    if node.redis_connection is not None:
+                        node.redis_connection.connection_pool.disconnect(inuse_connections=True)
+            else:
+                self._reader_client.connection_pool.disconnect(inuse_connections=True)
+        except Exception as exc:  # noqa: BLE001 - best effort: the reads time out on their own, later
+            log.debug("remote: dropping the reader connections failed: %s", exc)
+
     # -- write-behind ------------------------------------------------------------
     def offer(self, entry: Entry) -> None:
         """Queue `entry` for the remote; never blocks. Over the bound, the
@@ -303,7 +321,10 @@ class RemoteTier:
                 self.nodes.watch()
             else:
                 self._writer.ping()
-        except self._errors as exc:
+        except Exception as exc:  # noqa: BLE001 - a reply of the wrong type makes redis-py raise anything (AttributeError on a HELLO answered +OK): a failed probe, never the writer thread's end
+            if not isinstance(exc, self._errors):
+                log.warning("remote probe: the server's reply broke the client (%s: %s); trying again later",
+                            type(exc).__name__, exc)
             with self.cond:
                 self.counters["errors"] += 1
                 self._episode_errors += 1
