@@ -81,7 +81,7 @@ from kvd_client import _pages
 
 _NONCE_BYTES = 64  # the daemon writes >= 16; more than this is not a nonce of ours
 _MAX_LEASE_S = 3600.0  # an offer of longer leases is not believed
-_OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
 _HANDOUT_TIMEOUT_S = 1.0  # the daemon's hand-out answers at once; a call's budget is seconds at most
 
 
@@ -195,7 +195,7 @@ class Link:
             if target is None:
                 fd = os.open(path, flags | _OPEN_FLAGS)
             elif re.fullmatch(rf"/proc/{self.pid}/fd/\d+", target):
-                fd = os.open(target, flags | os.O_NONBLOCK | os.O_CLOEXEC)  # a magic link: followed
+                fd = os.open(target, flags | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)  # a magic link: followed
             else:
                 raise ShmUnavailable(f"{name} in {self.dir} links to {target!r}, not into the daemon's /proc/{self.pid}/fd")
         except (OSError, ValueError) as err:  # another uid's, gone, a symlink (ELOOP)

@@ -179,3 +179,43 @@ def test_a_garbage_namespace_record_neither_stops_writes_nor_stats(tmp_path):
         assert store.stats()["namespaces"]["ns"]["entries"] == 1  # counted again from the repaired record
     finally:
         store.close()
+
+
+def test_a_shard_the_rebuild_cannot_list_is_left_as_it_is_and_the_rest_indexed(tmp_path, monkeypatch):
+    # A folder whose mode was changed by hand (a fault root cannot meet for
+    # real: the scandir is made to refuse it). Before, the rebuild died there.
+    entries = filled_store(tmp_path, [make_entry(i) for i in range(20)])
+    locked = blob_path(tmp_path, entries[0].id).parent
+    inside = [e for e in entries if blob_path(tmp_path, e.id).parent == locked]
+    shutil.rmtree(tmp_path / INDEX_DIR)
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == os.fspath(locked):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(heal.os, "scandir", scandir)
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False)
+    try:
+        assert store.heal is not None and store.heal.done
+        assert store.heal.recovered == len(entries) - len(inside)
+        assert heal.unfinished(store.index)  # resumed at the next start; meanwhile no blob is an orphan
+        report: dict = {}
+        for _ in reconcile_steps(store, report):  # (it can list the shard: a refusal that came and went)
+            pass
+        assert report["orphans_removed"] == 0
+        assert all(blob_path(tmp_path, e.id).exists() for e in inside)
+        for e in entries:
+            if e not in inside:
+                assert_same(store.get(e.id), e)
+    finally:
+        store.close()
+    monkeypatch.setattr(heal.os, "scandir", real)
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False)  # the shard readable again
+    try:
+        assert store.heal is not None and store.heal.recovered == len(inside) and not heal.unfinished(store.index)
+        for e in entries:
+            assert_same(store.get(e.id), e)
+    finally:
+        store.close()

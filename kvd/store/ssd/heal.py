@@ -39,7 +39,9 @@ on the SSD tier's writer thread, between spills, so the daemon serves from
 its first moment (entries appear as they are indexed); rows already present
 (written meanwhile, or by a rebuild that was stopped) are kept and their
 blobs not read again. No one file ends it: whatever checking a blob raises
-(not only BlobCorrupt) quarantines that blob and the walk goes on; a rebuild
+(not only BlobCorrupt) quarantines that blob and the walk goes on (a shard
+folder it cannot list is left as it is, and the record kept: the next start
+resumes); a rebuild
 that died would leave the blobs after it unindexed, and while the record
 says a rebuild is unfinished, reconcile removes no blob for want of a row
 (`unfinished`). Once rebuilt, the oldest entries beyond the budget
@@ -638,6 +640,7 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
     blob_root = store.root / BLOB_DIR
     shards = sorted(e.path for e in os.scandir(blob_root) if e.is_dir(follow_symlinks=False)) if blob_root.is_dir() else []
     pending: list[tuple[bytes, Row]] = []
+    skipped = False  # a shard could not be listed: the rebuild stays unfinished (its record kept)
 
     def commit() -> None:
         if not pending:
@@ -692,8 +695,16 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
         return False
 
     for shard in shards:
-        with os.scandir(shard) as it:
-            names = [e.name for e in it]
+        try:
+            with os.scandir(shard) as it:
+                names = [e.name for e in it]
+        except OSError as exc:  # unreadable (its mode changed by hand): its blobs wait, kept; the rest is indexed
+            if len(heal.failures) < MAX_FAILURES:
+                heal.failures.append([os.path.basename(shard), f"unreadable: {exc}"])
+            log.error("ssd: cannot list %s while rebuilding the index (%s); its blobs are left unindexed, "
+                      "and the rebuild is resumed at the next start", shard, exc)
+            skipped = True
+            continue
         try:  # one read transaction per shard, not one per blob
             with index.reading() as txn:
                 indexed = {n for n in names if (e := eid_of_blob(n)) is not None and index.has(txn, e)}
@@ -737,7 +748,8 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
     before = store.entries
     store._make_room(0, set())
     heal.evicted = before - store.entries
-    index.write(lambda txn: txn.delete(REBUILDING, db=index.meta))
+    if not skipped:
+        index.write(lambda txn: txn.delete(REBUILDING, db=index.meta))
     heal.done = True
     heal.seconds = time.monotonic() - t0
     log.warning(
