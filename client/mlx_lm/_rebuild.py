@@ -185,7 +185,9 @@ class _Builder:
             return c
         if kind == "rot":
             m = self.scalars(p)
-            max_size, offset, idx = int(spec["max"]), self.offset_at_boundary(p, m), int(m["idx"])
+            max_size, keep, offset, idx = int(spec["max"]), int(spec["keep"]), self.offset_at_boundary(p, m), int(m["idx"])
+            if max_size < 1 or not 0 <= keep < max_size:
+                raise F.SnapshotMismatch(f"layer {p}: a ring buffer of {max_size} rows keeping {keep}")
             # mlx-lm's ring buffer holds at least min(offset, max_size) rows
             # (all it has seen, up to its size; a prefill's concatenation may
             # hold more) and never more than it has seen; `_idx` is within them.
@@ -193,7 +195,7 @@ class _Builder:
             if not min(offset, max_size) <= rows <= offset or not 0 <= idx <= rows:
                 raise F.SnapshotMismatch(f"layer {p}: a ring buffer of {rows} rows at index {idx} for {offset} "
                                          f"tokens in at most {max_size}")
-            c = C.RotatingKVCache(max_size=max_size, keep=int(spec["keep"]))
+            c = C.RotatingKVCache(max_size=max_size, keep=keep)
             c.keys, c.values = self.boundary(f"{p}.k"), self.boundary(f"{p}.v")
             c.offset, c._idx = offset, idx
             return c
@@ -203,6 +205,8 @@ class _Builder:
             rows = self.boundary_rows(p, [f"{p}.k", f"{p}.v"])
             if not 0 <= start <= offset or rows != offset - start:
                 raise F.SnapshotMismatch(f"layer {p}: {rows} rows for the tokens from {start} to {offset}")
+            if int(spec["cs"]) < 1:
+                raise F.SnapshotMismatch(f"layer {p}: chunks of {spec['cs']} tokens")
             c = C.ChunkedKVCache(int(spec["cs"]))
             c.keys, c.values = self.boundary(f"{p}.k"), self.boundary(f"{p}.v")
             c.offset, c.start_position = offset, start

@@ -360,6 +360,44 @@ def test_a_request_parked_on_a_server_that_answers_a_byte_at_a_time_is_answered_
         relay.close()
 
 
+def test_a_parked_request_whose_answer_comes_as_it_is_given_up_is_served_once(server, r):
+    """Red-team (session 41): dropping the readers' connections (`overdue`)
+    ends the read the request waits for; when that answer came before the
+    tick went on, the request was served as done and again as late, and the
+    second pop raised KeyError out of the daemon's tick."""
+    entries = chain(1, 1024, seed=14)
+    write(server.url, entries)
+    ids = [entries[0].id]
+    relay = Relay(server.port, rate=5, piece=1)
+    store = WithRemote(RamStore(64 * MiB), RemoteTier(relay.url, auth=session_key(), timeout=0.4))
+    store.patience = 0.5
+    store.set_settled_callback(lambda *a: None)
+    answered: list = []
+
+    def serve(token: bytes | None = None) -> None:
+        try:
+            with store.reading("defer", fresh=token is None):
+                answered.append(store.held(ids))
+        except Pending as pending:
+            store.wait(pending, serve, token)
+
+    real = store.remote.overdue
+
+    def overdue(waited: float) -> None:  # the reader's answer lands before the tick goes on
+        real(waited)
+        wait_until(lambda: all(fut.done() for fut, _, _ in store._waits.values()), timeout=10)
+
+    store.remote.overdue = overdue
+    try:
+        serve()
+        wait_until(lambda: store.tick() or answered, timeout=10)
+        store.tick()
+        assert answered == [[False]] and not store._waits
+    finally:
+        store.close()
+        relay.close()
+
+
 class BrokenHello:
     """A RESP server that cannot be had for real: `phase` "drop" closes every
     connection at its first command; "bad" answers HELLO with +OK (a proxy
@@ -545,6 +583,33 @@ def test_the_matcher_finds_its_own_tail_among_seventy_thousand(server, r):
         assert same(store.get(entry_id(tail, CHUNK)), stored[2])
     finally:
         store.close()
+
+
+def test_a_planted_tail_of_megabytes_is_never_read_into_the_daemon(server, r):
+    """Red-team (session 41): anyone who can write to the server planted a
+    tails field of hundreds of MiB, and HMGET/HSCAN read it whole (copies
+    and all) before its tag was refused; a hash of 1,024 such fields is
+    hundreds of GiB asked for. A tail value is under a hundred bytes."""
+    import tracemalloc
+
+    parent, auth = b"\x02" * 32, session_key()
+    good, bad = b"\x03" * 32, b"\x04" * 32
+    r.hset(rv.tails_key(parent), mapping={bad.hex(): b"5:" + b"x" * (8 * MiB), good.hex(): auth.tail_value(parent, good, 7)})
+    tier = RemoteTier(server.url, auth=session_key(), timeout=2.0)
+    try:
+        tracemalloc.start()
+        try:
+            among = tier.tails_among(parent, [(5, bad), (7, good)])
+            listed = tier.tails(parent)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert among == [(7, good)]  # (asked after the planted one: on a connection of its own)
+        assert listed in ([], [(7, good)])  # (one HSCAN page: what follows a refused field in it is not read)
+        assert peak < MiB, peak
+        assert tier.counters["auth_failures"] == 2 and not tier.degraded
+    finally:
+        tier.close(budget=1.0)
 
 
 def test_closing_with_the_server_hung_takes_the_budget_not_the_socket_timeout():

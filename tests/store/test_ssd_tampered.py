@@ -126,18 +126,42 @@ def test_a_symlinked_index_or_pack_folder_is_moved_aside_never_written_through(t
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == files
 
 
-def test_an_existing_index_with_no_entry_beside_blobs_is_rebuilt_not_emptied(tmp_path):
-    # An index made and never marked (a stop between the two), or not kvd's:
-    # before, reconcile took every blob for an orphan.
+def test_an_lmdb_no_kvd_wrote_in_place_of_the_index_is_rebuilt_not_taken_for_empty(tmp_path):
+    # Before, any LMDB there (or one made by a start that stopped before
+    # marking it) looked whole: reconcile took every blob for an orphan.
     entries = filled_store(tmp_path, [make_entry(i) for i in range(5)])
     shutil.rmtree(tmp_path / INDEX_DIR)
-    Index(tmp_path / INDEX_DIR).close()
+    env = lmdb.open(str(tmp_path / INDEX_DIR), max_dbs=8)
+    env.open_db(b"rows")  # kvd's table names, no format record
+    env.close()
     store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0)
     try:
         assert store.reconciled.wait(30)
         assert store.heal is not None and store.heal.recovered == 5
         for e in entries:
             assert_same(store.get(e.id), e)
+    finally:
+        store.close()
+
+
+def test_entries_dropped_are_not_brought_back_by_a_stop_before_their_blobs_went(tmp_path):
+    # A drop deletes rows, then blobs: a stop between leaves kvd's own index
+    # empty beside blobs. Those are orphans, not entries to index again.
+    entries = filled_store(tmp_path, [make_entry(i) for i in range(5)])
+    kept = tmp_path.parent / f"{tmp_path.name}-blobs"
+    shutil.copytree(tmp_path / BLOB_DIR, kept)
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0, background=False)
+    try:
+        assert store.drop(namespace="ns")[0] == 5
+    finally:
+        store.close()
+    shutil.rmtree(tmp_path / BLOB_DIR)
+    shutil.copytree(kept, tmp_path / BLOB_DIR)  # what the stop left
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0)
+    try:
+        assert store.reconciled.wait(30)
+        assert store.heal is None and all(store.get(e.id) is None for e in entries)
+        assert store.counters["orphans_removed"] == 5
     finally:
         store.close()
 

@@ -118,6 +118,57 @@ def get_many(
     return out
 
 
+def small_values(client: Any, command: Sequence[Any], most: int, longest: int, deadline: Deadline | None = None,
+                 nested: bool = False) -> list[Any]:
+    """One command whose reply is an array of short bulk strings (HMGET; with
+    `nested`, HSCAN's [cursor, [field, value, ...]]): per element, of the
+    first `most`, its bytes, None (absent), or a Refused for one over
+    `longest` bytes -- read past if short, else left unread with the
+    connection, the elements after it then None. Elements past `most` are
+    left unread with the connection. Nothing is allocated for a refused
+    element, so a value another program planted (512 MiB is the server's
+    bound) costs a connection, not the daemon's memory. Raises as `get_many`;
+    a reply of another shape is redis.ConnectionError (ResponseError for an
+    error reply)."""
+    import redis
+
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    in_step = False
+    try:
+        conn.send_packed_command(conn.pack_command(*command), check_health=False)
+        sock = conn._sock
+        if sock is None:
+            raise redis.ConnectionError("connection closed while sending")
+        replies = _Replies(sock, deadline)
+        try:
+            n = replies.array_length()
+            if nested:
+                if n != 2:
+                    raise redis.ConnectionError(f"a reply of {n} elements where [cursor, page] was expected")
+                replies.value(bytearray, most=64)  # the cursor: one page is all that is asked
+                n = replies.array_length()
+            # More elements than asked for (HSCAN's COUNT is a hint; a small
+            # hash comes whole): the first `most` are read, the rest left unread.
+            out: list[Any] = [None] * min(n, most)
+            for i in range(len(out)):
+                out[i] = reply = replies.value(bytearray, most=longest)
+                if isinstance(reply, Refused) and reply.unread:
+                    return out
+            if n > most:
+                return out
+            if replies.pending():
+                raise redis.ConnectionError("bytes after the last reply")
+        finally:
+            replies.restore()
+        in_step = True
+        return out
+    finally:
+        if not in_step:
+            conn.disconnect()  # mid-reply or out of step: never back into the pool as is
+        pool.release(conn)
+
+
 def _pipeline(client: Any, keys: Sequence[bytes], todo: list[int], out: list[Any], alloc: Alloc,
               sizes: Sequence[int] | None, most: int, deadline: Deadline | None) -> int | None:
     """One pipeline of GETs for the keys `todo` names, replies into `out`.
@@ -245,6 +296,20 @@ class _Replies:
             got += k
         self._skip(0)
         return dest
+
+    def array_length(self) -> int:
+        """The next reply's element count: an array (`*`; a RESP3 map's `%`
+        counted in keys and values); an error reply raises ResponseError,
+        anything else ConnectionError."""
+        import redis
+
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            raise redis.ResponseError(rest.decode("utf-8", "replace"))
+        if kind not in (b"*", b"%") or not rest.isdigit() or len(rest) > 19:
+            raise redis.ConnectionError(f"unexpected reply: {line[:40]!r}")
+        return int(rest) * (2 if kind == b"%" else 1)
 
     def _refuse(self, reason: str, n: int) -> Refused:
         """Refuse an n-byte value without allocating for it: read past a short one, leave a long one unread."""

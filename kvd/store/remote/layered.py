@@ -162,8 +162,12 @@ class WithRemote(Store):
             # (a byte at a time beats every socket timeout): no request waits on it longer.
             self.remote.overdue(now - min(self._waits[t][2] for t in late))
             self.remote._add("parked_overdue", len(late))
-        for token in [t for t, (fut, _, _) in self._waits.items() if fut.done()] + late:
-            _, redo, self._since = self._waits.pop(token)
+        # (A late one's answer may come while `overdue` drops the connections: served once, as late.)
+        for token in [t for t, (fut, _, _) in self._waits.items() if fut.done() and t not in late] + late:
+            parked = self._waits.pop(token, None)
+            if parked is None:
+                continue
+            _, redo, self._since = parked
             self._overdue = token in late
             try:
                 redo(token)

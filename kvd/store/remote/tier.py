@@ -23,7 +23,7 @@ from kvd.protocol.limits import DEFAULT_LIMITS
 from kvd.store.base import CHUNK, Entry, as_stored
 from kvd.store.pools import OrInline
 from kvd.store.remote.cluster import Nodes, cluster_client, redirected
-from kvd.store.remote.get import SERVER_ERRORS, Alloc, Deadline, Refused, get_many, np_alloc
+from kvd.store.remote.get import SERVER_ERRORS, Alloc, Deadline, Refused, get_many, np_alloc, small_values
 from kvd.store.remote.url import client_url, redact
 
 log = logging.getLogger("kvd.store.remote")
@@ -33,6 +33,9 @@ _BACKOFF_FIRST, _BACKOFF_MAX = 0.25, 10.0  # seconds between probes (rule 1) and
 _CALM_S = 60.0  # healthy this long after an episode: the next one's backoff starts afresh
 _TAILS_LISTED = 512  # tails one HSCAN page may give (`tails` without a query): a bounded reply
 TAILS_ASKED = 1024  # candidate tails one HMGET asks about (`tails_for`)
+# A tails field (64 hex digits) or value ("<length>:<tag hex>") kvd writes is
+# under a hundred bytes: a longer one is never read (small_values).
+_TAIL_BYTES = 256
 
 
 def _tls(url: str, ca_file: str | None) -> dict[str, Any]:
@@ -479,20 +482,32 @@ class RemoteTier:
         page (at most ~_TAILS_LISTED of them, however many the hash holds)."""
         if self.degraded:
             return []
+        key = rv.tails_key(parent)
         try:
-            _, fields = self._reader.hscan(rv.tails_key(parent), 0, count=_TAILS_LISTED)
+            flat = small_values(self._tails_client(key), ("HSCAN", key, 0, "COUNT", _TAILS_LISTED), 2 * _TAILS_LISTED,
+                                _TAIL_BYTES, Deadline(self.timeout), nested=True)
         except self._errors as exc:
             self._tails_failed(parent, exc)
             return []
-        return [t for k, v in list(fields.items())[:_TAILS_LISTED] if (t := self._tail(parent, k, v)) is not None]
+        fields = list(zip(flat[0::2], flat[1::2]))[:_TAILS_LISTED]
+        return [t for k, v in fields if (t := self._tail(parent, k, v)) is not None]
 
     def tails_among(self, parent: bytes, candidates: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         """Which of `candidates` ((length, key) a tail of the query would have)
         the server lists under `parent`: one HMGET of just those fields."""
         if self.degraded or not candidates:
             return []
+        key = rv.tails_key(parent)
+        values: list[Any] = []
+        asked, deadline = list(candidates), Deadline(self.timeout)
         try:
-            values = self._reader.hmget(rv.tails_key(parent), [key.hex() for _, key in candidates])
+            while asked:
+                got = small_values(self._tails_client(key), ("HMGET", key, *[k.hex() for _, k in asked]),
+                                   len(asked), _TAIL_BYTES, deadline)
+                # A value too long to read costs its connection: the fields after it are asked again.
+                cut = next((i for i, v in enumerate(got) if isinstance(v, Refused) and v.unread), None)
+                values += got if cut is None else got[: cut + 1]
+                asked = [] if cut is None else asked[cut + 1 :]
         except self._errors as exc:
             self._tails_failed(parent, exc)
             return []
@@ -503,9 +518,21 @@ class RemoteTier:
                 out.append(t)
         return out
 
-    def _tail(self, parent: bytes, field: bytes, value: bytes) -> tuple[int, bytes] | None:
+    def _tails_client(self, key: bytes) -> Any:
+        """The client whose connection pool reads the tails hash `key`: the
+        server's, or on a cluster that of the node owning its slot."""
+        if self.nodes is None:
+            return self._reader
+        client = self.nodes.client
+        return self.nodes.redis(client.get_node_from_key(key))
+
+    def _tail(self, parent: bytes, field: Any, value: Any) -> tuple[int, bytes] | None:
         """(length, key) of one field of a tails hash, or None (counted) if the
-        shared secret's tag does not vouch for it."""
+        shared secret's tag does not vouch for it (or it was too long to read)."""
+        if not isinstance(field, (bytes, bytearray)) or not isinstance(value, (bytes, bytearray)):
+            self._forged(None, f"a tail under {rv.tails_key(parent).decode()} longer than {_TAIL_BYTES} bytes")
+            return None
+        field, value = bytes(field), bytes(value)
         n = self.auth.tail_length(parent, field, value)
         if n is None:
             self._forged(None, f"tail {field[:64]!r} under {rv.tails_key(parent).decode()} has no good tag")

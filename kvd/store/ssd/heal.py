@@ -26,9 +26,13 @@ Opening (`open_index`), before LMDB ever maps the file:
    propagate and the daemon serves RAM only (kvd/cli/serve.py).
 3. A damaged index directory is renamed `index.bad-<UTC time>` (the newest
    KEEP_BAD are kept for a post-mortem), a fresh one is created, and a
-   `rebuilding` record is committed in it first. An index that is missing
-   or empty while blobs exist gets the same record (without it, reconcile
-   would take every blob for an orphan).
+   `rebuilding` record is committed in it first. An index this start makes
+   (there was none, or an LMDB no kvd had written) while blobs exist gets
+   the same record, in the transaction that makes it a kvd index (without
+   it, reconcile would take every blob for an orphan). An index of kvd's
+   that is merely empty is not rebuilt: its rows were removed on purpose
+   (a drop, an eviction) and the blobs left by a stop between the two are
+   orphans.
 
 Rebuilding (`rebuild_steps`) walks the shard directories with scandir, reads
 each blob whole, checks it (it parses, its name matches its content, its
@@ -321,7 +325,6 @@ def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tupl
     OSError for an environment LMDB cannot use."""
     path = root / INDEX_DIR
     data = path / DATA_FILE
-    existed = data.exists()
     died = note_start(root)
     reason = rebuild or inspect_data_file(data)
     if reason is None and died >= MAX_UNFINISHED_STARTS:
@@ -330,9 +333,15 @@ def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tupl
         # finishes, start after start. Break that loop here.
         reason = f"the last {died} starts died before walking the index through (an LMDB abort on a damaged page?)"
     index = None
+    missing = Heal("the index was missing")
     if reason is None:
         try:
-            index = Index(path, map_size=map_size)
+            # An index this open makes (none there, or an LMDB no kvd wrote)
+            # beside blobs is marked in the transaction that makes it: a
+            # stop right after would otherwise leave an index that looks
+            # whole, and reconcile would take every blob for an orphan.
+            index = Index(path, map_size=map_size,
+                          on_create=lambda: {REBUILDING: missing.record()} if any_blob(root) else {})
             with index.reading() as txn:
                 entries, nbytes = index.totals(txn)
                 int(entries) + int(nbytes)
@@ -343,19 +352,11 @@ def open_index(root: Path, *, map_size: int, rebuild: str | None = None) -> tupl
             if not is_damage(exc):
                 raise
             reason = f"LMDB refuses it: {exc}"
-    if reason is None:
-        if marker is not None:
-            return index, Heal.from_record(bytes(marker))
-        if (existed and entries) or not any_blob(root):
-            return index, None
-        # Blobs, and an index with no entry: one made and never marked (a
-        # stop between the two), or not kvd's (its tables empty). Reconcile
-        # would take every blob for an orphan; a rebuild indexes them.
-        heal = Heal("the index held no entry while blobs exist" if existed else "the index was missing")
-    else:
+    if reason is not None:
         return replace_index(root, reason, map_size=map_size, quiet=bool(rebuild))
-    index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
-    return index, heal
+    if marker is None:
+        return index, None
+    return index, missing if index.fresh else Heal.from_record(bytes(marker))
 
 
 def replace_index(root: Path, reason: str, *, map_size: int, quiet: bool = False) -> tuple[Index, Heal]:
@@ -364,12 +365,13 @@ def replace_index(root: Path, reason: str, *, map_size: int, quiet: bool = False
     directory does not disturb it). Returns the new index and its Heal."""
     path = root / INDEX_DIR
     moved = move_aside(root)
-    index = Index(path, map_size=map_size)
     heal = Heal(reason, moved_to=str(moved) if moved else None)
+    index = Index(path, map_size=map_size, on_create=lambda: {REBUILDING: heal.record()})  # (marked as it is made)
+    if not index.fresh:  # (another process made one there meanwhile)
+        index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
     log.log(logging.INFO if quiet else logging.WARNING,
             "ssd: index %s is damaged (%s); %s, rebuilding it from the blobs", path, reason,
             f"moved to {moved}" if moved else "its folder was gone")
-    index.write(lambda txn: txn.put(REBUILDING, heal.record(), db=index.meta))
     return index, heal
 
 

@@ -52,7 +52,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import msgpack
 
@@ -266,8 +266,13 @@ def _tail_key(parent: bytes, length: int, key: bytes) -> bytes:
 class Index(Env):
     """The LMDB environment at `path` (a directory). See the module docstring."""
 
-    def __init__(self, path: str | Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE):
+    def __init__(self, path: str | Path, *, readonly: bool = False, map_size: int = DEFAULT_MAP_SIZE,
+                 on_create: Callable[[], dict[bytes, bytes]] | None = None):
+        """`on_create()`: meta records to write in the transaction that makes
+        it a kvd index (its `format`), if this open is the one that does; then
+        `fresh` is True (an index made now, or an LMDB no kvd had written)."""
         super().__init__(path, readonly=readonly, map_size=map_size, max_dbs=8)
+        self.fresh = False
         try:
             create = not readonly
             self.rows = self.env.open_db(b"rows", create=create)
@@ -275,7 +280,7 @@ class Index(Env):
             self.tails_db = self.env.open_db(b"tails", create=create)
             self.ns_db = self.env.open_db(b"ns", create=create)
             self.meta = self.env.open_db(b"meta", create=create)
-            self._check_format()
+            self._check_format(on_create)
         except BaseException:
             self.env.close()
             raise
@@ -295,14 +300,17 @@ class Index(Env):
         # atimes taken from their blobs): a walk's place in an old one is void.
         self.lru_moves = next(_INDEXES) << 32
 
-    def _check_format(self) -> None:
+    def _check_format(self, on_create: Callable[[], dict[bytes, bytes]] | None = None) -> None:
         with self.env.begin(db=self.meta, write=not self.readonly) as txn:
             raw = txn.get(b"format")
             if raw is None:
                 if self.readonly:
                     return  # a fresh dir nobody has written yet: it is simply empty
+                self.fresh = True
                 txn.put(b"format", str(INDEX_FORMAT).encode())
                 txn.put(b"created", str(time.time()).encode())
+                for k, v in (on_create() if on_create is not None else {}).items():
+                    txn.put(k, v)  # in the same transaction: a stop between the two cannot part them
             elif int(raw) != INDEX_FORMAT:
                 raise IncompatibleIndex(
                     f"{self.path} has index format {int(raw)}; this kvd reads {INDEX_FORMAT}. "
