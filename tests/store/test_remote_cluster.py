@@ -59,6 +59,18 @@ def store(client, seqs) -> None:
     wait_for(lambda: remote(client), lambda r: r["backlog"] == 0 and r["written"] >= 3 * len(seqs))
 
 
+def with_seqs(cluster, daemon_factory) -> None:
+    """SEQS in the cluster: stored by the first test of this module's worker
+    that needs them (pytest-xdist may hand any of them to a worker first;
+    each worker has a cluster of its own)."""
+    if getattr(cluster, "seqs", False):
+        return
+    a = daemon(daemon_factory, cluster)
+    with a.client(NS) as ca:
+        store(ca, SEQS)
+    cluster.seqs = True
+
+
 def replicated(cluster) -> None:
     """Until every primary's replica has all it was sent (its offset is the primary's)."""
     def caught_up() -> bool:
@@ -88,6 +100,7 @@ def test_values_spread_over_every_primary_and_a_fresh_daemon_serves_them_bit_exa
     a = daemon(daemon_factory, cluster)
     with a.client(NS) as ca:
         store(ca, SEQS)
+        cluster.seqs = True
         r = remote(ca)
         assert r["cluster_primaries"] == 3 and r["cluster_nodes"] >= 3
     primaries = cluster.roles()[0]
@@ -106,6 +119,7 @@ def test_values_spread_over_every_primary_and_a_fresh_daemon_serves_them_bit_exa
 
 
 def test_a_slot_migration_under_a_mixed_load_costs_misses_at_most(cluster, daemon_factory):
+    with_seqs(cluster, daemon_factory)
     a = daemon(daemon_factory, cluster)
     b = daemon(daemon_factory, cluster)
     primaries = cluster.roles()[0]
@@ -137,6 +151,7 @@ def test_a_slot_migration_under_a_mixed_load_costs_misses_at_most(cluster, daemo
 
 
 def test_a_primary_killed_mid_read_costs_misses_and_its_replica_takes_over(cluster, daemon_factory):
+    with_seqs(cluster, daemon_factory)
     replicated(cluster)  # so the replica promoted holds every value: nothing may be lost
     # B asks a dead primary's replica (remote_read_replicas, the default);
     # P keeps reads on primaries, so the dead one's keys are misses.

@@ -403,10 +403,11 @@ class BrokenHello:
     connection at its first command; "bad" answers HELLO with +OK (a proxy
     speaking RESP2 only, or a hostile server), which makes redis-py raise
     AttributeError, not a RedisError; "digits" answers GET with a bulk length
-    of 5,000 digits; "good" behaves (HELLO 3, PONG, OK)."""
+    of 5,000 digits; "good" behaves (HELLO 3, PONG, OK, and CLUSTER SLOTS
+    naming itself for slots 0..`last_slot`)."""
 
     def __init__(self):
-        self.phase, self.bad_hellos = "drop", 0
+        self.phase, self.bad_hellos, self.last_slot = "drop", 0, 16383
         self.listen = socket.create_server(("127.0.0.1", 0))
         self.url = f"redis://127.0.0.1:{self.listen.getsockname()[1]}/0"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -432,6 +433,12 @@ class BrokenHello:
                     c.sendall(b"+OK\r\n" if self.phase == "bad" else b"%1\r\n$5\r\nproto\r\n:3\r\n")
                 elif name == b"GET" and self.phase == "digits":  # a length of 5,000 digits: int() refuses it
                     c.sendall(b"$" + b"9" * 5000 + b"\r\n")
+                elif name == b"CLUSTER" and args[1].upper() == b"SLOTS":  # a million slots, one node: itself
+                    host, port = self.listen.getsockname()
+                    node = b"*3\r\n$%d\r\n%s\r\n:%d\r\n$2\r\nid\r\n" % (len(host), host.encode(), port)
+                    c.sendall(b"*1\r\n*3\r\n:0\r\n:%d\r\n" % self.last_slot + node)
+                elif name == b"COMMAND":  # (RedisCluster's command table: none known)
+                    c.sendall(b"*0\r\n")
                 else:
                     c.sendall(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
         except (OSError, ValueError):
@@ -460,6 +467,34 @@ def test_a_reply_that_breaks_the_client_is_a_failed_probe_never_the_writers_end(
         assert tier._thread.is_alive() and tier.counters["written"] == 1
     finally:
         tier.close(budget=1.0)
+        fake.close()
+
+
+def test_a_node_naming_a_million_slots_fails_its_discovery_in_bounded_memory():
+    """Red-team (session 41): redis-py fills a dict entry per slot a CLUSTER
+    SLOTS section names before it checks anything: a node answering [0, 2**40,
+    ...] had the daemon's memory grow until it was killed, at every discovery."""
+    import tracemalloc
+
+    from kvd.store.remote.cluster import cluster_client
+
+    fake = BrokenHello()
+    fake.phase = "good"
+    try:
+        fake.last_slot = 1_000_000
+        tracemalloc.start()
+        try:
+            with pytest.raises(Exception, match="[Cc]luster"):
+                cluster_client(fake.url, 0.5, {}, False, 0)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 * MiB, peak
+        fake.last_slot = 16383  # the same node with a map a cluster gives: taken
+        client = cluster_client(fake.url, 0.5, {}, False, 0)
+        assert len(client.get_nodes()) == 1
+        client.close()
+    finally:
         fake.close()
 
 

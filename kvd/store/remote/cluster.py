@@ -47,6 +47,7 @@ def cluster_client(url: str, timeout: float, tls: dict[str, Any], read_replicas:
     loop thread waits one timeout at most, a redirect is a miss; the writer's
     a few). Raises what discovery raises when no node answers
     (RedisClusterException, redis.RedisError)."""
+    from redis import cluster as redis_cluster
     from redis.backoff import NoBackoff
     from redis.cluster import RedisCluster
     from redis.retry import Retry
@@ -56,10 +57,63 @@ def cluster_client(url: str, timeout: float, tls: dict[str, Any], read_replicas:
         conn.read_response()
 
     extra = {"redis_connect_func": readonly} if read_replicas else {}
-    return RedisCluster.from_url(
-        url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), retries),
-        health_check_interval=0, **tls, **extra,
-    )
+    with _MAKING:
+        # redis-py makes its NodesManager by this module-level name, and asks for
+        # the slot map before the constructor returns: ours checks that map.
+        made, redis_cluster.NodesManager = redis_cluster.NodesManager, _checked_nodes_manager()
+        try:
+            return RedisCluster.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), retries),
+                health_check_interval=0, **tls, **extra,
+            )
+        finally:
+            redis_cluster.NodesManager = made
+
+
+SLOTS = 16384  # a cluster's hash slots
+_MAKING = threading.Lock()
+_CHECKED: Any = None
+
+
+def checked_slots(reply: Any, **options: Any) -> Any:
+    """A CLUSTER SLOTS reply, if it is one a cluster gives: sections of
+    [first, last, node, ...] within the 16,384 slots, covering each at most
+    once, each node [host, port, ...]. redis-py fills a dict entry per slot of
+    each section before it looks further: a node answering [0, 2**40, ...]
+    had it take memory until the daemon was killed. Else ResponseError: that
+    node's discovery fails, as for a node not in cluster mode."""
+    from redis.exceptions import ResponseError
+
+    if not isinstance(reply, list) or len(reply) > SLOTS:
+        raise ResponseError("CLUSTER SLOTS: not a list of slot ranges")
+    covered = 0
+    for section in reply:
+        if not isinstance(section, list) or not 3 <= len(section) <= 3 + 64:
+            raise ResponseError("CLUSTER SLOTS: a section is not [first, last, node, ...]")
+        first, last = section[0], section[1]
+        if type(first) is not int or type(last) is not int or not 0 <= first <= last < SLOTS:
+            raise ResponseError(f"CLUSTER SLOTS: slots {first!r}..{last!r} are not within 0..{SLOTS - 1}")
+        covered += last - first + 1
+        if covered > SLOTS or any(not isinstance(n, list) or len(n) < 2 for n in section[2:]):
+            raise ResponseError("CLUSTER SLOTS: slots covered twice, or a node that is not [host, port, ...]")
+    return reply
+
+
+def _checked_nodes_manager() -> Any:
+    """redis-py's NodesManager, with every node client it makes checking
+    CLUSTER SLOTS replies (`checked_slots`): at discovery and at each refresh."""
+    global _CHECKED
+    if _CHECKED is None:
+        from redis.cluster import NodesManager
+
+        class CheckedNodesManager(NodesManager):
+            def create_redis_node(self, host, port, **kwargs):
+                node = super().create_redis_node(host, port, **kwargs)
+                node.set_response_callback("CLUSTER SLOTS", checked_slots)
+                return node
+
+        _CHECKED = CheckedNodesManager
+    return _CHECKED
 
 
 def redirected(exc_or_reason: Any) -> bool:

@@ -529,6 +529,8 @@ class RemoteTier:
     def _tail(self, parent: bytes, field: Any, value: Any) -> tuple[int, bytes] | None:
         """(length, key) of one field of a tails hash, or None (counted) if the
         shared secret's tag does not vouch for it (or it was too long to read)."""
+        if field is None or value is None:  # (not read: after one too long to read, or absent)
+            return None
         if not isinstance(field, (bytes, bytearray)) or not isinstance(value, (bytes, bytearray)):
             self._forged(None, f"a tail under {rv.tails_key(parent).decode()} longer than {_TAIL_BYTES} bytes")
             return None
