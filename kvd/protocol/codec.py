@@ -138,6 +138,21 @@ def _map(v, ctx):
     return v
 
 
+_META_DEPTH = 32  # ns_meta nests at most this deep (kvd_client's: 3); deeper, and a compare recursed past Python's limit
+
+
+def _meta_map(v, ctx):
+    """A map of namespace metadata: any values, nested at most _META_DEPTH deep."""
+    _map(v, ctx)
+    level, depth = [v], 1
+    while level:
+        level = [x for c in level for x in (c.values() if isinstance(c, dict) else c) if isinstance(x, (dict, list))]
+        depth += bool(level)
+        if depth > _META_DEPTH:
+            raise _bad(ctx, f"nested deeper than {_META_DEPTH}")
+    return v
+
+
 def _uints(v, ctx):
     if not isinstance(v, list):
         raise _bad(ctx, f"expected an array, got {type(v).__name__}")
@@ -486,12 +501,12 @@ REQUESTS: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "shm": _opt(_map),  # section 14: proof and releases; the reply may then carry descriptors
     },
     "PUT": {
-        **_SEQ, "chunks": _req(_put_chunks), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_map),
+        **_SEQ, "chunks": _req(_put_chunks), "boundary": _opt(_record(_BOUNDARY)), "ns_meta": _opt(_meta_map),
     },
-    "EXPLAIN": {**_QUERY, "need_boundary": _opt(_bool, False), "ns_meta": _opt(_map)},
+    "EXPLAIN": {**_QUERY, "need_boundary": _opt(_bool, False), "ns_meta": _opt(_meta_map)},
     "SLOTS": {
         **_SEQ, "chunks": _req(_array_of(_record(_SLOTS_CHUNK))), "boundary": _opt(_record(_SLOTS_BOUNDARY)),
-        "ns_meta": _opt(_map), "shm": _req(_map),
+        "ns_meta": _opt(_meta_map), "shm": _req(_map),
     },
     "COMMIT": {"lease": _req(_uint), "shm": _req(_map), "digests": _opt(_uints), "more": _opt(_bool, False)},
     "STATS": {"ns": _opt(_ns)},

@@ -143,6 +143,7 @@ class Daemon(Reading, Settling):
         self.read_while_lent = 0  # requests read from lanes meanwhile
         self.parts = PartReader()  # messages read in turns (rule 9)
         self.banned_requests = 0  # requests of a banned process read before the gate cut it off
+        self.spoofed_lanes = 0  # main-socket messages under a routing id like a lane's (reading.py): dropped
         self.offenders = drain.Offenders()
         self.struck_for_memory = 0  # strikes of processes shed for memory inside a bomb (gate rule 9)
         self.latency = Latency()
@@ -332,7 +333,7 @@ class Daemon(Reading, Settling):
                "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
                "main_lent": self._lent is not None, "main_lent_ms": round(1000 * self.lent_seconds, 3),
                "read_while_lent": self.read_while_lent, "read_turns": self.parts.turns,
-               "banned_requests": self.banned_requests, "bans": self.offenders.bans}
+               "banned_requests": self.banned_requests, "bans": self.offenders.bans, "spoofed_lanes": self.spoofed_lanes}
         if self.gate is not None:
             out.update(self.gate.stats())
         if self.outbox is not None:

@@ -37,7 +37,10 @@ Rules the lanes keep:
    serving loop under the lane's own identity (`PREFIX` + its token), which
    `route` turns back into the lane's socket and its peer's routing id. The
    main socket's own peers have libzmq's identities, which start with a zero
-   byte, so the two never meet.
+   byte, so the two never meet -- unless a peer sets its own routing id
+   (ZMQ_ROUTING_ID) to look like a lane's: such a message on the main socket
+   is dropped unserved and its connection cut (kvd/server/reading.py), so no
+   peer is answered as another's lane, nor sends replies to it.
 """
 
 from __future__ import annotations

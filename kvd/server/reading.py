@@ -30,6 +30,7 @@ from kvd.protocol import codec
 from kvd.protocol import errors as E
 from kvd.server.admission import drain
 from kvd.server.admission.connections import connection_id, origin
+from kvd.server.lanes import PREFIX as LANE_PREFIX
 from kvd.server.lanes import Lane
 
 log = logging.getLogger("kvd.server")
@@ -78,6 +79,17 @@ class Reading(drain.Striking):
             return self._recv_lane(lane, whole)
         cpu = time.thread_time()
         parts, more, before = self.parts.read(sock, self.limits.max_frames, whole)
+        if self.lanes is not None and parts[0].bytes.startswith(LANE_PREFIX):
+            # A routing id a peer chose to look like a lane's (kvd.server.lanes
+            # rule 5): its requests would be served, and answered, as that
+            # lane's client's. Not served; its connection cut, its rest dropped.
+            self.spoofed_lanes += 1
+            fd = parts[1].get(zmq.SRCFD) if len(parts) > 1 else None
+            if fd is not None:
+                self._cut_off((fd, connection_id(fd)))
+            if more:
+                self._lend_main(sock)
+            raise zmq.Again()
         if not more:
             return parts
         # A frame bomb: answered here (the reply waits in the outbox until

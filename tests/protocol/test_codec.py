@@ -172,3 +172,22 @@ def test_fuzz_raw_frames(frames):
 @given(near_valid_headers(), st.lists(st.binary(max_size=32), max_size=3))
 def test_fuzz_near_valid_headers(header, data):
     _decode_or_protocol_error([msgpack.packb(header, use_bin_type=True), *data])
+
+
+@pytest.mark.parametrize("mtype", ["PUT", "EXPLAIN"])
+def test_ns_meta_nested_deeper_than_32_is_bad_field(mtype):
+    """Red-team (session 41): a map 1,000 deep made EXPLAIN's compare recurse
+    past Python's limit (INTERNAL)."""
+    def nested(depth):
+        meta = {"a": 1}
+        for _ in range(depth - 1):
+            meta = {"x": [meta]} if _ % 2 else {"x": meta}
+        return meta
+
+    fields = {"ns": "n", "tokens": b"\x00" * 16, "chunk_tokens": 4}
+    if mtype == "PUT":
+        fields["chunks"] = []
+    ok = codec.encode(mtype, {**fields, "ns_meta": nested(16)}, id=1)  # 16 maps, 7 lists between: 23 deep
+    assert codec.decode_request(ok)["ns_meta"] == nested(16)
+    with pytest.raises(errors.BadField, match="nested deeper than 32"):
+        codec.decode_request(codec.encode(mtype, {**fields, "ns_meta": nested(400)}, id=1))  # (msgpack packs 511 at most)

@@ -241,6 +241,41 @@ def test_a_client_that_does_not_ask_for_a_lane_is_served_on_the_main_socket(daem
         ctx.destroy(linger=0)
 
 
+def test_a_main_socket_peer_named_like_a_lane_is_neither_served_nor_answered_on_it(daemon_factory):
+    """Red-team (session 41): a peer of the main socket that set its routing
+    id to a lane's identity (the token is the lane's file name, in the run
+    folder) had its requests served as that lane's client's, and their
+    replies sent to the lane."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    ctx = zmq.Context()
+
+    def dealer(endpoint, rid=None):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if rid is not None:
+            s.setsockopt(zmq.ROUTING_ID, rid)
+        s.connect(endpoint)
+        return s
+
+    try:
+        main = dealer(d.endpoint)
+        main.send_multipart(codec.encode("HELLO", {"versions": [1], "lanes": True}, id=1))
+        assert main.poll(30_000)
+        lane_ep = codec.decode_reply(main.recv_multipart())["lane"]
+        victim = dealer(lane_ep)
+        victim.send_multipart(codec.encode("PING", {}, id=2))
+        assert victim.poll(30_000) and codec.decode_reply(victim.recv_multipart()).id == 2
+        token = os.path.basename(lane_ep)[len("l-"):-len(".sock")]
+        spoofer = dealer(d.endpoint, b"\x01lane" + bytes.fromhex(token))
+        spoofer.send_multipart(codec.encode("PING", {}, id=999))
+        wait_until(lambda: peer_stats(d)["spoofed_lanes"] == 1)
+        victim.send_multipart(codec.encode("PING", {}, id=3))  # the victim's next reply is its own, not 999's
+        assert victim.poll(30_000) and codec.decode_reply(victim.recv_multipart()).id == 3
+        assert not spoofer.poll(100)
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_a_lane_nobody_connects_to_is_closed_after_its_grace_and_lanes_are_bounded(tmp_path):
     """In process, with an injected clock: a lane offered but never used is
     closed by the first reap past `grace`; past `most`, none is offered."""

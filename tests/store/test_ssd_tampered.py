@@ -243,3 +243,27 @@ def test_a_shard_the_rebuild_cannot_list_is_left_as_it_is_and_the_rest_indexed(t
             assert_same(store.get(e.id), e)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (0, 2**64 - 1), (3, 0, 2**63)])
+def test_a_tensor_of_no_elements_reads_back_whatever_its_other_dims(tmp_path, shape):
+    # Red-team (session 41): the wire takes any dims of a tensor with a zero
+    # in its shape, the index row's check took none larger than the entry's
+    # bytes: a write-through PUT acknowledged was a "bad row" at its first read
+    # from the disk, and quarantined.
+    import numpy as np
+
+    from kvd.protocol.codec import Tensor
+    from kvd.store.base import CHUNK, Entry
+
+    e = Entry("ns", b"\x05" * 32, CHUNK, b"\x06" * 32, 0, 4,
+              (Tensor("state", "float16", shape, np.zeros(0, np.uint8)), Tensor("k", "uint8", (4,), np.arange(4, dtype=np.uint8))))
+    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0, reconcile=False)
+    try:
+        store.put(e)
+        assert store.flush(20)
+        got = store.get(e.id)
+        assert got is not None and [t.shape for t in got.tensors] == [shape, (4,)]
+        assert store.counters["bad_rows"] == 0 and store.counters["quarantined"] == 0
+    finally:
+        store.close()

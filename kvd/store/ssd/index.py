@@ -107,6 +107,7 @@ class Bounds:
 
 
 DEFAULT_BOUNDS = Bounds()
+_MAX_DIM = (1 << 64) - 1  # a tensor dimension on the wire (msgpack's largest uint)
 # Where a blob's tail key packs the length (4 bytes), and past any sequence.
 _MAX_TOKENS = 1 << 32
 # Seconds since the epoch: a recency key holds microseconds in 8 bytes, and
@@ -241,11 +242,17 @@ def _insane_tensors(tensors: Any, nbytes: int, lim: Limits) -> str | None:
             return "a tensor's rank"
         size = DTYPES[dtype][0]
         for dim in shape:
-            if not _int(dim, 0, nbytes):
+            if not _int(dim, 0, _MAX_DIM):  # what the wire takes (a msgpack uint64)
                 return f"a tensor's dim {dim!r}"
+        # A tensor of no elements may have any other dims (the wire takes
+        # [0, 2**64 - 1]: a PUT acknowledged must read back); in any other no
+        # dim is larger than the entry's bytes.
+        for dim in shape if 0 not in shape else ():
             size *= dim
             if size > nbytes:  # stop at once: a product of garbage dims grows without bound
                 return "a tensor's shape (more bytes than the entry)"
+        if 0 in shape:
+            size = 0
         total += size
         if total > nbytes:
             return "the tensors' shapes (more bytes than the entry)"
