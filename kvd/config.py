@@ -216,6 +216,23 @@ def _log_file_usable(path: str | None) -> None:
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise ValueError(f"{path}: its folder {folder} does not exist")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.getuid(), 0):
+        # Planted in a shared folder (/tmp) by another user: kvd would write wherever it points.
+        raise ValueError(f"{path} is a symlink of uid {st.st_uid}, not yours")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:  # a dangling link of ours: the file it names is made
+        return
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the start before it binds, silently
+        raise ValueError(f"{path} is not a regular file")
 
 
 def _ram_mb(raw: Any) -> int | str:
@@ -265,6 +282,15 @@ def _redact_url(value: Any) -> Any:
 
 
 # --- per-user default locations ------------------------------------------------
+
+
+def _shown_default_config_path() -> str:
+    """The default config path for a help text (built when this module is
+    imported: it must not fail where there is no home folder)."""
+    try:
+        return str(default_config_path())
+    except OSError as err:
+        return f"none ({err})"
 
 
 def default_config_path(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:
@@ -693,7 +719,7 @@ def config_options(command: Callable | None = None, *, names: tuple[str, ...] | 
         "config",
         type=click.Path(dir_okay=False),
         default=None,
-        help=f"TOML config file [env: {CONFIG_ENV}; default: {default_config_path()}]",
+        help=f"TOML config file [env: {CONFIG_ENV}; default: {_shown_default_config_path()}]",
     )(command)
 
 

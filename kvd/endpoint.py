@@ -449,7 +449,10 @@ def read_cert(path: Path) -> tuple[bytes, bytes | None]:
     import zmq.auth
 
     check_key_file(path)
-    public, secret = zmq.auth.load_certificate(str(path))
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (ValueError, OSError) as err:  # not a certificate (garbage, a truncated file)
+        raise UnsafeEndpoint(f"{path} is not a ZeroMQ certificate ({err})") from None
     return public, secret
 
 

@@ -7,7 +7,6 @@ Each sends its request once; errors become one line and an exit code
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
@@ -20,6 +19,7 @@ from kvd.cli.common import (
     data_dir_options,
     data_dir_to_read,
     fail,
+    finite,
     printable,
     rate,
     reply_json,
@@ -106,7 +106,7 @@ def render_offline_stats(st: dict) -> str:
 @click.option("--namespace", default=None, help="Only this namespace.")
 @click.option("--offline", is_flag=True,
               help="Read a data dir's index directly (the running daemon's, else --data-dir or the configured one).")
-@click.option("--watch", "watch", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+@click.option("--watch", "watch", type=click.FloatRange(min=0.1, max=86400), default=None, metavar="SECONDS", callback=finite,
               help="Refresh in place every SECONDS until interrupted.")
 @click.option("--count", type=click.IntRange(min=1), default=None, help="With --watch: stop after this many refreshes.")
 def stats(as_json, namespace, offline, watch, count, **flags) -> None:
@@ -151,20 +151,13 @@ def _watch(cfg, namespace, every: float, count: int | None) -> None:
             pass
 
 
-def _finite(ctx, param, value):
-    """click's FloatRange lets nan through (every comparison with it is false)."""
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"{value} is not a finite number.")
-    return value
-
-
 @main.command()
 @data_dir_options
 @click.option("--ram-mb", type=click.IntRange(min=0, max=MAX_MB), default=None, help="Evict the RAM tier down to this many MiB.")
-@click.option("--ssd-gb", type=click.FloatRange(min=0, max=MAX_GB), callback=_finite, default=None,
+@click.option("--ssd-gb", type=click.FloatRange(min=0, max=MAX_GB), callback=finite, default=None,
               help="Evict the SSD tier down to this many GiB.")
 @click.option("--namespace", default=None, help="Drop every entry of this namespace.")
-@click.option("--older-than", type=click.FloatRange(min=0), callback=_finite, default=None,
+@click.option("--older-than", type=click.FloatRange(min=0), callback=finite, default=None,
               help="Drop entries last used more than this many seconds ago.")
 @click.option("--orphans/--no-orphans", default=None, help="Remove orphaned and quarantined blobs and stray temp files.")
 @click.option("--verify", is_flag=True, help="Offline only: re-read every blob and quarantine those failing their checksum.")

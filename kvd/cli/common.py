@@ -26,6 +26,7 @@ terminal as `\x1b`, not as commands to it. JSON output escapes them itself.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
@@ -188,3 +189,10 @@ def rate(hits: int, misses: int) -> str:
     if not (_number(hits) and _number(misses)):
         return "?"
     return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
+
+
+def finite(ctx, param, value):
+    """A click callback: click's FloatRange lets nan through (every comparison with it is false)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number.")
+    return value

@@ -57,6 +57,8 @@ def describe(err: BaseException) -> tuple[int, str] | None:
         return err.exit_code, str(err)
     if isinstance(err, KvdError):
         return FAILED, str(err)
+    if isinstance(err, UnicodeEncodeError):  # an argument the shell passed as bytes no UTF-8 has (a namespace)
+        return USAGE, f"an argument is not UTF-8 text: {err.object[err.start:err.end]!r} in {err.object!r}"
     if isinstance(err, OSError):
         what = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
         return FAILED, what

@@ -26,6 +26,9 @@ LOG_FORMAT = "%(asctime)s kvd[%(process)d] %(levelname)s %(name)s: %(message)s"
 def setup_logging(level: str, log_file: str | None = None) -> None:
     handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    # A log that cannot be written (a full disk) loses its lines, never
+    # floods stderr with a traceback per line.
+    logging.raiseExceptions = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

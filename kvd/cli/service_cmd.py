@@ -71,7 +71,13 @@ def install_cmd(dry_run: bool, init: str | None, serve_args: tuple[str, ...]) ->
     except ValueError as exc:
         click.echo(f"kvd service install: {exc}", err=True)
         raise SystemExit(svc.EXIT_USAGE)
-    _carry_out(svc.install_plan(_target(init), serve_args, stop_timeout=_stop_timeout(serve_args)), dry_run)
+    target, stop_timeout = _target(init), _stop_timeout(serve_args)
+    try:
+        plan = svc.install_plan(target, serve_args, stop_timeout=stop_timeout)
+    except ValueError as exc:  # what no unit or plist can hold (a home folder with control characters)
+        click.echo(f"kvd service install: {exc}", err=True)
+        raise SystemExit(exits.CONFIG)
+    _carry_out(plan, dry_run)
 
 
 def _stop_timeout(serve_args: tuple[str, ...]) -> float:
@@ -80,12 +86,13 @@ def _stop_timeout(serve_args: tuple[str, ...]) -> float:
     plist gives the daemon a little more than that before it kills it."""
     flags: dict[str, str] = {}
     for i, arg in enumerate(serve_args):
-        if arg == "--stop-timeout" and i + 1 < len(serve_args):
-            flags["stop_timeout"] = serve_args[i + 1]
-        elif arg.startswith("--stop-timeout="):
-            flags["stop_timeout"] = arg.split("=", 1)[1]
+        for flag, name in (("--stop-timeout", "stop_timeout"), ("--config", "config")):
+            if arg == flag and i + 1 < len(serve_args):
+                flags[name] = serve_args[i + 1]
+            elif arg.startswith(flag + "="):
+                flags[name] = arg.split("=", 1)[1]
     try:
-        return resolve(flags).stop_timeout
+        return resolve(flags).stop_timeout  # (a --config among them: its file's, as the daemon will read it)
     except ConfigError as err:
         click.echo(f"kvd service: {err}", err=True)
         raise SystemExit(exits.CONFIG)

@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from kvd.cli import main
-from kvd.cli.common import admin_client, daemon_options, quota_table, rate, secs, settings, shown, size
+from kvd.cli.common import admin_client, finite, daemon_options, quota_table, rate, secs, settings, shown, size
 
 
 def _delta(cur: dict, prev: dict | None, key: str) -> float:
@@ -176,7 +176,8 @@ class _Keys:
 
 @main.command("top")
 @daemon_options
-@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, help="Seconds between frames.")
+@click.option("--interval", type=click.FloatRange(min=0.1, max=86400), default=2.0, show_default=True,
+              callback=finite, help="Seconds between frames.")
 @click.option("--count", type=click.IntRange(min=1), default=None,
               help="Stop after this many frames [default: until q on a terminal, 1 when piped].")
 def top(interval, count, **flags) -> None:

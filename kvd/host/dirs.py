@@ -16,6 +16,7 @@ and `platform` default to this process's (tests pass others).
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -24,21 +25,38 @@ from typing import Mapping
 MAX_IPC_PATH = 103 if sys.platform == "darwin" else 107
 
 
+def _no_home(why: str) -> OSError:
+    """No home folder to put kvd's folders in: an environment fault (a plain
+    OSError, ENOENT: kvd's commands say it in one line, exit 1)."""
+    return OSError(errno.ENOENT, f"{why}; set HOME, or XDG_CONFIG_HOME and XDG_CACHE_HOME")
+
+
 def _home(environ: Mapping[str, str]) -> Path:
-    return Path(environ["HOME"]) if environ.get("HOME") else Path.home()
+    home = environ.get("HOME")
+    if home:
+        if not os.path.isabs(home):
+            raise _no_home(f"no home folder: HOME={home!r} is not an absolute path")
+        return Path(home)
+    try:
+        return Path.home()
+    except (RuntimeError, KeyError):  # no HOME, no passwd entry (a container run as `-u N`)
+        raise _no_home(f"no home folder: HOME is unset and uid {os.getuid()} has no passwd entry") from None
 
 
-def _xdg(environ: Mapping[str, str], name: str, fallback: Path) -> Path:
-    value = environ.get(name) or ""
-    return Path(value) if os.path.isabs(value) else fallback
+def home_folder(environ: Mapping[str, str] | None = None) -> Path:
+    """This user's home folder (HOME, else the passwd entry); OSError (ENOENT) if none."""
+    return _home(os.environ if environ is None else environ)
 
 
 def _folder(environ, platform, mac: tuple[str, ...], xdg: str, fallback: str) -> Path:
+    """The folder; OSError (ENOENT) if it needs a home folder there is none of."""
     environ = os.environ if environ is None else environ
-    home = _home(environ)
     if (platform or sys.platform) == "darwin":
-        return home.joinpath("Library", *mac, "kvd")
-    return _xdg(environ, xdg, home / fallback) / "kvd"
+        return _home(environ).joinpath("Library", *mac, "kvd")
+    value = environ.get(xdg) or ""
+    if os.path.isabs(value):  # (the home folder is not needed then)
+        return Path(value) / "kvd"
+    return _home(environ) / fallback / "kvd"
 
 
 def config_dir(environ: Mapping[str, str] | None = None, platform: str | None = None) -> Path:

@@ -144,7 +144,9 @@ class Target:
     def current(cls, init: str | None = None, environ: Mapping[str, str] | None = None) -> "Target":
         """Return the Target of this user and interpreter (init auto-detected if None)."""
         environ = os.environ if environ is None else environ
-        home = Path(environ.get("HOME") or Path.home())
+        from kvd.host.dirs import home_folder
+
+        home = home_folder(environ)
         return cls(init or detect_init(), home, os.getuid(), os.path.abspath(sys.executable), environ)
 
     @property

@@ -162,8 +162,9 @@ def render_unit(
     if not python.startswith("/"):
         raise ValueError(f"python must be an absolute path, got {python!r}")
     extra = "".join(" " + _exec_arg(str(a)) for a in extra_args)
-    text = UNIT_TEMPLATE.replace("@PYTHON@", _exec_arg(python)).replace("@EXTRA@", extra)
-    return text.replace("@STOP@", str(stop_grace(stop_timeout)))
+    # @STOP@ first: an argument may hold those characters itself.
+    text = UNIT_TEMPLATE.replace("@STOP@", str(stop_grace(stop_timeout)))
+    return text.replace("@PYTHON@", _exec_arg(python)).replace("@EXTRA@", extra)
 
 
 def unit_path(home: str | os.PathLike, environ: Mapping[str, str] | None = None) -> PurePosixPath:

@@ -66,6 +66,7 @@ def default_data_dir(environ=None, platform: str | None = None) -> Path:
 def ensure_dirs(root: str | os.PathLike) -> Path:
     """Create the data dir and its fixed subdirectories (0700). Returns the root."""
     root = Path(root)
+    _not_planted(root)
     for sub in ("", INDEX_DIR, BLOB_DIR, QUARANTINE_DIR):
         path = root / sub if sub else root
         if sub == QUARANTINE_DIR:
@@ -85,6 +86,18 @@ def ensure_dirs(root: str | os.PathLike) -> Path:
         if mode & 0o077:
             os.chmod(path, mode & DIR_MODE)
     return root
+
+
+def _not_planted(root: Path) -> None:
+    """The data dir itself may be a symlink (a cache on another disk) -- but
+    not one another user made: in a shared folder (/tmp) that would have kvd
+    chmod and fill whatever it points at. PermissionError if it is."""
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.getuid(), 0):
+        raise PermissionError(errno.EPERM, f"the data dir is a symlink of uid {st.st_uid}, not yours", str(root))
 
 
 def ensure_folder(root: Path, rel: str, *, sync: Callable[[Path], None] | None = None) -> Path:

@@ -335,6 +335,93 @@ def test_a_log_file_serve_cannot_open_is_one_line_exit_78(tmp_path):
     assert r.returncode == 78 and r.stderr.strip() == "kvd: log_file /proc/kvd.log: cannot open: No such file or directory", r.stderr
 
 
+ROOT = os.geteuid() == 0
+
+
+def test_a_fifo_log_file_is_a_config_error_not_a_start_that_hangs(tmp_path):
+    """Red-team (session 41): opening a FIFO for appending blocked `kvd serve`
+    before it bound, silently (a service manager's start timeout, again and again)."""
+    os.mkfifo(tmp_path / "kvd.log")
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        resolve({"log_file": str(tmp_path / "kvd.log")}, environ={})
+
+
+@pytest.mark.skipif(not ROOT, reason="a symlink of another uid needs root to make")
+def test_a_log_file_or_data_dir_symlinked_by_another_user_is_refused(tmp_path):
+    """Red-team (session 41): links another user planted in a shared folder
+    (/tmp) had kvd append its log to, and chmod and fill, whatever they named.
+    The user's own links still work (a data dir on another disk)."""
+    from kvd.store.datadir import ensure_dirs
+
+    target = tmp_path / "victim"
+    target.mkdir(mode=0o755)
+    (target / "file.txt").write_text("precious")
+    for name, to in (("kvd.log", target / "file.txt"), ("kvd-data", target)):
+        os.symlink(to, tmp_path / name)
+        os.lchown(tmp_path / name, 65534, 65534)
+    with pytest.raises(ConfigError, match="is a symlink of uid 65534"):
+        resolve({"log_file": str(tmp_path / "kvd.log")}, environ={})
+    with pytest.raises(PermissionError, match="symlink of uid 65534"):
+        ensure_dirs(tmp_path / "kvd-data")
+    assert (target / "file.txt").read_text() == "precious" and stat.S_IMODE(target.stat().st_mode) == 0o755
+    assert sorted(p.name for p in target.iterdir()) == ["file.txt"]
+    os.symlink(target, tmp_path / "mine")  # ours: used
+    assert ensure_dirs(tmp_path / "mine") == tmp_path / "mine" and (target / "index").is_dir()
+
+
+def test_no_home_folder_is_one_line_exit_1_and_xdg_folders_need_none(monkeypatch):
+    """Red-team (session 41): with HOME unset and no passwd entry (a container
+    run as `-u N`) every command, `--help` included, died with a traceback."""
+    from pathlib import Path
+
+    from kvd.host import dirs
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert dirs.config_dir({"XDG_CONFIG_HOME": "/x"}, "linux") == Path("/x/kvd")
+    assert dirs.cache_dir({"XDG_CACHE_HOME": "/y"}, "linux") == Path("/y/kvd")
+    for environ in ({}, {"HOME": "relative"}):
+        with pytest.raises(OSError) as err:
+            dirs.config_dir(environ, "linux")
+        code, line = exits.describe(err.value)
+        assert code == exits.FAILED and line.startswith("no home folder") and "\n" not in line
+
+
+def test_a_dry_run_gc_heals_nothing(tmp_path):
+    """Red-team (session 41): `kvd gc --dry-run` with no daemon opened the
+    store, which moved a damaged index aside and rebuilt it."""
+    from kvd.store.ssd import offline
+    from kvd.store.ssd.heal import IndexDamaged
+
+    (tmp_path / "index").mkdir()
+    garbage = os.urandom(10_000)
+    (tmp_path / "index" / "data.mdb").write_bytes(garbage)
+    with pytest.raises(IndexDamaged):
+        offline.gc(tmp_path, orphans=True, dry_run=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index"]
+    assert (tmp_path / "index" / "data.mdb").read_bytes() == garbage
+
+
+def test_operator_flags_and_files_that_are_not_what_they_say_are_one_line(tmp_path):
+    """Red-team (session 41): `--watch nan`, `--interval 1e300`, a certificate
+    of garbage, a namespace of bytes no UTF-8 has: each was a traceback."""
+    from kvd.endpoint import UnsafeEndpoint, read_cert
+
+    runner = CliRunner()
+    for args in (["stats", "--watch", "nan"], ["stats", "--watch", "inf"], ["top", "--interval", "1e300"]):
+        r = runner.invoke(main, [*args, "--endpoint", f"ipc://{tmp_path}/none.sock"])
+        assert r.exit_code == exits.USAGE, r.output
+    bad = tmp_path / "bad.key"
+    bad.write_text("garbage\n")
+    bad.chmod(0o600)
+    with pytest.raises(UnsafeEndpoint, match="not a ZeroMQ certificate"):
+        read_cert(bad)
+    code, line = exits.describe(UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed"))
+    assert code == exits.USAGE and "not UTF-8" in line
+
+
 # -- 7, 8. kvd service install --------------------------------------------------------
 
 
@@ -447,3 +534,19 @@ def test_a_real_user_manager_passes_dollar_and_percent_through_literally(tmp_pat
         assert os.path.isfile(log_file)  # the daemon logged to the file named, not to an expansion of it
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_install_reads_the_stop_timeout_of_a_config_among_the_arguments_and_keeps_their_text(svc_home, tmp_path):
+    """Red-team (session 41): a `--config FILE` among the serve arguments was
+    not read for stop_timeout (the unit killed a daemon given 120 s after 15),
+    and an argument holding "@STOP@" had it replaced."""
+    config = _write(tmp_path / "st.toml", "stop_timeout = 120\n")
+    r = _cli("install", "--dry-run", "--init", "systemd", "--", "--config", str(config), "--log-file", "/var/log/kvd-@STOP@.log")
+    assert r.exit_code == 0, r.output
+    assert "TimeoutStopSec=125" in r.output and "/var/log/kvd-@STOP@.log" in _exec_start(r.output)
+
+
+def test_install_under_a_home_no_plist_can_name_is_one_line_exit_78(svc_home, monkeypatch):
+    monkeypatch.setenv("HOME", "/tmp/a\x01b")
+    r = _cli("install", "--dry-run", "--init", "launchd")
+    assert r.exit_code == exits.CONFIG and "Traceback" not in r.output, r.output

@@ -111,11 +111,17 @@ def gc(
     quarantine   delete the quarantined blobs
 
     Returns a report of what was (with dry_run: would be) removed. Raises
-    DataDirBusy if a daemon holds the data dir.
+    DataDirBusy if a daemon holds the data dir; with dry_run, IndexDamaged
+    (or FileNotFoundError) for an index it would have to heal (or make).
     """
     from kvd.store.ssd import SsdStore  # deferred: stats() stays import-light
 
     report: dict[str, Any] = {"dry_run": dry_run}
+    if dry_run:
+        # Opening the store heals a damaged index (moved aside, rebuilt): not
+        # what a dry run may do. Such an index is IndexDamaged here, as for
+        # `kvd stats --offline`; a missing one FileNotFoundError.
+        open_readonly(Path(data_dir)).close()
     store = SsdStore(data_dir, 1 << 62, min_free_bytes=0, background=False, reconcile=False)
     try:
         if orphans:
