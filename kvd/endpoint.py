@@ -379,7 +379,12 @@ def _open_lock(path: Path, flags: int) -> int | None:
     of ours: in a shared directory another user may have put a FIFO there
     (an open would block for good; O_NONBLOCK stops that) or a file of theirs.
     Raises OSError (FileNotFoundError without O_CREAT)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EISDIR):  # a symlink or a folder under its name: not ours to use
+            return None
+        raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         os.close(fd)

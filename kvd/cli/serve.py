@@ -118,7 +118,15 @@ def _bind_exit(err: BaseException) -> int:
     if isinstance(err, EndpointError):
         known = exits.describe(err)
         return known[0] if known else exits.REFUSED
-    return exits.FAILED if getattr(err, "errno", None) in (errno.EMFILE, errno.ENFILE, errno.ENOMEM) else exits.REFUSED
+    code = getattr(err, "errno", None)
+    if code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+        return exits.FAILED
+    if code in (errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP, errno.ENOTDIR, errno.EINVAL, errno.ENAMETOOLONG):
+        # A path or address that cannot be used (a folder in the socket's place,
+        # a run dir that cannot be made, an address libzmq refuses): a restart
+        # changes nothing, so 78, which service managers do not restart on.
+        return exits.CONFIG
+    return exits.REFUSED
 
 
 def _remote_key(cfg, log: logging.Logger):

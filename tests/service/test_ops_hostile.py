@@ -550,3 +550,20 @@ def test_install_under_a_home_no_plist_can_name_is_one_line_exit_78(svc_home, mo
     monkeypatch.setenv("HOME", "/tmp/a\x01b")
     r = _cli("install", "--dry-run", "--init", "launchd")
     assert r.exit_code == exits.CONFIG and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("planted", ["a symlink for its lock", "a folder for its socket"])
+def test_a_socket_path_that_cannot_be_used_is_exit_78_not_4(tmp_path, planted):
+    """Red-team (session 41): these exited 4 ("held by another process"),
+    on which a service manager restarts it for ever; a restart changes nothing."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    if planted == "a symlink for its lock":
+        os.symlink("/nonexistent", run / "kvd.sock.lock")
+    else:
+        (run / "kvd.sock").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--endpoint", f"ipc://{run}/kvd.sock", "--data-dir", "none",
+                        "--ram-mb", "16", "--shm-warm-mb", "0", "--config", str(_write(tmp_path / "kvd.toml", ""))],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == exits.CONFIG, (r.returncode, r.stderr[-500:])
