@@ -256,15 +256,13 @@ def test_a_full_server_keeps_reads_on_and_backs_off_its_writes(caplog):
 # -- a slow link ---------------------------------------------------------------------
 
 
-class Relay:
-    """A TCP relay to the server whose replies trickle: `rate` bytes/s in
-    steps of `piece` bytes (16 KiB), so every recv returns long before a socket timeout."""
+class Listener:
+    """A loopback TCP server posing as a Redis server (`url`): each connection
+    it accepts is given to `_take`, on the accepting thread, until `close`."""
 
-    def __init__(self, port: int, rate: int, piece: int = 16 << 10):
-        self.port, self.rate, self.piece = port, rate, piece
+    def __init__(self):
         self.listen = socket.create_server(("127.0.0.1", 0))
         self.url = f"redis://127.0.0.1:{self.listen.getsockname()[1]}/0"
-        self.socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -273,10 +271,29 @@ class Relay:
                 c, _ = self.listen.accept()
             except OSError:
                 return
-            u = socket.create_connection(("127.0.0.1", self.port))
-            self.socks += [c, u]
-            threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
+            self._take(c)
+
+    def _take(self, c: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.listen.close()
+
+
+class Relay(Listener):
+    """A TCP relay to the server whose replies trickle: `rate` bytes/s in
+    steps of `piece` bytes (16 KiB), so every recv returns long before a socket timeout."""
+
+    def __init__(self, port: int, rate: int, piece: int = 16 << 10):
+        self.port, self.rate, self.piece = port, rate, piece
+        self.socks: list[socket.socket] = []
+        super().__init__()
+
+    def _take(self, c: socket.socket) -> None:
+        u = socket.create_connection(("127.0.0.1", self.port))
+        self.socks += [c, u]
+        threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+        threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
 
     def _pump(self, src, dst, slow: bool) -> None:
         try:
@@ -294,7 +311,7 @@ class Relay:
                     pass
 
     def close(self) -> None:
-        self.listen.close()
+        super().close()
         for s in self.socks:
             s.close()
 
@@ -398,7 +415,7 @@ def test_a_parked_request_whose_answer_comes_as_it_is_given_up_is_served_once(se
         relay.close()
 
 
-class BrokenHello:
+class BrokenHello(Listener):
     """A RESP server that cannot be had for real: `phase` "drop" closes every
     connection at its first command; "bad" answers HELLO with +OK (a proxy
     speaking RESP2 only, or a hostile server), which makes redis-py raise
@@ -408,17 +425,10 @@ class BrokenHello:
 
     def __init__(self):
         self.phase, self.bad_hellos, self.last_slot = "drop", 0, 16383
-        self.listen = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self.listen.getsockname()[1]}/0"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.listen.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+    def _take(self, c: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(c,), daemon=True).start()
 
     def _serve(self, c: socket.socket) -> None:
         f = c.makefile("rb")
@@ -445,9 +455,6 @@ class BrokenHello:
             pass
         finally:
             c.close()
-
-    def close(self) -> None:
-        self.listen.close()
 
 
 def test_a_reply_that_breaks_the_client_is_a_failed_probe_never_the_writers_end():

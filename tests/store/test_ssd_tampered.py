@@ -34,6 +34,19 @@ _HEAD = b'{"__metadata__":"x"}' + b" " * 4
 STRING_METADATA = struct.pack("<Q", len(_HEAD)) + _HEAD
 
 
+def _served_once_reconciled(root: Path, entries, recovered: int) -> None:
+    """A store on `root` (its writer thread: rebuild, walk, reconcile) rebuilt
+    its index recovering `recovered` entries and serves every one of `entries`."""
+    store = SsdStore(root, 64 << 20, min_free_bytes=0)
+    try:
+        assert store.reconciled.wait(30)
+        assert store.heal is not None and store.heal.recovered == recovered
+        for e in entries:
+            assert_same(store.get(e.id), e)
+    finally:
+        store.close()
+
+
 def _odd_file(root: Path, how: str) -> Path:
     p = blob_path(root, b"\x00" * 33)
     p.parent.mkdir(exist_ok=True)
@@ -134,14 +147,7 @@ def test_an_lmdb_no_kvd_wrote_in_place_of_the_index_is_rebuilt_not_taken_for_emp
     env = lmdb.open(str(tmp_path / INDEX_DIR), max_dbs=8)
     env.open_db(b"rows")  # kvd's table names, no format record
     env.close()
-    store = SsdStore(tmp_path, 64 << 20, min_free_bytes=0)
-    try:
-        assert store.reconciled.wait(30)
-        assert store.heal is not None and store.heal.recovered == 5
-        for e in entries:
-            assert_same(store.get(e.id), e)
-    finally:
-        store.close()
+    _served_once_reconciled(tmp_path, entries, 5)
 
 
 def test_entries_dropped_are_not_brought_back_by_a_stop_before_their_blobs_went(tmp_path):

@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Hashable, NamedTuple, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -132,41 +133,23 @@ def small_values(client: Any, command: Sequence[Any], most: int, longest: int, d
     error reply)."""
     import redis
 
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    in_step = False
-    try:
-        conn.send_packed_command(conn.pack_command(*command), check_health=False)
-        sock = conn._sock
-        if sock is None:
-            raise redis.ConnectionError("connection closed while sending")
-        replies = _Replies(sock, deadline)
-        try:
+    with _exchange(client, [tuple(command)], deadline) as replies:
+        n = replies.array_length()
+        if nested:
+            if n != 2:
+                raise redis.ConnectionError(f"a reply of {n} elements where [cursor, page] was expected")
+            replies.value(bytearray, most=64)  # the cursor: one page is all that is asked
             n = replies.array_length()
-            if nested:
-                if n != 2:
-                    raise redis.ConnectionError(f"a reply of {n} elements where [cursor, page] was expected")
-                replies.value(bytearray, most=64)  # the cursor: one page is all that is asked
-                n = replies.array_length()
-            # More elements than asked for (HSCAN's COUNT is a hint; a small
-            # hash comes whole): the first `most` are read, the rest left unread.
-            out: list[Any] = [None] * min(n, most)
-            for i in range(len(out)):
-                out[i] = reply = replies.value(bytearray, most=longest)
-                if isinstance(reply, Refused) and reply.unread:
-                    return out
-            if n > most:
+        # More elements than asked for (HSCAN's COUNT is a hint; a small
+        # hash comes whole): the first `most` are read, the rest left unread.
+        out: list[Any] = [None] * min(n, most)
+        for i in range(len(out)):
+            out[i] = reply = replies.value(bytearray, most=longest)
+            if isinstance(reply, Refused) and reply.unread:
                 return out
-            if replies.pending():
-                raise redis.ConnectionError("bytes after the last reply")
-        finally:
-            replies.restore()
-        in_step = True
+        if n <= most:
+            replies.done()
         return out
-    finally:
-        if not in_step:
-            conn.disconnect()  # mid-reply or out of step: never back into the pool as is
-        pool.release(conn)
 
 
 def _pipeline(client: Any, keys: Sequence[bytes], todo: list[int], out: list[Any], alloc: Alloc,
@@ -174,32 +157,40 @@ def _pipeline(client: Any, keys: Sequence[bytes], todo: list[int], out: list[Any
     """One pipeline of GETs for the keys `todo` names, replies into `out`.
     Returns None when every reply was read, or the position in `todo` of a
     value refused unread (its connection is then dropped)."""
+    commands = [("GET", keys[i]) if sizes is None else ("GETRANGE", keys[i], 0, sizes[i] - 1) for i in todo]
+    with _exchange(client, commands, deadline) as replies:
+        for pos, i in enumerate(todo):
+            out[i] = reply = replies.value(alloc, None if sizes is None else sizes[i], most)
+            if isinstance(reply, Refused) and reply.unread:
+                return pos
+        replies.done()
+        return None
+
+
+@contextmanager
+def _exchange(client: Any, commands: list[tuple], deadline: Deadline | None) -> Iterator["_Replies"]:
+    """`commands` sent on a connection borrowed from `client`'s pool, and the
+    replies to read. It goes back to the pool as it is only if the block said
+    every reply was read (`_Replies.done`); mid-reply or out of step, it is
+    disconnected first, never returned half read."""
     import redis
 
     pool = client.connection_pool
     conn = pool.get_connection()
-    in_step = False
+    replies = None
     try:
-        commands = [("GET", keys[i]) if sizes is None else ("GETRANGE", keys[i], 0, sizes[i] - 1) for i in todo]
         conn.send_packed_command(conn.pack_commands(commands), check_health=False)
         sock = conn._sock  # set by connect(); redis-py's own parser holds nothing unread between replies
         if sock is None:
             raise redis.ConnectionError("connection closed while sending")
         replies = _Replies(sock, deadline)
         try:
-            for pos, i in enumerate(todo):
-                out[i] = reply = replies.value(alloc, None if sizes is None else sizes[i], most)
-                if isinstance(reply, Refused) and reply.unread:
-                    return pos
-            if replies.pending():
-                raise redis.ConnectionError("bytes after the last reply")
+            yield replies
         finally:
             replies.restore()
-        in_step = True
-        return None
     finally:
-        if not in_step:
-            conn.disconnect()  # mid-reply or out of step: never back into the pool as is
+        if replies is None or not replies.in_step:
+            conn.disconnect()
         pool.release(conn)
 
 
@@ -212,11 +203,21 @@ class _Replies:
         self.deadline = deadline
         self.timeout = sock.gettimeout()  # the connection's own: restored for the pool
         self.lowered = False
+        self.in_step = False  # every reply read, nothing more in the socket (`done`)
         self.buf = bytearray()
         self.pos = 0
 
     def pending(self) -> int:
         return len(self.buf) - self.pos
+
+    def done(self) -> None:
+        """Every reply asked for is read: the connection is in step, unless
+        bytes came after the last one (a protocol error)."""
+        import redis
+
+        if self.pending():
+            raise redis.ConnectionError("bytes after the last reply")
+        self.in_step = True
 
     def _arm(self) -> None:
         """Before every recv: fail past the deadline, and let no recv outlast it."""
