@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from kvd.host.dirs import config_dir
+from kvd.host.dirs import config_dir, planted
 from kvd.endpoint import EndpointError, check_endpoint, default_endpoint, default_keys_dir, file_kind
 from kvd.protocol.errors import KvdError
 
@@ -216,23 +216,24 @@ def _log_file_usable(path: str | None) -> None:
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise ValueError(f"{path}: its folder {folder} does not exist")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as err:
-        raise ValueError(f"{path}: {err.strerror}") from None
-    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.getuid(), 0):
-        # Planted in a shared folder (/tmp) by another user: kvd would write wherever it points.
-        raise ValueError(f"{path} is a symlink of uid {st.st_uid}, not yours")
+    uid = planted(path)
+    if uid is not None:  # in a shared folder (/tmp): kvd would append wherever it points
+        raise ValueError(f"{path} is a symlink of uid {uid}, not yours")
     try:
         st = os.stat(path)
-    except FileNotFoundError:  # a dangling link of ours: the file it names is made
+    except FileNotFoundError:  # (none yet, or a dangling link of ours: the file it names is made)
         return
     except OSError as err:
         raise ValueError(f"{path}: {err.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the start before it binds, silently
-        raise ValueError(f"{path} is not a regular file")
+    if stat.S_ISFIFO(st.st_mode):
+        # Opened for appending, a FIFO nobody reads blocks the start before it
+        # binds, silently. One a collector reads is a log like any other.
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError as err:
+            raise ValueError(f"{path} is a FIFO nobody reads ({err.strerror})") from None
+    elif not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):  # (/dev/stderr, /dev/null: devices)
+        raise ValueError(f"{path} is {file_kind(st.st_mode)}, not a file to log to")
 
 
 def _ram_mb(raw: Any) -> int | str:

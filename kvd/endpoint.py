@@ -456,8 +456,10 @@ def read_cert(path: Path) -> tuple[bytes, bytes | None]:
     check_key_file(path)
     try:
         public, secret = zmq.auth.load_certificate(str(path))
-    except (ValueError, OSError) as err:  # not a certificate (garbage, a truncated file)
-        raise UnsafeEndpoint(f"{path} is not a ZeroMQ certificate ({err})") from None
+    except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError) as err:  # garbage, a line without "="
+        raise UnsafeEndpoint(f"{path} is not a ZeroMQ certificate ({type(err).__name__}: {err})") from None
+    if not all(k is None or (isinstance(k, bytes) and len(k) == 40) for k in (public, secret)) or public is None:
+        raise UnsafeEndpoint(f"{path} is not a ZeroMQ certificate (a key is not 40 Z85 characters)")
     return public, secret
 
 

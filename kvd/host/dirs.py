@@ -9,6 +9,9 @@ What each OS gives:
     run      $XDG_RUNTIME_DIR/kvd (if it exists),      <cache>/run
              then <cache>/run
     sun_path 108 bytes: paths of 107                   104 bytes: paths of 103
+    symlinks fs.protected_symlinks (often on) refuses  nothing refuses them: kvd checks
+             to follow another user's link in a        itself (`planted`), the same rule
+             sticky folder (/tmp)                      on both
 
 A relative XDG value is invalid and ignored, as the XDG spec says. `environ`
 and `platform` default to this process's (tests pass others).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Mapping
@@ -80,3 +84,21 @@ def run_dirs(environ: Mapping[str, str] | None = None, platform: str | None = No
             dirs.append(Path(runtime) / "kvd")
     dirs.append(cache_dir(environ, platform) / "run")
     return dirs
+
+
+def planted(path: str | os.PathLike) -> int | None:
+    """The uid of a symlink at `path` this process should not follow, or None:
+    Linux's protected_symlinks rule, kept by kvd itself (macOS has none). A
+    link of this user, of root, or of the owner of the folder it is in (a link
+    in alice's home is hers to make) is followed; one another user planted in
+    a shared folder (/tmp) would have kvd write, chmod and fill whatever it
+    names. None too where `path` is not a symlink or cannot be looked at."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISLNK(st.st_mode) or st.st_uid in (os.getuid(), 0):
+            return None
+        if os.lstat(os.path.dirname(os.path.abspath(path))).st_uid == st.st_uid:
+            return None
+    except OSError:
+        return None
+    return st.st_uid

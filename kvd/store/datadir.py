@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from kvd.host.dirs import cache_dir
+from kvd.host.dirs import cache_dir, planted
 from kvd.protocol.errors import KvdError
 
 INDEX_DIR = "index"
@@ -92,12 +92,9 @@ def _not_planted(root: Path) -> None:
     """The data dir itself may be a symlink (a cache on another disk) -- but
     not one another user made: in a shared folder (/tmp) that would have kvd
     chmod and fill whatever it points at. PermissionError if it is."""
-    try:
-        st = os.lstat(root)
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.getuid(), 0):
-        raise PermissionError(errno.EPERM, f"the data dir is a symlink of uid {st.st_uid}, not yours", str(root))
+    uid = planted(root)
+    if uid is not None:
+        raise PermissionError(errno.EPERM, f"the data dir is a symlink of uid {uid}, not yours", str(root))
 
 
 def ensure_folder(root: Path, rel: str, *, sync: Callable[[Path], None] | None = None) -> Path:

@@ -342,8 +342,10 @@ def test_a_fifo_log_file_is_a_config_error_not_a_start_that_hangs(tmp_path):
     """Red-team (session 41): opening a FIFO for appending blocked `kvd serve`
     before it bound, silently (a service manager's start timeout, again and again)."""
     os.mkfifo(tmp_path / "kvd.log")
-    with pytest.raises(ConfigError, match="is not a regular file"):
+    with pytest.raises(ConfigError, match="is a FIFO nobody reads"):
         resolve({"log_file": str(tmp_path / "kvd.log")}, environ={})
+    for device in ("/dev/stderr", "/dev/null"):  # (what containers and units log to: devices, kept)
+        assert resolve({"log_file": device}, environ={}).log_file == device
 
 
 @pytest.mark.skipif(not ROOT, reason="a symlink of another uid needs root to make")
@@ -367,6 +369,12 @@ def test_a_log_file_or_data_dir_symlinked_by_another_user_is_refused(tmp_path):
     assert sorted(p.name for p in target.iterdir()) == ["file.txt"]
     os.symlink(target, tmp_path / "mine")  # ours: used
     assert ensure_dirs(tmp_path / "mine") == tmp_path / "mine" and (target / "index").is_dir()
+    home = tmp_path / "home"  # another user's link in that user's own folder: theirs to make (protected_symlinks' rule)
+    home.mkdir()
+    os.symlink(tmp_path / "victim" / "file.txt", home / "kvd.log")
+    os.lchown(home / "kvd.log", 65534, 65534)
+    os.chown(home, 65534, 65534)
+    assert resolve({"log_file": str(home / "kvd.log")}, environ={}).log_file == str(home / "kvd.log")
 
 
 def test_no_home_folder_is_one_line_exit_1_and_xdg_folders_need_none(monkeypatch):
@@ -414,10 +422,11 @@ def test_operator_flags_and_files_that_are_not_what_they_say_are_one_line(tmp_pa
         r = runner.invoke(main, [*args, "--endpoint", f"ipc://{tmp_path}/none.sock"])
         assert r.exit_code == exits.USAGE, r.output
     bad = tmp_path / "bad.key"
-    bad.write_text("garbage\n")
-    bad.chmod(0o600)
-    with pytest.raises(UnsafeEndpoint, match="not a ZeroMQ certificate"):
-        read_cert(bad)
+    for text in ("garbage\n", "curve\n    public-key\n", 'curve\n    public-key = "abc"\n'):
+        bad.write_text(text)
+        bad.chmod(0o600)
+        with pytest.raises(UnsafeEndpoint, match="not a ZeroMQ certificate"):
+            read_cert(bad)
     code, line = exits.describe(UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed"))
     assert code == exits.USAGE and "not UTF-8" in line
 
