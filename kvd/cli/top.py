@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from kvd.cli import main
-from kvd.cli.common import admin_client, finite, daemon_options, quota_table, rate, secs, settings, shown, size
+from kvd.cli.common import admin_client, daemon_options, finite, quota_table, rate, secs, settings, shown, size
 
 
 def _delta(cur: dict, prev: dict | None, key: str) -> float:

@@ -138,7 +138,7 @@ def _map(v, ctx):
     return v
 
 
-_META_DEPTH = 32  # ns_meta nests at most this deep (kvd_client's: 3); deeper, and a compare recursed past Python's limit
+_META_DEPTH = 32  # ns_meta nests at most this deep (kvd_client's: 4-6, a model config inside); deeper, and a compare recursed past Python's limit
 
 
 def _meta_map(v, ctx):
