@@ -131,6 +131,21 @@ def ensure_folder(root: Path, rel: str, *, sync: Callable[[Path], None] | None =
     return path
 
 
+def shard_folders(root: str | os.PathLike) -> list[Path]:
+    """The shard folders under root/blobs/, sorted, never through a symlink (a
+    walk that followed one would take whatever it points at for blobs, to index
+    or to delete); none if blobs/ is not a folder. Raises OSError if it cannot
+    be listed: each walk decides what that means for it."""
+    blob_root = Path(root) / BLOB_DIR
+    try:
+        if not stat.S_ISDIR(os.lstat(blob_root).st_mode):
+            return []
+    except FileNotFoundError:
+        return []
+    with os.scandir(blob_root) as it:
+        return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))
+
+
 def ensure_blob_dirs(root: Path) -> None:
     """blobs/ as a real folder, and any symlink in it named like a shard
     moved aside: walks (reconcile, `kvd gc --orphans`) would otherwise

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvd.store.ssd import blobfile
-from kvd.store.datadir import BLOB_DIR, blob_path, eid_of_blob, is_temp_name
+from kvd.store.datadir import blob_path, eid_of_blob, is_temp_name, shard_folders
 from kvd.store.ssd.index import Index, RowDamaged
 from kvd.store.ssd.pack import PACKED, Pack, eid_of, pack_key
 
@@ -93,9 +93,7 @@ def check(
             progress(i + 1, len(rows))
     if live:
         return report
-    blob_root = root / BLOB_DIR
-    shards = [p for p in blob_root.iterdir() if p.is_dir() and not p.is_symlink()] if blob_root.is_dir() else []
-    for shard in sorted(shards):
+    for shard in shard_folders(root):
         for name in os.listdir(shard):
             if is_temp_name(name):
                 report.temps.append(str(shard / name))

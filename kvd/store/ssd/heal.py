@@ -96,6 +96,7 @@ from kvd.store.base import BOUNDARY
 from kvd.store.ssd.blobfile import BlobCorrupt
 from kvd.store.datadir import (
     BLOB_DIR, DIR_MODE, FILE_MODE, INDEX_DIR, PACK_DIR, eid_of_blob, ensure_folder, ensure_quarantine, is_temp_name,
+    shard_folders,
 )
 from kvd.store.ssd.index import DEFAULT_BOUNDS, Index, IndexBusy, Row, RowDamaged
 from kvd.store.ssd.lmdbenv import DEFAULT_MAP_SIZE
@@ -639,10 +640,14 @@ def rebuild_steps(store: "SsdStore", heal: Heal) -> Iterator[None]:
         # slot, and its blob found here is then kept as "indexed": the
         # reconcile after the rebuild looks through the pack for such.
         store.pack.orphan_free = False
-    blob_root = store.root / BLOB_DIR
-    shards = sorted(e.path for e in os.scandir(blob_root) if e.is_dir(follow_symlinks=False)) if blob_root.is_dir() else []
     pending: list[tuple[bytes, Row]] = []
-    skipped = False  # a shard could not be listed: the rebuild stays unfinished (its record kept)
+    skipped = False  # a folder could not be listed: the rebuild stays unfinished (its record kept)
+    try:
+        shards = shard_folders(store.root)
+    except OSError as exc:
+        log.error("ssd: cannot list %s while rebuilding the index (%s); resumed at the next start",
+                  store.root / BLOB_DIR, exc)
+        shards, skipped = [], True
 
     def commit() -> None:
         if not pending:

@@ -247,12 +247,12 @@ def _insane_tensors(tensors: Any, nbytes: int, lim: Limits) -> str | None:
         # A tensor of no elements may have any other dims (the wire takes
         # [0, 2**64 - 1]: a PUT acknowledged must read back); in any other no
         # dim is larger than the entry's bytes.
-        for dim in shape if 0 not in shape else ():
+        if 0 in shape:
+            size = 0
+        for dim in shape if size else ():
             size *= dim
             if size > nbytes:  # stop at once: a product of garbage dims grows without bound
                 return "a tensor's shape (more bytes than the entry)"
-        if 0 in shape:
-            size = 0
         total += size
         if total > nbytes:
             return "the tensors' shapes (more bytes than the entry)"

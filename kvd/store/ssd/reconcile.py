@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from kvd.store.datadir import BLOB_DIR, eid_of_blob, is_temp_name
+from kvd.store.datadir import BLOB_DIR, eid_of_blob, is_temp_name, shard_folders
 from kvd.store.ssd import heal
 from kvd.store.ssd.index import Row, RowDamaged
 from kvd.store.ssd.pack import PACKED, eid_of, pack_key
@@ -29,20 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.store.ssd")
 
 Progress = Callable[[str, int, int], None]
-
-
-def _shards(blob_root: Path) -> list[Path]:
-    """The shard folders under blobs/, never through a symlink: a link there
-    (ensure_blob_dirs moves aside those named like a shard, not others) would
-    have reconcile delete "orphans" and temp files wherever it points."""
-    try:
-        if not stat.S_ISDIR(os.lstat(blob_root).st_mode):
-            return []
-        with os.scandir(blob_root) as it:
-            return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))
-    except OSError as exc:
-        log.warning("ssd: reconcile cannot list %s (%s); no blob removed", blob_root, exc)
-        return []
 
 
 def reconcile_steps(
@@ -59,8 +43,11 @@ def reconcile_steps(
     if keep_orphans:
         report["orphans_kept"] = 1
         log.warning("ssd: the index's rebuild is unfinished; reconcile removes no blob for want of a row")
-    blob_root = store.root / BLOB_DIR
-    shards = _shards(blob_root)
+    try:
+        shards = shard_folders(store.root)
+    except OSError as exc:
+        log.warning("ssd: reconcile cannot list %s (%s); no blob removed", store.root / BLOB_DIR, exc)
+        shards = []
     for i, shard in enumerate(shards):
         try:
             names = os.listdir(shard)
