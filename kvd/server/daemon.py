@@ -89,7 +89,7 @@ from kvd.server.admission.caps import default_max_peers, io_threads, listen_back
 from kvd.server.admission.gate import PeerGate
 from kvd.server.ratelog import RateLimitedLog
 from kvd.server.admission.parts import PartReader
-from kvd.server.admission.ready import Ready
+from kvd.server.admission.ready import WRITES, Ready
 from kvd.server.admission.round import Round
 from kvd.server.admission.turns import Turns, Unfinished
 from kvd.server.lanes import Lanes, folder_of
@@ -543,7 +543,8 @@ class Daemon(Reading, Settling):
                 self.dropped_replies += 1
                 continue
             nbytes = sum(len(f) for f in raw)
-            if not ready.peers_waiting(peer) and turns.defers(peer, conn and conn.origin):
+            mtype = codec.peek_type(raw[1]) if len(raw) > 1 else None
+            if not ready.peers_waiting(peer) and turns.defers(peer, conn and conn.origin, mtype in WRITES):
                 while len(turns) and not turns.room(nbytes):
                     shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
                 if turns.room(nbytes):
@@ -553,7 +554,7 @@ class Daemon(Reading, Settling):
             if not ready.room(nbytes):
                 shutdown = self._serve_one(raw) or shutdown  # no room: served now, as before this queue
                 break
-            ready.put(peer, raw, nbytes, codec.peek_type(raw[1]) if len(raw) > 1 else None)
+            ready.put(peer, raw, nbytes, mtype)
         return shutdown
 
     def _maybe_log_summary(self) -> None:
@@ -614,7 +615,7 @@ class Daemon(Reading, Settling):
         # (A request's bytes are charged with its first turn: they arrived once.)
         self.turns.charge(identity, cpu, 0 if left is not None else nbytes, time.monotonic(),
                           waited=waited, origin=conn and conn.origin, parts=0 if left is not None else len(frames) + 1,
-                          more=self._left is not None)
+                          more=self._left is not None, write=mtype in WRITES)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)

@@ -10,6 +10,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 
@@ -18,6 +19,7 @@ from kvd.server.daemon import Daemon
 from kvd.server.admission.connections import origin
 from kvd.server.admission.turns import BYTE_SECONDS, Turns
 from kvd.store.ram import RamStore
+from kvd_client import HostTensor, Snapshot
 
 
 def test_only_a_peer_whose_requests_cost_over_heavy_s_waits_and_its_later_requests_wait_behind_it():
@@ -372,3 +374,89 @@ def test_a_request_served_in_turns_costs_what_all_its_turns_cost_as_one_request(
     whole = 60 * 0.0005 + 8001 * PART_SECONDS
     assert t.cost(b"p") == pytest.approx(0.0002 + t.weight * (whole - 0.0002))
     assert t.defers(b"p")
+
+
+def test_a_process_whose_writes_keep_the_thread_busy_has_its_writes_wait_not_its_reads():
+    """Cheap writes back to back are never heavy one by one; a process whose
+    writes took more than busy_share of the thread over busy_window_s is a
+    busy writer until it sends no write for a window (bench_stress's put-storm)."""
+    t = Turns(busy_share=0.05, busy_window_s=1.0)
+    for i in range(80):  # a model server storing 256 MiB (a SLOTS and COMMITs: 8 ms) four times a second
+        t.charge(b"server", 0.0005, 0, now=(i // 16) * 0.25, origin=b"pid 1", write=True)
+        assert not t.defers(b"server", b"pid 1", write=True)
+    now, n = 10.0, 0
+    while not t.defers(b"storm", b"pid 2", write=True):  # 0.4 ms writes back to back: 40% of the thread
+        t.charge(b"storm", 0.0004, 0, now=now, origin=b"pid 2", write=True)
+        now, n = now + 0.001, n + 1
+    assert 125 < n < 150  # over 50 ms of writes in the decaying second: 5%
+    assert t.stats()["busy_writers"] == 1 and t.counters["busy_writers_seen"] == 1
+    assert not t.defers(b"storm", b"pid 2")  # its reads are served as anyone's
+    assert t.defers(b"upload", b"pid 2", write=True)  # and its process's other connections' writes wait too
+    assert not t.defers(b"server", b"pid 1", write=True)
+    for _ in range(30):  # it stays one while it writes, however little (paced, it writes little)
+        t.charge(b"storm", 0.0001, 0, now=now, origin=b"pid 2", write=True)
+        now += 0.5
+        assert t.defers(b"storm", b"pid 2", write=True)
+    t.charge(b"storm", 0.0001, 0, now=now + 1.01, origin=b"pid 2")  # a read, a window after its last write
+    assert not t.defers(b"storm", b"pid 2", write=True) and t.stats()["busy_writers"] == 0
+    t.forget(now + 20.0)
+    assert t._writes == {}  # silent writers are forgotten: the map does not grow
+
+
+def test_busy_writers_alone_are_served_in_full_and_share_with_a_reader_about():
+    """A busy writer's reads (a storm's LOOKUPs) do not make another busy
+    writer's turns wait: only a process that is not one does."""
+    t = Turns(share=0.05, busy_share=0.05, active_s=0.05, burst_s=0.002)
+    for peer, pid in ((b"w1", b"pid 1"), (b"w2", b"pid 2")):
+        t.charge(peer, 0.06, 0, now=0.0, origin=pid, write=True)  # busy writers both
+        t.charge(peer, 0.0002, 0, now=0.001, origin=pid)  # and each reads, cheaply
+    t.put(b"w1", "s1", 0, b"pid 1")
+    assert t.take(0.001) == "s1"  # nobody else about
+    t.charge(b"w1", 0.005, 0, now=0.006, waited=True, origin=b"pid 1", write=True)
+    t.put(b"w2", "s2", 0, b"pid 2")
+    assert t.take(0.006) == "s2"  # the 5 ms turn before drew on no share
+    t.charge(b"w2", 0.0004, 0, now=0.0065, waited=True, origin=b"pid 2", write=True)
+    t.charge(b"reader", 0.0003, 0, now=0.007, origin=b"pid 3")  # a reader is served
+    t.put(b"w1", "s3", 0, b"pid 1")
+    assert t.take(0.007) == "s3"  # within the burst
+    t.charge(b"w1", 0.003, 0, now=0.010, waited=True, origin=b"pid 1", write=True)
+    t.put(b"w2", "s4", 0, b"pid 2")
+    assert t.take(0.010) is None  # overdrawn by 1 ms: it waits until 5% of the time earns it back
+    assert t.due(0.010) == pytest.approx(0.010 + 0.001 / 0.05)
+    assert t.take(0.0301) == "s4"
+
+
+# A process that stores small prompts back to back (bench_stress's put-storm),
+# then prints how many were acknowledged.
+STORM = r"""
+import sys
+import numpy as np
+from kvd_client import Client, HostTensor, Snapshot
+snap = Snapshot(sliced={"k": (HostTensor.from_numpy(np.full((1, 1024, 16), 7, np.uint8)), 1)})
+with Client(sys.argv[1], namespace="storm", timeout=30, chunk_tokens=256) as c:
+    print(sum(bool(c.put([i, 7] * 512, snap)) for i in range(int(sys.argv[2]))), flush=True)
+"""
+
+
+def test_a_writer_storming_the_daemon_is_paced_while_a_reader_reads(kvd_daemon):
+    """A real daemon: a process PUTting small prompts back to back becomes a
+    busy writer while another process reads; every put is acknowledged and
+    every read is a hit."""
+    reader = kvd_daemon.client("good", strict=True)
+    tokens = list(range(300))
+    data = np.arange(300 * 160, dtype=np.uint8).reshape(1, 300, 160)
+    assert reader.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(data), 1)}))
+    storm = subprocess.Popen([sys.executable, "-c", STORM, kvd_daemon.endpoint, "400"], stdout=subprocess.PIPE, text=True)
+    try:
+        gets, deadline = 0, time.monotonic() + 120
+        while storm.poll() is None and time.monotonic() < deadline:
+            hit = reader.get(tokens)
+            assert hit is not None and hit.n == 300
+            gets += 1
+        assert storm.wait(30) == 0 and storm.stdout.read().split() == ["400"]  # every put acknowledged
+    finally:
+        storm.kill()
+        storm.wait()
+    peers = reader.stats()["peers"]
+    assert peers["busy_writers_seen"] >= 1 and peers["deferred"] > 0, (gets, peers)
+    np.testing.assert_array_equal(reader.get(tokens).sliced["k"].array, data)

@@ -39,6 +39,22 @@ would never be heavy (measured: 1,100 LOOKUPs of 4 MiB on fresh connections,
 client's fetch is not held back by the 256 MiB upload its process runs on
 another connection (kvd_client does both).
 
+A process can also keep the thread busy with requests that are each cheap:
+four clients PUTting 16 KiB prompts back to back (SLOTS and COMMIT, ~0.4 ms
+each) kept it busy with their writes, never heavy, and a client's 0.3 ms GET
+waited for the request in hand and for a CPU, every time (bench_stress's
+put-storm: p99 5x idle). So a process whose *writes* (PUT, SLOTS, COMMIT, GC)
+took more than `busy_share` of the thread over about `busy_window_s` (a
+decaying sum of their cost) is a *busy writer* until it has sent no write for
+`busy_window_s`: its writes wait here like a heavy peer's requests, sharing
+heavy peers' `share` while others are active. Its reads are served as
+anyone's, and do not count as another process being about: busy writers alone
+are served in full. Only writes: what a model server waits on is its reads (a
+fetch), while its store uploads in the background. A store of 256 MiB
+costs the thread 5-10 ms in all (a SLOTS and its COMMITs), so `busy_share`
+(5%: 50 ms of writes a second) is five or more such stores a second from
+one process; a busy writer whose writes fit in the share keeps up, later.
+
 Rules:
 1. A peer's requests are served in the order they came: once one waits
    here, its later ones wait behind it.
@@ -69,6 +85,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -119,6 +136,8 @@ class Turns:
         active_s: float = 0.05,
         burst_s: float = 0.002,
         forget_s: float = 10.0,
+        busy_share: float = 0.05,
+        busy_window_s: float = 1.0,
     ):
         self.max_waiting = max_waiting
         self.max_bytes = max_bytes
@@ -132,6 +151,11 @@ class Turns:
         self.active_s = active_s
         self.burst_s = burst_s
         self.forget_s = forget_s
+        self.busy_share = busy_share
+        self.busy_window_s = busy_window_s
+        # who (`_who`) -> (its writes' cost, decaying over busy_window_s; when it last wrote; a busy writer?),
+        # in order of last write
+        self._writes: dict[tuple, tuple[float, float, bool]] = {}
         self.bytes = 0
         self._served = 0  # requests served so far: a waiting request's passes are this minus its mark
         self._turn = 0  # _served after the last waiting request's turn (rule 2)
@@ -144,16 +168,23 @@ class Turns:
         # The last two processes (`_who`) with a request served that is not heavy, and when: (who, time), newest first.
         self._light: list[tuple[tuple, float]] = [((), float("-inf"))] * 2
         self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
-        self.counters = {"deferred": 0, "overdue": 0, "sliced": 0}
+        self.counters = {"deferred": 0, "overdue": 0, "sliced": 0, "busy_writers_seen": 0}
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     # -- the loop's questions ------------------------------------------------------
-    def defers(self, peer: bytes, origin: bytes | None = None) -> bool:
+    def defers(self, peer: bytes, origin: bytes | None = None, write: bool = False) -> bool:
         """Must `peer`'s request wait (it is heavy -- by its origin's cost if it
-        has none of its own yet -- or its earlier ones wait: rule 1)?"""
-        return peer in self._per_peer or self.cost(peer, origin) > self.heavy_s
+        has none of its own yet --, it is a `write` of a busy writer, or its
+        earlier ones wait: rule 1)?"""
+        return (peer in self._per_peer or self.cost(peer, origin) > self.heavy_s
+                or (write and self.busy_writer(_who(peer, origin))))
+
+    def busy_writer(self, who: tuple) -> bool:
+        """Is `who` (`_who`) a busy writer (module docstring), as of the latest time the loop passed?"""
+        got = self._writes.get(who)
+        return got is not None and got[2] and self._now - got[1] <= self.busy_window_s
 
     def room(self, nbytes: int) -> bool:
         """May a request of `nbytes` wait (rule 3)?"""
@@ -233,13 +264,14 @@ class Turns:
         return 0.0 if got is None else got[0]
 
     def charge(self, peer: bytes, seconds: float, nbytes: int, now: float, *, waited: bool = False,
-               origin: bytes | None = None, parts: int = 0, more: bool = False) -> None:
+               origin: bytes | None = None, parts: int = 0, more: bool = False, write: bool = False) -> None:
         """`peer`'s request took `seconds` of the serving thread's CPU and
         carried `nbytes` in `parts` frames; `waited`: it had waited here.
         Charged to `origin` too. `more`: a turn of a request served in turns
         that was not its last: its cost counts with its last turn's, as one
         request's (a PUT of 8,000 tiny chunks in 0.5 ms turns is one heavy
-        request, not sixty light ones)."""
+        request, not sixty light ones). `write`: a PUT, SLOTS, COMMIT or GC
+        (it counts toward its process being a busy writer)."""
         self._served += 1
         self._now = max(self._now, now)
         cost = seconds + nbytes * BYTE_SECONDS + parts * PART_SECONDS
@@ -251,6 +283,8 @@ class Turns:
             mean = self._average(self._cost, peer, whole, now)
             if origin is not None:
                 self._average(self._origin_cost, origin, whole, now)
+            if write:
+                self._wrote(_who(peer, origin), whole, now)
         if waited:
             # Others about when the turn began (a turn longer than active_s held
             # them off: at its end they look gone, and the share went unspent --
@@ -261,8 +295,7 @@ class Turns:
                 # CPU time (a busy machine, a message of 8,000 frames read part by part).
                 held = max(cost, now - self._popped_at) if self._popped_at <= now else cost
                 self._credit = (self._credit_at(now) - held, now)
-        elif seconds > 0 and mean <= self.heavy_s and not more:
-            who = _who(peer, origin)
+        elif seconds > 0 and mean <= self.heavy_s and not more and not self.busy_writer(who := _who(peer, origin)):
             self._light = [(who, now), self._light[1 if self._light[0][0] == who else 0]]
 
     def _average(self, costs: dict[bytes, tuple[float, float]], key: bytes, cost: float, now: float) -> float:
@@ -270,6 +303,18 @@ class Turns:
         mean = cost if got is None else got[0] + self.weight * (cost - got[0])
         costs[key] = (mean, now)
         return mean
+
+    def _wrote(self, who: tuple, cost: float, now: float) -> None:
+        """`who` had a write served that cost `cost`: its decaying sum, and
+        whether that makes it a busy writer (it stays one while it writes)."""
+        load, at, busy = self._writes.pop(who, (0.0, now, False))
+        if now - at > self.busy_window_s:
+            busy = False  # silent for a window: no longer busy
+        load = load * math.exp(-max(0.0, now - at) / self.busy_window_s) + cost
+        if not busy and load > self.busy_share * self.busy_window_s:
+            busy = True
+            self.counters["busy_writers_seen"] += 1
+        self._writes[who] = (load, now, busy)  # (in again at the end: the dict stays in order of last write)
 
     def _others_until(self, who: tuple) -> float:
         """Until when processes other than `who` (`_who`) count as active (one was served lately)."""
@@ -292,6 +337,13 @@ class Turns:
                     gone.append(key)
             for key in gone:
                 del costs[key]
+        silent = max(self.forget_s, self.busy_window_s)
+        while self._writes:
+            who, (_, at, _) = next(iter(self._writes.items()))
+            if now - at <= silent:
+                break
+            del self._writes[who]
 
     def stats(self) -> dict[str, int]:
-        return {"waiting_turn": len(self._waiting), "peers_with_cost": len(self._cost), **self.counters}
+        busy = sum(1 for who in self._writes if self.busy_writer(who))
+        return {"waiting_turn": len(self._waiting), "peers_with_cost": len(self._cost), "busy_writers": busy, **self.counters}
