@@ -72,16 +72,27 @@ PATH_ERRORS_DEGRADE = 3
 
 class _Progress:
     """How far a batch got: the index of the entry in hand (`at`), what it
-    wrote and has not committed yet (`written`, and the disk bytes those
-    take, `planned`), and how many rows its commits stored (`committed`)."""
+    wrote and has not committed yet (`written`, their ids `ids`, and the
+    disk bytes those take, `planned`), and how many rows its commits stored
+    (`committed`). `ids` is kept as `written` grows: made afresh for each
+    entry, it cost a batch of 8,000 tiny chunks 2.5 s of the writer's 3.4."""
 
-    __slots__ = ("at", "written", "planned", "committed")
+    __slots__ = ("at", "written", "ids", "planned", "committed")
 
     def __init__(self) -> None:
         self.at = 0
         self.written: list[tuple[bytes, Row]] = []
+        self.ids: set[bytes] = set()
         self.planned = 0
         self.committed = 0
+
+    def add(self, eid: bytes, row: Row) -> None:
+        self.written.append((eid, row))
+        self.ids.add(eid)
+
+    def clear(self) -> None:
+        """What was written so far is committed."""
+        self.written, self.ids, self.planned = [], set(), 0
 
 
 class Batch:
@@ -188,7 +199,7 @@ class Batch:
         done.planned += info.disk_bytes
         if entry.kind == BOUNDARY:
             self.boundary_ns.add(entry.namespace)  # (queued by spill: there already, unless queued directly)
-        done.written.append((entry.id, _row(entry, info, state, now)))
+        done.add(entry.id, _row(entry, info, state, now))
 
     def _admit(self, entry: Entry, est: int, now: float, batch: list[Entry], done: _Progress) -> bool:
         """Whether `entry` may be written now; if not, it is dropped, counted
@@ -214,7 +225,7 @@ class Batch:
             if not fits:
                 self._drop(entry, "quota")
                 return False
-        if not self._make_room(est + done.planned, protect={e for e, _ in done.written}):
+        if not self._make_room(est + done.planned, protect=done.ids):
             # Perhaps only this batch's own uncommitted blobs stand in the
             # way (a batch bigger than the budget): commit them, so they
             # become evictable like any other, and try once more.
@@ -228,7 +239,7 @@ class Batch:
     def _commit_so_far(self, batch: list[Entry], done: _Progress) -> None:
         """Sync and commit what the batch wrote so far, mid-batch."""
         done.committed += self._commit(self._synced(done.written, batch))
-        done.written, done.planned = [], 0
+        done.clear()
 
     def _write_blob(self, entry: Entry, est: int) -> tuple[blobfile.BlobInfo, str] | None:
         """Encode `entry` for the pack, or write its file (not synced yet:
