@@ -544,7 +544,8 @@ class Daemon(Reading, Settling):
                 continue
             nbytes = sum(len(f) for f in raw)
             mtype = codec.peek_type(raw[1]) if len(raw) > 1 else None
-            if not ready.peers_waiting(peer) and turns.defers(peer, conn and conn.origin, mtype in WRITES):
+            # (A type the first bytes do not name may be a write: a busy writer's waits too.)
+            if not ready.peers_waiting(peer) and turns.defers(peer, conn and conn.origin, mtype is None or mtype in WRITES):
                 while len(turns) and not turns.room(nbytes):
                     shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
                 if turns.room(nbytes):
@@ -631,6 +632,10 @@ class Daemon(Reading, Settling):
         else:
             try:
                 msg = codec.decode_request(frames, self.limits)
+                if (peeked := codec.peek_type(frames[0])) is not None and peeked != msg.type:
+                    # The loop ordered and admitted it by the first "type" (Ready, Turns); the
+                    # decoder keeps the last. A header that names two is refused, not served as either.
+                    raise E.MalformedMessage(f"the header names its type twice ({peeked!r}, then {msg.type!r})")
             except E.ProtocolError as err:
                 self.handler.errors[err.name] += 1
                 self.ratelog.warning(f"rejected error={err.name}", "rejected error=%s code=%d detail=%r", err.name, err.code, err.message)

@@ -17,6 +17,7 @@ import zmq
 from kvd.protocol import codec, keys
 from kvd.server.daemon import Daemon
 from kvd.server.admission.connections import origin
+from kvd.protocol.errors import MalformedMessage
 from kvd.server.admission.turns import BYTE_SECONDS, Turns
 from kvd.store.ram import RamStore
 from kvd_client import HostTensor, Snapshot
@@ -379,13 +380,15 @@ def test_a_request_served_in_turns_costs_what_all_its_turns_cost_as_one_request(
 def test_a_process_whose_writes_keep_the_thread_busy_has_its_writes_wait_not_its_reads():
     """Cheap writes back to back are never heavy one by one; a process whose
     writes took more than busy_share of the thread over busy_window_s is a
-    busy writer until it sends no write for a window (bench_stress's put-storm)."""
+    busy writer until it sends no write for a window, or its writes' share
+    falls under an eighth of busy_share (bench_stress's put-storm)."""
     t = Turns(busy_share=0.05, busy_window_s=1.0)
     for i in range(80):  # a model server storing 256 MiB (a SLOTS and COMMITs: 8 ms) four times a second
         t.charge(b"server", 0.0005, 0, now=(i // 16) * 0.25, origin=b"pid 1", write=True)
         assert not t.defers(b"server", b"pid 1", write=True)
     now, n = 10.0, 0
     while not t.defers(b"storm", b"pid 2", write=True):  # 0.4 ms writes back to back: 40% of the thread
+        assert n < 1000, "never a busy writer"
         t.charge(b"storm", 0.0004, 0, now=now, origin=b"pid 2", write=True)
         now, n = now + 0.001, n + 1
     assert 125 < n < 150  # over 50 ms of writes in the decaying second: 5%
@@ -393,11 +396,18 @@ def test_a_process_whose_writes_keep_the_thread_busy_has_its_writes_wait_not_its
     assert not t.defers(b"storm", b"pid 2")  # its reads are served as anyone's
     assert t.defers(b"upload", b"pid 2", write=True)  # and its process's other connections' writes wait too
     assert not t.defers(b"server", b"pid 1", write=True)
-    for _ in range(30):  # it stays one while it writes, however little (paced, it writes little)
-        t.charge(b"storm", 0.0001, 0, now=now, origin=b"pid 2", write=True)
-        now += 0.5
+    for _ in range(50):  # paced to a quarter of the share (four busy writers), it stays one
+        t.charge(b"storm", 0.0025, 0, now=now, origin=b"pid 2", write=True)
+        now += 0.2
         assert t.defers(b"storm", b"pid 2", write=True)
-    t.charge(b"storm", 0.0001, 0, now=now + 1.01, origin=b"pid 2")  # a read, a window after its last write
+    for _ in range(10):  # at a tenth of it, it is one no longer (a server that burst once, then stores now and then)
+        t.charge(b"storm", 0.0005, 0, now=now, origin=b"pid 2", write=True)
+        now += 0.2
+    assert not t.defers(b"storm", b"pid 2", write=True)
+    for _ in range(150):  # busy again...
+        t.charge(b"storm", 0.0004, 0, now=now, origin=b"pid 2", write=True)
+    assert t.defers(b"storm", b"pid 2", write=True) and t.counters["busy_writers_seen"] == 2
+    t.charge(b"storm", 0.0001, 0, now=now + 1.01, origin=b"pid 2")  # ...then a read, a window after its last write
     assert not t.defers(b"storm", b"pid 2", write=True) and t.stats()["busy_writers"] == 0
     t.forget(now + 20.0)
     assert t._writes == {}  # silent writers are forgotten: the map does not grow
@@ -424,6 +434,47 @@ def test_busy_writers_alone_are_served_in_full_and_share_with_a_reader_about():
     assert t.take(0.010) is None  # overdrawn by 1 ms: it waits until 5% of the time earns it back
     assert t.due(0.010) == pytest.approx(0.010 + 0.001 / 0.05)
     assert t.take(0.0301) == "s4"
+
+
+def test_a_busy_writers_reads_hold_back_heavy_peers_and_its_waiting_writes_keep_it_busy():
+    """A model server that stores a lot is still someone a heavy peer's turns
+    make wait; and a busy writer whose write waits over a window for its
+    turn is still one (its silence counts from its writes' arrival)."""
+    t = Turns(share=0.05, busy_share=0.05, active_s=0.05, burst_s=0.002)
+    for _ in range(100):  # a busy writer (of cheap writes)...
+        t.charge(b"m", 0.0006, 0, now=0.0, origin=b"pid 1", write=True)
+    t.charge(b"h", 0.02, 0, now=0.0, origin=b"pid 2")  # ...and a heavy peer
+    t.charge(b"m", 0.0002, 0, now=0.001, origin=b"pid 1")  # the busy writer fetches
+    t.put(b"h", "h1", 0, b"pid 2")
+    assert t.take(0.001) == "h1"  # (within the burst)
+    t.charge(b"h", 0.02, 0, now=0.021, waited=True, origin=b"pid 2")
+    t.put(b"h", "h2", 0, b"pid 2")
+    assert t.take(0.021) is None and t.due(0.021) > 0.021  # its fetch holds back the heavy peer's next turn
+    t.put(b"m", "w1", 0, b"pid 1")  # its next write waits
+    t.due(1.5)  # the loop passes 1.5 s: over a window since its last write was served...
+    assert t.defers(b"m2", b"pid 1", write=True)  # ...but one waits: still a busy writer
+    assert t.pop() == "h2" and t.pop() == "w1"
+    assert t.defers(b"m2", b"pid 1", write=True)  # its silence counts from its write's turn
+    t.due(2.6)
+    assert not t.defers(b"m2", b"pid 1", write=True)  # a window after it, silent: no longer one
+
+
+def test_a_header_that_names_its_type_twice_is_malformed(tmp_path):
+    """The loop orders and admits a request by the first "type" in its header
+    (codec.peek_type); the decoder keeps the last. Such a header is refused."""
+    d = Daemon(RamStore(16 << 20), f"ipc://{tmp_path / 'kvd.sock'}", shm=False)
+    try:
+        header = msgpack.packb({"v": 1, "type": "PING", "id": 4})
+        assert header[:1] == b"\x83"
+        twice = b"\x84" + header[1:] + msgpack.packb("type") + msgpack.packb("GC")
+        assert codec.peek_type(twice) == "PING" and msgpack.unpackb(twice)["type"] == "GC"
+        reply, _, mtype = d._handle([twice])
+        err = msgpack.unpackb(reply[0])
+        assert err["type"] == "ERROR" and err["code"] == MalformedMessage.code and "twice" in err["message"]
+        reply, _, _ = d._handle([header])
+        assert msgpack.unpackb(reply[0])["type"] == "PING"  # the same header naming it once is served
+    finally:
+        d.close()
 
 
 # A process that stores small prompts back to back (bench_stress's put-storm),

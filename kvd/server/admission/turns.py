@@ -46,14 +46,16 @@ waited for the request in hand and for a CPU, every time (bench_stress's
 put-storm: p99 5x idle). So a process whose *writes* (PUT, SLOTS, COMMIT, GC)
 took more than `busy_share` of the thread over about `busy_window_s` (a
 decaying sum of their cost) is a *busy writer* until it has sent no write for
-`busy_window_s`: its writes wait here like a heavy peer's requests, sharing
-heavy peers' `share` while others are active. Its reads are served as
-anyone's, and do not count as another process being about: busy writers alone
-are served in full. Only writes: what a model server waits on is its reads (a
+`busy_window_s` or its writes' share falls under an eighth of `busy_share`:
+its writes wait here like a heavy peer's requests, sharing heavy peers'
+`share` while others are active. Its reads are served as
+anyone's, and hold back heavy peers as anyone's do, but not other busy
+writers' writes: busy writers alone are served in full. Only writes: what a model server waits on is its reads (a
 fetch), while its store uploads in the background. A store of 256 MiB
 costs the thread 5-10 ms in all (a SLOTS and its COMMITs), so `busy_share`
-(5%: 50 ms of writes a second) is five or more such stores a second from
-one process; a busy writer whose writes fit in the share keeps up, later.
+(5%: 50 ms of writes in the decaying second) is about five such stores a
+second from one process; a busy writer whose writes fit in the share keeps
+up, later.
 
 Rules:
 1. A peer's requests are served in the order they came: once one waits
@@ -167,6 +169,9 @@ class Turns:
         self._partial: dict[bytes, float] = {}  # peer -> what its request served in turns has cost so far
         # The last two processes (`_who`) with a request served that is not heavy, and when: (who, time), newest first.
         self._light: list[tuple[tuple, float]] = [((), float("-inf"))] * 2
+        # The same for busy writers' light requests (their reads): they hold back heavy peers'
+        # turns as anyone's do, but not other busy writers' writes (busy writers alone are served in full).
+        self._light_busy: list[tuple[tuple, float]] = [((), float("-inf"))] * 2
         self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
         self.counters = {"deferred": 0, "overdue": 0, "sliced": 0, "busy_writers_seen": 0}
 
@@ -184,7 +189,18 @@ class Turns:
     def busy_writer(self, who: tuple) -> bool:
         """Is `who` (`_who`) a busy writer (module docstring), as of the latest time the loop passed?"""
         got = self._writes.get(who)
-        return got is not None and got[2] and self._now - got[1] <= self.busy_window_s
+        return got is not None and got[2] and self._still_busy(*got[:2], self._now, who)
+
+    def _still_busy(self, load: float, at: float, now: float, who: tuple) -> bool:
+        """A busy writer `who` whose last write was served at `at`, its sum `load`
+        then, is one still at `now` unless silent for a window or its writes'
+        share fell under an eighth of `busy_share` (paced, four busy writers get
+        a quarter each). One with a request waiting here is not silent."""
+        if any(w[5] == who for w in self._waiting):  # (at most max_waiting)
+            return True
+        if now - at > self.busy_window_s:
+            return False
+        return load * math.exp(-max(0.0, now - at) / self.busy_window_s) >= self.busy_share * self.busy_window_s / 8
 
     def room(self, nbytes: int) -> bool:
         """May a request of `nbytes` wait (rule 3)?"""
@@ -226,7 +242,7 @@ class Turns:
         self._now = max(self._now, now)
         if not self._waiting:
             return None
-        until = self._others_until(self._waiting[0][5])
+        until = self._others_until(self._waiting[0][5], self.busy_writer(self._waiting[0][5]))
         if now >= until:
             return now
         credit = self._credit_at(now)
@@ -243,7 +259,11 @@ class Turns:
         """The oldest waiting request, or None."""
         if not self._waiting:
             return None
-        _, peer, nbytes, request, _, _ = self._waiting.popleft()
+        _, peer, nbytes, request, _, who = self._waiting.popleft()
+        got = self._writes.get(who)
+        if got is not None and got[2]:  # it waited, it was not silent: its silence counts from now
+            load, at, busy = self._writes.pop(who)
+            self._writes[who] = (load * math.exp(-max(0.0, self._now - at) / self.busy_window_s), max(at, self._now), busy)
         self._turn = self._served + 1  # passes count from after this turn (its own charge is none)
         self._popped_at = self._now
         left = self._per_peer[peer] - 1
@@ -290,13 +310,16 @@ class Turns:
             # them off: at its end they look gone, and the share went unspent --
             # a 125 ms PUT of 8,000 tiny chunks then had every other turn, issue 44).
             began = min(now - seconds, self._popped_at)
-            if began < self._others_until(_who(peer, origin)):  # others are about: this turn uses heavy peers' share
+            who = _who(peer, origin)
+            if began < self._others_until(who, self.busy_writer(who)):  # others are about: this turn uses heavy peers' share
                 # What the others waited is the turn's wall time, when it is longer than its
                 # CPU time (a busy machine, a message of 8,000 frames read part by part).
                 held = max(cost, now - self._popped_at) if self._popped_at <= now else cost
                 self._credit = (self._credit_at(now) - held, now)
-        elif seconds > 0 and mean <= self.heavy_s and not more and not self.busy_writer(who := _who(peer, origin)):
-            self._light = [(who, now), self._light[1 if self._light[0][0] == who else 0]]
+        elif seconds > 0 and mean <= self.heavy_s and not more:
+            who = _who(peer, origin)
+            light = self._light_busy if self.busy_writer(who) else self._light
+            light[:] = [(who, now), light[1 if light[0][0] == who else 0]]
 
     def _average(self, costs: dict[bytes, tuple[float, float]], key: bytes, cost: float, now: float) -> float:
         got = costs.pop(key, None)  # and in again at the end: the dict stays in order of last request
@@ -308,17 +331,18 @@ class Turns:
         """`who` had a write served that cost `cost`: its decaying sum, and
         whether that makes it a busy writer (it stays one while it writes)."""
         load, at, busy = self._writes.pop(who, (0.0, now, False))
-        if now - at > self.busy_window_s:
-            busy = False  # silent for a window: no longer busy
+        busy = busy and self._still_busy(load, at, now, who)
         load = load * math.exp(-max(0.0, now - at) / self.busy_window_s) + cost
         if not busy and load > self.busy_share * self.busy_window_s:
             busy = True
             self.counters["busy_writers_seen"] += 1
         self._writes[who] = (load, now, busy)  # (in again at the end: the dict stays in order of last write)
 
-    def _others_until(self, who: tuple) -> float:
-        """Until when processes other than `who` (`_who`) count as active (one was served lately)."""
-        return max((at for other, at in self._light if other != who), default=float("-inf")) + self.active_s
+    def _others_until(self, who: tuple, busy: bool = False) -> float:
+        """Until when processes other than `who` (`_who`) count as active (one was
+        served lately); for a `busy` writer's turn, busy writers do not count."""
+        light = self._light if busy else self._light + self._light_busy
+        return max((at for other, at in light if other != who), default=float("-inf")) + self.active_s
 
     def _credit_at(self, now: float) -> float:
         credit, at = self._credit
