@@ -48,10 +48,11 @@ took more than `busy_share` of the thread over about `busy_window_s` (a
 decaying sum of their cost) is a *busy writer* until it has sent no write for
 `busy_window_s` or its writes' share falls under an eighth of `busy_share`:
 its writes wait here like a heavy peer's requests, sharing heavy peers'
-`share` while others are active. Its reads are served as
-anyone's, and hold back heavy peers as anyone's do, but not other busy
-writers' writes: busy writers alone are served in full. Only writes: what a model server waits on is its reads (a
-fetch), while its store uploads in the background. A store of 256 MiB
+`share` while others are active. Its reads are served as anyone's, and
+hold back heavy peers as anyone's do, but not other busy writers' writes:
+busy writers alone are served in full. Only writes: what a model server
+waits on is its reads (a fetch), while its store uploads in the
+background. A store of 256 MiB
 costs the thread 5-10 ms in all (a SLOTS and its COMMITs), so `busy_share`
 (5%: 50 ms of writes in the decaying second) is about five such stores a
 second from one process; a busy writer whose writes fit in the share keeps
