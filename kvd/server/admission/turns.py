@@ -201,7 +201,11 @@ class Turns:
             return True
         if now - at > self.busy_window_s:
             return False
-        return load * math.exp(-max(0.0, now - at) / self.busy_window_s) >= self.busy_share * self.busy_window_s / 8
+        return self._decayed(load, at, now) >= self.busy_share * self.busy_window_s / 8
+
+    def _decayed(self, load: float, at: float, now: float) -> float:
+        """A writes' sum `load` taken at `at`, as it stands at `now`."""
+        return load * math.exp(-max(0.0, now - at) / self.busy_window_s)
 
     def room(self, nbytes: int) -> bool:
         """May a request of `nbytes` wait (rule 3)?"""
@@ -264,7 +268,7 @@ class Turns:
         got = self._writes.get(who)
         if got is not None and got[2]:  # it waited, it was not silent: its silence counts from now
             load, at, busy = self._writes.pop(who)
-            self._writes[who] = (load * math.exp(-max(0.0, self._now - at) / self.busy_window_s), max(at, self._now), busy)
+            self._writes[who] = (self._decayed(load, at, self._now), max(at, self._now), busy)
         self._turn = self._served + 1  # passes count from after this turn (its own charge is none)
         self._popped_at = self._now
         left = self._per_peer[peer] - 1
@@ -333,7 +337,7 @@ class Turns:
         whether that makes it a busy writer (it stays one while it writes)."""
         load, at, busy = self._writes.pop(who, (0.0, now, False))
         busy = busy and self._still_busy(load, at, now, who)
-        load = load * math.exp(-max(0.0, now - at) / self.busy_window_s) + cost
+        load = self._decayed(load, at, now) + cost
         if not busy and load > self.busy_share * self.busy_window_s:
             busy = True
             self.counters["busy_writers_seen"] += 1
