@@ -95,7 +95,7 @@ from kvd.server.admission.turns import Turns, Unfinished
 from kvd.server.lanes import Lanes, folder_of
 from kvd.server.reading import Conn, Reading, kept
 from kvd.server.settling import Settling
-from kvd.store.base import Store
+from kvd.store.base import Store, finish
 from kvd.store.courtesy import Courtesy
 
 log = logging.getLogger("kvd.server")
@@ -566,7 +566,7 @@ class Daemon(Reading, Settling):
         if now - since < self.summary_every or total == seen:
             return
         self._last_summary = (now, total)
-        tiers = self.store.stats().get("tiers", {})
+        tiers = finish(self.store.stats_steps(namespaces=False)).get("tiers", {})
         parts = [f"requests={total - seen}"]
         for name, t in tiers.items():
             parts.append(f"{name}_entries={t.get('entries', 0)} {name}_bytes={t.get('bytes', 0)} {name}_hits={t.get('hits', 0)} {name}_misses={t.get('misses', 0)} {name}_evictions={t.get('evictions', 0)}")

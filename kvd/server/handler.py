@@ -59,7 +59,7 @@ from kvd.server.evictions import EvictionRecord
 from kvd.server.explain import SequenceRecord, explain
 from kvd.server.prefix import Link, match, match_steps
 from kvd.server.ratelog import now_and_then
-from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, as_stored, entry_id
+from kvd.store.base import BOUNDARY, CHUNK, Entry, Store, as_stored, entry_id, finish
 from kvd.store.remote.pending import Pending
 
 # Requests the remote tier may answer later (the module docstring), and
@@ -146,15 +146,6 @@ class Sliced:
                 next(steps)
                 if time.perf_counter() >= until:
                     return None
-        except StopIteration as done:
-            return done.value
-
-
-def finish(steps: Generator[None, None, Any]) -> Any:
-    """Run `steps` to the end: what they return."""
-    while True:
-        try:
-            next(steps)
         except StopIteration as done:
             return done.value
 
@@ -586,7 +577,11 @@ class Handler:
 
     # -- admin -----------------------------------------------------------------
     def on_stats(self, msg: Message):
-        stats = self.store.stats()
+        # In turns: the stats of a RAM tier of many entries take a while (TieredStore.stats_steps).
+        return "STATS", Sliced(self._stats_steps(msg))
+
+    def _stats_steps(self, msg: Message) -> Generator[None, None, tuple[str, Any]]:
+        stats = yield from self.store.stats_steps()
         namespaces = stats.setdefault("namespaces", {})
         for ns, counters in self.ns_counters.items():
             namespaces.setdefault(ns, {"entries": 0, "bytes": 0}).update(counters)

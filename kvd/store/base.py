@@ -31,7 +31,7 @@ import abc
 import enum
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Generator, Iterable, Sequence
 
 import xxhash
 
@@ -102,6 +102,15 @@ def as_stored(entry: Entry) -> Entry | None:
     return dataclasses.replace(entry, tensors=tuple(copies))
 
 
+def finish(steps: Generator[None, None, Any]) -> Any:
+    """Run `steps` (a generator of steps, like `Store.stats_steps`) to the end: what they return."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 class PutOutcome(enum.Enum):
     STORED = "stored"  # new entry kept
     DUPLICATE = "duplicate"  # already held; recency refreshed
@@ -169,6 +178,16 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: {"tiers": {name: {...}}, "namespaces": {ns: {...}}}."""
+
+    def stats_steps(self, *, namespaces: bool = True) -> Generator[None, None, dict[str, Any]]:
+        """`stats()` in steps, each a bounded piece of work (a generator: what
+        it returns is the stats), for the daemon to serve in turns. The first
+        step reads what the daemon's thread owns; a store may run the others
+        with no lock held (see TieredStore). `namespaces=False`: the
+        "namespaces" map may be left out. A store whose stats are cheap takes
+        one step."""
+        return self.stats()
+        yield  # (a generator)
 
     def recheck(self, eids: list[bytes]) -> tuple[int, int]:
         """Re-verify the stored bytes of these entries now, quarantining any

@@ -64,12 +64,12 @@ import operator
 import os
 import time
 from collections import OrderedDict
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Generator, Iterable, Sequence
 
 import lmdb
 
 from kvd.protocol.errors import BACKLOG_FULL
-from kvd.store.base import CHUNK, Entry, PutOutcome, Store
+from kvd.store.base import CHUNK, Entry, PutOutcome, Store, finish
 from kvd.store.ssd.index import IndexBusy
 from kvd.store.ram import RamStore
 from kvd.store.ssd import DEFAULT_MIN_FREE, SsdStore
@@ -78,6 +78,9 @@ from kvd.store.ssd.spill import FLOOR_PACE, PACE_SHARE
 
 # dirty_max_mb = "auto": the RAM tier's budget, but never less than this.
 AUTO_DIRTY_MIN = 256 << 20
+# RAM entries a step of `stats_steps` looks up in the SSD index (~0.3 ms of
+# the daemon's thread): a STATS of a RAM tier holding many is served in turns.
+STATS_STEP = 256
 
 
 class TieredStore(Store):
@@ -334,50 +337,75 @@ class TieredStore(Store):
         return files + qn, nbytes + qb
 
     def stats(self) -> dict[str, Any]:
-        r, s = self.ram.stats(), self.ssd.stats()
-        held = list(self.ram.entries())
-        # The SSD tier's namespaces and which RAM entries it holds, read in one
-        # snapshot: the writer commits meanwhile, and an entry committed between
-        # two reads would count in neither tier.
-        try:
-            with self.ssd.index.reading() as txn:
-                s["namespaces"] = self.ssd.index.namespaces(txn)
-                on_disk = {e.id for e in held if self.ssd.index.has(txn, e.id)}
-        except (IndexBusy, lmdb.Error, ValueError, TypeError):
-            # Resizing, or damaged (ssd.stats has counted it and asked for a
-            # heal): the SSD's namespaces as ssd.stats read them, rows one by one.
-            on_disk = self.ssd.with_rows(e.id for e in held)
-        namespaces: dict[str, dict[str, int]] = {}
+        return finish(self.stats_steps())
+
+    def stats_steps(self, *, namespaces: bool = True) -> Generator[None, None, dict[str, Any]]:
+        """The stats in steps (Store.stats_steps). A namespace's entries and
+        tokens are the SSD's plus those only RAM holds, which asks the index
+        about every RAM entry (~1-3 us each: 160 ms of the daemon's thread at
+        64,000 entries, in one piece before): STATS_STEP entries a step. The
+        first step reads the RAM tier and the backlog (the daemon's thread's;
+        RAM's entries are copied, at C speed); the others read only the
+        index, each in a read transaction of its own, so they may run with
+        no lock held and never keep the map from growing.
+
+        One step (RAM holds at most STATS_STEP entries) reads the SSD's
+        namespaces and which RAM entries it holds in one snapshot: an entry
+        the writer commits meanwhile counts in exactly one tier. Over
+        several steps the namespaces are read with the last: an entry the
+        writer commits while a STATS is in turns may count twice, and one
+        the SSD tier evicts meanwhile not at all, until the next STATS."""
+        r = self.ram.stats()
+        dirty_entries, dirty_bytes = self.dirty()
+        store = dict(
+            self.counters, write_through=self.write_through, dirty_entries=dirty_entries, dirty_bytes=dirty_bytes,
+            # The backlog's bounds now (refuse_put): bytes, and what a stop would take to write it.
+            dirty_max_bytes=self.dirty_max(),
+            dirty_stop_s=round(self.stop_seconds(dirty_entries, dirty_bytes), 3), stop_write_s=self.stop_write_s,
+        )
+        ids, held = self.ram.listing() if namespaces else ([], [])
+        index, ssd_ns = self.ssd.index, None
+        ram_only: dict[str, list[int]] = {}  # namespace -> [entries, tokens] RAM holds and the SSD does not
+
+        def only_in_ram(at: int, on_disk: Callable[[bytes], bool]) -> None:
+            for eid, entry in zip(ids[at:at + STATS_STEP], held[at:at + STATS_STEP]):
+                if not on_disk(eid):
+                    n = ram_only.setdefault(entry.namespace, [0, 0])
+                    n[0] += 1
+                    n[1] += entry.length if entry.kind == CHUNK else 0
+
+        for at in range(0, len(ids) or 1, STATS_STEP) if namespaces else ():
+            if at:
+                yield
+            try:
+                with index.reading() as txn:
+                    if at + STATS_STEP >= len(ids):
+                        ssd_ns = index.namespaces(txn)
+                    only_in_ram(at, lambda eid: index.has(txn, eid))
+            except (IndexBusy, lmdb.Error, ValueError, TypeError):
+                # Resizing, or damaged (ssd.stats counts it and asks for a
+                # heal): the SSD's namespaces as ssd.stats reads them, rows one by one.
+                ssd_ns = None
+                only_in_ram(at, self.ssd.with_rows(ids[at:at + STATS_STEP]).__contains__)
+        s = self.ssd.stats()
+        if ssd_ns is not None:
+            s["namespaces"] = ssd_ns
+        out: dict[str, dict[str, Any]] = {}
         for tier, st in (("ram", r), ("ssd", s)):
             for ns, v in st["namespaces"].items():
-                d = namespaces.setdefault(ns, {"entries": 0, "bytes": 0, "tokens": 0, "last_used": 0.0})
+                d = out.setdefault(ns, {"entries": 0, "bytes": 0, "tokens": 0, "last_used": 0.0})
                 d[f"{tier}_entries"], d[f"{tier}_bytes"] = v["entries"], v["bytes"]
                 d[f"{tier}_tokens"] = v.get("tokens", 0)
                 d["bytes"] += v["bytes"]  # memory plus disk: copies in both tiers count twice
                 d["last_used"] = max(d["last_used"], v.get("last_used", 0.0))
         # Most entries are in both tiers (written behind, promoted, written
         # through): entries and tokens held are the SSD's plus those only RAM holds.
-        ram_only: dict[str, list[int]] = {}
-        for entry in held:
-            if entry.id not in on_disk:
-                n = ram_only.setdefault(entry.namespace, [0, 0])
-                n[0] += 1
-                n[1] += entry.length if entry.kind == CHUNK else 0
-        for ns, d in namespaces.items():
+        for ns, d in out.items():
             entries, tokens = ram_only.get(ns, (0, 0))
             d["entries"] = d.get("ssd_entries", 0) + entries
             d["tokens"] = d.get("ssd_tokens", 0) + tokens
-        dirty_entries, dirty_bytes = self.dirty()
-        return {
-            "tiers": {**r["tiers"], **s["tiers"]},
-            "store": dict(
-                self.counters, write_through=self.write_through, dirty_entries=dirty_entries, dirty_bytes=dirty_bytes,
-                # The backlog's bounds now (refuse_put): bytes, and what a stop would take to write it.
-                dirty_max_bytes=self.dirty_max(),
-                dirty_stop_s=round(self.stop_seconds(dirty_entries, dirty_bytes), 3), stop_write_s=self.stop_write_s,
-            ),
-            "namespaces": dict(sorted(namespaces.items())),
-        }
+        return {"tiers": {**r["tiers"], **s["tiers"]}, "store": store,
+                "namespaces": dict(sorted(out.items())) if namespaces else {}}
 
     def close(self, *, persist: bool = True, timeout: float | None = None) -> None:
         """Stop. With `persist`, every RAM entry not yet on disk is written

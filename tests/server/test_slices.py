@@ -19,6 +19,7 @@ from kvd.server.daemon import Daemon
 from kvd.server.handler import SLICE_CHUNKS, Handler, Sliced
 from kvd.store import RamStore
 from kvd.store.base import CHUNK, entry_id
+from kvd.store.tiered import open_store
 
 
 def tiny_put(tokens: np.ndarray, indexes=None, boundary: bool = False) -> Message:
@@ -108,6 +109,30 @@ def test_a_lookup_served_in_turns_gives_exactly_the_answer_of_a_whole_one():
     while (got := sliced.resume(0.0)) is None:
         pass
     assert got == whole(h, lookup(toks)) == ("LOOKUP", {"n": 2000, "boundaries": []})
+
+
+def test_a_stats_of_a_big_ram_tier_is_served_in_turns_and_counts_what_a_whole_one_does(tmp_path, monkeypatch):
+    """STATS asks the SSD index about every RAM entry (tiered.STATS_STEP of
+    them a step, here 64): over 1,000 entries it takes turns, and answers
+    what one served whole does."""
+    import kvd.store.tiered as tiered
+
+    store = open_store(1 << 30, tmp_path, ssd_bytes=64 << 20, min_free_bytes=0)
+    try:
+        h = Handler(store, Limits())
+        whole(h, tiny_put(np.arange(1000)))
+        assert store.flush(10)
+        monkeypatch.setattr(tiered, "STATS_STEP", 64)
+        got, turns = in_turns(h, Message("STATS", {}))
+        assert turns == 1000 // 64 + 1
+        monkeypatch.setattr(tiered, "STATS_STEP", 1 << 20)
+        once = whole(h, Message("STATS", {}))
+        for stats in (got[1]["stats"], once[1]["stats"]):
+            assert stats["namespaces"]["n"]["entries"] == 1000 and stats["namespaces"]["n"]["ssd_entries"] == 1000
+        assert got[1]["stats"]["namespaces"] == once[1]["stats"]["namespaces"]
+        assert got[1]["stats"]["tiers"]["ram"] == once[1]["stats"]["tiers"]["ram"]
+    finally:
+        store.close(persist=False)
 
 
 @pytest.mark.parametrize("room", [True, False])

@@ -699,3 +699,45 @@ def test_a_full_tier_makes_room_for_a_whole_batch_in_one_commit(tmp_path):
             assert_same(ssd.get(e.id), e)
     finally:
         ssd.close()
+
+
+def test_stats_in_steps_count_each_entry_once_as_one_snapshot_does(tmp_path, stores, monkeypatch):
+    """A RAM tier of more entries than a step looks up (STATS_STEP, here 5):
+    the stats come in steps (a STATS served in turns), and each namespace's
+    entries and tokens are exact -- those on disk once, plus those only RAM
+    holds -- and the same as one step's."""
+    import kvd.store.tiered as tiered
+
+    a = [make_entry(i, "a") for i in range(12)]
+    b = [make_entry(i, "b", tokens=4, width=8) for i in range(7)]
+    store = stores(1 << 30, tmp_path)
+    for e in a:
+        assert store.put(e) is PutOutcome.STORED
+    assert store.flush(10)  # a: in RAM and on disk
+    gate = _block_writer(store.ssd)
+    try:
+        for e in b:  # b: queued behind the parked writer, in RAM only
+            assert store.put(e) is PutOutcome.STORED
+        monkeypatch.setattr(tiered, "STATS_STEP", 5)
+        steps, taken = store.stats_steps(), 1
+        while True:
+            try:
+                next(steps)
+                taken += 1
+            except StopIteration as done:
+                stats = done.value
+                break
+        assert taken == 4  # 19 RAM entries, 5 a step
+        monkeypatch.setattr(tiered, "STATS_STEP", 1 << 20)
+        assert store.stats()["namespaces"] == stats["namespaces"]
+        ns = stats["namespaces"]
+        assert (ns["a"]["entries"], ns["a"]["ram_entries"], ns["a"]["ssd_entries"], ns["a"]["tokens"]) == (12, 12, 12, 12 * 16)
+        assert (ns["b"]["entries"], ns["b"]["ram_entries"], ns["b"].get("ssd_entries", 0), ns["b"]["tokens"]) == (7, 7, 0, 7 * 4)
+        assert stats["store"]["dirty_entries"] == 7
+        # Without the namespaces (the daemon's summary line): one step, no lookups.
+        quick = store.stats_steps(namespaces=False)
+        with pytest.raises(StopIteration) as done:
+            next(quick)
+        assert done.value.value["namespaces"] == {} and done.value.value["tiers"] == stats["tiers"]
+    finally:
+        gate.set()

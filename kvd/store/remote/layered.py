@@ -14,9 +14,9 @@ from collections import OrderedDict, deque
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Generator, Iterable, Iterator, NamedTuple, Sequence
 
-from kvd.store.base import BOUNDARY, CHUNK, Entry, PutOutcome, Store, entry_id
+from kvd.store.base import BOUNDARY, CHUNK, Entry, PutOutcome, Store, entry_id, finish
 from kvd.store.remote.pending import Pending
 from kvd.store.remote.tier import TAILS_ASKED, RemoteTier
 
@@ -528,8 +528,12 @@ class WithRemote(Store):
         return flush(timeout) if flush is not None else True
 
     def stats(self) -> dict[str, Any]:
-        stats = self.local.stats()
-        stats.setdefault("tiers", {})["remote"] = self.remote.stats()
+        return finish(self.stats_steps())
+
+    def stats_steps(self, *, namespaces: bool = True) -> Generator[None, None, dict[str, Any]]:
+        remote = self.remote.stats()  # (in the first step, with what the daemon's thread owns)
+        stats = yield from self.local.stats_steps(namespaces=namespaces)
+        stats.setdefault("tiers", {})["remote"] = remote
         return stats
 
     def close(self, **kwargs: Any) -> None:
