@@ -632,7 +632,11 @@ def _unpackb(buf: Any, limits: Limits) -> Any:
 
 
 def peek_id(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> int | None:
-    """The request id of a message, if its header can be read at all (for error replies)."""
+    """The request id of a message, if its header can be read at all (for error replies):
+    from its first bytes where it is (every encoder puts it there), else from the whole header."""
+    mid = _peek(frames[0]).get("id") if frames else None
+    if isinstance(mid, int) and not isinstance(mid, bool) and 0 <= mid < U64:
+        return mid
     try:
         if memoryview(frames[0]).nbytes > limits.max_header_bytes:
             return None
@@ -651,6 +655,14 @@ def peek_type(frame: Any) -> str | None:
     decoding the rest (the loop orders requests by it before it decodes
     them, kvd.server.admission.ready); None when those bytes do not say.
     Only a hint: the request is decoded and checked in full when served."""
+    value = _peek(frame).get("type")
+    return value if isinstance(value, str) else None
+
+
+def _peek(frame: Any) -> dict[str, Any]:
+    """Of the first three fields of a header, those within its first
+    _PEEK_BYTES bytes ({} for garbage)."""
+    out: dict[str, Any] = {}
     try:
         head = bytes(memoryview(frame)[:_PEEK_BYTES])
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=_PEEK_BYTES, max_str_len=16, max_bin_len=0,
@@ -659,11 +671,11 @@ def peek_type(frame: Any) -> str | None:
         for _ in range(min(unpacker.read_map_header(), 3)):
             key = unpacker.unpack()
             value = unpacker.unpack()
-            if key == "type":
-                return value if isinstance(value, str) else None
+            if key in ("type", "id") and key not in out:
+                out[key] = value
     except Exception:  # garbage, or cut short within the first bytes
-        return None
-    return None
+        pass
+    return out
 
 
 def _decode(frames: list[Any], table, limits: Limits, shm_ok: bool = False) -> Message:

@@ -17,13 +17,28 @@ and a background thread calls `pause()` between two pieces of its work (the
 writer: between entries, between index rows). While a request is served,
 `pause()` waits until it is done.
 
+That covers the serving thread, not the rest of a read's round trip: the
+client's own threads, and both ends' ZeroMQ I/O threads, want a core at the
+same moments. On two cores a writer running flat out on one of them (0.8 s
+of CPU for a PUT of 8,000 tiny chunks) made a model server's GET of a RAM
+hit wait its turn for a core: p99 4-6x idle, and as much with the writer's
+daemon another one (`bench_stress.py --floor`). So while reads come (one
+was served within `readers_s`), the writer also keeps to a duty cycle: each
+`work_s` of its CPU time is followed by a rest of work_s x (1 - duty) / duty.
+A writer of big entries spends its time waiting for the disk, not on a CPU,
+and is hardly slowed; a flood of tiny ones is.
+
 Rules:
 1. A writer is slowed, never stopped: one `pause()` waits at most
    `max_wait_s`, and after a wait that ran out, `pause()` does not wait again
    for `grace_s` -- under a stream of reads the writer still gets about
    grace / (grace + max_wait) of its time.
-2. `serving()` and `served()` are the serving thread's; `pause()` any other
-   thread's. None of them does I/O; the clock is injected.
+2. While reads come, the writer's CPU time is at most `duty` of the wall
+   time, measured in pieces of `work_s` (rests happen in `pause()`, between
+   two pieces of work: one piece may run longer). With no read for
+   `readers_s`, it runs flat out.
+3. `serving()` and `served()` are the serving thread's; `pause()` any other
+   thread's. None of them does I/O; the clocks and the sleep are injected.
 """
 
 from __future__ import annotations
@@ -36,38 +51,62 @@ from typing import Callable
 class Courtesy:
     """See the module docstring."""
 
-    def __init__(self, *, max_wait_s: float = 0.002, grace_s: float = 0.001,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, *, max_wait_s: float = 0.002, grace_s: float = 0.001, duty: float = 0.25,
+                 work_s: float = 0.001, readers_s: float = 0.05, clock: Callable[[], float] = time.monotonic,
+                 cpu: Callable[[], float] = time.thread_time, sleep: Callable[[float], None] = time.sleep):
         self.max_wait_s = max_wait_s
         self.grace_s = grace_s
-        self._clock = clock
+        self.duty, self.work_s, self.readers_s = duty, work_s, readers_s
+        self._clock, self._cpu, self._sleep = clock, cpu, sleep
         self._idle = threading.Event()
         self._idle.set()
         self._free_until = float("-inf")  # pause() does not wait before this (rule 1)
+        self._read_at = float("-inf")  # when a read was last served (rule 2)
+        self._rested: float | None = None  # the writer's CPU clock at its last rest, while reads come
         self.pauses = 0  # pause() calls that waited
         self.paused_s = 0.0  # what they waited, in all
+        self.rests = 0  # rests of rule 2
+        self.rested_s = 0.0
 
     def serving(self) -> None:
         self._idle.clear()
 
     def served(self) -> None:
+        self._read_at = self._clock()
         self._idle.set()
 
     def pause(self) -> None:
-        if self._idle.is_set():
+        if not self._idle.is_set():
+            began = self._clock()
+            if began >= self._free_until:
+                done = self._idle.wait(self.max_wait_s)
+                ended = self._clock()
+                self.pauses += 1
+                self.paused_s += ended - began
+                if not done:
+                    self._free_until = ended + self.grace_s
+        self._keep_duty()
+
+    def _keep_duty(self) -> None:
+        """Rule 2."""
+        if self._clock() - self._read_at > self.readers_s:
+            self._rested = None
             return
-        began = self._clock()
-        if began < self._free_until:
+        cpu = self._cpu()
+        if self._rested is None:
+            self._rested = cpu
             return
-        done = self._idle.wait(self.max_wait_s)
-        ended = self._clock()
-        self.pauses += 1
-        self.paused_s += ended - began
-        if not done:
-            self._free_until = ended + self.grace_s
+        worked = cpu - self._rested
+        if worked >= self.work_s:
+            rest = worked * (1.0 - self.duty) / self.duty
+            self._sleep(rest)
+            self.rests += 1
+            self.rested_s += rest
+            self._rested = self._cpu()
 
     def stats(self) -> dict[str, float]:
-        return {"writer_pauses": self.pauses, "writer_paused_ms": round(1000 * self.paused_s, 3)}
+        return {"writer_pauses": self.pauses, "writer_paused_ms": round(1000 * self.paused_s, 3),
+                "writer_rests": self.rests, "writer_rested_ms": round(1000 * self.rested_s, 3)}
 
 
 def never() -> None:

@@ -119,6 +119,12 @@ def test_error_reply_round_trip_maps_to_the_same_class():
         assert type(err) is cls and err.message == "why"
 
 
+def test_peek_id_reads_the_first_bytes_of_a_header_whatever_follows():
+    header = bytes(codec.encode("PUT", {"ns": "n", "tokens": b"\0" * 4, "chunk_tokens": 1, "chunks": []}, id=77)[0])
+    assert codec.peek_id([header[:40] + b"\xc1" * 64]) == 77  # the rest would not decode
+    assert codec.peek_type(header[:40] + b"\xc1" * 64) == "PUT"
+
+
 def test_peek_id_survives_garbage():
     assert codec.peek_id([b"\xc1"]) is None
     assert codec.peek_id([msgpack.packb({"id": 12})]) == 12

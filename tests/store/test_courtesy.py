@@ -1,10 +1,12 @@
 """The SSD writer steps aside while the serving thread answers a read
-(kvd.store.courtesy): it waits while a request is served, and is slowed,
-never stopped."""
+(kvd.store.courtesy): it waits while a request is served, keeps to a duty
+cycle while reads come, and is slowed, never stopped."""
 
 from __future__ import annotations
 
 import threading
+
+import pytest
 
 from kvd.store.courtesy import Courtesy
 
@@ -42,3 +44,29 @@ def test_a_wait_that_runs_out_leaves_the_writer_free_for_grace_s():
     c.served()
     c.pause()
     assert c.pauses == 2 and c.stats()["writer_pauses"] == 2
+
+
+def test_while_reads_come_the_writer_rests_to_keep_its_duty_and_runs_flat_out_after():
+    now, cpu, slept = [100.0], [5.0], []
+    c = Courtesy(duty=0.25, work_s=0.001, readers_s=0.05, clock=lambda: now[0], cpu=lambda: cpu[0],
+                 sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    c.pause()  # no read yet: no rest, no count kept
+    cpu[0] += 0.01
+    c.pause()
+    assert slept == []
+    c.serving()
+    c.served()  # a read now: the writer's CPU counts from its next pause
+    c.pause()
+    cpu[0] += 0.0004
+    c.pause()
+    assert slept == []  # under work_s
+    cpu[0] += 0.0008
+    c.pause()  # 1.2 ms of CPU: a rest of three times that (duty 0.25)
+    assert slept == [pytest.approx(0.0036)] and c.stats()["writer_rests"] == 1
+    cpu[0] += 0.0002
+    c.pause()
+    assert len(slept) == 1  # counted afresh after the rest
+    now[0] += 0.06  # no read for readers_s: flat out
+    cpu[0] += 0.01
+    c.pause()
+    assert len(slept) == 1 and c.stats()["writer_rested_ms"] == pytest.approx(3.6)

@@ -22,7 +22,9 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
+from kvd.protocol import codec, keys
 from kvd_client import Busy, HostTensor, NotPersisted, Snapshot
 
 from support import assert_prefix_hit, free_port, kvd, prefix_snapshot, scrape
@@ -308,6 +310,21 @@ def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemo
             assert c.counters["shm_puts"] == 1 and c.counters["shm_put_fallback"] == 0
         m = scrape(port)
         assert m[("kvd_backlog_refusals_total", ())] == 1 and m[("kvd_dirty_bytes", ())] > 0
+        if transport == "frames":
+            # Refused before its header is decoded (its first bytes name it a
+            # PUT): one that would not even decode is answered BUSY, with its id.
+            header = codec.encode("PUT", {"ns": "bp", "tokens": keys.token_bytes(second), "chunk_tokens": 16, "chunks": []}, id=77)[0]
+            raw = zmq.Context.instance().socket(zmq.DEALER)
+            try:
+                raw.setsockopt(zmq.LINGER, 0)
+                raw.connect(d.endpoint)
+                raw.send_multipart([bytes(header)[:40] + b"\xc1" * 64])
+                assert raw.poll(10_000), "no answer"
+                reply = codec.decode_reply(raw.recv_multipart())
+                assert (reply.type, reply.id, reply["name"]) == ("ERROR", 77, "BUSY") and "not on disk yet" in reply["message"]
+            finally:
+                raw.close()
+            assert scrape(port)[("kvd_backlog_refusals_total", ())] == 2
         deadline = time.monotonic() + 120
         while c.stats()["store"]["dirty_bytes"] and time.monotonic() < deadline:
             time.sleep(0.05)  # polls the writer's progress; the assertion is below

@@ -295,6 +295,10 @@ class Writer:
         self._failures = 0  # batches failed in a row by an unexpected error
         self.abandoned = 0  # entries given up after RETRIES failures in a row (never written)
         self.pace = Pace()  # what its batches took lately (see Pace)
+        # Seconds the writer has rested so far to keep its duty cycle while
+        # reads come (kvd.store.courtesy rule 2; the daemon sets it): not what
+        # a batch took, for a stop, which no read slows, does not rest.
+        self.rested: Callable[[], float] = lambda: 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -344,7 +348,7 @@ class Writer:
         it back to be taken again; after RETRIES in a row it is given up,
         counted (`abandoned`) and logged, and waiters hear it is not durable:
         an entry is never forgotten unsaid."""
-        t0 = time.perf_counter()
+        t0, rested = time.perf_counter(), self.rested()
         try:
             self.sink.write_batch(batch)
         except Exception as exc:
@@ -362,7 +366,7 @@ class Writer:
             self._failures = 0
         self.queue.done(batch)
         self.sink.settled(batch)
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - t0 - (self.rested() - rested)
         nbytes = sum(e.nbytes for e in batch)
         self.pace.observe(len(batch), nbytes, took)
         if log.isEnabledFor(logging.DEBUG):
