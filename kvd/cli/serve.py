@@ -300,6 +300,8 @@ def serve(**flags) -> None:
         daemon.handler.stats_sections["quotas"] = cfg.quota.report
     if governor is not None:
         daemon.handler.stats_sections["pressure"] = governor.stats
+        # Spilling is what relieves it: the SSD writer does not rest for reads meanwhile.
+        daemon.pressed = lambda: governor.level != "normal" or governor.target < governor.max_bytes
     daemon.handler.stats_sections["gc"] = lambda stats: collector.stats()
     daemon.handler.stats_sections["host"] = lambda stats: host_mechanisms()
     if not _threads_fit(_threads_bind_starts(cfg.endpoint, io_threads())):

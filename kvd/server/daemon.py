@@ -150,7 +150,8 @@ class Daemon(Reading, Settling):
         self.turns = Turns()
         self.ready = Ready()
         # The SSD writer steps aside while a read is served (kvd.store.courtesy).
-        self.courtesy = Courtesy()
+        self.courtesy = Courtesy(urgent=self._writer_awaited)
+        self.pressed: Callable[[], bool] = lambda: False  # the RAM tier is under memory pressure (serve.py: its governor)
         ssd = getattr(store, "ssd", None)
         if ssd is not None and hasattr(ssd, "courtesy"):
             ssd.courtesy = self.courtesy.pause
@@ -695,6 +696,12 @@ class Daemon(Reading, Settling):
             log.exception("internal error type=%s id=%d", msg.type, msg.id)
             reply = codec.encode_error(err, id=msg.id)
         return reply, shutdown, msg.type
+
+    def _writer_awaited(self) -> bool:
+        """Someone waits on the SSD writer (kvd.store.courtesy rule 2; its
+        thread asks): a write-through PUT parked, or memory pressure."""
+        parking = getattr(self, "parking", None)
+        return bool(parking is not None and len(parking)) or self.pressed()
 
     def _refused_unread(self, frames: list) -> tuple[list, bool, str] | None:
         """A write-back PUT or SLOTS refused BUSY before its header is

@@ -36,7 +36,11 @@ Rules:
 2. While reads come, the writer's CPU time is at most `duty` of the wall
    time, measured in pieces of `work_s` (rests happen in `pause()`, between
    two pieces of work: one piece may run longer). With no read for
-   `readers_s`, it runs flat out.
+   `readers_s`, it runs flat out; and whenever `urgent()` says someone
+   waits on the writer itself (the daemon's: a write-through PUT parked
+   until its entries are on disk, the RAM tier under memory pressure, which
+   only spilling relieves: a daemon in a 128 MiB cgroup storing while it
+   read was killed before its writer could catch up).
 3. `serving()` and `served()` are the serving thread's; `pause()` any other
    thread's. None of them does I/O; the clocks and the sleep are injected.
 """
@@ -53,11 +57,13 @@ class Courtesy:
 
     def __init__(self, *, max_wait_s: float = 0.002, grace_s: float = 0.001, duty: float = 0.25,
                  work_s: float = 0.001, readers_s: float = 0.05, clock: Callable[[], float] = time.monotonic,
-                 cpu: Callable[[], float] = time.thread_time, sleep: Callable[[float], None] = time.sleep):
+                 cpu: Callable[[], float] = time.thread_time, sleep: Callable[[float], None] = time.sleep,
+                 urgent: Callable[[], bool] = lambda: False):
         self.max_wait_s = max_wait_s
         self.grace_s = grace_s
         self.duty, self.work_s, self.readers_s = duty, work_s, readers_s
         self._clock, self._cpu, self._sleep = clock, cpu, sleep
+        self.urgent = urgent
         self._idle = threading.Event()
         self._idle.set()
         self._free_until = float("-inf")  # pause() does not wait before this (rule 1)
@@ -89,7 +95,7 @@ class Courtesy:
 
     def _keep_duty(self) -> None:
         """Rule 2."""
-        if self._clock() - self._read_at > self.readers_s:
+        if self._clock() - self._read_at > self.readers_s or self.urgent():
             self._rested = None
             return
         cpu = self._cpu()

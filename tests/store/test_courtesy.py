@@ -70,3 +70,20 @@ def test_while_reads_come_the_writer_rests_to_keep_its_duty_and_runs_flat_out_af
     cpu[0] += 0.01
     c.pause()
     assert len(slept) == 1 and c.stats()["writer_rested_ms"] == pytest.approx(3.6)
+
+
+def test_the_writer_does_not_rest_while_someone_waits_on_it():
+    now, cpu, slept, urgent = [100.0], [5.0], [], [True]
+    c = Courtesy(duty=0.25, work_s=0.001, clock=lambda: now[0], cpu=lambda: cpu[0], sleep=slept.append,
+                 urgent=lambda: urgent[0])
+    c.serving()
+    c.served()
+    for _ in range(3):  # reads come, but a write-through PUT waits (or memory is short): flat out
+        c.pause()
+        cpu[0] += 0.01
+    assert slept == []
+    urgent[0] = False
+    c.pause()
+    cpu[0] += 0.002
+    c.pause()
+    assert slept == [pytest.approx(0.006)]
