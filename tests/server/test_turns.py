@@ -24,7 +24,7 @@ from kvd_client import HostTensor, Snapshot
 
 
 def test_only_a_peer_whose_requests_cost_over_heavy_s_waits_and_its_later_requests_wait_behind_it():
-    t = Turns(heavy_s=0.001)
+    t = Turns(heavy_s=0.001, connect_s=0.0)  # (a connection's cost: test_a_process_that_keeps_connecting...)
     for i in range(1000):  # many cheap requests, as fast as they come: never heavy
         t.charge(b"light", 0.0009, 1000, now=i * 0.0001)
     assert t.cost(b"light") < 0.001 and not t.defers(b"light")
@@ -40,7 +40,7 @@ def test_only_a_peer_whose_requests_cost_over_heavy_s_waits_and_its_later_reques
 
 
 def test_cost_is_a_running_mean_of_cpu_time_and_bytes():
-    t = Turns(weight=0.25)
+    t = Turns(weight=0.25, connect_s=0.0)
     t.charge(b"p", 0.008, 0, now=10.0)
     assert t.cost(b"p") == pytest.approx(0.008)  # the first request is all it knows
     t.charge(b"p", 0.0, 0, now=10.0)
@@ -50,7 +50,7 @@ def test_cost_is_a_running_mean_of_cpu_time_and_bytes():
 
 
 def test_a_request_passed_over_max_passes_times_goes_next_one_at_a_time():
-    t = Turns(max_passes=4, share=0.25)
+    t = Turns(max_passes=4, share=0.25, connect_s=0.0)
     for name in ("h0", "h1", "h2"):  # three heavy peers' requests, waiting since the same moment
         t.put(name.encode(), name, 0)
     for i in range(3):
@@ -365,7 +365,7 @@ def test_a_request_served_in_turns_costs_what_all_its_turns_cost_as_one_request(
     light ones; its frames are charged once, with its first turn."""
     from kvd.server.admission.turns import PART_SECONDS
 
-    t = Turns()
+    t = Turns(connect_s=0.0)
     t.charge(b"p", 0.0002, 0, now=0.0)  # an ordinary request first: light
     assert not t.defers(b"p")
     for i in range(59):
@@ -411,6 +411,41 @@ def test_a_process_whose_writes_keep_the_thread_busy_has_its_writes_wait_not_its
     assert not t.defers(b"storm", b"pid 2", write=True) and t.stats()["busy_writers"] == 0
     t.forget(now + 20.0)
     assert t._writes == {}  # silent writers are forgotten: the map does not grow
+
+
+def test_a_process_that_keeps_connecting_has_its_new_connections_wait_and_pays_for_them():
+    """Each connection's first request is charged what connecting cost the
+    daemon (connect_s); a process that opens more than churn_rate
+    connections a second is churning: the first request of each new
+    connection of it waits (a heavy peer's turn), not its open connections'
+    requests, nor anyone else's; it stops once its rate falls under an
+    eighth of churn_rate (bench_stress's churn)."""
+    t = Turns(churn_rate=64.0, busy_window_s=1.0, connect_s=0.0004, weight=1.0)
+    t.charge(b"server", 0.0001, 0, now=0.0, origin=b"pid 1")  # a model server's first request
+    assert t.cost(b"server") == pytest.approx(0.0005)
+    t.charge(b"server", 0.0001, 0, now=0.0, origin=b"pid 1")  # its next: the request alone
+    assert t.cost(b"server") == pytest.approx(0.0001)
+    for i in range(8):  # eight more connections at once (its models' clients): fine
+        t.charge(b"lane%d" % i, 0.0001, 0, now=0.001, origin=b"pid 1")
+    assert not t.defers(b"new", b"pid 1")
+    now, n = 1.0, 0
+    while not t.defers(b"c%d" % n, b"pid 2"):  # a connection a millisecond, each one PING
+        assert n < 1000, "never churning"
+        t.charge(b"c%d" % n, 0.0001, 0, now=now, origin=b"pid 2")
+        now, n = now + 0.001, n + 1
+    assert 64 < n < 100 and t.counters["churners_seen"] == 1 and t.stats()["churning"] == 1
+    assert not t.defers(b"c0", b"pid 2")  # a connection it keeps is served as anyone's
+    assert not t.defers(b"new", b"pid 1")  # and other processes' new connections too
+    assert not t.defers(b"new", None)  # (over TCP each connection is its own)
+    for i in range(30):  # paced to ten connections a second: still over an eighth of churn_rate
+        t.charge(b"p%d" % i, 0.0001, 0, now=now, origin=b"pid 2")
+        now += 0.1
+        assert t.defers(b"next", b"pid 2")
+    now += 3.0  # quiet: no longer churning
+    t.due(now)
+    assert not t.defers(b"next", b"pid 2")
+    t.forget(now + 20.0)
+    assert t._connects == {}  # the map does not grow
 
 
 def test_busy_writers_alone_are_served_in_full_and_share_with_a_reader_about():
@@ -510,4 +545,45 @@ def test_a_writer_storming_the_daemon_is_paced_while_a_reader_reads(kvd_daemon):
         storm.wait()
     peers = reader.stats()["peers"]
     assert peers["busy_writers_seen"] >= 1 and peers["deferred"] > 0, (gets, peers)
+    np.testing.assert_array_equal(reader.get(tokens).sliced["k"].array, data)
+
+
+# A process that connects, PINGs, reads the reply and hangs up, N times in a
+# row (bench_stress's churn), then prints how many were answered.
+CHURN = r"""
+import sys, zmq
+from kvd.protocol import codec
+ctx, answered = zmq.Context(), 0
+for i in range(int(sys.argv[2])):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(sys.argv[1])
+    s.send_multipart(codec.encode("PING", {}, id=i))
+    if s.poll(30_000):
+        answered += codec.decode_reply(s.recv_multipart()).type == "PING"
+    s.close()
+print(answered, flush=True)
+"""
+
+
+def test_a_process_connecting_again_and_again_is_paced_while_a_reader_reads(kvd_daemon):
+    """A real daemon: a process opening a connection for every PING becomes
+    churning while another process reads: its new connections' PINGs wait
+    their turns, each is answered, and every read is a hit."""
+    reader = kvd_daemon.client("good", strict=True)
+    tokens = list(range(300))
+    data = np.arange(300 * 160, dtype=np.uint8).reshape(1, 300, 160)
+    assert reader.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(data), 1)}))
+    churn = subprocess.Popen([sys.executable, "-c", CHURN, kvd_daemon.endpoint, "300"], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while churn.poll() is None and time.monotonic() < deadline:
+            hit = reader.get(tokens)
+            assert hit is not None and hit.n == 300
+        assert churn.wait(30) == 0 and churn.stdout.read().split() == ["300"]  # every PING answered
+    finally:
+        churn.kill()
+        churn.wait()
+    peers = reader.stats()["peers"]
+    assert peers["churners_seen"] >= 1 and peers["deferred"] > 0, peers
     np.testing.assert_array_equal(reader.get(tokens).sliced["k"].array, data)

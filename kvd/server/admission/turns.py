@@ -58,6 +58,23 @@ costs the thread 5-10 ms in all (a SLOTS and its COMMITs), so `busy_share`
 second from one process; a busy writer whose writes fit in the share keeps
 up, later.
 
+A process can also keep the machine busy with connections: four threads
+that connect, PING, read the reply and hang up, as fast as they can (~2,600
+connections a second here), cost the daemon ~0.4 ms a connection in all
+(libzmq's accept and handshake, the gate's events, the first request:
+`connect_s`, charged to each connection's first request) -- a core --
+and themselves another: a client's GET p99 3x its idle one on two
+cores (bench_stress's churn), though no request is heavy and none a write.
+So a process that opened more than `churn_rate` connections a second (a
+decaying count over `busy_window_s`) is *churning*: the first request on
+each of its new connections waits here like a heavy peer's, sharing heavy
+peers' `share` while others are active, and its threads, each waiting for
+its reply before it connects again, are slowed with it. A model server
+opens a few connections at start (a main socket, a lane, an upload
+socket per model) and keeps them; churning lasts until its rate falls
+under an eighth of `churn_rate`. Only where the daemon knows the process
+(a unix socket's peer).
+
 Rules:
 1. A peer's requests are served in the order they came: once one waits
    here, its later ones wait behind it.
@@ -98,6 +115,11 @@ BYTE_SECONDS = 0.5e-9
 # Seconds charged per frame: the loop reads a message part by part, ~0.75 us
 # each here (8,001 frames of a PUT of 8,000 tiny chunks: ~6 ms before its first turn).
 PART_SECONDS = 1e-6
+# Seconds charged to a new connection's first request besides its own:
+# what connecting costs the daemon's threads (libzmq's accept and handshake,
+# the gate's connect and disconnect events, the connection's first look),
+# ~0.4 ms a connection here (2,600 a second took 1.1 cores).
+CONNECT_SECONDS = 0.0004
 
 
 def _who(peer: bytes, origin: bytes | None) -> tuple:
@@ -141,6 +163,8 @@ class Turns:
         forget_s: float = 10.0,
         busy_share: float = 0.05,
         busy_window_s: float = 1.0,
+        churn_rate: float = 64.0,
+        connect_s: float = CONNECT_SECONDS,
     ):
         self.max_waiting = max_waiting
         self.max_bytes = max_bytes
@@ -156,6 +180,10 @@ class Turns:
         self.forget_s = forget_s
         self.busy_share = busy_share
         self.busy_window_s = busy_window_s
+        self.churn_rate = churn_rate
+        self.connect_s = connect_s
+        # origin -> (its new connections, decaying over busy_window_s; when it last opened one; churning?)
+        self._connects: dict[bytes, tuple[float, float, bool]] = {}
         # who (`_who`) -> (its writes' cost, decaying over busy_window_s; when it last wrote; a busy writer?),
         # in order of last write
         self._writes: dict[tuple, tuple[float, float, bool]] = {}
@@ -174,7 +202,7 @@ class Turns:
         # turns as anyone's do, but not other busy writers' writes (busy writers alone are served in full).
         self._light_busy: list[tuple[tuple, float]] = [((), float("-inf"))] * 2
         self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
-        self.counters = {"deferred": 0, "overdue": 0, "sliced": 0, "busy_writers_seen": 0}
+        self.counters = {"deferred": 0, "overdue": 0, "sliced": 0, "busy_writers_seen": 0, "churners_seen": 0}
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -185,7 +213,13 @@ class Turns:
         has none of its own yet --, it is a `write` of a busy writer, or its
         earlier ones wait: rule 1)?"""
         return (peer in self._per_peer or self.cost(peer, origin) > self.heavy_s
-                or (write and self.busy_writer(_who(peer, origin))))
+                or (write and self.busy_writer(_who(peer, origin)))
+                or (peer not in self._cost and origin is not None and self.churning(origin)))
+
+    def churning(self, origin: bytes) -> bool:
+        """Is the process `origin` churning (module docstring), as of the latest time the loop passed?"""
+        got = self._connects.get(origin)
+        return got is not None and got[2] and self._decayed(*got[:2], self._now) >= self.churn_rate * self.busy_window_s / 8
 
     def busy_writer(self, who: tuple) -> bool:
         """Is `who` (`_who`) a busy writer (module docstring), as of the latest time the loop passed?"""
@@ -300,6 +334,10 @@ class Turns:
         self._served += 1
         self._now = max(self._now, now)
         cost = seconds + nbytes * BYTE_SECONDS + parts * PART_SECONDS
+        if peer not in self._cost and peer not in self._partial:  # a new connection's first request
+            cost += self.connect_s
+            if origin is not None:
+                self._connected(origin, now)
         if more:
             self._partial[peer] = self._partial.get(peer, 0.0) + cost
             mean = self.cost(peer, origin)
@@ -343,6 +381,16 @@ class Turns:
             self.counters["busy_writers_seen"] += 1
         self._writes[who] = (load, now, busy)  # (in again at the end: the dict stays in order of last write)
 
+    def _connected(self, origin: bytes, now: float) -> None:
+        """`origin` opened a connection: its decaying count, and whether that makes it churning."""
+        count, at, churning = self._connects.pop(origin, (0.0, now, False))
+        count = self._decayed(count, at, now) + 1.0
+        churning = churning and count >= self.churn_rate * self.busy_window_s / 8
+        if not churning and count > self.churn_rate * self.busy_window_s:
+            churning = True
+            self.counters["churners_seen"] += 1
+        self._connects[origin] = (count, now, churning)  # (in again at the end: in order of last connection)
+
     def _others_until(self, who: tuple, busy: bool = False) -> float:
         """Until when processes other than `who` (`_who`) count as active (one was
         served lately); for a `busy` writer's turn, busy writers do not count."""
@@ -367,12 +415,15 @@ class Turns:
             for key in gone:
                 del costs[key]
         silent = max(self.forget_s, self.busy_window_s)
-        while self._writes:
-            who, (_, at, _) = next(iter(self._writes.items()))
-            if now - at <= silent:
-                break
-            del self._writes[who]
+        for book in (self._writes, self._connects):
+            while book:
+                key, (_, at, _) = next(iter(book.items()))
+                if now - at <= silent:
+                    break
+                del book[key]
 
     def stats(self) -> dict[str, int]:
         busy = sum(1 for who in self._writes if self.busy_writer(who))
-        return {"waiting_turn": len(self._waiting), "peers_with_cost": len(self._cost), "busy_writers": busy, **self.counters}
+        churning = sum(1 for origin in self._connects if self.churning(origin))
+        return {"waiting_turn": len(self._waiting), "peers_with_cost": len(self._cost), "busy_writers": busy,
+                "churning": churning, **self.counters}
