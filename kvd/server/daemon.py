@@ -548,6 +548,12 @@ class Daemon(Reading, Settling):
             mtype = codec.peek_type(raw[1]) if len(raw) > 1 else None
             # (A type the first bytes do not name may be a write: a busy writer's waits too.)
             if not ready.peers_waiting(peer) and turns.defers(peer, conn and conn.origin, mtype is None or mtype in WRITES):
+                if turns.full(peer):  # it sends without waiting for its replies (turns.py rule 3)
+                    turns.counters["refused_waiting"] += 1
+                    self._send(peer, self._busy(raw[1:], f"{turns.max_per_peer} of this connection's requests "
+                                                          "wait for their turn already: wait for their replies"),
+                               raw[1:], conn and conn.where)
+                    continue
                 while len(turns) and not turns.room(nbytes):
                     shutdown = self._serve_one(turns.pop(), waited=True) or shutdown
                 if turns.room(nbytes):

@@ -587,3 +587,51 @@ def test_a_process_connecting_again_and_again_is_paced_while_a_reader_reads(kvd_
     peers = reader.stats()["peers"]
     assert peers["churners_seen"] >= 1 and peers["deferred"] > 0, peers
     np.testing.assert_array_equal(reader.get(tokens).sliced["k"].array, data)
+
+
+# A process that sends N LOOKUPs of 1 M tokens (4 MiB each: heavy) without
+# waiting for replies, then reads them all and prints how many of each kind.
+PIPELINE = r"""
+import sys, zmq
+from kvd.protocol import codec, keys
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(sys.argv[1])
+n = int(sys.argv[2])
+lookup = codec.encode("LOOKUP", {"ns": "x", "tokens": keys.token_bytes(range(1 << 20)), "chunk_tokens": 1}, id=0)[0]
+for i in range(n):
+    s.send_multipart([lookup])
+kinds = {}
+for _ in range(n):
+    assert s.poll(60_000), kinds
+    r = codec.decode_reply(s.recv_multipart())
+    kind = r.type if r.type != "ERROR" else r["name"]
+    kinds[kind] = kinds.get(kind, 0) + 1
+print(" ".join(f"{k}={v}" for k, v in sorted(kinds.items())), flush=True)
+"""
+
+
+def test_a_heavy_peer_that_does_not_wait_for_its_replies_is_told_busy_past_its_few_waiting(kvd_daemon):
+    """A real daemon: a process pipelining 24 heavy LOOKUPs while another
+    reads. At most turns.max_per_peer of them wait for their turns; the rest
+    are answered BUSY unserved (else, the queue full, they were served at
+    once, the pacing undone). Every request has an answer."""
+    reader = kvd_daemon.client("good", strict=True)
+    tokens = list(range(300))
+    data = np.arange(300 * 160, dtype=np.uint8).reshape(1, 300, 160)
+    assert reader.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(data), 1)}))
+    pipe = subprocess.Popen([sys.executable, "-c", PIPELINE, kvd_daemon.endpoint, "24"], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while pipe.poll() is None and time.monotonic() < deadline:
+            hit = reader.get(tokens)
+            assert hit is not None and hit.n == 300
+        assert pipe.wait(30) == 0
+        kinds = dict(kv.split("=") for kv in pipe.stdout.read().split())
+    finally:
+        pipe.kill()
+        pipe.wait()
+    assert int(kinds.get("BUSY", 0)) > 0 and int(kinds.get("BUSY", 0)) + int(kinds.get("LOOKUP", 0)) == 24, kinds
+    peers = reader.stats()["peers"]
+    assert peers["refused_waiting"] == int(kinds["BUSY"]) and peers["deferred"] > 0, peers

@@ -92,7 +92,11 @@ Rules:
 3. What waits here is bounded: at most `max_waiting` requests, `max_bytes`
    in all. Without room for one more, the oldest waiting are served first;
    a request over `max_bytes` alone is served at once, when its peer has
-   nothing waiting.
+   nothing waiting. One peer may have at most `max_per_peer` waiting: the
+   loop answers its next BUSY, unserved (`full`). Else a peer that sends
+   without waiting for its replies would fill the queue and have its
+   requests served at once, its pacing undone (a client sends one request
+   at a time).
 4. No I/O and no clock of its own: the loop passes the time (testable with
    any clock); `overdue` goes by the latest time it was given.
 5. A request served in turns (kvd/server/handler.py `Sliced`) waits here
@@ -152,6 +156,7 @@ class Turns:
         self,
         *,
         max_waiting: int = 16,
+        max_per_peer: int = 4,
         max_bytes: int = 32 << 20,
         max_passes: int = 64,
         max_wait_s: float = 1.0,
@@ -167,6 +172,7 @@ class Turns:
         connect_s: float = CONNECT_SECONDS,
     ):
         self.max_waiting = max_waiting
+        self.max_per_peer = max_per_peer
         self.max_bytes = max_bytes
         self.max_passes = max_passes
         self.max_wait_s = max_wait_s
@@ -202,7 +208,8 @@ class Turns:
         # turns as anyone's do, but not other busy writers' writes (busy writers alone are served in full).
         self._light_busy: list[tuple[tuple, float]] = [((), float("-inf"))] * 2
         self._credit = (burst_s, 0.0)  # (seconds heavy peers' turns may still take, when it was that)
-        self.counters = {"deferred": 0, "overdue": 0, "sliced": 0, "busy_writers_seen": 0, "churners_seen": 0}
+        self.counters = {"deferred": 0, "overdue": 0, "sliced": 0, "busy_writers_seen": 0, "churners_seen": 0,
+                         "refused_waiting": 0}
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -240,6 +247,10 @@ class Turns:
     def _decayed(self, load: float, at: float, now: float) -> float:
         """A writes' sum `load` taken at `at`, as it stands at `now`."""
         return load * math.exp(-max(0.0, now - at) / self.busy_window_s)
+
+    def full(self, peer: bytes) -> bool:
+        """Has `peer` as many requests waiting as one may (rule 3)? Its next is answered BUSY."""
+        return self._per_peer.get(peer, 0) >= self.max_per_peer
 
     def room(self, nbytes: int) -> bool:
         """May a request of `nbytes` wait (rule 3)?"""
