@@ -420,11 +420,17 @@ class BrokenHello(Listener):
     connection at its first command; "bad" answers HELLO with +OK (a proxy
     speaking RESP2 only, or a hostile server), which makes redis-py raise
     AttributeError, not a RedisError; "digits" answers GET with a bulk length
-    of 5,000 digits; "good" behaves (HELLO 3, PONG, OK, and CLUSTER SLOTS
-    naming itself for slots 0..`last_slot`)."""
+    of 5,000 digits; "huge" answers a GETRANGE of a key in `huge` with a
+    bulk length of 1 GiB and then trickles junk (what it sent counted in
+    `trickled`), that of any other key with the range of `values` it asks
+    for; "good" behaves (HELLO 3, PONG, OK, and CLUSTER SLOTS naming itself
+    for slots 0..`last_slot`)."""
 
     def __init__(self):
         self.phase, self.bad_hellos, self.last_slot = "drop", 0, 16383
+        self.huge: set[bytes] = set()
+        self.values: dict[bytes, bytes] = {}
+        self.trickled = 0
         super().__init__()
 
     def _take(self, c: socket.socket) -> None:
@@ -443,6 +449,15 @@ class BrokenHello(Listener):
                     c.sendall(b"+OK\r\n" if self.phase == "bad" else b"%1\r\n$5\r\nproto\r\n:3\r\n")
                 elif name == b"GET" and self.phase == "digits":  # a length of 5,000 digits: int() refuses it
                     c.sendall(b"$" + b"9" * 5000 + b"\r\n")
+                elif name == b"GETRANGE" and self.phase == "huge" and args[1] in self.huge:
+                    c.sendall(b"$%d\r\n" % (1 << 30))  # 1 GiB promised; a reader that takes it waits for all of it
+                    for _ in range(256):  # 16 MiB at most, a piece every 10 ms, until the reader hangs up
+                        c.sendall(b"x" * (64 << 10))
+                        self.trickled += 64 << 10
+                        time.sleep(0.01)
+                elif name == b"GETRANGE" and self.phase == "huge":
+                    v = self.values.get(args[1], b"")[int(args[2]) : int(args[3]) + 1]
+                    c.sendall(b"$%d\r\n%s\r\n" % (len(v), v))
                 elif name == b"CLUSTER" and args[1].upper() == b"SLOTS":  # a million slots, one node: itself
                     host, port = self.listen.getsockname()
                     node = b"*3\r\n$%d\r\n%s\r\n:%d\r\n$2\r\nid\r\n" % (len(host), host.encode(), port)
@@ -516,6 +531,69 @@ def test_a_bulk_length_of_five_thousand_digits_is_a_miss_never_an_exception():
     finally:
         store.close()
         fake.close()
+
+
+def presence(auth, eid: bytes) -> bytes:
+    """The first PRESENCE_BYTES of a value the shared secret vouches for (the rest of it is never asked)."""
+    return struct.pack("<4sI", rv.MAGIC, 100) + auth.key_tag(rv.value_key(eid[:32], eid[32]))
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_a_presence_reply_of_a_gibibyte_is_refused_from_its_header(cluster):
+    """Red-team: LOOKUP's presence check (GETRANGE 0 23 per key) was read by
+    redis-py, which takes a bulk reply whole before kvd looks at it: a server
+    (or anything at remote_url) answering each with 512 MiB had the daemon's
+    memory grow by that per key. Now the key is refused from its header (a
+    miss and `checksum_failures`), its connection dropped, the keys after it
+    asked again, and nothing of the reply is allocated."""
+    import tracemalloc
+
+    fake = BrokenHello()
+    fake.phase = "huge"
+    auth = session_key()
+    huge, good, missing = (e.id for e in chain(3, 64, seed=15))
+    fake.huge.add(rv.value_key(huge[:32], huge[32]))
+    fake.values[rv.value_key(good[:32], good[32])] = presence(auth, good) + b"the rest, never asked"
+    tier = RemoteTier(fake.url, auth=auth, timeout=0.5, cluster=cluster)
+    try:
+        tracemalloc.start()
+        try:
+            t = time.monotonic()
+            held = tier.exists([huge, good, missing])
+            took = time.monotonic() - t
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert held == [False, True, False]
+        assert took < 2.0 and peak < 8 * MiB, (took, peak)
+        c = tier.counters
+        assert c["checksum_failures"] == 1 and c["auth_failures"] == 0 and c["errors"] == 0 and not tier.degraded
+        assert fake.trickled < 16 << 20  # the reader hung up long before the trickle ran out
+        assert tier.exists([good]) == [True]  # the dropped connection left nothing behind
+    finally:
+        tier.close(budget=1.0)
+        fake.close()
+
+
+def test_presence_on_a_real_server_is_vouched_counted_or_a_miss(server, r):
+    """What exists() answers of a well-behaved server, on the daemon's own
+    reader: a written value is held; a key of another type is that key's
+    miss (`checksum_failures`, rule 3); a short value not ours is counted
+    (`auth_failures`); a missing key is a plain miss."""
+    entries = chain(4, 4096, seed=16)
+    write(server.url, entries[:3])
+    held, typed, planted_short = entries[0].id, entries[1].id, entries[2].id
+    r.delete(rv.value_key(typed[:32], typed[32]))
+    r.hset(rv.value_key(typed[:32], typed[32]), "x", "y")
+    r.set(rv.value_key(planted_short[:32], planted_short[32]), b"short")
+    tier = RemoteTier(server.url, auth=session_key(), timeout=5.0)
+    try:
+        assert tier.exists([held, typed, planted_short, entries[3].id]) == [True, False, False, False]
+        c = tier.counters
+        assert c["checksum_failures"] == 1 and c["auth_failures"] == 1 and c["errors"] == 0 and not tier.degraded
+        assert c["exists_queries"] == 1
+    finally:
+        tier.close()
 
 
 # -- what a GET streams -------------------------------------------------------------------

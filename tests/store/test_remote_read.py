@@ -100,6 +100,24 @@ def test_get_many_refuses_a_value_of_another_length_before_allocating_it(server)
         get_many(r, [b"gm:a"], sizes=[0])  # GETRANGE 0 -1 would be the whole value
 
 
+def test_get_many_first_reads_at_most_that_many_bytes_of_any_value(server):
+    """`first` (the presence check): GETRANGE 0 first-1 of values of any
+    length, a shorter one read as it is, a missing key empty, a key of
+    another type that key's refusal; the connection stays in step."""
+    r = redis.Redis.from_url(server.url, max_connections=1)
+    r.set(b"gm:long", b"L" * MiB)
+    r.set(b"gm:short", b"abc")
+    r.delete(b"gm:none", b"gm:hash")
+    r.hset(b"gm:hash", "x", "y")
+    got = get_many(r, [b"gm:long", b"gm:short", b"gm:none", b"gm:hash"], bytearray, first=24)
+    assert got[:3] == [b"L" * 24, b"abc", b""] and isinstance(got[3], Refused) and "WRONGTYPE" in got[3].reason
+    assert r.get(b"gm:short") == b"abc"  # the pool's connection is in step
+    with pytest.raises(ValueError):
+        get_many(r, [b"gm:a"], first=0)
+    with pytest.raises(ValueError):
+        get_many(r, [b"gm:a"], sizes=[3], first=3)
+
+
 def test_get_many_reads_resp3_nulls(server):
     r = redis.Redis.from_url(server.url, protocol=3, max_connections=1)
     r.set(b"gm:3", b"three")

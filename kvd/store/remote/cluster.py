@@ -180,31 +180,28 @@ class Nodes:
     def redis(self, node: Any) -> Any:
         return self.client.get_redis_connection(node)
 
-    def prefixes(self, keys: Sequence[bytes], nbytes: int, errors: tuple[type[BaseException], ...],
-                 server_error: Callable[[BaseException], bool]) -> list[Any]:
+    def prefixes(self, keys: Sequence[bytes], nbytes: int, errors: tuple[type[BaseException], ...]) -> list[Any]:
         """The first `nbytes` of each key (GETRANGE), one pipeline per node
-        owning their slots; b"" for the keys of a node that failed or
-        redirected (rules 1-3), an error reply `server_error` calls about one
-        key (WRONGTYPE) in its place. Raises `errors` only from discovery."""
+        owning their slots, read by the daemon's own bounded reader (get.py's
+        `first`: a node answering more than it was asked is never read whole):
+        per key its bytes, or a Refused (a reply longer than asked, an error
+        reply about that key: WRONGTYPE); b"" for the keys of a node that
+        failed or redirected (rules 1-3). Raises `errors` only from discovery."""
+        from kvd.store.remote.get import Refused, get_many
+
         out: list[Any] = [b""] * len(keys)
         groups, _ = self.groups(keys)
         for candidates, idx in groups:
             for node in candidates:
-                pipe = self.redis(node).pipeline(transaction=False)
-                for i in idx:
-                    pipe.getrange(keys[i], 0, nbytes - 1)
                 try:
-                    found = pipe.execute(raise_on_error=False)
-                except errors as exc:
+                    found = get_many(self.redis(node), [keys[i] for i in idx], bytearray, first=nbytes)
+                except errors as exc:  # (LOADING, MASTERDOWN, ...: get_many raises them, the node answers no key now)
                     self.failed(node, exc)
                     continue
-                if any(isinstance(r, Exception) and not redirected(r) and server_error(r) for r in found):
-                    self.failed(node)  # LOADING, MASTERDOWN, ...: the node answers no key now
-                    continue
-                if any(isinstance(r, Exception) and redirected(r) for r in found):
+                if any(isinstance(r, Refused) and redirected(r) for r in found):
                     self.failed(node, down=False)
                 for i, r in zip(idx, found):
-                    out[i] = b"" if isinstance(r, Exception) and redirected(r) else r
+                    out[i] = b"" if r is None or (isinstance(r, Refused) and redirected(r)) else r
                 break
         return out
 

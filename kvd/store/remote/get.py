@@ -36,6 +36,13 @@ with GETRANGE 0 <length-1>, not GET: whatever the key holds, the server sends
 key then reads as empty, which no part is: None. Bytes a part has past its
 length are never seen; the value's checksum judges the bytes that are.
 
+A presence check (`first`: a LOOKUP asks whether a value is there, from its
+first few bytes) is GETRANGE 0 <first-1> too, but of a value of any length:
+a reply of at most `first` bytes is read (a missing key's is empty), a longer
+one -- which no server sends for that range, only one broken or posing as a
+server -- is Refused like any value over its bound: nothing is allocated for
+it, and past 64 KiB it is left unread with its connection.
+
 A `Deadline` bounds the whole pipeline, not each recv: a link that trickles
 bytes in just often enough never trips a socket timeout, so the time left is
 checked before every recv (and the socket's timeout lowered to it). Another
@@ -95,20 +102,28 @@ def np_alloc(nbytes: int) -> np.ndarray:
 def get_many(
     client: Any, keys: Sequence[bytes], alloc: Alloc = np_alloc, *, sizes: Sequence[int] | None = None,
     most: int = MAX_VALUE, deadline: Deadline | None = None, groups: Sequence[Hashable] | None = None,
+    first: int | None = None,
 ) -> list[Any]:
     """GET every key of `keys` pipelined on connections of `client`'s pool:
     per key its value (a buffer from `alloc`), None (absent) or a Refused.
     `sizes[i]` (>= 1): the exact length key i's value must have, asked for
     with GETRANGE (else GET, at most `most` bytes); `groups[i]`: keys of one
-    group are refused together.
+    group are refused together. `first` (>= 1, no `sizes`): only the first
+    `first` bytes of each value are asked for (GETRANGE), a reply of at most
+    that many read (empty for a missing key), a longer one Refused.
     Raises what the connection raises (redis.RedisError, OSError), and
     redis.TimeoutError past `deadline`."""
     if sizes is not None and min(sizes, default=1) < 1:
         raise ValueError("sizes must be >= 1 (GETRANGE 0 -1 is the whole value)")
+    if first is not None:
+        if first < 1 or sizes is not None:
+            raise ValueError("first must be >= 1, and not with sizes")
+        # A longer reply is more than was asked: refused like a value over its bound.
+        sizes, most = [first] * len(keys), min(most, first)
     out: list[Any] = [None] * len(keys)
     todo = list(range(len(keys)))
     while todo:
-        stopped = _pipeline(client, keys, todo, out, alloc, sizes, most, deadline)
+        stopped = _pipeline(client, keys, todo, out, alloc, sizes, most, deadline, exact=first is None)
         if stopped is None:
             break
         bad, todo = todo[stopped], todo[stopped + 1 :]
@@ -153,14 +168,15 @@ def small_values(client: Any, command: Sequence[Any], most: int, longest: int, d
 
 
 def _pipeline(client: Any, keys: Sequence[bytes], todo: list[int], out: list[Any], alloc: Alloc,
-              sizes: Sequence[int] | None, most: int, deadline: Deadline | None) -> int | None:
+              sizes: Sequence[int] | None, most: int, deadline: Deadline | None, exact: bool = True) -> int | None:
     """One pipeline of GETs for the keys `todo` names, replies into `out`.
     Returns None when every reply was read, or the position in `todo` of a
-    value refused unread (its connection is then dropped)."""
+    value refused unread (its connection is then dropped). Not `exact`: the
+    GETRANGEs of `sizes` ask for at most that many bytes (`most` bounds them)."""
     commands = [("GET", keys[i]) if sizes is None else ("GETRANGE", keys[i], 0, sizes[i] - 1) for i in todo]
     with _exchange(client, commands, deadline) as replies:
         for pos, i in enumerate(todo):
-            out[i] = reply = replies.value(alloc, None if sizes is None else sizes[i], most)
+            out[i] = reply = replies.value(alloc, None if sizes is None or not exact else sizes[i], most)
             if isinstance(reply, Refused) and reply.unread:
                 return pos
         replies.done()

@@ -445,26 +445,25 @@ class RemoteTier:
             return [False] * len(eids)
         keys = [rv.value_key(eid[:32], eid[32]) for eid in eids]
         try:
+            # The daemon's own reader (get.py), not the library's: a reply
+            # longer than the PRESENCE_BYTES asked for (only a broken or
+            # hostile server sends one, up to 512 MiB) is refused from its
+            # header, never read whole. The errors about the whole server
+            # (LOADING, ...) raise: rule 1, as a failed connection.
             if self.nodes is not None:
-                found = self.nodes.prefixes(keys, rv.PRESENCE_BYTES, self._errors, _about_the_server)
+                found = self.nodes.prefixes(keys, rv.PRESENCE_BYTES, self._errors)
             else:
-                pipe = self._reader.pipeline(transaction=False)
-                for key in keys:
-                    pipe.getrange(key, 0, rv.PRESENCE_BYTES - 1)
-                found = pipe.execute(raise_on_error=False)
+                found = get_many(self._reader, keys, bytearray, first=rv.PRESENCE_BYTES)
         except self._errors as exc:
             self._failed(exc, "exists")
-            return [False] * len(eids)
-        errors = [r for r in found if isinstance(r, Exception)]
-        if any(_about_the_server(exc) for exc in errors):
-            self._failed(next(exc for exc in errors if _about_the_server(exc)), "exists")
             return [False] * len(eids)
         self._add("exists_queries")  # on a reader thread in a deferred LOOKUP
         held = []
         for eid, prefix in zip(eids, found):
-            if isinstance(prefix, Exception):  # rule 3: a key of another type under our name
-                self._bad(eid, _reply_text(prefix))
+            if isinstance(prefix, Refused):  # rule 3: a key of another type under our name, or a reply over its bound
+                self._bad(eid, prefix.reason)
                 prefix = b""
+            prefix = bytes(prefix or b"")  # (None: a RESP3 null, no value)
             ok = rv.vouched(prefix, eid[:32], eid[32], self.auth)
             if not ok and prefix:
                 self._forged(eid, "its key tag is not the shared secret's")
