@@ -157,6 +157,7 @@ class Daemon(Reading, Settling):
             ssd.courtesy = self.courtesy.pause
             ssd.writer.rested = lambda: self.courtesy.rested_s
         self._conns: dict[int, Conn] = {}  # fd -> the connection on it, as of its identity's first request
+        self._fresh: set[bytes] = set()  # connections (identities) in _conns with no request charged yet
         self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count
         # Held while a request is served; readers on other threads (the
         # metrics exporter) take it to see the handler and store at rest.
@@ -586,6 +587,7 @@ class Daemon(Reading, Settling):
         """Serve one request, or the next turn of one served in turns
         (`raw` an Unfinished); True if it asked the daemon to shut down."""
         left = raw if isinstance(raw, Unfinished) else None
+        saturated, refused = False, None
         if left is not None:
             identity, frames, conn = left.identity, left.frames, left.conn
         else:
@@ -594,22 +596,21 @@ class Daemon(Reading, Settling):
             conn = self._conn(identity, fd)
             if self.gate is not None:
                 self.gate.touch(fd)
-        started, cpu = time.perf_counter(), time.thread_time()
-        refused = None
-        if left is None:
-            with self.lock:
+            saturated = self.outbox is not None and self.outbox.saturated(identity)
+            if not saturated:
                 refused = self._refused_unread(payload)
             # (A refused request's frames are not made bytes: 8,000 of them take ~1.5 ms.)
             frames = kept(payload) if refused is None else payload
+        started, cpu = time.perf_counter(), time.thread_time()
         self._left = None
-        if refused is not None:
-            reply, shutdown, mtype = refused
-        elif left is not None:
+        if left is not None:
             with self.lock:
                 reply, shutdown, mtype = self._handle(frames, identity, left)
-        elif self.outbox is not None and self.outbox.saturated(identity):
+        elif saturated:
             # Its replies would be dropped or refused anyway: do no work for it.
             reply, shutdown, mtype = self._busy(frames, "replies to this peer are not being read; read them"), False, "BUSY"
+        elif refused is not None:
+            reply, shutdown, mtype = refused
         else:
             with self.lock:
                 reply, shutdown, mtype = self._handle(frames, identity)
@@ -629,9 +630,11 @@ class Daemon(Reading, Settling):
         # CPU time, not wall: on a busy machine every request takes longer, the cheap ones too
         cpu = time.thread_time() - cpu
         # (A request's bytes are charged with its first turn: they arrived once.)
+        connected = identity in self._fresh  # its connection's first request (what connecting cost is charged with it)
+        self._fresh.discard(identity)
         self.turns.charge(identity, cpu, 0 if left is not None else nbytes, time.monotonic(),
                           waited=waited, origin=conn and conn.origin, parts=0 if left is not None else len(frames) + 1,
-                          more=self._left is not None, write=mtype in WRITES)
+                          more=self._left is not None, write=mtype in WRITES, connected=connected)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("served type=%s ms=%.3f", mtype, 1000 * elapsed)
@@ -706,8 +709,8 @@ class Daemon(Reading, Settling):
     def _writer_awaited(self) -> bool:
         """Someone waits on the SSD writer (kvd.store.courtesy rule 2; its
         thread asks): a write-through PUT parked, or memory pressure."""
-        parking = getattr(self, "parking", None)
-        return bool(parking is not None and len(parking)) or self.pressed()
+        parking = getattr(self, "parking", None)  # (in write-back mode only reads wait there, on the remote tier)
+        return bool(self.write_through and parking is not None and len(parking)) or self.pressed()
 
     def _refused_unread(self, frames: list) -> tuple[list, bool, str] | None:
         """A write-back PUT or SLOTS refused BUSY before its header is
@@ -717,9 +720,9 @@ class Daemon(Reading, Settling):
         if self.write_through or self._refuse_put is None or not frames or (mtype := codec.peek_type(frames[0])) not in ("PUT", "SLOTS"):
             return None
         shm = self.handler.shm
-        if (why := self._refuse_put(0, 0, shm.granted_bytes if shm is not None else 0)) is None:
-            return None
-        self.handler.requests[mtype] += 1
+        with self.lock:  # (refuse_put counts what it refuses; the metrics thread reads the store under it)
+            if (why := self._refuse_put(0, 0, shm.granted_bytes if shm is not None else 0)) is None:
+                return None
         err = E.Busy(f"write-back: {why}; retry later")
         self.handler.errors[err.name] += 1
         self.ratelog.warning(f"failed type={mtype} error={err.name}", "failed type=%s error=%s detail=%r", mtype, err.name, err.message)

@@ -64,7 +64,10 @@ class Reading(drain.Striking):
             return None
         known = self._conns.get(fd)
         if known is None or known.identity != identity:
+            if known is not None:
+                self._fresh.discard(known.identity)
             known = self._conns[fd] = Conn(identity, origin(fd), (fd, connection_id(fd)))
+            self._fresh.add(identity)  # no request of it charged yet (turns.py: what connecting cost)
         return known
 
     def _recv(self, sock: zmq.Socket, whole: bool = False) -> list[zmq.Frame]:

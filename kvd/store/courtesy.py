@@ -33,9 +33,10 @@ Rules:
    `max_wait_s`, and after a wait that ran out, `pause()` does not wait again
    for `grace_s` -- under a stream of reads the writer still gets about
    grace / (grace + max_wait) of its time.
-2. While reads come, the writer's CPU time is at most `duty` of the wall
-   time, measured in pieces of `work_s` (rests happen in `pause()`, between
-   two pieces of work: one piece may run longer). With no read for
+2. While reads come, the writer rests work_s x (1 - duty) / duty after
+   each `work_s` of its CPU time (rests happen in `pause()`, between two
+   pieces of work; a piece that ran longer -- one big entry -- earns no
+   longer rest, so a writer of big entries is hardly slowed). With no read for
    `readers_s`, it runs flat out; and whenever `urgent()` says someone
    waits on the writer itself (the daemon's: a write-through PUT parked
    until its entries are on disk, the RAM tier under memory pressure, which
@@ -104,7 +105,11 @@ class Courtesy:
             return
         worked = cpu - self._rested
         if worked >= self.work_s:
-            rest = worked * (1.0 - self.duty) / self.duty
+            # At most one piece's rest: a piece that ran long (one big entry's
+            # copy into the page cache) is not paid for after the fact -- a
+            # 40 ms piece made a 120 ms sleep that a write-through PUT parked
+            # meanwhile waited out, and 64 MiB entries were written 2.25x slower.
+            rest = min(worked, self.work_s) * (1.0 - self.duty) / self.duty
             self._sleep(rest)
             self.rests += 1
             self.rested_s += rest

@@ -246,11 +246,10 @@ class RamStore(Store):
         """Every held entry, oldest first (do not put or get while iterating)."""
         return iter(self._entries.values())
 
-    def listing(self) -> tuple[list[bytes], list[Entry]]:
-        """Every held entry's id, and the entries, oldest first: two copies,
-        made at C speed (no tuple per entry: nothing new for the collector
-        to scan while a caller holds them)."""
-        return list(self._entries), list(self._entries.values())
+    def ids(self) -> list[bytes]:
+        """Every held entry's id, oldest first: a copy, made at C speed
+        (ids only: a caller holding it keeps no entry alive)."""
+        return list(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)

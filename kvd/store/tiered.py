@@ -345,16 +345,21 @@ class TieredStore(Store):
         about every RAM entry (~1-3 us each: 160 ms of the daemon's thread at
         64,000 entries, in one piece before): STATS_STEP entries a step. The
         first step reads the RAM tier and the backlog (the daemon's thread's;
-        RAM's entries are copied, at C speed); the others read only the
-        index, each in a read transaction of its own, so they may run with
-        no lock held and never keep the map from growing.
+        RAM's ids are copied, at C speed); the others read only the
+        index (and RAM's entries one by one, each a dict lookup, atomic
+        under the GIL), each step in a read transaction
+        of its own, so they may run with no lock held and never keep the
+        map from growing. Only ids are held across steps: entries RAM lets
+        go meanwhile are freed (a snapshot of the entries pinned them, twice
+        the tier's memory while a STATS was in turns).
 
         One step (RAM holds at most STATS_STEP entries) reads the SSD's
         namespaces and which RAM entries it holds in one snapshot: an entry
         the writer commits meanwhile counts in exactly one tier. Over
         several steps the namespaces are read with the last: an entry the
-        writer commits while a STATS is in turns may count twice, and one
-        the SSD tier evicts meanwhile not at all, until the next STATS."""
+        writer commits while a STATS is in turns may count twice, one the
+        SSD tier evicts meanwhile not at all, and one RAM lets go meanwhile
+        as RAM's no longer, until the next STATS."""
         r = self.ram.stats()
         dirty_entries, dirty_bytes = self.dirty()
         store = dict(
@@ -363,13 +368,13 @@ class TieredStore(Store):
             dirty_max_bytes=self.dirty_max(),
             dirty_stop_s=round(self.stop_seconds(dirty_entries, dirty_bytes), 3), stop_write_s=self.stop_write_s,
         )
-        ids, held = self.ram.listing() if namespaces else ([], [])
-        index, ssd_ns = self.ssd.index, None
+        ids = self.ram.ids() if namespaces else []
+        index, ssd_ns, peek = self.ssd.index, None, self.ram.peek
         ram_only: dict[str, list[int]] = {}  # namespace -> [entries, tokens] RAM holds and the SSD does not
 
         def only_in_ram(at: int, on_disk: Callable[[bytes], bool]) -> None:
-            for eid, entry in zip(ids[at:at + STATS_STEP], held[at:at + STATS_STEP]):
-                if not on_disk(eid):
+            for eid in ids[at:at + STATS_STEP]:
+                if not on_disk(eid) and (entry := peek(eid)) is not None:  # (None: evicted since)
                     n = ram_only.setdefault(entry.namespace, [0, 0])
                     n[0] += 1
                     n[1] += entry.length if entry.kind == CHUNK else 0

@@ -421,24 +421,24 @@ def test_a_process_that_keeps_connecting_has_its_new_connections_wait_and_pays_f
     requests, nor anyone else's; it stops once its rate falls under an
     eighth of churn_rate (bench_stress's churn)."""
     t = Turns(churn_rate=64.0, busy_window_s=1.0, connect_s=0.0004, weight=1.0)
-    t.charge(b"server", 0.0001, 0, now=0.0, origin=b"pid 1")  # a model server's first request
+    t.charge(b"server", 0.0001, 0, now=0.0, origin=b"pid 1", connected=True)  # a model server's first request
     assert t.cost(b"server") == pytest.approx(0.0005)
     t.charge(b"server", 0.0001, 0, now=0.0, origin=b"pid 1")  # its next: the request alone
     assert t.cost(b"server") == pytest.approx(0.0001)
     for i in range(8):  # eight more connections at once (its models' clients): fine
-        t.charge(b"lane%d" % i, 0.0001, 0, now=0.001, origin=b"pid 1")
+        t.charge(b"lane%d" % i, 0.0001, 0, now=0.001, origin=b"pid 1", connected=True)
     assert not t.defers(b"new", b"pid 1")
     now, n = 1.0, 0
     while not t.defers(b"c%d" % n, b"pid 2"):  # a connection a millisecond, each one PING
         assert n < 1000, "never churning"
-        t.charge(b"c%d" % n, 0.0001, 0, now=now, origin=b"pid 2")
+        t.charge(b"c%d" % n, 0.0001, 0, now=now, origin=b"pid 2", connected=True)
         now, n = now + 0.001, n + 1
     assert 64 < n < 100 and t.counters["churners_seen"] == 1 and t.stats()["churning"] == 1
     assert not t.defers(b"c0", b"pid 2")  # a connection it keeps is served as anyone's
     assert not t.defers(b"new", b"pid 1")  # and other processes' new connections too
     assert not t.defers(b"new", None)  # (over TCP each connection is its own)
     for i in range(30):  # paced to ten connections a second: still over an eighth of churn_rate
-        t.charge(b"p%d" % i, 0.0001, 0, now=now, origin=b"pid 2")
+        t.charge(b"p%d" % i, 0.0001, 0, now=now, origin=b"pid 2", connected=True)
         now += 0.1
         assert t.defers(b"next", b"pid 2")
     now += 3.0  # quiet: no longer churning
@@ -446,6 +446,9 @@ def test_a_process_that_keeps_connecting_has_its_new_connections_wait_and_pays_f
     assert not t.defers(b"next", b"pid 2")
     t.forget(now + 20.0)
     assert t._connects == {}  # the map does not grow
+    for i in range(100):  # connections it keeps, silent past forget_s, asking again: not new ones
+        t.charge(b"p%d" % (i % 30), 0.0001, 0, now=now + 20.0 + i * 0.001, origin=b"pid 2")
+    assert not t.churning(b"pid 2")
 
 
 def test_busy_writers_alone_are_served_in_full_and_share_with_a_reader_about():

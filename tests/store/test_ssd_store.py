@@ -741,3 +741,23 @@ def test_stats_in_steps_count_each_entry_once_as_one_snapshot_does(tmp_path, sto
         assert done.value.value["namespaces"] == {} and done.value.value["tiers"] == stats["tiers"]
     finally:
         gate.set()
+
+
+def test_stats_steps_run_after_a_close_end_quietly(tmp_path, stores, monkeypatch, caplog):
+    """A /metrics scrape runs its later steps with no lock held, and may while
+    the daemon stops: the closed index is a miss to them (IndexBusy), never
+    an lmdb.Error, an index error counted or an ERROR logged."""
+    import kvd.store.tiered as tiered
+    from kvd.store.base import finish
+
+    monkeypatch.setattr(tiered, "STATS_STEP", 4)
+    store = stores(1 << 30, tmp_path)
+    for i in range(20):
+        assert store.put(make_entry(i, "a")) is PutOutcome.STORED
+    assert store.flush(10)
+    steps = store.stats_steps()
+    next(steps)  # the first step, under the daemon's lock
+    store.close()
+    stats = finish(steps)
+    assert stats["tiers"]["ssd"]["index_errors"] == 0 and stats["tiers"]["ssd"]["index_map_size"] > 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

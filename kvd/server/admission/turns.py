@@ -334,18 +334,23 @@ class Turns:
         return 0.0 if got is None else got[0]
 
     def charge(self, peer: bytes, seconds: float, nbytes: int, now: float, *, waited: bool = False,
-               origin: bytes | None = None, parts: int = 0, more: bool = False, write: bool = False) -> None:
+               origin: bytes | None = None, parts: int = 0, more: bool = False, write: bool = False,
+               connected: bool = False) -> None:
         """`peer`'s request took `seconds` of the serving thread's CPU and
         carried `nbytes` in `parts` frames; `waited`: it had waited here.
         Charged to `origin` too. `more`: a turn of a request served in turns
         that was not its last: its cost counts with its last turn's, as one
         request's (a PUT of 8,000 tiny chunks in 0.5 ms turns is one heavy
         request, not sixty light ones). `write`: a PUT, SLOTS, COMMIT or GC
-        (it counts toward its process being a busy writer)."""
+        (it counts toward its process being a busy writer). `connected`: the
+        first request on its connection (the daemon knows: an identity new on
+        its fd; a cost forgotten after forget_s does not make one new), which
+        is charged what connecting cost (`connect_s`) and counts toward its
+        process churning."""
         self._served += 1
         self._now = max(self._now, now)
         cost = seconds + nbytes * BYTE_SECONDS + parts * PART_SECONDS
-        if peer not in self._cost and peer not in self._partial:  # a new connection's first request
+        if connected:
             cost += self.connect_s
             if origin is not None:
                 self._connected(origin, now)

@@ -23,6 +23,7 @@ before it acknowledges a batch and on its writer's tick (ssd.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import Executor, Future
@@ -73,10 +74,15 @@ class Env:
         self._stat_lock = threading.Lock()  # file_fault's stat and compare, one thread at a time
         self._gate = threading.Condition()
         self._readers = 0
+        self._closed_map_size: int | None = None  # set once closed (map_size)
         self._resizing = False
 
     def close(self) -> None:
-        self.env.close()
+        """Close once the readers inside are out (at most 1 s: each holds one
+        short transaction); later readers miss (IndexBusy) rather than meet a
+        closed environment (a /metrics scrape reads the index with no lock
+        held, and may during a stop)."""
+        self.retire(timeout=1.0)
 
     def file_fault(self) -> str | None:
         """Why the data.mdb at this environment's path is no longer the file
@@ -105,6 +111,10 @@ class Env:
         with self._gate:
             self._resizing = True
             self._gate.wait_for(lambda: self._readers == 0, timeout=timeout)
+        if self._closed_map_size is None:
+            with contextlib.suppress(lmdb.Error):
+                self._closed_map_size = self.env.info()["map_size"]
+            self._closed_map_size = self._closed_map_size or 0
         self.env.close()
 
     @contextmanager
@@ -172,6 +182,8 @@ class Env:
 
     @property
     def map_size(self) -> int:
+        if self._closed_map_size is not None:  # closed: what it was
+            return self._closed_map_size
         return self.env.info()["map_size"]
 
 
