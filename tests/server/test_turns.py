@@ -527,28 +527,37 @@ with Client(sys.argv[1], namespace="storm", timeout=30, chunk_tokens=256) as c:
 """
 
 
+def _reading_through(d, script: str, *args: str):
+    """A reader stores a 300-token prefix and GETs it, every GET a whole hit,
+    while `script` runs in a process of its own to its end: (the reader,
+    what the script printed). The prefix is served bit-exact after."""
+    reader = d.client("good", strict=True)
+    tokens = list(range(300))
+    data = np.arange(300 * 160, dtype=np.uint8).reshape(1, 300, 160)
+    assert reader.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(data), 1)}))
+    proc = subprocess.Popen([sys.executable, "-c", script, d.endpoint, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            hit = reader.get(tokens)
+            assert hit is not None and hit.n == 300
+        assert proc.wait(30) == 0
+        out = proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    np.testing.assert_array_equal(reader.get(tokens).sliced["k"].array, data)
+    return reader, out
+
+
 def test_a_writer_storming_the_daemon_is_paced_while_a_reader_reads(kvd_daemon):
     """A real daemon: a process PUTting small prompts back to back becomes a
     busy writer while another process reads; every put is acknowledged and
     every read is a hit."""
-    reader = kvd_daemon.client("good", strict=True)
-    tokens = list(range(300))
-    data = np.arange(300 * 160, dtype=np.uint8).reshape(1, 300, 160)
-    assert reader.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(data), 1)}))
-    storm = subprocess.Popen([sys.executable, "-c", STORM, kvd_daemon.endpoint, "400"], stdout=subprocess.PIPE, text=True)
-    try:
-        gets, deadline = 0, time.monotonic() + 120
-        while storm.poll() is None and time.monotonic() < deadline:
-            hit = reader.get(tokens)
-            assert hit is not None and hit.n == 300
-            gets += 1
-        assert storm.wait(30) == 0 and storm.stdout.read().split() == ["400"]  # every put acknowledged
-    finally:
-        storm.kill()
-        storm.wait()
+    reader, out = _reading_through(kvd_daemon, STORM, "400")
+    assert out.split() == ["400"]  # every put acknowledged
     peers = reader.stats()["peers"]
-    assert peers["busy_writers_seen"] >= 1 and peers["deferred"] > 0, (gets, peers)
-    np.testing.assert_array_equal(reader.get(tokens).sliced["k"].array, data)
+    assert peers["busy_writers_seen"] >= 1 and peers["deferred"] > 0, peers
 
 
 # A process that connects, PINGs, reads the reply and hangs up, N times in a
@@ -573,23 +582,10 @@ def test_a_process_connecting_again_and_again_is_paced_while_a_reader_reads(kvd_
     """A real daemon: a process opening a connection for every PING becomes
     churning while another process reads: its new connections' PINGs wait
     their turns, each is answered, and every read is a hit."""
-    reader = kvd_daemon.client("good", strict=True)
-    tokens = list(range(300))
-    data = np.arange(300 * 160, dtype=np.uint8).reshape(1, 300, 160)
-    assert reader.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(data), 1)}))
-    churn = subprocess.Popen([sys.executable, "-c", CHURN, kvd_daemon.endpoint, "300"], stdout=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while churn.poll() is None and time.monotonic() < deadline:
-            hit = reader.get(tokens)
-            assert hit is not None and hit.n == 300
-        assert churn.wait(30) == 0 and churn.stdout.read().split() == ["300"]  # every PING answered
-    finally:
-        churn.kill()
-        churn.wait()
+    reader, out = _reading_through(kvd_daemon, CHURN, "300")
+    assert out.split() == ["300"]  # every PING answered
     peers = reader.stats()["peers"]
     assert peers["churners_seen"] >= 1 and peers["deferred"] > 0, peers
-    np.testing.assert_array_equal(reader.get(tokens).sliced["k"].array, data)
 
 
 # A process that sends N LOOKUPs of 1 M tokens (4 MiB each: heavy) without
@@ -620,21 +616,8 @@ def test_a_heavy_peer_that_does_not_wait_for_its_replies_is_told_busy_past_its_f
     reads. At most turns.max_per_peer of them wait for their turns; the rest
     are answered BUSY unserved (else, the queue full, they were served at
     once, the pacing undone). Every request has an answer."""
-    reader = kvd_daemon.client("good", strict=True)
-    tokens = list(range(300))
-    data = np.arange(300 * 160, dtype=np.uint8).reshape(1, 300, 160)
-    assert reader.put(tokens, Snapshot(sliced={"k": (HostTensor.from_numpy(data), 1)}))
-    pipe = subprocess.Popen([sys.executable, "-c", PIPELINE, kvd_daemon.endpoint, "24"], stdout=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while pipe.poll() is None and time.monotonic() < deadline:
-            hit = reader.get(tokens)
-            assert hit is not None and hit.n == 300
-        assert pipe.wait(30) == 0
-        kinds = dict(kv.split("=") for kv in pipe.stdout.read().split())
-    finally:
-        pipe.kill()
-        pipe.wait()
-    assert int(kinds.get("BUSY", 0)) > 0 and int(kinds.get("BUSY", 0)) + int(kinds.get("LOOKUP", 0)) == 24, kinds
+    reader, out = _reading_through(kvd_daemon, PIPELINE, "24")
+    kinds = {k: int(v) for k, v in (kv.split("=") for kv in out.split())}
+    assert kinds.get("BUSY", 0) > 0 and kinds.get("BUSY", 0) + kinds.get("LOOKUP", 0) == 24, kinds
     peers = reader.stats()["peers"]
-    assert peers["refused_waiting"] == int(kinds["BUSY"]) and peers["deferred"] > 0, peers
+    assert peers["refused_waiting"] == kinds["BUSY"] and peers["deferred"] > 0, peers
