@@ -514,7 +514,7 @@ class Daemon(Reading, Settling):
                     try:
                         shutdown = self._serve_one(raw) or shutdown
                     finally:
-                        self.courtesy.served()
+                        self.courtesy.served(read=ready.last_type in ("GET", "LOOKUP"))
                     continue
             shutdown = self._serve_one(raw, waited=waited) or shutdown
         return shutdown

@@ -22,8 +22,10 @@ client's own threads, and both ends' ZeroMQ I/O threads, want a core at the
 same moments. On two cores a writer running flat out on one of them (0.8 s
 of CPU for a PUT of 8,000 tiny chunks) made a model server's GET of a RAM
 hit wait its turn for a core: p99 4-6x idle, and as much with the writer's
-daemon another one (`bench_stress.py --floor`). So while reads come (one
-was served within `readers_s`), the writer also keeps to a duty cycle: each
+daemon another one (`bench_stress.py --floor`). So while reads come (a GET
+or LOOKUP was served within `readers_s`: what a model server waits on, not
+a PING or a STATS, whose pollers would keep the writer slow for nothing),
+the writer also keeps to a duty cycle: each
 `work_s` of its CPU time is followed by a rest of work_s x (1 - duty) / duty.
 A writer of big entries spends its time waiting for the disk, not on a CPU,
 and is hardly slowed; a flood of tiny ones is.
@@ -78,8 +80,10 @@ class Courtesy:
     def serving(self) -> None:
         self._idle.clear()
 
-    def served(self) -> None:
-        self._read_at = self._clock()
+    def served(self, read: bool = True) -> None:
+        """The request is answered; `read`: one a model server waits on (rule 2)."""
+        if read:
+            self._read_at = self._clock()
         self._idle.set()
 
     def pause(self) -> None:

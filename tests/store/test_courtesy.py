@@ -55,6 +55,12 @@ def test_while_reads_come_the_writer_rests_to_keep_its_duty_and_runs_flat_out_af
     c.pause()
     assert slept == []
     c.serving()
+    c.served(read=False)  # a PING, a STATS: nobody waits on it as on a read
+    c.pause()
+    cpu[0] += 0.01
+    c.pause()
+    assert slept == []
+    c.serving()
     c.served()  # a read now: the writer's CPU counts from its next pause
     c.pause()
     cpu[0] += 0.0004

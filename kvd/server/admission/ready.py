@@ -64,6 +64,7 @@ class Ready:
         self._served_at: dict[bytes, int] = {}  # peer -> pops when it was last served, while it has more waiting
         self.counters = {"reordered": 0}
         self.last_write = False  # the request pop() returned last is a write (someone waits on the others)
+        self.last_type: str | None = None  # and its type, as its first bytes name it
 
     def __len__(self) -> int:
         return self._n
@@ -78,7 +79,7 @@ class Ready:
         if peer not in self._peers:
             self._peers[peer] = deque()
             self._head_since[peer] = self._pops
-        self._peers[peer].append((self._seq, request, nbytes, write))
+        self._peers[peer].append((self._seq, request, nbytes, write, mtype))
         if write:
             self._writes[peer] = self._writes.get(peer, 0) + 1
         self._seq += 1
@@ -107,7 +108,7 @@ class Ready:
 
     def _take(self, peer: bytes) -> Any:
         q = self._peers[peer]
-        _, request, nbytes, write = q.popleft()
+        _, request, nbytes, write, self.last_type = q.popleft()
         self.last_write = write
         if q:
             self._served_at[peer] = self._head_since[peer] = self._pops + 1
