@@ -366,6 +366,44 @@ def test_a_paused_remote_holds_nobody_but_its_asker(server, daemon_factory):
         assert cb.stats()["server"]["errors"].get("INTERNAL", 0) == 0
 
 
+def _asked(server) -> int:
+    """The questions the server was asked (HMGET, GETRANGE, GET, EXISTS calls),
+    by its own INFO commandstats: what a tier's reader threads sent it."""
+    import redis
+
+    with redis.Redis.from_url(server.url) as r:
+        stats = r.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k.split("_", 1)[1] in ("hmget", "getrange", "get", "exists", "mget"))
+
+
+def test_a_paused_remote_gathers_no_queue_of_questions_from_local_hits(server, daemon_factory):
+    """A GET the local tiers hit asks the server, on a reader thread, whether
+    it holds more (the answer serves later GETs). While the server is paused,
+    300 such GETs of one prefix ask once, not 300 times: before, each asked
+    again, the reader threads worked through the queue once the server
+    resumed, and a request parked on the server waited behind it (bench
+    paused-remote: 70-150 ms after the resume, ~90 ms of them everyone's)."""
+    d = daemon_factory("--ram-mb", "64", "--remote-url", server.url, "--remote-timeout-s", "5")
+    mine = list(range(50_000, 50_300))
+    with d.client(NS, strict=True, timeout=10.0) as c:
+        assert c.put(mine, prefix_snapshot(mine))
+        written(c, 2)
+        before = _asked(server)
+        server.proc.send_signal(signal.SIGSTOP)  # alive, accepting, never answering
+        try:
+            for _ in range(300):
+                hit = c.get(mine + [1, 2, 3])  # a local hit; the server might hold more of it
+                assert hit is not None and hit.n == 300
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        # A GET that needs the server: its question goes to the reader
+        # threads after whatever was queued while the server was paused.
+        assert c.get(list(range(90_000, 90_600))) is None
+        asked = _asked(server) - before
+        assert asked <= 12, asked  # the hint's question(s) and the cold GET's own, not ~300
+        assert not remote(c)["degraded"]
+
+
 def test_cold_gets_of_different_chains_at_once_are_all_served(server, daemon_factory):
     """Four clients' cold GETs, parked on the remote tier at once, are all
     served bit-exact: each new stream leaves the batches other parked GETs

@@ -31,6 +31,12 @@ _ANSWERS_MAX = 1 << 16
 # it: it takes an answer asked within this long (any request's), else serves
 # the local prefix and lets a reader thread ask, for the requests after it.
 _HINT_S = 2.0
+# Questions such GETs may have with the reader threads at once. A hint is
+# asked once however many GETs want it meanwhile, and past this many none
+# is asked: a server that stops answering (paused, or slow) must not gather
+# a queue of round trips, one per GET, that the reader threads then work
+# through while a parked request's question waits behind them.
+_HINTS_MAX = 8
 _RESULTS_MAX = 256
 
 
@@ -239,7 +245,7 @@ class WithRemote(Store):
         fresh = time.monotonic() - _HINT_S
         got = [a[0] if (a := self._answers.get(e)) is not None and a[1] >= fresh else None for e in want]
         new = [e for e, a in zip(want, got) if a is None and e not in self._asking]
-        if new:
+        if new and len(self._jobs) < _HINTS_MAX:
             self._ask_exists(new)
         return [bool(a) for a in got]
 
@@ -264,7 +270,12 @@ class WithRemote(Store):
         if got is not None and got[1] >= (time.monotonic() - _HINT_S if hint else self._since):
             return got[0]
         call = self._calls.get(key)
-        if call is None or call[1] < self._since:
+        if hint and (call is not None or len(self._calls) >= _HINTS_MAX):
+            # The local prefix now: the question asked (by any request) serves
+            # the requests after this one; never a second one meanwhile.
+            if call is None or not call[0].done():
+                return []
+        elif call is None or call[1] < self._since:
             call = self._calls[key] = (self.remote.submit(fn, *args), time.monotonic())
         if not call[0].done():
             if hint:
