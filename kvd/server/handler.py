@@ -478,21 +478,24 @@ class Handler:
         root = keys.root_key(ns, ct)
         counts = {"stored": 0, "duplicate": 0, "too_big": 0, "dropped": 0}
         held: list[Entry] = []  # stored or already there: write-through waits for them
-        for j, chunk in enumerate(msg["chunks"], 1):
-            if j % _STEP_CHUNKS == 0:
+        chunks = msg["chunks"]
+        for at in range(0, len(chunks), _STEP_CHUNKS):
+            if at:
                 yield
-            i = chunk["index"]
-            start = i * ct
-            length = min(ct, n_tokens - start)
-            entry = Entry(
-                namespace=ns, key=chain[i], kind=CHUNK, parent=chain[i - 1] if i else root,
-                start=start, length=length, tensors=tuple(chunk["tensors"]), meta=chunk["meta"],
-                tail=length < ct,
-            )
-            outcome = self.store.put(entry).value
-            counts[outcome] += 1
-            if outcome in ("stored", "duplicate"):
-                held.append(entry)
+            step = []
+            for chunk in chunks[at : at + _STEP_CHUNKS]:
+                i = chunk["index"]
+                start = i * ct
+                length = min(ct, n_tokens - start)
+                step.append(Entry(
+                    namespace=ns, key=chain[i], kind=CHUNK, parent=chain[i - 1] if i else root,
+                    start=start, length=length, tensors=tuple(chunk["tensors"]), meta=chunk["meta"],
+                    tail=length < ct,
+                ))
+            for entry, outcome in zip(step, self.store.put_many(step)):
+                counts[outcome.value] += 1
+                if outcome.value in ("stored", "duplicate"):
+                    held.append(entry)
         if boundary is not None:
             i = len(chain) - 1
             entry = Entry(

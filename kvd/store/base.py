@@ -146,6 +146,11 @@ class Store(abc.ABC):
     def put(self, entry: Entry) -> PutOutcome:
         """Keep `entry`, evicting least-recently-used entries to stay in budget."""
 
+    def put_many(self, entries: Sequence[Entry]) -> list[PutOutcome]:
+        """`put` for each of `entries`, in order: a tier with an on-disk index
+        asks it about them all in one read transaction."""
+        return [self.put(entry) for entry in entries]
+
     @abc.abstractmethod
     def tails(self, parent: bytes) -> Iterable[tuple[int, bytes]]:
         """(length, key) of every held tail chunk (shorter than a full chunk)

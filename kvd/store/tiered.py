@@ -174,8 +174,21 @@ class TieredStore(Store):
 
     # -- writes --------------------------------------------------------------
     def put(self, entry: Entry) -> PutOutcome:
+        return self._put(entry, None)
+
+    def put_many(self, entries: Sequence[Entry]) -> list[PutOutcome]:
+        ram, queue = self.ram, self.ssd.queue
+        ids = [entry.id for entry in entries]
+        ask = [eid for eid in ids if not ram.contains(eid) and queue.get(eid) is None]
+        rows = dict(zip(ask, self.ssd.has_rows(ask))) if len(ask) > 1 else {}
+        # (An id not asked -- in RAM or queued a moment ago -- is asked alone
+        # if it is neither by its turn: the writer may have committed it.)
+        return [self._put(entry, rows.get(eid)) for entry, eid in zip(entries, ids)]
+
+    def _put(self, entry: Entry, on_disk: bool | None) -> PutOutcome:
+        """`put`; `on_disk`: whether the index has its row, if asked already."""
         if self.ssd.queue.get(entry.id) is not None or (
-            not self.ram.contains(entry.id) and self.ssd.has_row(entry.id)
+            not self.ram.contains(entry.id) and (self.ssd.has_row(entry.id) if on_disk is None else on_disk)
         ):
             # Held below RAM already: refresh it there rather than duplicate.
             return self.ssd.put(entry)

@@ -97,6 +97,28 @@ def test_restart_warm_serves_every_entry(tmp_path, stores):
     assert store.ssd.counters["orphans_removed"] == store.ssd.counters["temps_removed"] == 0
 
 
+def test_put_many_refreshes_what_the_disk_holds_and_keeps_what_is_new(tmp_path, stores):
+    """A PUT's step of chunks asks the index about them in one read
+    transaction: those with a row (or queued) are refreshed there, never
+    copied into RAM again; the new ones go to RAM; the outcomes are those of
+    `put` one at a time, in order."""
+    entries = [make_entry(i) for i in range(12)]
+    store = stores(3 * charged(entries[0]), tmp_path)
+    for e in entries[:8]:
+        store.put(e)
+    assert store.flush(10)  # 0..4 evicted to the disk, 5..7 in RAM and on the disk too (written back)
+    on_disk = [e for e in entries[:8] if not store.ram.contains(e.id)]
+    assert len(on_disk) == 5 and all(store.ssd.has_row(e.id) for e in on_disk)
+    dup_before = store.ssd.counters["duplicates"]
+    outcomes = store.put_many(entries)
+    assert outcomes[:8] == [PutOutcome.DUPLICATE] * 8
+    assert outcomes[8:] == [PutOutcome.STORED] * 4
+    assert store.ssd.counters["duplicates"] == dup_before + 5  # refreshed on the disk, not into RAM
+    assert not any(store.ram.contains(e.id) for e in on_disk)
+    for e in entries:
+        assert_same(store.get(e.id), e)
+
+
 def test_queued_entries_are_served_before_they_reach_disk(tmp_path, stores):
     entries = [make_entry(i) for i in range(10)]
     store = stores(charged(entries[0]), tmp_path)

@@ -508,6 +508,13 @@ class WithRemote(Store):
             self.remote.offer(entry)
         return outcome
 
+    def put_many(self, entries: Sequence[Entry]) -> list[PutOutcome]:
+        outcomes = self.local.put_many(entries)
+        for entry, outcome in zip(entries, outcomes):
+            if outcome in (PutOutcome.STORED, PutOutcome.TOO_BIG):
+                self.remote.offer(entry)
+        return outcomes
+
     # Durability is the local tiers' (Store's defaults would answer "nothing to
     # wait for": a write-through PUT acknowledged before its fsync, and a
     # write-back backlog that `tick` never fed to the writer).

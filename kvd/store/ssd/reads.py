@@ -87,6 +87,19 @@ class Reads:
             self._index_error(exc)
             return out
 
+    def has_rows(self, eids: Sequence[bytes]) -> list[bool]:
+        """`has_row` for each of `eids`, from one read transaction (a PUT's
+        step of new chunks asked one transaction each: ~30 us apiece)."""
+        try:
+            with self.index.reading() as txn:
+                exact = txn.cursor(db=self.index.rows).set_key
+                return [exact(eid) for eid in eids]
+        except IndexBusy:
+            return [False] * len(eids)
+        except lmdb.Error as exc:
+            self._index_error(exc)
+            return [False] * len(eids)
+
     def has_row(self, eid: bytes) -> bool:
         """Whether a committed blob exists for `eid` (ignores the queue)."""
         try:
