@@ -86,10 +86,10 @@ callers (no daemon to tell) read in "block" mode, as below. A GET the local tier
 already hit does not wait for the server to extend it (`local_first`): it
 takes an answer a reader thread brought within 2 s (any request's), else
 serves the local prefix while a reader thread asks, for the requests after
-it: one question in flight per prefix, at most 8 such at once, so a server
-that stops answering gathers no queue of them (one per GET) for the reader
-threads to work through once it resumes; a LOOKUP always waits for the
-server's answer.
+it: one question in flight per prefix, none while 8 tails questions (or 8
+presence checks) are out, so a server that stops answering gathers no
+queue of them (one per GET) for the reader threads to work through once it
+resumes; a LOOKUP always waits for the server's answer.
 A read on the daemon's loop thread ("block") waits at most `timeout` seconds in all
 (for a batch on the reader threads as for its own round trips; every
 pipeline of GETs has that deadline however slowly its bytes trickle in), once

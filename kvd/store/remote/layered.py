@@ -31,7 +31,9 @@ _ANSWERS_MAX = 1 << 16
 # it: it takes an answer asked within this long (any request's), else serves
 # the local prefix and lets a reader thread ask, for the requests after it.
 _HINT_S = 2.0
-# Questions such GETs may have with the reader threads at once. A hint is
+# Questions such GETs may have with the reader threads at once (tails
+# questions and presence checks, each counted with the parked requests'
+# own, which are never capped). A hint is
 # asked once however many GETs want it meanwhile, and past this many none
 # is asked: a server that stops answering (paused, or slow) must not gather
 # a queue of round trips, one per GET, that the reader threads then work
@@ -272,8 +274,9 @@ class WithRemote(Store):
         call = self._calls.get(key)
         if hint and (call is not None or len(self._calls) >= _HINTS_MAX):
             # The local prefix now: the question asked (by any request) serves
-            # the requests after this one; never a second one meanwhile.
-            if call is None or not call[0].done():
+            # the requests after this one; never a second one meanwhile. (One
+            # that ended since `_harvest` serves this one if asked within _HINT_S.)
+            if call is None or not call[0].done() or call[1] < time.monotonic() - _HINT_S:
                 return []
         elif call is None or call[1] < self._since:
             call = self._calls[key] = (self.remote.submit(fn, *args), time.monotonic())
