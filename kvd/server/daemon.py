@@ -155,7 +155,7 @@ class Daemon(Reading, Settling):
         ssd = getattr(store, "ssd", None)
         if ssd is not None and hasattr(ssd, "courtesy"):
             ssd.courtesy = self.courtesy.pause
-            ssd.writer.rested = lambda: self.courtesy.rested_s
+            ssd.writer.rested = self.courtesy.stepped_aside
         self._conns: dict[int, Conn] = {}  # fd -> the connection on it, as of its identity's first request
         self._fresh: set[bytes] = set()  # connections (identities) in _conns with no request charged yet
         self.ratelog = RateLimitedLog(log)  # repeated warnings: one line per episode, with a count

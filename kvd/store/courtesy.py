@@ -119,6 +119,11 @@ class Courtesy:
             self.rested_s += rest
             self._rested = self._cpu()
 
+    def stepped_aside(self) -> float:
+        """Seconds the writer has waited and rested so far (rules 1 and 2):
+        what its pace leaves out, since a stop serves nobody (Writer.rested)."""
+        return self.paused_s + self.rested_s
+
     def stats(self) -> dict[str, float]:
         return {"writer_pauses": self.pauses, "writer_paused_ms": round(1000 * self.paused_s, 3),
                 "writer_rests": self.rests, "writer_rested_ms": round(1000 * self.rested_s, 3)}

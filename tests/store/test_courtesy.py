@@ -99,3 +99,34 @@ def test_the_writer_does_not_rest_while_someone_waits_on_it():
     cpu[0] += 0.002
     c.pause()
     assert slept == [pytest.approx(0.003)]
+
+
+def test_the_writers_pace_leaves_out_its_waits_and_rests():
+    """The pace a stop counts on (kvd.store.ssd.spill.Pace) is the writer's
+    own time: a wait for a request being served (rule 1) slows no stop, which
+    serves nobody, so it is left out as the duty cycle's rests are. Counted
+    in, a reader's GETs back to back made the pace look a third as fast and
+    a put storm was refused BUSY for a disk that was keeping up."""
+    from kvd.store.ssd.spill import SpillQueue, Writer
+    from support import make_entry
+
+    c = Courtesy(max_wait_s=0.05)
+    c.serving()  # a request being served throughout: each pause waits max_wait_s
+
+    class Sink:
+        def write_batch(self, batch):
+            c.pause()
+
+        def settled(self, batch):
+            pass
+
+    queue = SpillQueue(64 << 20)
+    entries = [make_entry(i) for i in range(4)]
+    for e in entries:
+        assert queue.offer(e)
+    writer = Writer(queue, Sink())
+    writer.rested = c.stepped_aside
+    writer._write(queue.take_batch(64, 64 << 20))
+    assert c.pauses == 1 and c.paused_s >= 0.05
+    entries_done, _, seconds = writer.pace.totals
+    assert entries_done == 4 and seconds < c.paused_s / 2, (seconds, c.paused_s)

@@ -295,9 +295,10 @@ class Writer:
         self._failures = 0  # batches failed in a row by an unexpected error
         self.abandoned = 0  # entries given up after RETRIES failures in a row (never written)
         self.pace = Pace()  # what its batches took lately (see Pace)
-        # Seconds the writer has rested so far to keep its duty cycle while
-        # reads come (kvd.store.courtesy rule 2; the daemon sets it): not what
-        # a batch took, for a stop, which no read slows, does not rest.
+        # Seconds the writer has stepped aside so far for the serving thread
+        # (kvd.store.courtesy: a request being served, rule 1, and its duty
+        # cycle while reads come, rule 2; the daemon sets it): not what a
+        # batch took, for a stop, which serves nobody, does neither.
         self.rested: Callable[[], float] = lambda: 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
