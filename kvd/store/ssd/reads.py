@@ -75,6 +75,8 @@ class Reads:
         out, bad = self.queue.held(eids), self._bad
         if also is not None:
             out = list(map(operator.or_, out, also))
+        if all(out):
+            return out  # (a RAM hit: no read transaction, ~50 us of a GET's ~250)
         try:
             with self.index.reading() as txn:
                 exact = txn.cursor(db=self.index.rows).set_key
