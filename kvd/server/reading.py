@@ -81,7 +81,7 @@ class Reading(drain.Striking):
         if lane is not None:
             return self._recv_lane(lane, whole)
         cpu = time.thread_time()
-        parts, more, before = self.parts.read(sock, self.limits.max_frames, whole)
+        parts, more, before = self.parts.read(sock, self.limits.max_frames, whole, refuse=self._refusable)
         if self.lanes is not None and parts[0].bytes.startswith(LANE_PREFIX):
             # A routing id a peer chose to look like a lane's (kvd.server.lanes
             # rule 5): its requests would be served, and answered, as that
@@ -150,7 +150,7 @@ class Reading(drain.Striking):
         message is read in C, so a bomb costs milliseconds."""
         sock = lane.sock
         started, cpu = time.perf_counter(), time.thread_time()
-        parts, more, before = self.parts.read(sock, self.limits.max_frames, whole)
+        parts, more, before = self.parts.read(sock, self.limits.max_frames, whole, refuse=self._refusable)
         lane.seen(parts[0].bytes, parts[1].get(zmq.SRCFD) if len(parts) > 1 else None)
         parts[0] = zmq.Frame(lane.identity)
         if not more:

@@ -206,13 +206,14 @@ class TieredStore(Store):
                 self.behind_bytes += entry.nbytes
         return outcome
 
-    def refuse_put(self, nbytes: int = 0, entries: int = 0, granted: int = 0) -> str | None:
+    def refuse_put(self, nbytes: int = 0, entries: int = 0, granted: int = 0, *, count: bool = True) -> str | None:
         """Write-back: why a PUT of `entries` chunks, `nbytes`, is refused
         now (the dirty backlog is at its bound in bytes, or with this PUT
         would pass it in time, see PUT above; the refusal is counted), or
         None. `granted`: shared-memory slot bytes granted and not yet
         committed (PUTs on their way). A PUT into an empty backlog is taken
-        whatever its size."""
+        whatever its size. `count=False`: only asked (the refusal is counted
+        where it is answered)."""
         if self.write_through:
             return None
         queue = self.ssd.queue
@@ -225,7 +226,7 @@ class TieredStore(Store):
         # admitted last), the grants are the arena's. Time is the stop's:
         # everything on its way counts.
         if held >= cap:
-            self.counters["backlog_refusals"] += 1
+            self.counters["backlog_refusals"] += count
             what = f"dirty_max_mb is {cap >> 20}" if self.dirty_max_bytes is not None else \
                 f"dirty_max_mb is auto: the RAM tier's {cap >> 20} MiB"
             return f"{held >> 20} MiB stored are {BACKLOG_FULL} ({what}): the disk is behind"
@@ -237,7 +238,7 @@ class TieredStore(Store):
         seconds = self.stop_seconds(n, dirty)
         if seconds <= self.stop_write_s:
             return None
-        self.counters["backlog_refusals"] += 1
+        self.counters["backlog_refusals"] += count
         return (f"with this PUT {n} chunks ({dirty >> 20} MiB) stored are {BACKLOG_FULL}: about {seconds:.1f} s of "
                 f"writing at the pace a stop counts on, past the {self.stop_write_s:g} s a stop leaves for it: "
                 f"the disk is behind")

@@ -322,9 +322,17 @@ def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemo
                 assert raw.poll(10_000), "no answer"
                 reply = codec.decode_reply(raw.recv_multipart())
                 assert (reply.type, reply.id, reply["name"]) == ("ERROR", 77, "BUSY") and "not on disk yet" in reply["message"]
+                # One with 8,000 frames after its header: refused as it is read,
+                # its frames dropped unread (not made Frames), counted once.
+                before = c.stats()["peers"]["refused_unread"]
+                raw.send_multipart([bytes(header)[:40] + b"\xc1" * 64] + [b"\x07" * 4] * 8000)
+                assert raw.poll(10_000), "no answer"
+                reply = codec.decode_reply(raw.recv_multipart())
+                assert (reply.type, reply.id, reply["name"]) == ("ERROR", 77, "BUSY") and "not on disk yet" in reply["message"]
+                assert c.stats()["peers"]["refused_unread"] == before + 1
             finally:
                 raw.close()
-            assert scrape(port)[("kvd_backlog_refusals_total", ())] == 2
+            assert scrape(port)[("kvd_backlog_refusals_total", ())] == 3
         deadline = time.monotonic() + 120
         while c.stats()["store"]["dirty_bytes"] and time.monotonic() < deadline:
             time.sleep(0.05)  # polls the writer's progress; the assertion is below

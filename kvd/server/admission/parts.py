@@ -17,6 +17,7 @@ identity first); what is left past that is the caller's to drop.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import zmq
 
@@ -27,34 +28,57 @@ TURN_C_PARTS = 2048  # a turn in C, past PYZMQ_PARTS
 PYZMQ_PARTS = 8192
 
 
+class Truncated(list):
+    """A message refused from its header (`PartReader.read`'s `refuse`): its
+    first two parts, the identity and the header; the rest was dropped unread."""
+
+
 class PartReader:
     """Messages being read in turns, per socket; owned by the serving thread."""
 
     def __init__(self):
-        self.partial: dict[zmq.Socket, tuple[list, float]] = {}  # parts read so far, CPU they took
+        # parts read so far, CPU they took, and whether the rest is being dropped (refused)
+        self.partial: dict[zmq.Socket, tuple[list, float, bool]] = {}
         self.turns = 0  # turns cut short, in all
+        self.refused = 0  # messages refused from their header, their rest dropped unread
 
     def forget(self, sock: zmq.Socket) -> None:
         """`sock` is closed: what was read of its message goes with it."""
         self.partial.pop(sock, None)
 
-    def read(self, sock: zmq.Socket, max_frames: int, whole: bool = False) -> tuple[list, bool, float]:
+    def read(self, sock: zmq.Socket, max_frames: int, whole: bool = False,
+             refuse: Callable[[zmq.Frame], bool] | None = None) -> tuple[list, bool, float]:
         """The next message on `sock` (or the rest of the one begun), read as
         far as the decoder needs: (parts, True, cpu) if parts are left past
         `max_frames` + 1; `cpu` is what its earlier turns took of this
         thread. Unless `whole`, one turn: when it ends before the message
         does, its parts wait here and zmq.Again is raised (the loop serves
-        what else waits and comes back)."""
+        what else waits and comes back). `refuse(header)`: True if a message
+        with more parts after that header is answered from the header alone
+        (a write-back PUT while the backlog is full): its rest is dropped in
+        C, in turns of TURN_C_PARTS, and it comes back `Truncated`."""
         held = self.partial.pop(sock, None)
         if held is None:
             frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
-            parts, more, before = [frame], frame.more, 0.0
+            parts, more, before, dropping = [frame], frame.more, 0.0, False
+            if more and refuse is not None:
+                header = sock.recv(copy=False)
+                parts.append(header)
+                more = header.more
+                dropping = more and refuse(header)
         else:
-            parts, before = held
+            parts, before, dropping = held
             more = True
+        if dropping:
+            cpu = time.thread_time()
+            if drain.drop_some(sock, None if whole else TURN_C_PARTS):
+                self._later(sock, parts, before + time.thread_time() - cpu, dropping=True)
+            self.refused += 1
+            return Truncated(parts), False, before
         keep = max_frames + 2  # the identity, then one frame over the limit
         limit = min(keep, PYZMQ_PARTS)
-        stop = limit if whole else min(limit, len(parts) + TURN_PARTS)
+        # (A turn is TURN_PARTS after the identity, the header read for `refuse` among them.)
+        stop = limit if whole else min(limit, (1 if held is None else len(parts)) + TURN_PARTS)
         cpu = time.thread_time()
         while more and len(parts) < stop:
             frame = sock.recv(copy=False)
@@ -73,7 +97,7 @@ class PartReader:
             parts[limit:] = [zmq.Frame(p) for p in parts[limit:]]
         return parts, more, before
 
-    def _later(self, sock: zmq.Socket, parts: list, cpu: float) -> None:
-        self.partial[sock] = (parts, cpu)
+    def _later(self, sock: zmq.Socket, parts: list, cpu: float, dropping: bool = False) -> None:
+        self.partial[sock] = (parts, cpu, dropping)
         self.turns += 1
         raise zmq.Again()
