@@ -346,6 +346,32 @@ def test_write_back_refuses_puts_while_the_backlog_is_full_then_takes_them(daemo
             assert_prefix_hit(hit, s)
 
 
+def test_a_frame_bomb_behind_a_refused_put_header_is_a_frame_bomb(daemon_factory):
+    """A PUT refused as it is read has its frames dropped unread in turns; one
+    with more frames than `max_frames` behind that header is still a frame
+    bomb: TOO_MANY_FRAMES, the rest dropped off the serving thread, its
+    sender struck (not dropped part by part by the loop, unpunished)."""
+    d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0")
+    first = _seq(310, 32 * 1024)
+    with d.client("bp", strict=True, chunk_tokens=16, timeout=60) as c:
+        assert c.put(first, prefix_snapshot(first))
+        assert c.stats()["store"]["dirty_bytes"] > 4 << 20, "the disk kept up: this test needs a full backlog"
+        header = codec.encode("PUT", {"ns": "bp", "tokens": keys.token_bytes(range(16)), "chunk_tokens": 16, "chunks": []}, id=78)[0]
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(d.endpoint)
+            raw.send_multipart([header] + [b""] * (c.stats()["server"]["limits"]["max_frames"] + 10))
+            assert raw.poll(30_000), "no answer"
+            reply = codec.decode_reply(raw.recv_multipart())
+            assert (reply.type, reply.id, reply["name"]) == ("ERROR", 78, "TOO_MANY_FRAMES")
+        finally:
+            raw.close()
+        peers = c.stats()["peers"]
+        assert peers["refused_unread"] == 0 and peers["main_bomb_cpu_ms"] > 0
+        assert c.ping()
+
+
 def test_parking_bounds_settles_and_never_acknowledges_what_failed():
     """The parked-reply book (sans-I/O): bounds, group settling, rule 1, stop."""
     from kvd.server.parking import Parking

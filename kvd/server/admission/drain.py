@@ -161,29 +161,27 @@ class Dropper:
 _DROP_TURN: tuple | None = None  # (iovec array, its length, count): drop_some's, the serving thread's only
 
 
-def drop_some(sock: zmq.Socket, most: int | None) -> bool:
-    """Read and drop up to `most` (None: all) more parts of the message being
-    read on `sock`, in C where zmq_recviov is found (~0.1 us a part, against
-    ~0.75 through pyzmq); whether parts are left. The serving thread's: a
-    message refused from its header (kvd.server.admission.parts)."""
+def drop_some(sock: zmq.Socket, most: int) -> tuple[int, bool]:
+    """Read and drop up to `most` more parts of the message being read on
+    `sock`, in C where zmq_recviov is found (~0.1 us a part, against ~0.75
+    through pyzmq): (how many, whether parts are left). The serving
+    thread's only: a message refused from its header (kvd.server.admission.parts)."""
     global _DROP_TURN
-    if most is None:
-        Dropper(sock).rest()
-        return False
-    more = bool(sock.get(zmq.RCVMORE))
+    n, more = 0, bool(sock.get(zmq.RCVMORE))
     if _fns is None:
-        while more and most > 0:
+        while more and n < most:
             sock.recv(copy=True)
-            most -= 1
+            n += 1
             more = bool(sock.get(zmq.RCVMORE))
-        return more
-    if _DROP_TURN is None or _DROP_TURN[1] < most:
-        _DROP_TURN = ((_Iovec * most)(), most, ctypes.c_size_t())
-    iov, _, count = _DROP_TURN
+        return n, more
+    want = min(most, BATCH)
+    if _DROP_TURN is None or _DROP_TURN[1] < want:
+        _DROP_TURN = ((_Iovec * want)(), want, ctypes.c_size_t())
+    iov, size, count = _DROP_TURN
     starts = memoryview(iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")
     handle = ctypes.c_void_p(sock.underlying)
-    while more and most > 0:
-        count.value = most
+    while more and n < most:
+        count.value = min(size, most - n)
         rc = _fns[0](handle, iov, ctypes.byref(count), zmq.DONTWAIT)
         got = count.value
         if got:
@@ -191,9 +189,9 @@ def drop_some(sock: zmq.Socket, most: int | None) -> bool:
         elif rc < 0:  # cannot happen for a message's later parts: one through pyzmq
             sock.recv(copy=True)
             got = 1
-        most -= got
+        n += got
         more = bool(sock.get(zmq.RCVMORE))
-    return more
+    return n, more
 
 
 def read_some(sock: zmq.Socket, most: int) -> tuple[list[bytes], bool]:

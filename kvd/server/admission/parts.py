@@ -37,8 +37,9 @@ class PartReader:
     """Messages being read in turns, per socket; owned by the serving thread."""
 
     def __init__(self):
-        # parts read so far, CPU they took, and whether the rest is being dropped (refused)
-        self.partial: dict[zmq.Socket, tuple[list, float, bool]] = {}
+        # parts read so far, CPU they took, and (a message refused from its
+        # header) how many parts after it were dropped, else None
+        self.partial: dict[zmq.Socket, tuple[list, float, int | None]] = {}
         self.turns = 0  # turns cut short, in all
         self.refused = 0  # messages refused from their header, their rest dropped unread
 
@@ -56,26 +57,33 @@ class PartReader:
         what else waits and comes back). `refuse(header)`: True if a message
         with more parts after that header is answered from the header alone
         (a write-back PUT while the backlog is full): its rest is dropped in
-        C, in turns of TURN_C_PARTS, and it comes back `Truncated`."""
+        C, in turns of TURN_C_PARTS, and it comes back `Truncated`; past
+        `max_frames` it is what any message that long is, (parts, True, cpu):
+        a frame bomb, its sender's to pay for as every bomb's."""
+        keep = max_frames + 2  # the identity, then one frame over the limit
         held = self.partial.pop(sock, None)
         if held is None:
             frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
-            parts, more, before, dropping = [frame], frame.more, 0.0, False
+            parts, more, before, dropped = [frame], frame.more, 0.0, None
             if more and refuse is not None:
                 header = sock.recv(copy=False)
                 parts.append(header)
                 more = header.more
-                dropping = more and refuse(header)
+                dropped = 0 if more and refuse(header) else None
         else:
-            parts, before, dropping = held
+            parts, before, dropped = held
             more = True
-        if dropping:
+        if dropped is not None:
             cpu = time.thread_time()
-            if drain.drop_some(sock, None if whole else TURN_C_PARTS):
-                self._later(sock, parts, before + time.thread_time() - cpu, dropping=True)
+            most = keep - len(parts) - dropped  # parts up to one over the limit
+            n, more = drain.drop_some(sock, most if whole else min(most, TURN_C_PARTS))
+            dropped += n
+            if more and dropped < keep - len(parts):
+                self._later(sock, parts, before + time.thread_time() - cpu, dropped)
+            if more:  # over the limit: a frame bomb (the caller drops the rest)
+                return parts, True, before + time.thread_time() - cpu
             self.refused += 1
             return Truncated(parts), False, before
-        keep = max_frames + 2  # the identity, then one frame over the limit
         limit = min(keep, PYZMQ_PARTS)
         # (A turn is TURN_PARTS after the identity, the header read for `refuse` among them.)
         stop = limit if whole else min(limit, (1 if held is None else len(parts)) + TURN_PARTS)
@@ -97,7 +105,7 @@ class PartReader:
             parts[limit:] = [zmq.Frame(p) for p in parts[limit:]]
         return parts, more, before
 
-    def _later(self, sock: zmq.Socket, parts: list, cpu: float, dropping: bool = False) -> None:
-        self.partial[sock] = (parts, cpu, dropping)
+    def _later(self, sock: zmq.Socket, parts: list, cpu: float, dropped: int | None = None) -> None:
+        self.partial[sock] = (parts, cpu, dropped)
         self.turns += 1
         raise zmq.Again()
