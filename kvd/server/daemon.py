@@ -598,11 +598,7 @@ class Daemon(Reading, Settling):
                 self.gate.touch(fd)
             saturated = self.outbox is not None and self.outbox.saturated(identity)
             if not saturated:
-                refused = self._refused_unread(payload)
-                if refused is None and isinstance(raw, Truncated):
-                    # Refused as it was read, its frames dropped: the backlog has
-                    # had room since (a moment), but what it carried is gone.
-                    refused = self._busy(payload, "write-back: the disk was behind when this PUT came"), False, "BUSY"
+                refused = self._truncated(raw) if isinstance(raw, Truncated) else self._refused_unread(payload)
             # (A refused request's frames are not made bytes: 8,000 of them take ~1.5 ms.)
             frames = kept(payload) if refused is None else payload
         started, cpu = time.perf_counter(), time.thread_time()
@@ -621,6 +617,8 @@ class Daemon(Reading, Settling):
         if reply is not None:  # None: parked until its entries are on disk, or more turns to come
             self._send(identity, reply, frames, conn and conn.where)
         nbytes = left.size if left is not None else sum(len(f) for f in frames)
+        dropped = raw.dropped if isinstance(raw, Truncated) else 0  # (charged as if read: they arrived)
+        nbytes += raw.dropped_bytes if dropped else 0
         while self._left is not None and not self.turns.room(nbytes):
             # No room to wait: served to its end now, as a request too big to wait is.
             rest, self._left = self._left, None
@@ -637,7 +635,7 @@ class Daemon(Reading, Settling):
         connected = identity in self._fresh  # its connection's first request (what connecting cost is charged with it)
         self._fresh.discard(identity)
         self.turns.charge(identity, cpu, 0 if left is not None else nbytes, time.monotonic(),
-                          waited=waited, origin=conn and conn.origin, parts=0 if left is not None else len(frames) + 1,
+                          waited=waited, origin=conn and conn.origin, parts=0 if left is not None else len(frames) + 1 + dropped,
                           more=self._left is not None, write=mtype in WRITES, connected=connected)
         self.latency.observe(mtype, elapsed)
         if log.isEnabledFor(logging.DEBUG):
@@ -715,6 +713,25 @@ class Daemon(Reading, Settling):
         thread asks): a write-through PUT parked, or memory pressure."""
         parking = getattr(self, "parking", None)  # (in write-back mode only reads wait there, on the remote tier)
         return bool(self.write_through and parking is not None and len(parking)) or self.pressed()
+
+    def _truncated(self, raw: Truncated) -> tuple[list, bool, str]:
+        """The answer to a message refused as it was read (`_refusable`), its
+        frames after the header dropped: TOO_MANY_FRAMES if they were more
+        than the limit allows (as a message read whole is told), else BUSY,
+        whether or not the backlog has had room since (a moment): what it
+        carried is gone."""
+        payload, mtype = raw[1:], codec.peek_type(raw[1]) or "PUT"
+        if 1 + raw.dropped > self.limits.max_frames:
+            err = E.TooManyFrames(
+                f"{1 + raw.dropped} frames; the limit is {self.limits.max_frames}")
+            self.handler.errors[err.name] += 1
+            return codec.encode_error(err, id=codec.peek_id(payload)), False, mtype
+        refused = self._refused_unread(payload)
+        if refused is not None:
+            return refused
+        # (Not counted in backlog_refusals: the store no longer refuses it.)
+        return self._busy(payload, f"write-back: stored chunks were {E.BACKLOG_FULL} when this PUT came, its frames "
+                                   "dropped unread: send it again"), False, mtype
 
     def _refusable(self, header: zmq.Frame) -> bool:
         """At read time (kvd.server.admission.parts): would a message with this

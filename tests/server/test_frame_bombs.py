@@ -54,6 +54,51 @@ def test_the_rest_of_a_message_is_dropped_to_its_end_and_no_further(tmp_path):
         ctx.destroy(linger=0)
 
 
+@pytest.mark.parametrize("after", [9, 10, 11])
+def test_a_message_refused_from_its_header_is_dropped_in_turns_up_to_the_limit(tmp_path, after):
+    """`PartReader.read(refuse=)` (a write-back PUT while the backlog is
+    full): the parts after a refused header are dropped unread, in turns,
+    and counted (parts and bytes, for its peer's charge); with `max_frames`
+    10 (header included), 9 parts after it are a message within the limit,
+    10 one frame over it (answered TOO_MANY_FRAMES by the daemon, read
+    whole), 11 a frame bomb (more=True: the caller's bomb path). The next
+    message is the other peer's, whole."""
+    from kvd.server.admission import parts as P
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{tmp_path}/s")
+    sender, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (sender, other):
+        s.connect(f"ipc://{tmp_path}/s")
+    reader, old_turn = P.PartReader(), P.TURN_C_PARTS
+    P.TURN_C_PARTS = 4  # turns of 4 parts: 9-11 parts take three
+    try:
+        sender.send_multipart([b"head"] + [b"ab"] * after)
+        assert router.poll(30_000)
+        other.send_multipart([b"next", b"one"])
+        turns = 0
+        while True:
+            try:
+                got, more, _ = reader.read(router, 10, refuse=lambda header: header.bytes == b"head")
+                break
+            except zmq.Again:
+                turns += 1
+        assert turns == 2 and [f.bytes for f in got[1:2]] == [b"head"]
+        if after == 11:
+            assert more and not isinstance(got, P.Truncated) and reader.refused == 0
+            drain.Dropper(router).rest()  # what the daemon's bomb path does with the rest
+        else:
+            assert not more and isinstance(got, P.Truncated) and len(got) == 2
+            assert (got.dropped, got.dropped_bytes, reader.refused) == (after, 2 * after, 1)
+            assert (1 + got.dropped > 10) == (after == 10)  # over max_frames: TOO_MANY_FRAMES
+        assert router.poll(30_000)
+        assert [f.bytes for f in reader.read(router, 10, refuse=lambda header: False)[0][1:]] == [b"next", b"one"]
+    finally:
+        P.TURN_C_PARTS = old_turn
+        ctx.destroy(linger=0)
+
+
 def test_a_process_is_spared_a_strike_for_memory_twice_a_minute_and_no_more():
     """drain.Offenders.spare: a process shed for memory inside a bomb while a
     request of it was read on a connection still open is spared twice

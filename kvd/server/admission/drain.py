@@ -161,19 +161,19 @@ class Dropper:
 _DROP_TURN: tuple | None = None  # (iovec array, its length, count): drop_some's, the serving thread's only
 
 
-def drop_some(sock: zmq.Socket, most: int) -> tuple[int, bool]:
+def drop_some(sock: zmq.Socket, most: int) -> tuple[int, int, bool]:
     """Read and drop up to `most` more parts of the message being read on
     `sock`, in C where zmq_recviov is found (~0.1 us a part, against ~0.75
-    through pyzmq): (how many, whether parts are left). The serving
-    thread's only: a message refused from its header (kvd.server.admission.parts)."""
+    through pyzmq): (how many, their bytes, whether parts are left). The
+    serving thread's only: a message refused from its header (kvd.server.admission.parts)."""
     global _DROP_TURN
-    n, more = 0, bool(sock.get(zmq.RCVMORE))
+    n, nbytes, more = 0, 0, bool(sock.get(zmq.RCVMORE))
     if _fns is None:
         while more and n < most:
-            sock.recv(copy=True)
+            nbytes += len(sock.recv(copy=True))
             n += 1
             more = bool(sock.get(zmq.RCVMORE))
-        return n, more
+        return n, nbytes, more
     want = min(most, BATCH)
     if _DROP_TURN is None or _DROP_TURN[1] < want:
         _DROP_TURN = ((_Iovec * want)(), want, ctypes.c_size_t())
@@ -186,12 +186,13 @@ def drop_some(sock: zmq.Socket, most: int) -> tuple[int, bool]:
         got = count.value
         if got:
             _free_later(starts[0 : 2 * got : 2].tolist())
+            nbytes += sum(starts[1 : 2 * got : 2].tolist())
         elif rc < 0:  # cannot happen for a message's later parts: one through pyzmq
-            sock.recv(copy=True)
+            nbytes += len(sock.recv(copy=True))
             got = 1
         n += got
         more = bool(sock.get(zmq.RCVMORE))
-    return n, more
+    return n, nbytes, more
 
 
 def read_some(sock: zmq.Socket, most: int) -> tuple[list[bytes], bool]:

@@ -30,7 +30,11 @@ PYZMQ_PARTS = 8192
 
 class Truncated(list):
     """A message refused from its header (`PartReader.read`'s `refuse`): its
-    first two parts, the identity and the header; the rest was dropped unread."""
+    first two parts, the identity and the header; the rest was dropped unread
+    (`dropped` parts of `dropped_bytes`, charged to its peer as if read)."""
+
+    dropped = 0
+    dropped_bytes = 0
 
 
 class PartReader:
@@ -38,8 +42,8 @@ class PartReader:
 
     def __init__(self):
         # parts read so far, CPU they took, and (a message refused from its
-        # header) how many parts after it were dropped, else None
-        self.partial: dict[zmq.Socket, tuple[list, float, int | None]] = {}
+        # header) the parts and bytes after it dropped so far, else None
+        self.partial: dict[zmq.Socket, tuple[list, float, tuple[int, int] | None]] = {}
         self.turns = 0  # turns cut short, in all
         self.refused = 0  # messages refused from their header, their rest dropped unread
 
@@ -69,21 +73,23 @@ class PartReader:
                 header = sock.recv(copy=False)
                 parts.append(header)
                 more = header.more
-                dropped = 0 if more and refuse(header) else None
+                dropped = (0, 0) if more and refuse(header) else None
         else:
             parts, before, dropped = held
             more = True
         if dropped is not None:
             cpu = time.thread_time()
-            most = keep - len(parts) - dropped  # parts up to one over the limit
-            n, more = drain.drop_some(sock, most if whole else min(most, TURN_C_PARTS))
-            dropped += n
-            if more and dropped < keep - len(parts):
+            most = keep - len(parts) - dropped[0]  # parts up to one over the limit
+            n, nbytes, more = drain.drop_some(sock, most if whole else min(most, TURN_C_PARTS))
+            dropped = (dropped[0] + n, dropped[1] + nbytes)
+            if more and dropped[0] < keep - len(parts):
                 self._later(sock, parts, before + time.thread_time() - cpu, dropped)
             if more:  # over the limit: a frame bomb (the caller drops the rest)
-                return parts, True, before + time.thread_time() - cpu
+                return parts, True, before
             self.refused += 1
-            return Truncated(parts), False, before
+            out = Truncated(parts)
+            out.dropped, out.dropped_bytes = dropped
+            return out, False, before
         limit = min(keep, PYZMQ_PARTS)
         # (A turn is TURN_PARTS after the identity, the header read for `refuse` among them.)
         stop = limit if whole else min(limit, (1 if held is None else len(parts)) + TURN_PARTS)
@@ -105,7 +111,7 @@ class PartReader:
             parts[limit:] = [zmq.Frame(p) for p in parts[limit:]]
         return parts, more, before
 
-    def _later(self, sock: zmq.Socket, parts: list, cpu: float, dropped: int | None = None) -> None:
+    def _later(self, sock: zmq.Socket, parts: list, cpu: float, dropped: tuple[int, int] | None = None) -> None:
         self.partial[sock] = (parts, cpu, dropped)
         self.turns += 1
         raise zmq.Again()
