@@ -32,13 +32,19 @@ FRAMES = 8_000_000
 PING = codec.encode("PING", {}, id=9)[0].hex()
 
 
-def test_the_rest_of_a_message_is_dropped_to_its_end_and_no_further(tmp_path):
+def _router_and_two_peers(tmp_path):
+    """A ROUTER on an ipc path and two DEALERs connected to it (context first)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.bind(f"ipc://{tmp_path}/s")
-    bomber, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    for s in (bomber, other):
+    peers = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in peers:
         s.connect(f"ipc://{tmp_path}/s")
+    return ctx, router, *peers
+
+
+def test_the_rest_of_a_message_is_dropped_to_its_end_and_no_further(tmp_path):
+    ctx, router, bomber, other = _router_and_two_peers(tmp_path)
     try:
         bomber.send_multipart([b"head"] + [b""] * 200_000 + [b"x" * 1000])
         assert router.poll(30_000)
@@ -65,12 +71,7 @@ def test_a_message_refused_from_its_header_is_dropped_in_turns_up_to_the_limit(t
     message is the other peer's, whole."""
     from kvd.server.admission import parts as P
 
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(f"ipc://{tmp_path}/s")
-    sender, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    for s in (sender, other):
-        s.connect(f"ipc://{tmp_path}/s")
+    ctx, router, sender, other = _router_and_two_peers(tmp_path)
     reader, old_turn = P.PartReader(), P.TURN_C_PARTS
     P.TURN_C_PARTS = 4  # turns of 4 parts: 9-11 parts take three
     try:
