@@ -733,32 +733,33 @@ class Daemon(Reading, Settling):
         return self._busy(payload, f"write-back: stored chunks were {E.BACKLOG_FULL} when this PUT came, its frames "
                                    "dropped unread: send it again"), False, mtype
 
+    def _backlog_refusal(self, header, *, count: bool = True) -> tuple[str, str] | None:
+        """(type, why) if a write-back PUT or SLOTS with this header is refused
+        now for the backlog, from its first bytes alone; else None."""
+        if self.write_through or self._refuse_put is None:
+            return None
+        if (mtype := codec.peek_type(header)) not in ("PUT", "SLOTS"):  # (~1.5 us)
+            return None
+        shm = self.handler.shm
+        with self.lock:  # (refuse_put counts what it refuses; the metrics thread reads the store under it)
+            why = self._refuse_put(0, 0, shm.granted_bytes if shm is not None else 0, count=count)
+        return None if why is None else (mtype, why)
+
     def _refusable(self, header: zmq.Frame) -> bool:
         """At read time (kvd.server.admission.parts): would a message with this
         header be refused unread (`_refused_unread`, not counted here)? Its
         frames are then dropped in C as they are read, not made Frames (~0.75
         us each: 6 ms of the thread for 8,000 tiny chunks, at every refusal)."""
-        if self.write_through or self._refuse_put is None:
-            return False
-        if codec.peek_type(header) not in ("PUT", "SLOTS"):
-            return False
-        shm = self.handler.shm
-        with self.lock:
-            return self._refuse_put(0, 0, shm.granted_bytes if shm is not None else 0, count=False) is not None
+        return self._backlog_refusal(header, count=False) is not None
 
     def _refused_unread(self, frames: list) -> tuple[list, bool, str] | None:
         """A write-back PUT or SLOTS refused BUSY before its header is
         decoded (one of 8,000 tiny chunks takes 2-7 ms), as `_handle` answers:
         when the backlog is past its bound with nothing added, what the
         request holds cannot change the answer. None: decoded and served."""
-        if self.write_through or self._refuse_put is None or not frames:
+        if not frames or (refusal := self._backlog_refusal(frames[0])) is None:
             return None
-        if (mtype := codec.peek_type(frames[0])) not in ("PUT", "SLOTS"):  # (~1.5 us)
-            return None
-        shm = self.handler.shm
-        with self.lock:  # (refuse_put counts what it refuses; the metrics thread reads the store under it)
-            if (why := self._refuse_put(0, 0, shm.granted_bytes if shm is not None else 0)) is None:
-                return None
+        mtype, why = refusal
         err = E.Busy(f"write-back: {why}; retry later")
         self.handler.errors[err.name] += 1
         self.ratelog.warning(f"failed type={mtype} error={err.name}", "failed type=%s error=%s detail=%r", mtype, err.name, err.message)
