@@ -58,6 +58,10 @@ Rules the loop keeps:
    behind no other socket's message). On the main socket its other peers
    still wait for the whole message: ZeroMQ hands a socket's messages out
    one at a time.
+10. A write refused because the disk is behind, from a process refused a
+   moment ago, is answered later (kvd.server.admission.backoff: 50 ms,
+   doubling, at most 1 s, or as soon as the backlog has room): a peer that
+   resends at once no longer spends a core on what will be refused.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ from kvd.server.parking import Parking, Wakeup
 from kvd.server.latency import Latency
 from kvd.server.admission.outbox import Outbox, start_collector
 from kvd.server.admission import acceptguard, drain
+from kvd.server.admission.backoff import Backoff
 from kvd.host import select as host_select
 from kvd.host.memory import rss_counts_shared
 from kvd.server.admission.caps import default_max_peers, io_threads, listen_backlog, memory_ceiling
@@ -91,7 +96,7 @@ from kvd.server.ratelog import RateLimitedLog
 from kvd.server.admission.parts import PartReader, Truncated
 from kvd.server.admission.ready import WRITES, Ready
 from kvd.server.admission.round import Round
-from kvd.server.admission.turns import Turns, Unfinished
+from kvd.server.admission.turns import Turns, Unfinished, whose
 from kvd.server.lanes import Lanes, folder_of
 from kvd.server.reading import Conn, Reading, kept
 from kvd.server.settling import Settling
@@ -148,6 +153,8 @@ class Daemon(Reading, Settling):
         self.struck_for_memory = 0  # strikes of processes shed for memory inside a bomb (gate rule 9)
         self.latency = Latency()
         self.turns = Turns()
+        self.backoff = Backoff()  # refused writes' answers, held for a process refused again and again (rule 10)
+        self._backlog_busy = False  # the request being served is refused for the backlog (backoff rule 1)
         self.ready = Ready()
         # The SSD writer steps aside while a read is served (kvd.store.courtesy).
         self.courtesy = Courtesy(urgent=self._writer_awaited)
@@ -336,7 +343,8 @@ class Daemon(Reading, Settling):
                "main_bomb_cpu_ms": round(1000 * self.main_bomb_cpu, 3),
                "main_lent": self._lent is not None, "main_lent_ms": round(1000 * self.lent_seconds, 3),
                "read_while_lent": self.read_while_lent, "read_turns": self.parts.turns, "refused_unread": self.parts.refused,
-               "banned_requests": self.banned_requests, "bans": self.offenders.bans, "spoofed_lanes": self.spoofed_lanes}
+               "banned_requests": self.banned_requests, "bans": self.offenders.bans, "spoofed_lanes": self.spoofed_lanes,
+               **self.backoff.stats()}
         if self.gate is not None:
             out.update(self.gate.stats())
         if self.outbox is not None:
@@ -421,12 +429,16 @@ class Daemon(Reading, Settling):
                 due = self.turns.due(time.monotonic())
                 if due is not None:
                     wake = min(wake, due)
+                if (held := self.backoff.due()) is not None:
+                    wake = min(wake, held)
                 timeout_ms = 0 if len(self.ready) else max(0, math.ceil((wake - time.monotonic()) * 1000))
                 self._sync_lanes(poller)
                 watching = self._watch_main(poller, watching)
                 events = recv.poll(timeout_ms)
                 if self.wakeup.fd in events:
                     self._settle()
+                if held is not None and held <= time.monotonic():
+                    self._answer_held()
                 if (recv.waiting or len(self.ready) or (due is not None and due <= time.monotonic())) and self._serve_waiting(recv) and stop_at is None:
                     # Keep serving briefly: a peer's unread reply is
                     # discarded when our end of the pipe goes away.
@@ -450,6 +462,7 @@ class Daemon(Reading, Settling):
                     self._update_ceiling()
                     self._strike_stuck()
                     self.turns.forget(time.monotonic())
+                    self._answer_held(tick=True)
                     if self.lanes is not None:
                         self.lanes.reap()
                     with self.lock:
@@ -461,6 +474,7 @@ class Daemon(Reading, Settling):
                 self.stopping_since = time.monotonic()
             self._take_back_main()
             self._refuse_ready("the daemon is stopping")
+            self._answer_held(stopping=True)
             self._drain_parked(self.stopping_since + self.stop_timeout / 2)
             self.ratelog.flush(force=True)
             log.info("stopping endpoint=%s", self.endpoint)
@@ -588,6 +602,7 @@ class Daemon(Reading, Settling):
         (`raw` an Unfinished); True if it asked the daemon to shut down."""
         left = raw if isinstance(raw, Unfinished) else None
         saturated, refused = False, None
+        self._backlog_busy = False
         if left is not None:
             identity, frames, conn = left.identity, left.frames, left.conn
         else:
@@ -614,8 +629,10 @@ class Daemon(Reading, Settling):
         else:
             with self.lock:
                 reply, shutdown, mtype = self._handle(frames, identity)
-        if reply is not None:  # None: parked until its entries are on disk, or more turns to come
-            self._send(identity, reply, frames, conn and conn.where)
+        if not self._backlog_busy and mtype in ("PUT", "SLOTS") and left is None:
+            self.backoff.taken(whose(identity, conn and conn.origin))  # (rule 10)
+        if reply is not None and not (self._backlog_busy and self._hold_refusal(identity, reply, frames, conn)):
+            self._send(identity, reply, frames, conn and conn.where)  # (None: parked, or more turns to come)
         nbytes = left.size if left is not None else sum(len(f) for f in frames)
         dropped = raw.dropped if isinstance(raw, Truncated) else 0  # (charged as if read: they arrived)
         nbytes += raw.dropped_bytes if dropped else 0
@@ -668,6 +685,7 @@ class Daemon(Reading, Settling):
                 nbytes = self._waiting_bytes(msg, frames)
                 # A COMMIT's bytes were admitted with its SLOTS (and are in the arena by now).
                 if msg.type != "COMMIT" and (why := self._admit_waiting(identity, nbytes)) is not None:
+                    self._backlog_busy = True
                     raise E.Busy(f"write-through: {why}; retry later")
             if left is None and msg.type in ("PUT", "SLOTS") and not self.write_through and self._refuse_put is not None:
                 # A shared-memory PUT is refused at SLOTS, before it takes arena
@@ -677,6 +695,7 @@ class Daemon(Reading, Settling):
                 shm = self.handler.shm
                 if (why := self._refuse_put(self._waiting_bytes(msg, frames), len(msg.get("chunks") or ()),
                                             shm.granted_bytes if shm is not None else 0)) is not None:
+                    self._backlog_busy = True
                     raise E.Busy(f"write-back: {why}; retry later")
             if left is None:
                 rtype, fields = self.handler.handle(msg)
@@ -730,6 +749,7 @@ class Daemon(Reading, Settling):
         if refused is not None:
             return refused
         # (Not counted in backlog_refusals: the store no longer refuses it.)
+        self._backlog_busy = True
         return self._busy(payload, f"write-back: stored chunks were {E.BACKLOG_FULL} when this PUT came, its frames "
                                    "dropped unread: send it again"), False, mtype
 
@@ -760,6 +780,7 @@ class Daemon(Reading, Settling):
         if not frames or (refusal := self._backlog_refusal(frames[0])) is None:
             return None
         mtype, why = refusal
+        self._backlog_busy = True
         err = E.Busy(f"write-back: {why}; retry later")
         self.handler.errors[err.name] += 1
         self.ratelog.warning(f"failed type={mtype} error={err.name}", "failed type=%s error=%s detail=%r", mtype, err.name, err.message)

@@ -353,7 +353,7 @@ def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
 _PEER_COUNTERS = (
     "accepted", "shed_over_cap", "shed_for_memory", "pauses", "refused_over_budget", "cut_off", "dropped_full", "dropped_gone",
     "muted", "cut_muted", "deferred", "overdue", "busy_writers_seen", "churners_seen", "refused_waiting", "fd_limit_changes",
-    "refused_no_fd",
+    "refused_no_fd", "refusals_held",
 )
 
 

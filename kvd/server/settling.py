@@ -1,4 +1,4 @@
-"""Replies the loop sends outside a request's own turn (daemon rule 4, and a stop).
+"""Replies the loop sends outside a request's own turn (daemon rules 4 and 10, and a stop).
 
 A write-through PUT is acknowledged only once its entries are on disk, and a
 SLOTS whose pages kvd-shm-prep reserves off the loop is answered once they
@@ -11,9 +11,14 @@ NOT_PERSISTED (or BUSY for a grant); what was read and not served, and what
 arrives meanwhile, is answered BUSY at once: its peers miss now, not when the
 socket closes. Never an acknowledgement for what is not on disk.
 
+A write refused for the backlog, from a process refused again soon after
+its last refusal, is answered later (kvd.server.admission.backoff): the
+answer waits in `backoff` until its time, or until the backlog has room
+(`_answer_held`, from the loop), and at a stop goes at once.
+
 `Settling` is the Daemon's side of it (a mixin); it uses the daemon's
-`parking`, `wakeup`, `store`, `handler`, `ready`, `lock`, sockets and
-`_send`, `_busy`, `_recv`.
+`parking`, `backoff`, `wakeup`, `store`, `handler`, `ready`, `lock`,
+sockets and `_send`, `_busy`, `_recv`, `_refuse_put`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvd.protocol import codec
 from kvd.protocol import errors as E
 from kvd.protocol.codec import Message
 from kvd.server.parking import Parked
+from kvd.server.admission.turns import whose
 from kvd.server.reading import kept
 
 
@@ -99,6 +105,36 @@ class Settling:
         err = E.Busy(f"shared memory: {why}; send this PUT over frames")
         self.handler.errors[err.name] += 1
         self._send(parked.peer, codec.encode_error(err, id=parked.msg_id))
+
+    # -- refusals held (daemon rule 10) --------------------------------------
+    def _hold_refusal(self, identity: bytes, reply: list, request: list, conn) -> bool:
+        """Hold `reply`, a refusal for the backlog, if its process was refused
+        a moment ago (backoff rules); True if held. Only the request's header is kept."""
+        return self.backoff.hold(whose(identity, conn and conn.origin),
+                                 (identity, reply, list(request[:1]), conn and conn.where), time.monotonic())
+
+    def _answer_held(self, tick: bool = False, stopping: bool = False) -> None:
+        """Send the held refusals now due; all of them at a stop, or at a
+        `tick` when the backlog has room again (their resends may be taken)."""
+        backoff, now = self.backoff, time.monotonic()
+        if tick:
+            backoff.forget(now)
+        if not len(backoff):
+            return
+        answers = backoff.take_all(now) if stopping or (tick and self._backlog_room()) else backoff.take(now)
+        for identity, reply, request, where in answers:
+            self._send(identity, reply, request, where)
+
+    def _backlog_room(self) -> bool:
+        """Is the backlog under half its bounds (room for more than a little:
+        a resend prompted now is likely taken)?"""
+        if self.write_through:
+            return self.parking.bytes <= self.parking.max_bytes // 2
+        if self._refuse_put is None:
+            return True
+        shm = self.handler.shm
+        with self.lock:
+            return self._refuse_put(0, 0, shm.granted_bytes if shm is not None else 0, count=False, headroom=0.5) is None
 
     def _drain_parked(self, deadline: float) -> None:
         """At stop: let parked PUTs complete until `deadline`, then refuse the

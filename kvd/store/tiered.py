@@ -206,14 +206,16 @@ class TieredStore(Store):
                 self.behind_bytes += entry.nbytes
         return outcome
 
-    def refuse_put(self, nbytes: int = 0, entries: int = 0, granted: int = 0, *, count: bool = True) -> str | None:
+    def refuse_put(self, nbytes: int = 0, entries: int = 0, granted: int = 0, *, count: bool = True,
+                   headroom: float = 1.0) -> str | None:
         """Write-back: why a PUT of `entries` chunks, `nbytes`, is refused
         now (the dirty backlog is at its bound in bytes, or with this PUT
         would pass it in time, see PUT above; the refusal is counted), or
         None. `granted`: shared-memory slot bytes granted and not yet
         committed (PUTs on their way). A PUT into an empty backlog is taken
         whatever its size. `count=False`: only asked (the refusal is counted
-        where it is answered)."""
+        where it is answered). `headroom` < 1: asked against that share of
+        the bounds (is there room for more than a little?)."""
         if self.write_through:
             return None
         queue = self.ssd.queue
@@ -221,7 +223,7 @@ class TieredStore(Store):
         if not held + granted:
             return None
         dirty, n = held + granted + nbytes, len(queue) + len(self.behind) + entries
-        cap = self.dirty_max()
+        cap = int(self.dirty_max() * headroom)
         # Bytes are memory: what is committed is held to the cap (plus the PUT
         # admitted last), the grants are the arena's. Time is the stop's:
         # everything on its way counts.
@@ -236,7 +238,7 @@ class TieredStore(Store):
         # 256 MiB of 4 KiB chunks is 30 s of a writer at 2k chunks/s (a slow
         # disk, a quota churning, a loaded machine: slower still).
         seconds = self.stop_seconds(n, dirty)
-        if seconds <= self.stop_write_s:
+        if seconds <= self.stop_write_s * headroom:
             return None
         self.counters["backlog_refusals"] += count
         return (f"with this PUT {n} chunks ({dirty >> 20} MiB) stored are {BACKLOG_FULL}: about {seconds:.1f} s of "

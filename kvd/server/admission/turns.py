@@ -126,7 +126,7 @@ PART_SECONDS = 1e-6
 CONNECT_SECONDS = 0.0004
 
 
-def _who(peer: bytes, origin: bytes | None) -> tuple:
+def whose(peer: bytes, origin: bytes | None) -> tuple:
     """Whose request it is, for who else is about: its process where the
     daemon knows it (a unix socket's peer), else the connection alone (TCP:
     one host may be many clients)."""
@@ -190,19 +190,19 @@ class Turns:
         self.connect_s = connect_s
         # origin -> (its new connections, decaying over busy_window_s; when it last opened one; churning?)
         self._connects: dict[bytes, tuple[float, float, bool]] = {}
-        # who (`_who`) -> (its writes' cost, decaying over busy_window_s; when it last wrote; a busy writer?),
+        # who (`whose`) -> (its writes' cost, decaying over busy_window_s; when it last wrote; a busy writer?),
         # in order of last write
         self._writes: dict[tuple, tuple[float, float, bool]] = {}
         self.bytes = 0
         self._served = 0  # requests served so far: a waiting request's passes are this minus its mark
         self._turn = 0  # _served after the last waiting request's turn (rule 2)
-        # (mark, peer, nbytes, request, since, who: `_who`), oldest first
+        # (mark, peer, nbytes, request, since, who: `whose`), oldest first
         self._waiting: deque[tuple[int, bytes, int, Any, float, tuple]] = deque()
         self._per_peer: dict[bytes, int] = {}
         self._cost: dict[bytes, tuple[float, float]] = {}  # peer -> (mean cost of a request, when it last sent one)
         self._origin_cost: dict[bytes, tuple[float, float]] = {}  # origin -> the same, over all its connections
         self._partial: dict[bytes, float] = {}  # peer -> what its request served in turns has cost so far
-        # The last two processes (`_who`) with a request served that is not heavy, and when: (who, time), newest first.
+        # The last two processes (`whose`) with a request served that is not heavy, and when: (who, time), newest first.
         self._light: list[tuple[tuple, float]] = [((), float("-inf"))] * 2
         # The same for busy writers' light requests (their reads): they hold back heavy peers'
         # turns as anyone's do, but not other busy writers' writes (busy writers alone are served in full).
@@ -220,7 +220,7 @@ class Turns:
         has none of its own yet --, it is a `write` of a busy writer, or its
         earlier ones wait: rule 1)?"""
         return (peer in self._per_peer or self.cost(peer, origin) > self.heavy_s
-                or (write and self.busy_writer(_who(peer, origin)))
+                or (write and self.busy_writer(whose(peer, origin)))
                 or (peer not in self._cost and origin is not None and self.churning(origin)))
 
     def churning(self, origin: bytes) -> bool:
@@ -229,7 +229,7 @@ class Turns:
         return got is not None and got[2] and self._decayed(*got[:2], self._now) >= self.churn_rate * self.busy_window_s / 8
 
     def busy_writer(self, who: tuple) -> bool:
-        """Is `who` (`_who`) a busy writer (module docstring), as of the latest time the loop passed?"""
+        """Is `who` (`whose`) a busy writer (module docstring), as of the latest time the loop passed?"""
         got = self._writes.get(who)
         return got is not None and got[2] and self._still_busy(*got[:2], self._now, who)
 
@@ -258,7 +258,7 @@ class Turns:
 
     def put(self, peer: bytes, request: Any, nbytes: int, origin: bytes | None = None) -> None:
         """Keep `request` until its turn (check `room()` first)."""
-        self._waiting.append((self._served, peer, nbytes, request, self._now, _who(peer, origin)))
+        self._waiting.append((self._served, peer, nbytes, request, self._now, whose(peer, origin)))
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.bytes += nbytes
         self.counters["deferred"] += 1
@@ -267,7 +267,7 @@ class Turns:
         """Keep `request` ahead of `peer`'s other waiting requests (rule 5;
         check `room()` first: without room, the loop serves it to its end)."""
         at = next((i for i, w in enumerate(self._waiting) if w[1] == peer), len(self._waiting))
-        self._waiting.insert(at, (self._served, peer, nbytes, request, self._now, _who(peer, origin)))
+        self._waiting.insert(at, (self._served, peer, nbytes, request, self._now, whose(peer, origin)))
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self.bytes += nbytes
         self.counters["sliced"] += 1
@@ -363,20 +363,20 @@ class Turns:
             if origin is not None:
                 self._average(self._origin_cost, origin, whole, now)
             if write:
-                self._wrote(_who(peer, origin), whole, now)
+                self._wrote(whose(peer, origin), whole, now)
         if waited:
             # Others about when the turn began (a turn longer than active_s held
             # them off: at its end they look gone, and the share went unspent --
             # a 125 ms PUT of 8,000 tiny chunks then had every other turn, issue 44).
             began = min(now - seconds, self._popped_at)
-            who = _who(peer, origin)
+            who = whose(peer, origin)
             if began < self._others_until(who, self.busy_writer(who)):  # others are about: this turn uses heavy peers' share
                 # What the others waited is the turn's wall time, when it is longer than its
                 # CPU time (a busy machine, a message of 8,000 frames read part by part).
                 held = max(cost, now - self._popped_at) if self._popped_at <= now else cost
                 self._credit = (self._credit_at(now) - held, now)
         elif seconds > 0 and mean <= self.heavy_s and not more:
-            who = _who(peer, origin)
+            who = whose(peer, origin)
             light = self._light_busy if self.busy_writer(who) else self._light
             light[:] = [(who, now), light[1 if light[0][0] == who else 0]]
 
@@ -408,7 +408,7 @@ class Turns:
         self._connects[origin] = (count, now, churning)  # (in again at the end: in order of last connection)
 
     def _others_until(self, who: tuple, busy: bool = False) -> float:
-        """Until when processes other than `who` (`_who`) count as active (one was
+        """Until when processes other than `who` (`whose`) count as active (one was
         served lately); for a `busy` writer's turn, busy writers do not count."""
         light = self._light if busy else self._light + self._light_busy
         return max((at for other, at in light if other != who), default=float("-inf")) + self.active_s
