@@ -60,7 +60,7 @@ Rules the loop keeps:
    one at a time.
 10. A write refused because the disk is behind, from a process refused a
    moment ago, is answered later (kvd.server.admission.backoff: 50 ms,
-   doubling, at most 1 s, or as soon as the backlog has room): a peer that
+   doubling, at most 0.5 s, or once the backlog has room): a peer that
    resends at once no longer spends a core on what will be refused.
 """
 
@@ -631,7 +631,7 @@ class Daemon(Reading, Settling):
                 reply, shutdown, mtype = self._handle(frames, identity)
         if not self._backlog_busy and mtype in ("PUT", "SLOTS") and left is None:
             self.backoff.taken(whose(identity, conn and conn.origin))  # (rule 10)
-        if reply is not None and not (self._backlog_busy and self._hold_refusal(identity, reply, frames, conn)):
+        if reply is not None and not (self._backlog_busy and self._hold_refusal(identity, reply, conn)):
             self._send(identity, reply, frames, conn and conn.where)  # (None: parked, or more turns to come)
         nbytes = left.size if left is not None else sum(len(f) for f in frames)
         dropped = raw.dropped if isinstance(raw, Truncated) else 0  # (charged as if read: they arrived)

@@ -107,11 +107,13 @@ class Settling:
         self._send(parked.peer, codec.encode_error(err, id=parked.msg_id))
 
     # -- refusals held (daemon rule 10) --------------------------------------
-    def _hold_refusal(self, identity: bytes, reply: list, request: list, conn) -> bool:
+    def _hold_refusal(self, identity: bytes, reply: list, conn) -> bool:
         """Hold `reply`, a refusal for the backlog, if its process was refused
-        a moment ago (backoff rules); True if held. Only the request's header is kept."""
+        a moment ago (backoff rules); True if held. Nothing of the request is
+        kept: its header frame alone may be max_message_bytes (a small reply
+        such as this is never replaced by the outbox, which would need it)."""
         return self.backoff.hold(whose(identity, conn and conn.origin),
-                                 (identity, reply, list(request[:1]), conn and conn.where), time.monotonic())
+                                 (identity, reply, conn and conn.where), time.monotonic())
 
     def _answer_held(self, tick: bool = False, stopping: bool = False) -> None:
         """Send the held refusals now due; all of them at a stop, or at a
@@ -122,19 +124,20 @@ class Settling:
         if not len(backoff):
             return
         answers = backoff.take_all(now) if stopping or (tick and self._backlog_room()) else backoff.take(now)
-        for identity, reply, request, where in answers:
-            self._send(identity, reply, request, where)
+        for identity, reply, where in answers:
+            self._send(identity, reply, None, where)
 
     def _backlog_room(self) -> bool:
         """Is the backlog under half its bounds (room for more than a little:
         a resend prompted now is likely taken)?"""
-        if self.write_through:
-            return self.parking.bytes <= self.parking.max_bytes // 2
+        shm = self.handler.shm
+        granted = shm.granted_bytes if shm is not None else 0
+        if self.write_through:  # (Parking.admit's bound, grants counted)
+            return self.parking.bytes + granted <= self.parking.max_bytes // 2
         if self._refuse_put is None:
             return True
-        shm = self.handler.shm
         with self.lock:
-            return self._refuse_put(0, 0, shm.granted_bytes if shm is not None else 0, count=False, headroom=0.5) is None
+            return self._refuse_put(0, 0, granted, count=False, headroom=0.5) is None
 
     def _drain_parked(self, deadline: float) -> None:
         """At stop: let parked PUTs complete until `deadline`, then refuse the

@@ -44,6 +44,10 @@ def test_a_streak_ends_with_a_quiet_window_or_a_write_taken():
     b.taken("p")  # a write of p's was taken: the streak is over
     assert b.take(1.7) == ["d"]
     assert not b.hold("p", "e", 1.7)
+    assert b.hold("p", "f", 1.71)
+    b.taken("p")  # (on another connection) while f waits: answering f early does not revive the streak
+    assert b.take_all(1.72) == ["f"]
+    assert not b.hold("p", "g", 1.73)
 
 
 def test_what_waits_is_bounded_per_process_and_in_all():
@@ -90,6 +94,15 @@ def _refused_put(sock: zmq.Socket, i: int) -> None:
     sock.send_multipart([bytes(header)[:40] + b"\xc1" * 64, b"\x07" * 4])
 
 
+def _holding(c) -> int:
+    """The daemon's held refusals, once it holds one (a request sent a moment ago
+    may be read after a STATS sent later: reads go first), or 0 after 10 s."""
+    deadline = time.monotonic() + 10
+    while not (n := c.stats()["peers"]["refusals_holding"]) and time.monotonic() < deadline:
+        time.sleep(0.005)  # polls the daemon; the caller asserts
+    return n
+
+
 def _answer(sock: zmq.Socket, timeout_ms: int = 10_000):
     assert sock.poll(timeout_ms), "no answer"
     return codec.decode_reply(sock.recv_multipart())
@@ -111,10 +124,8 @@ def test_a_process_refused_again_and_again_hears_later_while_others_are_served_a
             sent = time.monotonic()
             _refused_put(raw, 100 + i)
             if i == 5:  # held 400 ms: the loop answers others meanwhile
-                assert not raw.poll(0)
                 assert c.ping() is not None
-                peers = c.stats()["peers"]
-                assert peers["refusals_holding"] == 1, peers
+                assert _holding(c) == 1 and not raw.poll(0)
             reply = _answer(raw)
             waits.append(time.monotonic() - sent)
             assert (reply.type, reply.id, reply["name"]) == ("ERROR", 100 + i, "BUSY")
@@ -124,9 +135,11 @@ def test_a_process_refused_again_and_again_hears_later_while_others_are_served_a
         # were the backlog under half its bound, which thousands of fsyncs keep it from).
         for got, held in zip(waits[1:], (0.05, 0.1, 0.2, 0.4)):
             assert got >= held, waits
-        peers = c.stats()["peers"]
-        assert peers["refusals_held"] == 4 and peers["refusals_holding"] == 0
-        assert peers["refusals_held_ms"] >= 750
+        st = c.stats()
+        assert st["peers"]["refusals_held"] == 4 and st["peers"]["refusals_holding"] == 0
+        assert st["peers"]["refusals_held_ms"] >= 750
+        # Still over its bound now, so over half of it all along: no answer went early.
+        assert st["store"]["dirty_bytes"] > 1 << 20, "the disk caught up: this test needs a full backlog"
     finally:
         raw.close()
         c.close()
@@ -141,14 +154,11 @@ def test_a_held_refusal_is_answered_at_a_stop(daemon_factory):
     try:
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(d.endpoint)
-        for i in range(6):  # the sixth is held 0.8 s
+        for i in range(6):  # the sixth is held 0.5 s
             _refused_put(raw, 200 + i)
             if i < 5:
                 assert _answer(raw).id == 200 + i
-        deadline = time.monotonic() + 10
-        while not c.stats()["peers"]["refusals_holding"] and time.monotonic() < deadline:
-            pass  # until the daemon has read it (one sent as it stops is another matter)
-        assert c.stats()["peers"]["refusals_holding"] == 1 and not raw.poll(0)
+        assert _holding(c) == 1 and not raw.poll(0)  # read and held (one sent as it stops is another matter)
         c.close()
         d.proc.send_signal(signal.SIGTERM)
         reply = _answer(raw)

@@ -15,7 +15,9 @@ waiting 0.5 s after each BUSY took none, and the GET p99 was 1.3-1.4x.
 
 So a process refused for the backlog again soon after its last refusal was
 answered hears the next one later: the first refusal of a *streak* is
-answered at once, the n-th is held `first_s` x 2^(n-2), at most `max_s`. A
+answered at once, the n-th is held `first_s` x 2^(n-2), at most `max_s`
+(0.5 s: well inside a client's timeout, the adapters' 1 s; a BUSY held past
+it would reach the client as a daemon that did not answer). A
 refusal within `window_s` of the streak's last answer continues it; a write
 of that process taken (not refused for the backlog) ends it. A held
 answer goes out when its time comes, or as soon as the backlog has room
@@ -52,7 +54,7 @@ from typing import Any, Hashable
 class Backoff:
     """Held answers to refused writes, and each process's streak of refusals."""
 
-    def __init__(self, *, first_s: float = 0.05, max_s: float = 1.0, window_s: float = 1.0,
+    def __init__(self, *, first_s: float = 0.05, max_s: float = 0.5, window_s: float = 1.0,
                  max_per_who: int = 4, max_held: int = 1024):
         self.first_s, self.max_s, self.window_s = first_s, max_s, window_s
         self.max_per_who, self.max_held = max_per_who, max_held
@@ -111,9 +113,10 @@ class Backoff:
         if not self._per_who[who]:
             del self._per_who[who]
         self.counters["refusals_held_ms"] += 1000 * max(0.0, now - since)
-        n, last = self._streak.get(who, (1, at))
-        if at > now and last >= at:  # answered early: its streak's window runs from now
-            self._streak[who] = (n, now)
+        if who in self._streak:  # (not if a write taken since ended it)
+            n, last = self._streak[who]
+            if at > now and last >= at:  # answered early: its streak's window runs from now
+                self._streak[who] = (n, now)
         return answer
 
     def forget(self, now: float) -> None:
