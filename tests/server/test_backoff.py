@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -78,14 +79,24 @@ def test_answers_held_go_at_once_when_the_backlog_has_room_and_their_window_runs
 
 # -- in a real daemon ------------------------------------------------------------
 
-def _full_backlog(d):
-    """A daemon whose write-behind backlog is past its bound for seconds to come
-    (1 MiB allowed, ~8 MiB of 16-token chunks, a file and an fsync each)."""
+@contextlib.contextmanager
+def _full_backlog(daemon_factory):
+    """(daemon, a client, a raw DEALER of the client's process) with the daemon's
+    write-behind backlog past its bound for seconds to come (1 MiB allowed,
+    ~8 MiB of 16-token chunks, a file and an fsync each)."""
+    d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0")
     first = np.arange(32 * 1024) + 7_000_000
     c = d.client("bo", strict=True, chunk_tokens=16, timeout=60)
-    assert c.put(first, prefix_snapshot(first))
-    assert c.stats()["store"]["dirty_bytes"] > 4 << 20, "the disk kept up: this test needs a full backlog"
-    return c
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        assert c.put(first, prefix_snapshot(first))
+        assert c.stats()["store"]["dirty_bytes"] > 4 << 20, "the disk kept up: this test needs a full backlog"
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(d.endpoint)
+        yield d, c, raw
+    finally:
+        raw.close()
+        c.close()
 
 
 def _refused_put(sock: zmq.Socket, i: int) -> None:
@@ -113,12 +124,7 @@ def test_a_process_refused_again_and_again_hears_later_while_others_are_served_a
     once, the next ones later and later (50 ms, 100 ms, ...), each with its
     id and the backlog's reason; meanwhile the daemon answers another
     client's requests, and STATS shows the answer it holds."""
-    d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0")
-    c = _full_backlog(d)
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.connect(d.endpoint)
+    with _full_backlog(daemon_factory) as (d, c, raw):
         waits = []
         for i in range(1, 6):
             sent = time.monotonic()
@@ -140,28 +146,17 @@ def test_a_process_refused_again_and_again_hears_later_while_others_are_served_a
         assert st["peers"]["refusals_held_ms"] >= 750
         # Still over its bound now, so over half of it all along: no answer went early.
         assert st["store"]["dirty_bytes"] > 1 << 20, "the disk caught up: this test needs a full backlog"
-    finally:
-        raw.close()
-        c.close()
 
 
 def test_a_held_refusal_is_answered_at_a_stop(daemon_factory):
     """SIGTERM while a refusal is held: its BUSY still reaches its peer before
     the daemon closes (backoff rule 3)."""
-    d = daemon_factory("--ram-mb", "512", "--dirty-max-mb", "1", "--pack-max-kb", "0")
-    c = _full_backlog(d)
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.connect(d.endpoint)
+    with _full_backlog(daemon_factory) as (d, c, raw):
         for i in range(6):  # the sixth is held 0.5 s
             _refused_put(raw, 200 + i)
             if i < 5:
                 assert _answer(raw).id == 200 + i
         assert _holding(c) == 1 and not raw.poll(0)  # read and held (one sent as it stops is another matter)
-        c.close()
         d.proc.send_signal(signal.SIGTERM)
         reply = _answer(raw)
         assert (reply.type, reply.id, reply["name"]) == ("ERROR", 205, "BUSY")
-    finally:
-        raw.close()
