@@ -113,9 +113,14 @@ import math
 from collections import deque
 from typing import Any, NamedTuple
 
-# Seconds charged per byte a request carries: ~2 GB/s, what receiving it
-# through a unix socket and libzmq costs this machine's CPUs.
-BYTE_SECONDS = 0.5e-9
+# Seconds charged per byte a request carries: what moving it through a unix
+# socket and libzmq costs this machine's CPUs, at both ends (0.7 ns a byte in
+# a steady stream here, /work/scratch/s46/bytecost.py; more in bursts, which a
+# peer sending 8 x 4 MiB at once makes). At 0.5 ns (the receiving end's alone)
+# bench_stress's heavy-peers had 22 LOOKUPs of 4 MiB a second served, a good
+# client's p99 1.3-1.9x idle, in bursts as the 32 MiB came in; at 1 ns, 12 a
+# second and 1.2x (session 46).
+BYTE_SECONDS = 1.0e-9
 # Seconds charged per frame: the loop reads a message part by part, ~0.75 us
 # each here (8,001 frames of a PUT of 8,000 tiny chunks: ~6 ms before its first turn).
 PART_SECONDS = 1e-6
