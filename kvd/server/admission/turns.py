@@ -115,8 +115,8 @@ from typing import Any, NamedTuple
 
 # Seconds charged per byte a request carries: what moving it through a unix
 # socket and libzmq costs this machine's CPUs, at both ends (0.7 ns a byte in
-# a steady stream here, /work/scratch/s46/bytecost.py; more in bursts, which a
-# peer sending 8 x 4 MiB at once makes). At 0.5 ns (the receiving end's alone)
+# a steady stream of 4 MiB messages here, the sender's and the receiver's CPU
+# time; more in bursts, which a peer sending 8 x 4 MiB at once makes). At 0.5 ns (the receiving end's alone)
 # bench_stress's heavy-peers had 22 LOOKUPs of 4 MiB a second served, a good
 # client's p99 1.3-1.9x idle, in bursts as the 32 MiB came in; at 1 ns, 12 a
 # second and 1.2x (session 46).
