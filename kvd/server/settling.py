@@ -123,7 +123,7 @@ class Settling:
             backoff.forget(now)
         if not len(backoff):
             return
-        answers = backoff.take_all(now) if stopping or (tick and self._backlog_room()) else backoff.take(now)
+        answers = backoff.take(now, every=stopping or (tick and self._backlog_room()))
         for identity, reply, where in answers:
             self._send(identity, reply, None, where)
 

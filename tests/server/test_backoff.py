@@ -47,7 +47,7 @@ def test_a_streak_ends_with_a_quiet_window_or_a_write_taken():
     assert not b.hold("p", "e", 1.7)
     assert b.hold("p", "f", 1.71)
     b.taken("p")  # (on another connection) while f waits: answering f early does not revive the streak
-    assert b.take_all(1.72) == ["f"]
+    assert b.take(1.72, every=True) == ["f"]
     assert not b.hold("p", "g", 1.73)
 
 
@@ -69,10 +69,10 @@ def test_answers_held_go_at_once_when_the_backlog_has_room_and_their_window_runs
         answered += b.take(now)
         b.hold("p", f"a{now}", now)
     assert answered == ["a0.01", "a0.07"] and len(b) == 1 and b.due() == pytest.approx(0.2 + 0.2)
-    assert b.take_all(0.25) == ["a0.2"] and len(b) == 0
+    assert b.take(0.25, every=True) == ["a0.2"] and len(b) == 0
     assert b.stats()["refusals_held_ms"] == pytest.approx(1000 * (0.06 + 0.13 + 0.05))
     assert b.hold("p", "b", 0.25 + 0.99)  # the window counts from the early answer
-    b.take_all(2.0)
+    b.take(2.0, every=True)
     b.forget(2.0 + 1.0 + 0.01)  # nothing held, the window past: the streak is forgotten
     assert not b._streak and not b.hold("p", "c", 3.02)
 

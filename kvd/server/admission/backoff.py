@@ -92,18 +92,12 @@ class Backoff:
         """When the next held answer is due (None: nothing held)."""
         return self._held[0][0] if self._held else None
 
-    def take(self, now: float) -> list[Any]:
-        """The held answers due by `now`, oldest first."""
+    def take(self, now: float, every: bool = False) -> list[Any]:
+        """The held answers due by `now`, oldest first; with `every`, all of
+        them now (the backlog has room, or a stop: rule 3), their streaks
+        going on from now."""
         out = []
-        while self._held and self._held[0][0] <= now:
-            out.append(self._pop(now))
-        return out
-
-    def take_all(self, now: float) -> list[Any]:
-        """Every held answer, now (the backlog has room, or a stop: rule 3);
-        their streaks go on from now."""
-        out = []
-        while self._held:
+        while self._held and (every or self._held[0][0] <= now):
             out.append(self._pop(now))
         return out
 

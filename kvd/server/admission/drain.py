@@ -126,39 +126,23 @@ class Dropper:
     def __init__(self, sock: zmq.Socket, halt: threading.Event | None = None):
         self.sock = sock
         self.halt = halt  # set: stop between batches, the rest left unread (the socket is closing)
-        self._iov = (_Iovec * BATCH)() if _fns is not None else None
-        self._count = ctypes.c_size_t()
+        self._iov = _Parts(BATCH) if _fns is not None else None
 
     def rest(self) -> int:
         """Read and drop the parts left of the message being read; how many."""
-        sock, n = self.sock, 0
-        if self._iov is None:
-            while sock.get(zmq.RCVMORE):
-                sock.recv(copy=True)
-                n += 1
-            return n
-        recviov = _fns[0]  # type: ignore[index]
-        handle = ctypes.c_void_p(sock.underlying)
-        starts = memoryview(self._iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")
-        halt = self.halt
-        while sock.get(zmq.RCVMORE) and not (halt is not None and halt.is_set()):
-            self._count.value = BATCH
-            rc = recviov(handle, self._iov, ctypes.byref(self._count), zmq.DONTWAIT)
-            got = self._count.value
-            if got:
-                _free_later(starts[0 : 2 * got : 2].tolist())
-            n += got
-            if rc < 0 and got == 0:
-                # Cannot happen for a message's later parts (they are all here);
-                # read them through pyzmq rather than spin.
-                log.warning("zmq_recviov failed (errno %d); dropping the rest part by part", ctypes.get_errno())
-                while sock.get(zmq.RCVMORE):
-                    sock.recv(copy=True)
-                    n += 1
-        return n
+        return _drop(self.sock, self._iov, None, self.halt, count=False)[0]
 
 
-_DROP_TURN: tuple | None = None  # (iovec array, its length, count): drop_some's, the serving thread's only
+class _Parts:
+    """An iovec array for zmq_recviov, its length, and the count it fills."""
+
+    def __init__(self, size: int):
+        self.iov, self.size, self.count = (_Iovec * size)(), size, ctypes.c_size_t()
+        # Each part's (base, len) as integers: the bases to free, the lengths to count.
+        self.words = memoryview(self.iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")
+
+
+_DROP_TURN: _Parts | None = None  # drop_some's, the serving thread's only
 
 
 def drop_some(sock: zmq.Socket, most: int) -> tuple[int, int, bool]:
@@ -167,27 +151,40 @@ def drop_some(sock: zmq.Socket, most: int) -> tuple[int, int, bool]:
     through pyzmq): (how many, their bytes, whether parts are left). The
     serving thread's only: a message refused from its header (kvd.server.admission.parts)."""
     global _DROP_TURN
+    want = min(most, BATCH)
+    if _fns is not None and (_DROP_TURN is None or _DROP_TURN.size < want):
+        _DROP_TURN = _Parts(want)
+    return _drop(sock, _DROP_TURN if _fns is not None else None, most)
+
+
+def _drop(sock: zmq.Socket, parts: _Parts | None, most: int | None,
+          halt: threading.Event | None = None, count: bool = True) -> tuple[int, int, bool]:
+    """Read and drop parts of the message being read on `sock`, all that are
+    left or up to `most`, through zmq_recviov into `parts` (pyzmq where it is
+    None), stopping between calls once `halt` is set: (how many, their
+    bytes if `count` (0 else: a bomb's 8 M parts are not summed), whether
+    parts are left)."""
     n, nbytes, more = 0, 0, bool(sock.get(zmq.RCVMORE))
-    if _fns is None:
-        while more and n < most:
+    if parts is None:
+        while more and (most is None or n < most) and not (halt is not None and halt.is_set()):
             nbytes += len(sock.recv(copy=True))
             n += 1
             more = bool(sock.get(zmq.RCVMORE))
         return n, nbytes, more
-    want = min(most, BATCH)
-    if _DROP_TURN is None or _DROP_TURN[1] < want:
-        _DROP_TURN = ((_Iovec * want)(), want, ctypes.c_size_t())
-    iov, size, count = _DROP_TURN
-    starts = memoryview(iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")
-    handle = ctypes.c_void_p(sock.underlying)
-    while more and n < most:
-        count.value = min(size, most - n)
-        rc = _fns[0](handle, iov, ctypes.byref(count), zmq.DONTWAIT)
-        got = count.value
+    recviov = _fns[0]  # type: ignore[index]
+    handle, words = ctypes.c_void_p(sock.underlying), parts.words
+    while more and (most is None or n < most) and not (halt is not None and halt.is_set()):
+        parts.count.value = parts.size if most is None else min(parts.size, most - n)
+        rc = recviov(handle, parts.iov, ctypes.byref(parts.count), zmq.DONTWAIT)
+        got = parts.count.value
         if got:
-            _free_later(starts[0 : 2 * got : 2].tolist())
-            nbytes += sum(starts[1 : 2 * got : 2].tolist())
-        elif rc < 0:  # cannot happen for a message's later parts: one through pyzmq
+            _free_later(words[0 : 2 * got : 2].tolist())
+            if count:
+                nbytes += sum(words[1 : 2 * got : 2].tolist())
+        elif rc < 0:
+            # Cannot happen for a message's later parts (they are all here):
+            # one through pyzmq rather than spin.
+            log.debug("zmq_recviov failed (errno %d); a part read through pyzmq", ctypes.get_errno())
             nbytes += len(sock.recv(copy=True))
             got = 1
         n += got
