@@ -69,7 +69,7 @@ def _load():
         return None
     for path in _candidates():
         try:
-            lib = ctypes.CDLL(path, mode=mode)
+            lib = ctypes.CDLL(path, mode=mode, use_errno=True)
             fn = lib.zmq_recviov
         except (OSError, AttributeError):
             continue
@@ -182,11 +182,12 @@ def _drop(sock: zmq.Socket, parts: _Parts | None, most: int | None,
             if count:
                 nbytes += sum(words[1 : 2 * got : 2].tolist())
         elif rc < 0:
-            # Cannot happen for a message's later parts (they are all here):
-            # one through pyzmq rather than spin.
-            log.debug("zmq_recviov failed (errno %d); a part read through pyzmq", ctypes.get_errno())
-            nbytes += len(sock.recv(copy=True))
-            got = 1
+            # Cannot happen for a message's later parts (they are all here)
+            # but for a malloc failing, after the part was taken: the rest,
+            # if any is left, through pyzmq rather than spin.
+            log.warning("zmq_recviov failed (errno %d); the rest read through pyzmq", ctypes.get_errno())
+            m, b, more = _drop(sock, None, None if most is None else most - n, halt, count)
+            return n + m, nbytes + b, more
         n += got
         more = bool(sock.get(zmq.RCVMORE))
     return n, nbytes, more
@@ -209,7 +210,11 @@ def read_some(sock: zmq.Socket, most: int) -> tuple[list[bytes], bool]:
     count = ctypes.c_size_t(most)
     rc = _fns[0](ctypes.c_void_p(sock.underlying), iov, ctypes.byref(count), zmq.DONTWAIT)
     n = count.value
-    if rc < 0 and n == 0:  # cannot happen for a message's later parts: read one through pyzmq
+    if rc < 0 and n == 0:
+        # Cannot happen for a message's later parts but for a malloc failing,
+        # after the part was taken: one through pyzmq, if any is left.
+        if not sock.get(zmq.RCVMORE):
+            return [], False
         return [sock.recv(copy=True)], bool(sock.get(zmq.RCVMORE))
     words = memoryview(iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")[0 : 2 * n].tolist()
     got = [ctypes.string_at(b, size) if size else b"" for b, size in zip(words[0::2], words[1::2])]
