@@ -126,11 +126,11 @@ class Dropper:
     def __init__(self, sock: zmq.Socket, halt: threading.Event | None = None):
         self.sock = sock
         self.halt = halt  # set: stop between batches, the rest left unread (the socket is closing)
-        self._iov = _Parts(BATCH) if _fns is not None else None
+        self._parts = _Parts(BATCH) if _fns is not None else None
 
     def rest(self) -> int:
         """Read and drop the parts left of the message being read; how many."""
-        return _drop(self.sock, self._iov, None, self.halt, count=False)[0]
+        return _drop(self.sock, self._parts, None, self.halt, measure=False)[0]
 
 
 class _Parts:
@@ -158,11 +158,11 @@ def drop_some(sock: zmq.Socket, most: int) -> tuple[int, int, bool]:
 
 
 def _drop(sock: zmq.Socket, parts: _Parts | None, most: int | None,
-          halt: threading.Event | None = None, count: bool = True) -> tuple[int, int, bool]:
+          halt: threading.Event | None = None, measure: bool = True) -> tuple[int, int, bool]:
     """Read and drop parts of the message being read on `sock`, all that are
     left or up to `most`, through zmq_recviov into `parts` (pyzmq where it is
     None), stopping between calls once `halt` is set: (how many, their
-    bytes if `count` (0 else: a bomb's 8 M parts are not summed), whether
+    bytes if `measure` (0 else: a bomb's 8 M parts are not summed), whether
     parts are left)."""
     n, nbytes, more = 0, 0, bool(sock.get(zmq.RCVMORE))
     if parts is None:
@@ -179,14 +179,14 @@ def _drop(sock: zmq.Socket, parts: _Parts | None, most: int | None,
         got = parts.count.value
         if got:
             _free_later(words[0 : 2 * got : 2].tolist())
-            if count:
+            if measure:
                 nbytes += sum(words[1 : 2 * got : 2].tolist())
         elif rc < 0:
             # Cannot happen for a message's later parts (they are all here)
             # but for a malloc failing, after the part was taken: the rest,
             # if any is left, through pyzmq rather than spin.
             log.warning("zmq_recviov failed (errno %d); the rest read through pyzmq", ctypes.get_errno())
-            m, b, more = _drop(sock, None, None if most is None else most - n, halt, count)
+            m, b, more = _drop(sock, None, None if most is None else most - n, halt, measure)
             return n + m, nbytes + b, more
         n += got
         more = bool(sock.get(zmq.RCVMORE))
