@@ -653,6 +653,8 @@ class Core(Linking):
             fields = {**seq, "max_tokens": n, "need_boundary": need_boundary, "start": start}
             if link is not None:
                 fields["shm"] = link.field()
+                if "shm_layouts" in (self._features or ()):
+                    fields["shm"]["layouts"] = True  # its tensors placed, a chunk's alike in one layout
             sent_at = time.monotonic()
             reply = self._call("GET", fields)
             if reply is None or reply["n"] == 0 or (start and reply["n"] < start):

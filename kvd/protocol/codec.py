@@ -22,11 +22,15 @@ Rules the decoder enforces, in order (the first broken rule is the error):
  7. every tensor: known dtype, rank <= max_rank, frame index in 1..N-1,
     used once, and byte length == prod(shape) * itemsize
  8. every data frame is referenced by exactly one tensor
+A GET reply's placed chunks (section 14) name tensors by layout: heads are
+checked as tensors are (rule 7), places are 24 bytes a head, and tensors
+placed count against max_frames as tensors in frames do.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -96,12 +100,17 @@ class Message:
 
 
 class _Ctx:
-    __slots__ = ("limits", "frames", "used", "path", "shm_ok", "lazy")
+    __slots__ = ("limits", "frames", "used", "path", "shm_ok", "lazy", "layouts", "placed")
 
     def __init__(self, limits: Limits, frames: list[Any], shm_ok: bool = False):
         self.limits, self.frames, self.used, self.path = limits, frames, set(), ""
         self.lazy: LazyChunks | None = None  # a PUT's chunks left to decode in turns
         self.shm_ok = shm_ok  # replies may place a tensor in shared memory instead of a frame
+        # A GET reply's `layouts` (section 14, placed chunks): per layout, each
+        # tensor's (name, dtype, shape, bytes); and how many tensors its chunks
+        # placed so far (at most max_frames, as tensors in frames are).
+        self.layouts: list[list[tuple[str, str, tuple[int, ...], int]]] | None = None
+        self.placed = 0
 
 
 def _bad(ctx: _Ctx, what: str) -> E.BadField:
@@ -217,6 +226,12 @@ def _meta(v, ctx):
     return bytes(v)
 
 
+def _bin(v, ctx):
+    if type(v) is not bytes:
+        raise _bad(ctx, f"expected bin, got {type(v).__name__}")
+    return v
+
+
 def _entry_ids(v, ctx):
     if not isinstance(v, list) or len(v) > 65536:
         raise _bad(ctx, "expected an array of at most 65536 entry ids")
@@ -304,6 +319,81 @@ def _descriptors(v, ctx):
     return [_descriptor(x, ctx) for x in v]
 
 
+def _layouts(v, ctx):
+    """A GET reply's `layouts` (section 14): arrays of tensor heads `[name,
+    dtype, shape]`, each checked as a tensor's are, names unique within a
+    layout; at most max_chunks layouts and max_frames heads in all. Kept as
+    sent (for the encoder); what its chunks need is kept in `ctx.layouts`."""
+    if not ctx.shm_ok:
+        return v  # (requests have no such field: ignored, as any unknown one)
+    if not isinstance(v, list) or len(v) > ctx.limits.max_chunks:
+        raise _bad(ctx, f"expected an array of at most {ctx.limits.max_chunks} layouts")
+    heads, out = 0, []
+    for layout in v:
+        if not isinstance(layout, list):
+            raise _bad(ctx, "a layout is an array of tensor heads")
+        heads += len(layout)
+        if heads > ctx.limits.max_frames:
+            raise _bad(ctx, f"layouts name more than {ctx.limits.max_frames} tensors")
+        got = []
+        for head in layout:
+            if not isinstance(head, list) or len(head) != 3:
+                raise _bad(ctx, "a tensor head is [name, dtype, shape]")
+            name, dtype, shape = _tensor_head({"name": head[0], "dtype": head[1], "shape": head[2]}, ctx)
+            nbytes = math.prod(shape) * dtypes.itemsize(dtype)
+            if nbytes >= U64:
+                raise E.BadShape(f"tensor {name!r}: {dtype}{shape} is more than 2**64 bytes")
+            got.append((name, dtype, tuple(shape), nbytes))
+        names = [h[0] for h in got]
+        if len(set(names)) != len(names) or "__metadata__" in names:
+            raise _bad(ctx, "tensor names must be unique within a layout and not '__metadata__'")
+        out.append(got)
+    ctx.layouts = out
+    return v
+
+
+_PLACE = 24  # bytes a placed tensor takes in a chunk's `places`: segment, offset, xxh3 (u64 LE each)
+
+
+def _placed(index, places, ctx) -> list[Tensor] | None:
+    """A placed chunk's tensors: those of layout `index`, each in shared
+    memory at the segment and offset `places` gives, with its digest; None
+    where that is not plainly so (the caller raises the exact error)."""
+    layouts = ctx.layouts
+    if (type(index) is not int or layouts is None or not 0 <= index < len(layouts)
+            or type(places) is not bytes or not ctx.shm_ok):
+        return None
+    heads = layouts[index]
+    if len(places) != _PLACE * len(heads) or ctx.placed + len(heads) > ctx.limits.max_frames:
+        return None
+    ctx.placed += len(heads)
+    words = iter(struct.unpack(f"<{3 * len(heads)}Q", places))
+    return [Tensor(name, dtype, shape, Descriptor(seg, off, nbytes, digest))
+            for (name, dtype, shape, nbytes), seg, off, digest in zip(heads, words, words, words)]
+
+
+def _get_chunk(v, ctx):
+    """One chunk of a GET reply: its tensors, or (section 14) a `layout` and
+    the `places` of its tensors in shared memory."""
+    _map(v, ctx)
+    if v.get("layout") is None:
+        return _apply(_GET_CHUNK, v, ctx)
+    if v.get("tensors") is not None:
+        raise _bad(ctx, "a chunk has tensors or a layout, not both")
+    out = _apply(_PLACED_CHUNK, v, ctx)
+    if not ctx.shm_ok:
+        raise _bad(ctx, "a layout places tensors in shared memory, which requests never do")
+    if ctx.layouts is None or out["layout"] >= len(ctx.layouts):
+        raise _bad(ctx, f"layout {out['layout']} is not one of the reply's {len(ctx.layouts or ())} layouts")
+    heads = len(ctx.layouts[out["layout"]])
+    if len(out["places"]) != _PLACE * heads:
+        raise _bad(ctx, f"{len(out['places'])} bytes of places for a layout of {heads} tensors, expected {_PLACE * heads}")
+    if ctx.placed + heads > ctx.limits.max_frames:
+        raise _bad(ctx, f"chunks place more than {ctx.limits.max_frames} tensors")
+    out["tensors"] = _placed(out["layout"], out["places"], ctx)
+    return out
+
+
 def _record(schema: dict[str, tuple[Callable, bool, Any]]) -> Callable:
     """A validator for a map with its own field schema (a chunk, a boundary)."""
 
@@ -381,8 +471,12 @@ def _get_chunks(v, ctx):
     """A GET reply's chunks, checked in one tight loop as a PUT's are
     (`_put_chunks`): a reply naming 2,048 tensors in shared memory took the
     waiting client ~6-12 us a tensor through the generic schema walk."""
+    placed = ctx.placed
     fast = _chunks_fast(v, ctx, ("start", "length"))
-    return fast if fast is not None else _GENERIC_GET_CHUNKS(v, ctx)
+    if fast is not None:
+        return fast
+    ctx.placed = placed  # (what the fast loop placed is placed again)
+    return _GENERIC_GET_CHUNKS(v, ctx)
 
 
 def _chunks_fast(v, ctx, uints: tuple[str, ...]) -> list | None:
@@ -407,6 +501,14 @@ def _chunks_fast(v, ctx, uints: tuple[str, ...]) -> list | None:
             meta = b""
         elif type(meta) is not bytes or len(meta) > max_meta:
             return None
+        layout = c.get("layout")
+        if layout is not None:  # a GET reply's placed chunk (section 14)
+            got = None if c.get("tensors") is not None else _placed(layout, c.get("places"), ctx)
+            if got is None:
+                return None
+            chunk["layout"], chunk["places"], chunk["meta"], chunk["tensors"] = layout, c["places"], meta, got
+            out.append(chunk)
+            continue
         got = _tensors_fast(c.get("tensors"), ctx, used)
         if got is None:
             return None
@@ -481,7 +583,9 @@ def _opt(check, default=None):
 _PUT_CHUNK = {"index": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _GENERIC_PUT_CHUNKS = _array_of(_record(_PUT_CHUNK))
 _GET_CHUNK = {"start": _req(_uint), "length": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
-_GENERIC_GET_CHUNKS = _array_of(_record(_GET_CHUNK))
+_PLACED_CHUNK = {"start": _req(_uint), "length": _req(_uint), "layout": _req(_uint), "places": _req(_bin),
+                 "meta": _opt(_meta, b"")}
+_GENERIC_GET_CHUNKS = _array_of(_get_chunk)
 _BOUNDARY = {"tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _BOUNDARY_AT = {"at": _req(_uint), "tensors": _req(_tensors), "meta": _opt(_meta, b"")}
 _SLOTS_CHUNK = {"index": _req(_uint), "tensors": _req(_tensor_specs), "meta": _opt(_meta, b"")}
@@ -534,6 +638,7 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
     "GET": {
         "n": _req(_uint),
         "end": _req(_uint),
+        "layouts": _opt(_layouts),  # (before the chunks that name them)
         "chunks": _req(_get_chunks),
         "boundary": _opt(_record(_BOUNDARY_AT)),
         "shm": _opt(_map),
@@ -773,7 +878,9 @@ def _wire_fields(fields: dict[str, Any], frames: list[Any]) -> dict[str, Any]:
         if value is None:
             continue
         if name == "chunks" and value and isinstance(value[0], dict):
-            value = [{**c, "tensors": _wire_tensors(c["tensors"], frames)} for c in value]
+            # (a placed chunk, section 14, goes as its layout and places: its tensors are those)
+            value = [{k: x for k, x in c.items() if k != "tensors"} if c.get("layout") is not None
+                     else {**c, "tensors": _wire_tensors(c["tensors"], frames)} for c in value]
         elif name == "boundary" and isinstance(value, dict):
             value = {**value, "tensors": _wire_tensors(value["tensors"], frames)}
         out[name] = value

@@ -72,6 +72,8 @@ _DEFERRABLE = {
 
 # Optional protocol features this daemon implements, advertised in HELLO.
 FEATURES = ("media", "commit_parts")  # media-aware keys (PROTOCOL.md section 4.1), COMMIT in parts (section 14)
+# ... and with the shared-memory plane: placed GET chunks (section 14).
+SHM_FEATURES = ("shm", "shm_layouts")
 
 
 def _media(msg: Message) -> tuple[keys.MediaSpan, ...]:
@@ -254,7 +256,7 @@ class Handler:
             "server": f"kvd/{__version__}",
             "limits": self.limits.to_wire(),
             "chunk_tokens": self.chunk_tokens,
-            "features": list(FEATURES) + (["shm"] if self.shm is not None else [])
+            "features": list(FEATURES) + (list(SHM_FEATURES) if self.shm is not None else [])
             + (["write_through"] if self.write_through else []),
         }
         if self.shm is not None:
@@ -322,7 +324,8 @@ class Handler:
         if self.over_leases:
             reply = self.shm.frames_instead(reply)
         elif self.shm_proven:
-            reply = self.shm.describe_get(reply, [*chunks, *([boundary] if "boundary" in reply else [])])
+            reply = self.shm.describe_get(reply, [*chunks, *([boundary] if "boundary" in reply else [])],
+                                          layouts=msg["shm"].get("layouts") is True)
         return "GET", reply
 
     def _collect(self, links: list[Link], cap: int, need_boundary: bool, start: int):

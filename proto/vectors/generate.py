@@ -24,6 +24,7 @@ any other frame (a data frame, or a frame 0 that is not msgpack at all).
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from pathlib import Path
 
@@ -144,6 +145,17 @@ MESSAGES = {
         {"n": 4, "end": 4,
          "chunks": [{"start": 0, "length": 4, "tensors": [Tensor("L0.k", "uint32", (2,), Descriptor(0, 4096, 8))], "meta": b""}],
          "shm": {"lease": 7, "run": "0a1b2c3d", "lease_s": 30.0}},
+        13,
+    ),
+    "get_shm_layouts_reply": (
+        "reply", "GET",
+        {"n": 6, "end": 8,
+         "layouts": [[["L0.k", "bfloat16", [1, 4, 2]], ["L0.v", "bfloat16", [1, 4, 2]]]],
+         "chunks": [{"start": 0, "length": 4, "layout": 0,
+                     "places": struct.pack("<6Q", 0, 4096, 0x0123456789ABCDEF, 0, 4160, 0xFEDCBA9876543210), "meta": b""},
+                    {"start": 4, "length": 4, "layout": 0,
+                     "places": struct.pack("<6Q", 1, 0, 1, 1, 64, 2), "meta": b""}],
+         "shm": {"lease": 9, "run": "0a1b2c3d", "lease_s": 30.0, "segments": [0, 1]}},
         13,
     ),
     "slots_request": (

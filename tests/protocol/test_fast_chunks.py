@@ -6,6 +6,8 @@ and for every broken one the generic walk's exact error."""
 from __future__ import annotations
 
 
+import struct
+
 import msgpack
 import pytest
 
@@ -215,3 +217,117 @@ def test_the_fast_check_of_a_get_reply_is_the_one_taken():
     finally:
         codec._chunks_fast = saved
     assert len(calls) == 1 and calls[0][0] == ("start", "length") and calls[0][1] is not None and len(calls[0][1]) == 3
+
+
+def placed_reply(n: int = 3) -> list:
+    """A GET reply (section 14, placed chunks): chunk 0's tensors as maps, the
+    others placed, in two layouts (the last chunk shorter, as a cache's last is)."""
+    layouts = [[["k", "bfloat16", [1, 2]], ["v", "uint8", [2, 2]]], [["k", "bfloat16", [1, 1]], ["v", "uint8", [1, 2]]]]
+    chunks = [{"start": 0, "length": 1, "tensors": [
+        codec.Tensor("k", "bfloat16", (1, 2), Descriptor(3, 0, 4, 7)), codec.Tensor("v", "uint8", (2, 2), bytes(4))],
+        "meta": b"m"}]
+    for i in range(1, n):
+        last = i == n - 1
+        words = [3, 64 * i, 2**64 - i, 4, 128 * i, i]
+        chunks.append({"start": i, "length": 1, "layout": int(last),
+                       "places": struct.pack("<6Q", *words), "meta": b"m"})
+    return codec.encode("GET", {"n": n, "end": n, "layouts": layouts, "chunks": chunks,
+                                "shm": {"run": "r", "lease_s": 1.0}}, id=9)
+
+
+PLACED_CASES = {
+    "valid": lambda h: None,
+    "layout out of range": _set(["chunks", 1, "layout"], 2),
+    "layout a bool": _set(["chunks", 1, "layout"], True),
+    "layout negative": _set(["chunks", 1, "layout"], -1),
+    "places short": _set(["chunks", 2, "places"], bytes(47)),
+    "places long": _set(["chunks", 2, "places"], bytes(49)),
+    "places a string": _set(["chunks", 1, "places"], "x" * 48),
+    "places missing": _set(["chunks", 1, "places"], KeyError),
+    "tensors beside a layout": _set(["chunks", 1, "tensors"], []),
+    "no layouts": _set(["layouts"], KeyError),
+    "layouts a map": _set(["layouts"], {"0": []}),
+    "a layout a map": _set(["layouts", 0], {}),
+    "a head of two": _set(["layouts", 0, 1], ["v", "uint8"]),
+    "a head a map": _set(["layouts", 0, 1], {"name": "v", "dtype": "uint8", "shape": [2, 2]}),
+    "a name twice": _set(["layouts", 0, 1, 0], "k"),
+    "a name __metadata__": _set(["layouts", 1, 0, 0], "__metadata__"),
+    "a name an int": _set(["layouts", 1, 0, 0], 5),
+    "an unknown dtype": _set(["layouts", 0, 0, 1], "float128"),
+    "a rank over the limit": _set(["layouts", 0, 0, 2], [1, 1, 1, 2]),
+    "a negative dimension": _set(["layouts", 0, 0, 2], [-1, 2]),
+    "bytes past 2**64": _set(["layouts", 0, 0, 2], [2**63, 4]),
+    "meta too long": _set(["chunks", 1, "meta"], b"m" * 17),
+    "start missing": _set(["chunks", 2, "start"], KeyError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLACED_CASES))
+def test_placed_chunks_decode_as_the_generic_walk_has_them(case):
+    frames = rewrite(placed_reply(), PLACED_CASES[case])
+    fast = outcome(lambda f: codec.decode_reply(f, LIMITS), frames)
+    assert fast == outcome(generic_reply, frames)
+    if case != "valid":
+        assert issubclass(fast[0], E.ProtocolError), fast
+        return
+    chunks = fast[2]["chunks"]
+    assert [[(t.name, t.dtype, t.shape, t.data) for t in c["tensors"]] for c in chunks[1:]] == [
+        [("k", "bfloat16", (1, 2), Descriptor(3, 64, 4, 2**64 - 1)), ("v", "uint8", (2, 2), Descriptor(4, 128, 4, 1))],
+        [("k", "bfloat16", (1, 1), Descriptor(3, 128, 2, 2**64 - 2)), ("v", "uint8", (1, 2), Descriptor(4, 256, 2, 2))],
+    ]
+    assert chunks[0]["tensors"][1].data == bytes(4)
+    # Encoded again, placed chunks go as they came: the same bytes.
+    again = codec.encode("GET", fast[2], id=9)
+    assert [bytes(memoryview(f)) for f in again] == [bytes(memoryview(f)) for f in frames]
+
+
+def test_placed_chunk_errors_are_exact():
+    def code(case):
+        try:
+            codec.decode_reply(rewrite(placed_reply(), PLACED_CASES[case]), LIMITS)
+        except E.ProtocolError as err:
+            return type(err).__name__, err.message
+    assert code("layout out of range") == ("BadField", "field 'chunks': layout 2 is not one of the reply's 2 layouts")
+    assert code("places short") == ("BadField", "field 'chunks': 47 bytes of places for a layout of 2 tensors, expected 48")
+    assert code("tensors beside a layout") == ("BadField", "field 'chunks': a chunk has tensors or a layout, not both")
+    assert code("no layouts") == ("BadField", "field 'chunks': layout 0 is not one of the reply's 0 layouts")
+    assert code("an unknown dtype")[0] == "BadDtype" and code("a rank over the limit")[0] == "BadShape"
+    assert code("bytes past 2**64") == ("BadShape", "tensor 'k': bfloat16[9223372036854775808, 4] is more than 2**64 bytes")
+
+
+def test_placed_tensors_count_against_max_frames():
+    """Each placed tensor costs the decoder what a tensor in a frame does:
+    at most max_frames of them a reply, in layouts and in chunks alike."""
+    tight = Limits(max_meta_bytes=16, max_rank=3, max_frames=5)
+    frames = placed_reply(3)  # 4 placed tensors, 4 heads: within 5
+    assert codec.decode_reply(frames, tight).type == "GET"
+    with pytest.raises(E.BadField, match="chunks place more than 5 tensors"):
+        codec.decode_reply(placed_reply(4), tight)  # 6 placed
+    big = rewrite(placed_reply(), _set(["layouts", 1], [[f"t{i}", "uint8", [1]] for i in range(4)]))
+    with pytest.raises(E.BadField, match="layouts name more than 5 tensors"):
+        codec.decode_reply(big, tight)
+
+
+def test_a_request_cannot_place_tensors():
+    """Only replies place tensors: a PUT chunk naming a layout is still a
+    chunk without tensors."""
+    frames = put()
+    frames = rewrite(frames, _set(["chunks", 0, "layout"], 0))
+    msg = codec.decode_request(frames, LIMITS)  # (an unknown field of a PUT chunk: ignored)
+    assert len(msg["chunks"][0]["tensors"]) == 2
+
+
+def test_placed_chunks_take_the_fast_check():
+    calls = []
+    fast = codec._chunks_fast
+
+    def spy(v, ctx, uints):
+        calls.append(fast(v, ctx, uints))
+        return calls[-1]
+
+    codec._chunks_fast, saved = spy, fast
+    try:
+        codec.decode_reply(placed_reply(), LIMITS)
+    finally:
+        codec._chunks_fast = saved
+    assert len(calls) == 1 and calls[0] is not None and [len(c["tensors"]) for c in calls[0]] == [2, 2, 2]

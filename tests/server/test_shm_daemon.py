@@ -517,6 +517,35 @@ def test_a_client_writes_only_into_the_daemons_own_segments(daemon_factory, impo
             os.close(keep)
 
 
+def test_a_get_that_asks_for_layouts_has_its_chunks_placed_and_one_that_does_not_has_maps(kvd_daemon):
+    """Section 14, placed chunks: asked (`layouts: true`), every chunk comes as
+    its layout and places, full chunks sharing one layout and the last (40
+    tokens) its own; not asked (a client of revision 1.21), tensor maps as
+    before. Both name the same bytes, each with its digest."""
+    toks = np.arange(552)
+    with kvd_daemon.client("placed", strict=True) as c:
+        assert c.put(toks, prefix_snapshot(toks))
+        assert "shm_layouts" in c._features
+        link = c._link()
+        asked = c._transport.request("GET", {**c._seq(toks), "shm": {**link.field(), "layouts": True}}, 5)
+        plain = c._transport.request("GET", {**c._seq(toks), "shm": link.field()}, 5)
+        assert [ch.get("layout") for ch in asked["chunks"]] == [0, 0, 1] and len(asked["layouts"]) == 2
+        assert [len(ch["places"]) for ch in asked["chunks"]] == [24 * len(asked["layouts"][0])] * 2 + [24 * len(asked["layouts"][1])]
+        assert "layouts" not in plain.fields and all("layout" not in ch for ch in plain["chunks"])
+
+        def named(reply):
+            return [[(t.name, t.dtype, t.shape, t.data.length, bytes(link.view(t.data))) for t in ch["tensors"]]
+                    for ch in reply["chunks"]]
+
+        assert named(asked) == named(plain)
+        assert all(t.data.digest is not None for ch in asked["chunks"] for t in ch["tensors"])
+        for reply in (asked, plain):
+            link.done(reply["shm"]["lease"])
+        hit = c.get(toks)  # the client asks for layouts itself
+        assert hit.n == 552
+        assert_prefix_hit(hit, toks)
+
+
 def test_old_clients_without_shm_keep_working(kvd_daemon):
     """A kvd/1 client that never asks for shm: plain GET, frames back."""
     toks = np.arange(300)

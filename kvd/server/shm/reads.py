@@ -6,6 +6,7 @@ leases and counters.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import xxhash
@@ -38,11 +39,14 @@ class GetReplies:
         reply["shm"] = {"run": self.run_id, "lease_s": self.leases.lease_seconds, "segments": self.arena.live()}
         return reply
 
-    def describe_get(self, reply: dict[str, Any], entries: list[Entry]) -> dict[str, Any]:
+    def describe_get(self, reply: dict[str, Any], entries: list[Entry], *, layouts: bool = False) -> dict[str, Any]:
         """Turn a GET reply's tensors into descriptors under one read lease
         (the caller made sure one can be had: `leases_full`). Entries not yet
         in the arena are copied in (and keep living there); a tensor the
-        arena has no room for stays a frame (a private copy: `_adopt`)."""
+        arena has no room for stays a frame (a private copy: `_adopt`).
+        With `layouts` (the client asked), a chunk whose tensors are all in
+        the arena, each with its digest, goes placed: its layout's index and
+        its tensors' places packed (PROTOCOL.md section 14)."""
         swap: dict[int, Tensor] = {}
         for entry in entries:
             swap.update(self._adopt(entry))
@@ -67,8 +71,34 @@ class GetReplies:
                 out.append(shm_tensor(t.name, t.dtype, t.shape, found[1], getattr(t.data, "digest", None)))
             return out
 
-        for chunk in reply.get("chunks", ()):
-            chunk["tensors"] = convert(chunk["tensors"])
+        table: dict[tuple, int] = {}  # a layout -> its index in `layouts`
+
+        def place(chunk: dict[str, Any]) -> dict[str, Any]:
+            # A 1 GiB cache's GET names 2,048 tensors, 64 a chunk alike: one
+            # layout and 24 bytes a tensor, not a map of five fields each.
+            heads, words = [], []
+            for t in chunk["tensors"]:
+                t = swap.get(id(t), t)
+                found = locate(t.data)
+                digest = getattr(t.data, "digest", None)
+                if found is None or digest is None:
+                    return {**chunk, "tensors": convert(chunk["tensors"])}
+                slots[found[0].sid] = found[0]
+                heads.append((t.name, t.dtype, tuple(t.shape)))
+                words += (found[1].segment, found[1].offset, digest)
+            key = tuple(heads)
+            index = table.setdefault(key, len(table))
+            return {"start": chunk["start"], "length": chunk["length"], "layout": index,
+                    "places": struct.pack(f"<{len(words)}Q", *words), "meta": chunk["meta"]}
+
+        chunks = reply.get("chunks", ())
+        if layouts and chunks:
+            reply["chunks"] = [place(c) for c in chunks]
+            if table:
+                reply["layouts"] = [[[name, dtype, list(shape)] for name, dtype, shape in key] for key in table]
+        else:
+            for chunk in chunks:
+                chunk["tensors"] = convert(chunk["tensors"])
         if reply.get("boundary") is not None:
             reply["boundary"]["tensors"] = convert(reply["boundary"]["tensors"])
         self.counters["gets"] += 1
