@@ -206,17 +206,17 @@ def read_some(sock: zmq.Socket, most: int) -> tuple[list[bytes], bool]:
             got.append(sock.recv(copy=True))
             more = bool(sock.get(zmq.RCVMORE))
         return got, more
-    iov = (_Iovec * most)()
-    count = ctypes.c_size_t(most)
-    rc = _fns[0](ctypes.c_void_p(sock.underlying), iov, ctypes.byref(count), zmq.DONTWAIT)
-    n = count.value
+    parts = _Parts(most)
+    parts.count.value = most
+    rc = _fns[0](ctypes.c_void_p(sock.underlying), parts.iov, ctypes.byref(parts.count), zmq.DONTWAIT)
+    n = parts.count.value
     if rc < 0 and n == 0:
         # Cannot happen for a message's later parts but for a malloc failing,
         # after the part was taken: one through pyzmq, if any is left.
         if not sock.get(zmq.RCVMORE):
             return [], False
         return [sock.recv(copy=True)], bool(sock.get(zmq.RCVMORE))
-    words = memoryview(iov).cast("B").cast("Q" if ctypes.sizeof(ctypes.c_void_p) == 8 else "I")[0 : 2 * n].tolist()
+    words = parts.words[0 : 2 * n].tolist()
     got = [ctypes.string_at(b, size) if size else b"" for b, size in zip(words[0::2], words[1::2])]
     _free_later(words[0::2])
     return got, bool(sock.get(zmq.RCVMORE))
