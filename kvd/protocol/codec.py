@@ -324,8 +324,6 @@ def _layouts(v, ctx):
     dtype, shape]`, each checked as a tensor's are, names unique within a
     layout; at most max_chunks layouts and max_frames heads in all. Kept as
     sent (for the encoder); what its chunks need is kept in `ctx.layouts`."""
-    if not ctx.shm_ok:
-        return v  # (requests have no such field: ignored, as any unknown one)
     if not isinstance(v, list) or len(v) > ctx.limits.max_chunks:
         raise _bad(ctx, f"expected an array of at most {ctx.limits.max_chunks} layouts")
     heads, out = 0, []
@@ -360,8 +358,7 @@ def _placed(index, places, ctx) -> list[Tensor] | None:
     memory at the segment and offset `places` gives, with its digest; None
     where that is not plainly so (the caller raises the exact error)."""
     layouts = ctx.layouts
-    if (type(index) is not int or layouts is None or not 0 <= index < len(layouts)
-            or type(places) is not bytes or not ctx.shm_ok):
+    if type(index) is not int or layouts is None or not 0 <= index < len(layouts) or type(places) is not bytes:
         return None
     heads = layouts[index]
     if len(places) != _PLACE * len(heads) or ctx.placed + len(heads) > ctx.limits.max_frames:
@@ -381,8 +378,6 @@ def _get_chunk(v, ctx):
     if v.get("tensors") is not None:
         raise _bad(ctx, "a chunk has tensors or a layout, not both")
     out = _apply(_PLACED_CHUNK, v, ctx)
-    if not ctx.shm_ok:
-        raise _bad(ctx, "a layout places tensors in shared memory, which requests never do")
     if ctx.layouts is None or out["layout"] >= len(ctx.layouts):
         raise _bad(ctx, f"layout {out['layout']} is not one of the reply's {len(ctx.layouts or ())} layouts")
     heads = len(ctx.layouts[out["layout"]])

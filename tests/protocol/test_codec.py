@@ -138,7 +138,7 @@ msgpack_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
     max_leaves=20,
 )
-field_names = st.sampled_from(["v", "type", "id", "ns", "tokens", "chunk_tokens", "chunks", "boundary", "max_tokens", "need_boundary", "start", "versions", "index", "tensors", "name", "dtype", "shape", "frame", "meta"])
+field_names = st.sampled_from(["v", "type", "id", "ns", "tokens", "chunk_tokens", "chunks", "boundary", "max_tokens", "need_boundary", "start", "versions", "index", "tensors", "name", "dtype", "shape", "frame", "meta", "layouts", "layout", "places", "shm"])
 type_names = st.sampled_from(sorted(codec.REQUESTS) + ["ERROR", "X"])
 
 
@@ -149,6 +149,13 @@ def near_valid_headers(draw):
         header[draw(field_names)] = draw(msgpack_values)
     if draw(st.booleans()):
         header["chunks"] = [{"index": 0, "tensors": [{"name": "t", "dtype": draw(st.sampled_from(sorted(dtypes.DTYPES) + ["x"])), "shape": draw(st.lists(st.integers(-1, 4), max_size=3)), "frame": draw(st.integers(-1, 3))}]}]
+    if draw(st.booleans()):  # a GET reply's placed chunk (section 14) and the layouts it names
+        header["layouts"] = draw(st.lists(st.lists(st.tuples(
+            st.sampled_from(["t", "u", "t"]), st.sampled_from(["uint8", "bfloat16", "x"]),
+            st.lists(st.integers(-1, 4), max_size=3)).map(list), max_size=2), max_size=2))
+        header["chunks"] = [{"start": 0, "length": 1, "layout": draw(st.integers(-1, 2)),
+                             "places": draw(st.binary(max_size=56) | st.just(bytes(24)) | st.just(bytes(48)))}]
+        header["n"] = header["end"] = 1
     return header
 
 
