@@ -476,7 +476,10 @@ def _get_chunks(v, ctx):
 
 def _chunks_fast(v, ctx, uints: tuple[str, ...]) -> list | None:
     """Chunks of `uints` (unsigned fields), tensors and meta, as the generic
-    walk would have them, or None for anything not plainly valid."""
+    walk would have them, or None for anything not plainly valid. A GET
+    reply's (`start`, `length`) may be placed (section 14); a PUT chunk's
+    `layout` is a field like any unknown one."""
+    placing = uints == ("start", "length")
     if type(v) is not list:
         return None
     max_meta = ctx.limits.max_meta_bytes
@@ -496,7 +499,7 @@ def _chunks_fast(v, ctx, uints: tuple[str, ...]) -> list | None:
             meta = b""
         elif type(meta) is not bytes or len(meta) > max_meta:
             return None
-        layout = c.get("layout")
+        layout = c.get("layout") if placing else None
         if layout is not None:  # a GET reply's placed chunk (section 14)
             got = None if c.get("tensors") is not None else _placed(layout, c.get("places"), ctx)
             if got is None:

@@ -311,10 +311,21 @@ def test_placed_tensors_count_against_max_frames():
 def test_a_request_cannot_place_tensors():
     """Only replies place tensors: a PUT chunk naming a layout is still a
     chunk without tensors."""
-    frames = put()
-    frames = rewrite(frames, _set(["chunks", 0, "layout"], 0))
-    msg = codec.decode_request(frames, LIMITS)  # (an unknown field of a PUT chunk: ignored)
+    frames = rewrite(put(), _set(["chunks", 0, "layout"], 0))
+    calls = []
+    fast = codec._chunks_fast
+
+    def spy(v, ctx, uints):
+        calls.append(fast(v, ctx, uints))
+        return calls[-1]
+
+    codec._chunks_fast, saved = spy, fast
+    try:
+        msg = codec.decode_request(frames, LIMITS)  # (an unknown field of a PUT chunk: ignored)
+    finally:
+        codec._chunks_fast = saved
     assert len(msg["chunks"][0]["tensors"]) == 2
+    assert calls and calls[0] is not None  # the fast check, not the generic walk: a stray key costs nothing
 
 
 def test_placed_chunks_take_the_fast_check():

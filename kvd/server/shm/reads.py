@@ -93,9 +93,14 @@ class GetReplies:
 
         chunks = reply.get("chunks", ())
         if layouts and chunks:
-            reply["chunks"] = [place(c) for c in chunks]
-            if table:
+            placed = [place(c) for c in chunks]
+            boundary = reply.pop("boundary", None)
+            del reply["chunks"]
+            if table:  # named before the chunks that name them (a reader may decode in one pass)
                 reply["layouts"] = [[[name, dtype, list(shape)] for name, dtype, shape in key] for key in table]
+            reply["chunks"] = placed
+            if boundary is not None:
+                reply["boundary"] = boundary
         else:
             for chunk in chunks:
                 chunk["tensors"] = convert(chunk["tensors"])
