@@ -649,6 +649,7 @@ class Core(Linking):
         # (PROTOCOL.md section 5 GET), in frames or in shared memory alike.
         limits = self._limits or Limits()
         checked = 0  # chunks whose layout is checked (pages, below)
+        held: dict[int, Any] = {}  # segment -> its read-only bytes, for the descriptors of the pages (Link.hold)
         while True:
             fields = {**seq, "max_tokens": n, "need_boundary": need_boundary, "start": start}
             if link is not None:
@@ -681,7 +682,7 @@ class Core(Linking):
                         first_sent = sent_at if first_sent is None else first_sent
                     try:
                         for c in reply["chunks"]:
-                            c["tensors"] = link.resolve(c["tensors"])
+                            link.hold(c["tensors"], held)  # (copied out of by join: nothing made a tensor)
                         if reply.get("boundary") is not None:
                             reply["boundary"]["tensors"] = link.resolve(reply["boundary"]["tensors"])
                     except _shm.ShmUnavailable as err:
@@ -718,7 +719,8 @@ class Core(Linking):
             # The premapper maps nothing while this copies out of the leases (_pages.py rule 4).
             with leased_from.premap.held() if first_sent is not None else contextlib.nullcontext():
                 sliced, axes, meta = _chunking.join(chunks, n, self.chunk_tokens, alloc, verify=self.verify,
-                                                     checked=checked)  # (earlier pages' chunks: checked as they came)
+                                                     checked=checked,  # (earlier pages' chunks: checked as they came)
+                                                     segments=held)
                 hit = Hit(n=n, sliced=sliced, axes=axes, meta=meta)
                 if boundary is not None and boundary["at"] == n:
                     hit.boundary, hit.boundary_meta = _chunking.boundary_state(boundary, copy=first_sent is not None)

@@ -385,25 +385,47 @@ class Link:
         return [Tensor(t.name, t.dtype, t.shape, self._viewed(t.data)) if isinstance(t.data, Descriptor) else t
                 for t in tensors]
 
+    def hold(self, tensors: list[Tensor], held: dict[int, np.ndarray]) -> None:
+        """Check that each descriptor of `tensors` fits its segment, and add
+        the read-only mapping of each segment they name to `held` (segment ->
+        its bytes as one uint8 array) for `_chunking.join` to copy out of: the
+        tensors stay as they are (a GET of a 4 GiB cache names 8,192, and a
+        view kept for each is what runs Python's cyclic collector: `resolve`
+        is for the few of a boundary). ShmUnavailable as `resolve`."""
+        for t in tensors:
+            desc = t.data
+            if type(desc) is not Descriptor:
+                continue
+            whole = held.get(desc.segment)
+            if whole is None:
+                whole = held[desc.segment] = self._whole_of(desc.segment).view(np.ndarray)
+            if desc.offset + desc.length > whole.size:
+                raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {whole.size} bytes")
+
     def _viewed(self, desc: Descriptor) -> "Viewed":
         """A slice of the segment's array: a GET of a 1 GiB cache views 2,048
         slots, and a memoryview, np.frombuffer and a view per slot cost ~3 us."""
-        whole = self._whole.get(desc.segment)
-        if whole is None:
-            mm = self._segment(desc.segment, False)
-            with self._mu:
-                whole = self._whole.get(desc.segment)
-                if whole is None:
-                    try:
-                        whole = np.frombuffer(mm, dtype=np.uint8).view(Viewed)
-                    except ValueError as err:  # closed meanwhile by another thread's retain(): a miss
-                        raise ShmUnavailable(f"segment {desc.segment} of run {self.run}: {err}") from None
-                    self._whole[desc.segment] = whole
+        whole = self._whole_of(desc.segment)
         if desc.offset + desc.length > whole.size:
             raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {whole.size} bytes")
         out = whole[desc.offset:desc.offset + desc.length]
         out.digest = desc.digest
         return out
+
+    def _whole_of(self, segment: int) -> "Viewed":
+        """The segment's read-only mapping as one array (mapped on first use)."""
+        whole = self._whole.get(segment)
+        if whole is None:
+            mm = self._segment(segment, False)
+            with self._mu:
+                whole = self._whole.get(segment)
+                if whole is None:
+                    try:
+                        whole = np.frombuffer(mm, dtype=np.uint8).view(Viewed)
+                    except ValueError as err:  # closed meanwhile by another thread's retain(): a miss
+                        raise ShmUnavailable(f"segment {segment} of run {self.run}: {err}") from None
+                    self._whole[segment] = whole
+        return whole
 
     def map_ahead(self, live: Any, *, reads: bool = False) -> None:
         """Map the daemon's live segments (a SLOTS reply's list, or HELLO's

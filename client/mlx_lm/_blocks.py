@@ -32,7 +32,7 @@ Rules:
   else) is kept and raised on the caller's thread once every array is
   evaluated, before any of them is handed out. A fill of 2 MiB or more
   shares its pieces with the helper thread (`kvd_client._pair`), and has
-  returned, both halves done, before `readinto` does.
+  returned, every piece copied, before `readinto` does.
 - Every array is created, and evaluated, on the caller's thread and stream;
   only the bytes are written by `fill` where mlx calls it.
 """
@@ -50,7 +50,7 @@ from kvd.protocol.shm import ALIGN, align_up
 from kvd_client._chunking import fill_all
 from kvd_client.mlx_lm import _format as F
 
-Fill = Callable[..., None]  # fill(i, raw[, half]): `_chunking.join`
+Fill = Callable[..., None]  # fill(i, raw[, share]): `_chunking.join`
 
 # Bytes one read of mx.load's fills at most (one tensor if bigger). Below
 # glibc's largest mmap threshold (32 MiB on 64-bit): a buffer at or over it is

@@ -210,3 +210,50 @@ def test_a_child_forked_while_another_thread_made_the_helper_is_not_stuck():
     assert q.get(timeout=30) == [1, 2]
     child.join(30)
     assert child.exitcode == 0
+
+
+def test_fill_all_copies_every_piece_once_across_both_threads_and_stops_after_a_failure(monkeypatch):
+    """`_chunking.fill_all`: the two threads take a job's pieces from one
+    shared count (each piece once, whoever is free); once either raised, the
+    other starts no further job."""
+    import numpy as np
+
+    from kvd_client import _chunking
+
+    taken: list[tuple[int, int, str]] = []
+    pieces = 64
+    raws = [np.zeros(1 << 20, dtype=np.uint8) for _ in range(4)]  # 4 MiB in all: shared out
+
+    def fill(i, raw, share=None):
+        for j in range(pieces) if share is None else share:
+            if j >= pieces:
+                break
+            taken.append((i, j, threading.current_thread().name))
+            raw[j * (len(raw) // pieces)] += 1
+
+    _chunking.fill_all(fill, list(enumerate(raws)))
+    assert sorted((i, j) for i, j, _ in taken) == [(i, j) for i in range(4) for j in range(pieces)]
+    assert all(int(r.sum()) == pieces for r in raws)
+
+    # The second half runs after the first raised in job 1 (as a helper would,
+    # which `both` waits for whatever the caller's half raised): it starts no job.
+    def both(mine, theirs):
+        try:
+            mine()
+        finally:
+            theirs()
+
+    monkeypatch.setattr(_pair, "both", both)
+    taken.clear()
+
+    raised = []
+
+    def failing(i, raw, share=None):
+        if i == 1 and not raised:  # (one piece of job 1 damaged: the other half may take the rest of it)
+            raised.append(i)
+            raise ValueError("damaged")
+        fill(i, raw, share)
+
+    with pytest.raises(ValueError, match="damaged"):
+        _chunking.fill_all(failing, list(enumerate(raws)))
+    assert sorted({i for i, _, _ in taken}) == [0]  # neither job 2 nor 3
