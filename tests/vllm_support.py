@@ -61,6 +61,17 @@ def run_child(tmp: Path, name: str, spec: dict, timeout: float = 300.0) -> dict:
     return report
 
 
+def run_child_aside(tmp: Path, name: str, spec: dict, timeout: float = 300.0):
+    """`run_child` in a thread of its own, for a process that needs nothing of
+    the test's others (a cold reference): a future of its report."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"child-{name}")
+    future = pool.submit(run_child, tmp, name, spec, timeout)
+    pool.shutdown(wait=False)
+    return future
+
+
 def start_all(servers) -> None:
     """Start every one of `servers` at once, then wait until each answers: their
     start-ups (~3 s of imports and model loading each) overlap."""
