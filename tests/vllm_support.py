@@ -4,7 +4,8 @@ The vllm-mlx tests need the pinned vllm-mlx set (installed by `./dev`,
 which `.ci/run` runs); without it they skip, saying so. `run_child` runs
 tests/vllm_child.py (one vllm-mlx process with in-process schedulers) in a
 fresh interpreter and returns its JSON report. `VllmServer` is vllm-mlx's
-HTTP server as a tests/model_dir.py `LoopbackServer`.
+HTTP server as a tests/model_dir.py `LoopbackServer`; `start_all` and
+`stop_all` start and stop several at once.
 """
 
 from __future__ import annotations
@@ -58,6 +59,45 @@ def run_child(tmp: Path, name: str, spec: dict, timeout: float = 300.0) -> dict:
     report = json.loads(out_path.read_text())
     report["log"] = proc.stderr
     return report
+
+
+def run_child_aside(tmp: Path, name: str, spec: dict, timeout: float = 300.0):
+    """`run_child` in a thread of its own, for a process that needs nothing of
+    the test's others (a cold reference): a future of its report."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"child-{name}")
+    future = pool.submit(run_child, tmp, name, spec, timeout)
+    pool.shutdown(wait=False)
+    return future
+
+
+def start_all(servers) -> None:
+    """Start every one of `servers` at once, then wait until each answers: their
+    start-ups (~3 s of imports and model loading each) overlap."""
+    for s in servers:
+        s.start(wait=False)
+    for s in servers:
+        s.wait_ready()
+
+
+def stop_all(servers, timeout: float = 30.0) -> None:
+    """SIGTERM every one of `servers` still running at once, then wait for each
+    (SIGKILL past `timeout`): LoopbackServer.stop's, the waits overlapping."""
+    import signal
+
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+    for s in servers:
+        if s.proc is None:
+            continue
+        try:
+            s.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait()
+        s.proc = None
 
 
 class VllmServer(LoopbackServer):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from model_dir import words
-from vllm_support import VllmServer, requires_vllm_mlx, wait_for_puts
+from vllm_support import VllmServer, requires_vllm_mlx, start_all, stop_all, wait_for_puts
 
 pytestmark = [requires_vllm_mlx, pytest.mark.slow]
 
@@ -27,23 +27,20 @@ def vlm_dir(tmp_path_factory):
 
 def test_text_requests_on_the_mllm_route_share_the_system_prompt(vlm_dir, kvd_daemon, tmp_path):
     ep, system = kvd_daemon.endpoint, words(600, seed=21)
-    servers = []
+    a = VllmServer(vlm_dir, tmp_path / "a", ["--cache-memory-mb", "64"], kvd_endpoint=ep)
+    b = VllmServer(vlm_dir, tmp_path / "b", ["--cache-memory-mb", "64"], kvd_endpoint=ep)
+    cold = VllmServer(vlm_dir, tmp_path / "cold", ["--cache-memory-mb", "64"])
+    servers = [a, b, cold]
     try:
-        a = VllmServer(vlm_dir, tmp_path / "a", ["--cache-memory-mb", "64"], kvd_endpoint=ep).start()
-        servers.append(a)
+        start_all(servers)  # b asks kvd nothing before its request, which comes after a's PUT
         a.chat(system, words(10, seed=22))
         wait_for_puts(ep, "mlx.qwen2_vl.", 1)
         assert "namespace mlx.qwen2_vl." in a.log()
 
-        b = VllmServer(vlm_dir, tmp_path / "b", ["--cache-memory-mb", "64"], kvd_endpoint=ep).start()
-        servers.append(b)
-        cold = VllmServer(vlm_dir, tmp_path / "cold", ["--cache-memory-mb", "64"]).start()
-        servers.append(cold)
         got, ref = b.chat(system, words(10, seed=23)), cold.chat(system, words(10, seed=23))
         assert got["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
     from kvd_client import Client
 
     with Client(ep, namespace="probe") as c:
@@ -58,28 +55,29 @@ def test_media_requests_reuse_only_with_the_same_image_and_bit_exact(vlm_dir, kv
     ep, system, ask = kvd_daemon.endpoint, words(300, seed=31), words(8, seed=32)
     servers = []
 
-    def start(name, **kw):
-        s = VllmServer(vlm_dir, tmp_path / name, ["--cache-memory-mb", "64"], **kw).start()
+    def server(name, **kw):
+        s = VllmServer(vlm_dir, tmp_path / name, ["--cache-memory-mb", "64"], **kw)
         servers.append(s)
         return s
 
     def reused(server):
         return [line for line in server.log().splitlines() if "kvd: reused" in line]
 
+    # Each measured server answers exactly one request, so its logits log is that request's.
+    first = server("first", kvd_endpoint=ep)
+    same, cold = server("same", kvd_endpoint=ep, tap=True), server("cold", tap=True)
+    other, cold2 = server("other", kvd_endpoint=ep, tap=True), server("cold2", tap=True)
     try:
-        first = start("first", kvd_endpoint=ep)
+        start_all(servers)  # none asks kvd anything before its request
         first.chat_image(system, 1, ask)
         wait_for_puts(ep, "mlx.qwen2_vl.", 1)
 
-        # Each measured server answers exactly one request, so its logits log is that request's.
-        same, cold = start("same", kvd_endpoint=ep, tap=True), start("cold", tap=True)
         got, ref = same.chat_image(system, 1, ask), cold.chat_image(system, 1, ask)
         assert len(reused(same)) == 1 and "(with media)" in reused(same)[0], same.log()[-3000:]
         n_same = len(same.logits())
         assert n_same >= 6 and same.logits()[:6] == cold.logits()[:6]
         assert got["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
 
-        other, cold2 = start("other", kvd_endpoint=ep, tap=True), start("cold2", tap=True)
         got2, ref2 = other.chat_image(system, 2, ask), cold2.chat_image(system, 2, ask)
         assert reused(other) == []  # another image: nothing through the image is shared
         assert other.logits()[:6] == cold2.logits()[:6]
@@ -87,5 +85,4 @@ def test_media_requests_reuse_only_with_the_same_image_and_bit_exact(vlm_dir, kv
         # The two images really do change the model's logits (the check above could not pass by accident).
         assert cold.logits()[0] != cold2.logits()[0]
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)

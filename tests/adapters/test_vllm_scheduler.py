@@ -13,7 +13,7 @@ import logging
 
 import pytest
 
-from vllm_support import requires_vllm_mlx, run_child, tokens
+from vllm_support import requires_vllm_mlx, run_child, run_child_aside, tokens
 
 pytestmark = [requires_vllm_mlx, pytest.mark.slow]
 
@@ -37,9 +37,10 @@ def spec(model_dir, endpoint, prompts, **config):
 
 def test_a_second_process_reuses_the_system_prompt_bit_exact(model_dir, kvd_daemon, tmp_path):
     ep = kvd_daemon.endpoint
+    cold = run_child_aside(tmp_path, "cold", spec(model_dir, None, [SYSTEM + USER_B]))
     first = run_child(tmp_path, "first", spec(model_dir, ep, [SYSTEM + USER_A]))
     second = run_child(tmp_path, "second", spec(model_dir, ep, [SYSTEM + USER_B]))
-    cold = run_child(tmp_path, "cold", spec(model_dir, None, [SYSTEM + USER_B]))
+    cold = cold.result()
 
     assert first["installed"] and first["kvd"]["cache"].get("kvd_stores", 0) >= 1
     got, ref = second["results"][0], cold["results"][0]
@@ -77,9 +78,10 @@ def test_a_hit_too_big_for_vllm_ram_is_fetched_once_then_only_what_fits(model_di
     (before, every request fetched the whole hit again and threw it away)."""
     ep = kvd_daemon.endpoint
     long = tokens(4096, seed=4)
+    cold = run_child_aside(tmp_path, "cold", spec(model_dir, None, [long + USER_A], cache_memory_mb=1))
     run_child(tmp_path, "big", spec(model_dir, ep, [long + USER_A]))
     small = run_child(tmp_path, "small", spec(model_dir, ep, [long + USER_B, long + USER_A], cache_memory_mb=1))
-    cold = run_child(tmp_path, "cold", spec(model_dir, None, [long + USER_A], cache_memory_mb=1))
+    cold = cold.result()
 
     counted = small["kvd"]["cache"]
     assert counted["kvd_not_admitted"] == 1 and counted["kvd_hits"] == 1, counted
@@ -90,8 +92,9 @@ def test_a_hit_too_big_for_vllm_ram_is_fetched_once_then_only_what_fits(model_di
 
 def test_a_daemon_that_is_down_costs_a_miss_not_an_error(model_dir, tmp_path):
     dead = f"ipc://{tmp_path}/nobody.sock"
+    cold = run_child_aside(tmp_path, "cold", spec(model_dir, None, [SYSTEM + USER_A, SYSTEM + USER_B]))
     got = run_child(tmp_path, "down", spec(model_dir, dead, [SYSTEM + USER_A, SYSTEM + USER_B]))
-    cold = run_child(tmp_path, "cold", spec(model_dir, None, [SYSTEM + USER_A, SYSTEM + USER_B]))
+    cold = cold.result()
     assert got["installed"]
     assert [r["tokens"] for r in got["results"]] == [r["tokens"] for r in cold["results"]]
     assert [r["cached"] for r in got["results"]] == [0, 512]  # vllm-mlx's own RAM cache still works

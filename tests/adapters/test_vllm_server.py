@@ -13,7 +13,7 @@ import time
 import pytest
 
 from model_dir import words
-from vllm_support import VllmServer, requires_vllm_mlx, wait_for_puts
+from vllm_support import VllmServer, requires_vllm_mlx, start_all, stop_all, wait_for_puts
 
 pytestmark = [requires_vllm_mlx, pytest.mark.slow]
 
@@ -31,17 +31,15 @@ def model_dir(tmp_path_factory):
 
 def test_two_servers_share_the_system_prompt_and_a_restart_starts_warm(model_dir, kvd_daemon, tmp_path):
     ep = kvd_daemon.endpoint
-    servers = []
+    a = VllmServer(model_dir, tmp_path / "a", ["--cache-memory-mb", "64"], kvd_endpoint=ep)
+    b = VllmServer(model_dir, tmp_path / "b", ["--cache-memory-mb", "64"], kvd_endpoint=ep)
+    cold = VllmServer(model_dir, tmp_path / "cold", ["--cache-memory-mb", "64"])
+    servers = [a, b, cold]
     try:
-        a = VllmServer(model_dir, tmp_path / "a", ["--cache-memory-mb", "64"], kvd_endpoint=ep).start()
-        servers.append(a)
+        start_all(servers)  # b asks kvd nothing before its request, which comes after a's PUT
         first = a.complete(SYSTEM + ASK_A)
         wait_for_puts(ep, "mlx.llama.", 1)
 
-        b = VllmServer(model_dir, tmp_path / "b", ["--cache-memory-mb", "64"], kvd_endpoint=ep).start()
-        servers.append(b)
-        cold = VllmServer(model_dir, tmp_path / "cold", ["--cache-memory-mb", "64"]).start()
-        servers.append(cold)
         got, ref = b.complete(SYSTEM + ASK_B), cold.complete(SYSTEM + ASK_B)
         assert b.cached() == [512], b.log()[-3000:]
         assert cold.cached() == [0]
@@ -73,8 +71,7 @@ def test_two_servers_share_the_system_prompt_and_a_restart_starts_warm(model_dir
         assert again.proc.wait(60) == 0, again.log()[-3000:]
         assert _puts(ep) == puts + 1
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
 
 
 def _puts(endpoint: str) -> int:

@@ -41,6 +41,7 @@ from kvd_client import Client
 from kvd_client.mlx_lm import namespace_for
 
 role, endpoint, cases, transport = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+sys.stdin.readline()  # GO: imported, now to work
 out = []
 with mx.stream(mx.new_thread_local_stream(mx.cpu)):
     for name, bits, stored, shared, extra, _ in cases:
@@ -79,14 +80,29 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_child(role, endpoint, cases, transport="auto"):
-    proc = subprocess.run(
+def start_child(role, endpoint, cases, transport="auto") -> subprocess.Popen:
+    """A child that imports what it needs (~1.7 s), then waits for GO on its stdin."""
+    return subprocess.Popen(
         [sys.executable, "-c", CHILD.format(here=str(TESTS), chunk=CHUNK), role, endpoint, json.dumps(cases), transport],
-        capture_output=True, text=True, timeout=120,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+
+
+def child_result(proc: subprocess.Popen):
+    """Tell `proc` GO; its results once it has ended."""
+    try:
+        out, err = proc.communicate("GO\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
+
+
+def run_child(role, endpoint, cases, transport="auto"):
+    return child_result(start_child(role, endpoint, cases, transport))
 
 
 # Both data planes, and each way across: bytes written into shared memory are
@@ -94,10 +110,17 @@ def run_child(role, endpoint, cases, transport="auto"):
 # first read there (PROTOCOL.md section 14).
 @pytest.mark.parametrize("put_via,get_via", [("shm", "shm"), ("frames", "shm"), ("shm", "frames")])
 def test_store_in_one_process_fetch_in_another(kvd_daemon, put_via, get_via):
-    stored = run_child("store", kvd_daemon.endpoint, CASES, put_via)
-    assert all(r["queued"] and r["stored"] == 1 for r in stored), stored
-    assert all(r["shm"] == (put_via == "shm" and not r["dedup"]) for r in stored), stored
-    fetched = run_child("fetch", kvd_daemon.endpoint, CASES, get_via)
+    # The fetching child imports while the storing one works; it starts once that one has ended.
+    fetcher = start_child("fetch", kvd_daemon.endpoint, CASES, get_via)
+    try:
+        stored = run_child("store", kvd_daemon.endpoint, CASES, put_via)
+        assert all(r["queued"] and r["stored"] == 1 for r in stored), stored
+        assert all(r["shm"] == (put_via == "shm" and not r["dedup"]) for r in stored), stored
+        fetched = child_result(fetcher)
+    finally:
+        if fetcher.poll() is None:  # never told GO
+            fetcher.kill()
+            fetcher.wait()
     assert all((r["shm"] >= 1) == (get_via == "shm") for r in fetched), fetched
     for (name, bits, _, _, _, expected), r in zip(CASES, fetched):
         assert r["n"] == expected, (name, bits, r)
