@@ -81,6 +81,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import msgpack
 import numpy as np
 
 from kvd.endpoint import check_endpoint, client_keys, default_endpoint, default_keys_dir, is_tcp
@@ -97,7 +98,7 @@ from kvd_client._transport import Transport
 
 log = logging.getLogger("kvd_client")
 
-_HEADER_SLACK = 1 << 20  # bytes kept free in each PUT for header and framing
+_HEADER_SLACK = 64 << 10  # bytes kept free in each PUT beyond what its header is counted at (`_put_head`)
 TRANSPORTS = ("auto", "frames", "shm")
 
 
@@ -112,6 +113,19 @@ class _Budget:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+
+def _put_head(seq: dict[str, Any], namespace: Any) -> int:
+    """Header bytes of a PUT of `seq` but its chunks' (at most): its tokens,
+    media spans and namespace meta, and a few fixed fields."""
+    ns_meta = msgpack.packb(_explain.components_for(namespace), use_bin_type=True, default=str)
+    return len(seq["tokens"]) + 64 * len(seq.get("media") or ()) + len(ns_meta) + 1024
+
+
+def _put_bytes(tensors: list[Tensor], meta: bytes) -> int:
+    """What a chunk adds to a PUT, at most: its tensors' bytes, and its map's
+    (index, meta, each tensor's name, dtype, shape and frame)."""
+    return sum(t.nbytes + len(t.name) + 64 + 9 * len(t.shape) for t in tensors) + len(meta) + 32
 
 
 def _budgeted(method):
@@ -461,7 +475,11 @@ class Core(Linking):
             return self._confirm_durable(seq, background) if self._write_through(background) else True
         limits = self.limits(background=background)
         link = self._link(background=background)
-        budget = max(1, limits.max_message_bytes - _HEADER_SLACK)
+        # A PUT's bytes, header and frames, fit max_message_bytes (TOO_LARGE
+        # else: the whole batch lost): the sequence's part of the header, then
+        # per chunk its tensors' bytes and what their maps add (~1 KiB a chunk
+        # of 13 tensors: at 8 MiB, 16-token chunks overflowed a 1 MiB slack).
+        budget = max(1, limits.max_message_bytes - _put_head(seq, self.namespace) - _HEADER_SLACK)
         meta = _chunking.chunk_meta(snapshot)
         batch: list[dict[str, Any]] = []
         size = frames = 0
@@ -469,7 +487,7 @@ class Core(Linking):
         for i, (start, end) in todo:
             # Over shm a chunk is copied once, from the snapshot straight into its slot.
             tensors = _chunking.cut(snapshot, start, end, contiguous=link is None)
-            nbytes = sum(t.nbytes for t in tensors)
+            nbytes = _put_bytes(tensors, meta)
             if batch and (size + nbytes > budget or frames + len(tensors) >= limits.max_frames - 1):
                 ok &= self._send_put(seq, batch, None, background, link)
                 batch, size, frames = [], 0, 0
@@ -479,6 +497,10 @@ class Core(Linking):
         boundary = None
         if want_boundary:
             boundary = {"tensors": _chunking.boundary_tensors(snapshot), "meta": _chunking.boundary_meta(snapshot)}
+            extra = _put_bytes(boundary["tensors"], boundary["meta"])
+            if batch and (size + extra > budget or frames + len(boundary["tensors"]) >= limits.max_frames - 1):
+                ok &= self._send_put(seq, batch, None, background, link)  # the boundary goes alone
+                batch = []
         ok &= self._send_put(seq, batch, boundary, background, link)
         ok &= not gap
         self.counters["put_ok" if ok else "put_not_stored"] += 1

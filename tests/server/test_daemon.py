@@ -197,6 +197,24 @@ def test_oversize_message_rejected(daemon_factory):
         assert hit.n == 2048 and hit.sliced["k"].equal(big_snap.sliced["k"][0])
 
 
+@pytest.mark.parametrize("transport", ["frames", "shm"])
+def test_a_put_of_many_small_chunks_is_split_by_its_header_too(daemon_factory, transport):
+    """A PUT's header grows with its chunks (each tensor's map, ~70 bytes
+    here beside 16 of bytes): the client counts it, so no batch is over
+    max_message_bytes (the daemon answers TOO_LARGE, the whole batch lost).
+    512 chunks of 64 tiny tensors: 512 KiB of tensors and ~2.3 MiB of maps,
+    which a 1 MiB allowance for headers sent as one 2.8 MiB message."""
+    d = daemon_factory("--ram-mb", "64", "--max-message-mb", "2", "--data-dir", "none")
+    toks = np.arange(8192)
+    snap = Snapshot(sliced={f"layer.{i:02d}.keys": (random_tensor("uint8", (1, 1, 8192, 1), i), 2) for i in range(64)})
+    with d.client("small-chunks", strict=True, chunk_tokens=16, transport=transport) as c:
+        assert c.put(toks, snap)
+        assert c.counters["put_ok"] == 1
+        hit = c.get(toks)
+        assert hit.n == 8192 and all(hit.sliced[k].equal(t) for k, (t, _) in snap.sliced.items())
+        assert c.stats()["server"]["errors"].get("TOO_LARGE", 0) == 0
+
+
 def test_second_daemon_on_same_endpoint_refused(kvd_daemon, daemon_factory):
     other_data = kvd_daemon.workdir / "other-data"
     second = daemon_factory("--ram-mb", "16", "--data-dir", str(other_data), start=False, workdir=kvd_daemon.workdir)
