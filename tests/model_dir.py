@@ -197,19 +197,27 @@ class LoopbackServer:
             return ""
 
     def stop(self, kill: bool = False, timeout: float = 30.0) -> None:
-        import signal
-        import subprocess
+        stop_all([self], timeout, kill=kill)
 
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+
+def stop_all(servers, timeout: float = 30.0, *, kill: bool = False) -> None:
+    """SIGTERM (SIGKILL with `kill`) every one of `servers` still running at
+    once, then wait for each (SIGKILL past `timeout`): the waits overlap."""
+    import signal
+    import subprocess
+
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+    for s in servers:
+        if s.proc is None:
+            continue
         try:
-            self.proc.wait(timeout)
+            s.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
+            s.proc.kill()
+            s.proc.wait()
+        s.proc = None
 
 
 class MlxServer(LoopbackServer):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from model_dir import LoopbackServer
+from model_dir import LoopbackServer, stop_all  # noqa: F401  (stop_all: the tests' import from here)
 
 HERE = Path(__file__).resolve().parent
 PINNED = "0.6.0"
@@ -79,25 +79,6 @@ def start_all(servers) -> None:
         s.start(wait=False)
     for s in servers:
         s.wait_ready()
-
-
-def stop_all(servers, timeout: float = 30.0) -> None:
-    """SIGTERM every one of `servers` still running at once, then wait for each
-    (SIGKILL past `timeout`): LoopbackServer.stop's, the waits overlapping."""
-    import signal
-
-    for s in servers:
-        if s.proc is not None and s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
-    for s in servers:
-        if s.proc is None:
-            continue
-        try:
-            s.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            s.proc.wait()
-        s.proc = None
 
 
 class VllmServer(LoopbackServer):

@@ -39,6 +39,24 @@ def outcome(decode, frames):
     return m.type, m.id, m.fields
 
 
+def fast_calls(decode) -> list:
+    """What codec._chunks_fast was asked and gave (None: it left the chunks
+    to the generic walk) while `decode()` ran."""
+    calls = []
+    fast = codec._chunks_fast
+
+    def spy(v, ctx, uints):
+        calls.append((uints, fast(v, ctx, uints)))
+        return calls[-1][1]
+
+    codec._chunks_fast = spy
+    try:
+        decode()
+    finally:
+        codec._chunks_fast = fast
+    return calls
+
+
 def rewrite(frames: list, change) -> list:
     header = msgpack.unpackb(frames[0], raw=False)
     change(header)
@@ -204,18 +222,7 @@ def test_the_fast_check_of_a_get_reply_agrees_with_the_generic_walk(case):
 
 def test_the_fast_check_of_a_get_reply_is_the_one_taken():
     # (What it saves is bench/probe_fetch.py's `requests` figure, not a timed test.)
-    calls = []
-    fast = codec._chunks_fast
-
-    def spy(v, ctx, uints):
-        calls.append((uints, fast(v, ctx, uints)))
-        return calls[-1][1]
-
-    codec._chunks_fast, saved = spy, fast
-    try:
-        codec.decode_reply(get_reply(), LIMITS)
-    finally:
-        codec._chunks_fast = saved
+    calls = fast_calls(lambda: codec.decode_reply(get_reply(), LIMITS))
     assert len(calls) == 1 and calls[0][0] == ("start", "length") and calls[0][1] is not None and len(calls[0][1]) == 3
 
 
@@ -312,33 +319,12 @@ def test_a_request_cannot_place_tensors():
     """Only replies place tensors: a PUT chunk naming a layout is still a
     chunk without tensors."""
     frames = rewrite(put(), _set(["chunks", 0, "layout"], 0))
-    calls = []
-    fast = codec._chunks_fast
-
-    def spy(v, ctx, uints):
-        calls.append(fast(v, ctx, uints))
-        return calls[-1]
-
-    codec._chunks_fast, saved = spy, fast
-    try:
-        msg = codec.decode_request(frames, LIMITS)  # (an unknown field of a PUT chunk: ignored)
-    finally:
-        codec._chunks_fast = saved
-    assert len(msg["chunks"][0]["tensors"]) == 2
-    assert calls and calls[0] is not None  # the fast check, not the generic walk: a stray key costs nothing
+    got = {}
+    calls = fast_calls(lambda: got.setdefault("msg", codec.decode_request(frames, LIMITS)))
+    assert len(got["msg"]["chunks"][0]["tensors"]) == 2  # (an unknown field of a PUT chunk: ignored)
+    assert calls and calls[0][1] is not None  # the fast check, not the generic walk: a stray key costs nothing
 
 
 def test_placed_chunks_take_the_fast_check():
-    calls = []
-    fast = codec._chunks_fast
-
-    def spy(v, ctx, uints):
-        calls.append(fast(v, ctx, uints))
-        return calls[-1]
-
-    codec._chunks_fast, saved = spy, fast
-    try:
-        codec.decode_reply(placed_reply(), LIMITS)
-    finally:
-        codec._chunks_fast = saved
-    assert len(calls) == 1 and calls[0] is not None and [len(c["tensors"]) for c in calls[0]] == [2, 2, 2]
+    calls = fast_calls(lambda: codec.decode_reply(placed_reply(), LIMITS))
+    assert len(calls) == 1 and calls[0][1] is not None and [len(c["tensors"]) for c in calls[0][1]] == [2, 2, 2]
