@@ -52,12 +52,27 @@ SEAMS = (
 )
 
 
+# The files that take longest (tens of seconds each, `--durations`), run first:
+# pytest-xdist's `--dist loadfile` hands files out in collection order, so a
+# slow file collected last (store/ comes late in the alphabet) ran alone
+# while the other worker waited, at the end of every run.
+SLOW_FIRST = (
+    "store/test_durability.py", "adapters/test_vllm_scheduler.py", "adapters/test_vllm_mllm.py",
+    "store/test_ssd_rows.py", "server/test_backlog_keeps.py", "store/test_ssd_crash.py",
+    "adapters/test_vllm_server.py", "store/test_remote_cluster.py", "server/test_lanes.py",
+    "server/test_pressure.py", "store/test_ssd_daemon.py", "server/test_turns.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).resolve().parent
+    rank = {}
     for item in items:
         where = Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
         if where.startswith(SEAMS):
             item.add_marker(pytest.mark.seam)
+        rank[item.nodeid] = SLOW_FIRST.index(where) if where in SLOW_FIRST else len(SLOW_FIRST)
+    items.sort(key=lambda item: rank[item.nodeid])  # (stable: a file's tests stay together, in order)
 
 
 def pytest_unconfigure(config):
