@@ -128,6 +128,25 @@ def write_tokenizer(path: Path, specials: list[str], chat_template: str) -> None
 
 
 # -- running a server on it ---------------------------------------------------
+# Ports handed to servers of this process. A port is picked by binding to port 0
+# and closing: two picked in a row may be the same one, and servers started
+# together (vllm_support.start_all) then raced for it: one bound, the other
+# failed, and its readiness check was answered by the first (a CI run).
+_PORTS_GIVEN: set[int] = set()
+
+
+def _new_port() -> int:
+    import socket
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+
+
 class LoopbackServer:
     """A server child process on a free loopback port, its output in `log_path`.
 
@@ -153,12 +172,9 @@ class LoopbackServer:
         return None  # inherit ours
 
     def start(self, wait: bool = True):
-        import socket
         import subprocess
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = _new_port()
         cmd, env = self.command(), self.environment()  # may make the folder the log goes in
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
