@@ -1,9 +1,9 @@
 """Encode, decode and validate kvd/1 messages. Sans I/O.
 
-Why one module of ~600 lines: it is the protocol's rules as code -- the
-field checks, the message table and the decoder that applies them in order
--- and a rule read apart from the table it serves is a rule misread; the
-header's bounded unpacking (skim.py) already lives apart.
+Why one module of ~900 lines: it is the protocol's rules as code, and a rule
+read apart from the table it serves is a rule misread; the header's bounded
+unpacking (skim.py) and the shm plane's wire pieces (shm.py) live apart, and
+the chunks' tight-loop checks (`_chunks_fast`, `LazyChunks`) would go next.
 
 A message is a list of frames: frame 0 is a msgpack map (the header), frames
 1..N-1 are raw tensor bytes that the header refers to by index. This module
@@ -841,21 +841,10 @@ def decode_reply(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
 # -- encoding ------------------------------------------------------------------
 
 
-def shm_tensor(name: str, dtype: str, shape: tuple[int, ...], where: Descriptor, digest: int | None) -> dict:
-    """A tensor of a GET reply over shared memory, in its wire form: what
-    `encode` would make of `Tensor(name, dtype, shape, Descriptor(...,
-    digest))`, made at once (a 1 GiB cache's GET has 2,048; `encode` takes
-    such a map as it is)."""
-    wire = {"name": name, "dtype": dtype, "shape": list(shape), "shm": [where.segment, where.offset, where.length]}
-    if digest is not None:
-        wire["xxh3"] = digest
-    return wire
-
-
 def _wire_tensors(tensors, frames: list[Any]) -> list[dict]:
     out = []
     for t in tensors:
-        if type(t) is dict:  # shm_tensor's: in its wire form already
+        if type(t) is dict:  # shm.shm_tensor's: in its wire form already
             out.append(t)
             continue
         wire = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}

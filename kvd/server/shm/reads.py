@@ -11,8 +11,8 @@ from typing import Any
 
 import xxhash
 
-from kvd.protocol.codec import Tensor, shm_tensor
-from kvd.protocol.shm import align_up
+from kvd.protocol.codec import Tensor
+from kvd.protocol.shm import align_up, shm_tensor
 from kvd.server.shm.arena import Slot
 from kvd.store.base import Entry
 
@@ -56,7 +56,7 @@ class GetReplies:
 
         def convert(tensors: list[Tensor]) -> list[Tensor | dict]:
             # A tensor in the arena goes out as its wire form at once
-            # (codec.shm_tensor): a GET of a 1 GiB cache has 2,048, and a
+            # (protocol.shm.shm_tensor): a GET of a 1 GiB cache has 2,048, and a
             # Tensor and a Descriptor made for each, then turned into a map
             # by the encoder, cost the serving thread ~4 ms of its ~12.
             out: list[Tensor | dict] = []
