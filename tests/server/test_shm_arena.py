@@ -71,7 +71,15 @@ class Model:
                 self.free[seg] = merged(self.free[seg] + [(off + size, n - size)])
         else:
             seg_size = max(self.seg_bytes, size)
-            if sum(self.sizes) + seg_size > self.capacity():
+            over = sum(self.sizes) + seg_size - self.capacity()
+            idle = [seg for seg in self.live() if self.free[seg] == [(0, self.sizes[seg])]]
+            if over > 0 and sum(self.sizes[seg] for seg in idle) >= over:
+                for seg in idle:  # all-free segments too small for it make room, oldest first
+                    if over <= 0:
+                        break
+                    over -= self.sizes[seg]
+                    self.remove(seg)
+            if over > 0:
                 self.counters["alloc_failures"] += 1
                 return None
             seg, off = len(self.sizes), 0
@@ -243,6 +251,34 @@ def test_arena_agrees_with_the_reference_model(folder, seed):
         release(len(held) - 1)
     assert arena.used == 0 and arena.counters["allocs"] > 1000 and arena.counters["segments_removed"] > 10
     assert _free_ranges(arena._space, ref.live()) == [[(0, ref.sizes[seg])] for seg in ref.live()]
+    arena.unlink()
+
+
+def test_idle_segments_too_small_for_a_slot_make_room_for_it_only_when_that_is_enough(folder):
+    """All-free segments kept warm count against the capacity: a slot bigger
+    than any of them removes as many as it needs (oldest first), never more,
+    and none when removing every one would not make room."""
+    cap = [8 * SEG]
+    arena = Arena(folder, "0badcafe", capacity=lambda: cap[0], segment_bytes=SEG)
+    small = [arena.alloc(SEG) for _ in range(6)]
+    while small:
+        small.pop(0)  # all free: four kept warm (keep_free, half the capacity), the last two removed
+    assert arena.live() == [0, 1, 2, 3] and arena.counters["segments_removed"] == 2
+    big = [arena.alloc(2 * SEG), arena.alloc(2 * SEG)]  # 4 idle + 2 + 2: the capacity, nothing removed
+    assert [a.slot.seg for a in big] == [6, 7] and arena.counters["segments_removed"] == 2
+    big.append(arena.alloc(2 * SEG))  # 10 would be over: the two oldest idle ones make room
+    assert big[2] is not None and big[2].slot.seg == 8
+    assert arena.live() == [2, 3, 6, 7, 8] and arena.counters["segments_removed"] == 4
+    half = arena.alloc(SEG // 2)  # into idle segment 2 (best fit): one idle segment left
+    assert half.slot.seg == 2
+    cap[0] = 9 * SEG
+    # used 6.5 + 2.5 fits the capacity, but 8 mapped - 1 idle + 2.5 does not: none removed
+    assert arena.alloc(2 * SEG + SEG // 2) is None
+    assert arena.live() == [2, 3, 6, 7, 8] and arena.counters["segments_removed"] == 4
+    for i, a in enumerate(big):
+        a[:] = i + 1
+    assert [int(a[0]) for a in big] == [1, 2, 3] and all((a == a[0]).all() for a in big)
+    del big, half
     arena.unlink()
 
 

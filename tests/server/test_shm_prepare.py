@@ -21,7 +21,7 @@ import pytest
 from kvd.server.shm.arena import Arena
 from kvd.server.shm import prepare
 from kvd.server.shm.prepare import Preparer
-from support import assert_prefix_hit, kvd, prefix_snapshot, shm_folder, wait_until
+from support import assert_prefix_hit, kvd, prefix_snapshot, shm_folder, wait_until, wide_snapshot
 
 MiB = 1 << 20
 LINUX = sys.platform.startswith("linux")
@@ -58,6 +58,33 @@ def test_the_window_is_at_most_the_ram_budget_and_a_segment(daemon_factory):
                        what="the window prepared")
         assert s["prepare_window_bytes"] == 20 * MiB  # 16 and one 4 MiB segment: a fill needs a little more
         assert s["mapped_bytes"] == s["prepared_bytes"] == 20 * MiB, s
+
+
+def test_a_window_of_segments_smaller_than_the_chunks_gives_way_to_them(daemon_factory):
+    """A 64 MiB RAM tier prepares its window in 4 MiB segments; 256-token
+    chunks of 32 KiB a token need 8 MiB slots, each in a segment of its own.
+    Once the RAM tier was full the window's idle segments and the chunks'
+    filled the arena's capacity (twice the budget and a segment), and every
+    later PUT was refused its slots and went over frames (a 768 MiB daemon's
+    16 MiB window against 32 MiB chunks, bench_write_through.py). Now the
+    idle segments too small for a slot make room for it."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    toks = [np.arange(512) + i * 100_000 for i in range(10)]  # two 8 MiB chunks each
+    with d.client("wide", strict=True, transport="shm") as c:
+        s = wait_until(lambda: (x := c.stats()["shm"])["prepared_free_bytes"] >= 68 * MiB and x,
+                       what="the window prepared")
+        assert s["prepare_window_bytes"] == 68 * MiB and s["mapped_bytes"] == 68 * MiB  # 17 segments of 4 MiB
+        for t in toks:
+            assert c.put(t, wide_snapshot(t, width=8192))
+        assert c.counters["shm_puts"] == len(toks) and c.counters["shm_put_fallback"] == 0
+        s = c.stats()["shm"]
+        assert s["alloc_failures"] == 0 and s["segments_removed"] > 0, s
+        assert s["mapped_bytes"] <= s["capacity_bytes"]
+        hit = c.get(toks[-1])
+        assert hit is not None and hit.n == 512
+        want = wide_snapshot(toks[-1], width=8192).sliced["t.bfloat16"][0]
+        assert hit.sliced["t.bfloat16"].array.tobytes() == want.array.tobytes()
+        assert c.counters["shm_gets"] == 1
 
 
 def _blocks(folder: Path) -> int:

@@ -19,7 +19,9 @@ its free neighbours when freed, every slot starting at a multiple of ALIGN. A se
 all free is removed (unlinked and unmapped) as soon as the arena holds more
 free space than it keeps warm for the next slots (`keep_free`, half its
 capacity: about the RAM tier's budget), so memory the RAM tier gives back
-under memory pressure leaves the arena too; replies list the live
+under memory pressure leaves the arena too; and, oldest first, when a slot
+too big for any of them would otherwise not fit the capacity (`_drop_idle`);
+replies list the live
 segments so clients unmap the others. When the RAM tier yields to memory
 pressure (its budget below the configured one), `trim` also hands back the
 pages of every free range (MADV_REMOVE); a slot later carved from such a range
@@ -231,6 +233,8 @@ class Arena:
         # itself). Each segment costs a descriptor: at most about twice as many
         # as the capacity holds, draining ones included.
         held = sum(self._seg_used[seg] if seg in self._draining else n for seg, n in enumerate(self._sizes))
+        if held + seg_size > self.capacity:
+            held -= self._drop_idle(held + seg_size - self.capacity)
         if (held + seg_size > self.capacity or len(self._maps) >= _MAX_SEGMENTS
                 or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
             return None
@@ -238,6 +242,28 @@ class Arena:
         if seg_size > size:
             self._space.give(seg, size, seg_size - size)
         return seg, 0
+
+    def _drop_idle(self, need: int) -> int:
+        """Remove all-free segments, oldest first, until `need` bytes are
+        given back, for a slot none of them can hold (under the lock; `_grow`
+        asks only after no free range fitted, so every all-free segment is
+        smaller than it). Kept warm for the next slots (`keep_free`), they
+        count against the capacity all the same: a daemon whose window was
+        prepared in segments smaller than the chunks that came (a 768 MiB RAM
+        tier: 16 MiB segments, 32 MiB chunks) had its capacity taken by them
+        and sent its PUTs over frames once its RAM tier was full. None is
+        removed unless enough can be: the bytes given back (0 or >= need)."""
+        idle = [seg for seg, mm in enumerate(self._maps)
+                if mm is not None and seg not in self._draining and self._space.ranges(seg) == [(0, self._sizes[seg])]]
+        if sum(self._sizes[seg] for seg in idle) < need:
+            return 0
+        freed = 0
+        for seg in idle:
+            if freed >= need:
+                break
+            freed += self._sizes[seg]
+            self._remove(seg)
+        return freed
 
     def _add_segment(self, seg_size: int) -> int:
         """Make, map and record segment number len(self._maps), sparse (slots
