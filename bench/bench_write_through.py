@@ -22,7 +22,16 @@ filesystem: one `write` + `fsync` of the same bytes into one new file; and
 a write-back store of them (answered from RAM: the transport alone), so the
 part after the transport shows apart, and that write-back store until its
 backlog is on disk (spilled). Prints the medians and the ratios
-(target: durable <= 1.5x write+fsync). `--baseline-src DIR` also runs daemons
+(target: durable <= 1.5x write+fsync). Each daemon's RAM tier is filled
+first, so every timed store evicts an older one, as in a daemon that has run
+for a while (warm); the first store of each new daemon is printed apart
+(fresh: its arena's pages are new memory, see bench_fresh.py). Before
+session 49 no daemon was warmed: at 256 MiB every repetition of the default
+three landed in a fresh arena. Each timed step starts after `--gap-s`
+seconds of an idle disk (3 by default; 0: back to back): this VM's disk
+writes 256 MiB in 0.2 s or in 1.2 s depending on what was written in the
+seconds before, so back to back each step paid for the one before it
+(bench/RESULTS.md, session 49). `--baseline-src DIR` also runs daemons
 from another source tree (`git archive REV | tar -x -C DIR`), measured in
 turn with this tree's in every repetition: the figures before, under the
 same load.
@@ -79,7 +88,8 @@ def measure(write_through: bool, clients: int, puts: int) -> tuple[float, float,
     return rate, q[49] * 1e3, q[98] * 1e3
 
 
-def big_store(size_mib: int, reps: int, transport: str, trees: dict[str, str | None]) -> dict[str, dict[str, float]]:
+def big_store(size_mib: int, reps: int, transport: str, trees: dict[str, str | None],
+              gap_s: float = 0.0) -> dict[str, dict[str, float]]:
     """Median seconds, per daemon source tree (name -> PYTHONPATH, None: this
     one), of a write-through PUT of `size_mib` ("durable": answered once on
     disk), of a write-back PUT of them ("acked": the transport alone, answered
@@ -95,7 +105,9 @@ def big_store(size_mib: int, reps: int, transport: str, trees: dict[str, str | N
     tokens = size_mib * (1 << 20) // (layers * 2 * heads * dim * 2)
     raw = np.random.default_rng(size_mib).integers(0, 1 << 16, size=(2 * layers, 1, heads, tokens, dim), dtype=np.uint16)
     snap = Snapshot(sliced={f"{i // 2}.{'kv'[i % 2]}": (HostTensor("bfloat16", raw[i]), 2) for i in range(2 * layers)})
-    args = ["--ram-mb", str(2 * size_mib + 256), "--min-free-gb", "0", "--max-message-mb", str(max(512, size_mib + 16))]
+    ram_mb = 2 * size_mib + 256 if size_mib < 2048 else size_mib + 256  # 4 GiB: one resident, on a 24 GiB machine
+    warm_puts = ram_mb // size_mib + 1  # then the RAM tier is full: every timed store evicts an older one
+    args = ["--ram-mb", str(ram_mb), "--min-free-gb", "0", "--max-message-mb", str(max(512, size_mib + 16))]
     dirs: list[Path] = []
     daemons: list = []
     clients: list = []
@@ -111,23 +123,28 @@ def big_store(size_mib: int, reps: int, transport: str, trees: dict[str, str | N
             cwt = wt.client("bench-big", strict=True, timeout=120, transport=transport)
             cwb = wb.client("bench-big", strict=True, timeout=120, transport=transport)
             clients += [cwt, cwb]
-            mine = took[name] = {"durable": [], "acked": [], "spilled": []}
+            mine = took[name] = {k: [] for k in ("durable", "acked", "spilled", "fresh durable", "fresh spilled",
+                                                 "warm-up", "warm-up spilled")}
 
-            def durable(r: int, c=cwt, mine=mine) -> None:
+            def durable(r: int, c=cwt, mine=mine, key="durable") -> None:
                 s = np.arange(tokens) + 10_000_000 * (r + 1)
                 t = time.perf_counter()
                 assert c.put(s, snap)
-                mine["durable"].append(time.perf_counter() - t)
+                mine[key].append(time.perf_counter() - t)
 
-            def acked(r: int, c=cwb, mine=mine) -> None:
+            def acked(r: int, c=cwb, mine=mine, key="") -> None:
                 s = np.arange(tokens) + 10_000_000 * (r + 1)
                 t = time.perf_counter()
                 assert c.put(s, snap)
-                mine["acked"].append(time.perf_counter() - t)
+                if not key:
+                    mine["acked"].append(time.perf_counter() - t)
                 while c.stats()["store"]["dirty_bytes"]:  # written behind: the spill
                     time.sleep(0.005)
-                mine["spilled"].append(time.perf_counter() - t)
+                mine[key + "spilled"].append(time.perf_counter() - t)
 
+            for k in range(warm_puts):  # the first into a new daemon (fresh), the rest fill its RAM tier
+                durable(300 + k, key="fresh durable" if k == 0 else "warm-up")
+                acked(300 + k, key="fresh " if k == 0 else "warm-up ")
             steps += [durable, acked]
 
         def write_fsync(r: int) -> None:
@@ -146,6 +163,7 @@ def big_store(size_mib: int, reps: int, transport: str, trees: dict[str, str | N
         for r in range(reps):
             k = r % len(steps)
             for fn in steps[k:] + steps[:k]:
+                time.sleep(gap_s)  # the disk idle first, for each step alike (module docstring)
                 fn(r)
     finally:
         for c in clients:
@@ -154,6 +172,9 @@ def big_store(size_mib: int, reps: int, transport: str, trees: dict[str, str | N
             d.stop()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
+    for name, m in took.items():  # each repetition, in order: the disk's and the machine's moods show
+        print(f"{size_mib:>6} {name or 'raw':>8}  " + "  ".join(
+            f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in m.items() if v), flush=True)
     return {name: {k: statistics.median(v) for k, v in m.items()} for name, m in took.items()}
 
 
@@ -163,6 +184,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--sizes", default="", help="MiB per store, e.g. 256,1024: big write-through stores instead")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gap-s", type=float, default=3.0,
+                    help="seconds the disk is left idle before each timed step (big stores; module docstring)")
     ap.add_argument("--transport", default="shm", choices=["shm", "frames"])
     ap.add_argument("--baseline-src", default=None, help="run the daemons from this source tree (an older kvd)")
     a = ap.parse_args()
@@ -173,16 +196,18 @@ def main() -> None:
         print(f"{a.transport}, medians of {a.reps} (seconds); durable = a write-through store, answered once on disk;\n"
               f"acked = a write-back store (the transport alone); on disk = durable - acked, the part after the transport;\n"
               f"spilled = that write-back store until its backlog is on disk. Daemons of each tree measured in turn.")
+        print("fresh = the first store of a new daemon, write-through (durable) and write-back until on disk (spilled).")
         print(f"{'MiB':>6} {'tree':>8} {'write+fsync':>11} {'durable':>8} {'acked':>6} {'spilled':>8}  {'durable/raw':>11} "
-              f"{'on disk/raw':>11} {'spilled/raw':>11}")
+              f"{'on disk/raw':>11} {'spilled/raw':>11}  {'fresh durable':>13} {'fresh spilled':>13}")
         for size in [int(x) for x in a.sizes.split(",")]:
-            got = big_store(size, a.reps, a.transport, trees)
+            got = big_store(size, a.reps, a.transport, trees, a.gap_s)
             raw = got[""]["raw"]
             for name in trees:
                 m = got[name]
                 print(f"{size:>6} {name:>8} {raw:>11.3f} {m['durable']:>8.3f} {m['acked']:>6.3f} {m['spilled']:>8.3f}  "
                       f"{m['durable'] / raw:>10.2f}x {(m['durable'] - m['acked']) / raw:>10.2f}x "
-                      f"{m['spilled'] / raw:>10.2f}x", flush=True)
+                      f"{m['spilled'] / raw:>10.2f}x  {m['fresh durable'] / raw:>12.2f}x "
+                      f"{m['fresh spilled'] / raw:>12.2f}x", flush=True)
         return
     print(f"{'mode':>14} {'clients':>7} {'PUT/s':>8} {'p50 ms':>7} {'p99 ms':>7}  ratio to write-back")
     for n in [int(x) for x in a.clients.split(",")]:
