@@ -583,14 +583,14 @@ class Core(Linking):
             copied = 0
             # Slots in pages this client has not mapped yet (its first puts)
             # are populated on a thread of their own as this one copies (_pages.Ahead).
-            ahead = link.populate_ahead([d for ds in got for d in ds])
+            ahead, job_of = link.populate_ahead([d for ds in got for d in ds])
             k = 0
             for j, (ts, ds) in enumerate(zip(want, got)):
                 for t, desc in zip(ts, ds):
                     if not link.in_time(sent_at):
                         raise _shm.ShmUnavailable("write lease about to end")
                     if ahead is not None:
-                        ahead.reach(k)
+                        ahead.reach(job_of[k])
                     k += 1
                     digests.append(_chunking.copy_hashed(link.view(desc, writable=True), t))
                     copied += desc.length

@@ -25,7 +25,11 @@ caller copies them, while the caller copies those already done. Populating
 256 MiB of another process's pages took ~56 ms here, about as long as the
 copy: one after the other, a new client's first put ran at ~0.45x the
 steady state; side by side, on two cores, at 0.42-0.75x (median ~0.6x;
-bench/RESULTS.md, Session 28).
+bench/RESULTS.md, Session 28). A job is a run of the grant's slots side by
+side in one mapping (kvd_client._shm, `populate_ahead`), not a tensor: with
+512 jobs for a 256 MiB grant, the thread's turns at the GIL slowed the
+caller's copy 2.5x and the first put ran at 0.36-0.51x; with a job per run,
+0.69-1.12x (Session 49).
 
 Rules:
 1. A page is looked at once per mapping: the steady state's puts, into pages

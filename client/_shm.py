@@ -75,7 +75,7 @@ from kvd.endpoint import check_run_dir, peer_uid
 from kvd.protocol import handout
 from kvd.protocol.codec import Tensor
 from kvd.protocol.errors import KvdError
-from kvd.protocol.shm import Descriptor, segment_name
+from kvd.protocol.shm import ALIGN, Descriptor, segment_name
 
 from kvd_client import _pages
 
@@ -364,18 +364,30 @@ class Link:
         except ValueError as err:  # closed meanwhile by another thread's retain(): a miss, not a crash
             raise ShmUnavailable(f"segment {desc.segment} of run {self.run}: {err}") from None
 
-    def populate_ahead(self, descs: list[Descriptor]) -> "_pages.Ahead | None":
+    def populate_ahead(self, descs: list[Descriptor]) -> "tuple[_pages.Ahead | None, list[int]]":
         """Granted slots (in the order they are about to be written) populated
-        on a thread of their own while the caller copies (`_pages.Ahead`);
-        None where there is little to populate. ShmUnavailable as `view`."""
-        jobs = []
+        on a thread of their own while the caller copies (`_pages.Ahead`), and
+        the job of each descriptor (`Ahead.reach` takes it). Descriptors side
+        by side in one mapping (a chunk's tensors, ALIGN apart in its slot;
+        the next chunk's slot after it) are one job: a 256 MiB grant of 512
+        tensors was 512 jobs, each a mincore, a madvise and ~80 us of Python,
+        and that thread's turns at the GIL slowed the caller's copy 2.5x
+        (bench/RESULTS.md, session 49). The Ahead is None where there is
+        little to populate. ShmUnavailable as `view`."""
+        jobs: list[tuple[mmap.mmap, int, int]] = []
+        of: list[int] = []
         try:
             for desc in descs:
                 mm = self._segment(desc.segment, True)
                 if desc.offset + desc.length > len(mm):
                     raise ShmUnavailable(f"descriptor {desc.to_wire()} outside segment of {len(mm)} bytes")
-                jobs.append((mm, desc.offset, desc.length))
-            return _pages.Ahead.start(jobs)
+                if jobs and jobs[-1][0] is mm and 0 <= desc.offset - (jobs[-1][1] + jobs[-1][2]) < ALIGN:
+                    last = jobs[-1]
+                    jobs[-1] = (mm, last[1], desc.offset + desc.length - last[1])
+                else:
+                    jobs.append((mm, desc.offset, desc.length))
+                of.append(len(jobs) - 1)
+            return _pages.Ahead.start(jobs), of
         except ValueError as err:  # closed meanwhile (another thread's retain or close): a miss, not a crash
             raise ShmUnavailable(f"a segment of run {self.run}: {err}") from None
 

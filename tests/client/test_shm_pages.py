@@ -197,6 +197,36 @@ def test_a_new_clients_first_big_put_is_populated_ahead_and_bit_exact(daemon_fac
 
 
 @linux_only
+def test_the_tensors_of_a_slot_are_populated_as_one_job(daemon_factory, monkeypatch):
+    # 16 tensors a chunk, 8 chunks: 128 descriptors, side by side in 8 slots
+    # (the last chunk's, 208 tokens of 513 bytes, padded to ALIGN). One job per tensor gave the populating thread 128
+    # turns at the GIL against the caller's copy (2.5x slower); the tensors of
+    # a slot, and slots that follow one another in a segment, are one job.
+    monkeypatch.setattr(_shm.Link, "map_ahead", lambda self, live, reads=False: None)
+    started = []
+    real_start = _pages.Ahead.start
+    monkeypatch.setattr(_pages.Ahead, "start", classmethod(lambda cls, jobs: started.append(list(jobs))
+                                                            or real_start.__func__(cls, jobs)))
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    with d.client("ahead", strict=True, transport="shm") as c:
+        wait_until(lambda: c.stats()["shm"]["prepared_free_bytes"] >= 32 << 20, what="the window prepared")
+    rng = np.random.default_rng(7)
+    sliced = {f"t{i}": (HostTensor.from_numpy(rng.integers(0, 255, (1, 2000, 513), np.uint8)), 1) for i in range(16)}
+    tokens = list(range(2000))
+    with d.client("ahead", strict=True, transport="shm") as c2:  # a new client: none of the pages mapped here
+        assert c2.put(tokens, Snapshot(sliced=sliced))
+        assert c2.counters["shm_puts"] == 1
+        hit = c2.get(tokens)
+        assert hit.n == 2000
+        for name, (t, _) in sliced.items():
+            assert hit.sliced[name].array.tobytes() == t.array.tobytes(), name
+    assert len(started) == 1
+    jobs = started[0]
+    assert 1 <= len(jobs) <= 8, [(off, n) for _, off, n in jobs]
+    assert sum(n for _, _, n in jobs) >= 16 * 2000 * 513
+
+
+@linux_only
 def test_a_premapper_whose_mapping_is_closed_midway_maps_the_next_segment_all_the_same(monkeypatch):
     # The daemon removed a segment the premapper is on, and another thread's
     # retain() closed its mapping between two pieces (forced here: the close
