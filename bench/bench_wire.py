@@ -2,7 +2,7 @@
 
     python bench/bench_wire.py [--reps 5] [--big-reps 3] [--sizes 16,64,256] [--daemons warm,fresh]
                                [--clients 3] [--transports frames,shm,shm-noverify] [--host auto|portable]
-                               [--pressure-source auto|off] [--load-pause-s 2]
+                               [--pressure-source auto|off] [--load-pause-s 2] [--layers 32]
 
 Issue 42's table: `--sizes 256,1024,4096 --transports frames,shm`.
 
@@ -38,7 +38,9 @@ digests fixed at COMMIT (the price of the check).
 `--host portable` runs the daemon on the portable host (KVD_HOST: shm_open
 segments, as on macOS, instead of sealed memfds).
 The snapshot is a realistic layout: 32 layers x (keys, values) of
-(1, 8 KV heads, T tokens, 128) bfloat16, T chosen to hit the size.
+(1, 8 KV heads, T tokens, 128) bfloat16, T chosen to hit the size: an 8B
+model's, 32 MiB per 256-token chunk. `--layers 80` is a 70B-class model's,
+80 MiB per chunk: bigger than the daemon's segments (at most 64 MiB).
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ def ram_mb_for(mib: int) -> int:
 
 
 def main() -> None:
+    global LAYERS, BYTES_PER_TOKEN
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--big-reps", type=int, default=3, help="reps at 2 GiB and above")
@@ -167,7 +170,10 @@ def main() -> None:
                     help="fresh+load: seconds between a fresh daemon's client connecting and its first put "
                          "(a model server loading its model); 0: no such rows")
     ap.add_argument("--host", default="auto", choices=("auto", "portable"), help="the daemon's host (KVD_HOST)")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="layers of the cache (80: a 70B-class model)")
     args = ap.parse_args()
+    LAYERS = args.layers
+    BYTES_PER_TOKEN = LAYERS * 2 * HEADS * DIM * 2
     sizes = [int(x) for x in args.sizes.split(",")]
     transports = args.transports.split(",")
     kinds = args.daemons.split(",")

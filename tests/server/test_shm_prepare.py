@@ -87,6 +87,61 @@ def test_a_window_of_segments_smaller_than_the_chunks_gives_way_to_them(daemon_f
         assert c.counters["shm_gets"] == 1
 
 
+def test_chunks_bigger_than_a_segment_get_segments_prepared_to_their_size(folder):
+    """Segments are sized from the RAM budget, chunks from the model: a
+    70B-class model's 256-token chunk (80 MiB) fits no 64 MiB segment. Each
+    such slot went to a segment made for it, its pages not ready, while the
+    preparer kept preparing segments no slot of it could use. Now the
+    segments prepared are as big as the latest slots, only free ranges that
+    hold one count as ready, and idle segments too small give way to them."""
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB, huge=False)
+    prep = Preparer(arena, window=32 * MiB, available=lambda: None)
+    while prep.step():
+        pass
+    assert arena.spare_prepared() == 32 * MiB and len(arena.live()) == 8  # the window: 4 MiB segments
+    first = arena.alloc(6 * MiB)  # no 4 MiB segment holds it: one made for it (_grow)
+    assert first.slot.seg == 8 and arena.prepare_bytes() == 6 * MiB
+    assert arena.spare_prepared() == 0  # no free range holds a second one
+    assert arena.spare_prepared(4 * MiB) == 32 * MiB  # (though 4 MiB slots would fit)
+    while prep.step():
+        pass
+    # Two slots ahead, in two 6 MiB segments. The ceiling, half the capacity
+    # and a segment (38 MiB), had 32 + 6 mapped: three idle 4 MiB segments gave way.
+    assert arena.spare_prepared() == 12 * MiB and prep.prepared_bytes == 32 * MiB + 12 * MiB
+    assert arena.stats()["segments_removed"] == 3 and len(arena.live()) == 8
+    prepared = set(arena.live()) - set(range(9))
+    more = [arena.alloc(6 * MiB) for _ in range(2)]
+    assert {a.slot.seg for a in more} == prepared and len(prepared) == 2  # carved from them: no segment made
+    assert not any(getattr(a, "unreserved", False) for a in more)
+    for a in [first, *more]:
+        a[:] = 7
+        assert bytes(a[-3:]) == b"\x07\x07\x07"
+
+
+def test_a_fill_of_chunks_bigger_than_a_segment_meets_segments_prepared_for_them(daemon_factory):
+    """A real daemon: a 64 MiB RAM tier's segments are 4 MiB, and 256-token
+    chunks of 16 KiB a token are 8 MiB slots. Once the first put showed the
+    preparer their size, the next put's slots are carved from segments it
+    prepared for them: no grant waits for its pages to be reserved."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    toks = [np.arange(512) + i * 100_000 for i in range(3)]  # two 8 MiB chunks each
+    with d.client("wide", strict=True, transport="shm") as c:
+        wait_until(lambda: c.stats()["shm"]["prepared_free_bytes"] >= 68 * MiB, what="the window prepared")
+        assert c.put(toks[0], wide_snapshot(toks[0], width=8192))
+        s = wait_until(lambda: (x := c.stats()["shm"])["prepared_free_bytes"] >= 16 * MiB and x,
+                       what="segments prepared for 8 MiB slots")
+        assert s["grants_reserved_off_thread"] == 1, s  # the first put's, into segments made for it
+        for t in toks[1:]:
+            assert c.put(t, wide_snapshot(t, width=8192))
+            wait_until(lambda: c.stats()["shm"]["prepared_free_bytes"] >= 16 * MiB, what="prepared again")
+        s = c.stats()["shm"]
+        assert s["grants_reserved_off_thread"] == 1 and s["alloc_failures"] == 0, s
+        assert c.counters["shm_puts"] == len(toks) and c.counters["shm_put_fallback"] == 0
+        hit = c.get(toks[-1])
+        want = wide_snapshot(toks[-1], width=8192).sliced["t.bfloat16"][0]
+        assert hit is not None and hit.sliced["t.bfloat16"].array.tobytes() == want.array.tobytes()
+
+
 def _blocks(folder: Path) -> int:
     """Bytes the arena's segments hold allocated (their pages), as the kernel counts them."""
     return sum(os.stat(p).st_blocks * 512 for p in folder.iterdir() if p.name != "nonce")

@@ -63,6 +63,7 @@ log = logging.getLogger("kvd.server")
 _PAGE = mmap.PAGESIZE
 _MAX_SEGMENTS = 999_999  # segment indexes a run may use (kvd.protocol.shm.segment_name)
 SEGMENT_BYTES = 64 << 20  # a new segment's size, unless one slot needs more
+RECENT_SLOTS = 64  # the latest slots whose sizes size the segments prepared ahead (`prepare_bytes`)
 
 
 class Slot:
@@ -149,6 +150,7 @@ class Arena:
                          "grow_failures": 0, "lost_slots": 0, "names_repaired": 0, "shrunk_segments": 0}
         self.lean = False  # keep no free memory warm (give_back), until the next alloc
         self.allocated = 0  # bytes allocated so far, in all (kvd/server/shm/prepare.py reads it)
+        self._recent: collections.deque[int] = collections.deque(maxlen=RECENT_SLOTS)  # their sizes (`prepare_bytes`)
         # Told after a slot is handed out once `allocated` reaches `wake_at`
         # (the preparer, which sets it: kvd/server/shm/prepare.py, "How far ahead").
         self.on_alloc: Callable[[], None] | None = None
@@ -191,6 +193,7 @@ class Arena:
             self.used += size
             self._seg_used[seg] += size
             self.allocated += size  # the preparer's measure of demand (prepare.py)
+            self._recent.append(size)
             self.counters["allocs"] += 1
             self._sids += 1
             slot = Slot(self, seg, off, size, self._sids)
@@ -234,7 +237,7 @@ class Arena:
         # as the capacity holds, draining ones included.
         held = sum(self._seg_used[seg] if seg in self._draining else n for seg, n in enumerate(self._sizes))
         if held + seg_size > self.capacity:
-            held -= self._drop_idle(held + seg_size - self.capacity)
+            held -= self._drop_idle(held + seg_size - self.capacity, below=size)
         if (held + seg_size > self.capacity or len(self._maps) >= _MAX_SEGMENTS
                 or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
             return None
@@ -243,18 +246,19 @@ class Arena:
             self._space.give(seg, size, seg_size - size)
         return seg, 0
 
-    def _drop_idle(self, need: int) -> int:
-        """Remove all-free segments, oldest first, until `need` bytes are
-        given back, for a slot none of them can hold (under the lock; `_grow`
-        asks only after no free range fitted, so every all-free segment is
-        smaller than it). Kept warm for the next slots (`keep_free`), they
+    def _drop_idle(self, need: int, below: int) -> int:
+        """Remove all-free segments smaller than `below`, oldest first, until
+        `need` bytes are given back, for a slot (or a segment prepared for
+        slots, `begin_segment`) of `below` bytes, which none of them can
+        hold (under the lock). Kept warm for the next slots (`keep_free`), they
         count against the capacity all the same: a daemon whose window was
         prepared in segments smaller than the chunks that came (a 768 MiB RAM
         tier: 16 MiB segments, 32 MiB chunks) had its capacity taken by them
         and sent its PUTs over frames once its RAM tier was full. None is
         removed unless enough can be: the bytes given back (0 or >= need)."""
         idle = [seg for seg, mm in enumerate(self._maps)
-                if mm is not None and seg not in self._draining and self._space.ranges(seg) == [(0, self._sizes[seg])]]
+                if mm is not None and seg not in self._draining and self._sizes[seg] < below
+                and self._space.ranges(seg) == [(0, self._sizes[seg])]]
         if sum(self._sizes[seg] for seg in idle) < need:
             return 0
         freed = 0
@@ -289,27 +293,51 @@ class Arena:
         return seg
 
     # -- segments prepared ahead of demand (kvd/server/shm/prepare.py) ------------
-    def spare_prepared(self) -> int:
-        """Free bytes in the segments that allocate (not draining, not being
-        prepared): the preparer's measure of what is ready. Mostly reserved
-        pages; not all: a segment offered unreserved (its preparation failed)
-        and the rest of one the serving thread made for a grant count too --
-        the grants carved from them reserve their own pages (`reserve`), and
-        preparing more beside them would hold memory twice for one demand."""
+    def prepare_bytes(self) -> int:
+        """The size of the next segment prepared ahead (kvd/server/shm/prepare.py):
+        `segment_bytes`, or the biggest of the latest slots (RECENT_SLOTS)
+        where that is bigger (as `_grow` makes one for a slot). Segments are sized from the RAM
+        budget, chunks from the model: a 70B-class model's 256-token chunk is
+        80 MiB against segments of at most 64, an 8B model's 32 MiB against a
+        768 MiB tier's 16. Prepared at `segment_bytes`, none held such a slot:
+        each went to a segment of its own made for it, pages not ready, and
+        the preparer's memory served nothing."""
         with self._locked():
-            return sum(n - self._seg_used[seg] for seg, n in enumerate(self._sizes)
-                       if seg not in self._draining and seg not in self._begun and self._maps[seg] is not None)
+            biggest = max(self._recent, default=0)
+        return max(self.segment_bytes, biggest)
 
-    def begin_segment(self, room: int) -> tuple[int, int] | None:
-        """A new segment for the preparer, made and mapped but not yet offered
-        to `alloc` (its free space is given in `end_segment`), if the arena may
-        hold one more within `room` mapped bytes; else None."""
+    def spare_prepared(self, fit: int | None = None) -> int:
+        """Free bytes in the segments that allocate (not draining, not being
+        prepared) that slots of `fit` bytes can use (default `prepare_bytes`:
+        every free byte while that is `segment_bytes`, else each free range's
+        whole slots of it): the preparer's measure of what is ready. Mostly
+        reserved pages; not all: a segment offered unreserved (its preparation
+        failed) and the rest of one the serving thread made for a grant count
+        too -- the grants carved from them reserve their own pages (`reserve`),
+        and preparing more beside them would hold memory twice for one demand."""
+        fit = self.prepare_bytes() if fit is None else fit
+        with self._locked():
+            segs = [seg for seg, mm in enumerate(self._maps)
+                    if mm is not None and seg not in self._draining and seg not in self._begun]
+            if fit <= self.segment_bytes:
+                return sum(self._sizes[seg] - self._seg_used[seg] for seg in segs)
+            return sum(n // fit * fit for seg in segs for _, n in self._space.ranges(seg))
+
+    def begin_segment(self, room: int, size: int | None = None) -> tuple[int, int] | None:
+        """A new segment of `size` bytes (default `segment_bytes`) for the
+        preparer, made and mapped but not yet offered to `alloc` (its free
+        space is given in `end_segment`), if the arena may hold one more within
+        `room` mapped bytes -- idle segments too small for slots of `size`
+        removed to make room if that is enough (`_drop_idle`); else None."""
+        size = self.segment_bytes if size is None else size
         with self._locked():
             mapped = sum(n for seg, n in enumerate(self._sizes) if seg not in self._draining)
-            if (mapped + self.segment_bytes > room or len(self._maps) >= _MAX_SEGMENTS
+            if mapped + size > room:
+                mapped -= self._drop_idle(mapped + size - room, below=size)
+            if (mapped + size > room or len(self._maps) >= _MAX_SEGMENTS
                     or len(self.live()) >= 2 * (self.capacity // self.segment_bytes) + 8):
                 return None
-            seg = self._add_segment(self.segment_bytes)
+            seg = self._add_segment(size)
             self._begun.add(seg)  # not free until offered: stats read on another thread meanwhile
             return seg, self._fds[seg]
 

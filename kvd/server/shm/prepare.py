@@ -38,7 +38,14 @@ How far ahead:
   pages as ready as a warm one's (kvd/server/shm/startup.py, `warm_window`).
 - Once puts come: twice the bytes allocated in the busiest recent interval
   (each wake measures the bytes allocated since the last, and the figure
-  decays by a tenth per wake), at least two segments. The thread wakes every
+  decays by a tenth per wake), at least two segments.
+- Each segment as big as the biggest of the latest slots, where that is
+  bigger than the arena's `segment_bytes` (`Arena.prepare_bytes`), and only
+  free ranges that hold such a slot count as ready: segments are sized from
+  the RAM budget (kvd/server/shm/startup.py), chunks from the model, and a
+  70B-class model's 256-token chunks (80 MiB) fit no 64 MiB segment. Idle
+  segments smaller than that give way to the new ones when the ceiling
+  below is reached (`Arena.begin_segment`). The thread wakes every
   WAKE_S, and when allocations have taken a segment's worth since its last
   wake (`Arena.wake_at`): not at every slot, which under a storm of small
   puts took the GIL from the serving thread ~2,000 times a second.
@@ -144,70 +151,71 @@ class Preparer:
                 self.reserved_grants += ok
                 done(ok)
 
-    def ahead(self) -> int:
-        """Free prepared bytes wanted now (module docstring)."""
+    def ahead(self, size: int) -> int:
+        """Free prepared bytes wanted now, in segments of `size` (module docstring)."""
         allocated = self.arena.allocated
         self._burst = max(self._burst * 0.9, float(allocated - self._seen))
         self._seen = allocated
         if not allocated:
             return self.window
-        return max(2 * self.arena.segment_bytes, int(2 * self._burst))
+        return max(2 * size, int(2 * self._burst))
 
-    def room(self, spare: int) -> bool:
-        """Whether one more segment fits the memory available (module docstring)."""
+    def room(self, spare: int, size: int) -> bool:
+        """Whether one more segment of `size` fits the memory available (module docstring)."""
         avail = self.available()
         if avail is None:
             return True
-        return spare + self.arena.segment_bytes <= (avail + spare) // AVAILABLE_SHARE
+        return spare + size <= (avail + spare) // AVAILABLE_SHARE
 
     def step(self) -> bool:
         """Prepare one segment if wanted and allowed; whether one was."""
         arena = self.arena
-        want = self.ahead()
+        size = arena.prepare_bytes()  # read once: every figure below is of this one segment
+        want = self.ahead(size)
         if arena.lean or not self.allowed():
             return False
-        spare = arena.spare_prepared()
-        if spare + (0 if arena.allocated else arena.segment_bytes) > want:
+        spare = arena.spare_prepared(size)
+        if spare + (0 if arena.allocated else size) > want:
             return False  # before any PUT the window is a ceiling; after, a floor to keep
         if spare >= want:
             return False
-        if not self.room(spare) or not self.fds_ok():
+        if not self.room(spare, size) or not self.fds_ok():
             self.held_back += 1
             return False
-        begun = arena.begin_segment(room=arena.capacity // 2 + arena.segment_bytes)
+        begun = arena.begin_segment(room=arena.capacity // 2 + size, size=size)
         if begun is None:
             return False
         seg, fd = begun
-        huge = arena.huge and self._populate(arena.address(seg), arena.segment_bytes)
+        huge = arena.huge and self._populate(arena.address(seg), size)
         if arena.huge and not huge:  # no memory for it (a memory cgroup): what it reached goes back first
             self.failures += 1
-            give_back(fd, 0, arena.segment_bytes)
+            give_back(fd, 0, size)
         if huge:
             reserved = True  # 2 MiB pages, allocated and cleared through the daemon's mapping (~8x faster)
-            self.populated_bytes += arena.segment_bytes
-        elif clear(fd, arena.segment_bytes):  # Linux: reserved and cleared, mapped nowhere (1.5x faster)
+            self.populated_bytes += size
+        elif clear(fd, size):  # Linux: reserved and cleared, mapped nowhere (1.5x faster)
             reserved = True
-            self.populated_bytes += arena.segment_bytes
+            self.populated_bytes += size
         else:
-            reserved = self._reserve_and_populate(seg, fd)
-        self.prepared_bytes += arena.segment_bytes if reserved else 0  # counted before it is offered (stats)
+            reserved = self._reserve_and_populate(seg, fd, size)
+        self.prepared_bytes += size if reserved else 0  # counted before it is offered (stats)
         arena.end_segment(seg, reserved)
         return reserved
 
-    def _reserve_and_populate(self, seg: int, fd: int) -> bool:
+    def _reserve_and_populate(self, seg: int, fd: int, size: int) -> bool:
         """A new segment's pages reserved (posix_fallocate) and populated
         (`populate`), where `clear` cannot be done; whether they are reserved."""
         arena = self.arena
         if not hasattr(os, "posix_fallocate"):
             return False
         try:
-            os.posix_fallocate(fd, 0, arena.segment_bytes)
+            os.posix_fallocate(fd, 0, size)
         except OSError as err:  # a full /dev/shm or memory cgroup: slots reserve their own pages
             self.failures += 1
             log.debug("shared memory: cannot prepare a segment: %s", err)
             return False
-        if self._populate(arena.address(seg), arena.segment_bytes):
-            self.populated_bytes += arena.segment_bytes
+        if self._populate(arena.address(seg), size):
+            self.populated_bytes += size
         return True
 
     @staticmethod
