@@ -180,7 +180,16 @@ class RedisCluster:
 
     def start(self, timeout: float = 30.0) -> "RedisCluster":
         for s in self.servers:
-            s.start()
+            # A port pair free when it was picked can be taken before the node
+            # binds it (another test's server or connection): a new pair then.
+            for attempt in range(5):
+                try:
+                    s.start()
+                    break
+                except RuntimeError as err:
+                    if "Address already in use" not in str(err) or attempt == 4:
+                        raise
+                    s.port = _cluster_port()
         addrs = [f"127.0.0.1:{s.port}" for s in self.servers]
         done = subprocess.run([self.cli, "--cluster", "create", *addrs, "--cluster-replicas", "1", "--cluster-yes"],
                               capture_output=True, text=True, timeout=timeout)
@@ -228,11 +237,20 @@ class RedisCluster:
 
 
 def _cluster_port() -> int:
-    """A free port P <= 55535 whose bus port P + 10000 is free too (a cluster node needs both)."""
+    """A free port P whose bus port P + 10000 is free too (a cluster node
+    needs both), both below the kernel's ephemeral ports where there is room
+    (the ports connections and `free_port` get, which took a bus port between
+    its pick and its node's start once in a run of the suite)."""
     import random
 
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 0
+    lo, hi = (10000, ephemeral - 10001) if ephemeral >= 22000 else (20000, 45000)
     for _ in range(200):
-        port = random.randint(20000, 45000)
+        port = random.randint(lo, hi)
         try:
             for p in (port, port + 10000):
                 with socket.socket() as s:
