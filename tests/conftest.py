@@ -43,24 +43,32 @@ _session_remote_key()
 # the accept guard, process memory, pressure, peers, the doctor). `./dev test`
 # runs them a second time on the portable host -- the POSIX-only mechanisms
 # macOS runs -- as `KVD_TEST_HOST=portable pytest -m seam`. KVD_TEST_HOST
-# reaches the daemons the fixtures start (DaemonProcess) and nothing else: a
-# test whose host is chosen otherwise is marked one by one (test_doctor.py:
-# `kvd doctor` runs on KVD_HOST alone, which its tests set themselves).
+# reaches the daemons the fixtures start (DaemonProcess) and nothing else, so
+# in these files only the tests that start one (DAEMON_FIXTURES) are marked:
+# the others would run again exactly as they ran (about half of them). A test
+# whose host is chosen otherwise is marked one by one (test_doctor.py: `kvd
+# doctor` runs on KVD_HOST alone, which its tests set themselves).
+DAEMON_FIXTURES = ("daemon_factory", "kvd_daemon")
 SEAMS = (
-    "host/", "server/test_shm_", "server/test_peers.py", "server/test_pressure.py", "server/test_hostile_host.py",
+    "server/test_shm_", "server/test_peers.py", "server/test_pressure.py", "server/test_hostile_host.py",
     "server/test_backlog_keeps.py", "client/test_mlx_daemon.py",
 )
 
 
-# The files that take longest (tens of seconds each, `--durations`), run first:
-# pytest-xdist's `--dist loadfile` hands files out in collection order, so a
-# slow file collected last (store/ comes late in the alphabet) ran alone
-# while the other worker waited, at the end of every run.
+# The files that take longest (15-60 s each on one worker, session 50), run
+# first: pytest-xdist's `--dist loadfile` hands files out in collection order
+# (`./dev test` turns off its reordering by test count, which put the files of
+# one or two long tests last), so a slow file collected last ran alone while
+# the other worker waited, at the end of a run.
 SLOW_FIRST = (
-    "store/test_durability.py", "adapters/test_vllm_scheduler.py", "adapters/test_vllm_mllm.py",
-    "store/test_ssd_rows.py", "server/test_backlog_keeps.py", "store/test_ssd_crash.py",
-    "adapters/test_vllm_server.py", "store/test_remote_cluster.py", "server/test_lanes.py",
-    "server/test_pressure.py", "store/test_ssd_daemon.py", "server/test_turns.py",
+    "store/test_durability.py", "store/test_ssd_rows.py", "adapters/test_vllm_scheduler.py",
+    "server/test_lanes.py", "store/test_remote_cluster.py", "server/test_daemon.py", "service/test_doctor.py",
+    "store/test_remote_tier.py", "adapters/test_vllm_mllm.py", "store/test_heal.py", "service/test_two_users.py",
+    "service/test_ops_hostile.py", "server/test_frame_bombs.py", "client/test_mlx_daemon.py",
+    "service/test_cli_hostile.py", "adapters/test_server_http.py", "server/test_backlog_keeps.py",
+    "server/test_pressure.py", "server/test_shm_daemon.py", "store/test_ssd_crash.py",
+    "adapters/test_import_export.py", "store/test_ssd_daemon.py", "server/test_backoff.py",
+    "client/test_client_faults.py", "adapters/test_vllm_server.py",
 )
 
 
@@ -69,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
     rank = {}
     for item in items:
         where = Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
-        if where.startswith(SEAMS):
+        if where.startswith(SEAMS) and any(f in item.fixturenames for f in DAEMON_FIXTURES):
             item.add_marker(pytest.mark.seam)
         rank[item.nodeid] = SLOW_FIRST.index(where) if where in SLOW_FIRST else len(SLOW_FIRST)
     items.sort(key=lambda item: rank[item.nodeid])  # (stable: a file's tests stay together, in order)
