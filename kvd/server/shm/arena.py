@@ -296,12 +296,13 @@ class Arena:
     def prepare_bytes(self) -> int:
         """The size of the next segment prepared ahead (kvd/server/shm/prepare.py):
         `segment_bytes`, or the biggest of the latest slots (RECENT_SLOTS)
-        where that is bigger (as `_grow` makes one for a slot). Segments are sized from the RAM
-        budget, chunks from the model: a 70B-class model's 256-token chunk is
-        80 MiB against segments of at most 64, an 8B model's 32 MiB against a
-        768 MiB tier's 16. Prepared at `segment_bytes`, none held such a slot:
-        each went to a segment of its own made for it, pages not ready, and
-        the preparer's memory served nothing."""
+        where that is bigger, as `_grow` makes one for a slot. Segments are
+        sized from the RAM budget, chunks from the model: a 70B-class model's
+        256-token chunk is 80 MiB against segments of at most 64, an 8B
+        model's 32 MiB against a 768 MiB tier's 16. Prepared at
+        `segment_bytes`, none held such a slot: each went to a segment of its
+        own made for it, pages not ready, and the preparer's memory served
+        nothing."""
         with self._locked():
             biggest = max(self._recent, default=0)
         return max(self.segment_bytes, biggest)
