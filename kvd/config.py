@@ -423,6 +423,9 @@ SETTINGS: tuple[Setting, ...] = (
             default_doc="none (stderr)", check=_log_file_usable),
     Setting("metrics_port", _int(0, 65535), 0,
             "TCP port for Prometheus metrics (0 = off)."),
+    Setting("metrics_idle_s", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 10.0,
+            "Seconds the metrics exporter lets a connection send or read nothing before it closes it "
+            "(a stuck or trickling scraper holds none of its 16 connections longer)."),
     Setting("timeout", _float(0.0, exclusive=True, maximum=MAX_SECONDS), 5.0,
             "Seconds a client, or a kvd command, waits for one request's answer."),
     Setting("chunk_tokens", _int(1), 256,

@@ -319,7 +319,7 @@ def serve(**flags) -> None:
         from kvd.server.metrics import serve_metrics
 
         try:
-            metrics = serve_metrics(daemon, cfg.metrics_port)
+            metrics = serve_metrics(daemon, cfg.metrics_port, idle_s=cfg.metrics_idle_s)
         except RuntimeError as err:  # its thread
             daemon.close()
             _refused_thread(log, err, "starting the metrics exporter", store)

@@ -187,13 +187,16 @@ def _recent_namespaces(ns_counters: dict[str, Any], held: dict[str, Any], most: 
 # So it keeps these rules:
 # 1. One build at a time: scrapes that arrive while one is being built wait
 #    for it and share it.
-# 2. A build that was expensive (over CHEAP_BUILD_S) is served again for
-#    REUSE_S: a scrape may then be up to that old. A cheap one is not reused,
-#    so a scrape after a known sequence of requests still shows exactly them.
+# 2. A build that was expensive (over CHEAP_BUILD_S of the exporter thread's
+#    CPU) is served again for REUSE_S: a scrape may then be up to that old. A
+#    cheap one is not reused, so a scrape after a known sequence of requests
+#    still shows exactly them. CPU, not wall time: a cheap build that waited
+#    for a core or the GIL on a busy machine is still cheap, and a scrape
+#    after it still shows what was done before it.
 # 3. Per-namespace series are bounded (MAX_NAMESPACE_SERIES, the most
 #    recently used); `kvd_namespaces` counts them all, `kvd stats` lists them.
 # 4. At most MAX_CONNECTIONS connections are served at once, each a thread
-#    whose socket times out after IDLE_TIMEOUT_S: idle or trickling clients
+#    whose socket times out after `metrics_idle_s`: idle or trickling clients
 #    cannot hold threads and file descriptors the model servers need. Past
 #    the cap a connection is answered 503 and closed at once.
 # 5. When accept() fails for want of an fd (EMFILE, ENFILE) or of kernel
@@ -206,7 +209,6 @@ def _recent_namespaces(ns_counters: dict[str, Any], held: dict[str, Any], most: 
 REUSE_S = 1.0
 CHEAP_BUILD_S = 0.05
 MAX_CONNECTIONS = 16
-IDLE_TIMEOUT_S = 10.0
 ACCEPT_BACKOFF_S = 0.1
 ACCEPT_BACKOFF_MAX_S = 1.0
 _OUT_OF = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}  # accept() errors rule 5 waits out
@@ -230,15 +232,19 @@ class _Exposition:
                 return self._body
             if self._cost >= CHEAP_BUILD_S and now - self._built_at < REUSE_S:
                 return self._body
+            cpu = time.thread_time()
             self._body = generate_latest(self._registry)
+            self._cost = time.thread_time() - cpu
             self._built_at = time.monotonic()
-            self._cost = self._built_at - now
             return self._body
 
 
 class _Handler(BaseHTTPRequestHandler):
-    timeout = IDLE_TIMEOUT_S  # socket timeout for every read and write (StreamRequestHandler)
     server: "_Server"
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_s  # every read's and write's (StreamRequestHandler.setup), rule 4
+        super().setup()
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         if self.path.split("?", 1)[0] not in ("/metrics", "/"):
@@ -262,8 +268,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64  # a burst waits in the kernel, costing no fd of ours
 
-    def __init__(self, addr: tuple[str, int], exposition: _Exposition):
+    def __init__(self, addr: tuple[str, int], exposition: _Exposition, idle_s: float):
         self.exposition = exposition
+        self.idle_s = idle_s
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.refused = 0
         self.accept_failures = 0  # accept() calls that failed for want of an fd or memory (rule 5)
@@ -339,11 +346,12 @@ class MetricsServer:
         self._thread.join(5)
 
 
-def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1") -> MetricsServer:
-    """Start the exporter on addr:port (loopback by default). Raises OSError if the port is taken."""
+def serve_metrics(daemon: Any, port: int, addr: str = "127.0.0.1", idle_s: float = 10.0) -> MetricsServer:
+    """Start the exporter on addr:port (loopback by default), closing a
+    connection idle for `idle_s` (metrics_idle_s). Raises OSError if the port is taken."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(daemon))
-    httpd = _Server((addr, port), _Exposition(registry))
+    httpd = _Server((addr, port), _Exposition(registry), idle_s)
     thread = threading.Thread(target=httpd.serve_forever, name="kvd-metrics", daemon=True)
     thread.start()
     log.info("metrics on http://%s:%d/metrics", addr, httpd.server_port)
