@@ -40,45 +40,71 @@ _session_remote_key()
 
 
 # The tests that reach an OS seam (kvd/host/select.py: shared memory, fds and
-# the accept guard, process memory, pressure, peers, the doctor). `./dev test`
-# runs them a second time on the portable host -- the POSIX-only mechanisms
-# macOS runs -- as `KVD_TEST_HOST=portable pytest -m seam`. KVD_TEST_HOST
-# reaches the daemons the fixtures start (DaemonProcess) and nothing else, so
-# in these files only the tests that start one (DAEMON_FIXTURES) are marked:
-# the others would run again exactly as they ran (about half of them). A test
-# whose host is chosen otherwise is marked one by one (test_doctor.py: `kvd
-# doctor` runs on KVD_HOST alone, which its tests set themselves).
+# the accept guard, process memory, pressure, peers, the doctor) run twice,
+# as `test_x[auto]` and `test_x[portable]`: on this OS's host and on the
+# portable host, the POSIX-only mechanisms macOS runs (the `kvd_host` fixture,
+# which reaches the daemons the fixtures start and nothing else). They carry
+# the `seam` mark:
+# - in the files SEAMS lists, the tests that start a daemon (DAEMON_FIXTURES):
+#   the others would run twice exactly alike; NAMED_HOST's files are left
+#   out, their daemons name their host;
+# - elsewhere, a test marked `seam` in its file (test_doctor.py).
+# A test of a mechanism the portable host does not have is marked `auto_host`
+# and skips there, with the reason. KVD_TEST_HOST=portable runs every test's
+# daemons on the portable host instead, once.
 DAEMON_FIXTURES = ("daemon_factory", "kvd_daemon")
 SEAMS = (
     "server/test_shm_", "server/test_peers.py", "server/test_pressure.py", "server/test_hostile_host.py",
     "server/test_backlog_keeps.py", "client/test_mlx_daemon.py",
 )
+NAMED_HOST = ("server/test_shm_portable.py", "server/test_shm_handout.py")
+HOSTS = ("auto", "portable")
 
 
-# The files that take longest (15-60 s each on one worker, session 50), run
-# first: pytest-xdist's `--dist loadfile` hands files out in collection order
-# (`./dev test` turns off its reordering by test count, which put the files of
-# one or two long tests last), so a slow file collected last ran alone while
-# the other worker waited, at the end of a run.
+def _where(path) -> str:
+    return Path(str(path)).resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+
+
+def _is_seam(where: str, fixturenames, marked: bool) -> bool:
+    return marked or (where.startswith(SEAMS) and not where.startswith(NAMED_HOST)
+                      and any(f in fixturenames for f in DAEMON_FIXTURES))
+
+
+def pytest_generate_tests(metafunc):
+    if os.environ.get("KVD_TEST_HOST") or "kvd_host" not in metafunc.fixturenames:
+        return
+    marked = metafunc.definition.get_closest_marker("seam") is not None
+    if _is_seam(_where(metafunc.definition.fspath), metafunc.fixturenames, marked):
+        metafunc.parametrize("kvd_host", HOSTS, indirect=True)
+
+
+# The files that take longest (15-56 s each on one worker, session 51, the
+# seam files with both hosts' runs), run first: pytest-xdist's `--dist
+# loadfile` hands files out in collection order (`./dev test` turns off its
+# reordering by test count, which put the files of one or two long tests
+# last), so a slow file collected last ran alone while the other worker
+# waited, at the end of a run.
 SLOW_FIRST = (
-    "store/test_durability.py", "store/test_ssd_rows.py", "adapters/test_vllm_scheduler.py",
-    "server/test_lanes.py", "store/test_remote_cluster.py", "server/test_daemon.py", "service/test_doctor.py",
-    "store/test_remote_tier.py", "adapters/test_vllm_mllm.py", "store/test_heal.py", "service/test_two_users.py",
-    "service/test_ops_hostile.py", "server/test_frame_bombs.py", "client/test_mlx_daemon.py",
-    "service/test_cli_hostile.py", "adapters/test_server_http.py", "server/test_backlog_keeps.py",
-    "server/test_pressure.py", "server/test_shm_daemon.py", "store/test_ssd_crash.py",
-    "adapters/test_import_export.py", "store/test_ssd_daemon.py", "server/test_backoff.py",
-    "client/test_client_faults.py", "adapters/test_vllm_server.py",
+    "store/test_durability.py", "store/test_ssd_rows.py", "server/test_shm_daemon.py", "server/test_backlog_keeps.py",
+    "client/test_mlx_daemon.py", "service/test_two_users.py", "adapters/test_vllm_scheduler.py",
+    "server/test_pressure.py", "service/test_doctor.py", "store/test_heal.py", "store/test_remote_cluster.py",
+    "adapters/test_server_http.py", "service/test_cli_hostile.py", "store/test_remote_tier.py", "server/test_lanes.py",
+    "adapters/test_vllm_mllm.py", "server/test_daemon.py", "server/test_peers.py", "adapters/test_import_export.py",
+    "server/test_shm_integrity.py", "server/test_shm_prepare.py", "server/test_backoff.py", "store/test_ssd_daemon.py",
+    "server/test_frame_bombs.py", "client/test_client_faults.py",
 )
 
 
 def pytest_collection_modifyitems(config, items):
-    tests = Path(__file__).resolve().parent
     rank = {}
     for item in items:
-        where = Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
-        if where.startswith(SEAMS) and any(f in item.fixturenames for f in DAEMON_FIXTURES):
+        where = _where(item.fspath)
+        if _is_seam(where, item.fixturenames, item.get_closest_marker("seam") is not None):
             item.add_marker(pytest.mark.seam)
+        callspec = getattr(item, "callspec", None)
+        host = (callspec.params.get("kvd_host") if callspec else None) or os.environ.get("KVD_TEST_HOST")
+        if (auto_only := item.get_closest_marker("auto_host")) and host == "portable":
+            item.add_marker(pytest.mark.skip(reason=auto_only.kwargs.get("reason", "this OS's host only")))
         rank[item.nodeid] = SLOW_FIRST.index(where) if where in SLOW_FIRST else len(SLOW_FIRST)
     items.sort(key=lambda item: rank[item.nodeid])  # (stable: a file's tests stay together, in order)
 
@@ -98,20 +124,28 @@ def _launcher():
 
 class DaemonProcess(_launcher()):
     """A `python -m kvd serve` child process and how to reach it (bench/_util.py):
-    its clients are in namespace "test" unless a test names one."""
+    its clients are in namespace "test" unless a test names one; it runs on
+    `host` ("portable": the POSIX-only mechanisms macOS runs, kvd/host/select.py),
+    by default on what KVD_TEST_HOST names (KVD_* of the environment never
+    reach a test's daemon otherwise), else on this OS's."""
 
     namespace = "test"
 
-    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None, **kw):
-        # KVD_TEST_HOST=portable runs every daemon on the portable host (the
-        # POSIX-only mechanisms macOS runs: kvd/host/select.py); KVD_* of the
-        # environment never reach a test's daemon otherwise.
-        host = os.environ.get("KVD_TEST_HOST")
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None, *,
+                 host: str | None = None, **kw):
+        host = host or os.environ.get("KVD_TEST_HOST")
         super().__init__(workdir, args, {**({"KVD_HOST": host} if host else {}), **(env or {})}, **kw)
 
 
 @pytest.fixture
-def daemon_factory():
+def kvd_host(request) -> str:
+    """The host the daemons of this test run on: a seam test's parameter
+    ("auto" or "portable"), else KVD_TEST_HOST's, else "auto"."""
+    return getattr(request, "param", None) or os.environ.get("KVD_TEST_HOST") or "auto"
+
+
+@pytest.fixture
+def daemon_factory(kvd_host):
     started: list[DaemonProcess] = []
     dirs: list[str] = []
 
@@ -119,7 +153,7 @@ def daemon_factory():
         if workdir is None:
             workdir = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
             dirs.append(str(workdir))
-        d = DaemonProcess(workdir, list(args), env)
+        d = DaemonProcess(workdir, list(args), env, host=kvd_host)
         started.append(d)
         if start:
             d.start()

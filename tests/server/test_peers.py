@@ -34,9 +34,12 @@ from stress import FLOOD
 from support import FakeClock, free_port, scrape, wait_until
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit and /proc are Linux")
-# libzmq's accept() is patched on Linux's auto host only (kvd.host.select's
-# accept_guard); macOS and the portable host (KVD_TEST_HOST) have the gate alone.
-GUARDED = sys.platform.startswith("linux") and os.environ.get("KVD_TEST_HOST") != "portable"
+
+
+def guarded(host: str) -> bool:
+    """libzmq's accept() is patched on Linux's auto host only (kvd.host.select's
+    accept_guard); macOS and the portable host have the gate alone."""
+    return sys.platform.startswith("linux") and host != "portable"
 
 
 
@@ -62,7 +65,7 @@ def under_prlimit(daemon_factory, nofile: int, *args: str):
 
 
 @linux_only
-@pytest.mark.skipif(not GUARDED, reason="without the accept guard (macOS, the portable host) a burst past a 256-fd "
+@pytest.mark.auto_host(reason="without the accept guard (macOS, the portable host) a burst past a 256-fd "
                     "table can make libzmq abort on EMFILE: docs/limits.md")
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_a_thousand_connections_under_256_fds_do_not_kill_the_daemon(daemon_factory):
@@ -397,7 +400,7 @@ def test_a_client_paging_through_big_replies_is_never_refused(daemon_factory):
     assert c.stats()["peers"]["refused_over_budget"] == 0
 
 
-def test_peer_counters_are_exported(daemon_factory):
+def test_peer_counters_are_exported(daemon_factory, kvd_host):
     port = free_port()
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none", "--max-peers", "8", "--metrics-port", str(port))
     f = flood(d.endpoint[len("ipc://"):], 20)
@@ -405,7 +408,7 @@ def test_peer_counters_are_exported(daemon_factory):
         assert int(f.stdout.readline()) == 20
         # The table full first (the flood's connections are accepted as libzmq
         # gets to them; a client let in before would need no shed: seen once
-        # in the seam pass, no accept guard). The metrics take no peer's place.
+        # on the portable host, no accept guard). The metrics take no peer's place.
         wait_until(lambda: scrape(port).get(("kvd_peers_connected", ()), 0) >= 8, what="the table full")
         good = d.client("good", strict=True)
         assert good.ping() is not None
@@ -415,7 +418,7 @@ def test_peer_counters_are_exported(daemon_factory):
         f.wait()
     m = scrape(port)
     assert m[("kvd_peers_max_peers", ())] == 8
-    assert m[("kvd_peers_accept_guard", ())] == (1 if GUARDED else 0)
+    assert m[("kvd_peers_accept_guard", ())] == (1 if guarded(kvd_host) else 0)
     assert m[("kvd_peers_shed_over_cap_total", ())] >= shed >= 1
 
 
@@ -510,7 +513,7 @@ def _ended(s: socket.socket) -> bool:
 
 
 @linux_only
-@pytest.mark.skipif(not GUARDED, reason="libzmq's accept() is patched on Linux's auto host only (portable: the gate alone)")
+@pytest.mark.auto_host(reason="libzmq's accept() is patched on Linux's auto host only (portable: the gate alone)")
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_a_connection_with_no_fd_free_is_dropped_not_an_abort(daemon_factory):
     """Rule 8. With the fd table full to the last slot (the soft limit

@@ -33,11 +33,18 @@ from support import (ALL_DTYPES, TESTS, assert_prefix_hit, assert_wide_hit, free
 
 
 
-# Segments are memfds (Linux, the auto host); KVD_TEST_HOST=portable runs
-# these tests against shm_open segments (tests/server/test_shm_portable.py).
-MEMFD = shm_server._SEALED and os.environ.get("KVD_TEST_HOST") != "portable"
-# shm_open segments have no name: handed out by fd (tests/server/test_shm_handout.py)
-NAMELESS = not MEMFD and shm_server._SEALED
+# Segments are sealed memfds on Linux's auto host; the portable host (these
+# tests' `[portable]` runs, tests/conftest.py) and macOS have shm_open segments
+# (tests/server/test_shm_portable.py).
+def memfd_only(reason: str):
+    def mark(test):
+        return pytest.mark.skipif(not shm_server._SEALED, reason=reason)(pytest.mark.auto_host(reason=reason)(test))
+    return mark
+
+
+def nameless(host: str) -> bool:
+    """shm_open segments on Linux have no name: handed out by fd (tests/server/test_shm_handout.py)."""
+    return shm_server._SEALED and host == "portable"
 
 
 def _shm_stats(client) -> dict:
@@ -68,7 +75,7 @@ def test_every_dtype_round_trips_bit_exact(kvd_daemon, put_via, get_via):
     assert s["adopted_bytes"] > 0 if (put_via, get_via) == ("frames", "shm") else s["adopted_bytes"] == 0
 
 
-def test_segments_are_private_and_named_for_this_run(kvd_daemon):
+def test_segments_are_private_and_named_for_this_run(kvd_daemon, kvd_host):
     with kvd_daemon.client("priv", strict=True) as c:
         assert c.put(np.arange(300), prefix_snapshot(np.arange(300)))
         s = _shm_stats(c)
@@ -78,7 +85,7 @@ def test_segments_are_private_and_named_for_this_run(kvd_daemon):
     assert plane_dirs(kvd_daemon.workdir / "kvd.sock") == [folder]
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
     names = sorted(os.listdir(folder))
-    if NAMELESS:
+    if nameless(kvd_host):
         assert names == ["fds", "nonce"]
         names.remove("fds")  # the hand-out's socket
     else:
@@ -204,7 +211,7 @@ def test_commit_after_the_lease_ended_is_refused(short_lease):
         assert c.probe(np.arange(300)).n == 0
 
 
-def test_daemon_killed_with_slots_mapped(daemon_factory):
+def test_daemon_killed_with_slots_mapped(daemon_factory, kvd_host):
     d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
     toks = np.arange(512)
     c = d.client("crash", timeout=1.0)
@@ -215,7 +222,7 @@ def test_daemon_killed_with_slots_mapped(daemon_factory):
         old_run, folder = old["run"], Path(old["dir"])
         d.kill()
         assert c.get(toks) is None  # a miss, not a crash; the old mapping is still valid memory
-        assert NAMELESS or any(parse_segment_name(n) == (old_run, 0) for n in os.listdir(folder))
+        assert nameless(kvd_host) or any(parse_segment_name(n) == (old_run, 0) for n in os.listdir(folder))
         d.start()
         c.retry_now()
         assert c.get(toks) is None  # the new run holds nothing (RAM only); the stale proof gets frames
@@ -420,7 +427,7 @@ def test_planted_folder_names_neither_stop_the_plane_nor_get_removed(daemon_fact
         link.unlink()
 
 
-@pytest.mark.skipif(not MEMFD, reason="sealed segments are Linux memfds (shm_open: test_shm_portable.py)")
+@memfd_only("sealed segments are Linux memfds (shm_open: test_shm_portable.py)")
 def test_no_process_can_cut_a_segment_short_under_the_daemon(daemon_factory):
     """Truncating a segment file used to kill the daemon with SIGBUS (its
     spill writer, or libzmq sending a frame from the slot) and every client
@@ -449,7 +456,7 @@ def test_no_process_can_cut_a_segment_short_under_the_daemon(daemon_factory):
     assert d.proc.poll() is None
 
 
-@pytest.mark.skipif(not MEMFD, reason="names are put back for memfd segments (Linux)")
+@memfd_only("names are put back for memfd segments (Linux)")
 def test_the_plane_is_put_back_after_its_folder_is_removed(daemon_factory):
     """`rm -rf` of the plane's folder (a tmp cleaner, systemd's RemoveIPC) made
     the next segment fail to grow: INTERNAL for SLOTS and shm GETs of frame-PUT
@@ -478,7 +485,7 @@ def test_the_plane_is_put_back_after_its_folder_is_removed(daemon_factory):
     assert "INTERNAL" not in d.log_path.read_text(errors="replace")
 
 
-@pytest.mark.skipif(not MEMFD, reason="segments are Linux memfds")
+@memfd_only("segments are Linux memfds")
 @pytest.mark.parametrize("impostor", ["a file", "a memfd of the same name elsewhere"])
 def test_a_client_writes_only_into_the_daemons_own_segments(daemon_factory, impostor):
     """A segment's name replaced by a file (rename over it) got a fresh
@@ -564,7 +571,7 @@ def test_old_clients_without_shm_keep_working(kvd_daemon):
         s.close(0)
 
 
-@pytest.mark.skipif(not MEMFD, reason="shm_open segments can be cut short: cold hits land in the heap first")
+@memfd_only("shm_open segments can be cut short: cold hits land in the heap first")
 def test_a_cold_hit_is_checked_in_private_memory_then_moved_in_with_its_digests(daemon_factory):
     """An SSD-tier read is checked in the heap, where no other process can
     write; the shm GET moves it into slots with digests fixed from those bytes
@@ -585,7 +592,7 @@ def test_a_cold_hit_is_checked_in_private_memory_then_moved_in_with_its_digests(
     assert c.counters["shm_damaged"] == 0
 
 
-@pytest.mark.skipif(not MEMFD, reason="shm_open segments can be cut short: cold hits land in the heap first")
+@memfd_only("shm_open segments can be cut short: cold hits land in the heap first")
 def test_a_cold_hit_of_blob_files_is_read_through_a_private_buffer_straight_into_slots(daemon_factory):
     """Blob files of a bounce buffer or more (2 MiB chunks here) are read into
     their slots piece by piece through a private buffer, checked and hashed

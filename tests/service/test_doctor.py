@@ -57,10 +57,11 @@ def folder():
     shutil.rmtree(path, ignore_errors=True)
 
 
-# The seam pass (KVD_TEST_HOST=portable) reaches this file's tests only through
-# daemons the fixtures start: `kvd doctor` itself sees no KVD_* variable but
-# those a test gives it (support.kvd drops them; `run` passes KVD_TEST_HOST,
-# which kvd never reads), so the others would run the same doctor twice.
+# A seam test's portable run (tests/conftest.py) reaches this file's tests only
+# through daemons the fixtures start: `kvd doctor` itself sees no KVD_*
+# variable but those a test gives it (support.kvd drops them; `run` passes
+# KVD_TEST_HOST, which kvd never reads), so the others would run the same
+# doctor twice.
 @pytest.mark.seam
 def test_healthy_against_a_real_daemon(kvd_daemon):
     where = ("--endpoint", kvd_daemon.endpoint, "--data-dir", str(kvd_daemon.data_dir), "--config", str(kvd_daemon.config))

@@ -256,8 +256,7 @@ def test_a_remote_that_hangs_costs_one_timeout_then_nothing_until_it_answers(ser
         assert_prefix_hit(hit, second)
 
 
-@pytest.mark.skipif(os.environ.get("KVD_TEST_HOST") == "portable",
-                    reason="shm_open segments can be cut short: the daemon reads cold hits into its heap first")
+@pytest.mark.auto_host(reason="shm_open segments can be cut short: the daemon reads cold hits into its heap first")
 def test_a_remote_hit_is_checked_in_private_memory_then_moved_in_with_its_digests(server, daemon_factory):
     """Values fetched from the remote are checked (their MAC) in the heap,
     where no other process can write; the shm GET that serves them moves them
