@@ -82,7 +82,8 @@ def test_unit_under_a_real_user_manager():
         units.mkdir(parents=True)
         text = systemd.render_unit(sys.executable).replace("WatchdogSec=30", "WatchdogSec=2")
         text = text.replace("Environment=PYTHONUNBUFFERED=1",
-                            f"Environment=PYTHONUNBUFFERED=1 PYTHONPATH={REPO}")
+                            f"Environment=PYTHONUNBUFFERED=1 PYTHONPATH={REPO}\n"
+                            f"StandardOutput=append:{work / 'kvd.log'}\nStandardError=inherit")
         (units / "kvd.service").write_text(text)
         env = {**os.environ, "WORK": str(work), "MANAGER": MANAGER, "PYTHON": sys.executable,
                "PYTHONPATH": str(REPO),
@@ -95,11 +96,14 @@ def test_unit_under_a_real_user_manager():
         if "SKIP=" in out or (r.returncode != 0 and "unshare" in r.stderr):
             pytest.skip(f"cannot run a private user manager here: {out.strip()} {r.stderr.strip()}")
         lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
-        assert "START=0" in out, out + r.stderr
-        assert "ActiveState=active" in lines["STARTED"] and "SubState=running" in lines["STARTED"], out
-        assert "PING=True" in out, out
-        assert "Result=watchdog" in lines["WEDGED"] or "NRestarts=1" in lines["WEDGED"], out
-        assert "SubState=running" in lines["RESTARTED"] and "NRestarts=1" in lines["RESTARTED"], out
-        assert "STOP=0" in out and "EXIT=0" in out, out
+        # What a failure shows: the daemon's log too (no journal here; the manager logs to kmsg).
+        log = work / "kvd.log"
+        why = out + r.stderr + ("\n--- kvd.log:\n" + log.read_text(errors="replace")[-6000:] if log.exists() else "")
+        assert "START=0" in out, why
+        assert "ActiveState=active" in lines["STARTED"] and "SubState=running" in lines["STARTED"], why
+        assert "PING=True" in out, why
+        assert "Result=watchdog" in lines["WEDGED"] or "NRestarts=1" in lines["WEDGED"], why
+        assert "SubState=running" in lines["RESTARTED"] and "NRestarts=1" in lines["RESTARTED"], why
+        assert "STOP=0" in out and "EXIT=0" in out, why
     finally:
         shutil.rmtree(work, ignore_errors=True)
