@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvd.server.shm.arena import Arena
+from kvd.server.shm.folders import read_slot_note, slot_note_path, write_slot_note
 from kvd.server.shm import prepare
 from kvd.server.shm.prepare import Preparer
 from support import assert_prefix_hit, kvd, prefix_snapshot, shm_folder, wait_until, wide_snapshot
@@ -140,6 +142,69 @@ def test_a_fill_of_chunks_bigger_than_a_segment_meets_segments_prepared_for_them
         hit = c.get(toks[-1])
         want = wide_snapshot(toks[-1], width=8192).sliced["t.bfloat16"][0]
         assert hit is not None and hit.sliced["t.bfloat16"].array.tobytes() == want.array.tobytes()
+
+
+def test_a_restarted_daemon_prepares_its_window_for_the_slots_its_last_run_was_given(daemon_factory):
+    """The first run on an endpoint learns its 8 MiB slots from its first put
+    (segments of 4 MiB) and notes their size beside the socket; the next run
+    prepares its window in segments that hold them from its start, so its
+    first puts' slots are all carved from pages already prepared: no grant
+    waits for its pages to be reserved."""
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none")
+    note = slot_note_path(d.workdir / "kvd.sock")
+    first = np.arange(512) + 900_000
+    with d.client("wide", strict=True, transport="shm") as c:
+        assert c.stats()["shm"]["prepare_segment_bytes"] == 4 * MiB
+        assert c.put(first, wide_snapshot(first, width=8192))
+        wait_until(lambda: c.stats()["shm"]["prepare_segment_bytes"] == 8 * MiB, what="8 MiB segments prepared")
+    assert note.read_text() == f"{8 * MiB}\n" and stat.S_IMODE(note.stat().st_mode) == 0o600
+    d.restart()
+    toks = [np.arange(512) + i * 100_000 for i in range(3)]  # two 8 MiB chunks each
+    with d.client("wide", strict=True, transport="shm") as c:
+        s = wait_until(lambda: (x := c.stats()["shm"])["prepared_free_bytes"] >= 64 * MiB and x,
+                       what="the window prepared")
+        assert s["prepare_segment_bytes"] == 8 * MiB and s["allocs"] == 0, s
+        for t in toks:
+            assert c.put(t, wide_snapshot(t, width=8192))
+        s = c.stats()["shm"]
+        assert s["grants_reserved_off_thread"] == 0 and s["alloc_failures"] == 0, s
+        assert c.counters["shm_puts"] == len(toks) and c.counters["shm_put_fallback"] == 0
+        hit = c.get(toks[-1])
+        want = wide_snapshot(toks[-1], width=8192).sliced["t.bfloat16"][0]
+        assert hit is not None and hit.sliced["t.bfloat16"].array.tobytes() == want.array.tobytes()
+
+
+@pytest.mark.parametrize("content", [b"", b"junk\n", b"-8388608\n", b"8388608.5", b"0\n", b"%d\n" % (1 << 40),
+                                     b"8" * 4096, "link", "folder", "fifo"])
+def test_a_slot_note_that_is_not_a_sane_number_in_a_file_of_ours_is_ignored(tmp_path, content):
+    note = tmp_path / "kvd.sock.slots"
+    if content == "link":
+        (tmp_path / "elsewhere").write_bytes(b"8388608\n")
+        note.symlink_to(tmp_path / "elsewhere")
+    elif content == "folder":
+        note.mkdir()
+    elif content == "fifo":
+        os.mkfifo(note)
+    else:
+        note.write_bytes(content)
+    assert read_slot_note(note, most=1 << 30) == 0
+    if content in ("link", "folder"):
+        return
+    # Written over (a fifo too: renamed over, never opened), then read back.
+    assert write_slot_note(note, 8 * MiB) and read_slot_note(note, most=1 << 30) == 8 * MiB
+    assert read_slot_note(note, most=4 * MiB) == 0  # more than this daemon could hold: ignored
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["kvd.sock.slots"] + (["elsewhere"] if content == "link" else []))
+
+
+def test_a_daemon_starts_and_serves_whatever_its_slot_note_holds(daemon_factory):
+    d = daemon_factory("--ram-mb", "64", "--data-dir", "none", start=False)
+    slot_note_path(d.workdir / "kvd.sock").write_bytes(b"\xff" * 64)
+    d.start()
+    t = np.arange(2048)
+    with d.client("junk", strict=True, transport="shm") as c:
+        assert c.stats()["shm"]["prepare_segment_bytes"] == 4 * MiB
+        assert c.put(t, prefix_snapshot(t))
+        assert_prefix_hit(c.get(t), t)
 
 
 def _blocks(folder: Path) -> int:

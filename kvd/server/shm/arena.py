@@ -307,6 +307,15 @@ class Arena:
             biggest = max(self._recent, default=0)
         return max(self.segment_bytes, biggest)
 
+    def expect_slots(self, size: int) -> None:
+        """Count a slot of `size` bytes among the latest (`prepare_bytes`)
+        before any is handed out: the size the last run on the endpoint was
+        given (kvd/server/shm/folders.py, "the slots a run was given"), so the
+        window is prepared in segments that hold such slots. Forgotten, as any
+        slot's size, after RECENT_SLOTS more."""
+        with self._locked():
+            self._recent.append(int(size))
+
     def spare_prepared(self, fit: int | None = None) -> int:
         """Free bytes in the segments that allocate (not draining, not being
         prepared) that slots of `fit` bytes can use (default `prepare_bytes`:

@@ -94,3 +94,70 @@ def new_plane_dir(socket_path: Path) -> Path:
             continue
         return folder
     raise FileExistsError(f"no free folder name beside {prefix}")
+
+
+# -- the slots a run was given, for the next run on the endpoint ---------------------
+#
+# Segments are sized from the RAM budget, chunks from the model: the window a
+# daemon prepares before its first PUT (kvd/server/shm/prepare.py) holds a
+# 70B-class model's 80 MiB chunks only if the daemon knows that size before
+# the first PUT shows it. A run notes the size of the slots it is given
+# beside the socket, as it keeps its lock there (kvd.endpoint rule 4), and the
+# next run on the endpoint prepares its window in segments that hold them: a
+# restart starts as warm as the run before it ended. The note is a number
+# in a file of this user's, read with O_NOFOLLOW; anything else there is
+# ignored, and a note that cannot be written costs only that.
+SLOT_NOTE_SUFFIX = ".slots"
+
+
+def slot_note_path(socket_path: Path) -> Path:
+    """Where runs on this endpoint note the size of the slots they are given."""
+    return socket_path.with_name(socket_path.name + SLOT_NOTE_SUFFIX)
+
+
+def read_slot_note(path: Path, most: int) -> int:
+    """The slot size the last run on the endpoint noted (`write_slot_note`),
+    or 0: none, not a regular file of this user's, or not a whole number of
+    bytes from 1 to `most`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return 0
+        raw = os.read(fd, 32)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    if not raw.strip().isdigit():
+        return 0
+    nbytes = int(raw)
+    return nbytes if 0 < nbytes <= most else 0
+
+
+def write_slot_note(path: Path, nbytes: int) -> bool:
+    """Note `nbytes` for the next run (a new file of this user's renamed over
+    the old, 0600); whether it was noted."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:  # a run of this pid before (a container's pid 1) left it
+            os.unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, b"%d\n" % int(nbytes))
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return True
+    except OSError as err:
+        log.debug("shared memory: cannot note the slot size in %s: %s", path, err)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

@@ -45,7 +45,9 @@ How far ahead:
   the RAM budget (kvd/server/shm/startup.py), chunks from the model, and a
   70B-class model's 256-token chunks (80 MiB) fit no 64 MiB segment. Idle
   segments smaller than that give way to the new ones when the ceiling
-  below is reached (`Arena.begin_segment`). The thread wakes every
+  below is reached (`Arena.begin_segment`). That size is noted for the
+  next run on the endpoint, whose window is then prepared in it
+  (kvd/server/shm/folders.py, "the slots a run was given"). The thread wakes every
   WAKE_S, and when allocations have taken a segment's worth since its last
   wake (`Arena.wake_at`): not at every slot, which under a storm of small
   puts took the GIL from the serving thread ~2,000 times a second.
@@ -84,8 +86,14 @@ AVAILABLE_SHARE = 4  # free prepared bytes stay within 1/AVAILABLE_SHARE of the 
 
 class Preparer:
     def __init__(self, arena: Arena, allowed: Callable[[], bool] = lambda: True, *, window: int = 0,
-                 available: Callable[[], int | None] = lambda: None, fds_ok: Callable[[], bool] = lambda: True):
+                 available: Callable[[], int | None] = lambda: None, fds_ok: Callable[[], bool] = lambda: True,
+                 on_size: Callable[[int], object] | None = None):
         self.arena, self.allowed, self.available, self.fds_ok = arena, allowed, available, fds_ok
+        # Told, on this thread, when the size of the segments it prepares
+        # changes (`Arena.prepare_bytes`): the daemon notes it for its next
+        # run (kvd/server/shm/folders.py, "the slots a run was given").
+        self.on_size = on_size
+        self._size = arena.prepare_bytes()
         self.window = max(0, int(window))  # bytes prepared from the start, before any PUT
         self._wake = threading.Event()
         self._stop = False
@@ -171,6 +179,10 @@ class Preparer:
         """Prepare one segment if wanted and allowed; whether one was."""
         arena = self.arena
         size = arena.prepare_bytes()  # read once: every figure below is of this one segment
+        if size != self._size:
+            self._size = size
+            if self.on_size is not None:
+                self.on_size(size)
         want = self.ahead(size)
         if arena.lean or not self.allowed():
             return False
@@ -248,6 +260,6 @@ class Preparer:
     def stats(self) -> dict[str, int]:
         free = self.arena.spare_prepared()  # first: a segment counted free is counted prepared already
         return {"prepared_bytes": self.prepared_bytes, "populated_bytes": self.populated_bytes,
-                "prepare_window_bytes": self.window, "prepared_free_bytes": free,
+                "prepare_window_bytes": self.window, "prepare_segment_bytes": self._size, "prepared_free_bytes": free,
                 "grants_reserved_off_thread": self.reserved_grants,
                 "prepare_held_back": self.held_back, "prepare_failures": self.failures}

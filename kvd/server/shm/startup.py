@@ -7,7 +7,7 @@ import time
 
 from kvd.endpoint import ipc_path
 from kvd.host.fds import fd_limit, open_fds
-from kvd.server.shm.folders import new_plane_dir, sweep_plane_dirs
+from kvd.server.shm.folders import new_plane_dir, read_slot_note, slot_note_path, sweep_plane_dirs, write_slot_note
 from kvd.server.shm.plane import ShmPlane
 from kvd.server.shm.prepare import Preparer
 
@@ -93,10 +93,14 @@ def open_plane(daemon) -> None:
     daemon.handler.shm = plane
     ram = getattr(daemon.store, "ram", daemon.store)
     full_budget = getattr(ram, "budget_bytes", 0)
+    # The window in segments that hold the slots the last run on this endpoint was given.
+    note = slot_note_path(path)
+    if noted := read_slot_note(note, most=plane.arena.capacity // 2):
+        plane.arena.expect_slots(noted)
     try:  # pages ready before a PUT needs them, from the start; not while the RAM tier yields to pressure
         plane.preparer = Preparer(plane.arena, lambda: getattr(ram, "budget_bytes", full_budget) >= full_budget,
                                   window=warm_window(daemon, full_budget, seg), available=memory_available(),
-                                  fds_ok=_fds_ok).start()
+                                  fds_ok=_fds_ok, on_size=lambda size: write_slot_note(note, size)).start()
     except RuntimeError as err:  # no thread to be had: slots reserve their pages as they are handed out
         plane.preparer = None
         log.warning("shared memory: no thread to prepare segments ahead of demand: %s", err)
