@@ -25,7 +25,10 @@ The daemon runs with the RAM tier only, one per size and plane, measured
            tier (`fresh`, their median; `fresh 1st`, the first put's), then
            its first get; put at once after the start, and again as a model
            server meets it (`fresh+load`, `load 1st`: the client connects,
-           then `--load-pause-s` of model loading before the first put).
+           then `--load-pause-s` of model loading before the first put), and
+           restarted on its endpoint after a run that was given the same
+           chunks (`restart+load`, with that pause: the window is prepared in
+           the size its last run noted, kvd/server/shm/folders.py).
 On this VM receiving into a process whose memory is still growing is
 several times slower, for raw pyzmq too. `x steady` is a put's rate over the
 warm steady state's, and a line per size ends the run: issue 42's targets,
@@ -282,36 +285,44 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
                 t_new = statistics.median(firsts)
                 row(plane, "new client", "put", t_new, raw_put)
                 found[plane, "new client's first put"] = t_put / t_new
-        # A fresh daemon met two ways: put at once after its start ("fresh"),
-        # and as a model server meets it ("fresh+load": started, the client
-        # connected and its HELLO answered, then a model load's pause of
-        # --load-pause-s before the first put).
-        for kind, pause in (("fresh", 0.0), ("fresh+load", args.load_pause_s)):
+        # A fresh daemon met three ways: put at once after its start
+        # ("fresh"); as a model server meets it ("fresh+load": started, the
+        # client connected and its HELLO answered, then a model load's pause
+        # of --load-pause-s before the first put); and so after a restart on
+        # its endpoint, its last run given these chunks ("restart+load").
+        for kind, pause in (("fresh", 0.0), ("fresh+load", args.load_pause_s), ("restart+load", args.load_pause_s)):
             if "fresh" not in kinds or (pause and args.load_pause_s <= 0):
                 continue
             fills, first_puts, gets, got, counters, stats = [], [], [], [], {}, None
             for _ in range(reps):
                 with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source,
-                            env=env) as d, client(d, plane) as c:
-                    if pause:
-                        c.limits()  # connected: HELLO asked and answered
-                        time.sleep(pause)  # the model loads (the pause modelled, not a wait for the daemon)
-                    fill = [timed_put(c) for _ in range(max(1, ram_mb // mib))]  # the puts that fill its RAM tier
-                    fills += fill
-                    first_puts.append(fill[0])
-                    ts, ns = timed_get(c, timed_put.last)
-                    gets += ts
-                    got += ns
-                    for k, v in c.counters.items():
-                        counters[k] = counters.get(k, 0) + v
-                    stats = c.stats() if min(ns) < n_tokens else stats
+                            env=env) as d:
+                    if kind == "restart+load":
+                        with client(d, plane) as c:
+                            timed_put(c)  # the last run: given these chunks (it notes their size)
+                        d.restart()  # RAM only: the new run holds nothing
+                    with client(d, plane) as c:
+                        if pause:
+                            c.limits()  # connected: HELLO asked and answered
+                            time.sleep(pause)  # the model loads (the pause modelled, not a wait for the daemon)
+                        fill = [timed_put(c) for _ in range(max(1, ram_mb // mib))]  # the puts that fill its RAM tier
+                        fills += fill
+                        first_puts.append(fill[0])
+                        ts, ns = timed_get(c, timed_put.last)
+                        gets += ts
+                        got += ns
+                        for k, v in c.counters.items():
+                            counters[k] = counters.get(k, 0) + v
+                        stats = c.stats() if min(ns) < n_tokens else stats
             t_fill = statistics.median(fills)
             row(plane, kind, "put", t_fill, raw_put)
-            row(plane, "load 1st" if pause else "fresh 1st", "put", statistics.median(first_puts), raw_put)
+            row(plane, {"fresh": "fresh 1st", "fresh+load": "load 1st", "restart+load": "restart 1st"}[kind], "put",
+                statistics.median(first_puts), raw_put)
             row(plane, kind, "get", statistics.median(gets), raw_get, got,
                 short_reason(counters, stats) if min(got) < n_tokens else "")
             if plane in steady:
-                what = "fresh daemon's fill" if not pause else f"fresh daemon's fill after a {pause:g} s model load"
+                what = {"fresh": "fresh daemon's fill", "fresh+load": f"fresh daemon's fill after a {pause:g} s model load",
+                        "restart+load": f"restarted daemon's fill after a {pause:g} s model load"}[kind]
                 found[plane, what] = steady[plane] / t_fill
     parts = [ratio_verdict(f"{plane} {what}", x, 0.5, at_most=False) for (plane, what), x in sorted(found.items())]
     return f"targets at {mib} MiB (x the steady state's put): " + "; ".join(parts)

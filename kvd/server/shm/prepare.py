@@ -119,6 +119,17 @@ class Preparer:
         self._wake.set()
         self._thread.join(5.0)
         self._fail_grants()
+        self._note_size()  # slots handed out since the thread last looked are noted too
+
+    def _note_size(self) -> int:
+        """The size of the next segment prepared (`Arena.prepare_bytes`), told
+        to `on_size` if it changed."""
+        size = self.arena.prepare_bytes()
+        if size != self._size:
+            self._size = size
+            if self.on_size is not None:
+                self.on_size(size)
+        return size
 
     def _fail_grants(self) -> None:
         """Grants never reserved: their PUTs go over frames (nothing waits for ever)."""
@@ -178,11 +189,7 @@ class Preparer:
     def step(self) -> bool:
         """Prepare one segment if wanted and allowed; whether one was."""
         arena = self.arena
-        size = arena.prepare_bytes()  # read once: every figure below is of this one segment
-        if size != self._size:
-            self._size = size
-            if self.on_size is not None:
-                self.on_size(size)
+        size = self._note_size()  # read once: every figure below is of this one segment
         want = self.ahead(size)
         if arena.lean or not self.allowed():
             return False
