@@ -4,6 +4,12 @@ The manager runs privately: inside a mount namespace (`unshare -m`) a tmpfs is
 bound over /run/systemd so `systemd --user` believes the machine booted with
 systemd, with a throwaway HOME and XDG_RUNTIME_DIR. Needs root, unshare and
 systemd; skipped otherwise. Nothing outside the namespace and tmp dirs changes.
+
+Every test that runs such a manager is in this file, so no two run at once
+(`./dev test` hands a file to one worker): two of root's managers started in
+one cgroup make their units' cgroups in the same place (app.slice/kvd.service),
+and one's stop sent SIGTERM to the other's daemon as it started (seen: the
+other's start failed with Result=protocol, its daemon gone before READY=1).
 """
 
 from __future__ import annotations
@@ -105,5 +111,43 @@ def test_unit_under_a_real_user_manager():
         assert "Result=watchdog" in lines["WEDGED"] or "NRestarts=1" in lines["WEDGED"], why
         assert "SubState=running" in lines["RESTARTED"] and "NRestarts=1" in lines["RESTARTED"], why
         assert "STOP=0" in out and "EXIT=0" in out, why
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_LIVE = MANAGER_UP + r"""
+systemctl --user daemon-reload
+timeout 60 systemctl --user start kvd.service; echo "START=$?"
+P=$(systemctl --user show kvd.service -p MainPID --value)
+echo "ARGV=$(tr '\0' '\n' < /proc/$P/cmdline | base64 -w0)"
+timeout 60 systemctl --user stop kvd.service; echo "STOP=$?"
+"""
+
+
+def test_a_real_user_manager_passes_dollar_and_percent_through_literally(tmp_path):
+    """`$` and `%` in a serve argument reach the daemon as typed (systemd would
+    expand `$HOME`, `${USER}` and `%h` in an unescaped ExecStart=)."""
+    import base64
+
+    work = Path(tempfile.mkdtemp(prefix="kvds-", dir="/tmp"))
+    try:
+        (work / "run").mkdir(mode=0o700)
+        (work / "logs").mkdir()
+        units = work / "home" / ".config" / "systemd" / "user"
+        units.mkdir(parents=True)
+        log_file = f"{work}/logs/$HOME ${{USER}} 100%h $$.log"
+        text = systemd.render_unit(sys.executable, extra_args=("--log-file", log_file, "--ram-mb", "64"))
+        text = text.replace("Environment=PYTHONUNBUFFERED=1", f"Environment=PYTHONUNBUFFERED=1 PYTHONPATH={REPO}")
+        (units / "kvd.service").write_text(text)
+        env = {**os.environ, "WORK": str(work), "MANAGER": MANAGER, "PYTHONPATH": str(REPO),
+               "XDG_CONFIG_HOME": str(work / "home" / ".config"), "XDG_CACHE_HOME": str(work / "home" / ".cache")}
+        r = subprocess.run(["unshare", "-m", "sh", "-c", _LIVE], capture_output=True, text=True, env=env, timeout=240)
+        if "SKIP=" in r.stdout or (r.returncode != 0 and "unshare" in r.stderr):
+            pytest.skip(f"cannot run a private user manager here: {r.stdout.strip()} {r.stderr.strip()}")
+        assert "START=0" in r.stdout and "STOP=0" in r.stdout, r.stdout + r.stderr
+        (argv,) = [ln[5:] for ln in r.stdout.splitlines() if ln.startswith("ARGV=")]
+        argv = base64.b64decode(argv).decode().split("\n")
+        assert argv[argv.index("--log-file") + 1] == log_file, argv
+        assert os.path.isfile(log_file)  # the daemon logged to the file named, not to an expansion of it
     finally:
         shutil.rmtree(work, ignore_errors=True)
