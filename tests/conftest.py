@@ -144,8 +144,16 @@ def kvd_host(request) -> str:
     return getattr(request, "param", None) or os.environ.get("KVD_TEST_HOST") or "auto"
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.failed:
+        item.kvd_failed = True  # daemon_factory prints its daemons' logs (below)
+    return report
+
+
 @pytest.fixture
-def daemon_factory(kvd_host):
+def daemon_factory(kvd_host, request):
     started: list[DaemonProcess] = []
     dirs: list[str] = []
 
@@ -164,6 +172,8 @@ def daemon_factory(kvd_host):
 
     for d in started:
         d.stop()
+        if getattr(request.node, "kvd_failed", False):  # shown with the failure ("Captured stdout teardown")
+            print(f"--- the log of the daemon in {d.workdir} (its end):\n{d.log()[-6000:]}")
         # A daemon a test killed -9 leaves its shared-memory segments until
         # the next start on its endpoint, which a temp endpoint never sees
         # (shm_open objects are named from the folder: sweep them first).
