@@ -174,6 +174,36 @@ def test_a_restarted_daemon_prepares_its_window_for_the_slots_its_last_run_was_g
         assert hit is not None and hit.sliced["t.bfloat16"].array.tobytes() == want.array.tobytes()
 
 
+def test_a_new_endpoints_window_is_prepared_in_segments_that_hold_chunks_bigger_than_a_segment(daemon_factory):
+    """A 256 MiB RAM tier's segments are 8 MiB; its window, before any slot's
+    size is known, is prepared in segments of a sixteenth of the tier (16 MiB),
+    so 12 MiB chunks (a 70B-class model's 80 MiB ones against 64 MiB
+    segments, scaled down) are carved from it from the first put: no grant
+    waits for its pages to be reserved. In 8 MiB segments none fit and each
+    went to a segment made for it (1 grant reserved off the serving thread)."""
+    d = daemon_factory("--ram-mb", "256", "--shm-warm-mb", "64", "--data-dir", "none")
+    t = np.arange(512) + 700_000  # two 12 MiB chunks
+    with d.client("wide", strict=True, transport="shm") as c:
+        s = wait_until(lambda: (x := c.stats()["shm"])["prepared_free_bytes"] >= 64 * MiB and x,
+                       what="the window prepared")
+        assert s["prepare_segment_bytes"] == 16 * MiB and s["mapped_bytes"] == 64 * MiB and s["allocs"] == 0, s
+        assert c.put(t, wide_snapshot(t, width=12288))
+        s = c.stats()["shm"]
+        assert s["grants_reserved_off_thread"] == 0 and s["alloc_failures"] == 0 and s["allocs"] == 2, s
+        assert c.counters["shm_puts"] == 1 and c.counters["shm_put_fallback"] == 0
+        hit = c.get(t)
+        want = wide_snapshot(t, width=12288).sliced["t.bfloat16"][0]
+        assert hit is not None and hit.sliced["t.bfloat16"].array.tobytes() == want.array.tobytes()
+
+
+@pytest.mark.parametrize("budget_mib, segment_mib, want_mib", [
+    (64, 4, 4), (256, 8, 16), (1280, 32, 64), (2048, 64, 128), (4352, 64, 256), (65536, 64, 256)])
+def test_a_window_before_any_slot_is_prepared_in_sixteenths_of_the_budget_up_to_256_mib(budget_mib, segment_mib, want_mib):
+    from kvd.server.shm.startup import window_segment_bytes
+
+    assert window_segment_bytes(budget_mib * MiB, segment_mib * MiB) == want_mib * MiB
+
+
 @pytest.mark.parametrize("content", [b"", b"junk\n", b"-8388608\n", b"8388608.5", b"0\n", b"%d\n" % (1 << 40),
                                      b"8" * 4096, "link", "folder", "fifo"])
 def test_a_slot_note_that_is_not_a_sane_number_in_a_file_of_ours_is_ignored(tmp_path, content):

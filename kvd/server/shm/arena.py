@@ -118,6 +118,10 @@ class Arena:
         # pressure moves it, so under pressure shm PUTs fall back to frames).
         self._capacity = capacity if callable(capacity) else (lambda: int(capacity))
         self.segment_bytes = int(segment_bytes)
+        # The size of the segments prepared before any slot's size is known
+        # (`prepare_bytes`): the daemon's is bigger than `segment_bytes`
+        # (kvd/server/shm/startup.py, `window_segment_bytes`).
+        self.window_segment_bytes = self.segment_bytes
         self._mu = threading.Lock()
         # The thread inside `_mu`, and frees that arrived while it was: a
         # slot's last reference can go inside a locked section of this very
@@ -296,7 +300,8 @@ class Arena:
     def prepare_bytes(self) -> int:
         """The size of the next segment prepared ahead (kvd/server/shm/prepare.py):
         `segment_bytes`, or the biggest of the latest slots (RECENT_SLOTS)
-        where that is bigger, as `_grow` makes one for a slot. Segments are
+        where that is bigger, as `_grow` makes one for a slot; before any
+        slot, `window_segment_bytes` (that size unknown). Segments are
         sized from the RAM budget, chunks from the model: a 70B-class model's
         256-token chunk is 80 MiB against segments of at most 64, an 8B
         model's 32 MiB against a 768 MiB tier's 16. Prepared at
@@ -304,7 +309,7 @@ class Arena:
         own made for it, pages not ready, and the preparer's memory served
         nothing."""
         with self._locked():
-            biggest = max(self._recent, default=0)
+            biggest = max(self._recent, default=0) or self.window_segment_bytes
         return max(self.segment_bytes, biggest)
 
     def expect_slots(self, size: int) -> None:

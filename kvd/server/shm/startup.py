@@ -33,6 +33,24 @@ def segment_bytes(store) -> int:
     return min(64 << 20, max(4 << 20, 1 << max(0, want.bit_length() - 1)))
 
 
+WINDOW_SEGMENT_MOST = 256 << 20  # the biggest segment a window is prepared in (`window_segment_bytes`)
+
+
+def window_segment_bytes(budget: int, segment: int) -> int:
+    """The size of the segments of a window prepared before the size of any
+    slot is known (a new endpoint: no note of its last run's slots,
+    kvd/server/shm/folders.py): a sixteenth of the RAM tier, a power of two
+    from `segment` to 256 MiB. In segments of `segment` (at most 64 MiB) a
+    70B-class model's first 80 MiB chunks found no prepared range to fit,
+    and the window was given back and prepared again as they came (a fill
+    after a model load: 0.14-0.23x the steady state's rate, bench/RESULTS.md
+    Session 51). 256 MiB holds two or more of any chunk up to 128 MiB, with
+    at most a third of it left over; a window of the budget is still made
+    ready a sixteenth at a time."""
+    want = int(budget) // 16
+    return min(WINDOW_SEGMENT_MOST, max(segment, 1 << max(0, want.bit_length() - 1)))
+
+
 WARM_BYTES = 4 << 30  # the window's size unless the daemon says (`shm_warm_mb`, kvd/config.py)
 
 
@@ -95,6 +113,7 @@ def open_plane(daemon) -> None:
     full_budget = getattr(ram, "budget_bytes", 0)
     # The window in segments that hold the slots the last run on this endpoint was given.
     note = slot_note_path(path)
+    plane.arena.window_segment_bytes = window_segment_bytes(full_budget, seg)  # where no note says
     if noted := read_slot_note(note, most=plane.arena.capacity // 2):
         plane.arena.expect_slots(noted)
     try:  # pages ready before a PUT needs them, from the start; not while the RAM tier yields to pressure
