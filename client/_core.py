@@ -358,6 +358,7 @@ class Core(Linking):
             link = self._link()
             if link is not None:
                 link.map_ahead(live, reads=True)
+                link.follow_window(reply.get("shm_window"))  # those still being prepared, as they come
 
     def _forget_daemon(self) -> None:
         """The daemon may have changed (restarted, other limits): ask HELLO again next time.

@@ -452,6 +452,16 @@ class Link:
         if isinstance(live, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in live):
             self.premap.offer(live, reads=reads)
 
+    def follow_window(self, window: Any) -> None:
+        """HELLO's `shm_window`: bytes of the daemon's window not ready yet
+        (`left`), in segments numbered from `next`; mapped in the background
+        as they are (`_pages.Premapper.follow`)."""
+        if not isinstance(window, dict):
+            return
+        left, first = window.get("left"), window.get("next")
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (left, first)) and left > 0:
+            self.premap.follow(left, first)
+
     def retain(self, live: Any) -> None:
         """Unmap segments the daemon has removed (`live`: its current list), so
         their memory is freed; a mapping still viewed goes when the view does."""

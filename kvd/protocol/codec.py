@@ -629,6 +629,7 @@ REPLIES: dict[str, dict[str, tuple[Callable, bool, Any]]] = {
         "features": _opt(_array_of(_str), ()),
         "shm": _opt(_map),
         "shm_live": _opt(_uints),
+        "shm_window": _opt(_record({"left": _req(_uint), "next": _req(_uint)})),
         "lane": _opt(_str),
     },
     "PING": {},

@@ -263,6 +263,10 @@ class Handler:
             reply["shm"] = self.shm.offer()
             # A client maps them before its first PUT (docs/shared-memory.md).
             reply["shm_live"] = self.shm.arena.ready()
+            # A client that connects before the window is ready maps the rest as it comes (client/_pages.py).
+            preparer = self.shm.preparer
+            if preparer is not None and (left := preparer.window_left()):
+                reply["shm_window"] = {"left": left, "next": self.shm.arena.next_segment()}
         for extra in self.hello_fields:
             reply.update(extra(msg))
         return "HELLO", reply

@@ -261,6 +261,41 @@ def test_a_client_maps_the_prepared_segments_in_the_background_and_allocates_non
         assert_prefix_hit(c.get(t), t)
 
 
+@pytest.mark.skipif(not LINUX, reason="no MADV_POPULATE_READ: nothing is mapped ahead")
+def test_a_client_connected_before_the_window_is_ready_maps_it_as_it_is_prepared(daemon_factory, tmp_path):
+    """A model server connects, then loads its model: its HELLO came before
+    the window was ready. HELLO says how much of it is still to come
+    (`shm_window_left`), and the client maps each segment as the daemon
+    makes it ready, asking the daemon nothing, so its first put copies into
+    pages it has mapped. Here the window is held back by memory pressure
+    until the client has connected, then let go."""
+    from kvd_client import _pages
+
+    level = tmp_path / "level"
+    level.write_text("critical\n")
+    d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "32", "--data-dir", "none", "--ram-floor-mb", "8",
+                       "--pressure-source", f"file:{level}", "--pressure-poll-s", "0.05", "--pressure-calm-s", "0.2")
+
+    def shm():  # asked by another process: this one's link hears nothing of it
+        return json.loads(kvd("stats", "--json", "--endpoint", d.endpoint).stdout)["shm"]
+
+    wait_until(lambda: shm()["mapped_bytes"] == 0, what="the window held back")
+    with d.client("early", strict=True, transport="shm") as c:
+        c.limits()  # HELLO: no segment ready, 32 MiB to come
+        followed = _pages.counters["followed_segments"]
+        level.write_text("normal\n")
+        s = wait_until(lambda: (x := shm())["prepared_free_bytes"] >= 32 * MiB and x, what="the window prepared")
+        wait_until(lambda: _pages.counters["followed_segments"] - followed >= 8, what="the window mapped")
+        assert s["segments"] == 8 and s["allocs"] == 0, s
+        assert _blocks(Path(s["dir"])) <= 32 * MiB  # the window's pages only: the client allocated none
+        prefaulted = _pages.counters["prefaulted_bytes"]
+        t = np.arange(2048)
+        assert c.put(t, prefix_snapshot(t))
+        assert _pages.counters["prefaulted_bytes"] == prefaulted  # its slots' pages were mapped already
+        assert c.counters["shm_puts"] == 1
+        assert_prefix_hit(c.get(t), t)
+
+
 def test_the_window_is_handed_back_under_memory_pressure(daemon_factory, tmp_path):
     level = tmp_path / "level"
     d = daemon_factory("--ram-mb", "64", "--shm-warm-mb", "32", "--data-dir", "none", "--ram-floor-mb", "8",

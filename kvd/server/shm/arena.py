@@ -631,6 +631,11 @@ class Arena:
         with self._locked():
             return [seg for seg, mm in enumerate(self._maps) if mm is not None and seg not in self._begun]
 
+    def next_segment(self) -> int:
+        """The index the next segment made will have (indexes are never reused)."""
+        with self._locked():
+            return len(self._maps)
+
     def live(self) -> list[int]:
         """Indexes of the segments that exist now."""
         return [seg for seg, mm in enumerate(self._maps) if mm is not None]

@@ -170,6 +170,15 @@ class Preparer:
                 self.reserved_grants += ok
                 done(ok)
 
+    def window_left(self) -> int:
+        """Bytes of the window not ready yet, before any PUT (else 0): HELLO's
+        `shm_window`, so a client that connects meanwhile (a model server
+        loading its model) maps the rest as it is made ready (client/_pages.py,
+        `Premapper.follow`)."""
+        if self.arena.allocated or self._stop:
+            return 0
+        return max(0, self.window - self.arena.spare_prepared())
+
     def ahead(self, size: int) -> int:
         """Free prepared bytes wanted now, in segments of `size` (module docstring)."""
         allocated = self.arena.allocated
