@@ -30,7 +30,12 @@ The daemon runs with the RAM tier only, one per size and plane, measured
            chunks (`restart+load`, with that pause: the window is prepared in
            the size its last run noted, kvd/server/shm/folders.py).
 On this VM receiving into a process whose memory is still growing is
-several times slower, for raw pyzmq too. `x steady` is a put's rate over the
+several times slower, for raw pyzmq too. A line per fresh row gives its
+fill in all (every put of every rep: the median hides the puts that outran
+the window) and each put of its first rep; the run's last line, the rate
+this machine makes new shared memory ready at, a GiB at a time, as much as
+the biggest fill (`new_memory`): past its window a fill can go no faster.
+`x steady` is a put's rate over the
 warm steady state's, and a line per size ends the run: issue 42's targets,
 a fresh daemon's fill and a new client's first put each >= 0.5x the steady
 state (the fill both at once and after the model load's pause). A get
@@ -190,6 +195,8 @@ def main() -> None:
             verdicts.append(one_size(mib, args, transports, kinds))
     for line in verdicts:
         print(line)
+    if "fresh" in kinds and any(t.startswith("shm") for t in transports):
+        print(new_memory(max(ram_mb_for(mib) for mib in sizes) + 1024))  # after every daemon: the floor past a window
 
 
 def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
@@ -209,6 +216,7 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
     counter = iter(range(1, 10**9))
     steady: dict[str, float] = {}
     found: dict[tuple[str, str], float] = {}  # (plane, row) -> x steady
+    fills_of: dict[tuple[str, str], str] = {}  # (plane, kind) -> a fresh daemon's fill, every put of it
 
     def row(plane: str, kind: str, op: str, t: float, raw: float, served: list[int] | None = None,
             reason: str = "") -> None:
@@ -293,7 +301,7 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
         for kind, pause in (("fresh", 0.0), ("fresh+load", args.load_pause_s), ("restart+load", args.load_pause_s)):
             if "fresh" not in kinds or (pause and args.load_pause_s <= 0):
                 continue
-            fills, first_puts, gets, got, counters, stats = [], [], [], [], {}, None
+            fills, first_puts, gets, got, counters, stats, totals = [], [], [], [], {}, None, []
             for _ in range(reps):
                 with daemon("--ram-mb", str(ram_mb), "--data-dir", "none", "--pressure-source", args.pressure_source,
                             env=env) as d:
@@ -307,6 +315,7 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
                             time.sleep(pause)  # the model loads (the pause modelled, not a wait for the daemon)
                         fill = [timed_put(c) for _ in range(max(1, ram_mb // mib))]  # the puts that fill its RAM tier
                         fills += fill
+                        totals.append(fill)
                         first_puts.append(fill[0])
                         ts, ns = timed_get(c, timed_put.last)
                         gets += ts
@@ -320,12 +329,48 @@ def one_size(mib: int, args, transports: list[str], kinds: list[str]) -> str:
                 statistics.median(first_puts), raw_put)
             row(plane, kind, "get", statistics.median(gets), raw_get, got,
                 short_reason(counters, stats) if min(got) < n_tokens else "")
+            done = sum(map(sum, totals))
+            fills_of[plane, kind] = (f"{mib:>5} {plane:>12} {kind:>10} fill in all: {sum(map(len, totals))} puts,"
+                                     f" {nbytes * sum(map(len, totals)) / done / GiB:.2f} GiB/s"
+                                     + (f" ({steady[plane] * sum(map(len, totals)) / done:.2f}x steady)" if plane in steady else "")
+                                     + "; each put of the first rep, ms: " + " ".join(f"{t * 1e3:.0f}" for t in totals[0]))
             if plane in steady:
                 what = {"fresh": "fresh daemon's fill", "fresh+load": f"fresh daemon's fill after a {pause:g} s model load",
                         "restart+load": f"restarted daemon's fill after a {pause:g} s model load"}[kind]
                 found[plane, what] = steady[plane] / t_fill
     parts = [ratio_verdict(f"{plane} {what}", x, 0.5, at_most=False) for (plane, what), x in sorted(found.items())]
-    return f"targets at {mib} MiB (x the steady state's put): " + "; ".join(parts)
+    return "\n".join([*fills_of.values(), f"targets at {mib} MiB (x the steady state's put): " + "; ".join(parts)])
+
+
+def new_memory(mib: int) -> str:
+    """What this machine gives a fresh daemon's fill once past its window: the
+    rate of making `mib` MiB of new shared memory ready (zeros written through
+    a memfd, as the daemon's preparer does, kvd.host.segments.clear), a GiB
+    at a time, then freed. On this VM memory no process used lately comes
+    from the VM's host at a fraction of the rate of memory freed moments
+    before (anonymous memory the same), so a fill that outruns its window
+    cannot be faster than this."""
+    import os
+
+    from kvd.host.segments import clear
+
+    if not hasattr(os, "memfd_create"):
+        return "new memory: no memfd here, not measured"
+    fds, rates = [], []
+    try:
+        for _ in range(-(-mib // 1024)):
+            fd = os.memfd_create("kvd-bench-new-memory")
+            fds.append(fd)
+            os.ftruncate(fd, 1 << 30)
+            t0 = time.perf_counter()
+            if not clear(fd, 1 << 30):
+                break
+            rates.append(1 / (time.perf_counter() - t0))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return (f"this machine now: new shared memory made ready, {len(rates)} GiB a GiB at a time (GiB/s): "
+            + " ".join(f"{r:.2f}" for r in rates))
 
 
 if __name__ == "__main__":
