@@ -127,14 +127,24 @@ class DaemonProcess(_launcher()):
     its clients are in namespace "test" unless a test names one; it runs on
     `host` ("portable": the POSIX-only mechanisms macOS runs, kvd/host/select.py),
     by default on what KVD_TEST_HOST names (KVD_* of the environment never
-    reach a test's daemon otherwise), else on this OS's."""
+    reach a test's daemon otherwise), else on this OS's.
+
+    Its shared-memory window is at most SHM_WARM_MB unless the test says
+    (`--shm-warm-mb`, or `KVD_SHM_WARM_MB` in `env`): with the default, 4 GiB
+    but at most the RAM budget, a daemon of the default budget (an eighth of
+    this machine's memory, 3 GiB) spent ~0.5 s of CPU preparing memory in
+    its first half second, on the core the other worker runs on, for the
+    puts of a test that makes a few small ones. The tests of the window set
+    their own."""
 
     namespace = "test"
+    SHM_WARM_MB = "256"
 
     def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None, *,
                  host: str | None = None, **kw):
         host = host or os.environ.get("KVD_TEST_HOST")
-        super().__init__(workdir, args, {**({"KVD_HOST": host} if host else {}), **(env or {})}, **kw)
+        env = {"KVD_SHM_WARM_MB": self.SHM_WARM_MB, **({"KVD_HOST": host} if host else {}), **(env or {})}
+        super().__init__(workdir, args, env, **kw)
 
 
 @pytest.fixture
