@@ -359,9 +359,9 @@ class Premapper:
 
     def follow(self, nbytes: int, first: int) -> None:
         """HELLO said the daemon has `nbytes` of its window still to prepare,
-        in segments numbered from `first` (`shm_window`): this client connected before it was ready (a
-        model server that connects, then loads its model). Map the segments
-        made after those it listed, each once its pages are all there (or
+        in segments numbered from `first` (`shm_window`): this client
+        connected before it was ready (a model server that connects, then
+        loads its model). Map those segments, each once its pages are all there (or
         after FOLLOW_PATIENCE_S, those that are), until that many bytes are
         mapped or FOLLOW_S has passed: the first puts then copy into pages
         this client has mapped, as into a warm daemon's. Without this a 2 s

@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvd.protocol import codec
 from kvd.server.shm.arena import Arena
 from kvd.server.shm.folders import read_slot_note, slot_note_path, write_slot_note
 from kvd.server.shm import prepare
 from kvd.server.shm.prepare import Preparer
-from support import assert_prefix_hit, kvd, prefix_snapshot, shm_folder, wait_until, wide_snapshot
+from support import ask_raw, assert_prefix_hit, kvd, prefix_snapshot, shm_folder, wait_until, wide_snapshot
 
 MiB = 1 << 20
 LINUX = sys.platform.startswith("linux")
@@ -279,7 +280,11 @@ def test_a_client_connected_before_the_window_is_ready_maps_it_as_it_is_prepared
     def shm():  # asked by another process: this one's link hears nothing of it
         return json.loads(kvd("stats", "--json", "--endpoint", d.endpoint).stdout)["shm"]
 
+    def hello():
+        return ask_raw(d.endpoint, codec.encode("HELLO", {"versions": [1]}, id=1))
+
     wait_until(lambda: shm()["mapped_bytes"] == 0, what="the window held back")
+    assert hello()["shm_window"]["left"] == 32 * MiB
     with d.client("early", strict=True, transport="shm") as c:
         c.limits()  # HELLO: no segment ready, 32 MiB to come
         followed = _pages.counters["followed_segments"]
@@ -288,6 +293,7 @@ def test_a_client_connected_before_the_window_is_ready_maps_it_as_it_is_prepared
         wait_until(lambda: _pages.counters["followed_segments"] - followed >= 8, what="the window mapped")
         assert s["segments"] == 8 and s["allocs"] == 0, s
         assert _blocks(Path(s["dir"])) <= 32 * MiB  # the window's pages only: the client allocated none
+        assert "shm_window" not in hello() and len(hello()["shm_live"]) == 8  # whole: nothing to follow
         prefaulted = _pages.counters["prefaulted_bytes"]
         t = np.arange(2048)
         assert c.put(t, prefix_snapshot(t))
