@@ -332,6 +332,22 @@ def _prepared(folder, *, available, allowed=lambda: True, window=16 * MiB) -> tu
     return arena, prep
 
 
+def test_hello_tells_the_whole_segments_of_the_window_still_to_come_and_none_after_a_put(folder):
+    # An 18 MiB window in 4 MiB segments is four of them: a client told 18
+    # would look for a fifth that never comes.
+    arena = Arena(folder, "0decade0", capacity=64 * MiB, segment_bytes=4 * MiB, huge=False)
+    prep = Preparer(arena, window=18 * MiB, available=lambda: None)
+    assert prep.window_left() == 16 * MiB
+    assert prep.step() and prep.step()
+    assert prep.window_left() == 8 * MiB and arena.next_segment() == 2
+    while prep.step():
+        pass
+    assert prep.window_left() == 0 and arena.spare_prepared() == 16 * MiB
+    prep.window = 32 * MiB  # (more wanted, but a put came: the window is over)
+    kept = arena.alloc(MiB)
+    assert kept is not None and prep.window_left() == 0
+
+
 def test_the_window_stays_within_a_quarter_of_the_memory_available(folder):
     # A tight memory cgroup (limit less working set) or a machine short of
     # memory: 20 MiB available leaves room for one 4 MiB segment (0 + 4 <= 20 / 4),

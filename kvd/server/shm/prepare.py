@@ -174,14 +174,13 @@ class Preparer:
         """Bytes of the window not ready yet, before any PUT (else 0): HELLO's
         `shm_window`, so a client that connects meanwhile (a model server
         loading its model) maps the rest as it is made ready (client/_pages.py,
-        `Premapper.follow`). None once the window is as whole as `step`
-        makes it (its last segment would go past it), or a client would look
-        for a segment that never comes."""
+        `Premapper.follow`): in the whole segments `step` still makes, or a
+        client would look for a last segment that never comes."""
         if self.arena.allocated or self._stop:
             return 0
         size = self.arena.prepare_bytes()
         spare = self.arena.spare_prepared(size)
-        return self.window - spare if spare + size <= self.window else 0
+        return max(0, self.window - spare) // size * size  # the whole segments `step` makes yet
 
     def ahead(self, size: int) -> int:
         """Free prepared bytes wanted now, in segments of `size` (module docstring)."""
