@@ -156,6 +156,8 @@ from kvd_client import Client
 from kvd.protocol import codec
 mode, endpoint = sys.argv[1], sys.argv[2]
 c = Client(endpoint, namespace="kill", strict=True, transport="shm")
+import zmq
+c._transport._socket().poll(10_000, zmq.POLLOUT)  # connected first, as DaemonProcess.client does (bench/_util.py)
 toks = np.arange(512)
 link = c._link()
 if mode == "read":
