@@ -192,25 +192,10 @@ class DaemonProcess:
             return ""
 
     def client(self, namespace: str | None = None, **kw):
-        """A Client of it; while it runs, with its connection made before it is
-        handed over (up to the client's timeout), as `start` waits for a PING.
-        A new client's first request waits at most `connect_wait` (0.25 s) for
-        its connection, and a strict one raises past it: on the loaded 2-core
-        CI machine a handshake now and then took longer, and a test failed so
-        (twice in ~10 CI runs, sessions 51 and 52). A model server meeting that
-        gets a miss; a test or a bench wants the connection."""
-        import zmq
-
         from kvd_client import Client
 
         kw.setdefault("timeout", 5.0)
-        client = Client(self.endpoint, namespace=namespace or self.namespace, **kw)
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                client._transport._socket().poll(int(1000 * kw["timeout"]), zmq.POLLOUT)
-            except Exception:  # noqa: BLE001 -- a socket it cannot have: its first request says so
-                pass
-        return client
+        return Client(self.endpoint, namespace=namespace or self.namespace, **kw)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
         """Signal it and wait up to `timeout` s (then SIGKILL); its exit status."""

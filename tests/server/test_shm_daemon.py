@@ -157,7 +157,7 @@ from kvd.protocol import codec
 mode, endpoint = sys.argv[1], sys.argv[2]
 c = Client(endpoint, namespace="kill", strict=True, transport="shm")
 import zmq
-c._transport._socket().poll(10_000, zmq.POLLOUT)  # connected first, as DaemonProcess.client does (bench/_util.py)
+c._transport._socket().poll(10_000, zmq.POLLOUT)  # connected first (`connected`)
 toks = np.arange(512)
 link = c._link()
 if mode == "read":
@@ -174,10 +174,22 @@ time.sleep(600)
 """
 
 
+def connected(client):
+    """`client`, its connection made: a strict client's first request waits
+    at most 0.25 s (`connect_wait`) for it and raises past that, and on the
+    loaded CI machine a handshake took longer, twice in ~10 runs, both in the
+    test below (its client in session 51, its holder child in 52). Why there
+    only is not known; a model server meeting it gets a miss."""
+    import zmq
+
+    client._transport._socket().poll(10_000, zmq.POLLOUT)
+    return client
+
+
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_client_killed_holding_a_lease_is_reclaimed(short_lease, mode):
     toks = np.arange(512)
-    with short_lease.client("kill", strict=True) as c:
+    with connected(short_lease.client("kill", strict=True)) as c:
         if mode == "read":
             assert c.put(toks, prefix_snapshot(toks))
         base = _shm_stats(c)["used_bytes"]
