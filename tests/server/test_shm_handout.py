@@ -103,7 +103,10 @@ def test_live_segments_are_handed_out_and_other_names_are_gone(served):
     finally:
         for fd in fds:
             os.close(fd)
-    assert still_serves()["handout_gone"] == 2
+    # another run's name is gone; a name this run has not made yet is counted
+    # apart (as a client following the window being prepared asks for one)
+    counted = still_serves()
+    assert counted["handout_gone"] == 1 and counted["handout_ahead"] >= 1
 
 
 @pytest.mark.parametrize("data,code", [

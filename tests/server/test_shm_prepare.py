@@ -292,6 +292,7 @@ def test_a_client_connected_before_the_window_is_ready_maps_it_as_it_is_prepared
         s = wait_until(lambda: (x := shm())["prepared_free_bytes"] >= 32 * MiB and x, what="the window prepared")
         wait_until(lambda: _pages.counters["followed_segments"] - followed >= 8, what="the window mapped")
         assert s["segments"] == 8 and s["allocs"] == 0, s
+        assert shm().get("handout_gone", 0) == 0  # the portable host: looks ahead of the window are not "gone"
         assert _blocks(Path(s["dir"])) <= 32 * MiB  # the window's pages only: the client allocated none
         assert "shm_window" not in hello() and len(hello()["shm_live"]) == 8  # whole: nothing to follow
         prefaulted = _pages.counters["prefaulted_bytes"]

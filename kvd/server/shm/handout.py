@@ -66,12 +66,16 @@ class _Peer:
 
 class Handout:
     """The hand-out service (module docstring). `lookup(name)` returns a new
-    fd of the live segment of that name (the service closes it) or None."""
+    fd of the live segment of that name (the service closes it) or None;
+    `ahead(name)`, asked of a name with none, whether it names a segment this
+    run has not made yet (a client following the window being prepared:
+    counted `ahead`, not `gone`; both are answered "gone")."""
 
     def __init__(self, folder: Path, lookup: Callable[[str], int | None], *, max_peers: int = MAX_PEERS,
-                 deadline_s: float = DEADLINE_S, clock: Callable[[], float] = time.monotonic):
+                 deadline_s: float = DEADLINE_S, clock: Callable[[], float] = time.monotonic,
+                 ahead: Callable[[str], bool] = lambda name: False):
         self.path = folder / HANDOUT_SOCKET  # short, for macOS's 104-byte socket paths
-        self._lookup = lookup
+        self._lookup, self._ahead = lookup, ahead
         self.max_peers, self.deadline_s = max_peers, deadline_s
         self._clock = clock
         self._sel = selectors.DefaultSelector()
@@ -84,8 +88,8 @@ class Handout:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.counters = {"fds_handed": 0, "requests": 0, "gone": 0, "refused_peers": 0, "busy": 0, "cut": 0,
-                         "rebound": 0}
+        self.counters = {"fds_handed": 0, "requests": 0, "gone": 0, "ahead": 0, "refused_peers": 0, "busy": 0,
+                         "cut": 0, "rebound": 0}
         try:
             self._bind()
         except BaseException:
@@ -236,19 +240,23 @@ class Handout:
         self.counters["requests"] += 1
         fds: list[int] = []
         statuses: list[str] = []
+        ahead = 0
         try:
             for name in names:
                 fd = self._lookup(name)
                 statuses.append(GONE if fd is None else OK)
                 if fd is not None:
                     fds.append(fd)
+                elif self._ahead(name):
+                    ahead += 1
         except OSError as err:  # no fd left to dup with (EMFILE): ask again later
             self.counters["busy"] += 1
             self._answer(peer.sock, encode_refusal(Busy(f"no fd to hand out now: {err}")), [])
             statuses = []
         try:
             if statuses:
-                self.counters["gone"] += statuses.count(GONE)
+                self.counters["gone"] += statuses.count(GONE) - ahead
+                self.counters["ahead"] += ahead
                 if self._answer(peer.sock, encode_reply(statuses), fds):
                     self.counters["fds_handed"] += len(fds)
         finally:

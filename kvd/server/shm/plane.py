@@ -155,7 +155,7 @@ class ShmPlane(GetReplies, SlotGrants):
         5); nothing to do for memfds and files. Raises OSError (a socket path
         too long for the OS) or RuntimeError (no thread to be had)."""
         if self.arena.mechanism == "shm_open":
-            self.handout = Handout(self.folder, self.segment_fd).start()
+            self.handout = Handout(self.folder, self.segment_fd, ahead=self.segment_ahead).start()
 
     def segment_fd(self, name: str) -> int | None:
         """A new fd of the live segment `name` (its caller closes it), or None
@@ -171,6 +171,13 @@ class ShmPlane(GetReplies, SlotGrants):
             if seg >= len(arena._maps) or arena._maps[seg] is None:
                 return None
             return os.dup(arena._fds[seg])
+
+    def segment_ahead(self, name: str) -> bool:
+        """Whether `name` is a segment of this run not made yet (indexes are
+        never reused): the hand-out counts a client following the window
+        (PROTOCOL.md section 14) apart from names that are gone."""
+        parsed = parse_segment_name(name)
+        return parsed is not None and parsed[0] == self.run_id and parsed[1] >= self.arena.next_segment()
 
     # -- leases ----------------------------------------------------------------
     def expire(self) -> None:
