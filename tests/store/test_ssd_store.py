@@ -240,7 +240,9 @@ def test_lease_many_leases_all_but_the_victims_being_evicted(tmp_path):
 def test_a_lookups_yes_is_served_while_writer_evicts(tmp_path, stores, lookup):
     """Reads race spills and evictions: every yes from `contains`, or from
     `held` (the batch a LOOKUP asks: look, then lease what was found), is
-    then served."""
+    then served -- or, on a machine so loaded that the writer held the unlink
+    lock past a GET's 50 ms, is a miss counted `busy_misses` (reads.py: a GET
+    misses rather than waits for the disk's writer), never an uncounted one."""
     entries = [make_entry(i, tokens=4) for i in range(300)]
     # Leases are short here (long leases on so many lookups would pin the
     # whole tiny tier), so time is the test's: one put = 1 ms, and a lease
@@ -263,8 +265,12 @@ def test_a_lookups_yes_is_served_while_writer_evicts(tmp_path, stores, lookup):
         asked = [entries[j] for j in rng.integers(max(0, i - 24), i + 1, size=6)]
         for a, yes in zip(asked, ask([a.id for a in asked])):
             if yes:
+                busy = store.ssd.counters["busy_misses"]
                 got = store.get(a.id)
-                assert got is not None, (dict(store.ssd.counters), dict(store.ssd.drop_reasons))
+                if got is None:
+                    seen = {k: v for k, v in store.ssd.counters.items() if v}
+                    assert store.ssd.counters["busy_misses"] == busy + 1, (seen, dict(store.ssd.drop_reasons))
+                    continue
                 assert_same(got, a)
                 served += 1
     assert store.flush(10)
