@@ -152,11 +152,11 @@ HOLDER = r"""
 import sys, time
 sys.path.insert(0, {here!r})
 import numpy as np
+import zmq
 from kvd_client import Client
 from kvd.protocol import codec
 mode, endpoint = sys.argv[1], sys.argv[2]
 c = Client(endpoint, namespace="kill", strict=True, transport="shm")
-import zmq
 c._transport._socket().poll(10_000, zmq.POLLOUT)  # connected first (`connected`)
 toks = np.arange(512)
 link = c._link()
